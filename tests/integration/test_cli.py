@@ -1,0 +1,219 @@
+"""The `tune` command as users type it: ls, cp, validate, and bad command lines (exit 2, one short message)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from torchtune_ac.cli import main
+from torchtune_ac.registry import RECIPES, builtin_config_names, builtin_config_path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def run_tune(*args, cwd=None, env=None):
+    """Run `python -m torchtune_ac.cli ARGS` in a subprocess (real exit status, real stderr)."""
+    return subprocess.run(
+        [sys.executable, "-m", "torchtune_ac.cli", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**os.environ, **(env or {})},
+        timeout=300,
+    )
+
+
+def test_ls_lists_every_recipe_and_config(capsys):
+    assert main(["ls"]) == 0
+    out = capsys.readouterr().out
+    for recipe in RECIPES:
+        assert recipe.name in out
+    for name in builtin_config_names():
+        assert name in out.split()
+
+
+def test_every_builtin_config_file_is_registered():
+    on_disk = {str(p.relative_to(REPO / "configs").with_suffix("")) for p in (REPO / "configs").rglob("*.yaml")}
+    assert on_disk == set(builtin_config_names())
+
+
+def test_cp_copies_and_refuses_to_clobber(tmp_path, capsys):
+    dest = tmp_path / "my.yaml"
+    assert main(["cp", "llama3/8B_full", str(dest)]) == 0
+    assert dest.read_text() == builtin_config_path("llama3/8B_full").read_text()
+
+    dest.write_text("mine: 1\n")
+    assert main(["cp", "llama3/8B_full", str(dest)]) == 2
+    assert "already exists; pass --force" in capsys.readouterr().err
+    assert dest.read_text() == "mine: 1\n"
+
+    assert main(["cp", "--force", "llama3/8B_full", str(dest)]) == 0
+    assert dest.read_text() == builtin_config_path("llama3/8B_full").read_text()
+
+
+def test_cp_into_directory_and_recipe(tmp_path):
+    assert main(["cp", "tiny/full", str(tmp_path)]) == 0
+    assert (tmp_path / "full.yaml").is_file()
+    assert main(["cp", "full_finetune", str(tmp_path / "my_recipe.py")]) == 0
+    assert "def run(" in (tmp_path / "my_recipe.py").read_text()
+
+
+def test_cp_missing_parent(tmp_path, capsys):
+    dest = tmp_path / "a" / "b.yaml"
+    assert main(["cp", "tiny/full", str(dest)]) == 2
+    assert "pass --make-parents" in capsys.readouterr().err
+    assert not dest.parent.exists()
+    assert main(["cp", "--make-parents", "tiny/full", str(dest)]) == 0
+    assert dest.is_file()
+
+
+@pytest.mark.parametrize("config", builtin_config_names())
+def test_validate_every_builtin_config(config, capsys):
+    assert main(["validate", "--config", config]) == 0
+    out = capsys.readouterr().out
+    assert "is valid for recipe full_finetune" in out
+    assert "parameters" in out and "layers" in out
+    assert "activation checkpointing" in out
+
+
+def test_validate_prints_the_resolved_plan(capsys):
+    assert main(["validate", "--config", "tiny/full", "ac_mode=selective", "ac_option=2"]) == 0
+    out = capsys.readouterr().out
+    assert "1,607,808 parameters, 8 layers" in out
+    assert "selective every 2nd block: 4 of 8 blocks [1, 3, 5, 7]" in out
+
+
+def test_validate_a_copied_config_with_overrides(tmp_path, capsys):
+    dest = tmp_path / "my.yaml"
+    assert main(["cp", "tiny/full", str(dest)]) == 0
+    assert main(["validate", "--config", str(dest), "ac_mode=selective", "ac_option=op"]) == 0
+    assert "per-op" in capsys.readouterr().out
+
+
+def _bad_yaml(tmp_path, text):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+TINY = builtin_config_path("tiny/full").read_text()
+
+# (command line, text the one-line message must contain); `{tmp}` is replaced by a temporary directory.
+BAD_COMMAND_LINES = [
+    (["run", "no_such_recipe", "--config", "tiny/full"], "recipe no_such_recipe: not a built-in recipe"),
+    (["run", "full_finetune", "--config", "no/such_config"], "config no/such_config: not a file"),
+    (["run", "full_finetune", "--config", "{tmp}/missing.yaml"], "no such file"),
+    (["run", "full_finetune"], "required: --config"),
+    (["run", "full_finetune", "--config", "tiny/full", "batch_size=[1"], "malformed override 'batch_size=[1'"),
+    (["run", "full_finetune", "--config", "tiny/full", "batch_size"], "malformed override 'batch_size'"),
+    (["run", "full_finetune", "--config", "tiny/full", "~no_such_key"], "'no_such_key' does not exist"),
+    (["validate", "--config", "tiny/full", "enable_activaton_checkpointing=true"],
+     "did you mean enable_activation_checkpointing?"),
+    (["validate", "--config", "tiny/full", "batch_size=four"], "batch_size='four': expected an integer"),
+    (["validate", "--config", "tiny/full", "dtype=fp16"], "dtype='fp16': expected one of fp32, bf16"),
+    (["validate", "--config", "tiny/full", "epochs=0"], "epochs=0: must be >= 1"),
+    (["validate", "--config", "tiny/full", "optimizer._component_=os.system"], "not allowed"),
+    (["validate", "--config", "tiny/full", "optimizer._component_=torch.hub.load"], "not allowed"),
+    (["validate", "--config", "tiny/full", "optimizer.lrr=0.1"], "did you mean lr?"),
+    (["validate", "--config", "tiny/full", "model._component_=torchtune_ac.models.llama_tyni"],
+     "did you mean torchtune_ac.models.llama_tiny?"),
+    (["validate", "--config", "{tmp}/bad.yaml"], "invalid YAML"),
+    (["validate", "--config", "tiny/full", "ac_mode=partial"], "ac_mode"),
+    (["validate", "--config", "tiny/full", "ac_mode=selective", "ac_option=12"], "8 layers"),
+    (["validate", "--config", "tiny/full", "ac_mode=selective", "ac_option=0"], "ac_option"),
+    (["validate", "--config", "tiny/full", "ac_mode=selective"], "ac_option"),
+    (["validate", "--config", "tiny/full", "ac_mode=full", "ac_option=2"], "ac_option"),
+    (["validate", "--config", "tiny/full", "enable_activation_checkpointing=false", "ac_mode=full"],
+     "enable_activation_checkpointing"),
+    (["validate", "--config", "tiny/full", "ac_mode=selective", "ac_option=true"], "ac_option"),
+    (["validate", "--config", "tiny/full", "ac_mode=selective", "ac_option=1.5"], "ac_option"),
+    (["validate", "--config", "tiny/full", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["cp", "no/such", "{tmp}/x.yaml"], "not a built-in recipe or config"),
+]
+
+
+@pytest.mark.parametrize("argv, expected", BAD_COMMAND_LINES, ids=[" ".join(a) for a, _ in BAD_COMMAND_LINES])
+def test_bad_command_lines_exit_2_with_one_short_message(argv, expected, tmp_path, capsys):
+    (tmp_path / "bad.yaml").write_text("a: [1,\n b: 2\n")
+    argv = [arg.replace("{tmp}", str(tmp_path)) for arg in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert expected in err, err
+    assert "Traceback" not in err
+    assert err.startswith("tune: error: ")
+    assert len(err.strip().splitlines()) <= 2, err
+
+
+def test_user_errors_have_no_traceback_in_a_real_process(tmp_path):
+    result = run_tune("validate", "--config", "tiny/full", "ac_mode=selective", "ac_option=12")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "8 layers" in result.stderr
+    debug = run_tune("--debug", "validate", "--config", "tiny/full", "ac_mode=selective", "ac_option=12")
+    assert debug.returncode == 2
+    assert "Traceback" in debug.stderr
+
+
+def test_several_config_problems_are_listed_together(capsys):
+    assert main(["validate", "--config", "tiny/full", "batch_size=0", "seed=x", "shuffle=maybe"]) == 2
+    err = capsys.readouterr().err
+    assert "3 problems" in err
+    for key in ("batch_size=0", "seed='x'", "shuffle='maybe'"):
+        assert key in err
+
+
+def test_allow_component_flag_and_env(tmp_path, capsys, monkeypatch):
+    argv = ["validate", "--config", "tiny/full", "optimizer._component_=textwrap.dedent"]
+    assert main(argv) == 2
+    assert "--allow-component textwrap" in capsys.readouterr().err
+    monkeypatch.delenv("TUNE_ALLOWED_COMPONENTS", raising=False)
+    # Allowed explicitly, the path is imported and checked like any other (dedent takes no lr).
+    assert main(argv + ["--allow-component", "textwrap", "optimizer.lr=1"]) == 2
+    assert "optimizer.lr: not an argument of textwrap.dedent" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_wheel_install_runs_outside_the_source_tree(tmp_path):
+    """Build the wheel, install it (no deps) into a fresh venv that borrows this venv's packages, run `tune`."""
+    wheel_dir = tmp_path / "wheel"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(REPO)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    (wheel,) = wheel_dir.glob("torchtune_ac-*.whl")
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = next(venv.glob("lib/python*/site-packages"))
+    # A plain path line: this venv's packages become importable, but their .pth hooks (the editable
+    # install of the source tree among them) are not run.
+    deps = next(p for p in map(Path, sys.path) if p.name == "site-packages" and (p / "torch").is_dir())
+    (site / "borrowed.pth").write_text(f"{deps}\n")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--no-deps", "-q", str(wheel)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    env = {**os.environ, "TORCHTUNE_AC_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ""}
+    tune = [str(venv / "bin" / "tune")]
+    where = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import torchtune_ac; print(torchtune_ac.__file__)"],
+        capture_output=True, text=True, cwd=outside, env=env, timeout=120,
+    )
+    assert str(site) in where.stdout, where.stdout + where.stderr
+    ls = subprocess.run(tune + ["ls"], capture_output=True, text=True, cwd=outside, env=env, timeout=120)
+    assert ls.returncode == 0, ls.stderr
+    assert "llama3/8B_full" in ls.stdout
+    validate = subprocess.run(
+        tune + ["validate", "--config", "tiny/full"], capture_output=True, text=True, cwd=outside, env=env, timeout=300
+    )
+    assert validate.returncode == 0, validate.stderr
+    assert str(site) in validate.stdout  # the config came from the wheel, not from the source tree
+    assert "full: all 8 blocks" in validate.stdout

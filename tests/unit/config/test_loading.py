@@ -1,0 +1,99 @@
+"""Config files and Hydra overrides: each grammar form, and each way a file or override can be wrong."""
+
+import pytest
+
+from torchtune_ac.config import load_config, resolve_config_path
+from torchtune_ac.errors import UserError
+from torchtune_ac.registry import builtin_config_names, configs_dir
+
+BASE = """\
+output_dir: /tmp/out
+batch_size: 2
+optimizer:
+  _component_: torch.optim.AdamW
+  lr: 2.0e-5
+layers: [1, 2]
+lr_copy: ${optimizer.lr}
+"""
+
+
+@pytest.fixture
+def config_file(tmp_path):
+    path = tmp_path / "base.yaml"
+    path.write_text(BASE)
+    return path
+
+
+@pytest.mark.parametrize(
+    "overrides, check",
+    [
+        (["batch_size=8"], lambda c: c.batch_size == 8),
+        (["optimizer.lr=1e-4"], lambda c: c.optimizer.lr == 1e-4 and c.lr_copy == 1e-4),
+        (["+new.key=3"], lambda c: c.new.key == 3),
+        (["~layers"], lambda c: "layers" not in c),
+        (["layers=[3,4,5]"], lambda c: list(c.layers) == [3, 4, 5]),
+        (["ac_mode=selective", "ac_option=2"], lambda c: c.ac_mode == "selective" and c.ac_option == 2),
+        (["output_dir=null"], lambda c: c.output_dir is None),
+        (["++batch_size=5"], lambda c: c.batch_size == 5),
+        (["ac_option='2'"], lambda c: c.ac_option == "2"),
+    ],
+)
+def test_override_grammar(config_file, overrides, check):
+    cfg = load_config(str(config_file), overrides)
+    assert check(cfg)
+
+
+def test_interpolations_are_resolved(config_file):
+    cfg = load_config(str(config_file), [])
+    assert cfg.lr_copy == 2e-5
+
+
+def test_builtin_names_resolve_to_files():
+    for name in builtin_config_names():
+        path = resolve_config_path(name)
+        assert path == configs_dir() / f"{name}.yaml"
+        assert path.is_file(), name
+
+
+@pytest.mark.parametrize(
+    "text, overrides, expected",
+    [
+        (BASE, ["batch_size=[1"], "malformed override 'batch_size=[1'"),
+        (BASE, ["batch_size"], "malformed override 'batch_size'"),
+        (BASE, ["x==1"], "malformed override 'x==1'"),
+        (BASE, ["~nokey"], "'nokey' does not exist"),
+        (BASE, ["+batch_size=3"], "already at 'batch_size'"),
+        ("a: [1,\n b: 2\n", [], "invalid YAML"),
+        ("a: 1\na: 2\n", [], "duplicate key a"),
+        ("- 1\n- 2\n", [], "must be a DictConfig"),
+        ("a: ${nope}\n", [], "cannot resolve"),
+    ],
+)
+def test_load_errors_name_the_problem(tmp_path, text, overrides, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    with pytest.raises(UserError, match=None) as info:
+        load_config(str(path), overrides)
+    assert expected in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("llama3/8B_ful", "did you mean llama3/8B_full?"),
+        ("nowhere/missing.yaml", "no such file"),
+        ("nothing_like_it", "not a file and not a built-in config"),
+    ],
+)
+def test_unknown_config(name, expected):
+    with pytest.raises(UserError) as info:
+        resolve_config_path(name)
+    assert expected in str(info.value)
+
+
+def test_config_must_be_yaml(tmp_path):
+    path = tmp_path / "c.txt"
+    path.write_text("a: 1\n")
+    with pytest.raises(UserError, match="expected a .yaml or .yml file"):
+        resolve_config_path(str(path))

@@ -1,0 +1,313 @@
+"""The ``tune`` command: ``run``, ``ls``, ``cp``, ``validate``.
+
+Exit status: 0 success, 2 user error (one short message on stderr, no traceback), 1 internal failure
+(traceback). ``--debug`` or ``TUNE_DEBUG=1`` shows tracebacks for user errors too.
+
+A recipe is a Python file that defines ``CONFIG_SCHEMA`` (a dataclass), ``preflight(cfg, *, strict=True) ->
+list[tuple[str, str]]`` (cheap checks and a summary: builds the model on the meta device, resolves the AC plan,
+checks files; with ``strict=False`` file problems are reported as warnings) and ``run(cfg)``;
+run as a script (under PyTorch's elastic launcher) it calls :func:`recipe_main`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+from typing import Callable, NoReturn, Optional, Sequence
+
+from torchtune_ac.errors import UserError
+
+DEBUG_ENV_VAR = "TUNE_DEBUG"
+EXIT_USER_ERROR = 2
+# Launcher flags forwarded to torch.distributed.run (the elastic launcher), with how argparse reads them.
+LAUNCHER_FLAGS = {
+    "nproc_per_node": (("--nproc_per_node", "--nproc-per-node"), int),
+    "nnodes": (("--nnodes",), str),
+    "node_rank": (("--node_rank", "--node-rank"), int),
+    "rdzv_endpoint": (("--rdzv_endpoint", "--rdzv-endpoint"), str),
+    "rdzv_backend": (("--rdzv_backend", "--rdzv-backend"), str),
+    "master_addr": (("--master_addr", "--master-addr"), str),
+    "master_port": (("--master_port", "--master-port"), int),
+}
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse, but usage errors become ``UserError`` (exit 2 through the same path as every user error)."""
+
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{self.prog}: {message}")
+
+
+def _debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV_VAR, "") not in ("", "0", "false", "False")
+
+
+def _report_user_error(err: UserError) -> None:
+    prefix = "tune: error: "
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        prefix += f"[rank {os.environ.get('RANK', '?')}] "
+    if _debug_enabled():
+        traceback.print_exc()
+    print(prefix + str(err), file=sys.stderr, flush=True)
+
+
+def guarded(fn: Callable[[], int | None]) -> int:
+    """Run ``fn`` and turn its outcome into an exit status (see the module docstring)."""
+    try:
+        return fn() or 0
+    except UserError as err:
+        _report_user_error(err)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("tune: interrupted", file=sys.stderr)
+        return 130
+
+
+# ---------------------------------------------------------------------------------------------- recipes
+
+
+def resolve_recipe_path(recipe: str) -> Path:
+    """A built-in recipe name (``full_finetune``) or a path to a recipe ``.py`` file.
+
+    Raises:
+        UserError: neither.
+    """
+    from torchtune_ac.registry import RECIPES, find_recipe
+
+    builtin = find_recipe(recipe)
+    if builtin is not None:
+        return builtin.path
+    path = Path(recipe).expanduser()
+    if path.suffix == ".py":
+        if not path.is_file():
+            raise UserError(f"recipe {recipe}: no such file")
+        return path.resolve()
+    names = ", ".join(r.name for r in RECIPES)
+    raise UserError(f"recipe {recipe}: not a built-in recipe ({names}) and not a .py file; see `tune ls`")
+
+
+def load_recipe(path: Path) -> ModuleType:
+    """Import the recipe file at ``path`` and check it has the recipe interface.
+
+    Raises:
+        UserError: the file lacks ``CONFIG_SCHEMA``, ``preflight`` or ``run``.
+    """
+    spec = importlib.util.spec_from_file_location(f"torchtune_ac_recipe_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise UserError(f"recipe {path}: cannot be imported")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    missing = [name for name in ("CONFIG_SCHEMA", "preflight", "run") if not hasattr(module, name)]
+    if missing:
+        raise UserError(f"recipe {path}: not a recipe (missing {', '.join(missing)})")
+    return module
+
+
+def load_recipe_config(recipe: ModuleType, config: str, overrides: Sequence[str], allow_components: Sequence[str]):
+    """Load ``config`` with ``overrides`` and validate it against the recipe's schema (typed config back)."""
+    from torchtune_ac.config import load_config, resolve_config_path, validate_config
+
+    cfg = load_config(config, overrides)
+    return validate_config(
+        cfg,
+        recipe.CONFIG_SCHEMA,
+        source=str(resolve_config_path(config)),
+        extra_allowed_components=allow_components,
+    )
+
+
+def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", "-c", required=True, help="built-in config name (see `tune ls`) or a YAML path")
+    parser.add_argument(
+        "--allow-component",
+        action="append",
+        default=[],
+        metavar="PREFIX",
+        help="also allow _component_ paths under this module prefix (repeatable)",
+    )
+
+
+def parse_with_overrides(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``argv``; the arguments argparse does not know become ``args.overrides`` (Hydra overrides).
+
+    Leftovers are collected this way (rather than with a ``nargs="*"`` positional) so overrides may come
+    before or after ``--config``.
+    """
+    args, leftovers = parser.parse_known_args(argv)
+    flags = [arg for arg in leftovers if arg.startswith("-")]
+    if flags:
+        parser.error(f"unrecognized arguments: {' '.join(flags)}")
+    if leftovers and not hasattr(args, "overrides"):
+        parser.error(f"unrecognized arguments: {' '.join(leftovers)}")
+    if hasattr(args, "overrides"):
+        args.overrides = leftovers
+    return args
+
+
+def recipe_main(argv: Optional[Sequence[str]] = None, recipe_file: Optional[str] = None) -> int:
+    """Entry point of a recipe run as a script (each process under the elastic launcher)."""
+    path = Path(recipe_file or sys.argv[0]).resolve()
+
+    def _main() -> None:
+        parser = _ArgumentParser(prog=f"tune run {path.stem}")
+        _add_config_arguments(parser)
+        parser.set_defaults(overrides=[])
+        args = parse_with_overrides(parser, list(sys.argv[1:] if argv is None else argv))
+        recipe = load_recipe(path)
+        recipe.run(load_recipe_config(recipe, args.config, args.overrides, args.allow_component))
+
+    return guarded(_main)
+
+
+# ---------------------------------------------------------------------------------------------- commands
+
+
+def _print_summary(lines: Sequence[tuple[str, str]]) -> None:
+    width = max((len(label) for label, _ in lines), default=0)
+    for label, value in lines:
+        print(f"  {label:<{width}}  {value}")
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    path = resolve_recipe_path(args.recipe)
+    recipe = load_recipe(path)
+    cfg = load_recipe_config(recipe, args.config, args.overrides, args.allow_component)
+    launcher = {name: getattr(args, name) for name in LAUNCHER_FLAGS if getattr(args, name) is not None}
+    if not launcher or launcher == {"nproc_per_node": 1}:
+        recipe.run(cfg)
+        return 0
+    # Check everything cheap here, once, before starting N processes that would each fail the same way.
+    recipe.preflight(cfg)
+    return _launch_elastic(launcher, path, args)
+
+
+def _launch_elastic(launcher: dict, recipe_path: Path, args: argparse.Namespace) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from torchtune_ac.config import resolve_config_path
+
+    torchrun_argv = []
+    for name, value in launcher.items():
+        torchrun_argv += [f"--{name}", str(value)]
+    if "rdzv_endpoint" not in launcher and "master_addr" not in launcher and launcher.get("nnodes", "1") == "1":
+        torchrun_argv.append("--standalone")  # single node: let the launcher pick a free port
+    recipe_argv = ["--config", str(resolve_config_path(args.config))]
+    for prefix in args.allow_component:
+        recipe_argv += ["--allow-component", prefix]
+    torchrun_argv += [str(recipe_path), *recipe_argv, *args.overrides]
+    # Workers run the recipe file as a script: make sure they import this same torchtune_ac.
+    package_root = str(Path(__file__).resolve().parent.parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    try:
+        run(get_args_parser().parse_args(torchrun_argv))
+    except ChildFailedError as err:
+        codes = sorted({failure.exitcode for failure in err.failures.values()})
+        ranks = sorted(err.failures)
+        print(f"tune: error: process(es) {ranks} failed with exit status {codes}; see their messages above",
+              file=sys.stderr)
+        return EXIT_USER_ERROR if codes == [EXIT_USER_ERROR] else 1
+    return 0
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from torchtune_ac.config import resolve_config_path
+
+    path = resolve_recipe_path(args.recipe)
+    recipe = load_recipe(path)
+    cfg = load_recipe_config(recipe, args.config, args.overrides, args.allow_component)
+    summary = recipe.preflight(cfg, strict=False)
+    print(f"config {resolve_config_path(args.config)} is valid for recipe {path.stem}")
+    _print_summary(summary)
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from torchtune_ac.registry import RECIPES
+
+    width = max(len("RECIPE"), *(len(r.name) for r in RECIPES))
+    print(f"{'RECIPE':<{width}}  CONFIG")
+    for recipe in RECIPES:
+        for i, config in enumerate(recipe.configs):
+            print(f"{recipe.name if i == 0 else '':<{width}}  {config}")
+    return 0
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    from torchtune_ac.registry import builtin_config_path, find_recipe
+
+    recipe = find_recipe(args.source)
+    source = recipe.path if recipe is not None else builtin_config_path(args.source)
+    if source is None:
+        raise UserError(f"tune cp: {args.source} is not a built-in recipe or config; see `tune ls`")
+    dest = Path(args.destination).expanduser()
+    if dest.is_dir():
+        dest = dest / source.name
+    elif dest.suffix == "":
+        dest = dest.with_suffix(source.suffix)
+    if dest.exists() and not args.force:
+        raise UserError(f"tune cp: {dest} already exists; pass --force to overwrite it")
+    if not dest.parent.exists():
+        if not args.make_parents:
+            raise UserError(f"tune cp: directory {dest.parent} does not exist; pass --make-parents to create it")
+        dest.parent.mkdir(parents=True)
+    try:
+        shutil.copyfile(source, dest)
+    except OSError as err:
+        raise UserError(f"tune cp: cannot write {dest}: {err.strerror}") from None
+    print(f"copied {args.source} to {dest}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _ArgumentParser(prog="tune", description="Fine-tune Llama-style models from YAML configs.")
+    parser.add_argument("--debug", action="store_true", help=f"show tracebacks for user errors (or {DEBUG_ENV_VAR}=1)")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
+
+    run = sub.add_parser("run", help="run a recipe", description="Run a recipe; N>1 processes use torch.distributed.run.")
+    for name, (flags, kind) in LAUNCHER_FLAGS.items():
+        run.add_argument(*flags, dest=name, type=kind, default=None, help="passed to torch.distributed.run")
+    run.add_argument("recipe", help="built-in recipe name (see `tune ls`) or a path to a recipe .py file")
+    _add_config_arguments(run)
+    run.set_defaults(handler=cmd_run, overrides=[])
+
+    ls = sub.add_parser("ls", help="list built-in recipes and their configs")
+    ls.set_defaults(handler=cmd_ls)
+
+    cp = sub.add_parser("cp", help="copy a built-in config or recipe to edit it")
+    cp.add_argument("source", help="built-in config (llama3/8B_full) or recipe (full_finetune)")
+    cp.add_argument("destination", help="file or directory to copy to")
+    cp.add_argument("--force", "-f", action="store_true", help="overwrite an existing file")
+    cp.add_argument("--make-parents", action="store_true", help="create missing parent directories")
+    cp.set_defaults(handler=cmd_cp)
+
+    validate = sub.add_parser("validate", help="check a config without running it")
+    validate.add_argument("--recipe", default="full_finetune", help="recipe whose schema applies (default: full_finetune)")
+    _add_config_arguments(validate)
+    validate.set_defaults(handler=cmd_validate, overrides=[])
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``tune`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--debug" in argv:
+        argv.remove("--debug")
+        os.environ[DEBUG_ENV_VAR] = "1"
+
+    def _main() -> int:
+        args = parse_with_overrides(build_parser(), argv)
+        return args.handler(args)
+
+    return guarded(_main)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""Check a loaded config against a typed dataclass schema, collecting every problem before failing.
+
+Written by hand rather than with OmegaConf structured configs because OmegaConf stops at the first problem
+and its messages do not suggest the key the user meant; here each problem names the dotted key, the value
+given and what is allowed, and all of them are reported together.
+
+Supported field types: bool, int, float, str, ``Enum`` subclasses, ``Optional[...]``, ``list[...]``,
+``dict[str, ...]``, ``Any``, nested dataclasses, and ``Component`` (a ``_component_`` node). Per-field
+metadata: ``minimum`` (inclusive), ``exclusive_minimum``, ``positional`` (how many positional arguments the
+recipe passes when instantiating a component) and ``recipe_kwargs`` (names the recipe passes itself).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import enum
+import types
+import typing
+from typing import Any, Mapping, Sequence, TypeVar
+
+from omegaconf import DictConfig, OmegaConf
+
+from torchtune_ac.config.components import Component, parse_component
+from torchtune_ac.errors import UserError
+
+T = TypeVar("T")
+_MISSING = object()
+
+
+class ConfigError(UserError):
+    """One or more problems in a config; ``problems`` lists them, the message shows them all."""
+
+    def __init__(self, source: str, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        if len(self.problems) == 1:
+            message = f"{source}: {self.problems[0]}"
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            message = f"{source}: {len(self.problems)} problems:\n{lines}"
+        super().__init__(message)
+
+
+def _show(value: Any) -> str:
+    text = repr(value) if isinstance(value, str) else str(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        inner = " or ".join(_type_name(a) for a in args)
+        return f"{inner} or null" if len(args) < len(typing.get_args(tp)) else inner
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if origin is dict:
+        return "a mapping"
+    if isinstance(tp, type) and issubclass(tp, enum.Enum):
+        return "one of " + ", ".join(str(m.value) for m in tp)
+    if tp is Component:
+        return "a mapping with _component_"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, str(tp))
+
+
+class _Checker:
+    def __init__(self, extra_allowed: Sequence[str]) -> None:
+        self.problems: list[str] = []
+        self.extra_allowed = tuple(extra_allowed)
+
+    def fail(self, message: str) -> Any:
+        self.problems.append(message)
+        return _MISSING
+
+    def check(self, value: Any, tp: Any, key: str, meta: Mapping[str, Any]) -> Any:
+        origin = typing.get_origin(tp)
+        if tp is Any:
+            return value
+        if origin in (typing.Union, types.UnionType):
+            args = typing.get_args(tp)
+            if value is None:
+                return None if type(None) in args else self.fail(f"{key}: must not be null")
+            non_none = [a for a in args if a is not type(None)]
+            if len(non_none) == 1:
+                return self.check(value, non_none[0], key, meta)
+            for arg in non_none:
+                probe = _Checker(self.extra_allowed)
+                result = probe.check(value, arg, key, meta)
+                if not probe.problems:
+                    return result
+            return self.fail(f"{key}={_show(value)}: expected {_type_name(tp)}")
+        if value is None:
+            return self.fail(f"{key}: must not be null (expected {_type_name(tp)})")
+        if tp is Component:
+            return self.check_component(value, key, meta)
+        if dataclasses.is_dataclass(tp):
+            return self.check_dataclass(value, tp, key)
+        if origin is list:
+            if not isinstance(value, list):
+                return self.fail(f"{key}={_show(value)}: expected {_type_name(tp)}")
+            (item_tp,) = typing.get_args(tp)
+            items = [self.check(v, item_tp, f"{key}[{i}]", {}) for i, v in enumerate(value)]
+            return items if _MISSING not in items else _MISSING
+        if origin is dict:
+            if not isinstance(value, Mapping):
+                return self.fail(f"{key}={_show(value)}: expected a mapping")
+            _, value_tp = typing.get_args(tp)
+            return {k: self.check(v, value_tp, f"{key}.{k}", {}) for k, v in value.items()}
+        if isinstance(tp, type) and issubclass(tp, enum.Enum):
+            if isinstance(value, str):
+                for member in tp:
+                    if str(member.value).lower() == value.lower():
+                        return member
+            return self.fail(f"{key}={_show(value)}: expected {_type_name(tp)}")
+        return self.check_scalar(value, tp, key, meta)
+
+    def check_scalar(self, value: Any, tp: type, key: str, meta: Mapping[str, Any]) -> Any:
+        if tp is bool:
+            ok = isinstance(value, bool)
+        elif tp is int:
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif tp is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            value = float(value) if ok else value
+        elif tp is str:
+            ok = isinstance(value, str)
+        else:
+            raise TypeError(f"unsupported schema type {tp!r} for {key}")
+        if not ok:
+            return self.fail(f"{key}={_show(value)}: expected {_type_name(tp)}")
+        if "minimum" in meta and value < meta["minimum"]:
+            return self.fail(f"{key}={_show(value)}: must be >= {meta['minimum']}")
+        if "exclusive_minimum" in meta and value <= meta["exclusive_minimum"]:
+            return self.fail(f"{key}={_show(value)}: must be > {meta['exclusive_minimum']}")
+        return value
+
+    def check_component(self, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
+        if not isinstance(value, Mapping):
+            return self.fail(f"{key}={_show(value)}: expected a mapping with _component_")
+        try:
+            component = parse_component(value, key, self.extra_allowed)
+            problems = component.check_arguments(meta.get("positional", 0), meta.get("recipe_kwargs", ()))
+        except UserError as err:
+            return self.fail(str(err))
+        if problems:
+            self.problems.extend(problems)
+            return _MISSING
+        return component
+
+    def check_dataclass(self, value: Any, cls: type, key: str) -> Any:
+        prefix = f"{key}." if key else ""
+        if not isinstance(value, Mapping):
+            return self.fail(f"{key or 'config'}={_show(value)}: expected a mapping")
+        fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+        hints = typing.get_type_hints(cls)
+        for name in value:
+            if name not in fields:
+                hint = difflib.get_close_matches(str(name), list(fields), n=1, cutoff=0.6)
+                suggestion = f" (did you mean {prefix}{hint[0]}?)" if hint else ""
+                self.fail(f"{prefix}{name}: unknown key{suggestion}")
+        kwargs = {}
+        for name, f in fields.items():
+            if name in value:
+                kwargs[name] = self.check(value[name], hints[name], f"{prefix}{name}", f.metadata)
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                self.fail(f"{prefix}{name}: required key is missing")
+        if self.problems or _MISSING in kwargs.values():
+            return _MISSING
+        return cls(**kwargs)
+
+
+def validate_config(cfg: DictConfig | Mapping[str, Any], schema: type[T], *, source: str,
+                    extra_allowed_components: Sequence[str] = ()) -> T:
+    """Check ``cfg`` against the dataclass ``schema`` and build the typed config.
+
+    Args:
+        cfg: a loaded config (interpolations already resolved).
+        schema: the recipe's dataclass.
+        source: what to call the config in messages (usually its file path).
+        extra_allowed_components: module prefixes the user explicitly allowed for ``_component_``.
+
+    Returns:
+        An instance of ``schema``.
+
+    Raises:
+        ConfigError: listing every problem found (unknown keys with suggestions, wrong types, values out of
+            range, missing required keys, refused or unknown components, bad component arguments).
+    """
+    plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    checker = _Checker(extra_allowed_components)
+    result = checker.check_dataclass(plain, schema, "")
+    if checker.problems:
+        raise ConfigError(source, checker.problems)
+    return result

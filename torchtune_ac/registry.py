@@ -1,0 +1,75 @@
+"""Built-in recipes and configs, wherever they live.
+
+In a source checkout they are the top-level ``recipes/`` and ``configs/`` folders; an installed wheel carries
+the same files as the ``torchtune_ac._recipes`` and ``torchtune_ac._configs`` packages (see pyproject.toml).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A built-in recipe: its name (as given to ``tune run``) and the configs made for it."""
+
+    name: str
+    configs: tuple[str, ...]
+
+    @property
+    def path(self) -> Path:
+        return recipes_dir() / f"{self.name}.py"
+
+
+RECIPES: tuple[Recipe, ...] = (
+    Recipe(
+        "full_finetune",
+        (
+            "tiny/full",
+            "llama2/7B_full",
+            "llama3/8B_full",
+            "llama3/8B_full_single_device",
+            "llama3_1/8B_full",
+            "llama3_2/1B_full",
+            "llama3_2/3B_full",
+        ),
+    ),
+)
+
+
+def _shipped_dir(package: str, source_folder: str) -> Path:
+    spec = importlib.util.find_spec(package)
+    if spec is not None and spec.submodule_search_locations:
+        return Path(next(iter(spec.submodule_search_locations)))
+    return Path(__file__).resolve().parent.parent / source_folder
+
+
+def recipes_dir() -> Path:
+    """Folder holding the built-in recipe files."""
+    return _shipped_dir("torchtune_ac._recipes", "recipes")
+
+
+def configs_dir() -> Path:
+    """Folder holding the built-in YAML configs (``<family>/<name>.yaml``)."""
+    return _shipped_dir("torchtune_ac._configs", "configs")
+
+
+def find_recipe(name: str) -> Optional[Recipe]:
+    """The built-in recipe called ``name``, or None."""
+    return next((recipe for recipe in RECIPES if recipe.name == name), None)
+
+
+def builtin_config_names() -> list[str]:
+    """Every built-in config name, in registry order."""
+    return [name for recipe in RECIPES for name in recipe.configs]
+
+
+def builtin_config_path(name: str) -> Optional[Path]:
+    """The YAML file of built-in config ``name`` (``llama3/8B_full``; a trailing ``.yaml`` is tolerated)."""
+    stem = name[: -len(".yaml")] if name.endswith(".yaml") else name
+    if stem not in builtin_config_names():
+        return None
+    return configs_dir() / f"{stem}.yaml"
