@@ -1,0 +1,103 @@
+"""The embedded default model: ``llama_tiny`` with fixed random weights plus the embedded tokenizer.
+
+It lets every recipe and test run offline with no download. The weights are a pure function of the seed,
+so the file bytes are identical on every machine with the same PyTorch; they are generated on first use
+into a cache directory rather than shipped in the package.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+
+from torchtune_ac.models.builders import LLAMA_TINY, llama_tiny
+from torchtune_ac.models.hf_interop import CONFIG_FILE, WEIGHTS_FILE, save_hf
+
+EMBEDDED_CHECKPOINT_NAME = "tiny-llama-v1"
+EMBEDDED_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "data" / "embedded"
+CACHE_ENV_VAR = "TORCHTUNE_AC_CACHE"
+_SEED = 0
+_INIT_STD = 0.02
+_REQUIRED_FILES = (CONFIG_FILE, WEIGHTS_FILE, "tokenizer.json", "tokenizer_config.json")
+
+
+def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """``cache_dir`` if given, else ``$TORCHTUNE_AC_CACHE``, else ``~/.cache/torchtune_ac``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    if os.environ.get(CACHE_ENV_VAR):
+        return Path(os.environ[CACHE_ENV_VAR])
+    return Path.home() / ".cache" / "torchtune_ac"
+
+
+def _read_special_token_ids(tokenizer_dir: Path) -> dict[str, int | None]:
+    """bos/eos/pad ids: token strings from tokenizer_config.json, looked up in tokenizer.json."""
+    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
+    expected = LLAMA_TINY.vocab_size
+    if vocab_size != expected:
+        raise RuntimeError(f"{tokenizer_dir / 'tokenizer.json'}: {vocab_size} tokens; llama_tiny expects {expected}")
+    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    ids: dict[str, int | None] = {}
+    for role in ("bos", "eos", "pad"):
+        token = config.get(f"{role}_token")
+        if isinstance(token, dict):  # older files store {"content": "<s>", ...}
+            token = token.get("content")
+        ids[f"{role}_token_id"] = tokenizer.token_to_id(token) if token else None
+    return ids
+
+
+def ensure_embedded_checkpoint(
+    cache_dir: str | os.PathLike | None = None,
+    *,
+    tokenizer_dir: str | os.PathLike | None = None,
+    force: bool = False,
+) -> Path:
+    """Return the embedded checkpoint directory, creating it if it is missing or incomplete.
+
+    The checkpoint is ``llama_tiny`` seeded with ``torch.manual_seed(0)`` and ``init_weights(0.02)``, saved
+    by ``save_hf`` (float32, one shard) with the tokenizer files. Creation is atomic and serialised by a
+    lock file, so concurrent processes (e.g. the ranks of one job) all see a complete directory. The
+    caller's random number generator state is left untouched.
+
+    Args:
+        cache_dir: parent directory; default ``$TORCHTUNE_AC_CACHE`` or ``~/.cache/torchtune_ac``.
+        tokenizer_dir: where tokenizer.json and tokenizer_config.json come from; default the packaged
+            ``torchtune_ac/data/embedded``.
+        force: regenerate even if the checkpoint is complete.
+
+    Returns:
+        ``<cache_dir>/tiny-llama-v1``.
+
+    Raises:
+        FileNotFoundError: the tokenizer files are missing (a packaging bug).
+    """
+    out_dir = resolve_cache_dir(cache_dir) / EMBEDDED_CHECKPOINT_NAME
+    if not force and _is_complete(out_dir):
+        return out_dir
+    tokenizer_dir = EMBEDDED_TOKENIZER_DIR if tokenizer_dir is None else Path(tokenizer_dir)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if not (tokenizer_dir / name).is_file():
+            raise FileNotFoundError(f"embedded tokenizer file {tokenizer_dir / name} is missing")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        # Another process may have finished it while this one waited for the lock.
+        if force or not _is_complete(out_dir):
+            special_ids = _read_special_token_ids(tokenizer_dir)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_SEED)
+                with torch.device("cpu"):
+                    model = llama_tiny()
+                model.init_weights(_INIT_STD)
+            save_hf(model, out_dir, overwrite=True, tokenizer_dir=tokenizer_dir, **special_ids)
+    return out_dir
+
+
+def _is_complete(out_dir: Path) -> bool:
+    return all((out_dir / name).is_file() for name in _REQUIRED_FILES)

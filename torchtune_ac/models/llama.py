@@ -1,0 +1,270 @@
+"""A Llama-style decoder-only transformer.
+
+This file holds the model and nothing else: no activation checkpointing, no sharding, no config parsing.
+Its parameter names follow the Hugging Face Llama layout one prefix away (see ``hf_interop.py``), and its
+rotary embedding uses the same "rotate half" convention as Hugging Face checkpoints, so weights load
+without permutation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1 frequency-dependent RoPE scaling (``rope_type: llama3`` in Hugging Face configs)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    """Shape and behaviour of a Llama-style model.
+
+    ``head_dim`` defaults to ``dim // n_heads``. Dropout defaults to 0.0 (the published models use none);
+    it exists so that activation checkpointing can be shown to replay dropout masks exactly.
+    """
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    intermediate_dim: int
+    max_seq_len: int = 4096
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    tie_embeddings: bool = False
+    head_dim: Optional[int] = None
+    attn_dropout: float = 0.0
+    resid_dropout: float = 0.0
+
+    def __post_init__(self) -> None:
+        problems = []
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_dim", "max_seq_len"):
+            if getattr(self, name) <= 0:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
+        if self.n_heads > 0 and self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
+            problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.head_dim is None and self.n_heads > 0 and self.dim % self.n_heads:
+            problems.append(f"dim={self.dim} must be a multiple of n_heads={self.n_heads} (or set head_dim)")
+        for name in ("attn_dropout", "resid_dropout"):
+            if not 0.0 <= getattr(self, name) < 1.0:
+                problems.append(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if problems:
+            raise ValueError("invalid Llama model arguments: " + "; ".join(problems))
+
+    @property
+    def resolved_head_dim(self) -> int:
+        return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
+
+
+def compute_rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
+    """Inverse frequencies of the rotary embedding, shape ``[head_dim // 2]``, float32.
+
+    With ``scaling`` set, long wavelengths are divided by ``factor``, short ones are kept, and the band
+    in between is interpolated smoothly (Llama 3.1).
+    """
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    smooth = (scaling.original_max_position_embeddings / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor
+    )
+    smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: [b, n_heads, s, head_dim]; cos, sin: [b, 1, s, head_dim]
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, computed in float32 and cast back (as Hugging Face Llama does)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(input_dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class Attention(nn.Module):
+    """Grouped-query self-attention with rotary embeddings, through ``F.scaled_dot_product_attention``."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.n_kv_heads = args.n_kv_heads
+        self.head_dim = args.resolved_head_dim
+        self.dropout = args.attn_dropout
+        self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        b, s, _ = x.shape
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [b, n_heads, s, hd]
+        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [b, n_kv, s, hd]
+        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [b, n_kv, s, hd]
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            # Expanding K/V here (rather than SDPA's enable_gqa) keeps every SDPA backend available.
+            repeat = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(repeat, dim=1)  # [b, n_heads, s, hd]
+            v = v.repeat_interleave(repeat, dim=1)
+        out = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            dropout_p=self.dropout if self.training else 0.0,
+            is_causal=mask is None,
+        )  # [b, n_heads, s, hd]
+        out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
+        return self.o_proj(out)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
+    def __init__(self, dim: int, hidden_dim: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
+        self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: ``h = x + drop(attn(norm(x)))``; ``out = h + drop(mlp(norm(h)))``."""
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attn = Attention(args)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
+        self.mlp = MLP(args.dim, args.intermediate_dim)
+        self.resid_dropout = nn.Dropout(args.resid_dropout)
+
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        h = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin, mask))
+        return h + self.resid_dropout(self.mlp(self.mlp_norm(h)))
+
+
+def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
+    """Position of each token within its own document: ``[b, s]`` document ids -> ``[b, s]`` positions.
+
+    Documents are contiguous runs of equal ids; positions restart at 0 where the id changes.
+    """
+    b, s = document_ids.shape
+    idx = torch.arange(s, device=document_ids.device).expand(b, s)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    start_idx = torch.where(starts, idx, torch.zeros_like(idx))
+    return idx - torch.cummax(start_idx, dim=1).values
+
+
+def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
+    """Boolean attention mask ``[b, 1, s, s]``: causal, and only within the same document."""
+    s = document_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+    same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)  # [b, s, s]
+    return (same_doc & causal).unsqueeze(1)
+
+
+class Llama(nn.Module):
+    """Token embedding -> ``layers`` (``nn.ModuleList`` of ``TransformerBlock``) -> final norm -> output.
+
+    ``forward(tokens[b, s]) -> logits[b, s, vocab]``. Pass ``document_ids[b, s]`` for packed sequences:
+    tokens then attend only within their own document, and rotary positions restart at each document.
+    """
+
+    def __init__(self, args: LlamaArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the output projection with the embedding when ``args.tie_embeddings`` (again after
+        ``to_empty``, which allocates the two separately)."""
+        if self.args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables ``[b, 1, s, head_dim]`` for integer ``positions[b, s]``.
+
+        Computed per call from the arguments (a few hundred flops), so the model holds no buffers that
+        would need re-initialising after being built on the meta device.
+        """
+        args = self.args
+        inv_freq = compute_rope_inv_freq(args.resolved_head_dim, args.rope_theta, args.rope_scaling)
+        inv_freq = inv_freq.to(positions.device)
+        freqs = positions.float().unsqueeze(-1) * inv_freq  # [b, s, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, hd]
+        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+
+    def forward(self, tokens: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        b, s = tokens.shape
+        if document_ids is None:
+            positions = torch.arange(s, device=tokens.device).expand(b, s)
+            mask = None
+        else:
+            positions = positions_from_document_ids(document_ids)
+            mask = document_causal_mask(document_ids)
+        h = self.tok_embeddings(tokens)  # [b, s, dim]
+        cos, sin = self.rope_cos_sin(positions, h.dtype)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)
+        return self.output(self.norm(h))  # [b, s, vocab]
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02) -> None:
+        """Initialise every parameter in place (normal(0, std) for matrices, ones for norms)."""
+        for module in self.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, RMSNorm):
+                module.reset_parameters()
