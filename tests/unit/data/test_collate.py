@@ -1,0 +1,48 @@
+"""Collation: right padding with pad_id / IGNORE_INDEX, rounding, and document ids of padding."""
+
+import pytest
+import torch
+
+from torchtune_ac.data import IGNORE_INDEX, collate_batch
+
+M = IGNORE_INDEX
+
+
+@pytest.mark.parametrize(
+    "multiple, expected_tokens, expected_labels",
+    [
+        (1, [[5, 6, 7], [8, 0, 0]], [[6, 7, M], [M, M, M]]),
+        (4, [[5, 6, 7, 0], [8, 0, 0, 0]], [[6, 7, M, M], [M, M, M, M]]),
+        (3, [[5, 6, 7], [8, 0, 0]], [[6, 7, M], [M, M, M]]),
+    ],
+)
+def test_collate_pads_right(multiple, expected_tokens, expected_labels):
+    samples = [{"tokens": [5, 6, 7], "labels": [6, 7, M]}, {"tokens": [8], "labels": [M]}]
+    batch = collate_batch(samples, pad_id=0, pad_to_multiple_of=multiple)
+    assert set(batch) == {"tokens", "labels"}
+    assert batch["tokens"].dtype == torch.long and batch["labels"].dtype == torch.long
+    assert batch["tokens"].tolist() == expected_tokens
+    assert batch["labels"].tolist() == expected_labels
+
+
+def test_collate_keeps_document_ids_and_gives_padding_its_own():
+    samples = [
+        {"tokens": [1, 2, 3], "labels": [2, 3, M], "document_ids": [0, 0, 1]},
+        {"tokens": [4, 5], "labels": [5, M], "document_ids": [0, 0]},
+    ]
+    batch = collate_batch(samples, pad_id=9, pad_to_multiple_of=4)
+    assert batch["document_ids"].tolist() == [[0, 0, 1, 2], [0, 0, 1, 1]]
+    assert batch["tokens"].tolist() == [[1, 2, 3, 9], [4, 5, 9, 9]]
+
+
+@pytest.mark.parametrize(
+    "samples, kwargs, message",
+    [
+        ([], {}, "empty batch"),
+        ([{"tokens": [1], "labels": [M]}], {"pad_to_multiple_of": 0}, "pad_to_multiple_of=0"),
+        ([{"tokens": [1], "labels": [M], "document_ids": [0]}, {"tokens": [1], "labels": [M]}], {}, "some samples"),
+    ],
+)
+def test_collate_rejects_bad_batches(samples, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        collate_batch(samples, pad_id=0, **kwargs)

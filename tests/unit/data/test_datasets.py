@@ -1,0 +1,275 @@
+"""Instruct, chat and text datasets: exact tokens and label masks, column mapping, truncation, and user errors."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from torchtune_ac.data import (
+    EMBEDDED_TOKENIZER_DIR,
+    IGNORE_INDEX,
+    chat_dataset,
+    format_alpaca_prompt,
+    instruct_dataset,
+    load_tokenizer,
+    text_dataset,
+)
+from torchtune_ac.errors import UserError
+
+M = IGNORE_INDEX
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(EMBEDDED_TOKENIZER_DIR)
+
+
+def write_jsonl(path: Path, records: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "record, prompt",
+    [
+        ({"instruction": "Reverse the word.", "input": "apple", "output": "elppa"}, "### Input:\napple\n\n"),
+        ({"instruction": "What is 2 + 2?", "input": "", "output": "4"}, None),
+        ({"instruction": "What is 2 + 2?", "output": "4"}, None),  # no input column at all
+    ],
+)
+def test_instruct_alpaca_masks_the_prompt_exactly(tmp_path, tokenizer, record, prompt):
+    ds = instruct_dataset(tokenizer, source=write_jsonl(tmp_path / "d.jsonl", [record]))
+    prompt_text = format_alpaca_prompt(record["instruction"], record.get("input", ""))
+    assert ("### Input:" in prompt_text) is (prompt is not None)
+    prompt_ids = tokenizer.encode(prompt_text)
+    response_ids = tokenizer.encode(record["output"])
+    sample = ds[0]
+    assert sample["tokens"] == [tokenizer.bos_id, *prompt_ids, *response_ids, tokenizer.eos_id]
+    # labels[i] targets tokens[i + 1]: the prompt is never a target; the response and EOS are; EOS predicts nothing.
+    assert sample["labels"] == [M] * len(prompt_ids) + response_ids + [tokenizer.eos_id, M]
+
+
+def test_instruct_train_on_input_targets_every_next_token(tmp_path, tokenizer):
+    source = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "Add.", "input": "1, 2", "output": "3"}])
+    sample = instruct_dataset(tokenizer, source=source, train_on_input=True)[0]
+    assert sample["labels"] == sample["tokens"][1:] + [M]
+
+
+def test_instruct_reads_json_array_and_column_map(tmp_path, tokenizer):
+    records = [{"prompt": "Sort.", "context": "3, 1", "answer": "1, 3"}]
+    (tmp_path / "d.json").write_text(json.dumps(records, indent=2))
+    mapped = instruct_dataset(
+        tokenizer,
+        source=str(tmp_path / "d.json"),
+        column_map={"instruction": "prompt", "input": "context", "output": "answer"},
+    )
+    plain = instruct_dataset(
+        tokenizer,
+        source=write_jsonl(tmp_path / "p.jsonl", [{"instruction": "Sort.", "input": "3, 1", "output": "1, 3"}]),
+    )
+    assert mapped[0] == plain[0]
+
+
+def test_instruct_chat_template_trains_only_the_reply(tmp_path, tokenizer):
+    source = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "Reverse.", "input": "cat", "output": "tac"}])
+    sample = instruct_dataset(tokenizer, source=source, template="chat")[0]
+    text = tokenizer.decode(sample["tokens"])
+    assert "<|start_header_id|>user<|end_header_id|>\n\nReverse.\n\ncat<|eot_id|>" in text
+    targets = tokenizer.decode([label for label in sample["labels"] if label != M])
+    assert targets == "tac<|eot_id|><|end_of_text|>"
+
+
+def test_truncation_keeps_bos_and_the_real_next_token_label(tmp_path, tokenizer):
+    source = write_jsonl(tmp_path / "d.jsonl", [{"instruction": "Say it.", "output": "a long answer that will be cut"}])
+    full = instruct_dataset(tokenizer, source=source)[0]
+    n = len(full["tokens"]) - 3
+    cut = instruct_dataset(tokenizer, source=source, max_seq_len=n)[0]
+    assert cut["tokens"] == full["tokens"][:n] and cut["tokens"][0] == tokenizer.bos_id
+    assert cut["labels"] == full["labels"][:n]
+    assert cut["labels"][-1] == full["tokens"][n]  # target beyond the cut, from the same document
+    assert cut["tokens"][-1] != tokenizer.eos_id
+
+
+def test_tokenizer_max_seq_len_is_the_default(tmp_path):
+    tok = load_tokenizer(EMBEDDED_TOKENIZER_DIR, max_seq_len=12)
+    source = write_jsonl(tmp_path / "d.jsonl", [{"text": "word " * 50}])
+    assert len(text_dataset(tok, source=source)[0]["tokens"]) == 12
+    assert len(text_dataset(tok, source=source, max_seq_len=20)[0]["tokens"]) == 20
+
+
+def test_records_with_nothing_to_train_are_dropped(tmp_path, tokenizer, caplog):
+    short = {"instruction": "x", "output": "y"}
+    long = {"instruction": "A much longer instruction " * 5, "output": "z"}
+    source = write_jsonl(tmp_path / "d.jsonl", [short, long, short])
+    limit = len(instruct_dataset(tokenizer, source=source)[0]["tokens"])
+    ds = instruct_dataset(tokenizer, source=source, max_seq_len=limit)
+    assert len(ds) == 2
+    assert "dropped 1 of 3 records" in caplog.text
+    with pytest.raises(UserError, match=r"none of the 1 records has a token to train on \(max_seq_len=5"):
+        instruct_dataset(tokenizer, source=write_jsonl(tmp_path / "e.jsonl", [long]), max_seq_len=5)
+
+
+CHAT = [
+    {"role": "system", "content": "Answer in one word."},
+    {"role": "user", "content": "Capital of France?"},
+    {"role": "assistant", "content": "Paris"},
+    {"role": "user", "content": "Of Italy?"},
+    {"role": "assistant", "content": "Rome"},
+]
+
+
+@pytest.mark.parametrize(
+    "train_on_input, expected_targets",
+    [(False, "Paris<|eot_id|>Rome<|eot_id|><|end_of_text|>"), (True, None)],
+)
+def test_chat_dataset_masks(tmp_path, tokenizer, train_on_input, expected_targets):
+    source = write_jsonl(tmp_path / "c.jsonl", [{"conv": CHAT}])
+    sample = chat_dataset(tokenizer, source=source, conversation_column="conv", train_on_input=train_on_input)[0]
+    assert sample["tokens"][0] == tokenizer.bos_id and sample["tokens"][-1] == tokenizer.eos_id
+    if expected_targets is None:
+        assert sample["labels"] == sample["tokens"][1:] + [M]
+    else:
+        assert tokenizer.decode([label for label in sample["labels"] if label != M]) == expected_targets
+        # each kept label is the next token at its position
+        assert all(label in (M, nxt) for label, nxt in zip(sample["labels"], sample["tokens"][1:]))
+
+
+def test_text_dataset_splits_txt_at_blank_lines_and_trains_everything(tmp_path, tokenizer):
+    (tmp_path / "t.txt").write_text("first doc\nstill first\n\n\n  \nsecond doc\n")
+    ds = text_dataset(tokenizer, source=str(tmp_path / "t.txt"))
+    assert len(ds) == 2
+    for index, text in enumerate(["first doc\nstill first", "second doc"]):
+        tokens = tokenizer.encode(text, add_bos=True, add_eos=True)
+        assert ds[index] == {"tokens": tokens, "labels": tokens[1:] + [M]}
+
+
+@pytest.mark.parametrize("suffix", [".json", ".jsonl"])
+def test_text_dataset_reads_a_json_column(tmp_path, tokenizer, suffix):
+    records = [{"body": "hello there"}, {"body": "general"}]
+    path = tmp_path / f"t{suffix}"
+    path.write_text(json.dumps(records) if suffix == ".json" else "".join(json.dumps(r) + "\n" for r in records))
+    ds = text_dataset(tokenizer, source=str(path), column="body")
+    assert [tokenizer.decode(ds[i]["tokens"]) for i in range(2)] == [
+        "<|begin_of_text|>hello there<|end_of_text|>",
+        "<|begin_of_text|>general<|end_of_text|>",
+    ]
+
+
+def test_packed_dataset_has_fixed_length_rows(tmp_path, tokenizer):
+    ds = instruct_dataset(tokenizer, packed=True, max_seq_len=128)
+    assert len(ds) > 0 and all(len(ds[i]["tokens"]) == 128 for i in range(0, len(ds), 50))
+    assert set(ds[0]) == {"tokens", "labels", "document_ids"}
+
+
+GOOD = {"instruction": "i", "input": "", "output": "o"}
+
+
+@pytest.mark.parametrize(
+    "file_name, content, kwargs, message",
+    [
+        ("missing.jsonl", None, {}, "dataset source {dir}/missing.jsonl does not exist"),
+        ("d.csv", "a,b\n", {}, "{dir}/d.csv: unsupported extension '.csv'; this dataset reads .json, .jsonl files"),
+        (
+            "d.jsonl",
+            '{"instruction": "i", "output": "o"}\n{"instruction": \n',
+            {},
+            "{dir}/d.jsonl:2: invalid JSON: Expecting value",
+        ),
+        (
+            "d.json",
+            '[\n {"instruction": "i",\n  "output" "o"}]',
+            {},
+            "{dir}/d.json:3: invalid JSON: Expecting ':' delimiter",
+        ),
+        (
+            "d.jsonl",
+            '{"instruction": "i", "output": "o"}\n\n["a list"]\n',
+            {},
+            "{dir}/d.jsonl:3: each line must be a JSON object, got array",
+        ),
+        (
+            "d.json",
+            '[{"instruction": "i", "output": "o"}, "text"]',
+            {},
+            "{dir}/d.json[1]: each record must be a JSON object, got string",
+        ),
+        ("d.json", '{"instruction": "i"}', {}, "{dir}/d.json: must hold a JSON array of objects, got object"),
+        (
+            "d.jsonl",
+            '{"instruction": "i", "output": "o"}\n{"instruction": "i", "answer": "o"}\n',
+            {},
+            "{dir}/d.jsonl:2: missing column 'output' (the record has: answer, instruction); "
+            "map a column of the file to it with column_map: {output: <column>}",
+        ),
+        (
+            "d.jsonl",
+            '{"instruction": "i", "output": "o"}\n',
+            {"column_map": {"input": "context"}},
+            "{dir}/d.jsonl:1: missing column 'context' (the record has: instruction, output)",
+        ),
+        (
+            "d.jsonl",
+            '{"instruction": "i", "output": 42}\n',
+            {},
+            "{dir}/d.jsonl:1: column 'output' must be a string, got number",
+        ),
+        ("d.jsonl", "\n\n", {}, "{dir}/d.jsonl: the file holds no records"),
+        ("d.jsonl", json.dumps(GOOD), {"max_seq_len": 0}, "max_seq_len=0: must be a positive integer"),
+        ("d.jsonl", json.dumps(GOOD), {"packed": True}, "packed=true needs max_seq_len"),
+        ("d.jsonl", json.dumps(GOOD), {"template": "vicuna"}, "template='vicuna': must be one of alpaca, chat"),
+        (
+            "d.jsonl",
+            json.dumps(GOOD),
+            {"column_map": {"prompt": "x"}},
+            "column_map key 'prompt' is not a column of this dataset",
+        ),
+        ("d.txt", "text", {}, "{dir}/d.txt: unsupported extension '.txt'"),
+    ],
+)
+def test_instruct_errors(tmp_path, tokenizer, file_name, content, kwargs, message):
+    path = tmp_path / file_name
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(UserError) as info:
+        instruct_dataset(tokenizer, source=str(path), **kwargs)
+    assert message.replace("{dir}", str(tmp_path)) in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ({"chat": CHAT}, "{dir}/c.jsonl:1: missing column 'messages' (the record has: chat); set conversation_column"),
+        (
+            {"messages": []},
+            "{dir}/c.jsonl:1: column 'messages' must be a non-empty array of messages, got an empty array",
+        ),
+        ({"messages": "hi"}, "column 'messages' must be a non-empty array of messages, got string"),
+        (
+            {"messages": [{"role": "bot", "content": "x"}]},
+            "{dir}/c.jsonl:1: messages[0]: role 'bot' must be one of system, user, assistant",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]},
+            "messages[1]: content must be a string, got null",
+        ),
+        ({"messages": ["hi"]}, "messages[0]: each message must be an object, got string"),
+    ],
+)
+def test_chat_errors(tmp_path, tokenizer, record, message):
+    source = write_jsonl(tmp_path / "c.jsonl", [record])
+    with pytest.raises(UserError) as info:
+        chat_dataset(tokenizer, source=source)
+    assert message.replace("{dir}", str(tmp_path)) in str(info.value)
+
+
+def test_chat_without_assistant_turn_has_nothing_to_train(tmp_path, tokenizer):
+    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT[:2]}])
+    with pytest.raises(UserError, match=r"none of the 1 records has a token to train on \(do the records have a"):
+        chat_dataset(tokenizer, source=source)
+
+
+def test_text_errors_name_the_column(tmp_path, tokenizer):
+    source = write_jsonl(tmp_path / "t.jsonl", [{"text": "ok"}, {"content": "no"}])
+    with pytest.raises(UserError, match=r"t.jsonl:2: missing column 'text' \(the record has: content\); set column"):
+        text_dataset(tokenizer, source=source)

@@ -1,0 +1,120 @@
+"""Packing: layout, document ids, labels at document boundaries, and equivalence with running documents apart."""
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from torchtune_ac.data import (
+    EMBEDDED_TOKENIZER_DIR,
+    IGNORE_INDEX,
+    build_sample,
+    instruct_dataset,
+    load_tokenizer,
+    pack_samples,
+    text_dataset,
+)
+from torchtune_ac.models.llama import Llama, LlamaArgs
+
+M = IGNORE_INDEX
+PAD = 99
+
+
+def sample_of(length: int, first: int) -> dict:
+    """A sample of tokens first, first+1, ... with every next token a target."""
+    tokens = list(range(first, first + length))
+    return build_sample(tokens, [True] * length, max_seq_len=None)
+
+
+@pytest.mark.parametrize(
+    "lengths, max_seq_len, expected_document_ids",
+    [
+        ([3, 4, 2], 8, [[0, 0, 0, 1, 1, 1, 1, 2], [0, 0, 1, 1, 1, 1, 1, 1]]),
+        ([4, 4], 8, [[0, 0, 0, 0, 1, 1, 1, 1]]),  # exact fit: no padding, no pad id
+        ([5, 5, 5], 6, [[0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 1], [0, 0, 0, 0, 0, 1]]),
+        ([2, 2, 2, 2], 5, [[0, 0, 1, 1, 2], [0, 0, 1, 1, 2]]),
+    ],
+)
+def test_pack_layout_and_document_ids(lengths, max_seq_len, expected_document_ids):
+    samples = [sample_of(n, 10 * i) for i, n in enumerate(lengths)]
+    packed = pack_samples(samples, max_seq_len=max_seq_len, pad_id=PAD)
+    assert [packed[i]["document_ids"] for i in range(len(packed))] == expected_document_ids
+    # The documents, in order, followed by pad_id / IGNORE_INDEX for the tail of each sequence.
+    kept = [
+        (t, lab) for i in range(len(packed)) for t, lab in zip(packed[i]["tokens"], packed[i]["labels"]) if t != PAD
+    ]
+    assert kept == [pair for s in samples for pair in zip(s["tokens"], s["labels"])]
+    for i in range(len(packed)):
+        row = packed[i]
+        assert len(row["tokens"]) == len(row["labels"]) == max_seq_len
+        pad = [j for j, t in enumerate(row["tokens"]) if t == PAD]
+        assert all(row["labels"][j] == M for j in pad)
+
+
+def test_sample_longer_than_max_seq_len_is_a_bug():
+    with pytest.raises(ValueError, match="does not fit max_seq_len=4"):
+        pack_samples([sample_of(5, 0)], max_seq_len=4, pad_id=PAD)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(EMBEDDED_TOKENIZER_DIR)
+
+
+def boundaries(row: dict) -> list[int]:
+    """Positions i where token i ends a document that another document (or padding) follows."""
+    ids = row["document_ids"]
+    return [i for i in range(len(ids) - 1) if ids[i] != ids[i + 1]]
+
+
+def test_label_at_document_end_is_ignore_after_eos(tokenizer):
+    """Untruncated documents end with EOS: EOS is the target of the position before, and EOS itself predicts nothing."""
+    packed = instruct_dataset(tokenizer, packed=True, max_seq_len=160)
+    checked = 0
+    for index in range(20):
+        row = packed[index]
+        for i in boundaries(row):
+            assert row["tokens"][i] == tokenizer.eos_id
+            assert row["labels"][i] == M
+            assert row["labels"][i - 1] == tokenizer.eos_id
+            assert row["tokens"][i + 1] in (tokenizer.bos_id, tokenizer.pad_id)
+            checked += 1
+    assert checked > 20
+
+
+def test_label_at_truncated_document_end_is_its_own_next_token(tmp_path, tokenizer):
+    docs = ["alpha beta gamma delta epsilon zeta", "one two three four five six seven"]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    packed = text_dataset(tokenizer, source=str(path), packed=True, max_seq_len=6)
+    whole = [tokenizer.encode(d, add_bos=True, add_eos=True) for d in docs]
+    for index, doc in enumerate(whole):
+        row = packed[index]
+        assert row["document_ids"] == [0] * 6 and row["tokens"] == doc[:6]
+        assert row["labels"][-1] == doc[6]
+
+
+def run_loss_sum(model: Llama, tokens: list[int], labels: list[int], document_ids=None) -> torch.Tensor:
+    tokens_t = torch.tensor([tokens])
+    docs = None if document_ids is None else torch.tensor([document_ids])
+    logits = model(tokens_t, document_ids=docs)  # [1, s, vocab]
+    return F.cross_entropy(logits.flatten(0, 1), torch.tensor(labels), ignore_index=M, reduction="sum")
+
+
+def test_packed_loss_equals_sum_over_separate_documents(tokenizer):
+    torch.manual_seed(0)
+    args = LlamaArgs(vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=64)
+    model = Llama(args).eval()
+    model.init_weights(std=0.2)
+    singles = instruct_dataset(tokenizer, max_seq_len=200)
+    packed = instruct_dataset(tokenizer, max_seq_len=200, packed=True)
+    row = packed[0]
+    n_docs = max(row["document_ids"])  # the last id is the padding tail
+    assert n_docs >= 3 and row["tokens"][-1] == tokenizer.pad_id
+    with torch.no_grad():
+        separate = sum(run_loss_sum(model, singles[i]["tokens"], singles[i]["labels"]) for i in range(n_docs))
+        together = run_loss_sum(model, row["tokens"], row["labels"], row["document_ids"])
+        leaking = run_loss_sum(model, row["tokens"], row["labels"])  # no document_ids: documents see each other
+    torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-4)
+    assert (leaking - separate).abs() > 1e-2

@@ -1,0 +1,29 @@
+"""Data: tokenizer, datasets (instruct / chat / text), packing, collation and sharded batching."""
+
+from torchtune_ac.data.collate import collate_batch
+from torchtune_ac.data.datasets import chat_dataset, format_alpaca_prompt, instruct_dataset, text_dataset
+from torchtune_ac.data.embedded import EMBEDDED_DIR, EMBEDDED_INSTRUCT_PATH, EMBEDDED_TOKENIZER_DIR
+from torchtune_ac.data.packing import pack_samples
+from torchtune_ac.data.sampler import ShardedBatchSampler, ShardedDataLoader, build_dataloader
+from torchtune_ac.data.samples import IGNORE_INDEX, TokenizedDataset, build_sample
+from torchtune_ac.data.tokenizer import Tokenizer, load_tokenizer
+
+__all__ = [
+    "EMBEDDED_DIR",
+    "EMBEDDED_INSTRUCT_PATH",
+    "EMBEDDED_TOKENIZER_DIR",
+    "IGNORE_INDEX",
+    "ShardedBatchSampler",
+    "ShardedDataLoader",
+    "TokenizedDataset",
+    "Tokenizer",
+    "build_dataloader",
+    "build_sample",
+    "chat_dataset",
+    "collate_batch",
+    "format_alpaca_prompt",
+    "instruct_dataset",
+    "load_tokenizer",
+    "pack_samples",
+    "text_dataset",
+]

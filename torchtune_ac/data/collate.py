@@ -1,0 +1,49 @@
+"""Stack samples of different lengths into padded batch tensors."""
+
+from __future__ import annotations
+
+import torch
+
+from torchtune_ac.data.samples import IGNORE_INDEX
+
+
+def collate_batch(
+    samples: list[dict[str, list[int]]], *, pad_id: int, pad_to_multiple_of: int = 1
+) -> dict[str, torch.Tensor]:
+    """Right-pad samples to a common length and stack them.
+
+    Args:
+        samples: Dicts with ``tokens`` and ``labels`` (and ``document_ids`` for packed samples, in all or none).
+        pad_id: Token id for padding.
+        pad_to_multiple_of: Round the batch length up to a multiple of this.
+
+    Returns:
+        ``tokens`` and ``labels`` as ``LongTensor[b, s]`` (labels padded with ``IGNORE_INDEX``), plus
+        ``document_ids[b, s]`` when the samples have them (padding gets an id of its own per row).
+
+    Raises:
+        ValueError: for an empty batch, ``pad_to_multiple_of < 1``, or samples that disagree on ``document_ids``.
+    """
+    if not samples:
+        raise ValueError("cannot collate an empty batch")
+    if pad_to_multiple_of < 1:
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of} must be >= 1")
+    with_documents = ["document_ids" in sample for sample in samples]
+    if any(with_documents) != all(with_documents):
+        raise ValueError("some samples have document_ids and some do not")
+    longest = max(len(sample["tokens"]) for sample in samples)
+    length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    batch = {
+        "tokens": torch.full((len(samples), length), pad_id, dtype=torch.long),
+        "labels": torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long),
+    }
+    if all(with_documents):
+        batch["document_ids"] = torch.zeros((len(samples), length), dtype=torch.long)
+    for row, sample in enumerate(samples):
+        n = len(sample["tokens"])
+        batch["tokens"][row, :n] = torch.tensor(sample["tokens"], dtype=torch.long)
+        batch["labels"][row, :n] = torch.tensor(sample["labels"], dtype=torch.long)
+        if "document_ids" in batch:
+            batch["document_ids"][row, :n] = torch.tensor(sample["document_ids"], dtype=torch.long)
+            batch["document_ids"][row, n:] = sample["document_ids"][-1] + 1
+    return batch

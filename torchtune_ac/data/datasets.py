@@ -1,0 +1,327 @@
+"""Instruction, chat and plain-text datasets read from local JSON, JSONL or text files.
+
+Each builder is a YAML component, ``dataset: {_component_: torchtune_ac.data.instruct_dataset, ...}``, called by
+the recipe with the tokenizer as its first argument. Records are tokenized when the dataset is built; every
+sample starts with BOS and ends with EOS (unless truncated to ``max_seq_len``), and its labels are shifted and
+masked as described in ``samples.py``. Records with nothing left to train on (for example a response cut off by
+``max_seq_len``) are dropped with a warning; if every record is dropped, that is an error.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Iterator, Optional
+
+from torchtune_ac.data.embedded import EMBEDDED_INSTRUCT_PATH
+from torchtune_ac.data.packing import pack_samples
+from torchtune_ac.data.samples import TokenizedDataset, build_sample
+from torchtune_ac.data.sources import JSON_SUFFIXES, TEXT_SUFFIXES, Record, describe_json_type, read_records
+from torchtune_ac.data.tokenizer import Tokenizer
+from torchtune_ac.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+INSTRUCT_COLUMNS = ("instruction", "input", "output")
+INSTRUCT_TEMPLATES = ("alpaca", "chat")
+CHAT_ROLES = ("system", "user", "assistant")
+
+ALPACA_PROMPT_WITH_INPUT = (
+    "Below is a task, together with input that gives it context. Write a response that completes the task.\n\n"
+    "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
+)
+ALPACA_PROMPT_NO_INPUT = (
+    "Below is a task. Write a response that completes the task.\n\n### Instruction:\n{instruction}\n\n### Response:\n"
+)
+
+
+def format_alpaca_prompt(instruction: str, input_text: str) -> str:
+    """The Alpaca-layout prompt; the response is appended right after it.
+
+    Args:
+        instruction: What to do.
+        input_text: Extra context; the "### Input" section is left out when it is empty.
+
+    Returns:
+        The prompt, ending in ``"### Response:\\n"``.
+    """
+    if input_text:
+        return ALPACA_PROMPT_WITH_INPUT.format(instruction=instruction, input=input_text)
+    return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
+
+
+def instruct_dataset(
+    tokenizer: Tokenizer,
+    *,
+    source: str = EMBEDDED_INSTRUCT_PATH,
+    column_map: Optional[dict[str, str]] = None,
+    train_on_input: bool = False,
+    max_seq_len: Optional[int] = None,
+    packed: bool = False,
+    template: str = "alpaca",
+) -> TokenizedDataset:
+    """Instruction/response pairs (``instruction``, optional ``input``, ``output`` columns).
+
+    With ``template: alpaca`` the prompt is :func:`format_alpaca_prompt` and the response follows it; with
+    ``template: chat`` the pair becomes a user turn (instruction, then a blank line and the input if any) and an
+    assistant turn, rendered with the tokenizer's chat template.
+
+    Args:
+        tokenizer: From :func:`load_tokenizer`.
+        source: ``.json`` or ``.jsonl`` file; defaults to the embedded synthetic dataset.
+        column_map: Maps this dataset's column names to the file's, e.g. ``{"output": "answer"}``. The ``input``
+            column may be absent from records (taken as empty) unless ``column_map`` names it.
+        train_on_input: Also train on the prompt tokens, not only on the response and EOS.
+        max_seq_len: Truncation length (defaults to ``tokenizer.max_seq_len``); required when ``packed``.
+        packed: Pack samples into sequences of exactly ``max_seq_len`` (see ``packing.py``).
+        template: ``alpaca`` or ``chat``.
+
+    Returns:
+        The tokenized dataset.
+
+    Raises:
+        UserError: for a bad file, record, column, ``column_map``, ``template`` or ``max_seq_len``.
+    """
+    if template not in INSTRUCT_TEMPLATES:
+        raise UserError(f"template={template!r}: must be one of {', '.join(INSTRUCT_TEMPLATES)}")
+    columns = resolve_column_map(column_map, INSTRUCT_COLUMNS)
+    input_required = column_map is not None and "input" in column_map
+    max_seq_len = resolve_max_seq_len(max_seq_len, tokenizer, packed)
+    records = read_records(source, suffixes=JSON_SUFFIXES)
+
+    def read_column(record: Record, name: str) -> str:
+        fix = f"map a column of the file to it with column_map: {{{name}: <column>}}"
+        return read_string_column(record, columns[name], fix)
+
+    def tokenize(record: Record) -> tuple[list[int], list[bool]]:
+        instruction = read_column(record, "instruction")
+        output = read_column(record, "output")
+        input_text = ""
+        if input_required or columns["input"] in record.value:
+            input_text = read_column(record, "input")
+        if template == "chat":
+            user = f"{instruction}\n\n{input_text}" if input_text else instruction
+            messages = [{"role": "user", "content": user}, {"role": "assistant", "content": output}]
+            return encode_chat_record(tokenizer, messages, record, train_on_input)
+        prompt = tokenizer.encode(format_alpaca_prompt(instruction, input_text), add_bos=True)
+        response = tokenizer.encode(output, add_eos=True)
+        return prompt + response, [train_on_input] * len(prompt) + [True] * len(response)
+
+    return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed)
+
+
+def chat_dataset(
+    tokenizer: Tokenizer,
+    *,
+    source: str,
+    conversation_column: str = "messages",
+    train_on_input: bool = False,
+    max_seq_len: Optional[int] = None,
+    packed: bool = False,
+) -> TokenizedDataset:
+    """Conversations: each record's ``conversation_column`` is a list of ``{"role", "content"}`` messages.
+
+    Roles are ``system``, ``user`` and ``assistant``. The conversation is rendered with the tokenizer's chat
+    template; only assistant turns (with their end-of-turn marker) and the final EOS are trained on unless
+    ``train_on_input``.
+
+    Args:
+        tokenizer: From :func:`load_tokenizer`.
+        source: ``.json`` or ``.jsonl`` file.
+        conversation_column: Column holding the message list.
+        train_on_input: Train on every token.
+        max_seq_len: Truncation length (defaults to ``tokenizer.max_seq_len``); required when ``packed``.
+        packed: Pack samples into sequences of exactly ``max_seq_len``.
+
+    Returns:
+        The tokenized dataset.
+
+    Raises:
+        UserError: for a bad file, record, message, chat template or ``max_seq_len``.
+    """
+    max_seq_len = resolve_max_seq_len(max_seq_len, tokenizer, packed)
+    records = read_records(source, suffixes=JSON_SUFFIXES)
+
+    def tokenize(record: Record) -> tuple[list[int], list[bool]]:
+        messages = read_messages(record, conversation_column)
+        return encode_chat_record(tokenizer, messages, record, train_on_input)
+
+    return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed)
+
+
+def text_dataset(
+    tokenizer: Tokenizer,
+    *,
+    source: str,
+    column: str = "text",
+    max_seq_len: Optional[int] = None,
+    packed: bool = False,
+) -> TokenizedDataset:
+    """Plain documents, every token trained on.
+
+    A ``.txt`` source is split into documents at blank lines; a ``.json``/``.jsonl`` source takes each record's
+    ``column``. Documents longer than ``max_seq_len`` are truncated (the rest is not used).
+
+    Args:
+        tokenizer: From :func:`load_tokenizer`.
+        source: ``.txt``, ``.json`` or ``.jsonl`` file.
+        column: Text column of JSON records (ignored for ``.txt``).
+        max_seq_len: Truncation length (defaults to ``tokenizer.max_seq_len``); required when ``packed``.
+        packed: Pack samples into sequences of exactly ``max_seq_len``.
+
+    Returns:
+        The tokenized dataset.
+
+    Raises:
+        UserError: for a bad file, record, column or ``max_seq_len``.
+    """
+    max_seq_len = resolve_max_seq_len(max_seq_len, tokenizer, packed)
+    records = read_records(source, suffixes=TEXT_SUFFIXES)
+
+    def tokenize(record: Record) -> tuple[list[int], list[bool]]:
+        if isinstance(record.value, str):
+            text = record.value
+        else:
+            text = read_string_column(record, column, "set column: <column>")
+        tokens = tokenizer.encode(text, add_bos=True, add_eos=True)
+        return tokens, [True] * len(tokens)
+
+    return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed)
+
+
+def resolve_max_seq_len(max_seq_len: Optional[int], tokenizer: Tokenizer, packed: bool) -> Optional[int]:
+    """The dataset's own ``max_seq_len``, else the tokenizer's; checked positive, and required for packing.
+
+    Raises:
+        UserError: if it is not a positive integer, or is missing while ``packed`` is true.
+    """
+    resolved = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
+    if resolved is not None and (isinstance(resolved, bool) or not isinstance(resolved, int) or resolved <= 0):
+        raise UserError(f"max_seq_len={resolved!r}: must be a positive integer")
+    if packed and resolved is None:
+        raise UserError("packed=true needs max_seq_len (the length of every packed sequence); set max_seq_len")
+    return resolved
+
+
+def resolve_column_map(column_map: Optional[dict[str, str]], expected: tuple[str, ...]) -> dict[str, str]:
+    """Column name in the file for each expected column (identity unless remapped).
+
+    Raises:
+        UserError: if ``column_map`` has a key that is not an expected column, or a value that is not a string.
+    """
+    column_map = dict(column_map or {})
+    for key, value in column_map.items():
+        if key not in expected:
+            raise UserError(
+                f"column_map key {key!r} is not a column of this dataset; allowed keys: {', '.join(expected)}"
+            )
+        if not isinstance(value, str):
+            raise UserError(f"column_map.{key}={value!r}: must be the name (a string) of a column in the file")
+    return {name: column_map.get(name, name) for name in expected}
+
+
+def read_string_column(record: Record, column: str, fix: str) -> str:
+    """The string in ``record``'s ``column``.
+
+    Args:
+        record: A JSON record.
+        column: Column name in the file.
+        fix: How to point the dataset at another column, appended to the missing-column error.
+
+    Raises:
+        UserError: if the column is missing (listing the record's columns) or not a string.
+    """
+    if column not in record.value:
+        available = ", ".join(sorted(record.value)) or "none"
+        raise UserError(f"{record.location}: missing column {column!r} (the record has: {available}); {fix}")
+    value = record.value[column]
+    if not isinstance(value, str):
+        raise UserError(f"{record.location}: column {column!r} must be a string, got {describe_json_type(value)}")
+    return value
+
+
+def read_messages(record: Record, column: str) -> list[dict[str, str]]:
+    """The validated message list in ``record``'s ``column``.
+
+    Raises:
+        UserError: if the column is missing, not a non-empty array, or a message lacks a known role or string content.
+    """
+    if column not in record.value:
+        available = ", ".join(sorted(record.value)) or "none"
+        raise UserError(
+            f"{record.location}: missing column {column!r} (the record has: {available}); "
+            "set conversation_column: <column>"
+        )
+    messages = record.value[column]
+    if not isinstance(messages, list) or not messages:
+        found = describe_json_type(messages) if not isinstance(messages, list) else "an empty array"
+        raise UserError(f"{record.location}: column {column!r} must be a non-empty array of messages, got {found}")
+    checked = []
+    for index, message in enumerate(messages):
+        where = f"{record.location}: {column}[{index}]"
+        if not isinstance(message, dict):
+            raise UserError(f"{where}: each message must be an object, got {describe_json_type(message)}")
+        role, content = message.get("role"), message.get("content")
+        if role not in CHAT_ROLES:
+            raise UserError(f"{where}: role {role!r} must be one of {', '.join(CHAT_ROLES)}")
+        if not isinstance(content, str):
+            raise UserError(f"{where}: content must be a string, got {describe_json_type(content)}")
+        checked.append({"role": role, "content": content})
+    return checked
+
+
+def encode_chat_record(
+    tokenizer: Tokenizer, messages: list[dict[str, str]], record: Record, train_on_input: bool
+) -> tuple[list[int], list[bool]]:
+    """``tokenizer.encode_chat`` with template errors prefixed by the record's location."""
+    try:
+        return tokenizer.encode_chat(messages, train_on_input=train_on_input)
+    except UserError as e:
+        raise UserError(f"{record.location}: {e}") from None
+
+
+def build_dataset(
+    source: str,
+    encoded: Iterable[tuple[list[int], list[bool]]],
+    tokenizer: Tokenizer,
+    *,
+    max_seq_len: Optional[int],
+    packed: bool,
+) -> TokenizedDataset:
+    """Turn ``(tokens, trainable)`` pairs into samples, drop the untrainable, and pack if asked.
+
+    Raises:
+        UserError: if no record has anything to train on.
+    """
+    counts = {"records": 0, "dropped": 0}
+
+    def iterate_samples() -> Iterator[dict[str, Any]]:
+        for tokens, trainable in encoded:
+            counts["records"] += 1
+            sample = build_sample(tokens, trainable, max_seq_len=max_seq_len)
+            if sample is None:
+                counts["dropped"] += 1
+                continue
+            yield sample
+
+    if packed:
+        dataset = pack_samples(iterate_samples(), max_seq_len=max_seq_len, pad_id=tokenizer.pad_id)
+    else:
+        dataset = TokenizedDataset(("tokens", "labels"))
+        for sample in iterate_samples():
+            dataset.append(sample)
+    if len(dataset) == 0:
+        hint = (
+            f"max_seq_len={max_seq_len} may cut off every response"
+            if max_seq_len is not None
+            else "do the records have a response or an assistant turn?"
+        )
+        raise UserError(f"{source}: none of the {counts['records']} records has a token to train on ({hint})")
+    if counts["dropped"]:
+        logger.warning(
+            "%s: dropped %d of %d records with no token to train on (max_seq_len=%s)",
+            source,
+            counts["dropped"],
+            counts["records"],
+            max_seq_len,
+        )
+    return dataset

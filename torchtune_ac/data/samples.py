@@ -1,0 +1,73 @@
+"""Training samples: how labels are derived from tokens, and a compact in-memory store for them.
+
+A sample is ``{"tokens": list[int], "labels": list[int]}`` of equal length (packed samples add
+``"document_ids"``). Labels are already shifted: ``labels[i]`` is the target for the prediction made after
+reading ``tokens[i]``, i.e. the next token, or ``IGNORE_INDEX`` where that next token is not trained on.
+The loss is therefore a plain ``cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)``.
+"""
+
+from __future__ import annotations
+
+from array import array
+from typing import Optional
+
+from torch.utils.data import Dataset
+
+IGNORE_INDEX = -100
+
+
+def build_sample(
+    tokens: list[int], trainable: list[bool], *, max_seq_len: Optional[int]
+) -> Optional[dict[str, list[int]]]:
+    """Shift targets into labels and truncate.
+
+    Labels are computed on the full sequence before truncation, so the last kept position of a truncated sample
+    is still trained to predict its real next token. The last position of an untruncated sample (EOS) has
+    label ``IGNORE_INDEX``; truncation keeps the first tokens, so BOS stays.
+
+    Args:
+        tokens: Token ids of one document, BOS first.
+        trainable: ``trainable[i]`` says whether ``tokens[i]`` is a target (``trainable[0]`` is never used).
+        max_seq_len: Keep at most this many positions, or None.
+
+    Returns:
+        The sample, or None when no position has a target (nothing to train on).
+    """
+    labels = [token if is_target else IGNORE_INDEX for token, is_target in zip(tokens[1:], trainable[1:])]
+    labels.append(IGNORE_INDEX)
+    if max_seq_len is not None:
+        tokens, labels = tokens[:max_seq_len], labels[:max_seq_len]
+    if all(label == IGNORE_INDEX for label in labels):
+        return None
+    return {"tokens": list(tokens), "labels": labels}
+
+
+class TokenizedDataset(Dataset):
+    """Samples with the same keys, each key's values concatenated in one ``array('i')`` plus offsets.
+
+    About 4 bytes per token per key, rather than a Python int object per token.
+    """
+
+    def __init__(self, keys: tuple[str, ...]) -> None:
+        self.keys = keys
+        self._values = {key: array("i") for key in keys}
+        self._offsets = array("q", [0])
+
+    def append(self, sample: dict[str, list[int]]) -> None:
+        """Add one sample; all its keys must have lists of the same length."""
+        length = len(sample[self.keys[0]])
+        for key in self.keys:
+            if len(sample[key]) != length:
+                raise ValueError(f"sample key {key!r} has length {len(sample[key])}, expected {length}")
+            self._values[key].extend(sample[key])
+        self._offsets.append(self._offsets[-1] + length)
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        if not -len(self) <= index < len(self):
+            raise IndexError(f"sample index {index} out of range for {len(self)} samples")
+        index %= len(self)
+        start, end = self._offsets[index], self._offsets[index + 1]
+        return {key: values[start:end].tolist() for key, values in self._values.items()}
