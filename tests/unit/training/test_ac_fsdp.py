@@ -1,0 +1,109 @@
+"""Activation checkpointing composes with FSDP2: AC first, then fully_shard per block, then the root.
+
+Two gloo processes on CPU train a tiny model with dropout for a few steps in every AC mode. The losses
+must be bit-identical to the same run without AC, and match a single process that replays both ranks'
+micro-batches (same data, same per-rank RNG) and averages their gradients.
+"""
+
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+
+from torchtune_ac.models.llama import Llama, LlamaArgs
+from torchtune_ac.training.activation_checkpointing import setup_activation_checkpointing
+
+WORLD_SIZE = 2
+STEPS = 3
+VOCAB = 96
+SETTINGS = [(None, None), ("full", None), ("selective", 2), ("selective", "op")]
+
+
+def build_model() -> Llama:
+    torch.manual_seed(0)
+    args = LlamaArgs(
+        vocab_size=VOCAB, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_dim=64,
+        max_seq_len=64, attn_dropout=0.1, resid_dropout=0.1,
+    )
+    model = Llama(args)
+    model.init_weights()
+    return model
+
+
+def make_batch(step: int, rank: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, VOCAB, (2, 25), generator=generator)
+
+
+def compute_loss(model: Llama, tokens: torch.Tensor, step: int, rank: int) -> torch.Tensor:
+    torch.manual_seed(10_000 + 100 * step + rank)  # the dropout masks of this rank's micro-batch
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+
+
+def train_sharded(rank: int, port: int, out_path: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
+    try:
+        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+        losses = {}
+        for mode, option in SETTINGS:
+            model = build_model()
+            setup_activation_checkpointing(model, ac_mode=mode, ac_option=option)
+            for block in model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            history = []
+            for step in range(STEPS):
+                loss = compute_loss(model, make_batch(step, rank), step, rank)
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                history.append(loss.detach())
+            losses[f"{mode}-{option}"] = torch.stack(history)
+        torch.save(losses, f"{out_path}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def train_one_process() -> torch.Tensor:
+    """Losses ``[step, rank]`` of one process running both ranks' micro-batches and averaging gradients."""
+    model = build_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    history = []
+    for step in range(STEPS):
+        losses = []
+        for rank in range(WORLD_SIZE):
+            loss = compute_loss(model, make_batch(step, rank), step, rank)
+            (loss / WORLD_SIZE).backward()
+            losses.append(loss.detach())
+        optimizer.step()
+        optimizer.zero_grad()
+        history.append(torch.stack(losses))
+    return torch.stack(history)
+
+
+def find_free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.distributed
+def test_fsdp2_training_losses_are_unchanged_by_ac(tmp_path):
+    out_path = str(tmp_path / "losses")
+    mp.spawn(train_sharded, args=(find_free_port(), out_path), nprocs=WORLD_SIZE, join=True)
+    per_rank = [torch.load(f"{out_path}.{rank}") for rank in range(WORLD_SIZE)]
+
+    reference = train_one_process()
+    for rank, losses in enumerate(per_rank):
+        no_ac = losses["None-None"]
+        torch.testing.assert_close(no_ac, reference[:, rank], rtol=1e-5, atol=1e-6)
+        assert not torch.equal(no_ac[0], no_ac[-1])  # the steps really trained
+        for name, ac_losses in losses.items():
+            assert torch.equal(ac_losses, no_ac), (rank, name, ac_losses, no_ac)
