@@ -1,0 +1,213 @@
+"""Full fine-tuning of a Llama-style model: one device, or N processes sharded with FSDP2.
+
+    tune run full_finetune --config tiny/full
+    tune run --nproc_per_node 2 full_finetune --config tiny/full
+
+The recipe only orders library calls: setup -> train (train_step, save_checkpoint) -> cleanup (always).
+Everything it calls lives in torchtune_ac, so another recipe reuses it rather than copying it.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import torch
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
+from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.data import build_dataloader
+from torchtune_ac.errors import UserError
+from torchtune_ac.training.checkpointing import (
+    Progress,
+    find_resumable_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+)
+from torchtune_ac.training.distributed import barrier, destroy_distributed, init_distributed
+from torchtune_ac.training.metrics import MetricsWriter, peak_memory_gib
+from torchtune_ac.training.model_setup import build_training_model
+from torchtune_ac.training.preflight import ac_settings, preflight_full_finetune, run_shape
+from torchtune_ac.training.step import move_batch, train_step
+
+CONFIG_SCHEMA = FullFinetuneConfig
+log = logging.getLogger("torchtune_ac.full_finetune")
+
+
+def preflight(cfg: FullFinetuneConfig, *, strict: bool = True) -> list[tuple[str, str]]:
+    """Start-up checks and summary (``tune validate`` calls this with ``strict=False``)."""
+    report = preflight_full_finetune(cfg, strict=strict)
+    return report.summary + [("warning", w) for w in report.warnings]
+
+
+class FullFinetuneRecipe:
+    def __init__(self, cfg: FullFinetuneConfig) -> None:
+        self.cfg = cfg
+        self.metrics: Optional[MetricsWriter] = None
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.ctx = ctx = init_distributed(cfg.device.value)
+        logging.basicConfig(level=logging.INFO if ctx.is_rank_zero else logging.WARNING, format="%(message)s")
+        report = preflight_full_finetune(cfg, strict=True, world_size=ctx.world_size)
+        barrier(ctx)  # every rank has checked output_dir before rank 0 writes to it
+        resume_from = find_resumable_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
+        torch.manual_seed(cfg.seed)
+
+        self.tokenizer = cfg.tokenizer.instantiate()
+        self.model, self.plan = build_training_model(
+            cfg.model,
+            ctx=ctx,
+            dtype=cfg.dtype.value,
+            ac=ac_settings(cfg),
+            compile_blocks=cfg.compile,
+            checkpoint_dir=None if resume_from else cfg.checkpoint_dir,
+            initialize=resume_from is None,
+            seed=cfg.seed,
+            reshard_after_forward=cfg.fsdp.reshard_after_forward,
+            param_dtype=cfg.fsdp.param_dtype.value if cfg.fsdp.param_dtype else None,
+            reduce_dtype=cfg.fsdp.reduce_dtype.value,
+        )
+        self.optimizer = cfg.optimizer.instantiate(self.model.parameters())
+
+        dataset = cfg.dataset.instantiate(self.tokenizer, max_seq_len=cfg.max_seq_len)
+        self.loader = build_dataloader(
+            dataset,
+            batch_size=cfg.batch_size,
+            rank=ctx.rank,
+            world_size=ctx.world_size,
+            shuffle=cfg.shuffle,
+            seed=cfg.seed,
+            pad_id=self.tokenizer.pad_id,
+        )
+        batches_per_epoch = len(self.loader)
+        self.steps_per_epoch = batches_per_epoch // cfg.gradient_accumulation_steps
+        if cfg.max_steps_per_epoch is not None:
+            self.steps_per_epoch = min(self.steps_per_epoch, cfg.max_steps_per_epoch)
+        if self.steps_per_epoch == 0:
+            raise UserError(
+                f"dataset: {len(dataset)} samples make {batches_per_epoch} batch(es) per process per epoch, fewer than "
+                f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (reduce batch_size or accumulation)"
+            )
+        self.total_steps = self.steps_per_epoch * cfg.epochs
+        self.scheduler = (
+            cfg.lr_scheduler.instantiate(self.optimizer, num_training_steps=self.total_steps)
+            if cfg.lr_scheduler is not None
+            else None
+        )
+
+        self.progress = Progress()
+        if resume_from is not None:
+            load_checkpoint(resume_from, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, ctx=ctx)
+            self.progress, _ = read_trainer_state(resume_from)
+            log.info("resumed from %s at step %d", resume_from, self.progress.step)
+        if ctx.is_rank_zero:
+            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+            self.metrics = MetricsWriter(cfg.output_dir, resume_after_step=self.progress.step if resume_from else None)
+
+        global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * ctx.world_size
+        for line in (
+            f"world size {ctx.world_size} on {ctx.device} ({cfg.dtype.value})",
+            f"model {cfg.model.path}: {report.n_parameters:,} parameters, {len(self.model.layers)} layers",
+            f"activation checkpointing: {self.plan}",
+            f"global batch {global_batch} samples ({cfg.batch_size} x {cfg.gradient_accumulation_steps} accumulation"
+            f" x {ctx.world_size} processes); {len(dataset)} samples, {self.steps_per_epoch} steps per epoch,"
+            f" {cfg.epochs} epoch(s)",
+        ):
+            log.info(line)
+
+    def train(self) -> None:
+        cfg, ctx = self.cfg, self.ctx
+        accum = cfg.gradient_accumulation_steps
+        bar = tqdm(total=self.total_steps, initial=self.progress.step, desc="train", disable=not ctx.is_rank_zero,
+                   dynamic_ncols=True, file=sys.stderr)
+        started = time.perf_counter()
+        first_step, last_loss = self.progress.step, float("nan")
+        for epoch in range(self.progress.epoch, cfg.epochs):
+            self.loader.set_epoch(epoch)
+            skip = self.progress.step_in_epoch if epoch == self.progress.epoch else 0
+            self.loader.skip_steps(skip * accum)
+            batches = iter(self.loader)
+            for step_in_epoch in range(skip, self.steps_per_epoch):
+                step_start = time.perf_counter()
+                micro = [move_batch(next(batches), ctx.device) for _ in range(accum)]
+                result = train_step(self.model, self.optimizer, micro, ctx=ctx, clip_grad_norm=cfg.clip_grad_norm)
+                lr = self.optimizer.param_groups[0]["lr"]
+                if self.scheduler is not None:
+                    self.scheduler.step()
+                elapsed = time.perf_counter() - step_start
+                self.progress = Progress(self.progress.step + 1, epoch, step_in_epoch + 1)
+                last_loss = result.loss
+                tokens_per_second = result.input_tokens / elapsed
+                if self.metrics is not None and self.progress.step % cfg.log_every_n_steps == 0:
+                    self.metrics.write(
+                        {
+                            "step": self.progress.step,
+                            "epoch": epoch,
+                            "loss": result.loss,
+                            "lr": lr,
+                            "grad_norm": result.grad_norm,
+                            "tokens_per_second": tokens_per_second,
+                            "peak_memory_gib": peak_memory_gib(ctx.device),
+                            "tokens": result.input_tokens,
+                            "target_tokens": result.target_tokens,
+                            "step_time_s": elapsed,
+                        }
+                    )
+                bar.update(1)
+                bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}")
+                epoch_done = step_in_epoch + 1 == self.steps_per_epoch
+                if epoch_done or (cfg.save_every_n_steps and self.progress.step % cfg.save_every_n_steps == 0):
+                    if epoch_done:
+                        self.progress = Progress(self.progress.step, epoch + 1, 0)
+                    self.save()
+        bar.close()
+        steps = self.progress.step - first_step
+        if steps == 0:
+            log.info("nothing to do: the run in %s already finished %d step(s)", cfg.output_dir, self.progress.step)
+            return
+        log.info(
+            "done: %d step(s) in %.1f s, final loss %.4f, peak memory %.2f GiB; checkpoints in %s",
+            steps, time.perf_counter() - started, last_loss, peak_memory_gib(ctx.device), self.cfg.output_dir,
+        )
+
+    def save(self) -> None:
+        path = save_checkpoint(
+            self.cfg.output_dir,
+            model=self.model,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            progress=self.progress,
+            shape=run_shape(self.cfg, self.ctx.world_size, self.model),
+            ctx=self.ctx,
+            tokenizer_dir=Path(self.tokenizer.path).parent,
+            hf_config_extra={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
+        )
+        log.info("saved checkpoint %s", path)
+
+    def cleanup(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+        destroy_distributed()
+
+
+def run(cfg: FullFinetuneConfig) -> None:
+    """Run the recipe; cleanup always runs."""
+    recipe = FullFinetuneRecipe(cfg)
+    try:
+        recipe.setup()
+        with logging_redirect_tqdm():
+            recipe.train()
+    finally:
+        recipe.cleanup()
+
+
+if __name__ == "__main__":
+    from torchtune_ac.cli import recipe_main
+
+    sys.exit(recipe_main())

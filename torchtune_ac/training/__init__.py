@@ -1,0 +1,20 @@
+"""Training building blocks: activation checkpointing, FSDP2 sharding, the train step, checkpoints, metrics."""
+
+from torchtune_ac.training.activation_checkpointing import (
+    ACMode,
+    ACPlan,
+    apply_ac_plan,
+    resolve_ac_plan,
+    setup_activation_checkpointing,
+)
+from torchtune_ac.training.lr_schedulers import constant_schedule, cosine_schedule_with_warmup
+
+__all__ = [
+    "ACMode",
+    "ACPlan",
+    "apply_ac_plan",
+    "constant_schedule",
+    "cosine_schedule_with_warmup",
+    "resolve_ac_plan",
+    "setup_activation_checkpointing",
+]

@@ -1,0 +1,206 @@
+"""Checkpoints written by a run, and exact resume from them.
+
+Layout of ``output_dir``::
+
+    step_0000040/                  one directory per save (end of each epoch, every save_every_n_steps)
+        config.json, model*.safetensors[, model.safetensors.index.json], tokenizer files
+                                   the model in Hugging Face format: AutoModelForCausalLM.from_pretrained(here)
+        recipe_state/              only in the newest checkpoint (older ones are pruned when a new one lands)
+            .metadata, *.distcp    model + optimizer, torch.distributed.checkpoint (sharded when FSDP)
+            trainer_state.json     step, epoch, position in the epoch, run shape (world size, batch sizes, model)
+            scheduler.pt           learning-rate scheduler state
+            rng_rank{r}.pt         each rank's RNG state (dropout masks continue exactly)
+    metrics.jsonl
+
+Every checkpoint is written under a temporary name and renamed into place when complete, so a killed run
+never leaves a checkpoint that looks complete but is not; the base checkpoint directory is only ever read.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+import re
+import shutil
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from torchtune_ac.errors import UserError
+from torchtune_ac.models import save_hf_state_dict
+from torchtune_ac.training.distributed import DistributedContext, barrier
+
+RECIPE_STATE_DIR = "recipe_state"
+TRAINER_STATE_FILE = "trainer_state.json"
+_CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
+
+
+@dataclass(frozen=True)
+class Progress:
+    """Where training stands: optimizer steps done in total, the current epoch, and steps done in it."""
+
+    step: int = 0
+    epoch: int = 0
+    step_in_epoch: int = 0
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What must not change between a run and its resume for the resume to be exact."""
+
+    world_size: int
+    batch_size: int
+    gradient_accumulation_steps: int
+    model_args: dict[str, Any]
+
+
+@contextmanager
+def _single_process_dcp_quiet() -> Iterator[None]:
+    # A world of one saves and loads without a process group on purpose; DCP warns about exactly that.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoint directories in ``output_dir``, oldest first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def find_resumable_checkpoint(output_dir: str | Path) -> Optional[Path]:
+    """The newest checkpoint in ``output_dir`` that carries recipe state, or None."""
+    for path in reversed(list_checkpoints(output_dir)):
+        if (path / RECIPE_STATE_DIR / TRAINER_STATE_FILE).is_file():
+            return path
+    return None
+
+
+def save_checkpoint(
+    output_dir: str | Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Optional[Any],
+    progress: Progress,
+    shape: RunShape,
+    ctx: DistributedContext,
+    tokenizer_dir: Optional[str | Path] = None,
+    hf_config_extra: Optional[dict[str, Any]] = None,
+) -> Path:
+    """Write a complete checkpoint for ``progress.step`` (all ranks must call this).
+
+    Returns:
+        The checkpoint directory.
+    """
+    root = Path(output_dir)
+    final = root / checkpoint_name(progress.step)
+    tmp = root / f".tmp-{final.name}"
+    if ctx.is_rank_zero and tmp.exists():
+        shutil.rmtree(tmp)  # debris of a run killed while saving
+    barrier(ctx)
+
+    # 1. The model in Hugging Face format: gathered to rank 0 (on CPU) and written there.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if ctx.is_rank_zero:
+        save_hf_state_dict(full, model.args, tmp, tokenizer_dir=tokenizer_dir, **(hf_config_extra or {}))
+    del full
+    barrier(ctx)
+
+    # 2. Recipe state: sharded model + optimizer through DCP (every rank writes its own shard).
+    state_dir = tmp / RECIPE_STATE_DIR
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    with _single_process_dcp_quiet():
+        dcp.save(state, checkpoint_id=state_dir, no_dist=not ctx.is_distributed)
+    rng = {"cpu": torch.get_rng_state()}
+    if ctx.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state(ctx.device)
+    torch.save(rng, state_dir / f"rng_rank{ctx.rank}.pt")
+    barrier(ctx)
+
+    # 3. Rank 0 finishes: small files, atomic rename, prune older recipe states.
+    if ctx.is_rank_zero:
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), state_dir / "scheduler.pt")
+        trainer_state = {"progress": asdict(progress), "shape": asdict(shape)}
+        (state_dir / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
+        if final.exists():
+            shutil.rmtree(final)  # an earlier save of this very step (e.g. epoch end == save_every_n_steps)
+        tmp.rename(final)
+        for older in list_checkpoints(root):
+            if older != final and (older / RECIPE_STATE_DIR).exists():
+                shutil.rmtree(older / RECIPE_STATE_DIR)
+    barrier(ctx)
+    return final
+
+
+def read_trainer_state(checkpoint: Path) -> tuple[Progress, RunShape]:
+    """Progress and run shape recorded in ``checkpoint``."""
+    data = json.loads((checkpoint / RECIPE_STATE_DIR / TRAINER_STATE_FILE).read_text())
+    return Progress(**data["progress"]), RunShape(**data["shape"])
+
+
+def check_resume_shape(checkpoint: Path, saved: RunShape, current: RunShape) -> None:
+    """Refuse a resume that could not continue exactly.
+
+    Raises:
+        UserError: naming each setting that differs between the checkpoint and this run.
+    """
+    problems = []
+    for name in ("world_size", "batch_size", "gradient_accumulation_steps"):
+        if getattr(saved, name) != getattr(current, name):
+            problems.append(f"{name} was {getattr(saved, name)}, now {getattr(current, name)}")
+    model_diff = [
+        f"{key} {saved.model_args.get(key)} -> {current.model_args.get(key)}"
+        for key in sorted(set(saved.model_args) | set(current.model_args))
+        if saved.model_args.get(key) != current.model_args.get(key)
+    ]
+    if model_diff:
+        problems.append("the model has a different shape (" + ", ".join(model_diff) + ")")
+    if problems:
+        raise UserError(f"resume from {checkpoint}: cannot continue exactly: " + "; ".join(problems))
+
+
+def load_checkpoint(
+    checkpoint: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Optional[Any],
+    ctx: DistributedContext,
+) -> None:
+    """Restore model, optimizer, scheduler and this rank's RNG state from ``checkpoint`` (all ranks call this)."""
+    state_dir = checkpoint / RECIPE_STATE_DIR
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    with _single_process_dcp_quiet():
+        dcp.load(state, checkpoint_id=state_dir, no_dist=not ctx.is_distributed)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    if scheduler is not None:
+        scheduler.load_state_dict(torch.load(state_dir / "scheduler.pt", weights_only=True))
+    rng = torch.load(state_dir / f"rng_rank{ctx.rank}.pt", weights_only=True)
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng:
+        torch.cuda.set_rng_state(rng["cuda"], ctx.device)
+    if ctx.is_distributed:
+        dist.barrier()

@@ -1,0 +1,118 @@
+"""Processes, devices and FSDP2 sharding.
+
+A single process is a world of size 1: the same functions run, they just skip the collectives. Under
+PyTorch's elastic launcher (``tune run --nproc_per_node N``) the process group is initialised from the
+environment it sets: NCCL on CUDA, gloo on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from torchtune_ac.errors import UserError
+
+
+@dataclass(frozen=True)
+class DistributedContext:
+    """Who this process is: rank, world size, and the device it computes on."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def resolve_device(device: str, local_rank: int = 0) -> torch.device:
+    """``auto`` -> CUDA when present, else CPU; ``cuda`` -> this process's GPU.
+
+    Raises:
+        UserError: ``cuda`` was asked for on a machine without CUDA.
+    """
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise UserError("device=cuda: CUDA is not available on this machine (use device=cpu or device=auto)")
+        return torch.device("cuda", local_rank)
+    return torch.device(device)
+
+
+def init_distributed(device: str) -> DistributedContext:
+    """Initialise the process group if this process was started by the elastic launcher.
+
+    Args:
+        device: ``auto``, ``cpu`` or ``cuda`` (the config's ``device``).
+
+    Returns:
+        The context; world size 1 (and no process group) when not launched with several processes.
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    resolved = resolve_device(device, local_rank)
+    if world_size > 1 and not dist.is_initialized():
+        if resolved.type == "cuda":
+            torch.cuda.set_device(resolved)
+        dist.init_process_group(backend="nccl" if resolved.type == "cuda" else "gloo", device_id=resolved
+                                if resolved.type == "cuda" else None)
+    return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank, device=resolved)
+
+
+def destroy_distributed() -> None:
+    """Tear down the process group, if any (safe to call twice)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(ctx: DistributedContext) -> None:
+    if ctx.is_distributed:
+        dist.barrier()
+
+
+def all_reduce_sum(value: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
+    """Sum ``value`` over all ranks (returns a new tensor; identity in a world of one)."""
+    value = value.clone()
+    if ctx.is_distributed:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def shard_model(
+    model: nn.Module,
+    *,
+    reshard_after_forward: bool = True,
+    param_dtype: Optional[torch.dtype] = None,
+    reduce_dtype: Optional[torch.dtype] = torch.float32,
+) -> None:
+    """Apply FSDP2 (``fully_shard``) to each block of ``model.layers``, then to the root, in place.
+
+    Call after activation checkpointing (and compile) are applied and before weights are loaded; parameters
+    become DTensors sharded on dim 0 across the default process group.
+
+    Args:
+        model: a model with a ``layers`` ``nn.ModuleList``.
+        reshard_after_forward: free gathered block parameters after forward (re-gather in backward).
+        param_dtype: mixed precision dtype of gathered parameters (None: the stored dtype).
+        reduce_dtype: dtype of gradient reduce-scatter.
+    """
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers:
+        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    # The root holds embeddings, final norm and output; its parameters are used last in forward, so
+    # resharding them after forward would only re-gather them at once for backward.
+    fully_shard(model, reshard_after_forward=False, mp_policy=mp_policy)

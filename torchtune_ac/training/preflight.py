@@ -1,0 +1,144 @@
+"""Cheap start-up checks of a fine-tuning config, run before anything heavy (and by ``tune validate``).
+
+Builds the model on the meta device (sizes, parameter count), resolves the activation-checkpointing plan,
+and checks the files the run will read and write. Problems with the config itself are always errors;
+problems with files and devices are errors when ``strict`` (about to run) and warnings otherwise (``tune
+validate`` on a machine that is not the training machine).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.errors import UserError
+from torchtune_ac.models import llama_args_from_hf_config, read_hf_config
+from torchtune_ac.training.activation_checkpointing import ACPlan
+from torchtune_ac.training.checkpointing import RunShape, check_resume_shape, find_resumable_checkpoint, list_checkpoints, read_trainer_state
+from torchtune_ac.training.distributed import resolve_device
+from torchtune_ac.training.metrics import METRICS_FILE
+from torchtune_ac.training.model_setup import ACSettings, build_meta_model, count_parameters, plan_activation_checkpointing
+
+# Model arguments that define the shape of the weights (dropout may change between runs).
+SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_dim", "head_dim", "tie_embeddings")
+
+
+@dataclass
+class PreflightReport:
+    """What the checks found: summary lines for the user, warnings, and the resolved AC plan."""
+
+    summary: list[tuple[str, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    plan: Optional[ACPlan] = None
+    n_parameters: int = 0
+
+
+def ac_settings(cfg: FullFinetuneConfig) -> ACSettings:
+    return ACSettings(cfg.enable_activation_checkpointing, cfg.ac_mode, cfg.ac_option)
+
+
+def model_shape_args(model: torch.nn.Module) -> dict:
+    """The shape-defining arguments of a torchtune_ac model (empty for models without ``args``)."""
+    args = getattr(model, "args", None)
+    if args is None:
+        return {}
+    resolved = asdict(args)
+    resolved["head_dim"] = args.resolved_head_dim
+    return {key: resolved[key] for key in SHAPE_FIELDS}
+
+
+def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module) -> RunShape:
+    return RunShape(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, model_shape_args(model))
+
+
+def _check_checkpoint_dir(checkpoint_dir: str, model: torch.nn.Module) -> None:
+    hf_args = asdict(llama_args_from_hf_config(read_hf_config(checkpoint_dir)))
+    hf_args["head_dim"] = hf_args["head_dim"] or hf_args["dim"] // hf_args["n_heads"]
+    ours = model_shape_args(model)
+    diff = [f"{key} {hf_args[key]} vs {ours[key]}" for key in ours if hf_args[key] != ours[key]]
+    if diff:
+        raise UserError(
+            f"checkpoint_dir {checkpoint_dir}: its config.json describes a different model than `model` "
+            f"(checkpoint vs model: {', '.join(diff)})"
+        )
+
+
+def _check_output_dir(cfg: FullFinetuneConfig, strict: bool) -> None:
+    out = Path(cfg.output_dir).expanduser().resolve()
+    if out.exists() and not out.is_dir():
+        raise UserError(f"output_dir {out}: exists and is not a directory")
+    if cfg.checkpoint_dir is not None:
+        base = Path(cfg.checkpoint_dir).expanduser().resolve()
+        if out == base or base in out.parents:
+            raise UserError(f"output_dir {out}: must not be inside checkpoint_dir {base} (it is never modified)")
+    existing = out
+    while not existing.exists():
+        existing = existing.parent
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserError(f"output_dir {out}: not writable ({existing} does not allow writing)")
+    if not cfg.resume_from_checkpoint and (list_checkpoints(out) or (out / METRICS_FILE).exists()):
+        raise UserError(
+            f"output_dir {out}: holds checkpoints or metrics of an earlier run; pass resume_from_checkpoint=true "
+            "to continue it, or choose another output_dir"
+        )
+    if cfg.resume_from_checkpoint and find_resumable_checkpoint(out) is None:
+        raise UserError(f"resume_from_checkpoint=true: output_dir {out} has no checkpoint to resume from")
+
+
+def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size: int = 1) -> PreflightReport:
+    """Run the start-up checks.
+
+    Args:
+        cfg: the validated config.
+        strict: file-system and device problems are errors (True) or warnings (False).
+        world_size: number of processes the run will use (for the global batch size and resume checks).
+
+    Raises:
+        UserError: the first problem found (config problems always; file problems when ``strict``).
+    """
+    report = PreflightReport()
+
+    def soft(check: Callable[[], None]) -> None:
+        try:
+            check()
+        except UserError as err:
+            if strict:
+                raise
+            report.warnings.append(str(err))
+
+    model = build_meta_model(cfg.model)
+    report.plan = plan_activation_checkpointing(ac_settings(cfg), len(model.layers))
+    report.n_parameters = count_parameters(model)
+    soft(lambda: resolve_device(cfg.device.value))
+    if cfg.checkpoint_dir is not None:
+        soft(lambda: _check_checkpoint_dir(cfg.checkpoint_dir, model))
+    soft(lambda: _check_output_dir(cfg, strict))
+    if cfg.resume_from_checkpoint:
+
+        def check_resume() -> None:
+            checkpoint = find_resumable_checkpoint(Path(cfg.output_dir).expanduser())
+            if checkpoint is not None:
+                _, saved = read_trainer_state(checkpoint)
+                check_resume_shape(checkpoint, saved, run_shape(cfg, world_size, model))
+
+        soft(check_resume)
+
+    per_step = cfg.batch_size * cfg.gradient_accumulation_steps
+    report.summary = [
+        ("model", f"{cfg.model.path}: {report.n_parameters:,} parameters, {len(model.layers)} layers"),
+        ("activation checkpointing", str(report.plan)),
+        ("dtype / device", f"{cfg.dtype.value} / {cfg.device.value}"),
+        (
+            "batch",
+            f"{cfg.batch_size} per process x {cfg.gradient_accumulation_steps} accumulation step(s)"
+            f" = {per_step} samples per step per process",
+        ),
+        ("checkpoint_dir", cfg.checkpoint_dir or "none (random initialisation from seed)"),
+        ("output_dir", cfg.output_dir + (" (resuming)" if cfg.resume_from_checkpoint else "")),
+    ]
+    return report
