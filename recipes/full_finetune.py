@@ -39,9 +39,10 @@ CONFIG_SCHEMA = FullFinetuneConfig
 log = logging.getLogger("torchtune_ac.full_finetune")
 
 
-def preflight(cfg: FullFinetuneConfig, *, strict: bool = True) -> list[tuple[str, str]]:
-    """Start-up checks and summary (``tune validate`` calls this with ``strict=False``)."""
-    report = preflight_full_finetune(cfg, strict=strict)
+def preflight(cfg: FullFinetuneConfig, *, strict: bool = True, world_size: Optional[int] = 1) -> list[tuple[str, str]]:
+    """Start-up checks and summary (``tune validate`` calls this with ``strict=False``; the launcher with the
+    world size it is about to start, or None when it cannot tell)."""
+    report = preflight_full_finetune(cfg, strict=strict, world_size=world_size)
     return report.summary + [("warning", w) for w in report.warnings]
 
 

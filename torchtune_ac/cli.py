@@ -3,8 +3,8 @@
 Exit status: 0 success, 2 user error (one short message on stderr, no traceback), 1 internal failure
 (traceback). ``--debug`` or ``TUNE_DEBUG=1`` shows tracebacks for user errors too.
 
-A recipe is a Python file that defines ``CONFIG_SCHEMA`` (a dataclass), ``preflight(cfg, *, strict=True) ->
-list[tuple[str, str]]`` (cheap checks and a summary: builds the model on the meta device, resolves the AC plan,
+A recipe is a Python file that defines ``CONFIG_SCHEMA`` (a dataclass), ``preflight(cfg, *, strict=True,
+world_size=1) -> list[tuple[str, str]]`` (cheap checks and a summary: builds the model on the meta device, resolves the AC plan,
 checks files; with ``strict=False`` file problems are reported as warnings) and ``run(cfg)``;
 run as a script (under PyTorch's elastic launcher) it calls :func:`recipe_main`.
 """
@@ -184,7 +184,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         recipe.run(cfg)
         return 0
     # Check everything cheap here, once, before starting N processes that would each fail the same way.
-    recipe.preflight(cfg)
+    nnodes = str(launcher.get("nnodes", "1"))
+    world_size = launcher.get("nproc_per_node", 1) * int(nnodes) if nnodes.isdigit() else None
+    recipe.preflight(cfg, world_size=world_size)
     return _launch_elastic(launcher, path, args)
 
 
@@ -209,9 +211,12 @@ def _launch_elastic(launcher: dict, recipe_path: Path, args: argparse.Namespace)
     try:
         run(get_args_parser().parse_args(torchrun_argv))
     except ChildFailedError as err:
-        codes = sorted({failure.exitcode for failure in err.failures.values()})
-        ranks = sorted(err.failures)
-        print(f"tune: error: process(es) {ranks} failed with exit status {codes}; see their messages above",
+        # When one worker fails, the launcher terminates the others (negative codes: killed by a signal);
+        # the status that matters is that of the workers that exited on their own.
+        exited = {rank: f.exitcode for rank, f in err.failures.items() if f.exitcode > 0}
+        codes = sorted(set(exited.values()))
+        print(f"tune: error: process(es) {sorted(exited) or sorted(err.failures)} failed with exit status "
+              f"{codes or sorted({f.exitcode for f in err.failures.values()})}; see their messages above",
               file=sys.stderr)
         return EXIT_USER_ERROR if codes == [EXIT_USER_ERROR] else 1
     return 0

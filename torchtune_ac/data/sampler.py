@@ -175,4 +175,8 @@ def build_dataloader(
         drop_last=drop_last,
     )
     collate = functools.partial(collate_batch, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)
-    return ShardedDataLoader(dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0)
+    # A generator of its own: otherwise each iter() draws a seed from the global RNG, which would shift
+    # dropout masks after a mid-epoch resume (the global RNG state is restored before iteration starts).
+    return ShardedDataLoader(
+        dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0, generator=torch.Generator()
+    )

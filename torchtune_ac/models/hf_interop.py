@@ -617,10 +617,17 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _fsync_tree(root: Path) -> None:
-    """Flush file contents before the directory is renamed into place, so a crash cannot leave a complete-
-    looking checkpoint whose files are empty."""
+def _finish_files(root: Path) -> None:
+    """Give files the usual permissions and flush them before the directory is renamed into place.
+
+    safetensors creates its files readable by their owner only (0600) whatever the umask; a checkpoint
+    should be as readable as any other file the user writes. Flushing means a crash cannot leave a
+    complete-looking checkpoint whose files are empty.
+    """
+    umask = os.umask(0)
+    os.umask(umask)
     for path in root.iterdir():
+        os.chmod(path, 0o666 & ~umask)
         with open(path, "rb") as f:
             os.fsync(f.fileno())
 
@@ -641,7 +648,7 @@ def _write_dir_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path]
     tmp.mkdir()
     try:
         write(tmp)
-        _fsync_tree(tmp)
+        _finish_files(tmp)
         if out_dir.exists():
             old = out_dir.parent / f".{out_dir.name}.old-{uuid.uuid4().hex}"
             os.rename(out_dir, old)

@@ -116,8 +116,10 @@ def save_checkpoint(
     root = Path(output_dir)
     final = root / checkpoint_name(progress.step)
     tmp = root / f".tmp-{final.name}"
-    if ctx.is_rank_zero and tmp.exists():
-        shutil.rmtree(tmp)  # debris of a run killed while saving
+    if ctx.is_rank_zero:
+        # Debris of a run killed while saving (ours, and the Hugging Face writer's own temporary sibling).
+        for debris in root.glob(".*tmp-step_*"):
+            shutil.rmtree(debris, ignore_errors=True)
     barrier(ctx)
 
     # 1. The model in Hugging Face format: gathered to rank 0 (on CPU) and written there.

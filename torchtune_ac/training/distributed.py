@@ -7,7 +7,11 @@ environment it sets: NCCL on CUDA, gloo on CPU.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import signal
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,6 +21,8 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchtune_ac.errors import UserError
+
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass(frozen=True)
@@ -65,12 +71,30 @@ def init_distributed(device: str) -> DistributedContext:
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     resolved = resolve_device(device, local_rank)
+    if world_size > 1:
+        _exit_with_launcher()
     if world_size > 1 and not dist.is_initialized():
         if resolved.type == "cuda":
             torch.cuda.set_device(resolved)
         dist.init_process_group(backend="nccl" if resolved.type == "cuda" else "gloo", device_id=resolved
                                 if resolved.type == "cuda" else None)
     return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank, device=resolved)
+
+
+def _exit_with_launcher() -> None:
+    """Ask Linux to terminate this worker when its launcher dies.
+
+    The elastic launcher starts each worker in a session of its own, so a hard kill of the launcher
+    (SIGKILL, OOM killer) would otherwise leave workers training and writing to ``output_dir`` while the
+    user resumes the run. Elsewhere than Linux this is a no-op.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    launcher = os.getppid()
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher:  # the launcher died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def destroy_distributed() -> None:

@@ -90,13 +90,14 @@ def _check_output_dir(cfg: FullFinetuneConfig, strict: bool) -> None:
         raise UserError(f"resume_from_checkpoint=true: output_dir {out} has no checkpoint to resume from")
 
 
-def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size: int = 1) -> PreflightReport:
+def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size: Optional[int] = 1) -> PreflightReport:
     """Run the start-up checks.
 
     Args:
         cfg: the validated config.
         strict: file-system and device problems are errors (True) or warnings (False).
-        world_size: number of processes the run will use (for the global batch size and resume checks).
+        world_size: number of processes the run will use (for the resume checks); None when unknown (an
+            elastic node range), which skips the world-size comparison.
 
     Raises:
         UserError: the first problem found (config problems always; file problems when ``strict``).
@@ -124,7 +125,8 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
             checkpoint = find_resumable_checkpoint(Path(cfg.output_dir).expanduser())
             if checkpoint is not None:
                 _, saved = read_trainer_state(checkpoint)
-                check_resume_shape(checkpoint, saved, run_shape(cfg, world_size, model))
+                current = run_shape(cfg, saved.world_size if world_size is None else world_size, model)
+                check_resume_shape(checkpoint, saved, current)
 
         soft(check_resume)
 
