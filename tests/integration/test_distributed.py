@@ -1,0 +1,66 @@
+"""The same global batch gives the same training however it is split: over 2 processes (FSDP2 on gloo), over
+accumulation micro-batches, or not at all. The sampler fixes the global batch order, so runs are comparable
+step for step (fp32, shuffle on, dropout off)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from finetune_runs import (
+    check_success,
+    final_checkpoint,
+    load_weights,
+    max_weight_difference,
+    run_tune_in_process,
+    run_tune_subprocess,
+    tune_run_argv,
+)
+
+from torchtune_ac.training.metrics import read_metrics
+
+STEPS = 5
+LOSS_RTOL = 1e-4
+WEIGHT_ATOL = 1e-5
+
+
+def _run(output_dir: Path, *, nproc: int, batch_size: int, accumulation: int) -> list[dict]:
+    argv = tune_run_argv(output_dir, f"max_steps_per_epoch={STEPS}", f"batch_size={batch_size}",
+                         f"gradient_accumulation_steps={accumulation}", nproc=nproc)
+    check_success(run_tune_subprocess(argv) if nproc > 1 else run_tune_in_process(argv))
+    records = read_metrics(output_dir)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "rank 0 alone logs each step once"
+    return records
+
+
+def _assert_same_training(a: Path, records_a: list[dict], b: Path, records_b: list[dict]) -> None:
+    for ra, rb in zip(records_a, records_b):
+        assert ra["target_tokens"] == rb["target_tokens"], (ra, rb)  # the same samples made each step
+        assert abs(ra["loss"] - rb["loss"]) <= LOSS_RTOL * abs(rb["loss"]), (ra, rb)
+        assert ra["grad_norm"] == pytest.approx(rb["grad_norm"], rel=1e-4), (ra, rb)
+    difference = max_weight_difference(load_weights(final_checkpoint(a)), load_weights(final_checkpoint(b)))
+    assert difference <= WEIGHT_ATOL
+
+
+@pytest.fixture(scope="module")
+def one_batch_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """1 process, the whole global batch of 4 in one micro-batch."""
+    output_dir = tmp_path_factory.mktemp("distributed") / "one_batch"
+    return output_dir, _run(output_dir, nproc=1, batch_size=4, accumulation=1)
+
+
+# (processes, batch_size, gradient_accumulation_steps): every row has a global batch of 4 samples per step.
+@pytest.mark.parametrize(
+    "split",
+    [
+        pytest.param((2, 2, 1), id="2_processes_x_2", marks=pytest.mark.distributed),
+        pytest.param((2, 1, 2), id="2_processes_x_1_x_2_accumulation", marks=pytest.mark.distributed),
+        pytest.param((1, 2, 2), id="1_process_x_2_x_2_accumulation"),
+    ],
+)
+def test_split_global_batch_trains_like_one_batch(
+    split: tuple[int, int, int], tmp_path: Path, one_batch_run: tuple[Path, list[dict]]
+) -> None:
+    nproc, batch_size, accumulation = split
+    records = _run(tmp_path, nproc=nproc, batch_size=batch_size, accumulation=accumulation)
+    _assert_same_training(tmp_path, records, *one_batch_run)

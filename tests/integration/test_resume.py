@@ -1,0 +1,131 @@
+"""Kill a run with SIGKILL mid-training, resume it, and get exactly the run that was never interrupted: every
+step logged once, the same losses and learning rates, the same final weights. Dropout is on, so each rank's
+RNG state must be restored for the masks after the resume to match."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from finetune_runs import (
+    DROPOUT,
+    assert_only_complete_checkpoints,
+    check_success,
+    final_checkpoint,
+    load_weights,
+    logged_steps,
+    run_tune_subprocess,
+    subprocess_env,
+    tune_command,
+    tune_run_argv,
+)
+
+from torchtune_ac.training.metrics import read_metrics
+
+EPOCHS, STEPS_PER_EPOCH, SAVE_EVERY = 3, 20, 5
+TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH
+# Killed once this step is logged: after two saves, mid-epoch, with 48 steps (seconds of work) of margin.
+KILL_AFTER_STEP = 12
+KILL_TIMEOUT_S = 240
+LOSS_RTOL = 1e-6
+# A save interrupted by the kill may leave this; a later save of the same step must replace it.
+DEBRIS = f".tmp-step_{TOTAL_STEPS:07d}"
+
+
+def _resume_argv(output_dir: Path, nproc: int, *extra: str) -> list[str]:
+    return tune_run_argv(
+        output_dir,
+        f"batch_size={4 // nproc}",
+        f"epochs={EPOCHS}",
+        f"max_steps_per_epoch={STEPS_PER_EPOCH}",
+        f"save_every_n_steps={SAVE_EVERY}",
+        *DROPOUT,
+        *extra,
+        nproc=nproc,
+    )
+
+
+def _kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL the run and every process it started, like a crash would: each elastic worker leads its own
+    session, so killing the launcher's process group alone would leave the workers training (and writing)."""
+    try:
+        workers = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        workers = []
+    for worker in workers:
+        try:
+            worker.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+    psutil.wait_procs(workers, timeout=30)
+
+
+def _start_and_kill(output_dir: Path, nproc: int, log: Path) -> int:
+    """Start the run, SIGKILL it once step KILL_AFTER_STEP is logged; return the last step it logged."""
+    with log.open("w") as stderr:
+        process = subprocess.Popen(tune_command(_resume_argv(output_dir, nproc)), stdout=subprocess.DEVNULL,
+                                   stderr=stderr, env=subprocess_env(), start_new_session=True)
+    deadline = time.monotonic() + KILL_TIMEOUT_S
+    try:
+        while max(logged_steps(output_dir), default=0) < KILL_AFTER_STEP:
+            if process.poll() is not None:
+                pytest.fail(f"the run ended (exit {process.returncode}) before step {KILL_AFTER_STEP} was logged, "
+                            f"so it could not be killed mid-run:\n{log.read_text()[-3000:]}")
+            if time.monotonic() > deadline:
+                pytest.fail(f"step {KILL_AFTER_STEP} not logged within {KILL_TIMEOUT_S} s")
+            time.sleep(0.02)
+    finally:
+        _kill_tree(process)
+    last = logged_steps(output_dir)[-1]
+    if last >= TOTAL_STEPS:
+        pytest.fail(f"the run reached its last step {last} before it was killed")
+    return last
+
+
+def _check_kill_and_resume(tmp_path: Path, nproc: int) -> None:
+    reference_dir, resumed_dir = tmp_path / "uninterrupted", tmp_path / "resumed"
+    check_success(run_tune_subprocess(_resume_argv(reference_dir, nproc)))
+
+    killed_at = _start_and_kill(resumed_dir, nproc, tmp_path / "killed.log")
+    saved = assert_only_complete_checkpoints(resumed_dir, world_size=nproc)
+    assert saved % SAVE_EVERY == 0 and SAVE_EVERY <= saved <= killed_at
+    (resumed_dir / DEBRIS).mkdir()
+    (resumed_dir / DEBRIS / "model.safetensors").write_bytes(b"half a file")
+
+    result = run_tune_subprocess(_resume_argv(resumed_dir, nproc, "resume_from_checkpoint=true"))
+    check_success(result)
+    assert f"resumed from {resumed_dir / f'step_{saved:07d}'} at step {saved}" in result.stderr
+
+    resumed, reference = read_metrics(resumed_dir), read_metrics(reference_dir)
+    assert [r["step"] for r in resumed] == list(range(1, TOTAL_STEPS + 1))
+    assert [r["step"] for r in reference] == list(range(1, TOTAL_STEPS + 1))
+    for ours, expected in zip(resumed, reference):
+        assert abs(ours["loss"] - expected["loss"]) <= LOSS_RTOL * abs(expected["loss"]), (ours, expected)
+        assert ours["lr"] == expected["lr"] and ours["epoch"] == expected["epoch"], (ours, expected)
+
+    assert not (resumed_dir / DEBRIS).exists()
+    assert assert_only_complete_checkpoints(resumed_dir, world_size=nproc) == TOTAL_STEPS
+    ours, expected = load_weights(final_checkpoint(resumed_dir)), load_weights(final_checkpoint(reference_dir))
+    assert all(torch.equal(ours[name], expected[name]) for name in expected)
+
+
+@pytest.mark.slow
+def test_killed_single_process_run_resumes_exactly(tmp_path: Path) -> None:
+    _check_kill_and_resume(tmp_path, nproc=1)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_killed_two_process_run_resumes_exactly(tmp_path: Path) -> None:
+    _check_kill_and_resume(tmp_path, nproc=2)
