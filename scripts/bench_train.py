@@ -1,0 +1,298 @@
+"""Benchmark the recipe's training step against a plain Hugging Face transformers training loop, on CPU.
+
+    .venv/bin/python scripts/bench_train.py                     # llama_small, batch 4 x 1024, fp32 (~10 min, 2 cores)
+    .venv/bin/python scripts/bench_train.py --seq-len 128 --steps 2
+
+Both sides start from the same Hugging Face checkpoint (initialised once from the seed and written with
+``save_hf``), train on the same seeded batches with the same AdamW hyperparameters, and optimise the same
+objective (mean next-token cross-entropy over every target token):
+
+  * ours: ``build_training_model`` (the recipe's build -> AC -> load path, world size 1) + ``train_step``;
+  * Hugging Face: ``LlamaForCausalLM`` (SDPA attention) + ``torch.optim.AdamW``; full AC is
+    ``activation_checkpointing_enable`` (formerly ``gradient_checkpointing_enable``) with
+    ``use_reentrant=False``. The loop measures the gradient norm, as ``train_step`` always does (and as the
+    HF Trainer does by default), so both sides do the same work.
+
+Per AC setting, warm-up steps and then timed steps alternate between the two sides (ours, HF, HF, ours, ...)
+so that machine drift (other processes, thermals) hits both equally. Reports median step time, tokens/s and
+the ratio ours / HF; the target is a ratio >= 1 for every setting. Two cross-checks for a shared machine are
+reported next to it: the same ratio from each side's fastest step, and from median process CPU time per step.
+Writes a JSON file and a bar chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+import transformers
+from tqdm import tqdm
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from torchtune_ac import models  # noqa: E402
+from torchtune_ac.config.components import Component  # noqa: E402
+from torchtune_ac.training.distributed import DistributedContext  # noqa: E402
+from torchtune_ac.training.loss import IGNORE_INDEX  # noqa: E402
+from torchtune_ac.training.model_setup import ACSettings, build_training_model  # noqa: E402
+from torchtune_ac.training.step import train_step  # noqa: E402
+
+SETTINGS = ("none", "full")
+SIDES = ("ours", "hf")
+# Same optimizer on both sides; foreach/fused are left at torch's defaults for both.
+ADAMW_KWARGS = {"lr": 2e-5, "weight_decay": 0.0}
+# First-step losses of the two sides must agree this closely, or they are not optimising the same thing.
+LOSS_TOLERANCE = 1e-4
+# Target: ours at least as fast as Hugging Face in every setting.
+TARGET_MIN_RATIO = 1.0
+
+StepFn = Callable[[int], float]
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama_small", help="builder name in torchtune_ac.models")
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--seq-len", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per side and setting")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side and setting, first")
+    parser.add_argument("--settings", default="none,full", help="comma-separated AC settings: none, full")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out-json", type=Path, default=REPO / "bench_results" / "bench_train.json")
+    parser.add_argument("--out-png", type=Path, default=REPO / "docs" / "images" / "bench_train.png")
+    args = parser.parse_args(argv)
+    args.settings = [s.strip().lower() for s in args.settings.split(",")]
+    unknown = [s for s in args.settings if s not in SETTINGS]
+    if unknown or len(set(args.settings)) != len(args.settings):
+        parser.error(f"--settings {','.join(args.settings)}: each of {', '.join(SETTINGS)} at most once "
+                     "(Hugging Face has no selective AC to compare against)")
+    if not callable(getattr(models, args.model, None)):
+        parser.error(f"--model {args.model!r}: no such builder in torchtune_ac.models")
+    for name in ("batch_size", "steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be at least 1")
+    if args.seq_len < 2:
+        parser.error(f"--seq-len={args.seq_len}: must be at least 2 (one target token per row)")
+    if args.warmup < 0:
+        parser.error(f"--warmup={args.warmup}: must be 0 or more")
+    return args
+
+
+def write_checkpoint(model_name: str, seed: int, out_dir: Path) -> int:
+    """Initialise ``model_name`` from ``seed`` and save it as a Hugging Face checkpoint; returns its vocab size."""
+    torch.manual_seed(seed)
+    model = getattr(models, model_name)()
+    model.init_weights()
+    models.save_hf(model, out_dir)
+    return model.args.vocab_size
+
+
+def make_batches(n: int, batch_size: int, seq_len: int, vocab_size: int, seed: int) -> list[torch.Tensor]:
+    """``n`` random token batches ``[batch_size, seq_len]``, the same for a given seed."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (batch_size, seq_len), generator=generator) for _ in range(n)]
+
+
+def shift_labels(tokens: torch.Tensor) -> torch.Tensor:
+    """Targets for ``train_step``: ``labels[:, i] = tokens[:, i + 1]``; the last position has none."""
+    ignore = torch.full_like(tokens[:, :1], IGNORE_INDEX)
+    return torch.cat([tokens[:, 1:], ignore], dim=1)  # [b, s]
+
+
+def build_ours(model_name: str, checkpoint_dir: Path, setting: str, batches: list[torch.Tensor],
+               seed: int) -> tuple[StepFn, str]:
+    """The recipe's model, optimizer and step on one CPU process.
+
+    Returns:
+        ``step(i)`` training on ``batches[i]`` and returning the loss, and the AC plan as text.
+    """
+    ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    model, plan = build_training_model(
+        Component(key="model", path=f"torchtune_ac.models.{model_name}"),
+        ctx=ctx,
+        dtype="fp32",
+        ac=ACSettings(ac_mode=setting),
+        compile_blocks=False,
+        checkpoint_dir=str(checkpoint_dir),
+        seed=seed,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_KWARGS)
+    micro_batches = [[{"tokens": tokens, "labels": shift_labels(tokens)}] for tokens in batches]
+
+    def step(i: int) -> float:
+        return train_step(model, optimizer, micro_batches[i], ctx=ctx).loss
+
+    return step, str(plan)
+
+
+def build_hf(checkpoint_dir: Path, setting: str, batches: list[torch.Tensor]) -> StepFn:
+    """A plain Hugging Face loop: ``LlamaForCausalLM`` (SDPA), AdamW, full AC through HF's own switch.
+
+    Returns:
+        ``step(i)`` training on ``batches[i]`` and returning the loss.
+    """
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        checkpoint_dir, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    if setting == "full":
+        # The current name of ``gradient_checkpointing_enable`` (a deprecated alias since transformers 5).
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_KWARGS)
+
+    def step(i: int) -> float:
+        # HF shifts the labels itself, so it gets the unshifted tokens; no KV cache while training.
+        loss = model(input_ids=batches[i], labels=batches[i], use_cache=False).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=math.inf)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+def run_setting(args: argparse.Namespace, setting: str, checkpoint_dir: Path, batches: list[torch.Tensor],
+                bar: tqdm) -> dict:
+    """Warm up and time both sides on one AC setting, alternating which side goes first each round."""
+    ours, plan = build_ours(args.model, checkpoint_dir, setting, batches, args.seed)
+    steps = {"ours": ours, "hf": build_hf(checkpoint_dir, setting, batches)}
+    losses: dict[str, list[float]] = {side: [] for side in SIDES}
+    times: dict[str, list[float]] = {side: [] for side in SIDES}
+    cpu_times: dict[str, list[float]] = {side: [] for side in SIDES}
+    for i in range(args.warmup + args.steps):
+        order = SIDES if i % 2 == 0 else SIDES[::-1]
+        for side in order:
+            bar.set_postfix(setting=setting, side=side, step=i)
+            start, cpu_start = time.perf_counter(), time.process_time()
+            losses[side].append(steps[side](i))
+            elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
+            if i >= args.warmup:
+                times[side].append(elapsed)
+                cpu_times[side].append(cpu_elapsed)
+            bar.update(1)
+        if i == 0:
+            check_first_losses(setting, losses["ours"][0], losses["hf"][0])
+    del steps, ours
+
+    tokens = args.batch_size * args.seq_len
+    entry: dict = {"setting": setting, "plan": plan}
+    for side in SIDES:
+        median = statistics.median(times[side])
+        entry[side] = {"step_times_s": times[side], "median_step_time_s": median, "tokens_per_second": tokens / median,
+                       "min_step_time_s": min(times[side]), "cpu_times_s": cpu_times[side],
+                       "median_cpu_time_s": statistics.median(cpu_times[side]), "losses": losses[side]}
+    entry["ratio"] = entry["ours"]["tokens_per_second"] / entry["hf"]["tokens_per_second"]
+    # Two views less exposed to other processes sharing the CPU: the fastest step of each side (interference
+    # only ever adds time) and process CPU time (what this process did, not how long it waited for a core).
+    entry["ratio_fastest_step"] = entry["hf"]["min_step_time_s"] / entry["ours"]["min_step_time_s"]
+    entry["ratio_cpu_time"] = entry["hf"]["median_cpu_time_s"] / entry["ours"]["median_cpu_time_s"]
+    entry["target_met"] = entry["ratio"] >= TARGET_MIN_RATIO
+    entry["max_loss_difference"] = max(abs(a - b) for a, b in zip(losses["ours"], losses["hf"]))
+    return entry
+
+
+def check_first_losses(setting: str, ours: float, hf: float) -> None:
+    """Print the first-step losses; raise if they differ (the two sides would not be comparable)."""
+    difference = abs(ours - hf)
+    tqdm.write(f"[{setting}] first-step loss: ours {ours:.6f}, hf {hf:.6f}, |difference| {difference:.2e}")
+    if difference > LOSS_TOLERANCE:
+        raise RuntimeError(
+            f"[{setting}] first-step losses differ by {difference:.2e} > {LOSS_TOLERANCE:g}: the two sides do not "
+            "compute the same objective on the same weights"
+        )
+
+
+def run_benchmark(args: argparse.Namespace) -> dict:
+    """Measure every setting; returns ``{"config": ..., "results": [one dict per setting]}``."""
+    n_steps = args.warmup + args.steps
+    with tempfile.TemporaryDirectory(prefix="bench_train_") as tmp:
+        checkpoint_dir = Path(tmp) / "checkpoint"
+        vocab_size = write_checkpoint(args.model, args.seed, checkpoint_dir)
+        batches = make_batches(n_steps, args.batch_size, args.seq_len, vocab_size, args.seed)
+        total = len(args.settings) * n_steps * len(SIDES)
+        with tqdm(total=total, desc="bench_train", unit="step", file=sys.stderr) as bar:
+            results = [run_setting(args, setting, checkpoint_dir, batches, bar) for setting in args.settings]
+    return {
+        "config": {
+            "model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len, "dtype": "float32",
+            "device": "cpu", "steps": args.steps, "warmup_steps": args.warmup, "seed": args.seed,
+            "optimizer": {"name": "torch.optim.AdamW", **ADAMW_KWARGS}, "hf_attn_implementation": "sdpa",
+            "hf_activation_checkpointing_kwargs": {"use_reentrant": False},
+            "order": "per step index, alternating: ours then hf, hf then ours, ...",
+            "target_min_ratio": TARGET_MIN_RATIO, "torch": torch.__version__,
+            "transformers": transformers.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "machine": platform.machine(),
+        },
+        "results": results,
+    }
+
+
+def format_table(report: dict) -> str:
+    """The results as a fixed-width text table (ratios are ours / HF in speed: above 1 means ours is faster)."""
+    header = (f"{'AC':5} {'ours s/step':>11} {'HF s/step':>10} {'ours tok/s':>10} {'HF tok/s':>9} "
+              f"{'ours/HF':>8} {'target':>7} {'fastest':>8} {'CPU time':>9} {'max |dloss|':>11}")
+    lines = [header, "-" * len(header)]
+    for r in report["results"]:
+        lines.append(
+            f"{r['setting']:5} {r['ours']['median_step_time_s']:11.2f} {r['hf']['median_step_time_s']:10.2f} "
+            f"{r['ours']['tokens_per_second']:10.0f} {r['hf']['tokens_per_second']:9.0f} {r['ratio']:8.3f} "
+            f"{'met' if r['target_met'] else 'MISSED':>7} {r['ratio_fastest_step']:8.3f} {r['ratio_cpu_time']:9.3f} "
+            f"{r['max_loss_difference']:11.1e}"
+        )
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    """Save a grouped bar chart of tokens/s (ours vs HF per AC setting) to ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = report["results"]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    width = 0.38
+    for offset, side, label, color in ((-width / 2, "ours", "torchtune_ac recipe step", "tab:blue"),
+                                       (width / 2, "hf", "HF LlamaForCausalLM loop", "tab:gray")):
+        xs = [i + offset for i in range(len(results))]
+        values = [r[side]["tokens_per_second"] for r in results]
+        ax.bar(xs, values, width, label=label, color=color)
+        for x, v in zip(xs, values):
+            ax.annotate(f"{v:,.0f}", (x, v), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=8)
+    ax.set_xticks(range(len(results)), [f"AC {r['setting']}\nours/HF = {r['ratio']:.3f}" for r in results])
+    ax.set_ylabel("tokens / s (median step)")
+    cfg = report["config"]
+    ax.set_title(f"Training step on {cfg['model']}: batch {cfg['batch_size']} x {cfg['seq_len']} tokens, fp32, "
+                 f"{cfg['threads']} CPU threads", fontsize=9)
+    ax.set_ylim(0, 1.3 * max(r[s]["tokens_per_second"] for r in results for s in SIDES))
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(loc="upper center", ncol=2, fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    report = run_benchmark(args)
+    print(format_table(report))
+    args.out_json.parent.mkdir(parents=True, exist_ok=True)
+    args.out_json.write_text(json.dumps(report, indent=2) + "\n")
+    plot(report, args.out_png)
+    print(f"wrote {args.out_json} and {args.out_png}")
+
+
+if __name__ == "__main__":
+    main()
