@@ -142,8 +142,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [b, n_kv, s, hd]
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        if self.n_kv_heads != self.n_heads:
-            # Expanding K/V here (rather than SDPA's enable_gqa) keeps every SDPA backend available.
+        # Causal attention without a mask runs on flash kernels, which take grouped K/V as they are. With a
+        # document mask, CUDA's memory-efficient kernel does not, so K/V are expanded to one per query head
+        # rather than letting SDPA fall back to its slow math path.
+        gqa = self.n_kv_heads != self.n_heads
+        if gqa and mask is not None:
             repeat = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(repeat, dim=1)  # [b, n_heads, s, hd]
             v = v.repeat_interleave(repeat, dim=1)
@@ -154,6 +157,7 @@ class Attention(nn.Module):
             attn_mask=mask,
             dropout_p=self.dropout if self.training else 0.0,
             is_causal=mask is None,
+            enable_gqa=gqa and mask is None,
         )  # [b, n_heads, s, hd]
         out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
         return self.o_proj(out)
