@@ -14,6 +14,10 @@ AC is applied with the composable ``torch.distributed._composable.checkpoint``, 
 hooks on each chosen block instead of wrapping it, so ``model.state_dict()`` keys do not change and
 ``fully_shard`` can be applied to the same blocks afterwards. It is non-reentrant and restores the RNG
 state before recomputing, so dropout masks are replayed exactly: gradients are bit-identical to no AC.
+
+With ``block.compile()`` after AC, full and every-k-th-block AC work as usual, but per-op AC degrades to
+full recompute: the hooks run outside the compiled graph, so the policy sees the compiled kernel's
+``aten.mm.out`` calls instead of the matrix multiplies it keeps (results stay correct).
 """
 
 from __future__ import annotations
@@ -47,7 +51,11 @@ class ACConfigError(UserError):
 
     def __init__(self, problems: list[str]) -> None:
         self.problems = list(problems)
-        super().__init__("invalid activation checkpointing settings:\n" + "\n".join(f"  - {p}" for p in problems))
+        if len(self.problems) == 1:
+            super().__init__(self.problems[0])
+        else:
+            lines = "\n".join(f"  - {p}" for p in self.problems)
+            super().__init__(f"{len(self.problems)} problems with the activation checkpointing settings:\n{lines}")
 
 
 def _resolve_aten_ops(names: tuple[str, ...]) -> frozenset:

@@ -7,6 +7,8 @@ settings on CPU, where PyTorch has no allocator statistics.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import gc
 import threading
 import weakref
@@ -68,7 +70,9 @@ def measure_saved_activation_bytes(
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         packed[storage.data_ptr()] = storage.nbytes()
-        return tensor
+        # Detached: an output saved by its own grad_fn would otherwise reference that node from inside it,
+        # a cycle through C++ that Python's gc cannot collect (the whole graph would leak).
+        return tensor.detach()
 
     recorder = _RecordOutputStorages()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), recorder:
@@ -101,6 +105,24 @@ def _reset_vm_hwm() -> bool:
         _read_vm_hwm_bytes()
     except OSError:
         return False
+    return True
+
+
+def return_freed_memory_to_os() -> bool:
+    """Give memory that glibc's malloc holds for reuse back to the OS (Linux), so RSS drops to live data.
+
+    Freed tensors of a few MiB stay in malloc's heap; without this, the next run's peak RSS would start
+    from the previous run's leftovers. Allocation behaviour is not changed (only ``malloc_trim`` is called).
+
+    Returns:
+        True if glibc's ``malloc_trim`` ran; False elsewhere (nothing changed).
+    """
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name is not None else None
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    gc.collect()
+    libc.malloc_trim(0)
     return True
 
 

@@ -1,7 +1,12 @@
 """Measuring what a forward keeps for backward (with and without activation checkpointing), and peak RSS."""
 
 import functools
+import gc
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -96,12 +101,28 @@ def test_activation_bytes_order_across_ac_settings():
     assert measured["full"] < 8 * block_input + 0.2 * measured["none"]
 
 
-def test_measuring_is_repeatable_and_leaves_no_graph_behind():
+def live_tensor_ids() -> set:
+    return {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+
+
+@pytest.mark.parametrize("mode, option", [(None, None), ("full", None), ("selective", "op")])
+def test_measuring_is_repeatable_and_frees_everything_it_measured(mode, option):
     torch.manual_seed(1)
     tokens = torch.randint(0, 128, (2, 64))
     model = build_tiny_llama()
-    first = measure_saved_activation_bytes(model, tokens, exclude=list(model.parameters()))
-    second = measure_saved_activation_bytes(model, tokens, exclude=list(model.parameters()))
+    setup_activation_checkpointing(model, ac_mode=mode, ac_option=option)
+
+    def forward_and_loss(t):
+        logits = model(t[:, :-1])
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), t[:, 1:].flatten())
+
+    gc.collect()
+    before = live_tensor_ids()
+    first = measure_saved_activation_bytes(forward_and_loss, tokens, exclude=list(model.parameters()))
+    gc.collect()
+    # Saving an output through a hook must not create a reference cycle that keeps the graph alive.
+    assert live_tensor_ids() - before == set()
+    second = measure_saved_activation_bytes(forward_and_loss, tokens, exclude=list(model.parameters()))
     assert first == second > 0
     assert all(p.grad is None for p in model.parameters())
 
@@ -125,3 +146,31 @@ def test_peak_rss_sees_a_transient_allocation(monkeypatch, use_proc):
         hold_allocation(size, 0.2)
     assert peak.method == ("VmHWM" if use_proc else "psutil")
     assert peak.peak_bytes >= before.peak_bytes + 0.9 * size
+
+
+RETENTION_SCRIPT = """
+import ctypes, ctypes.util, gc, json, psutil, torch
+from torchtune_ac.training.memory import return_freed_memory_to_os
+# Serve 4 MiB blocks from the heap (as glibc does on its own once large blocks have been freed).
+ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 64 * 2**20)  # M_MMAP_THRESHOLD
+process = psutil.Process()
+return_freed_memory_to_os()
+baseline = process.memory_info().rss
+blocks = [torch.ones(2**20) for _ in range(64)]  # 64 x 4 MiB
+survivors = blocks[1::2]  # every other block stays, so the heap cannot shrink from its top on its own
+del blocks
+gc.collect()
+retained = process.memory_info().rss
+trimmed = return_freed_memory_to_os()
+print(json.dumps([trimmed, (retained - baseline) / 2**20, (process.memory_info().rss - baseline) / 2**20]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc only")
+def test_freed_heap_goes_back_to_the_os():
+    run = subprocess.run([sys.executable, "-c", RETENTION_SCRIPT], capture_output=True, text=True, check=True,
+                         cwd=Path(__file__).resolve().parents[3])
+    trimmed, retained_mib, after_trim_mib = json.loads(run.stdout.strip().splitlines()[-1])
+    assert trimmed is True
+    assert retained_mib > 200  # 128 MiB live plus 128 MiB freed but still resident
+    assert after_trim_mib < 128 + 32
