@@ -743,7 +743,7 @@ def save_hf(
 ) -> Path:
     """Save a (non-sharded) ``Llama`` as a Hugging Face checkpoint that ``AutoModelForCausalLM`` loads.
 
-    Activation checkpointing applied with the composable API leaves parameter names unchanged, so such a
+    Activation checkpointing (``setup_activation_checkpointing``) leaves parameter names unchanged, so such a
     model saves as is. For an FSDP-sharded model gather a full state dict and call ``save_hf_state_dict``.
 
     Args:

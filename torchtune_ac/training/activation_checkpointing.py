@@ -10,14 +10,16 @@ Three config keys decide the plan (the names are torchtune's):
 ``tune validate`` can check a config before anything is built); ``apply_ac_plan`` applies a plan to a
 model in place. ``setup_activation_checkpointing`` does both for a built model.
 
-AC is applied with the composable ``torch.distributed._composable.checkpoint``, which installs forward
-hooks on each chosen block instead of wrapping it, so ``model.state_dict()`` keys do not change and
-``fully_shard`` can be applied to the same blocks afterwards. It is non-reentrant and restores the RNG
-state before recomputing, so dropout masks are replayed exactly: gradients are bit-identical to no AC.
+How AC is applied: each chosen block's ``forward`` is routed through a non-reentrant
+``torch.utils.checkpoint.checkpoint`` of the original ``forward``. No module is swapped or wrapped, so
+``model.state_dict()`` keys do not change, checkpoints load whatever the AC setting, and ``fully_shard`` is
+applied to the very same blocks afterwards. RNG state is restored before recomputing, so dropout masks are
+replayed exactly: gradients are bit-identical to no AC.
 
-With ``block.compile()`` after AC, full and every-k-th-block AC work as usual, but per-op AC degrades to
-full recompute: the hooks run outside the compiled graph, so the policy sees the compiled kernel's
-``aten.mm.out`` calls instead of the matrix multiplies it keeps (results stay correct).
+Why not the hook-based ``torch.distributed._composable.checkpoint``: its hooks run outside a compiled
+block (``block.compile()``), where per-op AC silently degrades to full recompute (the policy sees the
+compiled kernels' ``aten.mm.out`` calls, not the matrix multiplies it keeps). A checkpoint call inside
+``forward`` is traced by ``torch.compile`` together with its policy, so every mode works compiled too.
 """
 
 from __future__ import annotations
@@ -30,8 +32,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
-from torch.distributed._composable import checkpoint
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torchtune_ac.errors import UserError
 
@@ -294,9 +295,26 @@ def _get_blocks(model: nn.Module) -> nn.ModuleList:
     )
 
 
+class CheckpointedForward:
+    """Stands in for a block's ``forward``: runs the original under non-reentrant activation checkpointing.
+
+    Set as an instance attribute (``block.forward = CheckpointedForward(block.forward, ...)``), so the block's
+    class, parameters, hooks and state_dict keys are untouched.
+    """
+
+    def __init__(self, forward: Callable[..., Any], policy: Optional[Callable[..., CheckpointPolicy]]) -> None:
+        self.original_forward = forward
+        # Only per-op AC passes a context_fn: torch.compile traces checkpoint() with or without one, but not
+        # with an explicit no-op one.
+        self.extra = {} if policy is None else {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.original_forward, *args, use_reentrant=False, **self.extra, **kwargs)
+
+
 def is_checkpointed(module: nn.Module) -> bool:
-    """Whether the composable ``checkpoint`` has been applied to ``module`` (by us or anyone)."""
-    return checkpoint.state(module) is not None
+    """Whether activation checkpointing has been applied to ``module`` by ``apply_ac_plan``."""
+    return isinstance(module.__dict__.get("forward"), CheckpointedForward)
 
 
 def apply_ac_plan(model: nn.Module, plan: ACPlan) -> None:
@@ -327,10 +345,7 @@ def apply_ac_plan(model: nn.Module, plan: ACPlan) -> None:
             "apply an AC plan once per model"
         )
     for i in plan.checkpointed_blocks:
-        if plan.policy is None:
-            checkpoint(layers[i])
-        else:
-            checkpoint(layers[i], context_fn=functools.partial(create_selective_checkpoint_contexts, plan.policy))
+        layers[i].forward = CheckpointedForward(layers[i].forward, plan.policy)
 
 
 def setup_activation_checkpointing(

@@ -4,8 +4,8 @@
     -> FSDP2 per block, then root (N > 1) -> allocate on the device -> load Hugging Face weights (each rank
     reads only its own shard) or initialise from the seed.
 
-AC comes before sharding and compile so that the FSDP hooks wrap the checkpointed blocks (the order the
-composable APIs document); nothing is materialised before sharding, so no rank ever holds the full model.
+AC comes first so that compile traces each checkpointed forward (per-op policy included) and the FSDP hooks
+wrap the checkpointed blocks; nothing is materialised before sharding, so no rank ever holds the full model.
 """
 
 from __future__ import annotations

@@ -15,12 +15,12 @@ from models_testlib import (
     save_random_checkpoint,
 )
 from safetensors import safe_open
-from torch.distributed._composable import checkpoint
 from transformers import AutoModelForCausalLM
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.models import copy_tokenizer_files, load_hf, read_hf_config, save_hf, save_hf_state_dict
 from torchtune_ac.models.hf_interop import INDEX_FILE, WEIGHTS_FILE, parse_shard_size
+from torchtune_ac.training.activation_checkpointing import setup_activation_checkpointing
 
 SEQ_LEN = 40
 
@@ -138,11 +138,10 @@ def test_bfloat16_checkpoint_records_dtype_and_loads(tmp_path):
     assert torch.equal(loaded.tok_embeddings.weight, model.tok_embeddings.weight.float())
 
 
-def test_save_with_composable_activation_checkpointing(tmp_path):
+def test_save_with_activation_checkpointing_applied(tmp_path):
     model = build_random_llama(TINY, seed=8)
     plain_keys = list(model.state_dict())
-    for block in model.layers:
-        checkpoint(block)
+    setup_activation_checkpointing(model, ac_mode="selective", ac_option=2)
 
     save_hf(model, tmp_path / "ac")
 
