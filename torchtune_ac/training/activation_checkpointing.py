@@ -25,6 +25,7 @@ compiled kernels' ``aten.mm.out`` calls, not the matrix multiplies it keeps). A 
 from __future__ import annotations
 
 import functools
+import logging
 import numbers
 from dataclasses import dataclass
 from enum import Enum
@@ -346,6 +347,28 @@ def apply_ac_plan(model: nn.Module, plan: ACPlan) -> None:
         )
     for i in plan.checkpointed_blocks:
         layers[i].forward = CheckpointedForward(layers[i].forward, plan.policy)
+
+
+_COMPILED_POLICY_WARNING = "context_fn is passed to torch.utils.checkpoint under torch.compile"
+
+
+class _DropCompiledPolicyWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _COMPILED_POLICY_WARNING not in record.getMessage()
+
+
+def silence_compiled_policy_warning() -> None:
+    """Drop torch's one-time "make sure the checkpointed region does not contain in-place ops" warning.
+
+    ``torch.compile`` prints it whenever a checkpoint with a policy (per-op AC) is traced, because an in-place
+    write inside the region could overwrite a tensor the policy saved. Call this only for blocks known not to
+    do that: the built-in ``TransformerBlock`` never writes to its inputs or to a matmul/attention output
+    (``test_transformer_block_mutates_nothing_per_op_ac_saves``), and compiled per-op AC is checked against
+    eager. Custom models keep the warning. Idempotent.
+    """
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    if not any(isinstance(f, _DropCompiledPolicyWarning) for f in logger.filters):
+        logger.addFilter(_DropCompiledPolicyWarning())
 
 
 def setup_activation_checkpointing(

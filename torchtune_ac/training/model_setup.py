@@ -19,7 +19,13 @@ from torch import nn
 from torchtune_ac.config.components import Component
 from torchtune_ac.errors import UserError
 from torchtune_ac.models import load_hf_weights_
-from torchtune_ac.training.activation_checkpointing import ACPlan, apply_ac_plan, resolve_ac_plan
+from torchtune_ac.models.llama import TransformerBlock
+from torchtune_ac.training.activation_checkpointing import (
+    ACPlan,
+    apply_ac_plan,
+    resolve_ac_plan,
+    silence_compiled_policy_warning,
+)
 from torchtune_ac.training.distributed import DistributedContext, shard_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -97,6 +103,8 @@ def build_training_model(
     plan = plan_activation_checkpointing(ac, len(built.layers))
     apply_ac_plan(built, plan)
     if compile_blocks:
+        if plan.policy is not None and all(isinstance(b, TransformerBlock) for b in built.layers):
+            silence_compiled_policy_warning()
         for block in built.layers:
             block.compile()
     if ctx.is_distributed:

@@ -2,6 +2,7 @@
 exact dropout replay, recompute cost (FLOPs), the per-op policy, and composition with torch.compile."""
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.llama import Llama, LlamaArgs
+from torchtune_ac.models.llama import Llama, LlamaArgs, document_causal_mask, positions_from_document_ids
 from torchtune_ac.training.activation_checkpointing import (
     SAVED_OPS,
     ACConfigError,
@@ -23,6 +24,7 @@ from torchtune_ac.training.activation_checkpointing import (
     resolve_ac_plan,
     save_matmuls_and_attention,
     setup_activation_checkpointing,
+    silence_compiled_policy_warning,
 )
 
 VOCAB = 128
@@ -434,3 +436,94 @@ def test_every_mode_keeps_its_memory_profile_when_compiled():
         packed[mode, option] = bytes_packed_for_backward(model, tokens)
     none, full, op = packed["none", None], packed["full", None], packed["selective", "op"]
     assert full < op < none, packed
+
+
+class RecordMutations(torch.utils._python_dispatch.TorchDispatchMode):
+    """Records in-place mutations of tensors that per-op AC could rely on: the region's inputs and the outputs
+    of the ops the policy saves."""
+
+    def __init__(self, inputs):
+        super().__init__()
+        self.protected = {t.untyped_storage().data_ptr(): "input" for t in inputs}
+        self.alive = list(inputs)  # keeps protected storages allocated, so their addresses are not reused
+        self.bad = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        schema = func._schema
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                value = args[i] if i < len(args) else kwargs.get(arg.name)
+                if isinstance(value, torch.Tensor):
+                    owner = self.protected.get(value.untyped_storage().data_ptr())
+                    if owner is not None:
+                        self.bad.append(f"{func} mutates {owner}")
+        out = func(*args, **kwargs)
+        if func in SAVED_OPS:
+            for t in out if isinstance(out, (tuple, list)) else [out]:
+                if isinstance(t, torch.Tensor):
+                    self.protected[t.untyped_storage().data_ptr()] = f"the saved output of {func}"
+                    self.alive.append(t)
+        return out
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("document_ids", [False, True])
+def test_transformer_block_mutates_nothing_per_op_ac_saves(dropout, document_ids):
+    """The premise of silence_compiled_policy_warning: the built-in block never writes in place to its inputs
+    or to a matmul/attention output (dropout fills fresh mask tensors in place, which is harmless)."""
+    model = build_tiny(n_layers=1, dropout=dropout)
+    model.train()
+    tokens = torch.randint(0, VOCAB, (2, 16))
+    x = model.tok_embeddings(tokens).detach().requires_grad_()
+    if document_ids:
+        ids = torch.tensor([[0] * 8 + [1] * 8] * 2)
+        positions, mask = positions_from_document_ids(ids), document_causal_mask(ids)
+    else:
+        positions, mask = torch.arange(16).expand(2, 16), None
+    cos, sin = model.rope_cos_sin(positions, x.dtype)
+    inputs = [x, cos, sin] + ([mask] if mask is not None else [])
+    with RecordMutations(inputs) as recorder:
+        model.layers[0](x, cos, sin, mask)
+    assert recorder.bad == []
+    # The recorder does catch such writes, so the empty list above means something.
+    with RecordMutations([x]) as recorder:
+        y = torch.mm(x[0], model.layers[0].attn.q_proj.weight.t())
+        y.relu_()
+        x.detach().mul_(1)
+    assert recorder.bad == ["aten.relu_.default mutates the saved output of aten.mm.default", "aten.mul_.Tensor mutates input"]
+
+
+@pytest.mark.slow
+def test_compiled_blocks_replay_dropout_in_every_mode():
+    """Compiled, with dropout, every AC mode gives the loss and gradients of compiled training without AC:
+    the recompute inside each compiled block reuses the forward's dropout masks."""
+    tokens = torch.randint(0, VOCAB, (2, 17))
+    results = {}
+    for mode, option in [("none", None), ("full", None), ("selective", "op"), ("selective", 2)]:
+        torch._dynamo.reset()
+        model = build_tiny(n_layers=2, dropout=0.3)
+        setup_activation_checkpointing(model, ac_mode=mode, ac_option=option)
+        for block in model.layers:
+            block.compile()
+        results[mode, option] = run_step(model, tokens)
+    ref_loss, ref_grads = results["none", None]
+    for key, (loss, grads) in results.items():
+        assert torch.equal(loss, ref_loss), key
+        for name, grad in ref_grads.items():
+            assert torch.equal(grads[name], grad), (key, name)
+
+
+def test_compiled_policy_warning_filter_drops_only_that_warning(caplog):
+    logger = logging.getLogger("torch._higher_order_ops.wrap")
+    before = list(logger.filters)
+    try:
+        silence_compiled_policy_warning()
+        silence_compiled_policy_warning()
+        assert len(logger.filters) == len(before) + 1
+        with caplog.at_level(logging.WARNING, logger=logger.name):
+            logger.warning("\nDetected that context_fn is passed to torch.utils.checkpoint under torch.compile.\n")
+            logger.warning("something else")
+        assert [r.getMessage() for r in caplog.records] == ["something else"]
+    finally:
+        logger.filters[:] = before
