@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -186,6 +187,16 @@ def test_wheel_install_runs_outside_the_source_tree(tmp_path):
         timeout=300,
     )
     (wheel,) = wheel_dir.glob("torchtune_ac-*.whl")
+    # Every shipped config, recipe and embedded data file is in the wheel (a new config folder must not be
+    # left out of the package list).
+    in_wheel = set(zipfile.ZipFile(wheel).namelist())
+    expected = (
+        [f"torchtune_ac/_configs/{p.relative_to(REPO / 'configs').as_posix()}" for p in (REPO / "configs").rglob("*.yaml")]
+        + [f"torchtune_ac/_recipes/{p.name}" for p in (REPO / "recipes").glob("*.py")]
+        + [f"torchtune_ac/data/embedded/{p.name}" for p in (REPO / "torchtune_ac/data/embedded").iterdir() if p.is_file()]
+    )
+    assert len(expected) > 10
+    assert sorted(set(expected) - in_wheel) == []
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     site = next(venv.glob("lib/python*/site-packages"))
