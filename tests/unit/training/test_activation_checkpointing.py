@@ -497,7 +497,12 @@ def test_transformer_block_mutates_nothing_per_op_ac_saves(dropout, document_ids
 @pytest.mark.slow
 def test_compiled_blocks_replay_dropout_in_every_mode():
     """Compiled, with dropout, every AC mode gives the loss and gradients of compiled training without AC:
-    the recompute inside each compiled block reuses the forward's dropout masks."""
+    the recompute inside each compiled block reuses the forward's dropout masks.
+
+    Not bit for bit: inductor fuses a checkpointed graph differently from a plain one, so sums may be
+    reassociated (seen: 7.5e-9 on the embedding gradient). A replay with other masks is off by orders of
+    magnitude more than the tolerance, which the last assertion shows."""
+    torch.manual_seed(0)
     tokens = torch.randint(0, VOCAB, (2, 17))
     results = {}
     for mode, option in [("none", None), ("full", None), ("selective", "op"), ("selective", 2)]:
@@ -508,10 +513,21 @@ def test_compiled_blocks_replay_dropout_in_every_mode():
             block.compile()
         results[mode, option] = run_step(model, tokens)
     ref_loss, ref_grads = results["none", None]
-    for key, (loss, grads) in results.items():
-        assert torch.equal(loss, ref_loss), key
+
+    def assert_same(loss, grads, key):
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=0, msg=lambda m: f"{key} loss: {m}")
         for name, grad in ref_grads.items():
-            assert torch.equal(grads[name], grad), (key, name)
+            torch.testing.assert_close(grads[name], grad, rtol=1e-5, atol=1e-7, msg=lambda m: f"{key} {name}: {m}")
+
+    for key, (loss, grads) in results.items():
+        assert_same(loss, grads, key)
+    # The same model with other dropout masks (another seed) fails that comparison.
+    model = build_tiny(n_layers=2, dropout=0.3)
+    torch.manual_seed(99)
+    loss = F.cross_entropy(model(tokens[:, :-1]).reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    with pytest.raises(AssertionError):
+        assert_same(loss.detach(), {n: p.grad for n, p in model.named_parameters()}, "other masks")
 
 
 def test_compiled_policy_warning_filter_drops_only_that_warning(caplog):
