@@ -38,14 +38,14 @@ class MetricsWriter:
             output_dir: run directory.
             resume_after_step: when resuming from a checkpoint taken after this step, lines for later steps
                 (logged by the interrupted run after its last checkpoint) are dropped first, so every step
-                appears once.
+                appears once; so is a last line cut short by a kill mid-write (it has no newline).
         """
         self.path = Path(output_dir) / METRICS_FILE
         if resume_after_step is not None and self.path.exists():
             kept = [
                 line
                 for line in self.path.read_text().splitlines(keepends=True)
-                if line.strip() and json.loads(line)["step"] <= resume_after_step
+                if line.endswith("\n") and json.loads(line)["step"] <= resume_after_step
             ]
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(kept))
