@@ -1,6 +1,8 @@
 """The `tune` command as users type it: ls, cp, validate, and bad command lines (exit 2, one short message)."""
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -228,3 +230,16 @@ def test_wheel_install_runs_outside_the_source_tree(tmp_path):
     assert validate.returncode == 0, validate.stderr
     assert str(site) in validate.stdout  # the config came from the wheel, not from the source tree
     assert "full: all 8 blocks" in validate.stdout
+
+
+def test_validate_names_the_config_file_of_an_unsupported_checkpoint(tmp_path, capsys, embedded_checkpoint):
+    checkpoint = tmp_path / "yarn"
+    shutil.copytree(embedded_checkpoint, checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (checkpoint / "config.json").write_text(json.dumps(config))
+
+    main(["validate", "--config", "tiny/full", f"checkpoint_dir={checkpoint}"])
+
+    out = capsys.readouterr().out
+    assert f"{checkpoint / 'config.json'}: unsupported Hugging Face Llama config: rope_scaling.rope_type='yarn'" in out

@@ -417,10 +417,16 @@ def _read_region(f, name: str, region: tuple[slice, ...]) -> torch.Tensor:
 
 
 def _check_config_matches(checkpoint_dir: Path, args: LlamaArgs) -> None:
-    """Fail when the checkpoint's RoPE or norm settings differ from the model's: shapes would still match,
-    so the weights would load and silently compute something else."""
+    """Fail when the checkpoint's head layout, RoPE or norm settings differ from the model's: shapes would
+    still match (e.g. 8 heads of 16 vs 4 heads of 32), so the weights would load and silently compute
+    something else."""
     config_args = read_llama_args(checkpoint_dir)
     mismatches = []
+    for field, hf_key in (("n_heads", "num_attention_heads"), ("n_kv_heads", "num_key_value_heads"),
+                          ("resolved_head_dim", "head_dim")):
+        ours, theirs = getattr(args, field), getattr(config_args, field)
+        if ours != theirs:
+            mismatches.append(f"{hf_key}={theirs} but the model has {field.removeprefix('resolved_')}={ours}")
     for field, hf_key in (("rope_theta", "rope_theta"), ("norm_eps", "rms_norm_eps")):
         ours, theirs = getattr(args, field), getattr(config_args, field)
         if not math.isclose(ours, theirs, rel_tol=1e-6):
@@ -447,7 +453,7 @@ def load_hf_weights_(model: nn.Module, checkpoint_dir: PathLike) -> None:
 
     Raises:
         UserError: missing or unreadable files, missing / unexpected tensors, shape mismatches, a
-            non-floating dtype, RoPE or norm settings that differ from the model's, or an untied
+            non-floating dtype, head counts, RoPE or norm settings that differ from the model's, or an untied
             ``lm_head.weight`` in a checkpoint loaded into a model with tied embeddings.
         ValueError: the model is still on the meta device, or its tied weights were untied.
     """

@@ -55,6 +55,10 @@ class LlamaArgs:
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_dim", "max_seq_len"):
             if getattr(self, name) <= 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
+        if self.head_dim is not None and self.head_dim <= 0:
+            problems.append(f"head_dim={self.head_dim} must be positive")
+        if not self.rope_theta > 0:
+            problems.append(f"rope_theta={self.rope_theta} must be positive")
         if self.n_heads > 0 and self.n_kv_heads > 0 and self.n_heads % self.n_kv_heads:
             problems.append(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.head_dim is None and self.n_heads > 0 and self.dim % self.n_heads:

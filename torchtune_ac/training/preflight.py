@@ -17,7 +17,7 @@ import torch
 
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import llama_args_from_hf_config, read_hf_config
+from torchtune_ac.models.hf_interop import read_llama_args
 from torchtune_ac.training.activation_checkpointing import ACPlan
 from torchtune_ac.training.checkpointing import RunShape, check_resume_shape, find_resumable_checkpoint, list_checkpoints, read_trainer_state
 from torchtune_ac.training.distributed import resolve_device
@@ -57,7 +57,7 @@ def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module) 
 
 
 def _check_checkpoint_dir(checkpoint_dir: str, model: torch.nn.Module) -> None:
-    hf_args = asdict(llama_args_from_hf_config(read_hf_config(checkpoint_dir)))
+    hf_args = asdict(read_llama_args(checkpoint_dir))  # errors name the config.json
     hf_args["head_dim"] = hf_args["head_dim"] or hf_args["dim"] // hf_args["n_heads"]
     ours = model_shape_args(model)
     diff = [f"{key} {hf_args[key]} vs {ours[key]}" for key in ours if hf_args[key] != ours[key]]

@@ -200,6 +200,9 @@ def test_scaling_without_original_length_uses_max_positions():
         ({"hidden_size": "32"}, "hidden_size='32': must be int"),
         ({"tie_word_embeddings": "yes"}, "tie_word_embeddings='yes': must be bool"),
         ({"num_key_value_heads": 3}, "n_heads=4 must be a multiple of n_kv_heads=3"),
+        ({"head_dim": -8}, "head_dim=-8 must be positive"),
+        ({"head_dim": 0}, "head_dim=0 must be positive"),
+        ({"rope_theta": 0}, "rope_theta=0.0 must be positive"),
     ],
 )
 def test_unsupported_config_names_the_key(change, key):

@@ -163,8 +163,19 @@ CASES = [
     (integer_dtype, TINY, [WEIGHTS_FILE, "model.norm.weight", "I64"]),
     (tied_head_differs, TIED, [WEIGHTS_FILE, "lm_head.weight", "differs"]),
 ]
+
+
+def head_layout_differs(tmp_path):
+    # 8 heads of 4 and 4 KV heads of 4: every tensor has the same shape as TINY's 4 heads of 8 and 2 KV heads.
+    return save_random_checkpoint(tmp_path / "c", args=dataclasses.replace(TINY, n_heads=8, n_kv_heads=4))
+
+
 # Only an existing model can disagree with the checkpoint's config (load_hf builds from that config).
-EXISTING_MODEL_CASES = CASES + [(config_rope_differs, TINY, ["config.json", "rope_theta=1234.0", "10000.0"])]
+EXISTING_MODEL_CASES = CASES + [
+    (config_rope_differs, TINY, ["config.json", "rope_theta=1234.0", "10000.0"]),
+    (head_layout_differs, TINY, ["config.json", "num_attention_heads=8", "n_heads=4", "num_key_value_heads=4",
+                                 "head_dim=4"]),
+]
 
 
 @pytest.mark.parametrize("make, args, expected", CASES, ids=[case[0].__name__ for case in CASES])
