@@ -29,7 +29,8 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
 )
 
-SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+# In this order, as transformers reads them: special_tokens_map.json overrides tokenizer_config.json.
+SPECIAL_TOKEN_FILES = ("special_tokens_map.json", "tokenizer_config.json")
 SPECIAL_ID_FILES = ("generation_config.json", "config.json")
 
 
@@ -187,8 +188,9 @@ class Tokenizer:
 def load_tokenizer(path: str, max_seq_len: Optional[int] = None) -> Tokenizer:
     """Load a tokenizer from a folder holding ``tokenizer.json`` (or from that file itself).
 
-    Special tokens come from the first of these that names them: ``tokenizer_config.json`` and
-    ``special_tokens_map.json`` (``bos_token``/``eos_token``/``pad_token``, a string or ``{"content": ...}``), then
+    Special tokens come from the first of these that names them: ``special_tokens_map.json`` and
+    ``tokenizer_config.json`` (``bos_token``/``eos_token``/``pad_token``, a string or ``{"content": ...}``; the map
+    wins where both name a token, as in transformers), then
     ``generation_config.json`` and ``config.json`` (``bos_token_id``/``eos_token_id``/``pad_token_id``; the first
     id of a list). The pad id falls back to the EOS id. The chat template comes from ``tokenizer_config.json``'s
     ``chat_template``, else a ``chat_template.jinja`` file, else :data:`FALLBACK_CHAT_TEMPLATE`.

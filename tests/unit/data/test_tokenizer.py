@@ -111,6 +111,14 @@ def test_encode_ignores_post_processor_that_adds_bos(tmp_path):
             {"special_tokens_map__json": {"bos_token": "<|start_header_id|>", "eos_token": "<|end_header_id|>"}},
             (3, 4, 4),
         ),
+        # both name eos: special_tokens_map.json wins (as in transformers); bos only in tokenizer_config.json
+        (
+            {
+                "tokenizer_config__json": {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"},
+                "special_tokens_map__json": {"eos_token": "<|eot_id|>"},
+            },
+            (0, 5, 5),
+        ),
         # ids from generation_config.json; an eos list takes its first id
         ({"generation_config__json": {"bos_token_id": 0, "eos_token_id": [5, 1]}}, (0, 5, 5)),
         # config.json only, and no bos at all
@@ -128,6 +136,24 @@ def test_encode_ignores_post_processor_that_adds_bos(tmp_path):
 def test_special_ids_come_from_the_first_file_that_names_them(tmp_path, files, expected):
     tok = load_tokenizer(str(make_tokenizer_dir(tmp_path, **files)))
     assert (tok.bos_id, tok.eos_id, tok.pad_id) == expected
+
+
+def test_special_ids_agree_with_transformers_when_the_files_disagree(tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = make_tokenizer_dir(
+        tmp_path,
+        tokenizer_config__json={
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|end_of_text|>",
+            "pad_token": "<|pad|>",
+        },
+        special_tokens_map__json={"eos_token": {"content": "<|eot_id|>"}, "pad_token": "<|end_header_id|>"},
+    )
+    ours, theirs = load_tokenizer(str(folder)), AutoTokenizer.from_pretrained(str(folder))
+    assert (ours.bos_id, ours.eos_id, ours.pad_id) == (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id)
+    assert (ours.eos_id, ours.pad_id) == (5, 4)
 
 
 def test_path_may_name_the_tokenizer_json_file(tmp_path):
