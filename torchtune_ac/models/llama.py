@@ -198,6 +198,13 @@ class TransformerBlock(nn.Module):
         return h + self.resid_dropout(self.mlp(self.mlp_norm(h)))
 
 
+def _document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` bool: True where a document starts (the first token, and wherever the id changes)."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return starts
+
+
 def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """Position of each token within its own document: ``[b, s]`` document ids -> ``[b, s]`` positions.
 
@@ -205,17 +212,20 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """
     b, s = document_ids.shape
     idx = torch.arange(s, device=document_ids.device).expand(b, s)
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    start_idx = torch.where(starts, idx, torch.zeros_like(idx))
+    start_idx = torch.where(_document_starts(document_ids), idx, torch.zeros_like(idx))
     return idx - torch.cummax(start_idx, dim=1).values
 
 
 def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean attention mask ``[b, 1, s, s]``: causal, and only within the same document."""
+    """Boolean attention mask ``[b, 1, s, s]``: causal, and only within the same document.
+
+    Documents are contiguous runs of equal ids, as for the positions: a run whose id repeats an earlier,
+    non-adjacent run's id is still a document of its own.
+    """
     s = document_ids.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
-    same_doc = document_ids.unsqueeze(2) == document_ids.unsqueeze(1)  # [b, s, s]
+    runs = _document_starts(document_ids).cumsum(dim=1)  # [b, s]: index of each token's document
+    same_doc = runs.unsqueeze(2) == runs.unsqueeze(1)  # [b, s, s]
     return (same_doc & causal).unsqueeze(1)
 
 
