@@ -561,7 +561,8 @@ def load_hf(
 
 
 def parse_shard_size(size: int | str) -> int:
-    """Bytes from ``5000000``, ``"5GB"`` (10**9) or ``"500MiB"`` (2**20), as transformers reads them.
+    """Bytes from ``5000000``, ``"5GB"`` (10**9) or ``"500MiB"`` (2**20), as transformers reads them, except
+    that units are case-insensitive: ``"5Gb"`` is 5 GB here, where transformers reads a lowercase b as bits.
 
     Raises:
         UserError: not a positive size.
