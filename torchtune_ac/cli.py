@@ -25,15 +25,41 @@ from torchtune_ac.errors import UserError
 
 DEBUG_ENV_VAR = "TUNE_DEBUG"
 EXIT_USER_ERROR = 2
+
+
+def _int_at_least(minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer in [minimum, maximum] (a bad value is a usage error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def _nnodes(text: str) -> str:
+    """``N`` or ``MIN:MAX`` (an elastic range), as torch.distributed.run takes it."""
+    bounds = text.split(":")
+    if len(bounds) > 2 or not all(b.isdigit() and int(b) >= 1 for b in bounds) or int(bounds[0]) > int(bounds[-1]):
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return text
+
+
 # Launcher flags forwarded to torch.distributed.run (the elastic launcher), with how argparse reads them.
 LAUNCHER_FLAGS = {
-    "nproc_per_node": (("--nproc_per_node", "--nproc-per-node"), int),
-    "nnodes": (("--nnodes",), str),
-    "node_rank": (("--node_rank", "--node-rank"), int),
+    "nproc_per_node": (("--nproc_per_node", "--nproc-per-node"), _int_at_least(1)),
+    "nnodes": (("--nnodes",), _nnodes),
+    "node_rank": (("--node_rank", "--node-rank"), _int_at_least(0)),
     "rdzv_endpoint": (("--rdzv_endpoint", "--rdzv-endpoint"), str),
     "rdzv_backend": (("--rdzv_backend", "--rdzv-backend"), str),
     "master_addr": (("--master_addr", "--master-addr"), str),
-    "master_port": (("--master_port", "--master-port"), int),
+    "master_port": (("--master_port", "--master-port"), _int_at_least(1, 65535)),
 }
 
 
@@ -97,13 +123,16 @@ def load_recipe(path: Path) -> ModuleType:
     """Import the recipe file at ``path`` and check it has the recipe interface.
 
     Raises:
-        UserError: the file lacks ``CONFIG_SCHEMA``, ``preflight`` or ``run``.
+        UserError: the file is not valid Python, or lacks ``CONFIG_SCHEMA``, ``preflight`` or ``run``.
     """
     spec = importlib.util.spec_from_file_location(f"torchtune_ac_recipe_{path.stem}", path)
     if spec is None or spec.loader is None:
         raise UserError(f"recipe {path}: cannot be imported")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as err:  # the user's own file (a built-in recipe is tested): name the line
+        raise UserError(f"recipe {path}:{err.lineno}: invalid Python: {err.msg}") from None
     missing = [name for name in ("CONFIG_SCHEMA", "preflight", "run") if not hasattr(module, name)]
     if missing:
         raise UserError(f"recipe {path}: not a recipe (missing {', '.join(missing)})")
@@ -199,8 +228,11 @@ def _launch_elastic(launcher: dict, recipe_path: Path, args: argparse.Namespace)
     torchrun_argv = []
     for name, value in launcher.items():
         torchrun_argv += [f"--{name}", str(value)]
-    if "rdzv_endpoint" not in launcher and "master_addr" not in launcher and launcher.get("nnodes", "1") == "1":
-        torchrun_argv.append("--standalone")  # single node: let the launcher pick a free port
+    # Single node and no rendezvous flag: let the launcher pick a free port. (--standalone would override a
+    # --master_port or --rdzv_backend the user gave.)
+    rendezvous_flags = {"rdzv_endpoint", "rdzv_backend", "master_addr", "master_port"}
+    if not rendezvous_flags & launcher.keys() and launcher.get("nnodes", "1") == "1":
+        torchrun_argv.append("--standalone")
     recipe_argv = ["--config", str(resolve_config_path(args.config))]
     for prefix in args.allow_component:
         recipe_argv += ["--allow-component", prefix]
@@ -253,7 +285,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
     if source is None:
         raise UserError(f"tune cp: {args.source} is not a built-in recipe or config; see `tune ls`")
     dest = Path(args.destination).expanduser()
-    if dest.is_dir():
+    # `dir/` names a directory even before it exists (Path drops the trailing slash).
+    if dest.is_dir() or args.destination.endswith(("/", os.sep)):
         dest = dest / source.name
     elif dest.suffix == "":
         dest = dest.with_suffix(source.suffix)

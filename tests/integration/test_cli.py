@@ -63,6 +63,15 @@ def test_cp_into_directory_and_recipe(tmp_path):
     assert "def run(" in (tmp_path / "my_recipe.py").read_text()
 
 
+def test_cp_to_a_missing_directory_with_trailing_slash(tmp_path, capsys):
+    dest = f"{tmp_path / 'new'}/"
+    assert main(["cp", "tiny/full", dest]) == 2
+    assert "pass --make-parents" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # not silently written to new.yaml
+    assert main(["cp", "--make-parents", "tiny/full", dest]) == 0
+    assert (tmp_path / "new" / "full.yaml").is_file()
+
+
 def test_cp_missing_parent(tmp_path, capsys):
     dest = tmp_path / "a" / "b.yaml"
     assert main(["cp", "tiny/full", str(dest)]) == 2
@@ -134,6 +143,14 @@ BAD_COMMAND_LINES = [
     (["validate", "--config", "tiny/full", "ac_mode=selective", "ac_option=1.5"], "ac_option"),
     (["validate", "--config", "tiny/full", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
+    (["run", "--nproc_per_node", "0", "full_finetune", "--config", "tiny/full"], "--nproc-per-node: must be >= 1, got 0"),
+    (["run", "--nproc_per_node", "-1", "full_finetune", "--config", "tiny/full"], "must be >= 1, got -1"),
+    (["run", "--nproc_per_node", "x", "full_finetune", "--config", "tiny/full"], "expected an integer, got 'x'"),
+    (["run", "--nnodes", "abc", "full_finetune", "--config", "tiny/full"], "--nnodes: expected N or MIN:MAX"),
+    (["run", "--nnodes", "0", "full_finetune", "--config", "tiny/full"], "--nnodes: expected N or MIN:MAX"),
+    (["run", "--nnodes", "3:2", "full_finetune", "--config", "tiny/full"], "--nnodes: expected N or MIN:MAX"),
+    (["run", "--node_rank", "-1", "full_finetune", "--config", "tiny/full"], "--node_rank"),
+    (["run", "--master_port", "70000", "full_finetune", "--config", "tiny/full"], "between 1 and 65535"),
     (["cp", "no/such", "{tmp}/x.yaml"], "not a built-in recipe or config"),
 ]
 
@@ -150,6 +167,15 @@ def test_bad_command_lines_exit_2_with_one_short_message(argv, expected, tmp_pat
     assert len(err.strip().splitlines()) <= 2, err
 
 
+def test_recipe_file_with_a_syntax_error_is_a_user_error(tmp_path, capsys):
+    recipe = tmp_path / "mine.py"
+    recipe.write_text("CONFIG_SCHEMA = None\ndef run(:\n")
+    assert main(["run", str(recipe), "--config", "tiny/full"]) == 2
+    err = capsys.readouterr().err
+    assert f"recipe {recipe}:2: invalid Python" in err, err
+    assert "Traceback" not in err
+
+
 def test_user_errors_have_no_traceback_in_a_real_process(tmp_path):
     result = run_tune("validate", "--config", "tiny/full", "ac_mode=selective", "ac_option=12")
     assert result.returncode == 2
@@ -158,6 +184,33 @@ def test_user_errors_have_no_traceback_in_a_real_process(tmp_path):
     debug = run_tune("--debug", "validate", "--config", "tiny/full", "ac_mode=selective", "ac_option=12")
     assert debug.returncode == 2
     assert "Traceback" in debug.stderr
+
+
+@pytest.mark.parametrize(
+    "flags, standalone",
+    [
+        (["--nproc_per_node", "2"], True),
+        (["--nproc_per_node", "2", "--master_port", "29611"], False),  # --standalone would ignore the port
+        (["--nproc_per_node", "2", "--rdzv_backend", "c10d", "--rdzv_endpoint", "localhost:29612"], False),
+    ],
+)
+def test_launcher_flags_reach_torch_distributed_run(flags, standalone, monkeypatch, tmp_path):
+    import torch.distributed.run
+
+    launched = []
+    monkeypatch.setattr(torch.distributed.run, "run", launched.append)
+    monkeypatch.setenv("PYTHONPATH", os.environ.get("PYTHONPATH", ""))  # restored: the launcher path sets it
+    argv = ["run", *flags, "full_finetune", "--config", "tiny/full", f"output_dir={tmp_path / 'out'}"]
+    assert main(argv) == 0
+    (args,) = launched
+    assert args.nproc_per_node == "2"
+    assert args.standalone is standalone
+    if "--master_port" in flags:
+        assert args.master_port == 29611
+    if "--rdzv_endpoint" in flags:
+        assert (args.rdzv_backend, args.rdzv_endpoint) == ("c10d", "localhost:29612")
+    assert args.training_script.endswith("full_finetune.py")
+    assert args.training_script_args[-1] == f"output_dir={tmp_path / 'out'}"
 
 
 def test_several_config_problems_are_listed_together(capsys):

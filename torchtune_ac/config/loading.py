@@ -80,6 +80,7 @@ def load_config(config: str, overrides: Sequence[str] = ()) -> DictConfig:
             ``~key`` for one that does not, or an interpolation that cannot be resolved.
     """
     path = resolve_config_path(config)
+    _refuse_hydra_settings(path)
     register_resolvers()
     try:
         with initialize_config_dir(config_dir=str(path.parent), version_base=None):
@@ -104,6 +105,21 @@ def load_config(config: str, overrides: Sequence[str] = ()) -> DictConfig:
     return cfg
 
 
+def _refuse_hydra_settings(path: Path) -> None:
+    """Refuse a top-level ``hydra`` key: Hydra would act on it while composing (``hydra.searchpath`` entries
+    such as ``pkg://name`` import that package), and no recipe reads it.
+
+    Raises:
+        UserError: naming the file. A file that does not parse is left to ``compose`` to report.
+    """
+    try:
+        raw = OmegaConf.load(path)
+    except Exception:  # noqa: BLE001 - compose reports unreadable or invalid YAML with file and line
+        return
+    if isinstance(raw, DictConfig) and "hydra" in raw:
+        raise UserError(f"config {path}: the `hydra` key is not supported (Hydra settings are not taken from configs)")
+
+
 def parse_overrides(overrides: Sequence[str]) -> list[str]:
     """Parse each override with Hydra's grammar; return them with ``key=value`` turned into ``++key=value``.
 
@@ -125,6 +141,8 @@ def parse_overrides(overrides: Sequence[str]) -> list[str]:
             raise UserError(
                 f"malformed override {override!r}: {detail or 'cannot parse'} (grammar: key=value, +new.key=value, ~key, key=[1,2])"
             ) from None
+        if parsed.key_or_group == "hydra" or parsed.key_or_group.startswith(("hydra.", "hydra/")):
+            raise UserError(f"override {override!r}: Hydra's own settings cannot be changed here")
         rewritten.append(f"++{override}" if parsed.type is OverrideType.CHANGE else override)
     return rewritten
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import enum
+import math
 import types
 import typing
 from typing import Any, Mapping, Sequence, TypeVar
@@ -130,6 +131,8 @@ class _Checker:
             raise TypeError(f"unsupported schema type {tp!r} for {key}")
         if not ok:
             return self.fail(f"{key}={_show(value)}: expected {_type_name(tp)}")
+        if tp is float and math.isnan(value):  # every comparison with nan is False: no bound would catch it
+            return self.fail(f"{key}=nan: expected a number")
         if "minimum" in meta and value < meta["minimum"]:
             return self.fail(f"{key}={_show(value)}: must be >= {meta['minimum']}")
         if "exclusive_minimum" in meta and value <= meta["exclusive_minimum"]:

@@ -97,3 +97,24 @@ def test_config_must_be_yaml(tmp_path):
     path.write_text("a: 1\n")
     with pytest.raises(UserError, match="expected a .yaml or .yml file"):
         resolve_config_path(str(path))
+
+
+@pytest.mark.parametrize(
+    "text, overrides",
+    [
+        (BASE + "hydra:\n  searchpath: [pkg://this]\n", []),  # pkg:// would import the package `this`
+        (BASE, ["hydra.searchpath=[pkg://this]"]),
+        (BASE, ["+hydra.searchpath=[pkg://this]"]),
+        (BASE, ["hydra/job_logging=disabled"]),
+    ],
+)
+def test_hydra_settings_are_refused_before_anything_is_imported(tmp_path, text, overrides, capsys):
+    import sys
+
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    sys.modules.pop("this", None)
+    with pytest.raises(UserError, match="hydra|Hydra"):
+        load_config(str(path), overrides)
+    assert "this" not in sys.modules
+    assert "Zen of Python" not in capsys.readouterr().out

@@ -47,6 +47,7 @@ def test_valid_config_becomes_typed():
         ({"max_seq_len": 0}, "max_seq_len=0: must be >= 1"),
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0: must be >= 1"),
         ({"clip_grad_norm": 0}, "clip_grad_norm=0.0: must be > 0.0"),
+        ({"clip_grad_norm": float("nan")}, "clip_grad_norm=nan: expected a number"),
         ({"shuffle": "yes"}, "shuffle='yes': expected true or false"),
         ({"dtype": "fp16"}, "dtype='fp16': expected one of fp32, bf16"),
         ({"device": "tpu"}, "device='tpu': expected one of auto, cpu, cuda"),
