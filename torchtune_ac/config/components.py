@@ -1,10 +1,19 @@
 """``_component_`` nodes: allow-listed dotted paths instantiated with their keyword arguments.
 
-A YAML file from the internet must not be able to run code just by being loaded, so a path is checked
-against an allow-list *before* anything is imported. Allowed by default: ``torchtune_ac`` (which includes the
-shipped recipes) and ``torch`` minus its code-loading entry points. More prefixes can be allowed only by
-the person running the command (``--allow-component PREFIX`` or ``TUNE_ALLOWED_COMPONENTS=a,b``), never by
-the config file itself, which is exactly what is not trusted.
+A YAML file from the internet must not be able to run code just by being loaded, so what a config may name
+is a positive list, checked twice:
+
+1. Before anything is imported, the dotted path must lie under ``torchtune_ac``, ``torch.optim`` or
+   ``torch.nn`` and contain no private names (``_x``).
+2. After import, before anything is called, every module passed through must really be the module the path
+   names (``torch.nn.os`` is ``os``, refused), and the object must be either a torchtune_ac function marked
+   with ``@config_component`` (model builders, tokenizer, datasets, LR schedules) or a class from
+   ``torch.optim`` / ``torch.nn`` that is an optimizer, an LR scheduler or an ``nn.Module``.
+
+Everything else in torch (``torch.load``, ``torch.onnx.export``, ``torch.utils.collect_env.run``, ...) and in
+torchtune_ac (``save_hf``, ...) is refused. More can be allowed only by the person running the command
+(``--allow-component PREFIX`` or ``TUNE_ALLOWED_COMPONENTS=a,b``), never by the config file itself, which is
+exactly what is not trusted; an allowed prefix admits objects defined under it (or allowed by default).
 """
 
 from __future__ import annotations
@@ -13,30 +22,21 @@ import difflib
 import importlib
 import inspect
 import os
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
+from torchtune_ac.component_marker import is_config_component
 from torchtune_ac.errors import UserError
 
 COMPONENT_KEY = "_component_"
 ALLOWED_ENV_VAR = "TUNE_ALLOWED_COMPONENTS"
-DEFAULT_ALLOWED_PREFIXES = ("torchtune_ac", "torch")
-# Parts of torch that load or compile code, or unpickle: reachable from Python, never from a config.
-DENIED_PREFIXES = (
-    "torch.hub",
-    "torch.load",
-    "torch.save",
-    "torch.package",
-    "torch.utils.cpp_extension",
-    "torch.jit.load",
-    "torch.ops",
-    "torch.classes",
-    "torch.compile",
-    "torch.export",
-    "torch.distributed.run",
-    "torch.distributed.elastic",
-    "torch.multiprocessing",
-    "torch.utils.data.datapipes",
+# Where default components may be imported from (step 1 above).
+DEFAULT_IMPORTABLE_PREFIXES = ("torchtune_ac", "torch.optim", "torch.nn")
+DEFAULT_ALLOWED_DESCRIPTION = (
+    "by default a component is a torchtune_ac builder (models, tokenizer, datasets, LR schedules) or a "
+    "torch.optim / torch.nn class (optimizer, LR scheduler, module)"
 )
 
 
@@ -44,40 +44,66 @@ def _matches(path: str, prefix: str) -> bool:
     return path == prefix or path.startswith(prefix + ".")
 
 
-def _extra_allowed(extra: Sequence[str]) -> tuple[str, ...]:
+def _user_allowed(extra: Sequence[str]) -> tuple[str, ...]:
     from_env = [p.strip() for p in os.environ.get(ALLOWED_ENV_VAR, "").split(",") if p.strip()]
     return tuple(extra) + tuple(from_env)
 
 
+def _how_to_allow(prefix: str) -> str:
+    return f"to allow it, pass --allow-component {prefix} or set {ALLOWED_ENV_VAR}={prefix}"
+
+
 def check_component_path(path: str, key: str, extra_allowed: Sequence[str] = ()) -> None:
-    """Refuse ``path`` unless it is allow-listed; nothing is imported.
+    """Refuse ``path`` before anything is imported unless it may hold a component.
 
     Raises:
-        UserError: malformed path, private name, or a module outside the allow-list.
+        UserError: malformed path, private name, or a module outside the importable prefixes.
     """
     parts = path.split(".")
     if len(parts) < 2 or not all(part.isidentifier() for part in parts):
         raise UserError(f"{key}._component_={path!r}: expected a dotted path such as torch.optim.AdamW")
-    if not any(_matches(path, prefix) for prefix in _extra_allowed(extra_allowed)):
-        if any(part.startswith("_") for part in parts):
-            raise UserError(f"{key}._component_={path}: private names (starting with _) cannot be instantiated")
-        if any(_matches(path, prefix) for prefix in DENIED_PREFIXES) or not any(
-            _matches(path, prefix) for prefix in DEFAULT_ALLOWED_PREFIXES
-        ):
-            raise UserError(
-                f"{key}._component_={path}: not allowed; components may come from torchtune_ac or torch. "
-                f"To allow it, pass --allow-component {parts[0]} or set {ALLOWED_ENV_VAR}={parts[0]}"
-            )
+    if any(_matches(path, prefix) for prefix in _user_allowed(extra_allowed)):
+        return
+    if any(part.startswith("_") for part in parts):
+        raise UserError(f"{key}._component_={path}: private names (starting with _) cannot be instantiated")
+    if not any(_matches(path, prefix) for prefix in DEFAULT_IMPORTABLE_PREFIXES):
+        parent = ".".join(parts[:-1])
+        raise UserError(f"{key}._component_={path}: not allowed; {DEFAULT_ALLOWED_DESCRIPTION}; {_how_to_allow(parent)}")
 
 
-def import_component(path: str, key: str) -> Callable[..., Any]:
-    """Import the object named by an (already allow-listed) dotted ``path``.
+def _is_default_component(obj: Any) -> bool:
+    if is_config_component(obj):
+        return obj.__module__.startswith("torchtune_ac.")
+    if not inspect.isclass(obj) or not (_matches(obj.__module__, "torch.optim") or _matches(obj.__module__, "torch.nn")):
+        return False
+    import torch
+
+    return issubclass(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.nn.Module))
+
+
+def _check_found_object(obj: Any, path: str, key: str, extra_allowed: Sequence[str]) -> None:
+    """Refuse the object ``path`` led to unless it is a default component or defined under a user prefix."""
+    if _is_default_component(obj):
+        return
+    module = getattr(obj, "__module__", None)
+    if isinstance(module, str) and any(_matches(module, prefix) for prefix in _user_allowed(extra_allowed)):
+        return
+    defined = f"{module}.{getattr(obj, '__qualname__', '?')}" if isinstance(module, str) else "an object"
+    where = "" if defined == path else f" (it is {defined})"
+    raise UserError(
+        f"{key}._component_={path}: not allowed{where}; {DEFAULT_ALLOWED_DESCRIPTION}; {_how_to_allow(path)}"
+    )
+
+
+def import_component(path: str, key: str, extra_allowed: Sequence[str] = ()) -> Callable[..., Any]:
+    """Import the object named by a dotted ``path`` (already checked by ``check_component_path``) and check it.
 
     Raises:
-        UserError: the module or attribute does not exist, or is not callable.
+        UserError: the module or attribute does not exist, a module on the way is not the one the path names,
+            or the object is not an allowed component.
     """
     parts = path.split(".")
-    # The longest importable prefix is the module; the rest are attributes (a.b.Class.method works too).
+    # The longest importable prefix is the module; the rest are attributes (a.b.Class works too).
     for split in range(len(parts) - 1, 0, -1):
         module_path = ".".join(parts[:split])
         try:
@@ -94,10 +120,52 @@ def import_component(path: str, key: str) -> Callable[..., Any]:
                 raise UserError(f"{key}._component_={path}: {module_path} has no attribute {attr}{suggestion}")
             obj = getattr(obj, attr)
             module_path = f"{module_path}.{attr}"
+            if inspect.ismodule(obj) and obj.__name__ != module_path:
+                # A module's namespace also holds what it imported: torch.nn.os is the os module.
+                raise UserError(f"{key}._component_={path}: not allowed ({module_path} is the module {obj.__name__})")
+        _check_found_object(obj, path, key, extra_allowed)
         if not callable(obj):
             raise UserError(f"{key}._component_={path}: is not callable")
         return obj
     raise UserError(f"{key}._component_={path}: no module named {parts[0]}")
+
+
+_YAML_SCALARS = (bool, int, float, str, type(None))
+
+
+def _accepts_scalar(annotation: Any, value: Any) -> Optional[bool]:
+    """Whether a YAML scalar ``value`` fits a parameter annotated ``annotation``; None when it cannot tell."""
+    if annotation is Any:
+        return None
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        answers = [_accepts_scalar(arg, value) for arg in typing.get_args(annotation)]
+        return True if True in answers else (None if None in answers else False)
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if annotation is type(None):
+        return value is None
+    if annotation is bool:
+        return isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is str:
+        return isinstance(value, str)
+    if origin is not None:  # list[...], tuple[...], dict[...], Iterable[...]: a scalar is none of them
+        return False
+    import torch
+
+    if annotation is torch.Tensor:  # a config cannot hold a tensor
+        return False
+    return None  # another class: it may well convert a string or number itself
+
+
+def _describe_annotation(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return "null" if annotation is type(None) else annotation.__name__
+    return str(annotation).replace("typing.", "")
 
 
 @dataclass(frozen=True)
@@ -107,22 +175,27 @@ class Component:
     key: str
     path: str
     kwargs: Mapping[str, Any] = field(default_factory=dict)
+    # Prefixes the person running the command allowed (--allow-component), needed again at import time.
+    extra_allowed: tuple[str, ...] = field(default=(), compare=False)
 
     def target(self) -> Callable[..., Any]:
-        return import_component(self.path, self.key)
+        return import_component(self.path, self.key, self.extra_allowed)
 
     def check_arguments(self, n_positional: int = 0, extra_kwargs: Sequence[str] = ()) -> list[str]:
-        """Problems binding this node's keyword arguments to the target's signature (nothing is called).
+        """Problems with this node's keyword arguments, and those of nested components (nothing is called).
 
-        ``n_positional`` positional arguments and ``extra_kwargs`` names are supplied by the recipe at
-        instantiation time; a config that also sets one of those names is reported.
+        Each name must be a parameter of the target, and each plain value (number, string, bool, null) must
+        fit the parameter's annotation where there is one (``optimizer.lr='abc'`` is reported here, not
+        after the model is built). ``n_positional`` positional arguments and ``extra_kwargs`` names are
+        supplied by the recipe at instantiation time; a config that also sets one of those names is reported.
         """
         target = self.target()
+        problems = [p for value in self.kwargs.values() for p in _nested_problems(value)]
         try:
             signature = inspect.signature(target)
         except (TypeError, ValueError):
-            return []
-        problems = []
+            return problems
+        problems += self._type_problems(target)
         for name in extra_kwargs:
             if name in self.kwargs:
                 problems.append(f"{self.key}.{name}: set by the recipe, remove it from the config")
@@ -148,6 +221,21 @@ class Component:
                 problems.append(f"{self.key}: {self.path}: {err}")
         return problems
 
+    def _type_problems(self, target: Callable[..., Any]) -> list[str]:
+        try:
+            hints = typing.get_type_hints(target.__init__ if inspect.isclass(target) else target)
+        except Exception:  # noqa: BLE001 - unresolvable annotations: nothing to check against
+            return []
+        problems = []
+        for name, value in self.kwargs.items():
+            if name in hints and isinstance(value, _YAML_SCALARS) and _accepts_scalar(hints[name], value) is False:
+                shown = "null" if value is None else repr(value)
+                problems.append(
+                    f"{self.key}.{name}={shown}: expected {_describe_annotation(hints[name])} "
+                    f"(argument of {self.path})"
+                )
+        return problems
+
     def instantiate(self, *args: Any, **extra_kwargs: Any) -> Any:
         """Call the target with ``args``, this node's kwargs (nested components built first) and ``extra_kwargs``.
 
@@ -162,6 +250,16 @@ class Component:
             raise
         except (TypeError, ValueError) as err:
             raise UserError(f"{self.key} ({self.path}): {err}") from err
+
+
+def _nested_problems(value: Any) -> list[str]:
+    if isinstance(value, Component):
+        return value.check_arguments()
+    if isinstance(value, Mapping):
+        return [p for v in value.values() for p in _nested_problems(v)]
+    if isinstance(value, (list, tuple)):
+        return [p for v in value for p in _nested_problems(v)]
+    return []
 
 
 def _instantiate_nested(value: Any, key: str) -> Any:
@@ -191,7 +289,7 @@ def parse_component(node: Mapping[str, Any], key: str, extra_allowed: Sequence[s
         for name, value in node.items()
         if name != COMPONENT_KEY
     }
-    return Component(key=key, path=path, kwargs=kwargs)
+    return Component(key=key, path=path, kwargs=kwargs, extra_allowed=tuple(extra_allowed))
 
 
 def _parse_nested(value: Any, key: str, extra_allowed: Sequence[str]) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterable, Iterator, Optional
 
+from torchtune_ac.component_marker import config_component
 from torchtune_ac.data.embedded import EMBEDDED_INSTRUCT_PATH
 from torchtune_ac.data.packing import pack_samples
 from torchtune_ac.data.samples import TokenizedDataset, build_sample
@@ -49,6 +50,7 @@ def format_alpaca_prompt(instruction: str, input_text: str) -> str:
     return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
 
 
+@config_component
 def instruct_dataset(
     tokenizer: Tokenizer,
     *,
@@ -109,6 +111,7 @@ def instruct_dataset(
     return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed)
 
 
+@config_component
 def chat_dataset(
     tokenizer: Tokenizer,
     *,
@@ -148,6 +151,7 @@ def chat_dataset(
     return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed)
 
 
+@config_component
 def text_dataset(
     tokenizer: Tokenizer,
     *,

@@ -19,6 +19,7 @@ from typing import Any, Optional
 
 from tokenizers import Tokenizer as BackendTokenizer
 
+from torchtune_ac.component_marker import config_component
 from torchtune_ac.errors import UserError
 
 # Used when no chat template ships with the tokenizer: "role: content" paragraphs, e.g.
@@ -185,6 +186,7 @@ class Tokenizer:
         return PreTrainedTokenizerFast(tokenizer_file=str(self.path), **self._special_tokens)
 
 
+@config_component
 def load_tokenizer(path: str, max_seq_len: Optional[int] = None) -> Tokenizer:
     """Load a tokenizer from a folder holding ``tokenizer.json`` (or from that file itself).
 

@@ -15,6 +15,7 @@ call in ``with torch.device("meta"):`` to get shapes without allocating memory. 
 import dataclasses
 import os
 
+from torchtune_ac.component_marker import config_component
 from torchtune_ac.errors import UserError
 # The two config converters live with the rest of the Hugging Face translation and are re-exported here,
 # next to the builders that use them.
@@ -88,52 +89,62 @@ def _build(
     return Llama(args)
 
 
+@config_component
 def llama2_7b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
     """Llama 2 7B (6,738,415,616 parameters)."""
     return _build("llama2_7b", LLAMA2_7B, attn_dropout, resid_dropout, max_seq_len)
 
 
+@config_component
 def llama3_8b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
     """Llama 3 8B (8,030,261,248 parameters)."""
     return _build("llama3_8b", LLAMA3_8B, attn_dropout, resid_dropout, max_seq_len)
 
 
+@config_component
 def llama3_70b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
     """Llama 3 70B (70,553,706,496 parameters)."""
     return _build("llama3_70b", LLAMA3_70B, attn_dropout, resid_dropout, max_seq_len)
 
 
+@config_component
 def llama3_1_8b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
     """Llama 3.1 8B: Llama 3 8B shapes with scaled RoPE."""
     return _build("llama3_1_8b", LLAMA3_1_8B, attn_dropout, resid_dropout, max_seq_len)
 
 
+@config_component
 def llama3_1_70b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0,
                  max_seq_len: int | None = None) -> Llama:
     """Llama 3.1 70B: Llama 3 70B shapes with scaled RoPE."""
     return _build("llama3_1_70b", LLAMA3_1_70B, attn_dropout, resid_dropout, max_seq_len)
 
 
+@config_component
 def llama3_2_1b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
     """Llama 3.2 1B (1,235,814,400 parameters, tied embeddings)."""
     return _build("llama3_2_1b", LLAMA3_2_1B, attn_dropout, resid_dropout, max_seq_len)
 
 
+@config_component
 def llama3_2_3b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
     """Llama 3.2 3B (3,212,749,824 parameters, tied embeddings)."""
     return _build("llama3_2_3b", LLAMA3_2_3B, attn_dropout, resid_dropout, max_seq_len)
 
 
+@config_component
 def llama_tiny(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
     """The embedded default model (~1.6 M parameters)."""
     return _build("llama_tiny", LLAMA_TINY, attn_dropout, resid_dropout, max_seq_len)
 
 
+@config_component
 def llama_small(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
     """The CPU benchmark model (~32 M parameters)."""
     return _build("llama_small", LLAMA_SMALL, attn_dropout, resid_dropout, max_seq_len)
 
 
+@config_component
 def llama_from_hf_config(
     config: str | os.PathLike | dict, *, attn_dropout: float = 0.0, resid_dropout: float = 0.0
 ) -> Llama:

@@ -10,9 +10,11 @@ import math
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
 
+from torchtune_ac.component_marker import config_component
 from torchtune_ac.errors import UserError
 
 
+@config_component
 def cosine_schedule_with_warmup(
     optimizer: Optimizer,
     num_training_steps: int,
@@ -41,6 +43,7 @@ def cosine_schedule_with_warmup(
     return LambdaLR(optimizer, lr_factor)
 
 
+@config_component
 def constant_schedule(optimizer: Optimizer, num_training_steps: int) -> LambdaLR:
     """The optimizer's lr at every step (``num_training_steps`` is accepted for a uniform interface)."""
     del num_training_steps

@@ -11,8 +11,8 @@ def base_config(**changes):
     cfg = {
         "output_dir": "/tmp/out",
         "model": {"_component_": "torch.nn.Linear", "in_features": 2, "out_features": 3},
-        "tokenizer": {"_component_": "torch.nn.Identity"},
-        "dataset": {"_component_": "torch.utils.data.TensorDataset"},
+        "tokenizer": {"_component_": "torchtune_ac.data.load_tokenizer", "path": "/tmp/tok"},
+        "dataset": {"_component_": "torchtune_ac.data.instruct_dataset", "source": "data.jsonl"},
         "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3},
     }
     cfg.update(changes)
@@ -59,7 +59,7 @@ def test_valid_config_becomes_typed():
         ({"optimizer": {"_component_": "os.system"}}, "optimizer._component_=os.system: not allowed"),
         ({"optimizer": {"_component_": "torch.optim.AdamW", "lrr": 1}}, "optimizer.lrr: not an argument of torch.optim.AdamW (did you mean lr?)"),
         ({"optimizer": {"_component_": "torch.optim.AdamWW"}}, "did you mean torch.optim.AdamW?"),
-        ({"dataset": {"_component_": "torch.utils.data.TensorDataset", "max_seq_len": 3}}, "dataset.max_seq_len: set by the recipe"),
+        ({"dataset": {"_component_": "torchtune_ac.data.instruct_dataset", "max_seq_len": 3}}, "dataset.max_seq_len: set by the recipe"),
     ],
 )
 def test_each_problem_is_named(changes, expected):
@@ -140,3 +140,124 @@ def test_component_errors_at_instantiation_name_the_key():
 
     with pytest.raises(UserError, match=r"^optimizer \(torch.optim.SGD\): Invalid learning rate"):
         component.instantiate([torch.nn.Parameter(torch.ones(1))])
+
+
+# Paths that pass the string check but lead to something a config must not call: os.system under another name,
+# torch functions that unpickle, write or delete files, run shell commands or import code, torchtune_ac
+# functions that write files, and callables that are not builders.
+REFUSED_AFTER_IMPORT = [
+    ("torch.nn.parallel.distributed.os.system", "torch.nn.parallel.distributed.os is the module os"),
+    ("torchtune_ac.cli.os.system", "torchtune_ac.cli.os is the module os"),
+    ("torchtune_ac.config.components.importlib.import_module", "is the module importlib"),
+    ("torchtune_ac.cli.Path", "it is pathlib.Path"),
+    ("torchtune_ac.models.save_hf", "it is torchtune_ac.models.hf_interop.save_hf"),
+    ("torchtune_ac.training.checkpointing.save_checkpoint", "not allowed"),
+    ("torch.nn.functional.relu", "not allowed"),
+    ("torch.nn.Module.load_state_dict", "not allowed"),
+    ("torch.optim.Optimizer.load_state_dict", "not allowed"),
+]
+REFUSED_BEFORE_IMPORT = [
+    "os.system",
+    "torch.os.system",
+    "torch.load",
+    "torch.save",
+    "torch.serialization.load",
+    "torch.onnx.export",
+    "torch.hub.load",
+    "torch.utils.collect_env.run",
+    "torch.utils.model_zoo.load_url",
+    "torch.distributed.checkpoint.load",
+    "torch.utils.data.TensorDataset",
+    "torch._C._set_grad_enabled",
+    "torchtune_ac._recipes.full_finetune.run",
+]
+
+
+@pytest.mark.parametrize("path, reason", REFUSED_AFTER_IMPORT)
+def test_objects_reached_through_allowed_paths_are_refused(path, reason, monkeypatch):
+    monkeypatch.delenv(ALLOWED_ENV_VAR, raising=False)
+    check_component_path(path, "model")  # the string looks allowed...
+    problems = problems_of(base_config(model={"_component_": path}))
+    assert any(p.startswith(f"model._component_={path}: not allowed") and reason in p for p in problems), problems
+
+
+@pytest.mark.parametrize("path", REFUSED_BEFORE_IMPORT)
+def test_paths_outside_the_default_components_are_refused_before_import(path, monkeypatch):
+    monkeypatch.delenv(ALLOWED_ENV_VAR, raising=False)
+    with pytest.raises(UserError, match=f"model._component_={path}: (not allowed|private names)"):
+        check_component_path(path, "model")
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "torch.optim.AdamW",
+        "torch.optim.Adafactor",  # defined in a private submodule of torch.optim
+        "torch.optim.lr_scheduler.StepLR",
+        "torch.nn.Linear",
+        "torchtune_ac.models.llama_tiny",
+        "torchtune_ac.models.builders.llama3_8b",  # the same builder by its defining module
+        "torchtune_ac.data.load_tokenizer",
+        "torchtune_ac.data.chat_dataset",
+        "torchtune_ac.training.cosine_schedule_with_warmup",
+    ],
+)
+def test_default_components_are_allowed(path, monkeypatch):
+    monkeypatch.delenv(ALLOWED_ENV_VAR, raising=False)
+    assert callable(parse_component({"_component_": path}, "model").target())
+
+
+def test_an_allowed_prefix_admits_what_it_defines_not_what_it_imported(monkeypatch):
+    monkeypatch.delenv(ALLOWED_ENV_VAR, raising=False)
+    assert parse_component({"_component_": "textwrap.dedent"}, "m", extra_allowed=["textwrap"]).target()("  x") == "x"
+    # logging does `from string import Template`: allowing logging does not allow string.Template.
+    component = parse_component({"_component_": "logging.Template"}, "m", extra_allowed=["logging"])
+    with pytest.raises(UserError, match=r"not allowed \(it is string.Template\)"):
+        component.target()
+
+
+def test_validating_a_config_runs_no_foreign_code(tmp_path, monkeypatch):
+    """`tune validate` builds the model component on the meta device: os.system in disguise must not get there."""
+    from torchtune_ac.cli import main
+
+    monkeypatch.delenv(ALLOWED_ENV_VAR, raising=False)
+    marker = tmp_path / "pwned"
+    for path in ("torch.nn.parallel.distributed.os.system", "torchtune_ac.cli.os.system"):
+        argv = ["validate", "--config", "tiny/full", f"model._component_={path}", f"+model.command=touch {marker}"]
+        assert main(argv) == 2
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize(
+    "changes, expected",
+    [
+        ({"optimizer": {"_component_": "torch.optim.AdamW", "lr": "abc"}},
+         "optimizer.lr='abc': expected float | torch.Tensor (argument of torch.optim.AdamW)"),
+        ({"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3, "betas": 0.9}}, "optimizer.betas=0.9: expected tuple"),
+        ({"optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3, "fused": "yes"}},
+         "optimizer.fused='yes': expected bool | None"),
+        ({"optimizer": {"_component_": "torch.optim.AdamW", "lr": None}}, "optimizer.lr=null: expected float | torch.Tensor"),
+        ({"model": {"_component_": "torchtune_ac.models.llama_tiny", "attn_dropout": True}},
+         "model.attn_dropout=True: expected float (argument of torchtune_ac.models.llama_tiny)"),
+        ({"lr_scheduler": {"_component_": "torchtune_ac.training.cosine_schedule_with_warmup", "num_warmup_steps": 1.5}},
+         "lr_scheduler.num_warmup_steps=1.5: expected int"),
+        # nested components are checked too
+        ({"model": {"_component_": "torch.nn.Sequential", "a": {"_component_": "torch.nn.Linear", "in_features": "2"}}},
+         "model.a.in_features='2': expected int (argument of torch.nn.Linear)"),
+    ],
+)
+def test_component_argument_values_are_checked_against_annotations(changes, expected):
+    problems = problems_of(base_config(**changes))
+    assert any(expected in p for p in problems), problems
+
+
+def test_component_arguments_that_fit_their_annotations_pass():
+    cfg = validate_config(
+        base_config(
+            optimizer={"_component_": "torch.optim.AdamW", "lr": 1, "weight_decay": 0, "fused": None, "betas": [0.9, 0.95]},
+            model={"_component_": "torchtune_ac.models.llama_tiny", "attn_dropout": 0, "max_seq_len": None},
+        ),
+        FullFinetuneConfig,
+        source="c",
+    )
+    assert cfg.optimizer.kwargs["lr"] == 1
