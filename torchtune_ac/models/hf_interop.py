@@ -396,7 +396,7 @@ def _is_floating(safetensors_dtype: str) -> bool:
     return safetensors_dtype == "BF16" or safetensors_dtype.startswith("F")
 
 
-def _local_region(target: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
+def local_region(target: torch.Tensor) -> tuple[torch.Tensor, tuple[slice, ...]]:
     """The tensor this process writes into and which region of the full tensor it holds.
 
     A DTensor (e.g. sharded by FSDP2 on dim 0) holds only its own rows; a plain tensor holds everything.
@@ -501,14 +501,14 @@ def load_hf_weights_(model: nn.Module, checkpoint_dir: PathLike) -> None:
     for path, hf_names in by_file.items():
         with _open_safetensors(path) as f:
             for hf_name in hf_names:
-                local, region = _local_region(targets[expected[hf_name]])
+                local, region = local_region(targets[expected[hf_name]])
                 if local.numel():
                     local.copy_(_read_region(f, hf_name, region))
 
 
 def _check_tied_head_equal(stored: dict[str, _StoredTensor], embedding: torch.Tensor) -> None:
     """A tied checkpoint may still carry ``lm_head.weight``; accept it only if it is the embedding."""
-    _, region = _local_region(embedding)
+    _, region = local_region(embedding)
     head, embed = stored["lm_head.weight"], stored["model.embed_tokens.weight"]
     if head.shape != embed.shape:
         raise UserError(

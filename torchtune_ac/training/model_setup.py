@@ -19,6 +19,7 @@ from torch import nn
 from torchtune_ac.config.components import Component
 from torchtune_ac.errors import UserError
 from torchtune_ac.models import load_hf_weights_
+from torchtune_ac.models.hf_interop import local_region
 from torchtune_ac.models.llama import TransformerBlock
 from torchtune_ac.training.activation_checkpointing import (
     ACPlan,
@@ -120,9 +121,38 @@ def build_training_model(
     if checkpoint_dir is not None:
         load_hf_weights_(built, checkpoint_dir)
     elif initialize:
-        if not hasattr(built, "init_weights"):
-            raise UserError(f"checkpoint_dir is null and model ({model.path}) has no init_weights(): set checkpoint_dir")
-        torch.manual_seed(seed)
-        built.init_weights()
+        initialize_weights_(built, model, dtype=DTYPES[dtype], seed=seed, sharded=ctx.is_distributed)
     built.train()
     return built, plan
+
+
+@torch.no_grad()
+def initialize_weights_(
+    built: nn.Module, model: Component, *, dtype: torch.dtype, seed: int, sharded: bool
+) -> None:
+    """Initialise ``built`` from ``seed`` with its ``init_weights()``: the same weights whatever the world size.
+
+    A sharded model cannot call ``init_weights()`` itself: DTensor random ops are not sharding-aware on CPU, so
+    every rank would draw its shard from the same RNG state and every shard would hold the same values. Each rank
+    instead initialises a full copy on CPU and keeps its own region of every parameter. That copy costs the
+    model's size in host memory once; start large models from a checkpoint.
+
+    Raises:
+        UserError: the model has no ``init_weights()``.
+    """
+    if not hasattr(built, "init_weights"):
+        raise UserError(f"checkpoint_dir is null and model ({model.path}) has no init_weights(): set checkpoint_dir")
+    if not sharded:
+        torch.manual_seed(seed)
+        built.init_weights()
+        return
+    full = build_meta_model(model).to(dtype)
+    full.to_empty(device="cpu")
+    if hasattr(full, "tie_weights"):
+        full.tie_weights()
+    torch.manual_seed(seed)
+    full.init_weights()
+    full_params = dict(full.named_parameters())
+    for name, param in built.named_parameters():
+        local, region = local_region(param)
+        local.copy_(full_params[name][region])
