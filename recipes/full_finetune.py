@@ -24,6 +24,7 @@ from torchtune_ac.data import build_dataloader
 from torchtune_ac.errors import UserError
 from torchtune_ac.training.checkpointing import (
     Progress,
+    create_output_dir,
     find_resumable_checkpoint,
     load_checkpoint,
     read_trainer_state,
@@ -108,7 +109,7 @@ class FullFinetuneRecipe:
             self.progress, _ = read_trainer_state(resume_from)
             log.info("resumed from %s at step %d", resume_from, self.progress.step)
         if ctx.is_rank_zero:
-            Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+            create_output_dir(cfg.output_dir)
             self.metrics = MetricsWriter(cfg.output_dir, resume_after_step=self.progress.step if resume_from else None)
 
         global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * ctx.world_size

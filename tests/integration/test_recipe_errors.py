@@ -66,6 +66,9 @@ CASES = {
     "output_dir_under_a_file": BadInput(
         lambda i: [f"output_dir={i.data / 'a_file' / 'run'}"], ("output_dir", "a_file", "not writable")
     ),
+    "output_dir_under_an_executable_file": BadInput(
+        lambda i: [f"output_dir={i.data / 'a_script' / 'run'}"], ("output_dir", "a_script", "not a directory")
+    ),
     "checkpoint_dir_without_weights": BadInput(
         lambda i: [f"checkpoint_dir={i.data / 'config_only'}", f"tokenizer.path={i.embedded}"],
         ("config_only", "no weights", "model.safetensors"),
@@ -109,6 +112,8 @@ def _prepare(tmp_path: Path, case: BadInput, earlier_run: Path, embedded: Path) 
     (data / "no_output.jsonl").write_text(json.dumps({"instruction": "Say hi.", "answer": "hi"}) + "\n")
     (data / "empty.jsonl").write_text("")
     (data / "a_file").write_text("a regular file\n")
+    (data / "a_script").write_text("#!/bin/sh\n")
+    (data / "a_script").chmod(0o755)  # os.access(W_OK | X_OK) alone would let it pass as a directory
     (data / "config_only").mkdir()
     shutil.copy(embedded / "config.json", data / "config_only")
     hf_config = json.loads((embedded / "config.json").read_text())

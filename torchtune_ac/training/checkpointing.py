@@ -79,6 +79,20 @@ def checkpoint_name(step: int) -> str:
     return f"step_{step:07d}"
 
 
+def create_output_dir(output_dir: str | Path) -> Path:
+    """Create ``output_dir`` and its parents if missing.
+
+    Raises:
+        UserError: it cannot be created (a read-only or virtual file system, a parent that is a file, ...).
+    """
+    path = Path(output_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"output_dir {path}: cannot create it ({err.strerror}: {err.filename})") from None
+    return path
+
+
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete checkpoint directories in ``output_dir``, oldest first."""
     root = Path(output_dir)

@@ -79,6 +79,8 @@ def _check_output_dir(cfg: FullFinetuneConfig, strict: bool) -> None:
     existing = out
     while not existing.exists():
         existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"output_dir {out}: not writable ({existing} is a file, not a directory)")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UserError(f"output_dir {out}: not writable ({existing} does not allow writing)")
     if not cfg.resume_from_checkpoint and (list_checkpoints(out) or (out / METRICS_FILE).exists()):
