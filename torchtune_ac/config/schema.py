@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 from torchtune_ac.config.components import Component
+from torchtune_ac.training.activation_checkpointing import ac_key_problems
 
 
 class Device(str, enum.Enum):
@@ -65,9 +66,24 @@ class FullFinetuneConfig:
     dtype: DType = DType.FP32
     compile: bool = False
     enable_activation_checkpointing: Optional[bool] = None
-    # Validated (with the model's layer count) by torchtune_ac.training.activation_checkpointing.
-    ac_mode: Optional[str] = None
+    # Their forms are checked by cross_key_problems below (the AC module's rules, one message per problem),
+    # their bound against the model's layer count when the model is built.
+    ac_mode: Any = None
     ac_option: Any = None
     save_every_n_steps: Optional[int] = field(default=None, metadata=_min(1))
     log_every_n_steps: int = field(default=1, metadata=_min(1))
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+
+    @staticmethod
+    def cross_key_problems(values: Mapping[str, Any]) -> list[str]:
+        """Problems that span keys, reported with the per-key ones: the activation checkpointing keys.
+
+        Their bound on ``ac_option`` (at most the model's layer count) is checked once the model is built.
+        """
+        enable = values.get("enable_activation_checkpointing")
+        return ac_key_problems(
+            # A non-boolean is already reported by its type check.
+            enable_activation_checkpointing=enable if isinstance(enable, bool) else None,
+            ac_mode=values.get("ac_mode"),
+            ac_option=values.get("ac_option"),
+        )

@@ -189,11 +189,15 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], schema: type[T], *, sou
 
     Raises:
         ConfigError: listing every problem found (unknown keys with suggestions, wrong types, values out of
-            range, missing required keys, refused or unknown components, bad component arguments).
+            range, missing required keys, refused or unknown components, bad component arguments, and the
+            schema's ``cross_key_problems(values)`` if it defines one).
     """
     plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     checker = _Checker(extra_allowed_components)
     result = checker.check_dataclass(plain, schema, "")
+    cross_key_problems = getattr(schema, "cross_key_problems", None)
+    if cross_key_problems is not None and isinstance(plain, Mapping):
+        checker.problems.extend(cross_key_problems(plain))
     if checker.problems:
         raise ConfigError(source, checker.problems)
     return result

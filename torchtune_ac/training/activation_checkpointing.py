@@ -163,9 +163,15 @@ def _parse_mode(ac_mode: Any, problems: list[str]) -> Optional[ACMode]:
     return None
 
 
-def _parse_option(ac_option: Any, n_layers: int, problems: list[str]) -> Optional[Union[int, str]]:
-    """Return k (an int in [1, n_layers]) or ``"op"``; on a problem, record it and return None."""
-    allowed = f"an integer k between 1 and {n_layers} (checkpoint every k-th block) or 'op'"
+def _allowed_k(n_layers: Optional[int]) -> str:
+    bound = f"between 1 and {n_layers}" if n_layers is not None else "from 1 to the model's layer count"
+    return f"an integer k {bound}"
+
+
+def _parse_option(ac_option: Any, n_layers: Optional[int], problems: list[str]) -> Optional[Union[int, str]]:
+    """Return k (an int in [1, n_layers]; n_layers None: unbounded) or ``"op"``; on a problem, record it and
+    return None."""
+    allowed = f"{_allowed_k(n_layers)} (checkpoint every k-th block) or 'op'"
     if isinstance(ac_option, bool):
         # bool is an int subclass: without this check ``true`` would silently mean k=1.
         problems.append(f"ac_option={_show(ac_option)}: a boolean is not allowed; use {allowed}")
@@ -183,48 +189,21 @@ def _parse_option(ac_option: Any, n_layers: int, problems: list[str]) -> Optiona
         problems.append(f"ac_option={_show(ac_option)}: must be {allowed}, not {type(ac_option).__name__}")
         return None
     k = int(ac_option)
-    if not 1 <= k <= n_layers:
+    if n_layers is None and k < 1:
+        problems.append(f"ac_option={k}: must be {_allowed_k(None)}")
+        return None
+    if n_layers is not None and not 1 <= k <= n_layers:
         layers = "layer" if n_layers == 1 else "layers"
         problems.append(f"ac_option={k}: must be between 1 and {n_layers} (the model has {n_layers} {layers})")
         return None
     return k
 
 
-def resolve_ac_plan(
-    *,
-    enable_activation_checkpointing: Optional[bool],
-    ac_mode: Optional[Union[str, ACMode]],
-    ac_option: Optional[Union[int, str]],
-    n_layers: int,
-) -> ACPlan:
-    """Turn the three AC config keys and the model's layer count into a plan.
-
-    Rules: ``ac_mode``, when given, decides (matched case-insensitively). Without it,
-    ``enable_activation_checkpointing: true`` means full AC (as in torchtune) and false/None means none.
-    ``enable_activation_checkpointing: false`` with ``ac_mode`` full/selective, or ``true`` with ``ac_mode:
-    none``, is a contradiction and is rejected. ``ac_mode: selective`` requires ``ac_option``: an int k
-    checkpoints block i when ``(i + 1) % k == 0`` (k=2 on 8 blocks: 1, 3, 5, 7), with
-    ``1 <= k <= n_layers``; a string of digits such as ``'2'`` (a quoted YAML number) is accepted as k;
-    ``'op'`` applies per-op AC to every block (see ``save_matmuls_and_attention``). ``ac_option`` with any
-    other mode is rejected, as are booleans (``true`` is not 1) and floats.
-
-    Args:
-        enable_activation_checkpointing: the legacy on/off switch, or None when absent.
-        ac_mode: ``none``, ``full`` or ``selective`` (or an ``ACMode``), or None when absent.
-        ac_option: the stride k or ``"op"`` for selective AC, else None.
-        n_layers: number of transformer blocks in the model that will be built.
-
-    Returns:
-        The resolved ``ACPlan``.
-
-    Raises:
-        ACConfigError: listing every problem found, each naming the key, the value and what is allowed.
-        ValueError: if ``n_layers`` is not a positive int (a caller bug, not a config mistake).
-    """
-    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
-        raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
+def _check_keys(
+    enable: Any, ac_mode: Any, ac_option: Any, n_layers: Optional[int]
+) -> tuple[Optional[ACMode], Optional[Union[int, str]], list[str]]:
+    """The mode and option the keys ask for, and every problem with them (k unbounded when n_layers is None)."""
     problems: list[str] = []
-    enable = enable_activation_checkpointing
     if enable is not None and not isinstance(enable, bool):
         problems.append(f"enable_activation_checkpointing={_show(enable)}: must be true or false")
         enable = None
@@ -260,13 +239,60 @@ def resolve_ac_plan(
     elif ac_option is None:
         if mode is ACMode.SELECTIVE:
             problems.append(
-                "ac_mode=selective requires ac_option: an integer k between 1 and "
-                f"{n_layers} (checkpoint every k-th block) or 'op' (per-op AC in every block)"
+                f"ac_mode=selective requires ac_option: {_allowed_k(n_layers)} (checkpoint every k-th block) "
+                "or 'op' (per-op AC in every block)"
             )
     else:
         # The mode is selective, or unknown (already reported): still check the option's form.
         option = _parse_option(ac_option, n_layers, problems)
+    return mode, option, problems
 
+
+def ac_key_problems(*, enable_activation_checkpointing: Any, ac_mode: Any, ac_option: Any) -> list[str]:
+    """Every problem with the three AC keys that does not depend on the model (config validation uses this
+    to report them together with the config's other problems; the layer-count bound on k is checked by
+    ``resolve_ac_plan`` once the model is known).
+
+    Returns:
+        One message per problem, each naming the key, the value and what is allowed; empty when valid.
+    """
+    return _check_keys(enable_activation_checkpointing, ac_mode, ac_option, None)[2]
+
+
+def resolve_ac_plan(
+    *,
+    enable_activation_checkpointing: Optional[bool],
+    ac_mode: Optional[Union[str, ACMode]],
+    ac_option: Optional[Union[int, str]],
+    n_layers: int,
+) -> ACPlan:
+    """Turn the three AC config keys and the model's layer count into a plan.
+
+    Rules: ``ac_mode``, when given, decides (matched case-insensitively). Without it,
+    ``enable_activation_checkpointing: true`` means full AC (as in torchtune) and false/None means none.
+    ``enable_activation_checkpointing: false`` with ``ac_mode`` full/selective, or ``true`` with ``ac_mode:
+    none``, is a contradiction and is rejected. ``ac_mode: selective`` requires ``ac_option``: an int k
+    checkpoints block i when ``(i + 1) % k == 0`` (k=2 on 8 blocks: 1, 3, 5, 7), with
+    ``1 <= k <= n_layers``; a string of digits such as ``'2'`` (a quoted YAML number) is accepted as k;
+    ``'op'`` applies per-op AC to every block (see ``save_matmuls_and_attention``). ``ac_option`` with any
+    other mode is rejected, as are booleans (``true`` is not 1) and floats.
+
+    Args:
+        enable_activation_checkpointing: the legacy on/off switch, or None when absent.
+        ac_mode: ``none``, ``full`` or ``selective`` (or an ``ACMode``), or None when absent.
+        ac_option: the stride k or ``"op"`` for selective AC, else None.
+        n_layers: number of transformer blocks in the model that will be built.
+
+    Returns:
+        The resolved ``ACPlan``.
+
+    Raises:
+        ACConfigError: listing every problem found, each naming the key, the value and what is allowed.
+        ValueError: if ``n_layers`` is not a positive int (a caller bug, not a config mistake).
+    """
+    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
+        raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
+    mode, option, problems = _check_keys(enable_activation_checkpointing, ac_mode, ac_option, n_layers)
     if problems:
         raise ACConfigError(problems)
 

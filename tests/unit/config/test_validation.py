@@ -261,3 +261,24 @@ def test_component_arguments_that_fit_their_annotations_pass():
         source="c",
     )
     assert cfg.optimizer.kwargs["lr"] == 1
+
+
+def test_activation_checkpointing_problems_are_listed_with_the_others():
+    problems = problems_of(base_config(batch_size=0, ac_mode="sometimes", ac_option=True))
+    assert problems[0] == "batch_size=0: must be >= 1"
+    assert any(p.startswith("ac_mode='sometimes': unknown mode") for p in problems), problems
+    assert any(p.startswith("ac_option=true: a boolean is not allowed") for p in problems), problems
+    # Each problem once: a non-boolean enable_activation_checkpointing is reported by its type check only.
+    problems = problems_of(base_config(enable_activation_checkpointing="maybe", ac_mode=5))
+    assert problems == [
+        "enable_activation_checkpointing='maybe': expected true or false",
+        "ac_mode=5: unknown mode; allowed: none, full, selective",
+    ]
+
+
+def test_the_layer_bound_of_ac_option_waits_for_the_model():
+    cfg = validate_config(base_config(ac_mode="selective", ac_option=99), FullFinetuneConfig, source="c")
+    assert cfg.ac_option == 99  # no layer count yet; resolve_ac_plan checks k against the built model
+    assert problems_of(base_config(ac_mode="selective", ac_option=0)) == [
+        "ac_option=0: must be an integer k from 1 to the model's layer count"
+    ]
