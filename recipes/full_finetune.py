@@ -57,6 +57,8 @@ class FullFinetuneRecipe:
         self.ctx = ctx = init_distributed(cfg.device.value)
         logging.basicConfig(level=logging.INFO if ctx.is_rank_zero else logging.WARNING, format="%(message)s")
         report = preflight_full_finetune(cfg, strict=True, world_size=ctx.world_size)
+        for warning in report.warnings:
+            log.warning(warning)
         barrier(ctx)  # every rank has checked output_dir before rank 0 writes to it
         resume_from = find_resumable_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
         torch.manual_seed(cfg.seed)

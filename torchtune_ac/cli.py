@@ -260,7 +260,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     path = resolve_recipe_path(args.recipe)
     recipe = load_recipe(path)
     cfg = load_recipe_config(recipe, args.config, args.overrides, args.allow_component)
-    summary = recipe.preflight(cfg, strict=False)
+    summary = recipe.preflight(cfg, strict=False, world_size=None)  # validate cannot know how it will be launched
     print(f"config {resolve_config_path(args.config)} is valid for recipe {path.stem}")
     _print_summary(summary)
     return 0

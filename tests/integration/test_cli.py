@@ -296,3 +296,15 @@ def test_validate_names_the_config_file_of_an_unsupported_checkpoint(tmp_path, c
 
     out = capsys.readouterr().out
     assert f"{checkpoint / 'config.json'}: unsupported Hugging Face Llama config: rope_scaling.rope_type='yarn'" in out
+
+
+def test_fsdp_settings_in_a_single_process_run_are_not_silently_ignored(tmp_path):
+    from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
+
+    recipe = load_recipe(resolve_recipe_path("full_finetune"))
+    cfg = load_recipe_config(recipe, "tiny/full", [f"output_dir={tmp_path}", "fsdp.param_dtype=bf16"], [])
+    assert ("warning", "fsdp.*: these settings apply only when the run has more than one process (FSDP2)") in (
+        recipe.preflight(cfg, world_size=1)
+    )
+    assert not [w for w in recipe.preflight(cfg, world_size=2) if w[0] == "warning"]
+    assert not [w for w in recipe.preflight(cfg, world_size=None) if w[0] == "warning"]  # tune validate

@@ -84,6 +84,11 @@ CASES = {
     "resume_with_other_batch_size": BadInput(
         lambda i: ["resume_from_checkpoint=true", "batch_size=2"], ("batch_size was 4, now 2",), earlier_run=True
     ),
+    "resume_with_other_data": BadInput(
+        lambda i: ["resume_from_checkpoint=true", "seed=7", "dataset.train_on_input=true"],
+        ("cannot continue exactly", "seed was 0, now 7", '"train_on_input": true'),
+        earlier_run=True,
+    ),
     "fresh_run_in_earlier_output_dir": BadInput(
         lambda i: [], ("output_dir", "earlier run", "resume_from_checkpoint=true"), earlier_run=True
     ),

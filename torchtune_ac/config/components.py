@@ -236,6 +236,10 @@ class Component:
                 )
         return problems
 
+    def as_config(self) -> dict[str, Any]:
+        """This node as it would be written in YAML (``_component_`` plus arguments, nested nodes too)."""
+        return {COMPONENT_KEY: self.path, **{name: _as_config(value) for name, value in self.kwargs.items()}}
+
     def instantiate(self, *args: Any, **extra_kwargs: Any) -> Any:
         """Call the target with ``args``, this node's kwargs (nested components built first) and ``extra_kwargs``.
 
@@ -250,6 +254,16 @@ class Component:
             raise
         except (TypeError, ValueError) as err:
             raise UserError(f"{self.key} ({self.path}): {err}") from err
+
+
+def _as_config(value: Any) -> Any:
+    if isinstance(value, Component):
+        return value.as_config()
+    if isinstance(value, Mapping):
+        return {k: _as_config(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_as_config(v) for v in value]
+    return value
 
 
 def _nested_problems(value: Any) -> list[str]:

@@ -59,12 +59,17 @@ class Progress:
 
 @dataclass(frozen=True)
 class RunShape:
-    """What must not change between a run and its resume for the resume to be exact."""
+    """What must not change between a run and its resume for the resume to be exact.
+
+    ``data`` holds what decides the batches (seed, shuffle, max_seq_len, the dataset and tokenizer settings),
+    as plain JSON values.
+    """
 
     world_size: int
     batch_size: int
     gradient_accumulation_steps: int
     model_args: dict[str, Any]
+    data: dict[str, Any]
 
 
 @contextmanager
@@ -193,6 +198,10 @@ def check_resume_shape(checkpoint: Path, saved: RunShape, current: RunShape) -> 
     ]
     if model_diff:
         problems.append("the model has a different shape (" + ", ".join(model_diff) + ")")
+    for key in sorted(set(saved.data) | set(current.data)):
+        if saved.data.get(key) != current.data.get(key):
+            was, now = (json.dumps(shape.data.get(key), sort_keys=True) for shape in (saved, current))
+            problems.append(f"{key} was {was}, now {now}")
     if problems:
         raise UserError(f"resume from {checkpoint}: cannot continue exactly: " + "; ".join(problems))
 

@@ -8,6 +8,7 @@ validate`` on a machine that is not the training machine).
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.hf_interop import read_llama_args
 from torchtune_ac.training.activation_checkpointing import ACPlan
@@ -53,7 +54,17 @@ def model_shape_args(model: torch.nn.Module) -> dict:
 
 
 def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module) -> RunShape:
-    return RunShape(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, model_shape_args(model))
+    """What a resume of this run must keep (see ``RunShape``)."""
+    data = {
+        "seed": cfg.seed,
+        "shuffle": cfg.shuffle,
+        "max_seq_len": cfg.max_seq_len,
+        "dataset": cfg.dataset.as_config(),
+        "tokenizer": cfg.tokenizer.as_config(),
+    }
+    # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
+    data = json.loads(json.dumps(data))
+    return RunShape(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, model_shape_args(model), data)
 
 
 def _check_checkpoint_dir(checkpoint_dir: str, model: torch.nn.Module) -> None:
@@ -131,6 +142,9 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
                 check_resume_shape(checkpoint, saved, current)
 
         soft(check_resume)
+
+    if world_size == 1 and cfg.fsdp != FSDPConfig():
+        report.warnings.append("fsdp.*: these settings apply only when the run has more than one process (FSDP2)")
 
     per_step = cfg.batch_size * cfg.gradient_accumulation_steps
     report.summary = [
