@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Sequence
 
 import yaml
-from hydra import compose, initialize_config_dir
+from hydra import compose, initialize
+from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import OverrideType
 from hydra.errors import ConfigCompositionException, HydraException, MissingConfigException
@@ -69,31 +70,38 @@ def _describe_yaml_error(path: Path, err: yaml.YAMLError) -> str:
     return f"{where}: invalid YAML: {problem}"
 
 
+# Name under which the YAML being loaded is put into Hydra's ConfigStore for composing (replaced each load).
+_STORED_CONFIG_NAME = "torchtune_ac_config"
+
+
 def load_config(config: str, overrides: Sequence[str] = ()) -> DictConfig:
     """Load ``config`` (name or path), apply Hydra ``overrides`` and resolve interpolations.
+
+    The YAML is read by OmegaConf and composed by Hydra from its ConfigStore, not from the YAML's folder: a
+    folder next to the file (``checkpoint_dir/``, say) must not turn into a Hydra config group that captures
+    the override ``checkpoint_dir=...``.
 
     Returns:
         The composed config, fully resolved, with struct mode off.
 
     Raises:
-        UserError: missing/unreadable/invalid YAML, a malformed override, ``+key`` for a key that exists,
-            ``~key`` for one that does not, or an interpolation that cannot be resolved.
+        UserError: missing/unreadable/invalid YAML, Hydra settings in it, a malformed override, ``+key`` for a
+            key that exists, ``~key`` for one that does not, or an interpolation that cannot be resolved.
     """
     path = resolve_config_path(config)
-    _refuse_hydra_settings(path)
+    raw = _read_yaml(path)
     register_resolvers()
+    ConfigStore.instance().store(name=_STORED_CONFIG_NAME, node=raw)
     try:
-        with initialize_config_dir(config_dir=str(path.parent), version_base=None):
-            cfg = compose(config_name=path.name, overrides=parse_overrides(overrides))
-    except yaml.YAMLError as err:
-        raise UserError(_describe_yaml_error(path, err)) from None
+        with initialize(config_path=None, version_base=None):
+            cfg = compose(config_name=_STORED_CONFIG_NAME, overrides=parse_overrides(overrides))
     except ConfigCompositionException as err:
         message = " ".join(str(err).split())
         if message.startswith(("Could not override", "Could not delete", "Could not append")):
             raise UserError(f"override: {message}") from None
         cause = f": {_first_line(err.__cause__)}" if err.__cause__ is not None else ""
         raise UserError(f"config {path}: {message}{cause}") from None
-    except (MissingConfigException, OmegaConfBaseException, OSError, UnicodeDecodeError) as err:
+    except (MissingConfigException, OmegaConfBaseException) as err:
         raise UserError(f"config {path}: {_first_line(err)}") from None
 
     OmegaConf.set_struct(cfg, False)
@@ -105,19 +113,25 @@ def load_config(config: str, overrides: Sequence[str] = ()) -> DictConfig:
     return cfg
 
 
-def _refuse_hydra_settings(path: Path) -> None:
-    """Refuse a top-level ``hydra`` key: Hydra would act on it while composing (``hydra.searchpath`` entries
-    such as ``pkg://name`` import that package), and no recipe reads it.
+def _read_yaml(path: Path) -> DictConfig:
+    """The YAML mapping in ``path``.
 
     Raises:
-        UserError: naming the file. A file that does not parse is left to ``compose`` to report.
+        UserError: naming the file (and the line, for invalid YAML): unreadable, not YAML, not a mapping, or
+            holding a top-level ``hydra`` key (Hydra would act on it while composing: ``hydra.searchpath``
+            entries such as ``pkg://name`` import that package; no recipe reads it).
     """
     try:
         raw = OmegaConf.load(path)
-    except Exception:  # noqa: BLE001 - compose reports unreadable or invalid YAML with file and line
-        return
-    if isinstance(raw, DictConfig) and "hydra" in raw:
+    except yaml.YAMLError as err:
+        raise UserError(_describe_yaml_error(path, err)) from None
+    except (OmegaConfBaseException, OSError, UnicodeDecodeError) as err:
+        raise UserError(f"config {path}: {_first_line(err)}") from None
+    if not isinstance(raw, DictConfig):
+        raise UserError(f"config {path}: expected a mapping of keys to values at the top level, not a list")
+    if "hydra" in raw:
         raise UserError(f"config {path}: the `hydra` key is not supported (Hydra settings are not taken from configs)")
+    return raw
 
 
 def parse_overrides(overrides: Sequence[str]) -> list[str]:

@@ -65,7 +65,7 @@ def test_builtin_names_resolve_to_files():
         (BASE, ["+batch_size=3"], "already at 'batch_size'"),
         ("a: [1,\n b: 2\n", [], "invalid YAML"),
         ("a: 1\na: 2\n", [], "duplicate key a"),
-        ("- 1\n- 2\n", [], "must be a DictConfig"),
+        ("- 1\n- 2\n", [], "expected a mapping of keys to values at the top level"),
         ("a: ${nope}\n", [], "cannot resolve"),
     ],
 )
@@ -118,3 +118,13 @@ def test_hydra_settings_are_refused_before_anything_is_imported(tmp_path, text, 
         load_config(str(path), overrides)
     assert "this" not in sys.modules
     assert "Zen of Python" not in capsys.readouterr().out
+
+
+def test_a_folder_beside_the_yaml_does_not_capture_an_override(tmp_path):
+    """Hydra would read a folder next to the YAML as a config group and refuse `checkpoint_dir=...`."""
+    path = tmp_path / "c.yaml"
+    path.write_text(BASE)
+    (tmp_path / "checkpoint_dir").mkdir()
+    (tmp_path / "checkpoint_dir" / "x.yaml").write_text("a: 1\n")
+    cfg = load_config(str(path), ["checkpoint_dir=/models/x"])
+    assert cfg.checkpoint_dir == "/models/x"
