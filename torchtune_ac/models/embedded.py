@@ -8,18 +8,17 @@ into a cache directory rather than shipped in the package.
 from __future__ import annotations
 
 import fcntl
-import json
 import os
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer
 
+from torchtune_ac.data.embedded import EMBEDDED_TOKENIZER_DIR
+from torchtune_ac.data.tokenizer import load_tokenizer
 from torchtune_ac.models.builders import LLAMA_TINY, llama_tiny
 from torchtune_ac.models.hf_interop import CONFIG_FILE, WEIGHTS_FILE, save_hf
 
 EMBEDDED_CHECKPOINT_NAME = "tiny-llama-v1"
-EMBEDDED_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "data" / "embedded"
 CACHE_ENV_VAR = "TORCHTUNE_AC_CACHE"
 _SEED = 0
 _INIT_STD = 0.02
@@ -36,20 +35,13 @@ def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
 
 
 def _read_special_token_ids(tokenizer_dir: Path) -> dict[str, int | None]:
-    """bos/eos/pad ids: token strings from tokenizer_config.json, looked up in tokenizer.json."""
-    tokenizer = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
-    vocab_size = tokenizer.get_vocab_size(with_added_tokens=True)
-    expected = LLAMA_TINY.vocab_size
-    if vocab_size != expected:
-        raise RuntimeError(f"{tokenizer_dir / 'tokenizer.json'}: {vocab_size} tokens; llama_tiny expects {expected}")
-    config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
-    ids: dict[str, int | None] = {}
-    for role in ("bos", "eos", "pad"):
-        token = config.get(f"{role}_token")
-        if isinstance(token, dict):  # older files store {"content": "<s>", ...}
-            token = token.get("content")
-        ids[f"{role}_token_id"] = tokenizer.token_to_id(token) if token else None
-    return ids
+    """bos/eos/pad ids of the embedded tokenizer, as ``save_hf`` keyword arguments."""
+    tokenizer = load_tokenizer(str(tokenizer_dir))
+    if tokenizer.vocab_size != LLAMA_TINY.vocab_size:
+        raise RuntimeError(
+            f"{tokenizer.path}: {tokenizer.vocab_size} tokens; llama_tiny expects {LLAMA_TINY.vocab_size}"
+        )
+    return {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
 
 
 def ensure_embedded_checkpoint(
@@ -80,7 +72,7 @@ def ensure_embedded_checkpoint(
     out_dir = resolve_cache_dir(cache_dir) / EMBEDDED_CHECKPOINT_NAME
     if not force and _is_complete(out_dir):
         return out_dir
-    tokenizer_dir = EMBEDDED_TOKENIZER_DIR if tokenizer_dir is None else Path(tokenizer_dir)
+    tokenizer_dir = Path(EMBEDDED_TOKENIZER_DIR if tokenizer_dir is None else tokenizer_dir)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         if not (tokenizer_dir / name).is_file():
             raise FileNotFoundError(f"embedded tokenizer file {tokenizer_dir / name} is missing")

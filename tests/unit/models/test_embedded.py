@@ -13,7 +13,8 @@ from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM
 
 from torchtune_ac.models import ensure_embedded_checkpoint, llama_tiny, load_hf, read_hf_config
-from torchtune_ac.models.embedded import EMBEDDED_TOKENIZER_DIR, resolve_cache_dir
+from torchtune_ac.data import EMBEDDED_TOKENIZER_DIR
+from torchtune_ac.models.embedded import resolve_cache_dir
 from torchtune_ac.models.hf_interop import WEIGHTS_FILE
 
 REPO = Path(__file__).resolve().parents[3]
@@ -121,7 +122,7 @@ def test_cache_dir_resolution(monkeypatch, tmp_path, argument, env, expected):
 
 
 @pytest.mark.skipif(
-    not (EMBEDDED_TOKENIZER_DIR / "tokenizer.json").is_file(), reason="embedded tokenizer not generated yet"
+    not (Path(EMBEDDED_TOKENIZER_DIR) / "tokenizer.json").is_file(), reason="embedded tokenizer not generated yet"
 )
 def test_script_with_packaged_tokenizer(tmp_path):
     result = subprocess.run(
