@@ -6,7 +6,7 @@ is a positive list, checked twice:
 1. Before anything is imported, the dotted path must lie under ``torchtune_ac``, ``torch.optim`` or
    ``torch.nn`` and contain no private names (``_x``).
 2. After import, before anything is called, every module passed through must really be the module the path
-   names (``torch.nn.os`` is ``os``, refused), and the object must be either a torchtune_ac function marked
+   names (``torchtune_ac.cli.os`` is ``os``, refused), and the object must be either a torchtune_ac function marked
    with ``@config_component`` (model builders, tokenizer, datasets, LR schedules) or a class from
    ``torch.optim`` / ``torch.nn`` that is an optimizer, an LR scheduler or an ``nn.Module``.
 
@@ -121,7 +121,7 @@ def import_component(path: str, key: str, extra_allowed: Sequence[str] = ()) -> 
             obj = getattr(obj, attr)
             module_path = f"{module_path}.{attr}"
             if inspect.ismodule(obj) and obj.__name__ != module_path:
-                # A module's namespace also holds what it imported: torch.nn.os is the os module.
+                # A module's namespace also holds what it imported: torchtune_ac.cli.os is the os module.
                 raise UserError(f"{key}._component_={path}: not allowed ({module_path} is the module {obj.__name__})")
         _check_found_object(obj, path, key, extra_allowed)
         if not callable(obj):
