@@ -19,6 +19,7 @@ import torch
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.hf_interop import read_llama_args
+from torchtune_ac.models.llama import LlamaArgs
 from torchtune_ac.training.activation_checkpointing import ACPlan
 from torchtune_ac.training.checkpointing import RunShape, check_resume_shape, find_resumable_checkpoint, list_checkpoints, read_trainer_state
 from torchtune_ac.training.distributed import resolve_device
@@ -43,14 +44,17 @@ def ac_settings(cfg: FullFinetuneConfig) -> ACSettings:
     return ACSettings(cfg.enable_activation_checkpointing, cfg.ac_mode, cfg.ac_option)
 
 
-def model_shape_args(model: torch.nn.Module) -> dict:
-    """The shape-defining arguments of a torchtune_ac model (empty for models without ``args``)."""
-    args = getattr(model, "args", None)
-    if args is None:
-        return {}
+def shape_args(args: LlamaArgs) -> dict:
+    """The shape-defining fields of ``args`` (``head_dim`` resolved)."""
     resolved = asdict(args)
     resolved["head_dim"] = args.resolved_head_dim
     return {key: resolved[key] for key in SHAPE_FIELDS}
+
+
+def model_shape_args(model: torch.nn.Module) -> dict:
+    """The shape-defining arguments of a torchtune_ac model (empty for models without ``args``)."""
+    args = getattr(model, "args", None)
+    return {} if args is None else shape_args(args)
 
 
 def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module) -> RunShape:
@@ -68,8 +72,7 @@ def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module) 
 
 
 def _check_checkpoint_dir(checkpoint_dir: str, model: torch.nn.Module) -> None:
-    hf_args = asdict(read_llama_args(checkpoint_dir))  # errors name the config.json
-    hf_args["head_dim"] = hf_args["head_dim"] or hf_args["dim"] // hf_args["n_heads"]
+    hf_args = shape_args(read_llama_args(checkpoint_dir))  # errors name the config.json
     ours = model_shape_args(model)
     diff = [f"{key} {hf_args[key]} vs {ours[key]}" for key in ours if hf_args[key] != ours[key]]
     if diff:
