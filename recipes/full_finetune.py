@@ -194,21 +194,23 @@ class FullFinetuneRecipe:
         )
         log.info("saved checkpoint %s", path)
 
-    def cleanup(self) -> None:
+    def cleanup(self, *, succeeded: bool) -> None:
         if self.metrics is not None:
             self.metrics.close()
-        destroy_distributed()
+        destroy_distributed(synchronize=succeeded)
 
 
 def run(cfg: FullFinetuneConfig) -> None:
-    """Run the recipe; cleanup always runs."""
+    """Run the recipe; cleanup always runs (after a success, every rank shuts down together)."""
     recipe = FullFinetuneRecipe(cfg)
     try:
         recipe.setup()
         with logging_redirect_tqdm():
             recipe.train()
-    finally:
-        recipe.cleanup()
+    except BaseException:
+        recipe.cleanup(succeeded=False)
+        raise
+    recipe.cleanup(succeeded=True)
 
 
 if __name__ == "__main__":

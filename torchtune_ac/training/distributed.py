@@ -97,9 +97,16 @@ def _exit_with_launcher() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def destroy_distributed() -> None:
-    """Tear down the process group, if any (safe to call twice)."""
+def destroy_distributed(*, synchronize: bool = False) -> None:
+    """Tear down the process group, if any (safe to call twice).
+
+    ``synchronize=True`` (the end of a successful run) first waits at a barrier, so no rank closes its
+    connections while another is still finishing its part (rank 0 writing the last metrics, say). After a
+    failure, pass ``False``: the other ranks may never arrive, and the launcher stops them anyway.
+    """
     if dist.is_available() and dist.is_initialized():
+        if synchronize:
+            dist.barrier()
         dist.destroy_process_group()
 
 

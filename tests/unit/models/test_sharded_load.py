@@ -1,13 +1,10 @@
 """Loading Hugging Face weights into an FSDP2-sharded model: 2 CPU processes on gloo vs. 1 process."""
 
 import dataclasses
-import socket
-from datetime import timedelta
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_testlib import WORLD_SIZE, run_on_gloo_ranks
 from models_testlib import TINY, save_random_checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -15,30 +12,13 @@ from torch.distributed.fsdp import fully_shard
 import torchtune_ac.models.hf_interop as hf_interop
 from torchtune_ac.models import Llama, load_hf, load_hf_weights_
 
-WORLD_SIZE = 2
 # An odd vocabulary makes the two shards of the embedding uneven (49 and 48 rows).
 UNEVEN = dataclasses.replace(TINY, vocab_size=97, max_seq_len=64)
 CASES = {"untied": UNEVEN, "tied": dataclasses.replace(UNEVEN, tie_embeddings=True)}
 
 
-def find_free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_rank(rank: int, port: int, case: str, ckpt: str) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        check_sharded_load(rank, CASES[case], ckpt)
-    finally:
-        dist.destroy_process_group()
-
-
-def check_sharded_load(rank: int, args, ckpt: str) -> None:
+def check_sharded_load(rank: int, case: str, ckpt: str) -> None:
+    args = CASES[case]
     with torch.device("meta"):
         model = Llama(args)
     for block in model.layers:
@@ -88,4 +68,4 @@ def check_sharded_load(rank: int, args, ckpt: str) -> None:
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fsdp2_sharded_load_matches_single_process(tmp_path, case):
     ckpt = save_random_checkpoint(tmp_path / "ckpt", args=CASES[case], seed=11)
-    mp.spawn(run_rank, args=(find_free_port(), case, str(ckpt)), nprocs=WORLD_SIZE, join=True)
+    run_on_gloo_ranks(check_sharded_load, case, str(ckpt), store_dir=tmp_path)

@@ -5,20 +5,16 @@ must be bit-identical to the same run without AC, and match a single process tha
 micro-batches (same data, same per-rank RNG) and averages their gradients.
 """
 
-import socket
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from gloo_testlib import WORLD_SIZE, run_on_gloo_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from torchtune_ac.models.llama import Llama, LlamaArgs
 from torchtune_ac.training.activation_checkpointing import setup_activation_checkpointing
 
-WORLD_SIZE = 2
 STEPS = 3
 VOCAB = 96
 SETTINGS = [(None, None), ("full", None), ("selective", 2), ("selective", "op")]
@@ -46,29 +42,25 @@ def compute_loss(model: Llama, tokens: torch.Tensor, step: int, rank: int) -> to
     return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 
-def train_sharded(rank: int, port: int, out_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE)
-    try:
-        mesh = init_device_mesh("cpu", (WORLD_SIZE,))
-        losses = {}
-        for mode, option in SETTINGS:
-            model = build_model()
-            setup_activation_checkpointing(model, ac_mode=mode, ac_option=option)
-            for block in model.layers:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-            history = []
-            for step in range(STEPS):
-                loss = compute_loss(model, make_batch(step, rank), step, rank)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                history.append(loss.detach())
-            losses[f"{mode}-{option}"] = torch.stack(history)
-        torch.save(losses, f"{out_path}.{rank}")
-    finally:
-        dist.destroy_process_group()
+def train_sharded(rank: int, out_path: str) -> None:
+    mesh = init_device_mesh("cpu", (WORLD_SIZE,))
+    losses = {}
+    for mode, option in SETTINGS:
+        model = build_model()
+        setup_activation_checkpointing(model, ac_mode=mode, ac_option=option)
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        history = []
+        for step in range(STEPS):
+            loss = compute_loss(model, make_batch(step, rank), step, rank)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            history.append(loss.detach())
+        losses[f"{mode}-{option}"] = torch.stack(history)
+    torch.save(losses, f"{out_path}.{rank}")
 
 
 def train_one_process() -> torch.Tensor:
@@ -88,16 +80,10 @@ def train_one_process() -> torch.Tensor:
     return torch.stack(history)
 
 
-def find_free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_fsdp2_training_losses_are_unchanged_by_ac(tmp_path):
     out_path = str(tmp_path / "losses")
-    mp.spawn(train_sharded, args=(find_free_port(), out_path), nprocs=WORLD_SIZE, join=True)
+    run_on_gloo_ranks(train_sharded, out_path, store_dir=tmp_path)
     per_rank = [torch.load(f"{out_path}.{rank}") for rank in range(WORLD_SIZE)]
 
     reference = train_one_process()

@@ -1,13 +1,9 @@
 """Random initialisation (``checkpoint_dir: null``) of an FSDP2-sharded model: 2 CPU processes on gloo give the
 weights 1 process gives for the same seed (not one rank's shard repeated in every shard)."""
 
-import socket
-from datetime import timedelta
-
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_testlib import WORLD_SIZE, run_on_gloo_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchtune_ac.config.components import parse_component
@@ -16,7 +12,6 @@ from torchtune_ac.models.builders import LLAMA_TINY
 from torchtune_ac.training.distributed import DistributedContext
 from torchtune_ac.training.model_setup import ACSettings, build_training_model
 
-WORLD_SIZE = 2
 SEED = 3
 # llama_tiny (512 x 128 embedding, 8 blocks), and the same with tied embeddings.
 TIED_CONFIG = {**hf_config_from_llama_args(LLAMA_TINY, torch.float32), "tie_word_embeddings": True}
@@ -34,30 +29,19 @@ def build(node: dict, ctx: DistributedContext) -> torch.nn.Module:
     return model
 
 
-def find_free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_rank(rank: int, port: int, case: str, out_path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD_SIZE,
-                            timeout=timedelta(seconds=60))
-    try:
-        ctx = DistributedContext(rank=rank, world_size=WORLD_SIZE, local_rank=rank, device=torch.device("cpu"))
-        model = build(MODELS[case], ctx)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save(full, out_path)
-    finally:
-        dist.destroy_process_group()
+def init_rank(rank: int, case: str, out_path: str) -> None:
+    ctx = DistributedContext(rank=rank, world_size=WORLD_SIZE, local_rank=rank, device=torch.device("cpu"))
+    model = build(MODELS[case], ctx)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(full, out_path)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", sorted(MODELS))
 def test_sharded_random_init_equals_one_process(case: str, tmp_path) -> None:
     out_path = str(tmp_path / "sharded.pt")
-    mp.spawn(init_rank, args=(find_free_port(), case, out_path), nprocs=WORLD_SIZE, join=True)
+    run_on_gloo_ranks(init_rank, case, out_path, store_dir=tmp_path)
     sharded = torch.load(out_path, weights_only=True)
     single = build(MODELS[case], DistributedContext(0, 1, 0, torch.device("cpu"))).state_dict()
     assert sharded.keys() == single.keys()
