@@ -2,7 +2,8 @@
 
 Only safetensors files are read (never pickles). Loading checks every tensor name, shape and dtype from the
 file headers before any data is copied, so a bad checkpoint fails before the model is touched. Parameters
-that are sharded DTensors (FSDP2) are filled by reading only the rows each rank owns.
+that are sharded DTensors (FSDP2) are filled by reading only the rows each rank owns; saving such a model
+gathers one output shard at a time, so no rank ever holds the whole model.
 
 Our names map to Hugging Face names one prefix away::
 
@@ -580,41 +581,52 @@ def parse_shard_size(size: int | str) -> int:
     return value
 
 
-def _hf_tensors_from_state_dict(state_dict: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
-    """Our full state dict -> Hugging Face names, in model order, as contiguous CPU tensors."""
+def _hf_layout(args: LlamaArgs) -> dict[str, torch.Size]:
+    """Our parameter names -> full shapes, in model order, without ``output.weight`` when it is tied."""
     with torch.device("meta"):
         reference = Llama(args).state_dict()
     if args.tie_embeddings:
         reference.pop("output.weight")
-        state_dict = {k: v for k, v in state_dict.items() if k != "output.weight"}
-    missing, unexpected = reference.keys() - state_dict.keys(), state_dict.keys() - reference.keys()
+    return {name: ref.shape for name, ref in reference.items()}
+
+
+def _check_against_layout(state_dict: dict[str, torch.Tensor], layout: dict[str, torch.Size]) -> None:
+    """Names and (global) shapes of ``state_dict`` match the model's (a tied ``output.weight`` may be present)."""
+    names = state_dict.keys() - ({"output.weight"} - layout.keys())
+    missing, unexpected = layout.keys() - names, names - layout.keys()
     if missing or unexpected:
         raise ValueError(
             f"state dict does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
         )
+    for name, shape in layout.items():
+        if state_dict[name].shape != shape:
+            raise ValueError(f"{name} has shape {list(state_dict[name].shape)}, expected {list(shape)}")
+
+
+def _hf_tensors_from_state_dict(state_dict: dict[str, torch.Tensor], args: LlamaArgs) -> dict[str, torch.Tensor]:
+    """Our full state dict -> Hugging Face names, in model order, as contiguous CPU tensors."""
+    layout = _hf_layout(args)
+    _check_against_layout(state_dict, layout)
     out = {}
-    for name, ref in reference.items():
+    for name in layout:
         tensor = state_dict[name]
         if isinstance(tensor, DTensor):
-            raise ValueError(f"{name} is a DTensor: gather a full state dict before saving")
-        if tensor.shape != ref.shape:
-            raise ValueError(f"{name} has shape {list(tensor.shape)}, expected {list(ref.shape)}")
+            raise ValueError(f"{name} is a DTensor: save the model with save_hf on every rank")
         out[convert_name_to_hf(name)] = tensor.detach().to("cpu").contiguous()
     return out
 
 
-def _plan_shards(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[list[str]]:
+def _plan_shards(nbytes: dict[str, int], max_bytes: int) -> list[list[str]]:
     """Greedy split in order; a tensor larger than the limit gets a shard of its own (as transformers does)."""
     shards: list[list[str]] = []
     current: list[str] = []
     current_bytes = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if current and current_bytes + nbytes > max_bytes:
+    for name, size in nbytes.items():
+        if current and current_bytes + size > max_bytes:
             shards.append(current)
             current, current_bytes = [], 0
         current.append(name)
-        current_bytes += nbytes
+        current_bytes += size
     if current:
         shards.append(current)
     return shards
@@ -639,16 +651,24 @@ def _finish_files(root: Path) -> None:
             os.fsync(f.fileno())
 
 
+def _out_dir_problem(out_dir: Path, overwrite: bool) -> str | None:
+    """Why a checkpoint may not be written to ``out_dir``, or None."""
+    if out_dir.exists():
+        if not out_dir.is_dir():
+            return f"{out_dir}: exists and is not a directory"
+        if not overwrite and any(out_dir.iterdir()):
+            return f"{out_dir}: directory is not empty (choose another directory or overwrite it)"
+    return None
+
+
 def _write_dir_atomically(out_dir: Path, overwrite: bool, write: Callable[[Path], None]) -> Path:
     """Run ``write(tmp)`` on a fresh sibling directory, then rename it to ``out_dir``.
 
     A non-empty ``out_dir`` is replaced only if ``overwrite``, and only once the new one is complete.
     """
-    if out_dir.exists():
-        if not out_dir.is_dir():
-            raise UserError(f"{out_dir}: exists and is not a directory")
-        if not overwrite and any(out_dir.iterdir()):
-            raise UserError(f"{out_dir}: directory is not empty (choose another directory or overwrite it)")
+    problem = _out_dir_problem(out_dir, overwrite)
+    if problem:
+        raise UserError(problem)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     # Same parent, so the renames below stay on one file system and are atomic.
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{uuid.uuid4().hex}"
@@ -717,24 +737,91 @@ def save_hf_state_dict(
         eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )
-    shards = _plan_shards(tensors, max_bytes)
+    nbytes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
+    return _write_hf_checkpoint(
+        out_dir, overwrite, config, nbytes, max_bytes, lambda names: {n: tensors[n] for n in names}, tokenizer_dir
+    )
+
+
+def _write_hf_checkpoint(
+    out_dir: Path,
+    overwrite: bool,
+    config: dict[str, Any],
+    nbytes: dict[str, int],
+    max_bytes: int,
+    fetch: Callable[[list[str]], dict[str, torch.Tensor]],
+    tokenizer_dir: PathLike | None,
+) -> Path:
+    """Write config.json and the weights (``nbytes``: Hugging Face name -> size, in order) atomically.
+
+    ``fetch(names)`` returns the CPU tensors of one output shard; it is called once per shard, in order, and
+    its tensors are dropped once that shard is written.
+    """
+    shards = _plan_shards(nbytes, max_bytes)
 
     def write(tmp: Path) -> None:
         _write_json(tmp / CONFIG_FILE, config)
         if len(shards) == 1:
-            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+            save_file(fetch(shards[0]), str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         else:
             weight_map = {}
             for i, names in enumerate(shards, start=1):
                 file_name = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-                save_file({n: tensors[n] for n in names}, str(tmp / file_name), metadata={"format": "pt"})
+                save_file(fetch(names), str(tmp / file_name), metadata={"format": "pt"})
                 weight_map.update(dict.fromkeys(names, file_name))
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
-            _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+            _write_json(tmp / INDEX_FILE, {"metadata": {"total_size": sum(nbytes.values())}, "weight_map": weight_map})
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, tmp)
 
     return _write_dir_atomically(out_dir, overwrite, write)
+
+
+def _save_hf_sharded(
+    state_dict: dict[str, torch.Tensor],
+    args: LlamaArgs,
+    out_dir: Path,
+    max_bytes: int,
+    overwrite: bool,
+    tokenizer_dir: PathLike | None,
+    config_ids: dict[str, Any],
+) -> Path:
+    """``save_hf`` for a model whose parameters are DTensors: a collective call, rank 0 writes.
+
+    Each output shard's tensors are gathered (``full_tensor``, on every rank), moved to CPU on rank 0 only,
+    written, and dropped before the next shard is gathered: rank 0 holds at most one shard (``max_bytes``, or
+    one tensor larger than that) of full tensors in CPU memory, and every rank one full tensor on its device.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        raise ValueError("the model holds DTensors but no process group is initialised")
+    layout = _hf_layout(args)
+    _check_against_layout(state_dict, layout)
+    ours = {convert_name_to_hf(name): name for name in layout}
+    nbytes = {hf: math.prod(layout[name]) * state_dict[name].dtype.itemsize for hf, name in ours.items()}
+    config = hf_config_from_llama_args(args, state_dict["tok_embeddings.weight"].dtype, **config_ids)
+    writer = dist.get_rank() == 0
+    # Every rank learns whether rank 0 may write before anyone starts gathering (else the others would wait
+    # in a collective that rank 0 never joins).
+    problem = [_out_dir_problem(out_dir, overwrite) if writer else None]
+    dist.broadcast_object_list(problem, src=0)
+    if problem[0]:
+        raise UserError(problem[0])
+
+    def gather(names: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for hf_name in names:
+            tensor = state_dict[ours[hf_name]].detach()
+            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            if writer:
+                out[hf_name] = full.to("cpu").contiguous()
+        return out
+
+    if writer:
+        return _write_hf_checkpoint(out_dir, overwrite, config, nbytes, max_bytes, gather, tokenizer_dir)
+    for names in _plan_shards(nbytes, max_bytes):
+        gather(names)
+    return out_dir
 
 
 def save_hf(
@@ -748,10 +835,12 @@ def save_hf(
     pad_token_id: int | None = None,
     tokenizer_dir: PathLike | None = None,
 ) -> Path:
-    """Save a (non-sharded) ``Llama`` as a Hugging Face checkpoint that ``AutoModelForCausalLM`` loads.
+    """Save a ``Llama`` as a Hugging Face checkpoint that ``AutoModelForCausalLM`` loads.
 
     Activation checkpointing (``setup_activation_checkpointing``) leaves parameter names unchanged, so such a
-    model saves as is. For an FSDP-sharded model gather a full state dict and call ``save_hf_state_dict``.
+    model saves as is. A model sharded with FSDP2 (DTensor parameters) is saved by a collective call: every
+    rank calls ``save_hf`` with the same arguments, and rank 0 writes the files, gathering one output shard
+    at a time (at most ``max_shard_size`` of full tensors in its CPU memory, never the whole model).
 
     Args:
         model: the model (with ``.args``).
@@ -764,8 +853,14 @@ def save_hf(
     Raises:
         UserError: as ``save_hf_state_dict``.
     """
+    state_dict = model.state_dict()
+    if any(isinstance(t, DTensor) for t in state_dict.values()):
+        ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+        return _save_hf_sharded(
+            state_dict, model.args, Path(out_dir), parse_shard_size(max_shard_size), overwrite, tokenizer_dir, ids
+        )
     return save_hf_state_dict(
-        model.state_dict(),
+        state_dict,
         model.args,
         out_dir,
         max_shard_size,

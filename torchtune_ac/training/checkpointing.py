@@ -32,7 +32,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -40,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import save_hf_state_dict
+from torchtune_ac.models import save_hf
 from torchtune_ac.training.distributed import DistributedContext, barrier
 
 RECIPE_STATE_DIR = "recipe_state"
@@ -141,11 +140,9 @@ def save_checkpoint(
             shutil.rmtree(debris, ignore_errors=True)
     barrier(ctx)
 
-    # 1. The model in Hugging Face format: gathered to rank 0 (on CPU) and written there.
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if ctx.is_rank_zero:
-        save_hf_state_dict(full, model.args, tmp, tokenizer_dir=tokenizer_dir, **(hf_config_extra or {}))
-    del full
+    # 1. The model in Hugging Face format, written by rank 0; a sharded model is gathered one output shard at a
+    #    time (save_hf is then a collective call), so no rank holds the whole model.
+    save_hf(model, tmp, tokenizer_dir=tokenizer_dir, **(hf_config_extra or {}))
     barrier(ctx)
 
     # 2. Recipe state: sharded model + optimizer through DCP (every rank writes its own shard).

@@ -1,6 +1,10 @@
-"""Loading Hugging Face weights into an FSDP2-sharded model: 2 CPU processes on gloo vs. 1 process."""
+"""Loading Hugging Face weights into an FSDP2-sharded model, and saving one: 2 CPU processes on gloo vs. 1 process."""
 
 import dataclasses
+import gc
+import json
+import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,21 +14,31 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 import torchtune_ac.models.hf_interop as hf_interop
-from torchtune_ac.models import Llama, load_hf, load_hf_weights_
+from torchtune_ac.errors import UserError
+from torchtune_ac.models import Llama, load_hf, load_hf_weights_, save_hf
 
 # An odd vocabulary makes the two shards of the embedding uneven (49 and 48 rows).
 UNEVEN = dataclasses.replace(TINY, vocab_size=97, max_seq_len=64)
 CASES = {"untied": UNEVEN, "tied": dataclasses.replace(UNEVEN, tie_embeddings=True)}
 
 
-def check_sharded_load(rank: int, case: str, ckpt: str) -> None:
-    args = CASES[case]
+# Small enough to split the tiny model's ~100 KB into several files; larger than any one of its tensors.
+SHARD_BYTES = 20_000
+
+
+def sharded_model(args) -> Llama:
     with torch.device("meta"):
         model = Llama(args)
     for block in model.layers:
         fully_shard(block)
     fully_shard(model)
     model.to_empty(device="cpu")
+    return model
+
+
+def check_sharded_load(rank: int, case: str, ckpt: str) -> None:
+    args = CASES[case]
+    model = sharded_model(args)
 
     regions_read = {}
     read_region = hf_interop._read_region
@@ -69,3 +83,49 @@ def check_sharded_load(rank: int, case: str, ckpt: str) -> None:
 def test_fsdp2_sharded_load_matches_single_process(tmp_path, case):
     ckpt = save_random_checkpoint(tmp_path / "ckpt", args=CASES[case], seed=11)
     run_on_gloo_ranks(check_sharded_load, case, str(ckpt), store_dir=tmp_path)
+
+
+
+def check_sharded_save(rank: int, case: str, ckpt: str, out: str) -> None:
+    model = sharded_model(CASES[case])
+    load_hf_weights_(model, ckpt)
+
+    files, write = [], hf_interop.save_file
+
+    def recording_save_file(tensors, filename, metadata=None):
+        gc.collect()
+        # Everything gathered for earlier files is gone: rank 0 holds at most the file being written.
+        assert all(ref() is None for _, refs in files for ref in refs), filename
+        assert sum(t.numel() * t.element_size() for t in tensors.values()) <= SHARD_BYTES
+        files.append((Path(filename).name, [weakref.ref(t) for t in tensors.values()]))
+        return write(tensors, filename, metadata=metadata)
+
+    hf_interop.save_file = recording_save_file
+    try:
+        assert save_hf(model, out, max_shard_size=SHARD_BYTES) == Path(out)
+        # A second save into the now non-empty directory fails on every rank (no rank waits in a gather).
+        with pytest.raises(UserError, match="not empty"):
+            save_hf(model, out, max_shard_size=SHARD_BYTES)
+    finally:
+        hf_interop.save_file = write
+    if rank == 0:
+        index = json.loads((Path(out) / hf_interop.INDEX_FILE).read_text())
+        assert [name for name, _ in files] == sorted(set(index["weight_map"].values()))
+        assert len(files) >= 3
+    else:
+        assert files == []
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fsdp2_sharded_save_writes_one_file_at_a_time_and_equals_the_source(tmp_path, case):
+    ckpt = save_random_checkpoint(tmp_path / "ckpt", args=CASES[case], seed=12)
+    out = tmp_path / "saved"
+    run_on_gloo_ranks(check_sharded_save, case, str(ckpt), str(out), store_dir=tmp_path)
+    saved, source = load_hf(out).state_dict(), load_hf(ckpt).state_dict()
+    assert saved.keys() == source.keys()
+    for name, tensor in source.items():
+        assert torch.equal(saved[name], tensor), name
+    assert json.loads((out / hf_interop.CONFIG_FILE).read_text()) == json.loads(
+        (ckpt / hf_interop.CONFIG_FILE).read_text()
+    )
