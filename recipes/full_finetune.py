@@ -19,10 +19,7 @@ import torch
 from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from torchtune_ac.config.schema import FullFinetuneConfig
-from torchtune_ac.data import build_dataloader
-from torchtune_ac.errors import UserError
-from torchtune_ac.training.checkpointing import (
+from torchtune_ac.checkpoint import (
     Progress,
     create_output_dir,
     find_resumable_checkpoint,
@@ -30,10 +27,13 @@ from torchtune_ac.training.checkpointing import (
     read_trainer_state,
     save_checkpoint,
 )
+from torchtune_ac.config.preflight import preflight_full_finetune, run_shape
+from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.data import build_dataloader
+from torchtune_ac.errors import UserError
 from torchtune_ac.training.distributed import barrier, destroy_distributed, init_distributed
 from torchtune_ac.training.metrics import MetricsWriter, peak_memory_gib
 from torchtune_ac.training.model_setup import build_training_model
-from torchtune_ac.training.preflight import ac_settings, preflight_full_finetune, run_shape
 from torchtune_ac.training.step import move_batch, train_step
 
 CONFIG_SCHEMA = FullFinetuneConfig
@@ -67,15 +67,13 @@ class FullFinetuneRecipe:
         self.model, self.plan = build_training_model(
             cfg.model,
             ctx=ctx,
-            dtype=cfg.dtype.value,
-            ac=ac_settings(cfg),
+            dtype=cfg.dtype,
+            ac=cfg.ac,
+            fsdp=cfg.fsdp,
             compile_blocks=cfg.compile,
-            checkpoint_dir=None if resume_from else cfg.checkpoint_dir,
-            initialize=resume_from is None,
+            checkpoint_dir=cfg.checkpoint_dir,
+            load_weights=resume_from is None,  # a resume loads them from its recipe state
             seed=cfg.seed,
-            reshard_after_forward=cfg.fsdp.reshard_after_forward,
-            param_dtype=cfg.fsdp.param_dtype.value if cfg.fsdp.param_dtype else None,
-            reduce_dtype=cfg.fsdp.reduce_dtype.value,
         )
         self.optimizer = cfg.optimizer.instantiate(self.model.parameters())
 
@@ -107,7 +105,7 @@ class FullFinetuneRecipe:
 
         self.progress = Progress()
         if resume_from is not None:
-            load_checkpoint(resume_from, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler, ctx=ctx)
+            load_checkpoint(resume_from, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
             self.progress, _ = read_trainer_state(resume_from)
             log.info("resumed from %s at step %d", resume_from, self.progress.step)
         if ctx.is_rank_zero:
@@ -117,7 +115,7 @@ class FullFinetuneRecipe:
         global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * ctx.world_size
         for line in (
             f"world size {ctx.world_size} on {ctx.device} ({cfg.dtype.value})",
-            f"model {cfg.model.path}: {report.n_parameters:,} parameters, {len(self.model.layers)} layers",
+            f"model {cfg.model.path}: {report.n_parameters:,} parameters, {self.plan.n_layers} layers",
             f"activation checkpointing: {self.plan}",
             f"global batch {global_batch} samples ({cfg.batch_size} x {cfg.gradient_accumulation_steps} accumulation"
             f" x {ctx.world_size} processes); {len(dataset)} samples, {self.steps_per_epoch} steps per epoch,"
@@ -188,7 +186,6 @@ class FullFinetuneRecipe:
             scheduler=self.scheduler,
             progress=self.progress,
             shape=run_shape(self.cfg, self.ctx.world_size, self.model),
-            ctx=self.ctx,
             tokenizer_dir=Path(self.tokenizer.path).parent,
             hf_config_extra={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
         )

@@ -45,7 +45,10 @@ from torchtune_ac import models  # noqa: E402
 from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.training.distributed import DistributedContext  # noqa: E402
 from torchtune_ac.training.loss import IGNORE_INDEX  # noqa: E402
-from torchtune_ac.training.model_setup import ACSettings, build_training_model  # noqa: E402
+from torchtune_ac.training.activation_checkpointing import ACConfig, ACMode  # noqa: E402
+from torchtune_ac.training.distributed import FSDPConfig  # noqa: E402
+from torchtune_ac.training.dtypes import DType  # noqa: E402
+from torchtune_ac.training.model_setup import build_training_model  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 
 SETTINGS = ("none", "full")
@@ -121,8 +124,9 @@ def build_ours(model_name: str, checkpoint_dir: Path, setting: str, batches: lis
     model, plan = build_training_model(
         Component(key="model", path=f"torchtune_ac.models.{model_name}"),
         ctx=ctx,
-        dtype="fp32",
-        ac=ACSettings(ac_mode=setting),
+        dtype=DType.FP32,
+        ac=ACConfig(ac_mode=ACMode(setting)),
+        fsdp=FSDPConfig(),
         compile_blocks=False,
         checkpoint_dir=str(checkpoint_dir),
         seed=seed,

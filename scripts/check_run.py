@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from torchtune_ac.models import load_hf
-from torchtune_ac.training.checkpointing import list_checkpoints
+from torchtune_ac.checkpoint import list_checkpoints
 from torchtune_ac.training.metrics import read_metrics
 
 

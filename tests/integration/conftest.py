@@ -9,8 +9,7 @@ import pytest
 
 pytest.register_assert_rewrite("finetune_runs")
 
-from torchtune_ac.models import ensure_embedded_checkpoint  # noqa: E402
-from torchtune_ac.models.embedded import CACHE_ENV_VAR  # noqa: E402
+from torchtune_ac.embedded import CACHE_ENV_VAR, ensure_embedded_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

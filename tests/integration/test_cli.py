@@ -97,6 +97,22 @@ def test_validate_prints_the_resolved_plan(capsys):
     assert "selective every 2nd block: 4 of 8 blocks [1, 3, 5, 7]" in out
 
 
+def test_from_hf_config_reads_the_runs_checkpoint_dir(tmp_path, capsys, embedded_checkpoint):
+    # Any supported Hugging Face checkpoint: name the builder and the directory, once.
+    other = tmp_path / "six_layers"
+    other.mkdir()
+    config = json.loads((embedded_checkpoint / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 6}))
+    assert main(["validate", "--config", "tiny/full", "model._component_=torchtune_ac.models.from_hf_config"]) == 0
+    assert "torchtune_ac.models.from_hf_config: 1,607,808 parameters, 8 layers" in capsys.readouterr().out
+    assert main(["validate", "--config", "tiny/full", "model._component_=torchtune_ac.models.from_hf_config",
+                 f"checkpoint_dir={other}", "max_seq_len=32", "+model.max_seq_len=64"]) == 0
+    assert "6 layers" in capsys.readouterr().out
+    assert main(["validate", "--config", "tiny/full", "model._component_=torchtune_ac.models.from_hf_config",
+                 "checkpoint_dir=null", f"tokenizer.path={embedded_checkpoint}"]) == 2
+    assert "from_hf_config: no config.json to read: set checkpoint_dir" in capsys.readouterr().err
+
+
 def test_validate_a_copied_config_with_overrides(tmp_path, capsys):
     dest = tmp_path / "my.yaml"
     assert main(["cp", "tiny/full", str(dest)]) == 0
@@ -295,7 +311,7 @@ def test_validate_names_the_config_file_of_an_unsupported_checkpoint(tmp_path, c
     main(["validate", "--config", "tiny/full", f"checkpoint_dir={checkpoint}"])
 
     out = capsys.readouterr().out
-    assert f"{checkpoint / 'config.json'}: unsupported Hugging Face Llama config: rope_scaling.rope_type='yarn'" in out
+    assert f"{checkpoint / 'config.json'}: unsupported Hugging Face llama config: rope_scaling.rope_type='yarn'" in out
 
 
 def test_fsdp_settings_in_a_single_process_run_are_not_silently_ignored(tmp_path):

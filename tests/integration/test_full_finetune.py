@@ -23,7 +23,7 @@ from finetune_runs import (
 )
 
 from torchtune_ac.models import load_hf
-from torchtune_ac.training.checkpointing import list_checkpoints
+from torchtune_ac.checkpoint import list_checkpoints
 from torchtune_ac.training.metrics import read_metrics
 
 LEARNING_STEPS = 30

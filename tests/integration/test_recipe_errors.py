@@ -73,12 +73,23 @@ CASES = {
         lambda i: [f"checkpoint_dir={i.data / 'config_only'}", f"tokenizer.path={i.embedded}"],
         ("config_only", "no weights", "model.safetensors"),
     ),
+    # An allowed model of no known family cannot take a Hugging Face checkpoint (was an AttributeError, exit 1).
+    "custom_model_with_checkpoint_dir": BadInput(
+        lambda i: [
+            "model._component_=torch.nn.TransformerEncoder",
+            "+model.encoder_layer._component_=torch.nn.TransformerEncoderLayer",
+            "+model.encoder_layer.d_model=8",
+            "+model.encoder_layer.nhead=2",
+            "+model.num_layers=2",
+        ],
+        ("checkpoint_dir", "known family (llama", "TransformerEncoder is not one of them"),
+    ),
     "resume_without_checkpoint": BadInput(
         lambda i: ["resume_from_checkpoint=true"], ("resume_from_checkpoint=true", "no checkpoint to resume from")
     ),
     "resume_with_other_model_shape": BadInput(
         lambda i: ["resume_from_checkpoint=true", *_four_layer_model(i)],
-        ("step_0000005", "cannot continue exactly", "n_layers 8 -> 4"),
+        ("step_0000005", "cannot continue exactly", "num_hidden_layers 8 -> 4"),
         earlier_run=True,
     ),
     "resume_with_other_batch_size": BadInput(

@@ -256,6 +256,17 @@ class Component:
             raise UserError(f"{self.key} ({self.path}): {err}") from err
 
 
+    def instantiate_with_defaults(self, *args: Any, **defaults: Any) -> Any:
+        """``instantiate``, passing each of ``defaults`` only when the target takes an argument of that name and
+        this node does not set it (``model: {_component_: ...from_hf_config}`` gets the run's checkpoint_dir)."""
+        try:
+            parameters = inspect.signature(self.target()).parameters
+        except (TypeError, ValueError):
+            parameters = {}
+        wanted = {name: value for name, value in defaults.items() if name in parameters and name not in self.kwargs}
+        return self.instantiate(*args, **wanted)
+
+
 def _as_config(value: Any) -> Any:
     if isinstance(value, Component):
         return value.as_config()

@@ -33,7 +33,7 @@ def register_resolvers() -> None:
         return
 
     def _embedded_checkpoint() -> str:
-        from torchtune_ac.models import ensure_embedded_checkpoint
+        from torchtune_ac.embedded import ensure_embedded_checkpoint
 
         return str(ensure_embedded_checkpoint())
 

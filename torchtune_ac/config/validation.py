@@ -7,7 +7,9 @@ given and what is allowed, and all of them are reported together.
 Supported field types: bool, int, float, str, ``Enum`` subclasses, ``Optional[...]``, ``list[...]``,
 ``dict[str, ...]``, ``Any``, nested dataclasses, and ``Component`` (a ``_component_`` node). Per-field
 metadata: ``minimum`` (inclusive), ``exclusive_minimum``, ``positional`` (how many positional arguments the
-recipe passes when instantiating a component) and ``recipe_kwargs`` (names the recipe passes itself).
+recipe passes when instantiating a component), ``recipe_kwargs`` (names the recipe passes itself) and
+``flatten`` (a nested dataclass whose keys sit at the parent's level). A dataclass with a ``from_config(mapping)``
+classmethod validates itself: it raises a ``UserError`` whose ``problems`` lists each problem.
 """
 
 from __future__ import annotations
@@ -158,20 +160,42 @@ class _Checker:
             return self.fail(f"{key or 'config'}={_show(value)}: expected a mapping")
         fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
         hints = typing.get_type_hints(cls)
+        # A flattened group keeps its keys at this level: key -> the field holding the group.
+        flattened = {
+            sub.name: name
+            for name, f in fields.items()
+            if f.metadata.get("flatten")
+            for sub in dataclasses.fields(hints[name])
+        }
+        known = [name for name, f in fields.items() if not f.metadata.get("flatten")] + list(flattened)
         for name in value:
-            if name not in fields:
-                hint = difflib.get_close_matches(str(name), list(fields), n=1, cutoff=0.6)
+            if name not in known:
+                hint = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
                 suggestion = f" (did you mean {prefix}{hint[0]}?)" if hint else ""
                 self.fail(f"{prefix}{name}: unknown key{suggestion}")
+        from_config = getattr(cls, "from_config", None)
+        if from_config is not None:
+            return self.check_self_validating(value, from_config)
         kwargs = {}
         for name, f in fields.items():
-            if name in value:
+            if f.metadata.get("flatten"):
+                group = {k: v for k, v in value.items() if flattened.get(k) == name}
+                kwargs[name] = self.check_dataclass(group, hints[name], key)
+            elif name in value:
                 kwargs[name] = self.check(value[name], hints[name], f"{prefix}{name}", f.metadata)
             elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 self.fail(f"{prefix}{name}: required key is missing")
         if self.problems or _MISSING in kwargs.values():
             return _MISSING
         return cls(**kwargs)
+
+    def check_self_validating(self, value: Mapping[str, Any], from_config: Any) -> Any:
+        """A group that validates itself (``from_config`` raises a ``UserError`` with ``problems``)."""
+        try:
+            return from_config(value)
+        except UserError as err:
+            self.problems.extend(getattr(err, "problems", None) or [str(err)])
+            return _MISSING
 
 
 def validate_config(cfg: DictConfig | Mapping[str, Any], schema: type[T], *, source: str,
@@ -189,15 +213,12 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], schema: type[T], *, sou
 
     Raises:
         ConfigError: listing every problem found (unknown keys with suggestions, wrong types, values out of
-            range, missing required keys, refused or unknown components, bad component arguments, and the
-            schema's ``cross_key_problems(values)`` if it defines one).
+            range, missing required keys, refused or unknown components, bad component arguments, and what
+            self-validating groups such as ``ACConfig`` report).
     """
     plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
     checker = _Checker(extra_allowed_components)
     result = checker.check_dataclass(plain, schema, "")
-    cross_key_problems = getattr(schema, "cross_key_problems", None)
-    if cross_key_problems is not None and isinstance(plain, Mapping):
-        checker.problems.extend(cross_key_problems(plain))
     if checker.problems:
         raise ConfigError(source, checker.problems)
     return result

@@ -1,7 +1,16 @@
-"""Models: the Llama module, named builders, Hugging Face checkpoint interop and the embedded tiny checkpoint."""
+"""Models: the Llama decoder, the model families built on it (their builders and pure Hugging Face adapters),
+and the family interface generic code goes through.
 
-from torchtune_ac.models.builders import (
-    hf_config_from_llama_args,
+``load_hf``, ``save_hf``, ``load_hf_weights_``, ``from_hf_config`` and ``llama_from_hf_config`` read or write
+files, so they live in ``torchtune_ac.checkpoint``; they are named here too (scripts and configs use these
+names) and imported on first use, so that this package depends on nothing above it.
+"""
+
+from typing import Any
+
+from torchtune_ac.models.families import FAMILIES, family_for_hf_config, family_of, transformer_blocks
+from torchtune_ac.models.families.llama import (
+    LLAMA,
     llama2_7b,
     llama3_1_8b,
     llama3_1_70b,
@@ -9,29 +18,24 @@ from torchtune_ac.models.builders import (
     llama3_2_3b,
     llama3_8b,
     llama3_70b,
-    llama_args_from_hf_config,
-    llama_from_hf_config,
     llama_small,
     llama_tiny,
 )
-from torchtune_ac.models.embedded import ensure_embedded_checkpoint
-from torchtune_ac.models.hf_interop import (
-    copy_tokenizer_files,
-    load_hf,
-    load_hf_weights_,
-    read_hf_config,
-    save_hf,
-    save_hf_state_dict,
-)
+from torchtune_ac.models.family import HFAdapter, ModelFamily
 from torchtune_ac.models.llama import Llama, LlamaArgs, RopeScaling
 
+_FROM_CHECKPOINT_PACKAGE = ("from_hf_config", "llama_from_hf_config", "load_hf", "load_hf_weights_", "save_hf")
+
 __all__ = [
+    "FAMILIES",
+    "HFAdapter",
+    "LLAMA",
     "Llama",
     "LlamaArgs",
+    "ModelFamily",
     "RopeScaling",
-    "copy_tokenizer_files",
-    "ensure_embedded_checkpoint",
-    "hf_config_from_llama_args",
+    "family_for_hf_config",
+    "family_of",
     "llama2_7b",
     "llama3_1_8b",
     "llama3_1_70b",
@@ -39,13 +43,20 @@ __all__ = [
     "llama3_2_3b",
     "llama3_8b",
     "llama3_70b",
-    "llama_args_from_hf_config",
-    "llama_from_hf_config",
     "llama_small",
     "llama_tiny",
-    "load_hf",
-    "load_hf_weights_",
-    "read_hf_config",
-    "save_hf",
-    "save_hf_state_dict",
+    "transformer_blocks",
+    *_FROM_CHECKPOINT_PACKAGE,
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_CHECKPOINT_PACKAGE:
+        from torchtune_ac.checkpoint import hf
+
+        return getattr(hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_FROM_CHECKPOINT_PACKAGE))

@@ -1,6 +1,7 @@
 """Training building blocks: activation checkpointing, FSDP2 sharding, the train step, checkpoints, metrics."""
 
 from torchtune_ac.training.activation_checkpointing import (
+    ACConfig,
     ACMode,
     ACPlan,
     apply_ac_plan,
@@ -10,6 +11,7 @@ from torchtune_ac.training.activation_checkpointing import (
 from torchtune_ac.training.lr_schedulers import constant_schedule, cosine_schedule_with_warmup
 
 __all__ = [
+    "ACConfig",
     "ACMode",
     "ACPlan",
     "apply_ac_plan",

@@ -6,9 +6,11 @@ Three config keys decide the plan (the names are torchtune's):
     ac_mode: none | full | selective
     ac_option: <int k> | op        # only with ac_mode: selective
 
-``resolve_ac_plan`` turns them and a layer count into an immutable ``ACPlan`` (no model needed, so
-``tune validate`` can check a config before anything is built); ``apply_ac_plan`` applies a plan to a
-model in place. ``setup_activation_checkpointing`` does both for a built model.
+``ACConfig.from_config`` checks and types the keys as they come from YAML (the config schema holds an
+``ACConfig``); ``resolve_ac_plan`` (or ``ACConfig.resolve``) turns them and a layer count into an immutable
+``ACPlan`` (no model needed, so ``tune validate`` can check a config before anything is built);
+``apply_ac_plan`` applies a plan to a model in place. ``setup_activation_checkpointing`` does both for a
+built model.
 
 How AC is applied: each chosen block's ``forward`` is routed through a non-reentrant
 ``torch.utils.checkpoint.checkpoint`` of the original ``forward``. No module is swapped or wrapped, so
@@ -24,18 +26,20 @@ compiled kernels' ``aten.mm.out`` calls, not the matrix multiplies it keeps). A 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import numbers
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torchtune_ac.errors import UserError
+from torchtune_ac.models.families import transformer_blocks
 
 OP_OPTION = "op"
 
@@ -248,15 +252,42 @@ def _check_keys(
     return mode, option, problems
 
 
-def ac_key_problems(*, enable_activation_checkpointing: Any, ac_mode: Any, ac_option: Any) -> list[str]:
-    """Every problem with the three AC keys that does not depend on the model (config validation uses this
-    to report them together with the config's other problems; the layer-count bound on k is checked by
-    ``resolve_ac_plan`` once the model is known).
+@dataclass(frozen=True)
+class ACConfig:
+    """The three activation-checkpointing config keys, validated and typed (``ACConfig.from_config``).
 
-    Returns:
-        One message per problem, each naming the key, the value and what is allowed; empty when valid.
+    Attributes:
+        enable_activation_checkpointing: the on/off switch, or None when absent.
+        ac_mode: the mode, or None when absent (then the switch decides: true means full).
+        ac_option: the stride k or ``"op"`` (selective only), else None.
     """
-    return _check_keys(enable_activation_checkpointing, ac_mode, ac_option, None)[2]
+
+    enable_activation_checkpointing: Optional[bool] = None
+    ac_mode: Optional[ACMode] = None
+    ac_option: Optional[Union[int, str]] = None
+
+    @classmethod
+    def from_config(cls, values: Mapping[str, Any]) -> "ACConfig":
+        """Check the keys as they came from YAML (every problem that does not need the model's layer count) and
+        type them: the mode as an ``ACMode``, a quoted number such as ``'2'`` as the int 2, ``op`` as ``"op"``.
+
+        Raises:
+            ACConfigError: listing every problem, each naming the key, the value and what is allowed.
+        """
+        enable, ac_mode, ac_option = (values.get(f.name) for f in dataclasses.fields(cls))
+        mode, option, problems = _check_keys(enable, ac_mode, ac_option, None)
+        if problems:
+            raise ACConfigError(problems)
+        return cls(enable, None if ac_mode is None else mode, option)
+
+    def resolve(self, n_layers: int) -> ACPlan:
+        """The plan for a model with ``n_layers`` blocks (see ``resolve_ac_plan``)."""
+        return resolve_ac_plan(
+            enable_activation_checkpointing=self.enable_activation_checkpointing,
+            ac_mode=self.ac_mode,
+            ac_option=self.ac_option,
+            n_layers=n_layers,
+        )
 
 
 def resolve_ac_plan(
@@ -306,22 +337,6 @@ def resolve_ac_plan(
     return ACPlan(mode, option, blocks, n_layers)
 
 
-def _get_blocks(model: nn.Module) -> nn.ModuleList:
-    layers = getattr(model, "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-        return layers
-    if layers is None:
-        found = "no attribute 'layers'"
-    elif isinstance(layers, nn.ModuleList):
-        found = "an empty 'layers'"
-    else:
-        found = f"'layers' of type {type(layers).__name__}"
-    raise UserError(
-        "activation checkpointing needs a model whose 'layers' attribute is a non-empty nn.ModuleList of "
-        f"transformer blocks; {type(model).__name__} has {found}"
-    )
-
-
 class CheckpointedForward:
     """Stands in for a block's ``forward``: runs the original under non-reentrant activation checkpointing.
 
@@ -359,7 +374,7 @@ def apply_ac_plan(model: nn.Module, plan: ACPlan) -> None:
         RuntimeError: if any block already has activation checkpointing (applying twice is a bug;
             nothing is changed).
     """
-    layers = _get_blocks(model)
+    layers = transformer_blocks(model)
     if plan.n_layers != len(layers):
         raise ValueError(
             f"the AC plan was resolved for {plan.n_layers} layers but the model has {len(layers)}; "
@@ -426,7 +441,7 @@ def setup_activation_checkpointing(
         enable_activation_checkpointing=enable_activation_checkpointing,
         ac_mode=ac_mode,
         ac_option=ac_option,
-        n_layers=len(_get_blocks(model)),
+        n_layers=len(transformer_blocks(model)),
     )
     apply_ac_plan(model, plan)
     return plan

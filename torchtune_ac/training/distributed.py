@@ -21,8 +21,22 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchtune_ac.errors import UserError
+from torchtune_ac.models.families import transformer_blocks
+from torchtune_ac.training.dtypes import DType
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """FSDP2 settings (the ``fsdp.*`` config keys), used when the run has more than one process."""
+
+    # Free each block's gathered parameters after its forward (saves memory, re-gathers in backward).
+    reshard_after_forward: bool = True
+    # Mixed precision: dtype of the gathered parameters used in forward/backward (null: same as `dtype`).
+    param_dtype: Optional[DType] = None
+    # dtype of the gradient reduce-scatter (fp32 keeps reductions exact when param_dtype is bf16).
+    reduce_dtype: DType = DType.FP32
 
 
 @dataclass(frozen=True)
@@ -123,27 +137,23 @@ def all_reduce_sum(value: torch.Tensor, ctx: DistributedContext) -> torch.Tensor
     return value
 
 
-def shard_model(
-    model: nn.Module,
-    *,
-    reshard_after_forward: bool = True,
-    param_dtype: Optional[torch.dtype] = None,
-    reduce_dtype: Optional[torch.dtype] = torch.float32,
-) -> None:
-    """Apply FSDP2 (``fully_shard``) to each block of ``model.layers``, then to the root, in place.
+def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig()) -> None:
+    """Apply FSDP2 (``fully_shard``) to each transformer block of ``model``, then to the root, in place.
 
     Call after activation checkpointing (and compile) are applied and before weights are loaded; parameters
     become DTensors sharded on dim 0 across the default process group.
 
     Args:
-        model: a model with a ``layers`` ``nn.ModuleList``.
-        reshard_after_forward: free gathered block parameters after forward (re-gather in backward).
-        param_dtype: mixed precision dtype of gathered parameters (None: the stored dtype).
-        reduce_dtype: dtype of gradient reduce-scatter.
+        model: a model of a known family, or one with a ``layers`` ``nn.ModuleList`` of blocks.
+        fsdp: resharding after forward, and the mixed-precision dtypes of gathered parameters and of the
+            gradient reduce-scatter.
     """
-    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    for block in model.layers:
-        fully_shard(block, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    mp_policy = MixedPrecisionPolicy(
+        param_dtype=fsdp.param_dtype.torch if fsdp.param_dtype is not None else None,
+        reduce_dtype=fsdp.reduce_dtype.torch,
+    )
+    for block in transformer_blocks(model):
+        fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=mp_policy)
     # The root holds embeddings, final norm and output; its parameters are used last in forward, so
     # resharding them after forward would only re-gather them at once for backward.
     fully_shard(model, reshard_after_forward=False, mp_policy=mp_policy)

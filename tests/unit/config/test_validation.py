@@ -5,6 +5,7 @@ import pytest
 from torchtune_ac.config import ConfigError, DType, FullFinetuneConfig, validate_config
 from torchtune_ac.config.components import ALLOWED_ENV_VAR, Component, check_component_path, parse_component
 from torchtune_ac.errors import UserError
+from torchtune_ac.training.activation_checkpointing import ACConfig, ACMode
 
 
 def base_config(**changes):
@@ -150,8 +151,8 @@ REFUSED_AFTER_IMPORT = [
     ("torchtune_ac.cli.os.system", "torchtune_ac.cli.os is the module os"),
     ("torchtune_ac.config.components.importlib.import_module", "is the module importlib"),
     ("torchtune_ac.cli.Path", "it is pathlib.Path"),
-    ("torchtune_ac.models.save_hf", "it is torchtune_ac.models.hf_interop.save_hf"),
-    ("torchtune_ac.training.checkpointing.save_checkpoint", "not allowed"),
+    ("torchtune_ac.models.save_hf", "it is torchtune_ac.checkpoint.hf.save_hf"),
+    ("torchtune_ac.checkpoint.save_checkpoint", "not allowed"),
     ("torch.nn.functional.relu", "not allowed"),
     ("torch.nn.Module.load_state_dict", "not allowed"),
     ("torch.optim.Optimizer.load_state_dict", "not allowed"),
@@ -196,7 +197,7 @@ def test_paths_outside_the_default_components_are_refused_before_import(path, mo
         "torch.optim.lr_scheduler.StepLR",
         "torch.nn.Linear",
         "torchtune_ac.models.llama_tiny",
-        "torchtune_ac.models.builders.llama3_8b",  # the same builder by its defining module
+        "torchtune_ac.models.families.llama.llama3_8b",  # the same builder by its defining module
         "torchtune_ac.data.load_tokenizer",
         "torchtune_ac.data.chat_dataset",
         "torchtune_ac.training.cosine_schedule_with_warmup",
@@ -268,17 +269,17 @@ def test_activation_checkpointing_problems_are_listed_with_the_others():
     assert problems[0] == "batch_size=0: must be >= 1"
     assert any(p.startswith("ac_mode='sometimes': unknown mode") for p in problems), problems
     assert any(p.startswith("ac_option=true: a boolean is not allowed") for p in problems), problems
-    # Each problem once: a non-boolean enable_activation_checkpointing is reported by its type check only.
+    # Each problem once, in the AC module's words.
     problems = problems_of(base_config(enable_activation_checkpointing="maybe", ac_mode=5))
     assert problems == [
-        "enable_activation_checkpointing='maybe': expected true or false",
+        "enable_activation_checkpointing='maybe': must be true or false",
         "ac_mode=5: unknown mode; allowed: none, full, selective",
     ]
 
 
 def test_the_layer_bound_of_ac_option_waits_for_the_model():
     cfg = validate_config(base_config(ac_mode="selective", ac_option=99), FullFinetuneConfig, source="c")
-    assert cfg.ac_option == 99  # no layer count yet; resolve_ac_plan checks k against the built model
+    assert cfg.ac == ACConfig(None, ACMode.SELECTIVE, 99)  # no layer count yet: checked against the built model
     assert problems_of(base_config(ac_mode="selective", ac_option=0)) == [
         "ac_option=0: must be an integer k from 1 to the model's layer count"
     ]

@@ -3,7 +3,7 @@
 import pytest
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.training.checkpointing import create_output_dir
+from torchtune_ac.checkpoint import create_output_dir
 
 
 def test_creates_missing_parents(tmp_path):

@@ -7,24 +7,26 @@ from gloo_testlib import WORLD_SIZE, run_on_gloo_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchtune_ac.config.components import parse_component
-from torchtune_ac.models import hf_config_from_llama_args
-from torchtune_ac.models.builders import LLAMA_TINY
-from torchtune_ac.training.distributed import DistributedContext
-from torchtune_ac.training.model_setup import ACSettings, build_training_model
+from torchtune_ac.models import LLAMA
+from torchtune_ac.models.families.llama import LLAMA_TINY
+from torchtune_ac.training.activation_checkpointing import ACConfig
+from torchtune_ac.training.distributed import DistributedContext, FSDPConfig
+from torchtune_ac.training.dtypes import DType
+from torchtune_ac.training.model_setup import build_training_model
 
 SEED = 3
 # llama_tiny (512 x 128 embedding, 8 blocks), and the same with tied embeddings.
-TIED_CONFIG = {**hf_config_from_llama_args(LLAMA_TINY, torch.float32), "tie_word_embeddings": True}
+TIED_CONFIG = {**LLAMA.hf.hf_config_from_args(LLAMA_TINY, torch.float32), "tie_word_embeddings": True}
 MODELS = {
     "untied": {"_component_": "torchtune_ac.models.llama_tiny"},
-    "tied": {"_component_": "torchtune_ac.models.llama_from_hf_config", "config": TIED_CONFIG},
+    "tied": {"_component_": "torchtune_ac.models.from_hf_config", "checkpoint_dir": TIED_CONFIG},
 }
 
 
 def build(node: dict, ctx: DistributedContext) -> torch.nn.Module:
     model, _ = build_training_model(
-        parse_component(node, "model"), ctx=ctx, dtype="fp32", ac=ACSettings(), compile_blocks=False,
-        checkpoint_dir=None, seed=SEED,
+        parse_component(node, "model"), ctx=ctx, dtype=DType.FP32, ac=ACConfig(), fsdp=FSDPConfig(),
+        compile_blocks=False, checkpoint_dir=None, seed=SEED,
     )
     return model
 

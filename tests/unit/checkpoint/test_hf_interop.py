@@ -18,8 +18,9 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import copy_tokenizer_files, load_hf, read_hf_config, save_hf, save_hf_state_dict
-from torchtune_ac.models.hf_interop import INDEX_FILE, WEIGHTS_FILE, parse_shard_size
+from torchtune_ac.checkpoint import copy_tokenizer_files, read_hf_config, save_hf_state_dict
+from torchtune_ac.models import load_hf, save_hf
+from torchtune_ac.checkpoint import INDEX_FILE, WEIGHTS_FILE, parse_shard_size
 from torchtune_ac.training.activation_checkpointing import setup_activation_checkpointing
 
 SEQ_LEN = 40
@@ -210,7 +211,7 @@ def test_failed_save_leaves_old_checkpoint_and_no_temporary_files(tmp_path, monk
     def fail(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr("torchtune_ac.models.hf_interop.save_file", fail)
+    monkeypatch.setattr("torchtune_ac.checkpoint.safetensors_io.save_file", fail)
     with pytest.raises(OSError, match="disk full"):
         save_random_checkpoint(out, seed=2, overwrite=True)
 

@@ -13,9 +13,11 @@ from models_testlib import TINY, save_random_checkpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-import torchtune_ac.models.hf_interop as hf_interop
+import torchtune_ac.checkpoint.hf as hf
+import torchtune_ac.checkpoint.safetensors_io as safetensors_io
+from torchtune_ac.checkpoint import CONFIG_FILE, INDEX_FILE
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import Llama, load_hf, load_hf_weights_, save_hf
+from torchtune_ac.models import LLAMA, Llama, load_hf, load_hf_weights_, save_hf
 
 # An odd vocabulary makes the two shards of the embedding uneven (49 and 48 rows).
 UNEVEN = dataclasses.replace(TINY, vocab_size=97, max_seq_len=64)
@@ -41,20 +43,20 @@ def check_sharded_load(rank: int, case: str, ckpt: str) -> None:
     model = sharded_model(args)
 
     regions_read = {}
-    read_region = hf_interop._read_region
+    read_region = hf.read_region
 
     def recording_read_region(f, name, region):
         regions_read.setdefault(name, []).append(region)
         return read_region(f, name, region)
 
-    hf_interop._read_region = recording_read_region
+    hf.read_region = recording_read_region
     try:
         load_hf_weights_(model, ckpt)
     finally:
-        hf_interop._read_region = read_region
+        hf.read_region = read_region
 
     reference = load_hf(ckpt).eval()
-    full_shapes = {hf_interop.convert_name_to_hf(k): tuple(v.shape) for k, v in reference.state_dict().items()}
+    full_shapes = {LLAMA.hf.to_hf_name(k): tuple(v.shape) for k, v in reference.state_dict().items()}
     tied_head = {"lm_head.weight"} if args.tie_embeddings else set()
     assert set(regions_read) == set(full_shapes) - tied_head
     for name, regions in regions_read.items():
@@ -85,12 +87,11 @@ def test_fsdp2_sharded_load_matches_single_process(tmp_path, case):
     run_on_gloo_ranks(check_sharded_load, case, str(ckpt), store_dir=tmp_path)
 
 
-
 def check_sharded_save(rank: int, case: str, ckpt: str, out: str) -> None:
     model = sharded_model(CASES[case])
     load_hf_weights_(model, ckpt)
 
-    files, write = [], hf_interop.save_file
+    files, write = [], safetensors_io.save_file
 
     def recording_save_file(tensors, filename, metadata=None):
         gc.collect()
@@ -100,16 +101,16 @@ def check_sharded_save(rank: int, case: str, ckpt: str, out: str) -> None:
         files.append((Path(filename).name, [weakref.ref(t) for t in tensors.values()]))
         return write(tensors, filename, metadata=metadata)
 
-    hf_interop.save_file = recording_save_file
+    safetensors_io.save_file = recording_save_file
     try:
         assert save_hf(model, out, max_shard_size=SHARD_BYTES) == Path(out)
         # A second save into the now non-empty directory fails on every rank (no rank waits in a gather).
         with pytest.raises(UserError, match="not empty"):
             save_hf(model, out, max_shard_size=SHARD_BYTES)
     finally:
-        hf_interop.save_file = write
+        safetensors_io.save_file = write
     if rank == 0:
-        index = json.loads((Path(out) / hf_interop.INDEX_FILE).read_text())
+        index = json.loads((Path(out) / INDEX_FILE).read_text())
         assert [name for name, _ in files] == sorted(set(index["weight_map"].values()))
         assert len(files) >= 3
     else:
@@ -126,6 +127,6 @@ def test_fsdp2_sharded_save_writes_one_file_at_a_time_and_equals_the_source(tmp_
     assert saved.keys() == source.keys()
     for name, tensor in source.items():
         assert torch.equal(saved[name], tensor), name
-    assert json.loads((out / hf_interop.CONFIG_FILE).read_text()) == json.loads(
-        (ckpt / hf_interop.CONFIG_FILE).read_text()
+    assert json.loads((out / CONFIG_FILE).read_text()) == json.loads(
+        (ckpt / CONFIG_FILE).read_text()
     )

@@ -12,17 +12,19 @@ Layout of ``output_dir``::
             rng_rank{r}.pt         each rank's RNG state (dropout masks continue exactly)
     metrics.jsonl
 
-Every checkpoint is written under a temporary name and renamed into place when complete, so a killed run
-never leaves a checkpoint that looks complete but is not; the base checkpoint directory is only ever read.
+Every checkpoint is written by ``files.write_directory`` (a temporary name, renamed into place when
+complete), so a killed run never leaves a checkpoint that looks complete but is not; the base checkpoint
+directory is only ever read. Every function here is a collective call when a process group is initialised: all
+ranks call it.
 """
 
 from __future__ import annotations
 
 import json
-from contextlib import contextmanager
 import re
 import shutil
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -38,9 +40,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from torchtune_ac.checkpoint.files import is_writer_rank, process_group_active, remove_debris, write_directory
+from torchtune_ac.checkpoint.hf import write_hf_files
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import save_hf
-from torchtune_ac.training.distributed import DistributedContext, barrier
 
 RECIPE_STATE_DIR = "recipe_state"
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -114,6 +116,11 @@ def find_resumable_checkpoint(output_dir: str | Path) -> Optional[Path]:
     return None
 
 
+def _barrier() -> None:
+    if process_group_active():
+        dist.barrier()
+
+
 def save_checkpoint(
     output_dir: str | Path,
     *,
@@ -122,54 +129,63 @@ def save_checkpoint(
     scheduler: Optional[Any],
     progress: Progress,
     shape: RunShape,
-    ctx: DistributedContext,
     tokenizer_dir: Optional[str | Path] = None,
     hf_config_extra: Optional[dict[str, Any]] = None,
 ) -> Path:
     """Write a complete checkpoint for ``progress.step`` (all ranks must call this).
+
+    The Hugging Face files are written by rank 0 (a sharded model gathered one output shard at a time, so no
+    rank holds the whole model), the recipe state by every rank (DCP: each rank its own shard), all into one
+    temporary directory that rank 0 renames into place once every rank is done. Older checkpoints then lose
+    their recipe state (only the newest one resumes).
 
     Returns:
         The checkpoint directory.
     """
     root = Path(output_dir)
     final = root / checkpoint_name(progress.step)
-    tmp = root / f".tmp-{final.name}"
-    if ctx.is_rank_zero:
-        # Debris of a run killed while saving (ours, and the Hugging Face writer's own temporary sibling).
-        for debris in root.glob(".*tmp-step_*"):
-            shutil.rmtree(debris, ignore_errors=True)
-    barrier(ctx)
+    if is_writer_rank():
+        remove_debris(root)  # what a run killed while saving left behind
+    _barrier()
 
-    # 1. The model in Hugging Face format, written by rank 0; a sharded model is gathered one output shard at a
-    #    time (save_hf is then a collective call), so no rank holds the whole model.
-    save_hf(model, tmp, tokenizer_dir=tokenizer_dir, **(hf_config_extra or {}))
-    barrier(ctx)
+    def write(tmp: Path) -> None:
+        write_hf_files(model, tmp, tokenizer_dir=tokenizer_dir, **(hf_config_extra or {}))
+        _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizer=optimizer, scheduler=scheduler,
+                           progress=progress, shape=shape)
 
-    # 2. Recipe state: sharded model + optimizer through DCP (every rank writes its own shard).
-    state_dir = tmp / RECIPE_STATE_DIR
+    # overwrite: an earlier save of this very step (epoch end == save_every_n_steps) is replaced.
+    write_directory(final, write, overwrite=True, collective=True)
+    if is_writer_rank():
+        for older in list_checkpoints(root):
+            if older != final and (older / RECIPE_STATE_DIR).exists():
+                shutil.rmtree(older / RECIPE_STATE_DIR)
+    _barrier()
+    return final
+
+
+def _save_recipe_state(
+    state_dir: Path,
+    *,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Optional[Any],
+    progress: Progress,
+    shape: RunShape,
+) -> None:
+    """Model + optimizer through DCP (every rank its shard), each rank's RNG state; rank 0 the small files."""
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     with _single_process_dcp_quiet():
-        dcp.save(state, checkpoint_id=state_dir, no_dist=not ctx.is_distributed)
+        dcp.save(state, checkpoint_id=state_dir, no_dist=not process_group_active())
+    rank = dist.get_rank() if process_group_active() else 0
     rng = {"cpu": torch.get_rng_state()}
-    if ctx.device.type == "cuda":
-        rng["cuda"] = torch.cuda.get_rng_state(ctx.device)
-    torch.save(rng, state_dir / f"rng_rank{ctx.rank}.pt")
-    barrier(ctx)
-
-    # 3. Rank 0 finishes: small files, atomic rename, prune older recipe states.
-    if ctx.is_rank_zero:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, state_dir / f"rng_rank{rank}.pt")
+    if is_writer_rank():
         if scheduler is not None:
             torch.save(scheduler.state_dict(), state_dir / "scheduler.pt")
         trainer_state = {"progress": asdict(progress), "shape": asdict(shape)}
         (state_dir / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
-        if final.exists():
-            shutil.rmtree(final)  # an earlier save of this very step (e.g. epoch end == save_every_n_steps)
-        tmp.rename(final)
-        for older in list_checkpoints(root):
-            if older != final and (older / RECIPE_STATE_DIR).exists():
-                shutil.rmtree(older / RECIPE_STATE_DIR)
-    barrier(ctx)
-    return final
 
 
 def read_trainer_state(checkpoint: Path) -> tuple[Progress, RunShape]:
@@ -209,20 +225,19 @@ def load_checkpoint(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: Optional[Any],
-    ctx: DistributedContext,
 ) -> None:
     """Restore model, optimizer, scheduler and this rank's RNG state from ``checkpoint`` (all ranks call this)."""
     state_dir = checkpoint / RECIPE_STATE_DIR
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     with _single_process_dcp_quiet():
-        dcp.load(state, checkpoint_id=state_dir, no_dist=not ctx.is_distributed)
+        dcp.load(state, checkpoint_id=state_dir, no_dist=not process_group_active())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(state_dir / "scheduler.pt", weights_only=True))
-    rng = torch.load(state_dir / f"rng_rank{ctx.rank}.pt", weights_only=True)
+    rank = dist.get_rank() if process_group_active() else 0
+    rng = torch.load(state_dir / f"rng_rank{rank}.pt", weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:
-        torch.cuda.set_rng_state(rng["cuda"], ctx.device)
-    if ctx.is_distributed:
-        dist.barrier()
+        torch.cuda.set_rng_state(rng["cuda"])
+    _barrier()

@@ -12,12 +12,12 @@ from models_testlib import assert_same_state, clone_state
 from tokenizers import Tokenizer, models
 from transformers import AutoModelForCausalLM
 
-from torchtune_ac.models import ensure_embedded_checkpoint, llama_tiny, load_hf, read_hf_config
+from torchtune_ac.checkpoint import WEIGHTS_FILE, read_hf_config
 from torchtune_ac.data import EMBEDDED_TOKENIZER_DIR
-from torchtune_ac.models.embedded import resolve_cache_dir
-from torchtune_ac.models.hf_interop import WEIGHTS_FILE
+from torchtune_ac.embedded import ensure_embedded_checkpoint, resolve_cache_dir
+from torchtune_ac.models import llama_tiny, load_hf
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"]
 
 

@@ -10,7 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.models import Llama, load_hf, load_hf_weights_
-from torchtune_ac.models.hf_interop import INDEX_FILE, WEIGHTS_FILE
+from torchtune_ac.checkpoint import INDEX_FILE, WEIGHTS_FILE
 
 TIED = dataclasses.replace(TINY, tie_embeddings=True)
 
@@ -52,7 +52,13 @@ def config_not_object(tmp_path):
 
 def config_unsupported(tmp_path):
     ckpt = save_random_checkpoint(tmp_path / "c")
-    edit_json(ckpt / "config.json", lambda c: c.update(model_type="mistral", mlp_bias=True))
+    edit_json(ckpt / "config.json", lambda c: c.update(mlp_bias=True, hidden_act="gelu"))
+    return ckpt
+
+
+def config_unknown_family(tmp_path):
+    ckpt = save_random_checkpoint(tmp_path / "c")
+    edit_json(ckpt / "config.json", lambda c: c.update(model_type="gpt2"))
     return ckpt
 
 
@@ -149,7 +155,8 @@ CASES = [
     (missing_config, TINY, ["config.json", "missing"]),
     (config_not_json, TINY, ["config.json", "line 3", "not valid JSON"]),
     (config_not_object, TINY, ["config.json", "JSON object"]),
-    (config_unsupported, TINY, ["config.json", "model_type='mistral'", "mlp_bias"]),
+    (config_unsupported, TINY, ["config.json", "mlp_bias=True", "hidden_act='gelu'"]),
+    (config_unknown_family, TINY, ["config.json", "model_type='gpt2'", "supported: 'llama'"]),
     (no_weights, TINY, ["no weights", WEIGHTS_FILE, INDEX_FILE]),
     (pickle_only, TINY, ["pytorch_model.bin", "never loaded"]),
     (truncated, TINY, [WEIGHTS_FILE, "truncated or corrupt"]),
@@ -173,8 +180,8 @@ def head_layout_differs(tmp_path):
 # Only an existing model can disagree with the checkpoint's config (load_hf builds from that config).
 EXISTING_MODEL_CASES = CASES + [
     (config_rope_differs, TINY, ["config.json", "rope_theta=1234.0", "10000.0"]),
-    (head_layout_differs, TINY, ["config.json", "num_attention_heads=8", "n_heads=4", "num_key_value_heads=4",
-                                 "head_dim=4"]),
+    (head_layout_differs, TINY, ["config.json", "num_attention_heads=8, model has 4",
+                                 "num_key_value_heads=4, model has 2", "head_dim=4, model has 8"]),
 ]
 
 

@@ -10,24 +10,27 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 
+from torchtune_ac.checkpoint import (
+    RunShape,
+    check_checkpoint_matches,
+    check_resume_shape,
+    find_resumable_checkpoint,
+    list_checkpoints,
+    read_trainer_state,
+)
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.hf_interop import read_llama_args
-from torchtune_ac.models.llama import LlamaArgs
+from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.training.activation_checkpointing import ACPlan
-from torchtune_ac.training.checkpointing import RunShape, check_resume_shape, find_resumable_checkpoint, list_checkpoints, read_trainer_state
 from torchtune_ac.training.distributed import resolve_device
 from torchtune_ac.training.metrics import METRICS_FILE
-from torchtune_ac.training.model_setup import ACSettings, build_meta_model, count_parameters, plan_activation_checkpointing
-
-# Model arguments that define the shape of the weights (dropout may change between runs).
-SHAPE_FIELDS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "intermediate_dim", "head_dim", "tie_embeddings")
+from torchtune_ac.training.model_setup import build_meta_model, count_parameters
 
 
 @dataclass
@@ -40,21 +43,10 @@ class PreflightReport:
     n_parameters: int = 0
 
 
-def ac_settings(cfg: FullFinetuneConfig) -> ACSettings:
-    return ACSettings(cfg.enable_activation_checkpointing, cfg.ac_mode, cfg.ac_option)
-
-
-def shape_args(args: LlamaArgs) -> dict:
-    """The shape-defining fields of ``args`` (``head_dim`` resolved)."""
-    resolved = asdict(args)
-    resolved["head_dim"] = args.resolved_head_dim
-    return {key: resolved[key] for key in SHAPE_FIELDS}
-
-
-def model_shape_args(model: torch.nn.Module) -> dict:
-    """The shape-defining arguments of a torchtune_ac model (empty for models without ``args``)."""
-    args = getattr(model, "args", None)
-    return {} if args is None else shape_args(args)
+def model_architecture(model: torch.nn.Module) -> dict:
+    """What defines a model's weights, as its family's adapter says (empty for a model of no known family)."""
+    family = family_of(model)
+    return {} if family is None else family.hf.architecture(family.args_of(model))
 
 
 def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module) -> RunShape:
@@ -67,19 +59,8 @@ def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module) 
         "tokenizer": cfg.tokenizer.as_config(),
     }
     # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
-    data = json.loads(json.dumps(data))
-    return RunShape(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, model_shape_args(model), data)
-
-
-def _check_checkpoint_dir(checkpoint_dir: str, model: torch.nn.Module) -> None:
-    hf_args = shape_args(read_llama_args(checkpoint_dir))  # errors name the config.json
-    ours = model_shape_args(model)
-    diff = [f"{key} {hf_args[key]} vs {ours[key]}" for key in ours if hf_args[key] != ours[key]]
-    if diff:
-        raise UserError(
-            f"checkpoint_dir {checkpoint_dir}: its config.json describes a different model than `model` "
-            f"(checkpoint vs model: {', '.join(diff)})"
-        )
+    data, architecture = json.loads(json.dumps([data, model_architecture(model)]))
+    return RunShape(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, architecture, data)
 
 
 def _check_output_dir(cfg: FullFinetuneConfig, strict: bool) -> None:
@@ -128,12 +109,13 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
                 raise
             report.warnings.append(str(err))
 
-    model = build_meta_model(cfg.model)
-    report.plan = plan_activation_checkpointing(ac_settings(cfg), len(model.layers))
+    model = build_meta_model(cfg.model, cfg.checkpoint_dir)
+    n_layers = len(transformer_blocks(model))
+    report.plan = cfg.ac.resolve(n_layers)
     report.n_parameters = count_parameters(model)
     soft(lambda: resolve_device(cfg.device.value))
     if cfg.checkpoint_dir is not None:
-        soft(lambda: _check_checkpoint_dir(cfg.checkpoint_dir, model))
+        soft(lambda: check_checkpoint_matches(model, cfg.checkpoint_dir))
     soft(lambda: _check_output_dir(cfg, strict))
     if cfg.resume_from_checkpoint:
 
@@ -151,7 +133,7 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
 
     per_step = cfg.batch_size * cfg.gradient_accumulation_steps
     report.summary = [
-        ("model", f"{cfg.model.path}: {report.n_parameters:,} parameters, {len(model.layers)} layers"),
+        ("model", f"{cfg.model.path}: {report.n_parameters:,} parameters, {n_layers} layers"),
         ("activation checkpointing", str(report.plan)),
         ("dtype / device", f"{cfg.dtype.value} / {cfg.device.value}"),
         (

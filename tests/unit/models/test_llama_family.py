@@ -1,4 +1,4 @@
-"""Builders (published shapes, exact parameter counts, signatures) and config.json translation."""
+"""The Llama family: builders (published shapes, exact parameter counts, signatures) and config.json translation."""
 
 import dataclasses
 import inspect
@@ -8,16 +8,12 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-import torchtune_ac.models.builders as builders
+import torchtune_ac.models.families.llama as builders
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import (
-    Llama,
-    LlamaArgs,
-    RopeScaling,
-    hf_config_from_llama_args,
-    llama_args_from_hf_config,
-    llama_from_hf_config,
-)
+from torchtune_ac.models import LLAMA, Llama, LlamaArgs, RopeScaling, llama_from_hf_config
+
+llama_args_from_hf_config = LLAMA.hf.args_from_hf_config
+hf_config_from_llama_args = LLAMA.hf.hf_config_from_args
 
 # builder name -> exact parameter count (a tied weight counted once)
 PARAMETER_COUNTS = {

@@ -1,4 +1,4 @@
-"""Named model builders: the published Llama shapes, two small CPU-sized models, and "whatever config.json says".
+"""The Llama family: builders with the published Llama shapes, and two small CPU-sized models.
 
 Every named builder has the same keyword-only signature (no ``**kwargs``: YAML configs instantiate builders by
 dotted path, and the config system checks keys against the signature):
@@ -13,38 +13,11 @@ call in ``with torch.device("meta"):`` to get shapes without allocating memory. 
 """
 
 import dataclasses
-import os
 
 from torchtune_ac.component_marker import config_component
-from torchtune_ac.errors import UserError
-# The two config converters live with the rest of the Hugging Face translation and are re-exported here,
-# next to the builders that use them.
-from torchtune_ac.models.hf_interop import hf_config_from_llama_args, llama_args_from_hf_config, read_llama_args
+from torchtune_ac.models.families.common import build_published, llama_style_family
+from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter
 from torchtune_ac.models.llama import Llama, LlamaArgs, RopeScaling
-
-__all__ = [
-    "LLAMA2_7B",
-    "llama2_7b",
-    "LLAMA3_8B",
-    "llama3_8b",
-    "LLAMA3_70B",
-    "llama3_70b",
-    "LLAMA3_1_8B",
-    "llama3_1_8b",
-    "LLAMA3_1_70B",
-    "llama3_1_70b",
-    "LLAMA3_2_1B",
-    "llama3_2_1b",
-    "LLAMA3_2_3B",
-    "llama3_2_3b",
-    "LLAMA_TINY",
-    "llama_tiny",
-    "LLAMA_SMALL",
-    "llama_small",
-    "llama_from_hf_config",
-    "llama_args_from_hf_config",
-    "hf_config_from_llama_args",
-]
 
 _LLAMA3_VOCAB = 128_256
 _LLAMA3_THETA = 500_000.0
@@ -73,20 +46,9 @@ LLAMA_SMALL = LlamaArgs(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_he
                         max_seq_len=2048)
 
 
-def _build(
-    name: str, base: LlamaArgs, attn_dropout: float, resid_dropout: float, max_seq_len: int | None
-) -> Llama:
-    """``base`` with the caller's dropout and (unless None) max_seq_len, built on the default device."""
-    try:
-        args = dataclasses.replace(
-            base,
-            attn_dropout=attn_dropout,
-            resid_dropout=resid_dropout,
-            max_seq_len=base.max_seq_len if max_seq_len is None else max_seq_len,
-        )
-    except ValueError as e:
-        raise UserError(f"model {name}: {e}") from None
-    return Llama(args)
+def _build(name: str, base: LlamaArgs, attn_dropout: float, resid_dropout: float, max_seq_len: int | None) -> Llama:
+    return build_published(Llama, name, base, attn_dropout=attn_dropout, resid_dropout=resid_dropout,
+                           max_seq_len=max_seq_len)
 
 
 @config_component
@@ -144,25 +106,17 @@ def llama_small(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_se
     return _build("llama_small", LLAMA_SMALL, attn_dropout, resid_dropout, max_seq_len)
 
 
-@config_component
-def llama_from_hf_config(
-    config: str | os.PathLike | dict, *, attn_dropout: float = 0.0, resid_dropout: float = 0.0
-) -> Llama:
-    """Build the model a Hugging Face Llama config describes (weights left at their default init).
-
-    Args:
-        config: the parsed config.json, a path to it, or a checkpoint directory containing it.
-        attn_dropout: dropout on attention probabilities (overrides the config's ``attention_dropout``).
-        resid_dropout: dropout on each residual branch.
-
-    Returns:
-        The model.
-
-    Raises:
-        UserError: the file is missing or not JSON, or the config is unsupported (message names the file
-            and key).
-    """
-    overrides = dict(attn_dropout=attn_dropout, resid_dropout=resid_dropout)
-    if isinstance(config, dict):
-        return Llama(llama_args_from_hf_config(config, **overrides))
-    return Llama(read_llama_args(config, **overrides))
+LLAMA = llama_style_family(
+    "llama",
+    Llama,
+    {
+        builder.__name__: builder
+        for builder in (llama2_7b, llama3_8b, llama3_70b, llama3_1_8b, llama3_1_70b, llama3_2_1b, llama3_2_3b,
+                        llama_tiny, llama_small)
+    },
+    LlamaStyleHFAdapter(
+        model_type="llama",
+        architecture_name="LlamaForCausalLM",
+        extra_config={"attention_bias": False, "mlp_bias": False},
+    ),
+)

@@ -1,6 +1,7 @@
 """The embedded default model: ``llama_tiny`` with fixed random weights plus the embedded tokenizer.
 
-It lets every recipe and test run offline with no download. The weights are a pure function of the seed,
+It needs a model, the tokenizer and the checkpoint writer, so it sits above ``models``, ``data`` and
+``checkpoint``. It lets every recipe and test run offline with no download. The weights are a pure function of the seed,
 so the file bytes are identical on every machine with the same PyTorch; they are generated on first use
 into a cache directory rather than shipped in the package.
 """
@@ -13,10 +14,10 @@ from pathlib import Path
 
 import torch
 
+from torchtune_ac.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_hf
 from torchtune_ac.data.embedded import EMBEDDED_TOKENIZER_DIR
 from torchtune_ac.data.tokenizer import load_tokenizer
-from torchtune_ac.models.builders import LLAMA_TINY, llama_tiny
-from torchtune_ac.models.hf_interop import CONFIG_FILE, WEIGHTS_FILE, save_hf
+from torchtune_ac.models.families.llama import LLAMA_TINY, llama_tiny
 
 EMBEDDED_CHECKPOINT_NAME = "tiny-llama-v1"
 CACHE_ENV_VAR = "TORCHTUNE_AC_CACHE"

@@ -1,0 +1,101 @@
+"""The family interface: finding a model's family, the family a config.json names, blocks and init."""
+
+import json
+
+import pytest
+import torch
+from models_testlib import TINY
+
+from torchtune_ac.config.components import parse_component
+from torchtune_ac.errors import UserError
+from torchtune_ac.models import FAMILIES, LLAMA, Llama, family_for_hf_config, family_of, from_hf_config, transformer_blocks
+from torchtune_ac.models.families import init_weights_, retie_parameters
+from torchtune_ac.models.family import architecture_mismatches
+
+
+class CustomModel(torch.nn.Module):
+    def __init__(self, with_layers: bool = True) -> None:
+        super().__init__()
+        if with_layers:
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(2, 2)])
+
+
+def test_a_model_finds_its_family_through_subclasses():
+    class Wrapped(Llama):  # as fully_shard does: a dynamic subclass of the model's class
+        pass
+
+    assert family_of(Llama(TINY)) is LLAMA
+    assert family_of(Wrapped(TINY)) is LLAMA
+    assert family_of(CustomModel()) is None
+
+
+def test_every_family_reads_back_the_config_it_writes():
+    for family in FAMILIES:
+        name, builder = next(iter(family.builders.items()))
+        with torch.device("meta"):
+            model = builder()
+        config = family.hf.hf_config_from_args(family.args_of(model), torch.bfloat16)
+        assert family_for_hf_config(config) is family, name
+        assert family.hf.args_from_hf_config(config) == family.args_of(model), name
+
+
+def test_an_unknown_model_type_lists_the_supported_ones():
+    with pytest.raises(UserError, match=r"model_type='gpt2': not a supported model family \(supported: 'llama'"):
+        family_for_hf_config({"model_type": "gpt2"})
+
+
+def test_custom_models_keep_the_layers_convention():
+    assert len(transformer_blocks(CustomModel())) == 1
+    with pytest.raises(UserError, match="CustomModel has no attribute 'layers'"):
+        transformer_blocks(CustomModel(with_layers=False))
+    with pytest.raises(UserError, match="CustomModel has no init_weights"):
+        init_weights_(CustomModel())
+
+
+def test_init_and_retie_go_through_the_family():
+    args = TINY.__class__(**{**TINY.__dict__, "tie_embeddings": True})
+    with torch.device("meta"):
+        model = Llama(args)
+    model.to_empty(device="cpu")
+    assert model.output.weight is not model.tok_embeddings.weight
+    retie_parameters(model)
+    assert model.output.weight is model.tok_embeddings.weight
+    torch.manual_seed(0)
+    init_weights_(model)
+    assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
+    assert 0.015 < model.tok_embeddings.weight.std() < 0.025
+
+
+def test_architecture_mismatches_name_each_key():
+    ours = LLAMA.hf.architecture(TINY)
+    theirs = {**ours, "num_attention_heads": 8, "rope_theta": 10000.000001, "rms_norm_eps": 1e-6}
+    assert architecture_mismatches(ours, theirs) == [
+        "num_attention_heads=8, model has 4",
+        "rms_norm_eps=1e-06, model has 1e-05",
+    ]
+    assert architecture_mismatches(ours, dict(ours)) == []
+
+
+def test_from_hf_config_reads_a_dict_a_file_or_a_directory(tmp_path):
+    config = LLAMA.hf.hf_config_from_args(TINY, torch.float32)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for source in (config, tmp_path / "config.json", str(tmp_path)):
+        model = from_hf_config(source, attn_dropout=0.1, max_seq_len=64)
+        assert isinstance(model, Llama)
+        assert model.args == TINY.__class__(**{**TINY.__dict__, "attn_dropout": 0.1, "max_seq_len": 64})
+    with pytest.raises(UserError, match="set checkpoint_dir"):
+        from_hf_config()
+
+
+def test_the_model_component_gets_the_runs_checkpoint_dir_unless_it_sets_one(tmp_path):
+    for name, args in (("a", TINY), ("b", TINY.__class__(**{**TINY.__dict__, "n_layers": 3}))):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(LLAMA.hf.hf_config_from_args(args, torch.float32)))
+    plain = parse_component({"_component_": "torchtune_ac.models.from_hf_config"}, "model")
+    own = parse_component({"_component_": "torchtune_ac.models.from_hf_config",
+                           "checkpoint_dir": str(tmp_path / "b")}, "model")
+    named = parse_component({"_component_": "torchtune_ac.models.llama_tiny"}, "model")
+    with torch.device("meta"):
+        assert len(plain.instantiate_with_defaults(checkpoint_dir=str(tmp_path / "a")).layers) == 2
+        assert len(own.instantiate_with_defaults(checkpoint_dir=str(tmp_path / "a")).layers) == 3
+        assert len(named.instantiate_with_defaults(checkpoint_dir=str(tmp_path / "a")).layers) == 8

@@ -1,0 +1,70 @@
+"""Checkpoints on disk: safetensors reading (header checks, per-rank regions), Hugging Face load and save (one
+shard at a time for sharded models), the one atomic directory writer, and recipe state for exact resume (DCP).
+
+All the file-system code and collectives of checkpointing live here; ``torchtune_ac.models`` holds neither.
+"""
+
+from torchtune_ac.checkpoint.files import read_json, remove_debris, write_directory
+from torchtune_ac.checkpoint.hf import (
+    CONFIG_FILE,
+    TOKENIZER_FILES,
+    check_checkpoint_matches,
+    copy_tokenizer_files,
+    from_hf_config,
+    llama_from_hf_config,
+    load_hf,
+    load_hf_weights_,
+    read_hf_args,
+    read_hf_config,
+    save_hf,
+    save_hf_state_dict,
+    write_hf_files,
+)
+from torchtune_ac.checkpoint.recipe_state import (
+    RECIPE_STATE_DIR,
+    TRAINER_STATE_FILE,
+    Progress,
+    RunShape,
+    check_resume_shape,
+    create_output_dir,
+    find_resumable_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    read_trainer_state,
+    save_checkpoint,
+)
+from torchtune_ac.checkpoint.safetensors_io import INDEX_FILE, WEIGHTS_FILE, local_region, parse_shard_size
+
+__all__ = [
+    "CONFIG_FILE",
+    "INDEX_FILE",
+    "RECIPE_STATE_DIR",
+    "TOKENIZER_FILES",
+    "TRAINER_STATE_FILE",
+    "WEIGHTS_FILE",
+    "Progress",
+    "RunShape",
+    "check_checkpoint_matches",
+    "check_resume_shape",
+    "copy_tokenizer_files",
+    "create_output_dir",
+    "find_resumable_checkpoint",
+    "from_hf_config",
+    "list_checkpoints",
+    "llama_from_hf_config",
+    "load_checkpoint",
+    "load_hf",
+    "load_hf_weights_",
+    "local_region",
+    "parse_shard_size",
+    "read_hf_args",
+    "read_hf_config",
+    "read_json",
+    "read_trainer_state",
+    "remove_debris",
+    "save_checkpoint",
+    "save_hf",
+    "save_hf_state_dict",
+    "write_directory",
+    "write_hf_files",
+]
