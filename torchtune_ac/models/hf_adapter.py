@@ -71,6 +71,7 @@ class LlamaStyleHFAdapter:
     Attributes:
         model_type: config.json ``model_type`` (``llama``, ...).
         architecture_name: config.json ``architectures[0]`` (``LlamaForCausalLM``).
+        qkv_bias: the family's q/k/v projections always have biases (Qwen2), whatever config.json says.
         refusals: config.json keys this family cannot honour (e.g. sliding-window attention), checked on read.
         extra_config: keys written into config.json on save besides the shared ones, so that transformers
             builds exactly our model (e.g. ``sliding_window: null`` for Mistral, whose default is 4096).
@@ -78,6 +79,7 @@ class LlamaStyleHFAdapter:
 
     model_type: str
     architecture_name: str
+    qkv_bias: bool = False
     refusals: tuple[Refusal, ...] = ()
     extra_config: Mapping[str, Any] = field(default_factory=dict)
 
@@ -153,6 +155,7 @@ class LlamaStyleHFAdapter:
             tie_embeddings=_read_value(d, "tie_word_embeddings", bool, problems, default=False),
             head_dim=_read_value(d, "head_dim", int, problems, default=None),
             attn_dropout=_read_value(d, "attention_dropout", float, problems, default=0.0),
+            qkv_bias=self.qkv_bias,
         )
         fields["rope_theta"], fields["rope_scaling"] = _read_rope(d, max_pos, problems)
         if problems:
@@ -202,6 +205,9 @@ class LlamaStyleHFAdapter:
         return config
 
     def architecture(self, args: LlamaArgs) -> dict[str, Any]:
+        if args.qkv_bias != self.qkv_bias:
+            having = "has" if self.qkv_bias else "has no"
+            raise ValueError(f"qkv_bias={args.qkv_bias}, but {self.model_type} {having} q/k/v projection biases")
         scaling = args.rope_scaling
         return {
             "vocab_size": args.vocab_size,

@@ -32,7 +32,8 @@ class LlamaArgs:
     """Shape and behaviour of a Llama-style model.
 
     ``head_dim`` defaults to ``dim // n_heads``. Dropout defaults to 0.0 (the published models use none);
-    it exists so that activation checkpointing can be shown to replay dropout masks exactly.
+    it exists so that activation checkpointing can be shown to replay dropout masks exactly. ``qkv_bias`` adds
+    biases to the query, key and value projections (Qwen2 has them).
     """
 
     vocab_size: int
@@ -49,6 +50,7 @@ class LlamaArgs:
     head_dim: Optional[int] = None
     attn_dropout: float = 0.0
     resid_dropout: float = 0.0
+    qkv_bias: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -132,9 +134,9 @@ class Attention(nn.Module):
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.resolved_head_dim
         self.dropout = args.attn_dropout
-        self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=False)
+        self.q_proj = nn.Linear(args.dim, self.n_heads * self.head_dim, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(
@@ -280,9 +282,11 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """Initialise every parameter in place (normal(0, std) for matrices, ones for norms)."""
+        """Initialise every parameter in place (normal(0, std) for matrices, zeros for biases, ones for norms)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()

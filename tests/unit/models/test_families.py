@@ -99,3 +99,14 @@ def test_the_model_component_gets_the_runs_checkpoint_dir_unless_it_sets_one(tmp
         assert len(plain.instantiate_with_defaults(checkpoint_dir=str(tmp_path / "a")).layers) == 2
         assert len(own.instantiate_with_defaults(checkpoint_dir=str(tmp_path / "a")).layers) == 3
         assert len(named.instantiate_with_defaults(checkpoint_dir=str(tmp_path / "a")).layers) == 8
+
+
+def test_qkv_bias_adds_query_key_value_biases_initialised_to_zero():
+    args = TINY.__class__(**{**TINY.__dict__, "qkv_bias": True})
+    model = Llama(args)
+    model.init_weights()
+    biases = {name: p for name, p in model.named_parameters() if name.endswith(".bias")}
+    assert sorted(biases) == sorted(f"layers.{i}.attn.{p}_proj.bias" for i in range(2) for p in "qkv")
+    assert all(torch.equal(b, torch.zeros_like(b)) for b in biases.values())
+    with pytest.raises(ValueError, match="qkv_bias=True, but llama has no q/k/v projection biases"):
+        LLAMA.hf.architecture(args)
