@@ -14,30 +14,23 @@ from typing import Optional
 
 @dataclass(frozen=True)
 class Recipe:
-    """A built-in recipe: its name (as given to ``tune run``) and the configs made for it."""
+    """A built-in recipe: its name (as given to ``tune run``)."""
 
     name: str
-    configs: tuple[str, ...]
 
     @property
     def path(self) -> Path:
         return recipes_dir() / f"{self.name}.py"
 
+    @property
+    def configs(self) -> tuple[str, ...]:
+        """The built-in configs made for it: every ``configs/<family>/<name>.yaml`` (the only recipe so far),
+        found on disk, so a new config needs no entry here."""
+        root = configs_dir()
+        return tuple(sorted(path.relative_to(root).with_suffix("").as_posix() for path in root.glob("*/*.yaml")))
 
-RECIPES: tuple[Recipe, ...] = (
-    Recipe(
-        "full_finetune",
-        (
-            "tiny/full",
-            "llama2/7B_full",
-            "llama3/8B_full",
-            "llama3/8B_full_single_device",
-            "llama3_1/8B_full",
-            "llama3_2/1B_full",
-            "llama3_2/3B_full",
-        ),
-    ),
-)
+
+RECIPES: tuple[Recipe, ...] = (Recipe("full_finetune"),)
 
 
 def _shipped_dir(package: str, source_folder: str) -> Path:
