@@ -16,6 +16,7 @@ from finetune_runs import (
     run_tune_subprocess,
     tune_run_argv,
 )
+from hf_families import FAMILY_NAMES, write_hf_checkpoint
 
 from torchtune_ac.training.metrics import read_metrics
 
@@ -24,9 +25,9 @@ LOSS_RTOL = 1e-4
 WEIGHT_ATOL = 1e-5
 
 
-def _run(output_dir: Path, *, nproc: int, batch_size: int, accumulation: int) -> list[dict]:
+def _run(output_dir: Path, *overrides: str, nproc: int, batch_size: int, accumulation: int) -> list[dict]:
     argv = tune_run_argv(output_dir, f"max_steps_per_epoch={STEPS}", f"batch_size={batch_size}",
-                         f"gradient_accumulation_steps={accumulation}", nproc=nproc)
+                         f"gradient_accumulation_steps={accumulation}", *overrides, nproc=nproc)
     check_success(run_tune_subprocess(argv) if nproc > 1 else run_tune_in_process(argv))
     records = read_metrics(output_dir)
     assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "rank 0 alone logs each step once"
@@ -64,3 +65,17 @@ def test_split_global_batch_trains_like_one_batch(
     nproc, batch_size, accumulation = split
     records = _run(tmp_path, nproc=nproc, batch_size=batch_size, accumulation=accumulation)
     _assert_same_training(tmp_path, records, *one_batch_run)
+
+
+# Llama is covered above (the embedded model); every other family, from a tiny checkpoint transformers wrote.
+@pytest.mark.distributed
+@pytest.mark.parametrize("family", [name for name in FAMILY_NAMES if name != "llama"])
+def test_every_family_trains_alike_on_2_processes_and_1(family: str, tmp_path: Path, embedded_checkpoint: Path) -> None:
+    checkpoint = write_hf_checkpoint(family, tmp_path / "checkpoint", seed=5, vocab_size=512,
+                                     tie_word_embeddings=family == "qwen2")
+    overrides = ("model._component_=torchtune_ac.models.from_hf_config", f"checkpoint_dir={checkpoint}",
+                 f"tokenizer.path={embedded_checkpoint}")
+    one = _run(tmp_path / "one", *overrides, nproc=1, batch_size=4, accumulation=1)
+    two = _run(tmp_path / "two", *overrides, nproc=2, batch_size=2, accumulation=1)
+    _assert_same_training(tmp_path / "two", two, tmp_path / "one", one)
+    assert one[-1]["loss"] < one[0]["loss"]

@@ -6,6 +6,7 @@ import dataclasses
 from pathlib import Path
 
 import torch
+from hf_families import randomize_
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from torchtune_ac.models import Llama, LlamaArgs, RopeScaling, save_hf
@@ -28,17 +29,6 @@ PARITY_CASES = {
     ),
     "head_dim_not_dim_over_heads": dataclasses.replace(TINY, head_dim=16),
 }
-
-
-def randomize_(model: torch.nn.Module, seed: int) -> None:
-    """Random weights everywhere, including norm scales (left at 1 they would hide a swapped norm name)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 1:
-                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
 
 
 def build_random_llama(args: LlamaArgs, seed: int = 0) -> Llama:

@@ -21,6 +21,7 @@ from torchtune_ac.models.families.llama import (
     llama_small,
     llama_tiny,
 )
+from torchtune_ac.models.families.qwen2 import QWEN2, Qwen2, qwen2_5_0_5b, qwen2_5_1_5b, qwen2_5_7b
 from torchtune_ac.models.family import HFAdapter, ModelFamily
 from torchtune_ac.models.llama import Llama, LlamaArgs, RopeScaling
 
@@ -33,6 +34,8 @@ __all__ = [
     "Llama",
     "LlamaArgs",
     "ModelFamily",
+    "QWEN2",
+    "Qwen2",
     "RopeScaling",
     "family_for_hf_config",
     "family_of",
@@ -45,6 +48,9 @@ __all__ = [
     "llama3_70b",
     "llama_small",
     "llama_tiny",
+    "qwen2_5_0_5b",
+    "qwen2_5_1_5b",
+    "qwen2_5_7b",
     "transformer_blocks",
     *_FROM_CHECKPOINT_PACKAGE,
 ]

@@ -1,0 +1,46 @@
+"""Tiny random models and checkpoints of every supported family, made with transformers' own classes (nothing
+is downloaded): the reference our families must match."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
+
+# family -> (config class, model class, config settings that make transformers build exactly our architecture)
+HF_CLASSES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, {}),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
+}
+FAMILY_NAMES = sorted(HF_CLASSES)
+TINY_SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Random weights everywhere, including norm scales and biases (left at 1 or 0 they would hide a swapped
+    name)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+
+
+def random_hf_model(family: str, seed: int = 0, **config: object) -> PreTrainedModel:
+    """A random transformers model of ``family`` (eager attention, fp32, eval mode); ``config`` overrides
+    ``TINY_SHAPE`` and any config key (``tie_word_embeddings``, ``rope_theta``, ...)."""
+    config_class, model_class, required = HF_CLASSES[family]
+    hf_config = config_class(**{**TINY_SHAPE, **required, **config}, attn_implementation="eager")
+    model = model_class(hf_config)
+    randomize_(model, seed)
+    return model.eval()
+
+
+def write_hf_checkpoint(family: str, out_dir: Path, seed: int = 0, **config: object) -> Path:
+    """``random_hf_model(...)`` saved by transformers (safetensors) into ``out_dir``."""
+    random_hf_model(family, seed, **config).save_pretrained(out_dir)
+    return out_dir
