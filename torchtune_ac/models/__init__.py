@@ -21,6 +21,7 @@ from torchtune_ac.models.families.llama import (
     llama_small,
     llama_tiny,
 )
+from torchtune_ac.models.families.mistral import MISTRAL, Mistral, mistral_7b
 from torchtune_ac.models.families.qwen2 import QWEN2, Qwen2, qwen2_5_0_5b, qwen2_5_1_5b, qwen2_5_7b
 from torchtune_ac.models.family import HFAdapter, ModelFamily
 from torchtune_ac.models.llama import Llama, LlamaArgs, RopeScaling
@@ -33,6 +34,8 @@ __all__ = [
     "LLAMA",
     "Llama",
     "LlamaArgs",
+    "MISTRAL",
+    "Mistral",
     "ModelFamily",
     "QWEN2",
     "Qwen2",
@@ -48,6 +51,7 @@ __all__ = [
     "llama3_70b",
     "llama_small",
     "llama_tiny",
+    "mistral_7b",
     "qwen2_5_0_5b",
     "qwen2_5_1_5b",
     "qwen2_5_7b",

@@ -12,10 +12,11 @@ from torch import nn
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.families.llama import LLAMA
+from torchtune_ac.models.families.mistral import MISTRAL
 from torchtune_ac.models.families.qwen2 import QWEN2
 from torchtune_ac.models.family import ModelFamily
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2)
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, MISTRAL)
 
 
 def family_of(model: nn.Module) -> Optional[ModelFamily]:
