@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -266,7 +266,19 @@ class Llama(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, hd]
         return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
 
-    def forward(self, tokens: torch.Tensor, document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        document_ids: Optional[torch.Tensor] = None,
+        head: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+    ) -> torch.Tensor:
+        """Logits ``[b, s, vocab]`` of ``tokens[b, s]``, or ``head(hidden, output_weight)`` when a head is given.
+
+        ``head`` replaces the output projection: it receives the final norm's output ``[b, s, dim]`` and the
+        projection's weight ``[vocab, dim]`` (the embedding, when tied), e.g. to compute a loss chunk by chunk
+        without ever materialising the logits. It runs inside this forward, where a sharded model's weights
+        are gathered.
+        """
         b, s = tokens.shape
         if document_ids is None:
             positions = torch.arange(s, device=tokens.device).expand(b, s)
@@ -278,6 +290,8 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos_sin(positions, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, mask)
+        if head is not None:
+            return head(self.norm(h), self.output.weight)
         return self.output(self.norm(h))  # [b, s, vocab]
 
     @torch.no_grad()

@@ -1,0 +1,166 @@
+"""The chunked loss equals the whole-logits loss (value and gradients), never holds the whole logits, and keeps for
+backward only the gradients of the targets' hidden states and of the output weight."""
+
+import dataclasses
+
+import pytest
+import torch
+from gloo_testlib import run_on_gloo_ranks
+from models_testlib import TINY
+from torch.distributed.fsdp import fully_shard
+
+from torchtune_ac.models import Llama
+from torchtune_ac.training import setup_activation_checkpointing
+from torchtune_ac.training.loss import IGNORE_INDEX, ChunkedCrossEntropy, cross_entropy_sum
+from torchtune_ac.training.memory import measure_saved_activation_bytes
+
+VOCAB, DIM = 1000, 16
+
+
+def labels_with_ignored(b: int, s: int, vocab: int, seed: int, ignored: float = 0.4) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    labels = torch.randint(0, vocab, (b, s), generator=generator)
+    labels[torch.rand((b, s), generator=generator) < ignored] = IGNORE_INDEX
+    return labels
+
+
+def whole_and_chunked(labels: torch.Tensor, n_chunks: int, seed: int = 0):
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(*labels.shape, DIM, generator=generator, requires_grad=True)
+    weight = torch.randn(VOCAB, DIM, generator=generator, requires_grad=True)
+    results = []
+    for head in (lambda h, w: cross_entropy_sum(torch.nn.functional.linear(h, w), labels),
+                 ChunkedCrossEntropy(labels, n_chunks)):
+        loss = head(hidden, weight)
+        h_grad, w_grad = torch.autograd.grad(loss, (hidden, weight))
+        results.append((loss, h_grad, w_grad))
+    return results
+
+
+@pytest.mark.parametrize("n_chunks", [1, 3, 8, 1000])  # 1000 > targets: every target a chunk of its own
+def test_chunked_loss_and_gradients_equal_the_whole_logits(n_chunks):
+    labels = labels_with_ignored(3, 40, VOCAB, seed=1)
+    (whole, h_whole, w_whole), (chunked, h_chunked, w_chunked) = whole_and_chunked(labels, n_chunks)
+    assert torch.allclose(chunked, whole, rtol=1e-5, atol=1e-5)
+    assert torch.allclose(h_chunked, h_whole, rtol=1e-5, atol=1e-6)
+    assert torch.allclose(w_chunked, w_whole, rtol=1e-5, atol=1e-6)
+    assert torch.equal(h_chunked[labels == IGNORE_INDEX], torch.zeros_like(h_chunked[labels == IGNORE_INDEX]))
+
+
+def test_a_batch_without_targets_gives_a_zero_loss_linked_to_the_weights():
+    labels = torch.full((2, 5), IGNORE_INDEX)
+    (whole, _, w_whole), (chunked, _, w_chunked) = whole_and_chunked(labels, 4)
+    assert chunked.item() == whole.item() == 0.0
+    assert torch.equal(w_chunked, w_whole)
+
+
+def test_backward_keeps_only_the_targets_hidden_state_gradients_and_the_weight_gradient():
+    labels = labels_with_ignored(4, 256, VOCAB, seed=2, ignored=0.5)
+    hidden = torch.randn(4, 256, DIM, requires_grad=True)
+    weight = torch.randn(VOCAB, DIM, requires_grad=True)
+    n_targets = int((labels != IGNORE_INDEX).sum())
+
+    whole = measure_saved_activation_bytes(
+        lambda h: cross_entropy_sum(torch.nn.functional.linear(h, weight), labels), hidden, exclude=[weight])
+    # The input itself is not counted (a view of it would otherwise count as a storage an op produced).
+    chunked = measure_saved_activation_bytes(ChunkedCrossEntropy(labels, 8), hidden, weight, exclude=[weight, hidden])
+
+    logits_bytes = 4 * 256 * VOCAB * 4
+    assert whole >= logits_bytes  # the whole logits (and their log-softmax) are kept
+    # The targets' hidden-state gradients, the weight's gradient, labels and the mask: no chunk's logits.
+    assert chunked <= n_targets * DIM * 4 + VOCAB * DIM * 4 + labels.numel() * (8 + 1) + n_targets * 8 + 4096
+    assert chunked < logits_bytes / 10
+
+
+AC_MODES = [{}, {"ac_mode": "full"}, {"ac_mode": "selective", "ac_option": 2},
+            {"ac_mode": "selective", "ac_option": "op"}]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("ac", AC_MODES, ids=["none", "full", "every_2nd", "per_op"])
+def test_the_model_head_gives_the_whole_logits_loss_in_every_ac_mode(tied, ac):
+    args = dataclasses.replace(TINY, tie_embeddings=tied, attn_dropout=0.1, resid_dropout=0.1)
+    torch.manual_seed(0)
+    reference = Llama(args)
+    tokens = torch.randint(0, args.vocab_size, (2, 24))
+    labels = labels_with_ignored(2, 24, args.vocab_size, seed=3)
+    grads = []
+    for chunks in (None, 5):
+        model = Llama(args)
+        model.load_state_dict(reference.state_dict())
+        setup_activation_checkpointing(model, **ac)
+        torch.manual_seed(1)
+        if chunks is None:
+            loss = cross_entropy_sum(model(tokens), labels)
+        else:
+            loss = model(tokens, head=ChunkedCrossEntropy(labels, chunks))
+        loss.backward()
+        grads.append((loss, {name: p.grad for name, p in model.named_parameters()}))
+    (whole, whole_grads), (chunked, chunked_grads) = grads
+    assert torch.allclose(chunked, whole, rtol=1e-5)
+    for name, grad in whole_grads.items():
+        assert torch.allclose(chunked_grads[name], grad, rtol=1e-5, atol=1e-6), name
+
+
+def test_compiled_blocks_with_the_chunked_head_match_eager_whole_logits():
+    args = dataclasses.replace(TINY, n_layers=2)
+    torch.manual_seed(0)
+    eager = Llama(args)
+    compiled = Llama(args)
+    compiled.load_state_dict(eager.state_dict())
+    for block in compiled.layers:
+        block.compile()
+    tokens = torch.randint(0, args.vocab_size, (2, 24))
+    labels = labels_with_ignored(2, 24, args.vocab_size, seed=4)
+    whole = cross_entropy_sum(eager(tokens), labels)
+    chunked = compiled(tokens, head=ChunkedCrossEntropy(labels, 3))
+    whole.backward()
+    chunked.backward()
+    assert torch.allclose(chunked, whole, rtol=1e-5)
+    for (name, a), b in zip(eager.named_parameters(), compiled.parameters()):
+        assert torch.allclose(b.grad, a.grad, rtol=1e-4, atol=1e-6), name
+
+
+def sharded_chunked_loss(rank: int, out: str) -> None:
+    args = dataclasses.replace(TINY, vocab_size=97, tie_embeddings=True)
+    results = {}
+    for chunks in (None, 8):
+        torch.manual_seed(0)
+        model = Llama(args)
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model, reshard_after_forward=False)
+        tokens = torch.randint(0, args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(rank))
+        labels = labels_with_ignored(2, 24, args.vocab_size, seed=10 + rank)
+        gathers = []
+        all_gather = torch.distributed.all_gather_into_tensor
+
+        def counting(*a, **k):
+            gathers.append(1)
+            return all_gather(*a, **k)
+
+        torch.distributed.all_gather_into_tensor = counting
+        try:
+            if chunks is None:
+                loss = cross_entropy_sum(model(tokens), labels)
+            else:
+                loss = model(tokens, head=ChunkedCrossEntropy(labels, chunks))
+            loss.backward()
+        finally:
+            torch.distributed.all_gather_into_tensor = all_gather
+        grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
+        results[chunks] = (loss.detach(), grads, len(gathers))
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.mark.distributed
+def test_under_fsdp2_the_output_weight_is_gathered_once_and_the_gradients_match(tmp_path):
+    out = tmp_path / "results.pt"
+    run_on_gloo_ranks(sharded_chunked_loss, str(out), store_dir=tmp_path)
+    results = torch.load(out, weights_only=False)
+    (whole, whole_grads, whole_gathers), (chunked, chunked_grads, chunked_gathers) = results[None], results[8]
+    assert chunked_gathers == whole_gathers  # no extra all-gather per chunk
+    assert torch.allclose(chunked, whole, rtol=1e-5)
+    for name, grad in whole_grads.items():
+        assert torch.allclose(chunked_grads[name], grad, rtol=1e-5, atol=1e-6), name
