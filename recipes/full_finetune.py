@@ -34,6 +34,7 @@ from torchtune_ac.errors import UserError
 from torchtune_ac.training.distributed import barrier, destroy_distributed, init_distributed
 from torchtune_ac.training.metrics import MetricsWriter, peak_memory_gib
 from torchtune_ac.training.model_setup import build_training_model
+from torchtune_ac.training.optimizer_in_backward import build_optimizer, optimizers_to_checkpoint
 from torchtune_ac.training.step import move_batch, train_step
 
 CONFIG_SCHEMA = FullFinetuneConfig
@@ -64,18 +65,19 @@ class FullFinetuneRecipe:
         torch.manual_seed(cfg.seed)
 
         self.tokenizer = cfg.tokenizer.instantiate()
-        self.model, self.plan = build_training_model(
+        self.plan = report.plan
+        self.model = build_training_model(
             cfg.model,
             ctx=ctx,
             dtype=cfg.dtype,
-            ac=cfg.ac,
+            ac=self.plan.ac,
             fsdp=cfg.fsdp,
             compile_blocks=cfg.compile,
             checkpoint_dir=cfg.checkpoint_dir,
             load_weights=resume_from is None,  # a resume loads them from its recipe state
             seed=cfg.seed,
         )
-        self.optimizer = cfg.optimizer.instantiate(self.model.parameters())
+        self.optimizer = build_optimizer(cfg.optimizer.instantiate, self.model, in_backward=self.plan.optimizer_in_backward)
 
         dataset = cfg.dataset.instantiate(self.tokenizer, max_seq_len=cfg.max_seq_len)
         self.loader = build_dataloader(
@@ -105,7 +107,8 @@ class FullFinetuneRecipe:
 
         self.progress = Progress()
         if resume_from is not None:
-            load_checkpoint(resume_from, model=self.model, optimizer=self.optimizer, scheduler=self.scheduler)
+            load_checkpoint(resume_from, model=self.model, optimizers=optimizers_to_checkpoint(self.optimizer),
+                            scheduler=self.scheduler)
             self.progress, _ = read_trainer_state(resume_from)
             log.info("resumed from %s at step %d", resume_from, self.progress.step)
         if ctx.is_rank_zero:
@@ -115,8 +118,8 @@ class FullFinetuneRecipe:
         global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * ctx.world_size
         for line in (
             f"world size {ctx.world_size} on {ctx.device} ({cfg.dtype.value})",
-            f"model {cfg.model.path}: {report.n_parameters:,} parameters, {self.plan.n_layers} layers",
-            f"activation checkpointing: {self.plan}",
+            f"model {cfg.model.path}: {report.n_parameters:,} parameters, {self.plan.ac.n_layers} layers",
+            *(f"{label}: {value}" for label, value in self.plan.describe()),
             f"global batch {global_batch} samples ({cfg.batch_size} x {cfg.gradient_accumulation_steps} accumulation"
             f" x {ctx.world_size} processes); {len(dataset)} samples, {self.steps_per_epoch} steps per epoch,"
             f" {cfg.epochs} epoch(s)",
@@ -138,7 +141,8 @@ class FullFinetuneRecipe:
             for step_in_epoch in range(skip, self.steps_per_epoch):
                 step_start = time.perf_counter()
                 micro = [move_batch(next(batches), ctx.device) for _ in range(accum)]
-                result = train_step(self.model, self.optimizer, micro, ctx=ctx, clip_grad_norm=cfg.clip_grad_norm)
+                result = train_step(self.model, self.optimizer, micro, ctx=ctx, clip_grad_norm=cfg.clip_grad_norm,
+                                    loss_chunks=self.plan.loss_chunks)
                 lr = self.optimizer.param_groups[0]["lr"]
                 if self.scheduler is not None:
                     self.scheduler.step()
@@ -182,7 +186,7 @@ class FullFinetuneRecipe:
         path = save_checkpoint(
             self.cfg.output_dir,
             model=self.model,
-            optimizer=self.optimizer,
+            optimizers=optimizers_to_checkpoint(self.optimizer),
             scheduler=self.scheduler,
             progress=self.progress,
             shape=run_shape(self.cfg, self.ctx.world_size, self.model),

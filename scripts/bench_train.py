@@ -48,7 +48,8 @@ from torchtune_ac.training.loss import IGNORE_INDEX  # noqa: E402
 from torchtune_ac.training.activation_checkpointing import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.training.distributed import FSDPConfig  # noqa: E402
 from torchtune_ac.training.dtypes import DType  # noqa: E402
-from torchtune_ac.training.model_setup import build_training_model  # noqa: E402
+from torchtune_ac.training.memory_plan import MemoryConfig, resolve_memory_plan  # noqa: E402
+from torchtune_ac.training.model_setup import build_meta_model, build_training_model  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 
 SETTINGS = ("none", "full")
@@ -121,11 +122,15 @@ def build_ours(model_name: str, checkpoint_dir: Path, setting: str, batches: lis
         ``step(i)`` training on ``batches[i]`` and returning the loss, and the AC plan as text.
     """
     ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    model, plan = build_training_model(
-        Component(key="model", path=f"torchtune_ac.models.{model_name}"),
+    component = Component(key="model", path=f"torchtune_ac.models.{model_name}")
+    # The recipe's own resolution of the memory switches (default loss_chunks, no optimizer in backward).
+    plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting)), MemoryConfig(), build_meta_model(component),
+                               clip_grad_norm=None)
+    model = build_training_model(
+        component,
         ctx=ctx,
         dtype=DType.FP32,
-        ac=ACConfig(ac_mode=ACMode(setting)),
+        ac=plan.ac,
         fsdp=FSDPConfig(),
         compile_blocks=False,
         checkpoint_dir=str(checkpoint_dir),
@@ -135,9 +140,9 @@ def build_ours(model_name: str, checkpoint_dir: Path, setting: str, batches: lis
     micro_batches = [[{"tokens": tokens, "labels": shift_labels(tokens)}] for tokens in batches]
 
     def step(i: int) -> float:
-        return train_step(model, optimizer, micro_batches[i], ctx=ctx).loss
+        return train_step(model, optimizer, micro_batches[i], ctx=ctx, loss_chunks=plan.loss_chunks).loss
 
-    return step, str(plan)
+    return step, str(plan.ac)
 
 
 def build_hf(checkpoint_dir: Path, setting: str, batches: list[torch.Tensor]) -> StepFn:

@@ -97,6 +97,25 @@ def test_validate_prints_the_resolved_plan(capsys):
     assert "selective every 2nd block: 4 of 8 blocks [1, 3, 5, 7]" in out
 
 
+@pytest.mark.parametrize(
+    "config, overrides, lines",
+    [
+        ("tiny/full", [], ["activation checkpointing  full: all 8 blocks", "optimizer step            after backward",
+                           "loss                      whole logits (vocabulary 512)"]),
+        ("tiny/full", ["optimizer_in_bwd=true", "clip_grad_norm=null", "loss_chunks=4"],
+         ["optimizer step            in backward: each parameter stepped as its gradient is ready",
+          "loss                      4 chunks (vocabulary 512): targets only"]),
+        ("llama3/8B_full", [], ["loss                      8 chunks (vocabulary 128,256)"]),
+        ("mistral/7B_full", ["loss_chunks=1"], ["loss                      whole logits (vocabulary 32,768)"]),
+    ],
+)
+def test_validate_shows_the_memory_switches_with_the_ac_plan(config, overrides, lines, capsys):
+    assert main(["validate", "--config", config, *overrides]) == 0
+    out = capsys.readouterr().out
+    for line in lines:
+        assert line in out, out
+
+
 def test_from_hf_config_reads_the_runs_checkpoint_dir(tmp_path, capsys, embedded_checkpoint):
     # Any supported Hugging Face checkpoint: name the builder and the directory, once.
     other = tmp_path / "six_layers"
@@ -157,6 +176,14 @@ BAD_COMMAND_LINES = [
      "enable_activation_checkpointing"),
     (["validate", "--config", "tiny/full", "ac_mode=selective", "ac_option=true"], "ac_option"),
     (["validate", "--config", "tiny/full", "ac_mode=selective", "ac_option=1.5"], "ac_option"),
+    (["validate", "--config", "tiny/full", "optimizer_in_bwd=true"],
+     "optimizer_in_bwd=true with clip_grad_norm=1.0: in backward each parameter is updated"),
+    (["validate", "--config", "tiny/full", "loss_chunks=0"], "loss_chunks=0: must be >= 1"),
+    (["validate", "--config", "tiny/full", "optimizer_in_bwd=maybe"], "optimizer_in_bwd='maybe': expected true or false"),
+    (["validate", "--config", "tiny/full", "checkpoint_dir=null", "tokenizer.path=/x", "loss_chunks=4",
+      "model._component_=torch.nn.TransformerEncoder", "+model.encoder_layer._component_=torch.nn.TransformerEncoderLayer",
+      "+model.encoder_layer.d_model=8", "+model.encoder_layer.nhead=2", "+model.num_layers=2"],
+     "loss_chunks=4: the chunked loss runs through the model's output head"),
     (["validate", "--config", "tiny/full", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["run", "--nproc_per_node", "0", "full_finetune", "--config", "tiny/full"], "--nproc-per-node: must be >= 1, got 0"),

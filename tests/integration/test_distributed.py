@@ -79,3 +79,11 @@ def test_every_family_trains_alike_on_2_processes_and_1(family: str, tmp_path: P
     two = _run(tmp_path / "two", *overrides, nproc=2, batch_size=2, accumulation=1)
     _assert_same_training(tmp_path / "two", two, tmp_path / "one", one)
     assert one[-1]["loss"] < one[0]["loss"]
+
+
+@pytest.mark.distributed
+def test_the_memory_switches_train_alike_on_2_processes_and_1(tmp_path: Path) -> None:
+    switches = ("optimizer_in_bwd=true", "clip_grad_norm=null", "loss_chunks=4")
+    one = _run(tmp_path / "one", *switches, nproc=1, batch_size=4, accumulation=1)
+    two = _run(tmp_path / "two", *switches, nproc=2, batch_size=2, accumulation=1)
+    _assert_same_training(tmp_path / "two", two, tmp_path / "one", one)

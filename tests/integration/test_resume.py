@@ -34,8 +34,10 @@ TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH
 KILL_AFTER_STEP = 12
 KILL_TIMEOUT_S = 240
 LOSS_RTOL = 1e-6
-# A save interrupted by the kill may leave this; a later save of the same step must replace it.
-DEBRIS = f".tmp-step_{TOTAL_STEPS:07d}"
+# A save interrupted by the kill may leave this (the atomic writer's temporary name); the next save removes it.
+DEBRIS = f".step_{TOTAL_STEPS:07d}.tmp-0123456789abcdef"
+# The optimizer step in backward: its per-parameter optimizer states go through the checkpoint and come back.
+IN_BACKWARD = ("optimizer_in_bwd=true", "clip_grad_norm=null")
 
 
 def _resume_argv(output_dir: Path, nproc: int, *extra: str) -> list[str]:
@@ -71,10 +73,10 @@ def _kill_tree(process: subprocess.Popen) -> None:
     psutil.wait_procs(workers, timeout=30)
 
 
-def _start_and_kill(output_dir: Path, nproc: int, log: Path) -> int:
+def _start_and_kill(output_dir: Path, nproc: int, log: Path, *extra: str) -> int:
     """Start the run, SIGKILL it once step KILL_AFTER_STEP is logged; return the last step it logged."""
     with log.open("w") as stderr:
-        process = subprocess.Popen(tune_command(_resume_argv(output_dir, nproc)), stdout=subprocess.DEVNULL,
+        process = subprocess.Popen(tune_command(_resume_argv(output_dir, nproc, *extra)), stdout=subprocess.DEVNULL,
                                    stderr=stderr, env=subprocess_env(), start_new_session=True)
     deadline = time.monotonic() + KILL_TIMEOUT_S
     try:
@@ -93,17 +95,17 @@ def _start_and_kill(output_dir: Path, nproc: int, log: Path) -> int:
     return last
 
 
-def _check_kill_and_resume(tmp_path: Path, nproc: int) -> None:
+def _check_kill_and_resume(tmp_path: Path, nproc: int, *extra: str) -> None:
     reference_dir, resumed_dir = tmp_path / "uninterrupted", tmp_path / "resumed"
-    check_success(run_tune_subprocess(_resume_argv(reference_dir, nproc)))
+    check_success(run_tune_subprocess(_resume_argv(reference_dir, nproc, *extra)))
 
-    killed_at = _start_and_kill(resumed_dir, nproc, tmp_path / "killed.log")
+    killed_at = _start_and_kill(resumed_dir, nproc, tmp_path / "killed.log", *extra)
     saved = assert_only_complete_checkpoints(resumed_dir, world_size=nproc)
     assert saved % SAVE_EVERY == 0 and SAVE_EVERY <= saved <= killed_at
     (resumed_dir / DEBRIS).mkdir()
     (resumed_dir / DEBRIS / "model.safetensors").write_bytes(b"half a file")
 
-    result = run_tune_subprocess(_resume_argv(resumed_dir, nproc, "resume_from_checkpoint=true"))
+    result = run_tune_subprocess(_resume_argv(resumed_dir, nproc, *extra, "resume_from_checkpoint=true"))
     check_success(result)
     assert f"resumed from {resumed_dir / f'step_{saved:07d}'} at step {saved}" in result.stderr
 
@@ -121,11 +123,13 @@ def _check_kill_and_resume(tmp_path: Path, nproc: int) -> None:
 
 
 @pytest.mark.slow
-def test_killed_single_process_run_resumes_exactly(tmp_path: Path) -> None:
-    _check_kill_and_resume(tmp_path, nproc=1)
+@pytest.mark.parametrize("extra", [(), IN_BACKWARD], ids=["step_after_backward", "step_in_backward"])
+def test_killed_single_process_run_resumes_exactly(tmp_path: Path, extra: tuple[str, ...]) -> None:
+    _check_kill_and_resume(tmp_path, 1, *extra)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_killed_two_process_run_resumes_exactly(tmp_path: Path) -> None:
-    _check_kill_and_resume(tmp_path, nproc=2)
+@pytest.mark.parametrize("extra", [(), IN_BACKWARD], ids=["step_after_backward", "step_in_backward"])
+def test_killed_two_process_run_resumes_exactly(tmp_path: Path, extra: tuple[str, ...]) -> None:
+    _check_kill_and_resume(tmp_path, 2, *extra)

@@ -27,7 +27,7 @@ import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -125,7 +125,7 @@ def save_checkpoint(
     output_dir: str | Path,
     *,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizers: Sequence[torch.optim.Optimizer],
     scheduler: Optional[Any],
     progress: Progress,
     shape: RunShape,
@@ -137,7 +137,8 @@ def save_checkpoint(
     The Hugging Face files are written by rank 0 (a sharded model gathered one output shard at a time, so no
     rank holds the whole model), the recipe state by every rank (DCP: each rank its own shard), all into one
     temporary directory that rank 0 renames into place once every rank is done. Older checkpoints then lose
-    their recipe state (only the newest one resumes).
+    their recipe state (only the newest one resumes). ``optimizers`` is the optimizer, or the per-parameter
+    optimizers of a step in backward: their state is saved by parameter name either way.
 
     Returns:
         The checkpoint directory.
@@ -150,7 +151,7 @@ def save_checkpoint(
 
     def write(tmp: Path) -> None:
         write_hf_files(model, tmp, tokenizer_dir=tokenizer_dir, **(hf_config_extra or {}))
-        _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizer=optimizer, scheduler=scheduler,
+        _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizers=optimizers, scheduler=scheduler,
                            progress=progress, shape=shape)
 
     # overwrite: an earlier save of this very step (epoch end == save_every_n_steps) is replaced.
@@ -167,13 +168,13 @@ def _save_recipe_state(
     state_dir: Path,
     *,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizers: Sequence[torch.optim.Optimizer],
     scheduler: Optional[Any],
     progress: Progress,
     shape: RunShape,
 ) -> None:
     """Model + optimizer through DCP (every rank its shard), each rank's RNG state; rank 0 the small files."""
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
     with _single_process_dcp_quiet():
         dcp.save(state, checkpoint_id=state_dir, no_dist=not process_group_active())
     rank = dist.get_rank() if process_group_active() else 0
@@ -223,16 +224,16 @@ def load_checkpoint(
     checkpoint: Path,
     *,
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizers: Sequence[torch.optim.Optimizer],
     scheduler: Optional[Any],
 ) -> None:
-    """Restore model, optimizer, scheduler and this rank's RNG state from ``checkpoint`` (all ranks call this)."""
+    """Restore model, optimizer(s), scheduler and this rank's RNG state from ``checkpoint`` (all ranks call this)."""
     state_dir = checkpoint / RECIPE_STATE_DIR
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
     with _single_process_dcp_quiet():
         dcp.load(state, checkpoint_id=state_dir, no_dist=not process_group_active())
     set_model_state_dict(model, state["model"])
-    set_optimizer_state_dict(model, optimizer, state["optimizer"])
+    set_optimizer_state_dict(model, optimizers, state["optimizer"])
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(state_dir / "scheduler.pt", weights_only=True))
     rank = dist.get_rank() if process_group_active() else 0

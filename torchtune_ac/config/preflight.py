@@ -27,19 +27,19 @@ from torchtune_ac.checkpoint import (
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.families import family_of, transformer_blocks
-from torchtune_ac.training.activation_checkpointing import ACPlan
 from torchtune_ac.training.distributed import resolve_device
+from torchtune_ac.training.memory_plan import MemoryPlan, resolve_memory_plan
 from torchtune_ac.training.metrics import METRICS_FILE
 from torchtune_ac.training.model_setup import build_meta_model, count_parameters
 
 
 @dataclass
 class PreflightReport:
-    """What the checks found: summary lines for the user, warnings, and the resolved AC plan."""
+    """What the checks found: summary lines for the user, warnings, and the resolved memory plan (AC included)."""
 
     summary: list[tuple[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    plan: Optional[ACPlan] = None
+    plan: Optional[MemoryPlan] = None
     n_parameters: int = 0
 
 
@@ -58,6 +58,8 @@ def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module) 
         "dataset": cfg.dataset.as_config(),
         "tokenizer": cfg.tokenizer.as_config(),
     }
+    if cfg.memory.optimizer_in_bwd:  # recorded only when on, so runs from before the switch existed still resume
+        data["optimizer_in_bwd"] = True
     # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
     data, architecture = json.loads(json.dumps([data, model_architecture(model)]))
     return RunShape(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, architecture, data)
@@ -111,7 +113,7 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
 
     model = build_meta_model(cfg.model, cfg.checkpoint_dir)
     n_layers = len(transformer_blocks(model))
-    report.plan = cfg.ac.resolve(n_layers)
+    report.plan = resolve_memory_plan(cfg.ac, cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm)
     report.n_parameters = count_parameters(model)
     soft(lambda: resolve_device(cfg.device.value))
     if cfg.checkpoint_dir is not None:
@@ -134,7 +136,7 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
     per_step = cfg.batch_size * cfg.gradient_accumulation_steps
     report.summary = [
         ("model", f"{cfg.model.path}: {report.n_parameters:,} parameters, {n_layers} layers"),
-        ("activation checkpointing", str(report.plan)),
+        *report.plan.describe(),
         ("dtype / device", f"{cfg.dtype.value} / {cfg.device.value}"),
         (
             "batch",

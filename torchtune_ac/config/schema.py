@@ -2,7 +2,7 @@
 
 Top-level names follow torchtune's where torchtune has one, so a torchtune user's configs and command lines
 carry over. Nothing downstream reads raw config keys: recipes receive these dataclasses, and pass the grouped
-settings on whole (``cfg.ac``, ``cfg.fsdp``).
+settings on whole (``cfg.ac``, ``cfg.memory``, ``cfg.fsdp``).
 
 Groups of settings belong to the subsystem that uses them (``ACConfig`` to activation checkpointing,
 ``FSDPConfig`` to sharding); this module composes them. A group marked ``flatten`` keeps its keys at the top
@@ -19,6 +19,7 @@ from torchtune_ac.config.components import Component
 from torchtune_ac.training.activation_checkpointing import ACConfig
 from torchtune_ac.training.distributed import FSDPConfig
 from torchtune_ac.training.dtypes import DType
+from torchtune_ac.training.memory_plan import MemoryConfig
 
 __all__ = ["Device", "DType", "FSDPConfig", "FullFinetuneConfig"]
 
@@ -60,6 +61,8 @@ class FullFinetuneConfig:
     # enable_activation_checkpointing, ac_mode, ac_option (top-level keys); the bound of ac_option (at most the
     # model's layer count) is checked once the model is built.
     ac: ACConfig = field(default_factory=ACConfig, metadata={"flatten": True})
+    # optimizer_in_bwd, loss_chunks (top-level keys); see training/memory_plan.py.
+    memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"flatten": True})
     save_every_n_steps: Optional[int] = field(default=None, metadata=_min(1))
     log_every_n_steps: int = field(default=1, metadata=_min(1))
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -20,7 +20,7 @@ from torchtune_ac.checkpoint import load_hf_weights_, local_region
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.families import init_weights_, retie_parameters, transformer_blocks
 from torchtune_ac.models.llama import TransformerBlock
-from torchtune_ac.training.activation_checkpointing import ACConfig, ACPlan, apply_ac_plan, silence_compiled_policy_warning
+from torchtune_ac.training.activation_checkpointing import ACPlan, apply_ac_plan, silence_compiled_policy_warning
 from torchtune_ac.training.distributed import DistributedContext, FSDPConfig, shard_model
 from torchtune_ac.training.dtypes import DType
 
@@ -61,20 +61,20 @@ def build_training_model(
     *,
     ctx: DistributedContext,
     dtype: DType,
-    ac: ACConfig,
+    ac: ACPlan,
     fsdp: FSDPConfig,
     compile_blocks: bool,
     checkpoint_dir: Optional[str],
     load_weights: bool = True,
     seed: int,
-) -> tuple[nn.Module, ACPlan]:
+) -> nn.Module:
     """Build, checkpoint, shard and load the model (see the module docstring for the order).
 
     Args:
         model: the ``model`` config component.
         ctx: rank, world size and device.
         dtype: storage dtype of parameters.
-        ac: the activation-checkpointing keys.
+        ac: the activation-checkpointing plan (``MemoryPlan.ac``), resolved for this model's layer count.
         fsdp: FSDP2 settings (used when world size > 1).
         compile_blocks: ``torch.compile`` each block in place (state_dict keys unchanged).
         checkpoint_dir: the run's Hugging Face checkpoint: the weights when ``load_weights``, and the config.json
@@ -84,14 +84,13 @@ def build_training_model(
         seed: seed for initialisation when there is no checkpoint.
 
     Returns:
-        The model on ``ctx.device`` in training mode, and the applied AC plan.
+        The model on ``ctx.device`` in training mode.
     """
     built = build_meta_model(model, checkpoint_dir).to(dtype.torch)
     blocks = transformer_blocks(built)
-    plan = ac.resolve(len(blocks))
-    apply_ac_plan(built, plan)
+    apply_ac_plan(built, ac)
     if compile_blocks:
-        if plan.policy is not None and all(isinstance(b, TransformerBlock) for b in blocks):
+        if ac.policy is not None and all(isinstance(b, TransformerBlock) for b in blocks):
             silence_compiled_policy_warning()
         for block in blocks:
             block.compile()
@@ -105,7 +104,7 @@ def build_training_model(
     elif load_weights:
         initialize_weights_(built, model, dtype=dtype.torch, seed=seed, sharded=ctx.is_distributed)
     built.train()
-    return built, plan
+    return built
 
 
 @torch.no_grad()

@@ -4,6 +4,11 @@ The loss of a step is the mean token cross-entropy over every target token of ev
 rank. Each micro-batch's summed loss is divided by that global count before backward, so the gradient is
 the same whether a global batch is split over more ranks, more micro-batches, or neither (FSDP averages
 gradients over ranks, hence the factor ``world_size``).
+
+The memory plan decides how: the loss is computed from the whole logits or chunk by chunk
+(``ChunkedCrossEntropy`` as the model's output head), and the optimizer steps after backward (clipping first)
+or inside it (``OptimizerInBackward``, whose hooks have stepped every parameter by the end of the last
+micro-batch's backward).
 """
 
 from __future__ import annotations
@@ -17,7 +22,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtune_ac.training.distributed import DistributedContext, all_reduce_sum
-from torchtune_ac.training.loss import count_target_tokens, cross_entropy_sum
+from torchtune_ac.training.loss import ChunkedCrossEntropy, count_target_tokens, cross_entropy_sum
+from torchtune_ac.training.optimizer_in_backward import OptimizerInBackward
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,14 @@ def move_batch(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
+def micro_batch_loss(model: nn.Module, batch: Mapping[str, torch.Tensor], loss_chunks: int = 1) -> torch.Tensor:
+    """The summed float32 cross-entropy of one micro-batch: from the whole logits, or in ``loss_chunks`` chunks
+    through the model's output head."""
+    if loss_chunks > 1:
+        return model(batch["tokens"], batch.get("document_ids"), head=ChunkedCrossEntropy(batch["labels"], loss_chunks))
+    return cross_entropy_sum(model(batch["tokens"], batch.get("document_ids")), batch["labels"])
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -41,19 +55,25 @@ def train_step(
     *,
     ctx: DistributedContext,
     clip_grad_norm: Optional[float] = None,
+    loss_chunks: int = 1,
 ) -> StepResult:
-    """Forward/backward every micro-batch, clip, and step the optimizer.
+    """Forward/backward every micro-batch, clip, and step the optimizer (or let it step in backward).
 
     Args:
         model: the (possibly FSDP-sharded, possibly checkpointed) model.
-        optimizer: its optimizer; gradients are zeroed after the step.
+        optimizer: its optimizer (an ``OptimizerInBackward`` steps during the last micro-batch's backward);
+            gradients are freed after the step.
         micro_batches: dicts with ``tokens`` and ``labels`` ``[b, s]`` (and optionally ``document_ids``), on the device.
         ctx: rank / world size.
-        clip_grad_norm: max total gradient norm, or None to only measure it.
+        clip_grad_norm: max total gradient norm, or None to only measure it (must be None in backward).
+        loss_chunks: 1 for the whole logits, else the number of chunks of the loss.
 
     Returns:
         The global mean loss, the gradient norm before clipping, and token counts.
     """
+    in_backward = isinstance(optimizer, OptimizerInBackward)
+    if in_backward and clip_grad_norm is not None:
+        raise ValueError("clip_grad_norm cannot be applied when the optimizer steps in backward")
     local_targets = sum(count_target_tokens(batch["labels"]) for batch in micro_batches)
     local_inputs = sum(batch["tokens"].numel() for batch in micro_batches)
     counts = all_reduce_sum(torch.stack([local_targets.cpu(), torch.tensor(local_inputs)]).to(ctx.device), ctx)
@@ -61,24 +81,27 @@ def train_step(
     scale = ctx.world_size / global_targets
 
     loss_sum = torch.zeros((), device=ctx.device)
-    for batch in micro_batches:
-        logits = model(batch["tokens"], batch.get("document_ids"))
-        micro_loss = cross_entropy_sum(logits, batch["labels"])
+    for i, batch in enumerate(micro_batches):
+        if in_backward:
+            optimizer.begin_micro_batch(final=i == len(micro_batches) - 1)
+        micro_loss = micro_batch_loss(model, batch, loss_chunks)
         (micro_loss * scale).backward()
         loss_sum += micro_loss.detach()
-        del logits, micro_loss
+        del micro_loss
 
-    grad_norm = torch.nn.utils.clip_grad_norm_(
-        model.parameters(), max_norm=clip_grad_norm if clip_grad_norm is not None else math.inf
-    )
-    if isinstance(grad_norm, DTensor):
-        grad_norm = grad_norm.full_tensor()
-    optimizer.step()
+    if in_backward:
+        grad_norm = optimizer.finish_step(ctx.device)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), max_norm=clip_grad_norm if clip_grad_norm is not None else math.inf
+        )
+        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    optimizer.step()  # in backward: nothing left to do (an LR scheduler still sees the step)
     optimizer.zero_grad(set_to_none=True)
     total_loss = all_reduce_sum(loss_sum, ctx)
     return StepResult(
         loss=float(total_loss) / global_targets,
-        grad_norm=float(grad_norm),
+        grad_norm=grad_norm,
         input_tokens=int(counts[1]),
         target_tokens=int(counts[0]),
     )

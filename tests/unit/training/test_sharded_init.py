@@ -24,11 +24,10 @@ MODELS = {
 
 
 def build(node: dict, ctx: DistributedContext) -> torch.nn.Module:
-    model, _ = build_training_model(
-        parse_component(node, "model"), ctx=ctx, dtype=DType.FP32, ac=ACConfig(), fsdp=FSDPConfig(),
+    return build_training_model(
+        parse_component(node, "model"), ctx=ctx, dtype=DType.FP32, ac=ACConfig().resolve(8), fsdp=FSDPConfig(),
         compile_blocks=False, checkpoint_dir=None, seed=SEED,
     )
-    return model
 
 
 def init_rank(rank: int, case: str, out_path: str) -> None:

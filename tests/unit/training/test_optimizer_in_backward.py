@@ -1,0 +1,140 @@
+"""The optimizer step inside backward trains exactly like the ordinary step (weights to 1e-6 after 5 steps, the
+same gradient norms and learning rates), on 1 process and on 2 FSDP2 processes, with gradient accumulation and
+tied embeddings; and the whole set of gradients never exists at once."""
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from gloo_testlib import WORLD_SIZE, run_on_gloo_ranks
+from models_testlib import TINY
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+from torchtune_ac.models import Llama
+from torchtune_ac.training import cosine_schedule_with_warmup
+from torchtune_ac.training.distributed import DistributedContext
+from torchtune_ac.training.loss import IGNORE_INDEX
+from torchtune_ac.training.optimizer_in_backward import OptimizerInBackward, build_optimizer
+from torchtune_ac.training.step import train_step
+
+STEPS = 5
+ARGS = dataclasses.replace(TINY, vocab_size=97, n_layers=3)  # odd vocabulary: uneven FSDP2 shards
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def micro_batches(step: int, rank: int, accumulation: int) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for micro in range(accumulation):
+        generator = torch.Generator().manual_seed(1000 * step + 10 * rank + micro)
+        tokens = torch.randint(0, ARGS.vocab_size, (2, 16), generator=generator)
+        labels = torch.roll(tokens, -1, dims=1)
+        labels[:, -1] = IGNORE_INDEX
+        out.append({"tokens": tokens, "labels": labels})
+    return out
+
+
+def train(in_backward: bool, *, tied: bool, accumulation: int, loss_chunks: int = 1, ctx=None, shard: bool = False):
+    """5 steps of the recipe's train_step; returns the model and each step's (loss, grad_norm, lr)."""
+    ctx = ctx or DistributedContext(0, 1, 0, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = Llama(dataclasses.replace(ARGS, tie_embeddings=tied))
+    model.init_weights()
+    if shard:
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model, reshard_after_forward=False)
+    optimizer = build_optimizer(adamw, model, in_backward=in_backward)
+    scheduler = cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=STEPS)
+    history = []
+    for step in range(STEPS):
+        result = train_step(model, optimizer, micro_batches(step, ctx.rank, accumulation), ctx=ctx,
+                            loss_chunks=loss_chunks)
+        history.append((result.loss, result.grad_norm, optimizer.param_groups[0]["lr"]))
+        scheduler.step()
+    return model, history
+
+
+def assert_same_training(ordinary, in_backward) -> None:
+    (model_a, history_a), (model_b, history_b) = ordinary, in_backward
+    for (loss_a, norm_a, lr_a), (loss_b, norm_b, lr_b) in zip(history_a, history_b):
+        assert loss_b == pytest.approx(loss_a, rel=1e-6)
+        assert norm_b == pytest.approx(norm_a, rel=1e-5)
+        assert lr_b == lr_a
+    state_a, state_b = model_a.state_dict(), model_b.state_dict()
+    for name, tensor in state_a.items():
+        assert (state_b[name] - tensor).abs().max() <= 1e-6, name
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_weights_equal_the_ordinary_step_on_one_process(tied, accumulation):
+    assert_same_training(train(False, tied=tied, accumulation=accumulation),
+                         train(True, tied=tied, accumulation=accumulation))
+
+
+def test_it_composes_with_the_chunked_loss():
+    assert_same_training(train(False, tied=True, accumulation=1, loss_chunks=3),
+                         train(True, tied=True, accumulation=1, loss_chunks=3))
+
+
+def test_the_scheduler_sets_every_parameters_learning_rate():
+    model = Llama(ARGS)
+    optimizer = OptimizerInBackward(model.named_parameters(), adamw)
+    scheduler = cosine_schedule_with_warmup(optimizer, num_warmup_steps=4, num_training_steps=10)
+    scheduler.step()
+    lrs = {group["lr"] for opt in optimizer.optimizers for group in opt.param_groups}
+    assert lrs == {1e-2 * 2 / 5}  # warm-up step 1 of 4: (1 + 1) / (4 + 1)
+    assert len(optimizer.optimizers) == len(list(model.parameters()))
+
+
+def test_the_whole_set_of_gradients_never_exists():
+    torch.manual_seed(0)
+    model = Llama(ARGS)
+    params = list(model.parameters())
+    live = []
+    for p in params:  # registered first, so they run before the step frees the gradient
+        p.register_post_accumulate_grad_hook(lambda _: live.append(sum(q.grad is not None for q in params)))
+    optimizer = build_optimizer(adamw, model, in_backward=True)
+    train_step(model, optimizer, micro_batches(0, 0, 1), ctx=DistributedContext(0, 1, 0, torch.device("cpu")))
+    assert len(live) == len(params)
+    assert max(live) <= 2  # the gradient being applied, and at most one more waiting for its hook
+    assert all(p.grad is None for p in params)
+
+
+def test_clipping_is_refused_in_backward():
+    model = Llama(ARGS)
+    optimizer = build_optimizer(adamw, model, in_backward=True)
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        train_step(model, optimizer, micro_batches(0, 0, 1), ctx=DistributedContext(0, 1, 0, torch.device("cpu")),
+                   clip_grad_norm=1.0)
+
+
+def train_two_processes(rank: int, out: str, tied: bool, accumulation: int) -> None:
+    ctx = DistributedContext(rank, WORLD_SIZE, rank, torch.device("cpu"))
+    results = {}
+    for in_backward in (False, True):
+        model, history = train(in_backward, tied=tied, accumulation=accumulation, ctx=ctx, shard=True)
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        results[in_backward] = (state, history)
+    if rank == 0:
+        torch.save(results, out)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("tied, accumulation", [(False, 1), (True, 2)], ids=["untied", "tied_accumulation_2"])
+def test_weights_equal_the_ordinary_step_on_two_fsdp2_processes(tmp_path: Path, tied, accumulation):
+    out = tmp_path / "results.pt"
+    run_on_gloo_ranks(train_two_processes, str(out), tied, accumulation, store_dir=tmp_path)
+    results = torch.load(out, weights_only=False)
+    (state_a, history_a), (state_b, history_b) = results[False], results[True]
+    for (loss_a, norm_a, lr_a), (loss_b, norm_b, lr_b) in zip(history_a, history_b):
+        assert loss_b == pytest.approx(loss_a, rel=1e-6)
+        assert norm_b == pytest.approx(norm_a, rel=1e-5)
+        assert lr_b == lr_a
+    for name, tensor in state_a.items():
+        assert (state_b[name] - tensor).abs().max() <= 1e-6, name
