@@ -113,6 +113,7 @@ UNSUPPORTED_KEYS = {
 # The values of those keys with which dropping them loses nothing (mostly "off").
 HARMLESS_VALUES = {
     "enable_activation_offloading": (False, None),
+    "profiler": (None,),  # or {enabled: false}
     "activation_offloading_use_streams": (False, True, None),  # only matters with offloading on
     "log_peak_memory_stats": (True, False, None),
     "custom_sharded_layers": (None, []),

@@ -123,7 +123,7 @@ def read_hf_folder(source: str, path: Path, split: str) -> list[Record]:
         return _records(saved, lambda index: f"{source} row {index}", source)
     try:
         rows = list(datasets.load_dataset(str(path), split=split, streaming=True))
-    except datasets.exceptions.DataFilesNotFoundError:
+    except (datasets.exceptions.DataFilesNotFoundError, datasets.data_files.EmptyDatasetError):
         raise UserError(f"{source}: the folder holds no data files (.parquet, .csv, .jsonl, ...) and no dataset "
                         "written by save_to_disk") from None
     except errors as err:
