@@ -19,6 +19,7 @@ import enum
 import importlib.util
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
@@ -135,7 +136,7 @@ class WandBLogger:
         if resume_after_step is not None and id_file.is_file():
             run_id = id_file.read_text().strip()
         else:
-            run_id = wandb.util.generate_id()
+            run_id = uuid.uuid4().hex[:8]  # W&B run ids: short, lower-case alphanumeric
             id_file.write_text(run_id + "\n")
         log_dir = Path(self.log_dir).expanduser() if self.log_dir else Path(output_dir)
         log_dir.mkdir(parents=True, exist_ok=True)
