@@ -293,6 +293,11 @@ class _Migrator:
             "adapter_checkpoint": "adapters (LoRA) are not supported: this is full fine-tuning",
             "safe_serialization": "checkpoints are always written as safetensors",
         }
+        files = checkpointer.get("checkpoint_files")
+        pickled = isinstance(files, list) and any(str(f).endswith((".bin", ".pt", ".pth")) for f in files)
+        if pickled and not kind.endswith("FullModelMetaCheckpointer"):  # Meta's: handled above
+            reasons["checkpoint_files"] = "torchtune_ac reads only *.safetensors files (no pickled .bin/.pt/.pth): " \
+                "convert the checkpoint, or download its safetensors version, into checkpoint_dir"
         for name in checkpointer:
             if name in (COMPONENT_KEY, "checkpoint_dir", "output_dir"):
                 continue

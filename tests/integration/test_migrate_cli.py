@@ -228,3 +228,52 @@ def test_run_and_validate_point_a_torchtune_config_at_migrate(tmp_path, capsys, 
         f"tune: error: {source} looks like a torchtune config; convert it with: tune migrate {source} -o NEW.yaml\n"
     )
     assert sorted(p.name for p in tmp_path.iterdir()) == ["torchtune.yaml"]
+
+
+def _has_builder(name: str) -> bool:
+    import torchtune_ac.models
+
+    return hasattr(torchtune_ac.models, name)
+
+
+# Qwen2.5 and Mistral configs in torchtune 0.6's layout: (builder, tokenizer node, checkpoint folder, our builder).
+OTHER_FAMILIES = [
+    ("torchtune.models.qwen2_5.qwen2_5_0_5b",
+     {"_component_": "torchtune.models.qwen2_5.qwen2_5_tokenizer", "path": "/tmp/Qwen2.5-0.5B-Instruct/vocab.json",
+      "merges_file": "/tmp/Qwen2.5-0.5B-Instruct/merges.txt", "max_seq_len": None},
+     "/tmp/Qwen2.5-0.5B-Instruct", "qwen2_5_0_5b"),
+    ("torchtune.models.mistral.mistral_7b",
+     {"_component_": "torchtune.models.mistral.mistral_tokenizer", "path": "/tmp/Mistral-7B-v0.1/tokenizer.model",
+      "max_seq_len": None},
+     "/tmp/Mistral-7B-v0.1", "mistral_7b"),
+]
+
+
+@pytest.mark.parametrize(
+    "builder, tokenizer, checkpoint_dir, ours",
+    [pytest.param(*case, marks=pytest.mark.skipif(not _has_builder(case[3]), reason="the Qwen2.5 and Mistral "
+                  "builders land with the model-family refactor on main")) for case in OTHER_FAMILIES],
+)
+def test_other_families_migrate_and_validate(tmp_path, capsys, builder, tokenizer, checkpoint_dir, ours):
+    config = {
+        "output_dir": "/tmp/torchtune/full",
+        "model": {"_component_": builder},
+        "tokenizer": tokenizer,
+        "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": checkpoint_dir,
+                         "checkpoint_files": ["model.safetensors"], "recipe_checkpoint": None,
+                         "output_dir": "${output_dir}", "model_type": "QWEN2"},
+        "resume_from_checkpoint": False,
+        "dataset": {"_component_": "torchtune.datasets.alpaca_cleaned_dataset", "packed": False},
+        "seed": None, "shuffle": True, "epochs": 1, "batch_size": 2, "gradient_accumulation_steps": 8,
+        "optimizer": {"_component_": "torch.optim.AdamW", "fused": True, "lr": 2e-5},
+        "loss": {"_component_": "torch.nn.CrossEntropyLoss"},
+        "device": "cuda", "enable_activation_checkpointing": False, "dtype": "bf16",
+        "metric_logger": {"_component_": "torchtune.training.metric_logging.DiskLogger"},
+    }
+    source = tmp_path / "torchtune.yaml"
+    source.write_text(yaml.safe_dump(config))
+    out, _ = migrate(tmp_path, source, capsys)
+    migrated = yaml.safe_load(out.read_text())
+    assert migrated["model"] == {"_component_": f"torchtune_ac.models.{ours}"}
+    assert migrated["tokenizer"]["path"] == "${checkpoint_dir}"
+    assert main(["validate", "--config", str(out)]) == 0, capsys.readouterr().err

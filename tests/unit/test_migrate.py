@@ -328,3 +328,11 @@ def test_input_is_not_modified():
 )
 def test_torchtune_marker(config, marker):
     assert torchtune_marker(config) == marker
+
+
+def test_pickled_checkpoint_files_are_called_out():
+    checkpointer = {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": CKPT,
+                    "checkpoint_files": ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"],
+                    "output_dir": "/tmp/torchtune/run"}
+    notes = notes_by_key(migrate_torchtune_config(torchtune_config(checkpointer=checkpointer)))
+    assert "reads only *.safetensors files" in notes["checkpointer.checkpoint_files"]
