@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from tqdm import tqdm
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from torchtune_ac.checkpoint import (
@@ -32,9 +31,11 @@ from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.data import build_dataloader
 from torchtune_ac.errors import UserError
 from torchtune_ac.training.distributed import barrier, destroy_distributed, init_distributed
-from torchtune_ac.training.metrics import MetricsWriter, peak_memory_gib
+from torchtune_ac.training.metric_logging import RunLog, open_run_log
+from torchtune_ac.training.metrics import peak_memory_gib
 from torchtune_ac.training.model_setup import build_training_model
 from torchtune_ac.training.optimizer_in_backward import build_optimizer, optimizers_to_checkpoint
+from torchtune_ac.training.progress import ProgressReporter
 from torchtune_ac.training.step import move_batch, train_step
 
 CONFIG_SCHEMA = FullFinetuneConfig
@@ -51,7 +52,7 @@ def preflight(cfg: FullFinetuneConfig, *, strict: bool = True, world_size: Optio
 class FullFinetuneRecipe:
     def __init__(self, cfg: FullFinetuneConfig) -> None:
         self.cfg = cfg
-        self.metrics: Optional[MetricsWriter] = None
+        self.metrics: Optional[RunLog] = None
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -113,7 +114,9 @@ class FullFinetuneRecipe:
             log.info("resumed from %s at step %d", resume_from, self.progress.step)
         if ctx.is_rank_zero:
             create_output_dir(cfg.output_dir)
-            self.metrics = MetricsWriter(cfg.output_dir, resume_after_step=self.progress.step if resume_from else None)
+            tracker = cfg.metric_logger.instantiate() if cfg.metric_logger is not None else None
+            self.metrics = open_run_log(cfg.output_dir, tracker, config=cfg,
+                                        resume_after_step=self.progress.step if resume_from else None)
 
         global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * ctx.world_size
         for line in (
@@ -129,8 +132,9 @@ class FullFinetuneRecipe:
     def train(self) -> None:
         cfg, ctx = self.cfg, self.ctx
         accum = cfg.gradient_accumulation_steps
-        bar = tqdm(total=self.total_steps, initial=self.progress.step, desc="train", disable=not ctx.is_rank_zero,
-                   dynamic_ncols=True, file=sys.stderr)
+        # A bar on a terminal; plain lines every log_every_n_steps in a log file (no carriage returns).
+        progress = ProgressReporter(total=self.total_steps, initial=self.progress.step, every=cfg.log_every_n_steps,
+                                    enabled=ctx.is_rank_zero)
         started = time.perf_counter()
         first_step, last_loss = self.progress.step, float("nan")
         for epoch in range(self.progress.epoch, cfg.epochs):
@@ -150,6 +154,7 @@ class FullFinetuneRecipe:
                 self.progress = Progress(self.progress.step + 1, epoch, step_in_epoch + 1)
                 last_loss = result.loss
                 tokens_per_second = result.input_tokens / elapsed
+                target_tokens_per_second = result.target_tokens / elapsed
                 if self.metrics is not None and self.progress.step % cfg.log_every_n_steps == 0:
                     self.metrics.write(
                         {
@@ -163,16 +168,17 @@ class FullFinetuneRecipe:
                             "tokens": result.input_tokens,
                             "target_tokens": result.target_tokens,
                             "step_time_s": elapsed,
+                            "target_tokens_per_second": target_tokens_per_second,
                         }
                     )
-                bar.update(1)
-                bar.set_postfix(loss=f"{result.loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}")
+                progress.update(step=self.progress.step, loss=result.loss, lr=lr, tokens_per_second=tokens_per_second,
+                                target_tokens_per_second=target_tokens_per_second)
                 epoch_done = step_in_epoch + 1 == self.steps_per_epoch
                 if epoch_done or (cfg.save_every_n_steps and self.progress.step % cfg.save_every_n_steps == 0):
                     if epoch_done:
                         self.progress = Progress(self.progress.step, epoch + 1, 0)
                     self.save()
-        bar.close()
+        progress.close()
         steps = self.progress.step - first_step
         if steps == 0:
             log.info("nothing to do: the run in %s already finished %d step(s)", cfg.output_dir, self.progress.step)
@@ -197,7 +203,7 @@ class FullFinetuneRecipe:
 
     def cleanup(self, *, succeeded: bool) -> None:
         if self.metrics is not None:
-            self.metrics.close()
+            self.metrics.close(succeeded=succeeded)
         destroy_distributed(synchronize=succeeded)
 
 

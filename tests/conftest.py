@@ -1,6 +1,43 @@
-"""All tests: this folder is on ``sys.path`` (pytest puts a conftest's folder there), so unit and integration
-tests share ``hf_families`` (tiny random checkpoints made with transformers' own classes)."""
+"""All tests: keep them off the user's home, and share helpers between unit and integration tests.
+
+Hugging Face and W&B caches and settings go to a temporary folder, set in ``pytest_configure`` before any test
+module imports ``datasets`` (which reads its cache location at import), and inherited by every ``tune``
+subprocess. No test reaches the Hub: ``HF_HUB_OFFLINE=1``.
+
+This folder is on ``sys.path`` (pytest puts a conftest's folder there), so unit and integration tests share
+``hf_families`` (tiny random checkpoints made with transformers' own classes) and ``tracker_readers``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
 
 import pytest
 
 pytest.register_assert_rewrite("hf_families")
+
+_ENV_DIRS = {
+    "HF_HOME": "hf_home",
+    "HF_DATASETS_CACHE": "hf_datasets_cache",
+    "WANDB_DIR": "wandb",
+    "WANDB_CACHE_DIR": "wandb_cache",
+    "WANDB_CONFIG_DIR": "wandb_config",
+    "WANDB_DATA_DIR": "wandb_data",
+}
+_root: list[str] = []
+
+
+def pytest_configure(config) -> None:
+    root = tempfile.mkdtemp(prefix="torchtune_ac-tests-")
+    _root.append(root)
+    for name, folder in _ENV_DIRS.items():
+        os.environ[name] = os.path.join(root, folder)
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    os.environ["WANDB_MODE"] = "offline"
+
+
+def pytest_unconfigure(config) -> None:
+    for root in _root:
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""The ``tune`` command: ``run``, ``ls``, ``cp``, ``validate``.
+"""The ``tune`` command: ``run``, ``ls``, ``cp``, ``validate``, ``migrate``.
 
 Exit status: 0 success, 2 user error (one short message on stderr, no traceback), 1 internal failure
 (traceback). ``--debug`` or ``TUNE_DEBUG=1`` shows tracebacks for user errors too.
@@ -304,6 +304,17 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from torchtune_ac.migrate import migrate_file
+
+    migration = migrate_file(args.source, args.output, force=args.force)
+    print(f"wrote {args.output} from the torchtune config {args.source}")
+    for note in migration.notes:
+        print(f"  {note}")
+    print(f"check it with: tune validate --config {args.output}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _ArgumentParser(prog="tune", description="Fine-tune Llama-style models from YAML configs.")
     parser.add_argument("--debug", action="store_true", help=f"show tracebacks for user errors (or {DEBUG_ENV_VAR}=1)")
@@ -330,6 +341,12 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--recipe", default="full_finetune", help="recipe whose schema applies (default: full_finetune)")
     _add_config_arguments(validate)
     validate.set_defaults(handler=cmd_validate, overrides=[])
+
+    migrate = sub.add_parser("migrate", help="convert a torchtune config to a torchtune_ac config")
+    migrate.add_argument("source", help="torchtune YAML config (full fine-tuning)")
+    migrate.add_argument("--output", "-o", required=True, help="YAML file to write")
+    migrate.add_argument("--force", "-f", action="store_true", help="overwrite an existing file")
+    migrate.set_defaults(handler=cmd_migrate)
     return parser
 
 

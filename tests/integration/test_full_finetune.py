@@ -67,6 +67,9 @@ def test_metrics_has_one_sane_record_per_step(learning_run: LearningRun) -> None
         assert 0.01 < r["peak_memory_gib"] < 64, r
         assert 0 < r["target_tokens"] < r["tokens"] <= 4 * 64, r  # batch_size x max_seq_len
         assert r["step_time_s"] > 0, r
+        # The rate of target tokens: padding and masked prompts excluded.
+        assert r["target_tokens_per_second"] == pytest.approx(r["target_tokens"] / r["step_time_s"]), r
+        assert r["target_tokens_per_second"] < r["tokens_per_second"], r
 
 
 def test_logged_lr_follows_the_warmup_then_decays(learning_run: LearningRun) -> None:

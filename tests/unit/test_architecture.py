@@ -7,7 +7,8 @@
     models, data
     errors, component_marker
 
-``embedded`` (the maker of the embedded checkpoint) needs models, data and checkpoint, and sits above them.
+``embedded`` (the maker of the embedded checkpoint) needs models, data and checkpoint, and sits above them;
+``migrate`` (torchtune configs to ours) is a pure mapping that config uses to recognise a torchtune config.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ ALLOWED = {
     "checkpoint": LEAVES | {"models"},
     "training": LEAVES | {"models", "checkpoint"},
     "embedded": LEAVES | {"models", "data", "checkpoint"},
-    "config": LEAVES | {"models", "data", "checkpoint", "training", "registry", "embedded"},
+    "migrate": LEAVES,
+    "config": LEAVES | {"models", "data", "checkpoint", "training", "registry", "embedded", "migrate"},
 }
 # The one way up: torchtune_ac.models.load_hf / save_hf / from_hf_config are contract names, re-exported from
 # the checkpoint package on first use (a module __getattr__), not at import.

@@ -130,6 +130,10 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
 
         soft(check_resume)
 
+    if cfg.metric_logger is not None:
+        # Building the tracker only checks its settings; its package is needed on the machine that trains.
+        soft(cfg.metric_logger.instantiate().check_available)
+
     if world_size == 1 and cfg.fsdp != FSDPConfig():
         report.warnings.append("fsdp.*: these settings apply only when the run has more than one process (FSDP2)")
 

@@ -65,4 +65,6 @@ class FullFinetuneConfig:
     memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"flatten": True})
     save_every_n_steps: Optional[int] = field(default=None, metadata=_min(1))
     log_every_n_steps: int = field(default=1, metadata=_min(1))
+    # Experiment tracker besides metrics.jsonl (always written): torchtune_ac.training.metric_logging.*, or null.
+    metric_logger: Optional[Component] = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -26,6 +26,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from torchtune_ac.config.components import Component, parse_component
 from torchtune_ac.errors import UserError
+from torchtune_ac.migrate import torchtune_marker
 
 T = TypeVar("T")
 _MISSING = object()
@@ -212,11 +213,14 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], schema: type[T], *, sou
         An instance of ``schema``.
 
     Raises:
+        UserError: ``cfg`` is a torchtune config (one line pointing at ``tune migrate``).
         ConfigError: listing every problem found (unknown keys with suggestions, wrong types, values out of
             range, missing required keys, refused or unknown components, bad component arguments, and what
             self-validating groups such as ``ACConfig`` report).
     """
     plain = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else dict(cfg)
+    if isinstance(plain, Mapping) and torchtune_marker(plain) is not None:
+        raise UserError(f"{source} looks like a torchtune config; convert it with: tune migrate {source} -o NEW.yaml")
     checker = _Checker(extra_allowed_components)
     result = checker.check_dataclass(plain, schema, "")
     if checker.problems:

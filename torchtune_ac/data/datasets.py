@@ -1,4 +1,5 @@
-"""Instruction, chat and plain-text datasets read from local JSON, JSONL or text files.
+"""Instruction, chat and plain-text datasets read from JSON, JSONL, text, Parquet, CSV or Arrow files, ``save_to_disk``
+folders or Hugging Face Hub datasets (see ``sources.load_records``).
 
 Each builder is a YAML component, ``dataset: {_component_: torchtune_ac.data.instruct_dataset, ...}``, called by
 the recipe with the tokenizer as its first argument. Records are tokenized when the dataset is built; every
@@ -16,7 +17,7 @@ from torchtune_ac.component_marker import config_component
 from torchtune_ac.data.embedded import EMBEDDED_INSTRUCT_PATH
 from torchtune_ac.data.packing import pack_samples
 from torchtune_ac.data.samples import TokenizedDataset, build_sample
-from torchtune_ac.data.sources import JSON_SUFFIXES, TEXT_SUFFIXES, Record, describe_json_type, read_records
+from torchtune_ac.data.sources import JSON_SUFFIXES, TEXT_SUFFIXES, Record, describe_json_type, load_records
 from torchtune_ac.data.tokenizer import Tokenizer
 from torchtune_ac.errors import UserError
 
@@ -25,6 +26,9 @@ logger = logging.getLogger(__name__)
 INSTRUCT_COLUMNS = ("instruction", "input", "output")
 INSTRUCT_TEMPLATES = ("alpaca", "chat")
 CHAT_ROLES = ("system", "user", "assistant")
+# sharegpt-style messages, {"from": ..., "value": ...}: their roles as ours.
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
+CONVERSATION_STYLES = ("openai", "sharegpt")
 
 ALPACA_PROMPT_WITH_INPUT = (
     "Below is a task, together with input that gives it context. Write a response that completes the task.\n\n"
@@ -60,6 +64,7 @@ def instruct_dataset(
     max_seq_len: Optional[int] = None,
     packed: bool = False,
     template: str = "alpaca",
+    split: str = "train",
 ) -> TokenizedDataset:
     """Instruction/response pairs (``instruction``, optional ``input``, ``output`` columns).
 
@@ -69,13 +74,16 @@ def instruct_dataset(
 
     Args:
         tokenizer: From :func:`load_tokenizer`.
-        source: ``.json`` or ``.jsonl`` file; defaults to the embedded synthetic dataset.
+        source: ``.json``, ``.jsonl``, ``.parquet``, ``.csv`` or ``.arrow`` file, a folder, or a Hub dataset
+            (``org/name``); defaults to the embedded synthetic dataset.
         column_map: Maps this dataset's column names to the file's, e.g. ``{"output": "answer"}``. The ``input``
-            column may be absent from records (taken as empty) unless ``column_map`` names it.
+            column may be absent from records (taken as empty) unless ``column_map`` names it; ``input: null``
+            means the data has no input column (a column named ``input`` is then not read).
         train_on_input: Also train on the prompt tokens, not only on the response and EOS.
         max_seq_len: Truncation length (defaults to ``tokenizer.max_seq_len``); required when ``packed``.
         packed: Pack samples into sequences of exactly ``max_seq_len`` (see ``packing.py``).
         template: ``alpaca`` or ``chat``.
+        split: Split of a folder or Hub dataset.
 
     Returns:
         The tokenized dataset.
@@ -85,10 +93,10 @@ def instruct_dataset(
     """
     if template not in INSTRUCT_TEMPLATES:
         raise UserError(f"template={template!r}: must be one of {', '.join(INSTRUCT_TEMPLATES)}")
-    columns = resolve_column_map(column_map, INSTRUCT_COLUMNS)
-    input_required = column_map is not None and "input" in column_map
+    columns = resolve_column_map(column_map, INSTRUCT_COLUMNS, optional=("input",))
+    input_required = column_map is not None and column_map.get("input") is not None
     max_seq_len = resolve_max_seq_len(max_seq_len, tokenizer, packed)
-    records = read_records(source, suffixes=JSON_SUFFIXES)
+    records = load_records(source, suffixes=JSON_SUFFIXES, split=split)
 
     def read_column(record: Record, name: str) -> str:
         fix = f"map a column of the file to it with column_map: {{{name}: <column>}}"
@@ -98,7 +106,7 @@ def instruct_dataset(
         instruction = read_column(record, "instruction")
         output = read_column(record, "output")
         input_text = ""
-        if input_required or columns["input"] in record.value:
+        if input_required or (columns["input"] is not None and columns["input"] in record.value):
             input_text = read_column(record, "input")
         if template == "chat":
             user = f"{instruction}\n\n{input_text}" if input_text else instruction
@@ -117,35 +125,42 @@ def chat_dataset(
     *,
     source: str,
     conversation_column: str = "messages",
+    conversation_style: str = "openai",
     train_on_input: bool = False,
     max_seq_len: Optional[int] = None,
     packed: bool = False,
+    split: str = "train",
 ) -> TokenizedDataset:
     """Conversations: each record's ``conversation_column`` is a list of ``{"role", "content"}`` messages.
 
-    Roles are ``system``, ``user`` and ``assistant``. The conversation is rendered with the tokenizer's chat
+    Roles are ``system``, ``user`` and ``assistant``. With ``conversation_style: sharegpt`` messages are
+    ``{"from": system|human|gpt, "value": ...}`` instead. The conversation is rendered with the tokenizer's chat
     template; only assistant turns (with their end-of-turn marker) and the final EOS are trained on unless
     ``train_on_input``.
 
     Args:
         tokenizer: From :func:`load_tokenizer`.
-        source: ``.json`` or ``.jsonl`` file.
+        source: ``.json``, ``.jsonl``, ``.parquet`` or ``.arrow`` file, a folder, or a Hub dataset (``org/name``).
         conversation_column: Column holding the message list.
+        conversation_style: ``openai`` (role/content) or ``sharegpt`` (from/value).
         train_on_input: Train on every token.
         max_seq_len: Truncation length (defaults to ``tokenizer.max_seq_len``); required when ``packed``.
         packed: Pack samples into sequences of exactly ``max_seq_len``.
+        split: Split of a folder or Hub dataset.
 
     Returns:
         The tokenized dataset.
 
     Raises:
-        UserError: for a bad file, record, message, chat template or ``max_seq_len``.
+        UserError: for a bad file, record, message, chat template, ``conversation_style`` or ``max_seq_len``.
     """
+    if conversation_style not in CONVERSATION_STYLES:
+        raise UserError(f"conversation_style={conversation_style!r}: must be one of {', '.join(CONVERSATION_STYLES)}")
     max_seq_len = resolve_max_seq_len(max_seq_len, tokenizer, packed)
-    records = read_records(source, suffixes=JSON_SUFFIXES)
+    records = load_records(source, suffixes=JSON_SUFFIXES, split=split)
 
     def tokenize(record: Record) -> tuple[list[int], list[bool]]:
-        messages = read_messages(record, conversation_column)
+        messages = read_messages(record, conversation_column, sharegpt=conversation_style == "sharegpt")
         return encode_chat_record(tokenizer, messages, record, train_on_input)
 
     return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed)
@@ -159,18 +174,20 @@ def text_dataset(
     column: str = "text",
     max_seq_len: Optional[int] = None,
     packed: bool = False,
+    split: str = "train",
 ) -> TokenizedDataset:
     """Plain documents, every token trained on.
 
-    A ``.txt`` source is split into documents at blank lines; a ``.json``/``.jsonl`` source takes each record's
-    ``column``. Documents longer than ``max_seq_len`` are truncated (the rest is not used).
+    A ``.txt`` source is split into documents at blank lines; any other source takes each record's ``column``. Documents longer than ``max_seq_len`` are truncated (the rest is not used).
 
     Args:
         tokenizer: From :func:`load_tokenizer`.
-        source: ``.txt``, ``.json`` or ``.jsonl`` file.
-        column: Text column of JSON records (ignored for ``.txt``).
+        source: ``.txt``, ``.json``, ``.jsonl``, ``.parquet``, ``.csv`` or ``.arrow`` file, a folder, or a Hub
+            dataset (``org/name``).
+        column: Text column of the records (ignored for ``.txt``).
         max_seq_len: Truncation length (defaults to ``tokenizer.max_seq_len``); required when ``packed``.
         packed: Pack samples into sequences of exactly ``max_seq_len``.
+        split: Split of a folder or Hub dataset.
 
     Returns:
         The tokenized dataset.
@@ -179,7 +196,7 @@ def text_dataset(
         UserError: for a bad file, record, column or ``max_seq_len``.
     """
     max_seq_len = resolve_max_seq_len(max_seq_len, tokenizer, packed)
-    records = read_records(source, suffixes=TEXT_SUFFIXES)
+    records = load_records(source, suffixes=TEXT_SUFFIXES, split=split)
 
     def tokenize(record: Record) -> tuple[list[int], list[bool]]:
         if isinstance(record.value, str):
@@ -206,11 +223,15 @@ def resolve_max_seq_len(max_seq_len: Optional[int], tokenizer: Tokenizer, packed
     return resolved
 
 
-def resolve_column_map(column_map: Optional[dict[str, str]], expected: tuple[str, ...]) -> dict[str, str]:
-    """Column name in the file for each expected column (identity unless remapped).
+def resolve_column_map(
+    column_map: Optional[dict[str, Optional[str]]], expected: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> dict[str, Optional[str]]:
+    """Column name in the file for each expected column (identity unless remapped; None: an ``optional``
+    column the data does not have).
 
     Raises:
-        UserError: if ``column_map`` has a key that is not an expected column, or a value that is not a string.
+        UserError: if ``column_map`` has a key that is not an expected column, or a value that is not a string
+            (null only for an optional column).
     """
     column_map = dict(column_map or {})
     for key, value in column_map.items():
@@ -218,6 +239,8 @@ def resolve_column_map(column_map: Optional[dict[str, str]], expected: tuple[str
             raise UserError(
                 f"column_map key {key!r} is not a column of this dataset; allowed keys: {', '.join(expected)}"
             )
+        if value is None and key in optional:
+            continue
         if not isinstance(value, str):
             raise UserError(f"column_map.{key}={value!r}: must be the name (a string) of a column in the file")
     return {name: column_map.get(name, name) for name in expected}
@@ -243,8 +266,9 @@ def read_string_column(record: Record, column: str, fix: str) -> str:
     return value
 
 
-def read_messages(record: Record, column: str) -> list[dict[str, str]]:
-    """The validated message list in ``record``'s ``column``.
+def read_messages(record: Record, column: str, *, sharegpt: bool = False) -> list[dict[str, str]]:
+    """The validated message list in ``record``'s ``column`` (``sharegpt``: ``from``/``value`` messages, returned
+    as ``role``/``content``).
 
     Raises:
         UserError: if the column is missing, not a non-empty array, or a message lacks a known role or string content.
@@ -264,7 +288,13 @@ def read_messages(record: Record, column: str) -> list[dict[str, str]]:
         where = f"{record.location}: {column}[{index}]"
         if not isinstance(message, dict):
             raise UserError(f"{where}: each message must be an object, got {describe_json_type(message)}")
-        role, content = message.get("role"), message.get("content")
+        if sharegpt:
+            speaker, content = message.get("from"), message.get("value")
+            if speaker not in SHAREGPT_ROLES:
+                raise UserError(f"{where}: from {speaker!r} must be one of {', '.join(SHAREGPT_ROLES)}")
+            role = SHAREGPT_ROLES[speaker]
+        else:
+            role, content = message.get("role"), message.get("content")
         if role not in CHAT_ROLES:
             raise UserError(f"{where}: role {role!r} must be one of {', '.join(CHAT_ROLES)}")
         if not isinstance(content, str):

@@ -1,12 +1,15 @@
-"""Read local dataset files into records that remember where they came from.
+"""Read dataset sources into records that remember where they came from.
 
-Every record carries a ``location`` string (``data.jsonl:17``, ``data.json[3]``, ``notes.txt:40``) so that
-any later complaint about it can name the exact line or array index in one line.
+Every record carries a ``location`` string (``data.jsonl:17``, ``data.json[3]``, ``notes.txt:40``,
+``data.parquet row 17``) so that any later complaint about it can name the exact line, index or row in one line.
+JSON, JSON Lines and text files are read here; Parquet, CSV and Arrow files, folders and Hub datasets through
+Hugging Face ``datasets`` (``hf_sources.py``), chosen by :func:`load_records`.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,10 @@ from torchtune_ac.errors import UserError
 
 JSON_SUFFIXES = (".json", ".jsonl")
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
+# Read through Hugging Face `datasets` (see hf_sources.py).
+HF_SUFFIXES = (".parquet", ".csv", ".arrow")
+# `org/name`, as on the Hugging Face Hub.
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 @dataclass(frozen=True)
@@ -66,6 +73,44 @@ def read_source_text(source: str, *, suffixes: tuple[str, ...]) -> tuple[Path, s
         raise UserError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 
 
+def load_records(source: str, *, suffixes: tuple[str, ...] = JSON_SUFFIXES, split: str = "train") -> list[Record]:
+    """Read the records of ``source``, whatever kind of source it is.
+
+    - a ``.json``/``.jsonl`` file (or ``.txt`` where ``suffixes`` allows it): :func:`read_records`;
+    - a ``.parquet``, ``.csv`` or ``.arrow`` file, a folder written by ``save_to_disk`` (``split`` chooses in a
+      ``DatasetDict``), or a folder of data files: read in place through ``datasets``;
+    - ``org/name`` that is not a local path: a Hugging Face Hub dataset.
+
+    Args:
+        source: Path or Hub name as the user wrote it.
+        suffixes: Extensions of the hand-read files this caller accepts.
+        split: Split of a folder or Hub dataset; a single file holds only ``train``.
+
+    Returns:
+        The records in order, at least one.
+
+    Raises:
+        UserError: naming the file (line, index or row) or the dataset.
+    """
+    path = Path(source).expanduser()
+    suffix = path.suffix.lower()
+    if path.is_file() and suffix in HF_SUFFIXES + suffixes and split != "train":
+        raise UserError(f"dataset split={split!r}: {source} is a single file, which holds only the train split")
+    if path.is_file() and suffix in HF_SUFFIXES:
+        from torchtune_ac.data.hf_sources import read_hf_file
+
+        return read_hf_file(source, path)
+    if path.is_dir():
+        from torchtune_ac.data.hf_sources import read_hf_folder
+
+        return read_hf_folder(source, path, split)
+    if not path.exists() and suffix not in HF_SUFFIXES + suffixes and _HUB_NAME.match(source):
+        from torchtune_ac.data.hf_sources import read_hub_dataset
+
+        return read_hub_dataset(source, split)
+    return read_records(source, suffixes=suffixes + HF_SUFFIXES)
+
+
 def read_records(source: str, *, suffixes: tuple[str, ...] = JSON_SUFFIXES) -> list[Record]:
     """Read a ``.jsonl`` (one object per line), ``.json`` (an array of objects) or ``.txt`` source.
 
@@ -113,10 +158,16 @@ def parse_jsonl(source: str, text: str) -> list[Record]:
 
 
 def parse_json_array(source: str, text: str) -> list[Record]:
-    """Parse a JSON array of objects; records are located by their index, ``data.json[3]``."""
+    """Parse a JSON array of objects; records are located by their index, ``data.json[3]``.
+
+    A ``.json`` file holding one object per line (JSON Lines, which Hugging Face's ``json`` loader also reads
+    from ``.json`` files) is parsed as JSON Lines.
+    """
     try:
         values = json.loads(text)
     except json.JSONDecodeError as e:
+        if e.msg == "Extra data" and text.lstrip().startswith("{"):
+            return parse_jsonl(source, text)
         raise UserError(f"{source}:{e.lineno}: invalid JSON: {e.msg} (column {e.colno})") from None
     if not isinstance(values, list):
         raise UserError(f"{source}: must hold a JSON array of objects, got {describe_json_type(values)}")

@@ -1,7 +1,7 @@
 """A Llama-style decoder-only transformer.
 
 This file holds the model and nothing else: no activation checkpointing, no sharding, no config parsing.
-Its parameter names follow the Hugging Face Llama layout one prefix away (see ``hf_interop.py``), and its
+Its parameter names follow the Hugging Face Llama layout one prefix away (see ``hf_adapter.py``), and its
 rotary embedding uses the same "rotate half" convention as Hugging Face checkpoints, so weights load
 without permutation.
 """

@@ -1,4 +1,5 @@
-"""Training building blocks: activation checkpointing, FSDP2 sharding, the train step, checkpoints, metrics."""
+"""Training building blocks: activation checkpointing, FSDP2 sharding, the train step, checkpoints, metrics and
+experiment trackers."""
 
 from torchtune_ac.training.activation_checkpointing import (
     ACConfig,
@@ -9,11 +10,14 @@ from torchtune_ac.training.activation_checkpointing import (
     setup_activation_checkpointing,
 )
 from torchtune_ac.training.lr_schedulers import constant_schedule, cosine_schedule_with_warmup
+from torchtune_ac.training.metric_logging import TensorBoardLogger, WandBLogger
 
 __all__ = [
     "ACConfig",
     "ACMode",
     "ACPlan",
+    "TensorBoardLogger",
+    "WandBLogger",
     "apply_ac_plan",
     "constant_schedule",
     "cosine_schedule_with_warmup",

@@ -2,7 +2,8 @@
 
 Fields (a contract): ``step``, ``epoch``, ``loss``, ``lr``, ``grad_norm``, ``tokens_per_second``,
 ``peak_memory_gib``, plus ``tokens`` (token positions processed in this step on all ranks, padding included),
-``target_tokens`` (positions that count in the loss) and ``step_time_s``.
+``target_tokens`` (positions that count in the loss), ``step_time_s`` and ``target_tokens_per_second`` (the rate
+of target tokens: unlike ``tokens_per_second`` it does not count padding, so packed and unpacked runs compare).
 """
 
 from __future__ import annotations

@@ -168,7 +168,12 @@ GOOD = {"instruction": "i", "input": "", "output": "o"}
     "file_name, content, kwargs, message",
     [
         ("missing.jsonl", None, {}, "dataset source {dir}/missing.jsonl does not exist"),
-        ("d.csv", "a,b\n", {}, "{dir}/d.csv: unsupported extension '.csv'; this dataset reads .json, .jsonl files"),
+        (
+            "d.xlsx",
+            "a,b\n",
+            {},
+            "{dir}/d.xlsx: unsupported extension '.xlsx'; this dataset reads .json, .jsonl, .parquet, .csv, .arrow files",
+        ),
         (
             "d.jsonl",
             '{"instruction": "i", "output": "o"}\n{"instruction": \n',

@@ -1,0 +1,205 @@
+"""Sources read through Hugging Face ``datasets``: every format gives the same samples as the JSONL file,
+records name their row or line, nothing is written next to the data, and a Hub name offline is one line."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+datasets = pytest.importorskip("datasets")
+
+from torchtune_ac.data import EMBEDDED_TOKENIZER_DIR, chat_dataset, instruct_dataset, load_tokenizer, text_dataset  # noqa: E402
+from torchtune_ac.data.sources import load_records  # noqa: E402
+from torchtune_ac.errors import UserError  # noqa: E402
+
+ROWS = [
+    {"instruction": f"Say {word} twice.", "input": "" if i % 2 else "loud", "output": f"{word} {word}"}
+    for i, word in enumerate(["red", "green", "blue", "gold", "grey"])
+]
+CHATS = [
+    {"messages": [{"role": "user", "content": f"Name {n}."}, {"role": "assistant", "content": f"It is {n}."}]}
+    for n in ("one", "two", "three")
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(EMBEDDED_TOKENIZER_DIR)
+
+
+def write_jsonl(path: Path, rows: list) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def write_source(folder: Path, kind: str, rows: list) -> str:
+    """``rows`` written as one kind of source under ``folder``; returns what to put in ``source:``."""
+    ds = datasets.Dataset.from_list(rows)
+    if kind == "parquet":
+        ds.to_parquet(str(folder / "d.parquet"))
+        return str(folder / "d.parquet")
+    if kind == "csv":
+        ds.to_csv(str(folder / "d.csv"), index=False)
+        return str(folder / "d.csv")
+    if kind == "arrow":
+        ds.save_to_disk(str(folder / "saved"))  # one .arrow file inside
+        (arrow,) = (folder / "saved").glob("*.arrow")
+        return str(arrow)
+    if kind == "save_to_disk":
+        ds.save_to_disk(str(folder / "saved"))
+        return str(folder / "saved")
+    if kind == "dataset_dict":
+        datasets.DatasetDict(train=ds, test=ds.select([0])).save_to_disk(str(folder / "saved_dict"))
+        return str(folder / "saved_dict")
+    if kind == "parquet_folder":
+        (folder / "files").mkdir()
+        ds.to_parquet(str(folder / "files" / "train-00000-of-00001.parquet"))
+        return str(folder / "files")
+    raise AssertionError(kind)
+
+
+def snapshot(folder: Path) -> dict[str, float]:
+    return {str(p): p.stat().st_mtime for p in folder.rglob("*")}
+
+
+FORMATS = ["parquet", "csv", "arrow", "save_to_disk", "dataset_dict", "parquet_folder"]
+
+
+@pytest.mark.parametrize("kind", FORMATS)
+@pytest.mark.parametrize("packed", [False, True])
+def test_instruct_samples_equal_the_jsonl_ones(tmp_path, tokenizer, kind, packed):
+    expected = instruct_dataset(tokenizer, source=write_jsonl(tmp_path / "d.jsonl", ROWS), packed=packed,
+                                max_seq_len=64)
+    source = write_source(tmp_path, kind, ROWS)
+    before = snapshot(tmp_path)
+    got = instruct_dataset(tokenizer, source=source, packed=packed, max_seq_len=64)
+    assert [got[i] for i in range(len(got))] == [expected[i] for i in range(len(expected))]
+    assert snapshot(tmp_path) == before  # read in place: no cache or lock file next to the data
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk"])
+def test_chat_and_text_from_parquet_and_saved(tmp_path, tokenizer, kind):
+    chat_expected = chat_dataset(tokenizer, source=write_jsonl(tmp_path / "c.jsonl", CHATS))
+    chat_dir = tmp_path / "chat"
+    chat_dir.mkdir()
+    got = chat_dataset(tokenizer, source=write_source(chat_dir, kind, CHATS))
+    assert [got[i] for i in range(len(got))] == [chat_expected[i] for i in range(len(chat_expected))]
+
+    texts = [{"text": "first document"}, {"text": "second one"}]
+    text_expected = text_dataset(tokenizer, source=write_jsonl(tmp_path / "t.jsonl", texts))
+    text_dir = tmp_path / "text"
+    text_dir.mkdir()
+    got = text_dataset(tokenizer, source=write_source(text_dir, kind, texts))
+    assert [got[i] for i in range(len(got))] == [text_expected[i] for i in range(len(text_expected))]
+
+
+def test_sharegpt_messages_equal_openai_ones(tmp_path, tokenizer):
+    roles = {"user": "human", "assistant": "gpt"}
+    sharegpt = [{"conversations": [{"from": roles[m["role"]], "value": m["content"]} for m in c["messages"]]}
+                for c in CHATS]
+    openai = chat_dataset(tokenizer, source=write_jsonl(tmp_path / "o.jsonl", CHATS))
+    got = chat_dataset(tokenizer, source=write_jsonl(tmp_path / "s.jsonl", sharegpt),
+                       conversation_column="conversations", conversation_style="sharegpt")
+    assert [got[i] for i in range(len(got))] == [openai[i] for i in range(len(openai))]
+
+
+def test_instruct_column_map_input_null_reads_no_input_column(tmp_path, tokenizer):
+    # torchtune's instruct_dataset layout: the prompt is in `input`.
+    rows = [{"input": r["instruction"], "output": r["output"]} for r in ROWS]
+    plain = [{"instruction": r["instruction"], "output": r["output"]} for r in ROWS]
+    expected = instruct_dataset(tokenizer, source=write_jsonl(tmp_path / "p.jsonl", plain))
+    got = instruct_dataset(tokenizer, source=write_jsonl(tmp_path / "t.jsonl", rows),
+                           column_map={"instruction": "input", "input": None})
+    assert [got[i] for i in range(len(got))] == [expected[i] for i in range(len(expected))]
+
+
+def test_dataset_dict_split_is_chosen(tmp_path):
+    source = write_source(tmp_path, "dataset_dict", ROWS)
+    records = load_records(source, split="test")
+    assert [r.value for r in records] == [ROWS[0]]
+    assert records[0].location == f"{source} [test] row 0"
+
+
+@pytest.mark.parametrize(
+    "kind, location",
+    [
+        ("parquet", "{dir}/d.parquet row 3"),
+        ("csv", "{dir}/d.csv:5"),  # header on line 1: row 3 is line 5
+        ("save_to_disk", "{dir}/saved row 3"),
+        ("parquet_folder", "{dir}/files [train] row 3"),
+    ],
+)
+def test_records_name_their_row(tmp_path, kind, location):
+    records = load_records(write_source(tmp_path, kind, ROWS))
+    assert [r.value for r in records] == ROWS
+    assert records[3].location == location.replace("{dir}", str(tmp_path))
+
+
+def test_errors_name_the_row(tmp_path, tokenizer):
+    rows = [dict(r) for r in ROWS]
+    rows[3]["output"] = None
+    source = write_source(tmp_path, "parquet", rows)
+    with pytest.raises(UserError) as info:
+        instruct_dataset(tokenizer, source=source)
+    assert str(info.value) == f"{source} row 3: column 'output' must be a string, got null"
+
+
+def test_csv_cells_are_strings_and_empty_cells_empty(tmp_path):
+    path = tmp_path / "d.csv"
+    path.write_text('instruction,input,output\n"Add 2, 3",,5\n007,x,"two\nlines"\n')
+    records = load_records(str(path))
+    assert [r.value for r in records] == [
+        {"instruction": "Add 2, 3", "input": "", "output": "5"},
+        {"instruction": "007", "input": "x", "output": "two\nlines"},
+    ]
+    # A field spans lines, so line numbers would lie: rows are named instead.
+    assert [r.location for r in records] == [f"{path} row 0", f"{path} row 1"]
+
+
+def test_json_file_holding_json_lines(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text("".join(json.dumps(r) + "\n" for r in ROWS[:2]))
+    assert [(r.location, r.value) for r in load_records(str(path))] == [(f"{path}:1", ROWS[0]), (f"{path}:2", ROWS[1])]
+
+
+@pytest.mark.parametrize(
+    "setup, split, message",
+    [
+        (lambda d: write_source(d, "dataset_dict", ROWS), "validation",
+         "no split 'validation' (the saved dataset has: train, test); set split"),
+        (lambda d: write_source(d, "parquet", ROWS), "test", "split='test': {dir}/d.parquet is a single file"),
+        (lambda d: write_source(d, "save_to_disk", ROWS), "test", "the folder holds one saved dataset"),
+        (lambda d: str(d), "train", "the folder holds no data files"),
+        (lambda d: (d / "bad.parquet").write_bytes(b"not parquet") and str(d / "bad.parquet"), "train",
+         "{dir}/bad.parquet: cannot read it as parquet"),
+        (lambda d: (d / "e.csv").write_text("a,b\n") and str(d / "e.csv"), "train", "holds no records"),
+    ],
+)
+def test_source_errors_are_one_line(tmp_path, setup, split, message):
+    source = setup(tmp_path)
+    with pytest.raises(UserError) as info:
+        load_records(source, split=split)
+    assert message.replace("{dir}", str(tmp_path)) in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_hub_name_offline_is_one_line_and_writes_nothing_in_home(tmp_path):
+    """In a child process with HF_HUB_OFFLINE=1 and HOME pointing at an empty folder."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "HF_HUB_OFFLINE": "1"}
+    code = (
+        "from torchtune_ac.data.sources import load_records\n"
+        "from torchtune_ac.errors import UserError\n"
+        "try:\n    load_records('tatsu-lab/alpaca')\nexcept UserError as e:\n    print(e)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
+                            cwd=tmp_path)
+    assert result.stdout.strip() == (
+        "dataset source tatsu-lab/alpaca: not a local file or folder, and reading it from the Hub needs network "
+        "access to the Hugging Face Hub; download it first or point source at local files"
+    ), result.stderr
+    assert list(home.iterdir()) == []

@@ -1,0 +1,338 @@
+"""``migrate_torchtune_config``: torchtune 0.6 keys and components to ours, one table per part, and the notes
+on what was not carried over or was corrected."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from torchtune_ac.errors import UserError
+from torchtune_ac.migrate import MODEL_BUILDERS, ac_notes, migrate_ac_keys, migrate_torchtune_config, torchtune_marker
+
+CKPT = "/models/Llama-3.2-1B-Instruct"
+
+
+def torchtune_config(**changes) -> dict:
+    """A minimal torchtune 0.6 full fine-tuning config (HF checkpointer, alpaca), with ``changes`` applied
+    (a value of ``...`` removes the key)."""
+    cfg = {
+        "output_dir": "/tmp/torchtune/run",
+        "tokenizer": {"_component_": "torchtune.models.llama3.llama3_tokenizer",
+                      "path": f"{CKPT}/original/tokenizer.model", "max_seq_len": None},
+        "dataset": {"_component_": "torchtune.datasets.alpaca_dataset", "packed": False},
+        "seed": None,
+        "shuffle": True,
+        "model": {"_component_": "torchtune.models.llama3_2.llama3_2_1b"},
+        "checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": CKPT,
+                         "checkpoint_files": ["model.safetensors"], "recipe_checkpoint": None,
+                         "output_dir": "/tmp/torchtune/run", "model_type": "LLAMA3_2"},
+        "resume_from_checkpoint": False,
+        "batch_size": 4,
+        "epochs": 1,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
+        "loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"},
+        "max_steps_per_epoch": None,
+        "gradient_accumulation_steps": 8,
+        "device": "cuda",
+        "enable_activation_checkpointing": False,
+        "dtype": "bf16",
+    }
+    for key, value in changes.items():
+        if value is ...:
+            cfg.pop(key)
+        else:
+            cfg[key] = value
+    return cfg
+
+
+def notes_by_key(migration) -> dict[str, str]:
+    return {note.key: note.message for note in migration.notes}
+
+
+def test_minimal_config():
+    migration = migrate_torchtune_config(torchtune_config())
+    assert migration.config == {
+        "output_dir": "/tmp/torchtune/run",
+        "checkpoint_dir": CKPT,
+        "resume_from_checkpoint": False,
+        "model": {"_component_": "torchtune_ac.models.llama3_2_1b"},
+        "tokenizer": {"_component_": "torchtune_ac.data.load_tokenizer", "path": "${checkpoint_dir}"},
+        "dataset": {"_component_": "torchtune_ac.data.instruct_dataset", "source": "tatsu-lab/alpaca",
+                    "train_on_input": True, "packed": False},
+        "shuffle": True,
+        "batch_size": 4,
+        "epochs": 1,
+        "max_steps_per_epoch": None,
+        "gradient_accumulation_steps": 8,
+        "optimizer": {"_component_": "torch.optim.AdamW", "lr": 2e-5, "fused": True},
+        "loss_chunks": 8,
+        "device": "cuda",
+        "dtype": "bf16",
+        "enable_activation_checkpointing": False,
+    }
+    notes = notes_by_key(migration)
+    assert set(notes) == {"checkpointer.checkpoint_files", "checkpointer.model_type", "tokenizer.path",
+                          "dataset.source", "dataset._component_", "dataset.train_on_input", "seed"}
+    assert "network access" in notes["dataset.source"]
+    assert "random seed" in notes["seed"]
+
+
+@pytest.mark.parametrize("torchtune_builder, ours", sorted(MODEL_BUILDERS.items()))
+def test_model_builders(torchtune_builder, ours):
+    migration = migrate_torchtune_config(torchtune_config(model={"_component_": torchtune_builder}))
+    assert migration.config["model"] == {"_component_": ours}
+
+
+@pytest.mark.parametrize(
+    "builder",
+    ["torchtune.models.llama3_2_vision.llama3_2_vision_11b", "torchtune.models.gemma.gemma_2b",
+     "torchtune.models.qwen2_5.qwen2_5_3b", "torchtune.models.llama3.lora_llama3_8b", "mymodels.build"],
+)
+def test_model_without_equivalent_is_refused_listing_what_is_supported(builder):
+    with pytest.raises(UserError) as info:
+        migrate_torchtune_config(torchtune_config(model={"_component_": builder}))
+    message = str(info.value)
+    assert message.startswith(f"model._component_={builder}: no equivalent in torchtune_ac; supported: ")
+    assert "llama3_2_1b" in message and "qwen2_5_0_5b" in message and "mistral_7b" in message
+    assert "\n" not in message
+
+
+# (flag, ac_mode, ac_option) -> our keys, and the keys of the notes explaining the difference.
+AC_TABLE = [
+    ((None, None, None), {}, []),
+    ((True, None, None), {"enable_activation_checkpointing": True}, []),
+    ((False, None, None), {"enable_activation_checkpointing": False}, []),
+    # torchtune applied nothing when the flag was true and ac_mode set; ac_mode decides here.
+    ((True, "selective", 2), {"enable_activation_checkpointing": True, "ac_mode": "selective", "ac_option": 2},
+     ["enable_activation_checkpointing", "ac_mode"]),
+    ((True, "full", None), {"enable_activation_checkpointing": True, "ac_mode": "full"},
+     ["enable_activation_checkpointing", "ac_mode"]),
+    # torchtune applied ac_mode only with the flag false; that pair is a contradiction here: the flag goes.
+    ((False, "full", None), {"ac_mode": "full"}, ["enable_activation_checkpointing", "ac_mode"]),
+    ((False, "selective", "op"), {"ac_mode": "selective", "ac_option": "op"},
+     ["enable_activation_checkpointing", "ac_mode"]),
+    ((True, "none", None), {"ac_mode": "none"}, ["enable_activation_checkpointing"]),
+    ((False, "none", None), {"enable_activation_checkpointing": False, "ac_mode": "none"}, []),
+    # ac_option 0 checkpointed every block in torchtune.
+    ((None, "selective", 0), {"ac_mode": "selective", "ac_option": 1}, ["ac_option", "ac_mode"]),
+    # torchtune matched case-sensitively: "Full" applied nothing.
+    ((None, "Full", None), {"ac_mode": "full"}, ["ac_mode", "ac_mode"]),
+    ((None, "full", 2), {"ac_mode": "full"}, ["ac_option", "ac_mode"]),
+    ((None, "selective", None), {"ac_mode": "selective", "ac_option": None}, ["ac_option", "ac_mode"]),
+]
+
+
+@pytest.mark.parametrize("keys, expected, note_keys", AC_TABLE)
+def test_activation_checkpointing_keys(keys, expected, note_keys):
+    assert migrate_ac_keys(*keys) == expected
+    assert [key for key, _ in ac_notes(*keys)] == note_keys
+
+
+def test_activation_checkpointing_in_a_config():
+    migration = migrate_torchtune_config(torchtune_config(enable_activation_checkpointing=True, ac_mode="selective",
+                                                          ac_option=2))
+    assert {k: migration.config.get(k) for k in ("enable_activation_checkpointing", "ac_mode", "ac_option")} == {
+        "enable_activation_checkpointing": True, "ac_mode": "selective", "ac_option": 2}
+    assert "applied no activation checkpointing at all" in notes_by_key(migration)["enable_activation_checkpointing"]
+
+
+# torchtune's loss / optimizer_in_bwd -> our upcoming keys (issue 11); plain cross-entropy and false emit nothing.
+MEMORY_TABLE = [
+    ({"loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"}}, {"loss_chunks": 8}),
+    ({"loss": {"_component_": "torchtune.modules.loss.CEWithChunkedOutputLoss", "num_output_chunks": 16}},
+     {"loss_chunks": 16}),
+    ({"loss": {"_component_": "torchtune.modules.loss.LinearCrossEntropyLoss"}}, {"loss_chunks": 8}),
+    ({"loss": {"_component_": "torch.nn.CrossEntropyLoss"}}, {}),
+    ({"loss": ...}, {}),
+    ({"loss": ..., "optimizer_in_bwd": True}, {"optimizer_in_bwd": True}),
+    ({"loss": ..., "optimizer_in_bwd": False}, {}),
+]
+
+
+@pytest.mark.parametrize("changes, expected", MEMORY_TABLE)
+def test_loss_and_optimizer_in_backward(changes, expected):
+    config = migrate_torchtune_config(torchtune_config(**changes)).config
+    assert {k: config[k] for k in ("loss_chunks", "optimizer_in_bwd") if k in config} == expected
+
+
+def test_other_losses_are_reported():
+    migration = migrate_torchtune_config(torchtune_config(loss={"_component_": "torchtune.modules.loss.ForwardKLLoss"}))
+    assert "loss_chunks" not in migration.config
+    assert "cross-entropy" in notes_by_key(migration)["loss"]
+
+
+LOGGERS = "torchtune.training.metric_logging."
+OURS = "torchtune_ac.training.metric_logging."
+METRIC_LOGGER_TABLE = [
+    ({"_component_": LOGGERS + "DiskLogger", "log_dir": "/tmp/torchtune/run/logs"}, None, "metric_logger"),
+    ({"_component_": LOGGERS + "StdoutLogger"}, None, "metric_logger"),
+    ({"_component_": LOGGERS + "WandBLogger", "project": "p", "entity": "e", "group": "g",
+      "log_dir": "/tmp/torchtune/run/logs"},
+     {"_component_": OURS + "WandBLogger", "project": "p", "entity": "e", "group": "g",
+      "log_dir": "${output_dir}/logs"}, None),
+    ({"_component_": LOGGERS + "WandBLogger", "job_type": "x"}, {"_component_": OURS + "WandBLogger"},
+     "metric_logger.job_type"),
+    ({"_component_": LOGGERS + "TensorBoardLogger", "log_dir": "/elsewhere/tb", "organize_logs": True},
+     {"_component_": OURS + "TensorBoardLogger", "log_dir": "/elsewhere/tb"}, "metric_logger.organize_logs"),
+    ({"_component_": LOGGERS + "CometLogger", "project": "p"}, None, "metric_logger"),
+]
+
+
+@pytest.mark.parametrize("logger, expected, note_key", METRIC_LOGGER_TABLE)
+def test_metric_logger(logger, expected, note_key):
+    migration = migrate_torchtune_config(torchtune_config(metric_logger=logger))
+    assert migration.config.get("metric_logger") == expected
+    notes = notes_by_key(migration)
+    assert (note_key in notes) if note_key else not any(k.startswith("metric_logger") for k in notes)
+
+
+ALPACA = "torchtune.datasets.alpaca_dataset"
+DATASET_TABLE = [
+    ({"_component_": ALPACA, "source": "json", "data_files": "/data/a.json", "train_on_input": False},
+     {"_component_": "torchtune_ac.data.instruct_dataset", "source": "/data/a.json", "train_on_input": False,
+      "packed": False}),
+    ({"_component_": "torchtune.datasets.alpaca_cleaned_dataset", "packed": True},
+     {"_component_": "torchtune_ac.data.instruct_dataset", "source": "yahma/alpaca-cleaned", "train_on_input": True,
+      "packed": True}),
+    ({"_component_": "torchtune.datasets.instruct_dataset", "source": "parquet", "data_files": ["/d/x.parquet"],
+      "column_map": {"input": "question", "output": "answer"}, "split": "train"},
+     {"_component_": "torchtune_ac.data.instruct_dataset", "source": "/d/x.parquet",
+      "column_map": {"instruction": "question", "input": None, "output": "answer"}, "template": "chat",
+      "train_on_input": False, "packed": False}),
+    ({"_component_": "torchtune.datasets.chat_dataset", "source": "csv", "data_files": {"test": "/d/c.csv"},
+      "conversation_column": "conversations", "conversation_style": "sharegpt", "split": "test"},
+     {"_component_": "torchtune_ac.data.chat_dataset", "source": "/d/c.csv", "split": "test",
+      "conversation_column": "conversations", "conversation_style": "sharegpt", "train_on_input": False,
+      "packed": False}),
+    ({"_component_": "torchtune.datasets.chat_dataset", "source": "/d/chats", "conversation_column": "messages",
+      "conversation_style": "openai", "train_on_input": True},
+     {"_component_": "torchtune_ac.data.chat_dataset", "source": "/d/chats", "conversation_column": "messages",
+      "train_on_input": True, "packed": False}),
+    ({"_component_": "torchtune.datasets.text_completion_dataset", "source": "arrow", "data_dir": "/d/arrow",
+      "column": "body", "packed": True},
+     {"_component_": "torchtune_ac.data.text_dataset", "source": "/d/arrow", "column": "body", "packed": True}),
+]
+
+
+@pytest.mark.parametrize("dataset, expected", DATASET_TABLE)
+def test_datasets(dataset, expected):
+    assert migrate_torchtune_config(torchtune_config(dataset=dataset)).config["dataset"] == expected
+
+
+@pytest.mark.parametrize(
+    "dataset, message",
+    [
+        ([{"_component_": ALPACA}, {"_component_": ALPACA}], "dataset: a list of datasets is not supported"),
+        ({"_component_": "torchtune.datasets.samsum_dataset"}, "dataset._component_=torchtune.datasets.samsum_dataset: "
+         "no equivalent in torchtune_ac; supported: alpaca_dataset"),
+        ({"_component_": ALPACA, "source": "json", "data_files": ["a.json", "b.json"]},
+         "torchtune_ac reads one file or one folder"),
+        ({"_component_": "torchtune.datasets.chat_dataset", "source": "x/y", "conversation_column": "m",
+          "conversation_style": "vicuna"}, "dataset.conversation_style='vicuna': expected openai or sharegpt"),
+    ],
+)
+def test_datasets_refused(dataset, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
+        migrate_torchtune_config(torchtune_config(dataset=dataset))
+
+
+def test_meta_checkpointer_reads_the_folder_above_original():
+    checkpointer = {"_component_": "torchtune.training.FullModelMetaCheckpointer",
+                    "checkpoint_dir": "/m/Meta-Llama-3-8B-Instruct/original/", "checkpoint_files": ["consolidated.00.pth"],
+                    "output_dir": "/tmp/torchtune/run", "model_type": "LLAMA3"}
+    tokenizer = {"_component_": "torchtune.models.llama3.llama3_tokenizer",
+                 "path": "/m/Meta-Llama-3-8B-Instruct/original/tokenizer.model"}
+    migration = migrate_torchtune_config(torchtune_config(checkpointer=checkpointer, tokenizer=tokenizer))
+    assert migration.config["checkpoint_dir"] == "/m/Meta-Llama-3-8B-Instruct"
+    assert migration.config["tokenizer"]["path"] == "${checkpoint_dir}"
+    assert "safetensors" in notes_by_key(migration)["checkpointer.checkpoint_dir"]
+
+
+def test_optimizer_outside_torch_optim_becomes_adamw():
+    migration = migrate_torchtune_config(torchtune_config(
+        optimizer={"_component_": "bitsandbytes.optim.PagedAdamW8bit", "lr": 1e-5, "optim_bits": 8}))
+    assert migration.config["optimizer"] == {"_component_": "torch.optim.AdamW", "lr": 1e-5}
+    note = notes_by_key(migration)["optimizer._component_"]
+    assert "(dropped: optim_bits)" in note and "--allow-component bitsandbytes" in note
+
+
+def test_lr_scheduler_and_training_keys():
+    migration = migrate_torchtune_config(torchtune_config(
+        lr_scheduler={"_component_": "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+                      "num_warmup_steps": 100},
+        seed=42, clip_grad_norm=1.0, compile=True, max_steps_per_epoch=10, log_every_n_steps=5,
+        fsdp_reshard_after_forward=False))
+    config = migration.config
+    assert config["lr_scheduler"] == {"_component_": "torchtune_ac.training.cosine_schedule_with_warmup",
+                                      "num_warmup_steps": 100}
+    assert (config["seed"], config["clip_grad_norm"], config["compile"]) == (42, 1.0, True)
+    assert (config["max_steps_per_epoch"], config["log_every_n_steps"]) == (10, 5)
+    assert config["fsdp"] == {"reshard_after_forward": False}
+    assert "seed" not in notes_by_key(migration)
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("enable_activation_offloading", False, "not implemented; ac_mode full or selective saves activation memory "
+         "instead (nothing lost with false)"),
+        ("enable_activation_offloading", True, "not implemented; ac_mode full or selective saves activation memory "
+         "instead"),
+        ("profiler", {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False},
+         "the torch profiler is not built into the recipe (nothing lost with enabled: false)"),
+        ("custom_sharded_layers", ["tok_embeddings", "output"], "extra groups are not configurable"),
+        ("tensor_parallel_dim", 2, "tensor parallelism is not supported"),
+        ("my_own_key", 3, "no such setting in torchtune_ac"),
+    ],
+)
+def test_keys_not_carried_over_say_why(key, value, expected):
+    migration = migrate_torchtune_config(torchtune_config(**{key: value}))
+    (note,) = [n for n in migration.notes if n.key == key]
+    assert not note.carried and expected in note.message
+    assert str(note) == f"not carried over: {key}: {note.message}"
+
+
+def test_output_dir_from_checkpointer_and_missing_parts():
+    cfg = torchtune_config(output_dir=...)
+    assert migrate_torchtune_config(cfg).config["output_dir"] == "/tmp/torchtune/run"
+    del cfg["checkpointer"]["output_dir"]
+    with pytest.raises(UserError, match="output_dir: the torchtune config has neither"):
+        migrate_torchtune_config(cfg)
+    with pytest.raises(UserError, match="tokenizer.path: missing"):
+        migrate_torchtune_config(torchtune_config(tokenizer={"_component_": "torchtune.models.llama3.llama3_tokenizer"}))
+
+
+def test_keys_come_out_in_our_order():
+    config = migrate_torchtune_config(torchtune_config(seed=1, compile=False)).config
+    assert list(config)[:5] == ["output_dir", "checkpoint_dir", "resume_from_checkpoint", "model", "tokenizer"]
+    assert list(config).index("seed") < list(config).index("batch_size") < list(config).index("device")
+
+
+def test_input_is_not_modified():
+    cfg = torchtune_config(metric_logger={"_component_": LOGGERS + "WandBLogger", "project": "p"})
+    before = copy.deepcopy(cfg)
+    migrate_torchtune_config(cfg)
+    assert cfg == before
+
+
+@pytest.mark.parametrize(
+    "config, marker",
+    [
+        ({"checkpointer": {}}, "checkpointer"),
+        ({"model": {"_component_": "torchtune.models.llama3.llama3_8b"}}, "model._component_=torchtune.models.llama3.llama3_8b"),
+        ({"metric_logger": {"_component_": LOGGERS + "DiskLogger"}}, f"metric_logger._component_={LOGGERS}DiskLogger"),
+        ({"model": {"_component_": "torchtune_ac.models.llama_tiny"}}, None),
+        ({"metric_logger": {"_component_": OURS + "WandBLogger"}}, None),
+    ],
+)
+def test_torchtune_marker(config, marker):
+    assert torchtune_marker(config) == marker
+
+
+def test_pickled_checkpoint_files_are_called_out():
+    checkpointer = {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": CKPT,
+                    "checkpoint_files": ["pytorch_model-00001-of-00002.bin", "pytorch_model-00002-of-00002.bin"],
+                    "output_dir": "/tmp/torchtune/run"}
+    notes = notes_by_key(migrate_torchtune_config(torchtune_config(checkpointer=checkpointer)))
+    assert "reads only *.safetensors files" in notes["checkpointer.checkpoint_files"]

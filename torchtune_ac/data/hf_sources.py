@@ -1,0 +1,156 @@
+"""Dataset sources read through Hugging Face ``datasets``: Parquet, CSV and Arrow files, ``save_to_disk``
+folders, folders of data files, and Hub datasets.
+
+Local files are streamed (read in place: no Arrow copy in the ``datasets`` cache, and nothing written next to
+them); a Hub dataset is downloaded into the ``datasets`` cache (``HF_DATASETS_CACHE``, under ``HF_HOME``) as
+``datasets`` always does, so it can be read again offline. ``datasets`` is imported only when one of these
+sources is used. Every record keeps where it came from: ``data.parquet row 17`` (0-based, as
+``dataset[17]``), ``data.csv:19`` (the line, when no field spans lines), ``folder [train] row 3``.
+"""
+
+from __future__ import annotations
+
+import csv
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from torchtune_ac.data.sources import Record
+from torchtune_ac.errors import UserError
+
+# File extension -> the `datasets` builder that reads it.
+HF_FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+# Written by Dataset.save_to_disk / DatasetDict.save_to_disk.
+SAVED_DATASET_FILE = "state.json"
+SAVED_DATASET_DICT_FILE = "dataset_dict.json"
+
+
+def _datasets():
+    import datasets
+
+    # Progress bars would fill non-terminal logs with carriage returns (the recipe prints its own progress).
+    datasets.disable_progress_bars()
+    return datasets
+
+
+def _read_errors() -> tuple[type[BaseException], ...]:
+    """Exceptions that mean "this data cannot be read" (malformed file, wrong format), not a bug here."""
+    import pyarrow
+
+    datasets = _datasets()
+    return (ValueError, OSError, pyarrow.ArrowException, datasets.exceptions.DatasetGenerationError)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
+
+
+def _records(rows: Iterable[dict[str, Any]], location: Callable[[int], str], source: str) -> list[Record]:
+    records = [Record(location(index), dict(row)) for index, row in enumerate(rows)]
+    if not records:
+        raise UserError(f"{source}: the dataset holds no records")
+    return records
+
+
+def read_hf_file(source: str, path: Path) -> list[Record]:
+    """Read a ``.parquet``, ``.csv`` or ``.arrow`` file.
+
+    CSV cells are read as strings, empty cells as empty strings (not nulls), whatever pandas would infer.
+
+    Raises:
+        UserError: a file ``datasets`` cannot read, or one with no rows.
+    """
+    builder = HF_FILE_BUILDERS[path.suffix.lower()]
+    datasets = _datasets()
+    options: dict[str, Any] = {}
+    if builder == "csv":
+        header = _csv_header(source, path)
+        options = {"na_filter": False,
+                   "features": datasets.Features({name: datasets.Value("string") for name in header})}
+    try:
+        stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
+        rows = list(stream)
+    except _read_errors() as err:
+        raise UserError(f"{source}: cannot read it as {builder}: {_first_line(err)}") from None
+    if builder == "csv" and _count_lines(path) == len(rows) + 1:
+        # One line per row after the header (no field spans lines): name the line, as for JSONL.
+        return _records(rows, lambda index: f"{source}:{index + 2}", source)
+    return _records(rows, lambda index: f"{source} row {index}", source)
+
+
+def _csv_header(source: str, path: Path) -> list[str]:
+    try:
+        with path.open(newline="", encoding="utf-8") as file:
+            header = next(csv.reader(file), None)
+    except UnicodeDecodeError as e:
+        raise UserError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not header:
+        raise UserError(f"{source}: the file holds no records (no header line)")
+    return header
+
+
+def _count_lines(path: Path) -> int:
+    """Lines in the file, a last line without a newline included."""
+    count, last = 0, b"\n"
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            count += chunk.count(b"\n")
+            last = chunk[-1:]
+    return count + (last != b"\n")
+
+
+def read_hf_folder(source: str, path: Path, split: str) -> list[Record]:
+    """Read a folder: one written by ``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` from which ``split``
+    is taken), or a folder of data files (Parquet, CSV, JSON Lines, ...; ``split`` picked by file names as
+    ``datasets.load_dataset`` does, e.g. ``train-00000-of-00001.parquet``).
+
+    Raises:
+        UserError: no such split (listing those there are), no data files, or unreadable data.
+    """
+    datasets = _datasets()
+    errors = _read_errors()
+    if (path / SAVED_DATASET_FILE).is_file() or (path / SAVED_DATASET_DICT_FILE).is_file():
+        try:
+            saved = datasets.load_from_disk(str(path))
+        except errors as err:
+            raise UserError(f"{source}: cannot read the saved dataset: {_first_line(err)}") from None
+        if isinstance(saved, datasets.DatasetDict):
+            if split not in saved:
+                raise UserError(f"{source}: no split {split!r} (the saved dataset has: {', '.join(saved)}); set split")
+            return _records(saved[split], lambda index: f"{source} [{split}] row {index}", source)
+        if split != "train":
+            raise UserError(f"{source}: split={split!r}, but the folder holds one saved dataset, not a DatasetDict")
+        return _records(saved, lambda index: f"{source} row {index}", source)
+    try:
+        rows = list(datasets.load_dataset(str(path), split=split, streaming=True))
+    except (datasets.exceptions.DataFilesNotFoundError, datasets.data_files.EmptyDatasetError):
+        raise UserError(f"{source}: the folder holds no data files (.parquet, .csv, .jsonl, ...) and no dataset "
+                        "written by save_to_disk") from None
+    except errors as err:
+        message = _first_line(err)
+        if "split" in message.lower() and split in message:
+            raise UserError(f"{source}: {message}; set split") from None
+        raise UserError(f"{source}: cannot read the folder's data files: {message}") from None
+    return _records(rows, lambda index: f"{source} [{split}] row {index}", source)
+
+
+def read_hub_dataset(name: str, split: str) -> list[Record]:
+    """Download (or reuse from the cache) the Hub dataset ``name`` and read its ``split``.
+
+    Raises:
+        UserError: one line when the Hub cannot be reached (offline), the dataset does not exist, or its data
+            cannot be read.
+    """
+    datasets = _datasets()
+    try:
+        loaded = datasets.load_dataset(name, split=split)
+    except datasets.exceptions.DatasetNotFoundError:
+        raise UserError(f"dataset source {name}: no such local file or folder, nor dataset on the Hugging Face "
+                        "Hub") from None
+    except ConnectionError:
+        raise UserError(f"dataset source {name}: not a local file or folder, and reading it from the Hub needs "
+                        "network access to the Hugging Face Hub; download it first or point source at local files"
+                        ) from None
+    except _read_errors() as err:
+        raise UserError(f"dataset source {name}: {_first_line(err)}") from None
+    return _records(loaded, lambda index: f"{name} [{split}] row {index}", name)

@@ -1,0 +1,792 @@
+"""``tune migrate``: turn a torchtune (0.6) full fine-tuning config into a torchtune_ac config.
+
+Everything torchtune-specific lives here: the tables from torchtune's components and keys to ours, and the
+notes on what could not be carried over. :func:`migrate_torchtune_config` is a pure function from the
+torchtune config (a plain mapping, interpolations resolved) to our config and the notes;
+:func:`migrate_file` is the thin I/O around it that ``tune migrate`` calls.
+
+The migrated config says what the torchtune user asked for. Where torchtune silently did something else
+(``ac_mode`` ignored when ``enable_activation_checkpointing`` is true, ``ac_option: 0`` meaning every block,
+a null seed drawing a random one, ...), a note says so.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Optional
+
+from torchtune_ac.errors import UserError
+
+COMPONENT_KEY = "_component_"
+
+# torchtune model builder -> ours. A builder absent from this table has no equivalent and is refused.
+MODEL_BUILDERS = {
+    "torchtune.models.llama2.llama2_7b": "torchtune_ac.models.llama2_7b",
+    "torchtune.models.llama3.llama3_8b": "torchtune_ac.models.llama3_8b",
+    "torchtune.models.llama3.llama3_70b": "torchtune_ac.models.llama3_70b",
+    "torchtune.models.llama3_1.llama3_1_8b": "torchtune_ac.models.llama3_1_8b",
+    "torchtune.models.llama3_1.llama3_1_70b": "torchtune_ac.models.llama3_1_70b",
+    "torchtune.models.llama3_2.llama3_2_1b": "torchtune_ac.models.llama3_2_1b",
+    "torchtune.models.llama3_2.llama3_2_3b": "torchtune_ac.models.llama3_2_3b",
+    # torchtune defines Llama 3.3 70B as its Llama 3.1 70B builder (same architecture, new weights).
+    "torchtune.models.llama3_3.llama3_3_70b": "torchtune_ac.models.llama3_1_70b",
+    "torchtune.models.qwen2_5.qwen2_5_0_5b": "torchtune_ac.models.qwen2_5_0_5b",
+    # Base and instruct checkpoints of a size share one architecture.
+    "torchtune.models.qwen2_5.qwen2_5_1_5b_base": "torchtune_ac.models.qwen2_5_1_5b",
+    "torchtune.models.qwen2_5.qwen2_5_1_5b_instruct": "torchtune_ac.models.qwen2_5_1_5b",
+    "torchtune.models.qwen2_5.qwen2_5_7b_base": "torchtune_ac.models.qwen2_5_7b",
+    "torchtune.models.qwen2_5.qwen2_5_7b_instruct": "torchtune_ac.models.qwen2_5_7b",
+    # torchtune's mistral_7b has Mistral 7B v0.1's shapes (32,000 tokens, RoPE base 10,000), ours v0.3's: build
+    # whatever the checkpoint's config.json says (v0.2 and v0.3 load; v0.1's sliding window is refused).
+    "torchtune.models.mistral.mistral_7b": "torchtune_ac.models.from_hf_config",
+}
+# Why a builder maps to another name than its own size (printed as a "changed" note).
+MODEL_NOTES = {
+    "torchtune.models.mistral.mistral_7b": "torchtune's mistral_7b is Mistral 7B v0.1; from_hf_config builds the "
+    "version in checkpoint_dir (v0.2 and v0.3 are supported; v0.1's sliding window is not)",
+}
+
+LOAD_TOKENIZER = "torchtune_ac.data.load_tokenizer"
+INSTRUCT_DATASET = "torchtune_ac.data.instruct_dataset"
+CHAT_DATASET = "torchtune_ac.data.chat_dataset"
+TEXT_DATASET = "torchtune_ac.data.text_dataset"
+COSINE_SCHEDULE = "torchtune_ac.training.cosine_schedule_with_warmup"
+TENSORBOARD_LOGGER = "torchtune_ac.training.metric_logging.TensorBoardLogger"
+WANDB_LOGGER = "torchtune_ac.training.metric_logging.WandBLogger"
+ADAMW = "torch.optim.AdamW"
+
+TT_DATASETS = "torchtune.datasets."
+# torchtune dataset builder -> (our builder, torchtune's defaults that differ from ours or that ours lacks).
+DATASET_BUILDERS = {
+    "alpaca_dataset": (INSTRUCT_DATASET, {"source": "tatsu-lab/alpaca", "train_on_input": True}),
+    "alpaca_cleaned_dataset": (INSTRUCT_DATASET, {"source": "yahma/alpaca-cleaned", "train_on_input": True}),
+    "instruct_dataset": (INSTRUCT_DATASET, {"train_on_input": False}),
+    "chat_dataset": (CHAT_DATASET, {"train_on_input": False}),
+    "text_completion_dataset": (TEXT_DATASET, {}),
+}
+# Hugging Face `load_dataset` builder names a torchtune `source:` may hold; the file is in `data_files`.
+HF_FILE_BUILDERS = ("json", "parquet", "csv", "arrow", "text")
+
+COSINE_SCHEDULES = (
+    "torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup",
+    "torchtune.training.get_cosine_schedule_with_warmup",
+)
+CHUNKED_LOSSES = (
+    "torchtune.modules.loss.CEWithChunkedOutputLoss",
+    "torchtune.modules.loss.LinearCrossEntropyLoss",
+)
+# torchtune chunks the output into 8 pieces unless told otherwise.
+DEFAULT_LOSS_CHUNKS = 8
+PLAIN_LOSSES = ("torch.nn.CrossEntropyLoss",)
+METRIC_LOGGERS = "torchtune.training.metric_logging."
+
+# Keys copied unchanged: same name and meaning here.
+SAME_KEYS = (
+    "resume_from_checkpoint",
+    "shuffle",
+    "batch_size",
+    "epochs",
+    "max_steps_per_epoch",
+    "gradient_accumulation_steps",
+    "clip_grad_norm",
+    "compile",
+    "save_every_n_steps",
+    "log_every_n_steps",
+)
+
+# Top-level torchtune keys with no counterpart here, and why.
+UNSUPPORTED_KEYS = {
+    "enable_activation_offloading": "activation offloading to CPU is not implemented; ac_mode full or selective "
+    "saves activation memory instead",
+    "activation_offloading_use_streams": "activation offloading is not implemented",
+    "profiler": "the torch profiler is not built into the recipe",
+    "log_peak_memory_stats": "peak memory is always recorded (peak_memory_gib in metrics.jsonl)",
+    "log_level": "the recipe logs at INFO on rank 0",
+    "custom_sharded_layers": "FSDP2 here shards each transformer block, then the root (embeddings and output "
+    "layer together); extra groups are not configurable",
+    "fsdp_cpu_offload": "FSDP CPU offload is not supported",
+    "tensor_parallel_dim": "tensor parallelism is not supported (FSDP2 data parallelism only)",
+    "tensor_parallel_plan": "tensor parallelism is not supported (FSDP2 data parallelism only)",
+    "enable_async_checkpointing": "checkpoints are written synchronously",
+    "cudnn_deterministic_mode": "not configurable",
+    "collate_fn": "batches are padded, or packed rows when dataset.packed is true; the collate function is fixed",
+    "dataset_val": "validation during training is not supported",
+    "run_val_every_n_steps": "validation during training is not supported",
+    "batch_size_val": "validation during training is not supported",
+}
+# The values of those keys with which dropping them loses nothing (mostly "off").
+HARMLESS_VALUES = {
+    "enable_activation_offloading": (False, None),
+    "profiler": (None,),  # or {enabled: false}
+    "activation_offloading_use_streams": (False, True, None),  # only matters with offloading on
+    "log_peak_memory_stats": (True, False, None),
+    "custom_sharded_layers": (None, []),
+    "fsdp_cpu_offload": (False, None),
+    "tensor_parallel_dim": (1, None),
+    "enable_async_checkpointing": (False, None),
+    "cudnn_deterministic_mode": (False, None),
+    "collate_fn": (None, "torchtune.data.padded_collate_sft"),
+    "dataset_val": (None,),
+    "run_val_every_n_steps": (None,),
+}
+
+# Key order and blank-line-separated sections of the YAML we write (as in the shipped configs).
+OUTPUT_SECTIONS = (
+    ("output_dir", "checkpoint_dir", "resume_from_checkpoint"),
+    ("model", "tokenizer", "dataset", "max_seq_len"),
+    ("seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch", "gradient_accumulation_steps",
+     "clip_grad_norm", "optimizer", "lr_scheduler", "optimizer_in_bwd", "loss_chunks"),
+    ("device", "dtype", "compile"),
+    ("enable_activation_checkpointing", "ac_mode", "ac_option"),
+    ("save_every_n_steps", "log_every_n_steps", "metric_logger", "fsdp"),
+)
+
+
+@dataclass(frozen=True)
+class MigrationNote:
+    """One line of ``tune migrate``'s report about the torchtune key ``key``.
+
+    ``carried`` is False when the key (or part of it) could not be carried over, True when it was carried over
+    with a change worth knowing (a torchtune behaviour corrected, a path adjusted, ...).
+    """
+
+    key: str
+    message: str
+    carried: bool
+
+    def __str__(self) -> str:
+        return f"{'changed' if self.carried else 'not carried over'}: {self.key}: {self.message}"
+
+
+@dataclass(frozen=True)
+class Migration:
+    """Our config (plain values, in our key order) and the notes about what changed or was left behind."""
+
+    config: dict[str, Any]
+    notes: tuple[MigrationNote, ...]
+
+
+def torchtune_marker(cfg: Mapping[str, Any]) -> Optional[str]:
+    """What makes ``cfg`` a torchtune config, or None: a ``_component_`` under ``torchtune.`` or a
+    ``checkpointer`` key (torchtune's; this project has ``checkpoint_dir``)."""
+    if "checkpointer" in cfg:
+        return "checkpointer"
+    for key, path in _components(cfg, ""):
+        if path.startswith("torchtune."):
+            return f"{key}._component_={path}"
+    return None
+
+
+def _components(node: Any, key: str) -> Iterator[tuple[str, str]]:
+    if isinstance(node, Mapping):
+        path = node.get(COMPONENT_KEY)
+        if isinstance(path, str):
+            yield key or COMPONENT_KEY, path
+        for name, value in node.items():
+            yield from _components(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _components(value, f"{key}[{index}]")
+
+
+class _Migrator:
+    """Walks a torchtune config once; every key it reads is marked as handled, the rest get a note."""
+
+    def __init__(self, tt: Mapping[str, Any]) -> None:
+        self.tt = tt
+        self.out: dict[str, Any] = {}
+        self.notes: list[MigrationNote] = []
+        self.handled: set[str] = set()
+
+    def take(self, key: str, default: Any = None) -> Any:
+        self.handled.add(key)
+        return self.tt.get(key, default)
+
+    def dropped(self, key: str, message: str) -> None:
+        self.notes.append(MigrationNote(key, message, carried=False))
+
+    def changed(self, key: str, message: str) -> None:
+        self.notes.append(MigrationNote(key, message, carried=True))
+
+    def run(self) -> Migration:
+        self.migrate_output_and_checkpoint()
+        self.migrate_model()
+        self.migrate_tokenizer()
+        self.migrate_dataset()
+        self.migrate_training_keys()
+        self.migrate_optimizer()
+        self.migrate_lr_scheduler()
+        self.migrate_loss()
+        self.migrate_device_and_dtype()
+        self.migrate_activation_checkpointing()
+        self.migrate_fsdp()
+        self.migrate_metric_logger()
+        for key in self.tt:
+            if key in self.handled:
+                continue
+            value = self.tt[key]
+            if key in UNSUPPORTED_KEYS:
+                harmless = key in HARMLESS_VALUES and _is_harmless(value, HARMLESS_VALUES[key])
+                suffix = f" (nothing lost with {_show(value)})" if harmless else ""
+                self.dropped(key, UNSUPPORTED_KEYS[key] + suffix)
+            else:
+                self.dropped(key, "no such setting in torchtune_ac")
+        return Migration(_ordered(self.out), tuple(self.notes))
+
+    # ------------------------------------------------------------------------------------- sections
+
+    def migrate_output_and_checkpoint(self) -> None:
+        checkpointer = self.take("checkpointer")
+        output_dir = self.take("output_dir")
+        checkpointer_out = checkpointer.get("output_dir") if isinstance(checkpointer, Mapping) else None
+        if output_dir is None and checkpointer_out is not None:
+            output_dir = checkpointer_out
+            self.changed("checkpointer.output_dir", "used as output_dir (the config has no top-level output_dir)")
+        elif checkpointer_out is not None and _same_path(checkpointer_out, output_dir) is False:
+            self.dropped(
+                "checkpointer.output_dir",
+                f"checkpoints go to output_dir ({output_dir}), not to {checkpointer_out}",
+            )
+        if output_dir is None:
+            raise UserError("output_dir: the torchtune config has neither output_dir nor checkpointer.output_dir")
+        self.out["output_dir"] = output_dir
+        if checkpointer is None:
+            self.out["checkpoint_dir"] = None
+            self.changed("checkpointer", "absent: training starts from a random initialisation (seeded)")
+        elif not isinstance(checkpointer, Mapping) or checkpointer.get("checkpoint_dir") is None:
+            raise UserError("checkpointer.checkpoint_dir: missing; torchtune_ac needs the folder of the checkpoint")
+        else:
+            self.out["checkpoint_dir"] = self.checkpoint_dir(checkpointer)
+        resume = self.tt.get("resume_from_checkpoint")
+        if resume is True:
+            self.changed(
+                "resume_from_checkpoint",
+                "resumes from the newest checkpoint in output_dir (torchtune read checkpointer.recipe_checkpoint); "
+                "a checkpoint written by torchtune cannot be resumed here",
+            )
+
+    def checkpoint_dir(self, checkpointer: Mapping[str, Any]) -> str:
+        kind = str(checkpointer.get(COMPONENT_KEY, ""))
+        directory = str(checkpointer["checkpoint_dir"])
+        if kind.endswith("FullModelMetaCheckpointer"):
+            path = Path(directory)
+            if path.name == "original":
+                directory = str(path.parent)
+                self.changed(
+                    "checkpointer.checkpoint_dir",
+                    f"{kind.rsplit('.', 1)[-1]} read Meta's consolidated .pth files from original/; torchtune_ac reads "
+                    f"Hugging Face safetensors, so checkpoint_dir is the folder above it ({directory})",
+                )
+            else:
+                self.changed(
+                    "checkpointer.checkpoint_dir",
+                    "torchtune read Meta's consolidated .pth files here; torchtune_ac needs a Hugging Face checkpoint "
+                    "(config.json and *.safetensors) in this folder",
+                )
+        elif kind and not kind.endswith("FullModelHFCheckpointer"):
+            self.changed(
+                "checkpointer._component_",
+                f"{kind}: torchtune_ac reads a Hugging Face checkpoint (config.json and *.safetensors) from "
+                "checkpoint_dir",
+            )
+        reasons = {
+            "checkpoint_files": "every *.safetensors file of checkpoint_dir is read (through "
+            "model.safetensors.index.json when sharded)",
+            "recipe_checkpoint": "resume_from_checkpoint continues from the newest checkpoint in output_dir",
+            "model_type": "the architecture comes from `model`, checked against checkpoint_dir/config.json",
+            "adapter_checkpoint": "adapters (LoRA) are not supported: this is full fine-tuning",
+            "safe_serialization": "checkpoints are always written as safetensors",
+        }
+        files = checkpointer.get("checkpoint_files")
+        pickled = isinstance(files, list) and any(str(f).endswith((".bin", ".pt", ".pth")) for f in files)
+        if pickled and not kind.endswith("FullModelMetaCheckpointer"):  # Meta's: handled above
+            reasons["checkpoint_files"] = "torchtune_ac reads only *.safetensors files (no pickled .bin/.pt/.pth): " \
+                "convert the checkpoint, or download its safetensors version, into checkpoint_dir"
+        for name in checkpointer:
+            if name in (COMPONENT_KEY, "checkpoint_dir", "output_dir"):
+                continue
+            if name in ("recipe_checkpoint", "adapter_checkpoint") and checkpointer[name] is None:
+                continue
+            self.dropped(f"checkpointer.{name}", reasons.get(name, "no such setting in torchtune_ac"))
+        return directory
+
+    def migrate_model(self) -> None:
+        model = self.take("model")
+        path = model.get(COMPONENT_KEY) if isinstance(model, Mapping) else None
+        if path not in MODEL_BUILDERS:
+            supported = ", ".join(sorted(p.rsplit(".", 1)[-1] for p in MODEL_BUILDERS))
+            raise UserError(f"model._component_={path}: no equivalent in torchtune_ac; supported: {supported}")
+        self.out["model"] = {COMPONENT_KEY: MODEL_BUILDERS[path]}
+        if path in MODEL_NOTES:
+            self.changed("model._component_", MODEL_NOTES[path])
+        for name in model:
+            if name != COMPONENT_KEY:
+                self.dropped(f"model.{name}", f"not an argument of {MODEL_BUILDERS[path]}")
+
+    def migrate_tokenizer(self) -> None:
+        tokenizer = self.take("tokenizer")
+        if not isinstance(tokenizer, Mapping) or not tokenizer.get("path"):
+            raise UserError("tokenizer.path: missing; torchtune_ac needs the folder holding tokenizer.json")
+        given = str(tokenizer["path"])
+        folder = Path(given)
+        if folder.suffix:  # tokenizer.model, vocab.json, tokenizer.json: the folder holding it
+            folder = folder.parent
+        if folder.name == "original":  # Meta's tiktoken/sentencepiece files; tokenizer.json sits one level up
+            folder = folder.parent
+        checkpoint_dir = self.out.get("checkpoint_dir")
+        if checkpoint_dir is not None and _same_path(str(folder), checkpoint_dir):
+            path = "${checkpoint_dir}"
+        else:
+            path = str(folder)
+        self.out["tokenizer"] = {COMPONENT_KEY: LOAD_TOKENIZER, "path": path}
+        if str(folder) != given.rstrip("/"):
+            self.changed(
+                "tokenizer.path",
+                f"torchtune_ac reads tokenizer.json (and tokenizer_config.json) from {folder}, not {given}",
+            )
+        max_seq_len = tokenizer.get("max_seq_len")
+        top_level = self.take("max_seq_len")
+        if max_seq_len is None:
+            max_seq_len = top_level
+        if max_seq_len is not None:
+            self.out["max_seq_len"] = max_seq_len
+        reasons = {
+            "prompt_template": "prompts come from the dataset's template (alpaca or chat) and the tokenizer's chat "
+            "template",
+            "special_tokens_path": "special tokens come from tokenizer.json and tokenizer_config.json",
+            "merges_file": "tokenizer.json holds the merges",
+        }
+        for name, value in tokenizer.items():
+            if name in (COMPONENT_KEY, "path", "max_seq_len") or value is None:
+                continue
+            self.dropped(f"tokenizer.{name}", reasons.get(name, "no such tokenizer setting in torchtune_ac"))
+
+    def migrate_dataset(self) -> None:
+        dataset = self.take("dataset")
+        if isinstance(dataset, list):
+            raise UserError("dataset: a list of datasets is not supported; torchtune_ac trains on one dataset")
+        path = dataset.get(COMPONENT_KEY) if isinstance(dataset, Mapping) else None
+        name = path[len(TT_DATASETS):] if isinstance(path, str) and path.startswith(TT_DATASETS) else None
+        if name not in DATASET_BUILDERS:
+            supported = ", ".join(DATASET_BUILDERS)
+            raise UserError(f"dataset._component_={path}: no equivalent in torchtune_ac; supported: {supported}")
+        ours, torchtune_defaults = DATASET_BUILDERS[name]
+        args = {**torchtune_defaults, **{k: v for k, v in dataset.items() if k != COMPONENT_KEY}}
+        node: dict[str, Any] = {COMPONENT_KEY: ours}
+        node["source"] = self.dataset_source(args)
+        if args.pop("split", "train") != "train":
+            node["split"] = dataset["split"]
+        if ours == INSTRUCT_DATASET:
+            self.instruct_arguments(name, args, node)
+        elif ours == CHAT_DATASET:
+            node["conversation_column"] = args.pop("conversation_column", "messages")
+            style = args.pop("conversation_style", None)
+            if style not in ("openai", "sharegpt"):
+                raise UserError(f"dataset.conversation_style={style!r}: expected openai or sharegpt")
+            if style != "openai":
+                node["conversation_style"] = style
+            node["train_on_input"] = args.pop("train_on_input")
+        else:
+            if "column" in args:
+                node["column"] = args.pop("column")
+            if args.pop("add_eos", True) is not True:
+                self.dropped("dataset.add_eos", "every text sample ends with EOS")
+            if args.pop("split_across_pack", True) is not True:
+                self.dropped("dataset.split_across_pack", "packing never splits a sample across rows")
+        node["packed"] = bool(args.pop("packed", False))
+        if node["packed"] and self.out.get("max_seq_len") is None:
+            self.changed("dataset.packed", "packing needs max_seq_len: set it (torchtune needed tokenizer.max_seq_len)")
+        reasons = {
+            "filter_fn": "filtering with a Python function is not supported; filter the data file instead",
+            "new_system_prompt": "system prompts are not injected; add a system message to the data",
+        }
+        for key, value in args.items():
+            if value is None:
+                continue
+            self.dropped(f"dataset.{key}", reasons.get(key, "not an argument of the dataset here (Hugging Face "
+                                                       "load_dataset arguments are not passed through)"))
+        self.out["dataset"] = node
+
+    def dataset_source(self, args: dict[str, Any]) -> str:
+        source = args.pop("source", None)
+        data_files = args.pop("data_files", None)
+        data_dir = args.pop("data_dir", None)
+        if source is None:
+            raise UserError("dataset.source: missing")
+        if source not in HF_FILE_BUILDERS:
+            if data_files is not None:
+                raise UserError(f"dataset.data_files with source={source}: torchtune_ac reads one file, folder or Hub "
+                                "dataset; point source at it")
+            if not _is_local_path(source):
+                self.changed("dataset.source", f"{source} is loaded from the Hugging Face Hub at run time (needs "
+                             "network access); for offline runs download it and point source at the local files")
+            return source
+        if isinstance(data_files, Mapping):
+            data_files = data_files.get(args.get("split", "train"))
+        if isinstance(data_files, list) and len(data_files) == 1:
+            data_files = data_files[0]
+        if isinstance(data_files, str):
+            file = data_files
+        elif data_files is None and data_dir is not None:
+            file = data_dir
+        else:
+            raise UserError(
+                f"dataset.data_files={data_files!r}: torchtune_ac reads one file or one folder; put the files in a "
+                "folder and set source to it"
+            )
+        if source == "text":
+            self.changed("dataset.source", f"a .txt file is split into documents at blank lines here (Hugging "
+                         f"Face's text loader made one sample per line): check {file}")
+        elif source == "json" and not file.endswith((".json", ".jsonl")):
+            raise UserError(f"dataset.data_files={file}: a JSON source must end in .json or .jsonl here")
+        return file
+
+    def instruct_arguments(self, name: str, args: dict[str, Any], node: dict[str, Any]) -> None:
+        column_map = args.pop("column_map", None)
+        if name == "instruct_dataset":
+            # torchtune's instruct_dataset reads the prompt from an `input` column and renders the pair with the
+            # model's chat format: our instruction column, with no separate input column, and the chat template.
+            column_map = dict(column_map or {})
+            node["column_map"] = {"instruction": column_map.pop("input", "input"), "input": None,
+                                  "output": column_map.pop("output", "output")}
+            for key in column_map:
+                self.dropped(f"dataset.column_map.{key}", "instruct_dataset reads input and output columns")
+            node["template"] = "chat"
+        else:
+            if column_map:
+                node["column_map"] = dict(column_map)
+            self.changed(
+                "dataset._component_",
+                f"{name} -> instruct_dataset with the alpaca template: the prompt wording differs a little from "
+                "torchtune's, and it is not wrapped in the model's chat format",
+            )
+        node["train_on_input"] = args.pop("train_on_input")
+        if name.startswith("alpaca") and node["train_on_input"] and "train_on_input" not in self.tt["dataset"]:
+            self.changed("dataset.train_on_input", "torchtune's alpaca datasets train on the prompt by default; "
+                         "kept as train_on_input: true (torchtune_ac's default is false)")
+
+    def migrate_training_keys(self) -> None:
+        for key in SAME_KEYS:
+            if key in self.tt:
+                value = self.take(key)
+                if key == "compile" and isinstance(value, Mapping):
+                    value = bool(value.get("model", False))
+                    self.changed("compile", "torchtune_ac compiles each transformer block (compile: true) or "
+                                 "nothing; the loss and optimizer step are not compiled")
+                if value is not None or key in ("max_steps_per_epoch", "clip_grad_norm"):
+                    self.out[key] = value
+        seed = self.take("seed")
+        if seed is None:
+            self.changed("seed", "null made torchtune draw a random seed each run; torchtune_ac runs are "
+                         "reproducible with seed 0 (set another to vary)")
+        else:
+            self.out["seed"] = seed
+        if self.take("optimizer_in_bwd") is True:
+            self.out["optimizer_in_bwd"] = True
+
+    def migrate_optimizer(self) -> None:
+        optimizer = self.take("optimizer")
+        path = optimizer.get(COMPONENT_KEY) if isinstance(optimizer, Mapping) else None
+        if not isinstance(path, str):
+            raise UserError("optimizer._component_: missing")
+        if path.startswith("torch.optim."):
+            self.out["optimizer"] = dict(optimizer)
+            return
+        adamw_args = ("lr", "betas", "eps", "weight_decay", "amsgrad", "fused", "foreach")
+        node = {COMPONENT_KEY: ADAMW, **{k: v for k, v in optimizer.items() if k in adamw_args}}
+        lost = sorted(k for k in optimizer if k != COMPONENT_KEY and k not in adamw_args)
+        self.out["optimizer"] = node
+        self.changed(
+            "optimizer._component_",
+            f"{path} is not a torch.optim optimizer; using torch.optim.AdamW with the same settings"
+            + (f" (dropped: {', '.join(lost)})" if lost else "")
+            + f"; to keep it, install its package, set it back and pass --allow-component {path.split('.')[0]}",
+        )
+
+    def migrate_lr_scheduler(self) -> None:
+        scheduler = self.take("lr_scheduler")
+        if scheduler is None:
+            return
+        path = scheduler.get(COMPONENT_KEY) if isinstance(scheduler, Mapping) else None
+        if path not in COSINE_SCHEDULES:
+            self.dropped("lr_scheduler", f"{path}: no equivalent; the learning rate stays constant (torchtune_ac "
+                         f"offers {COSINE_SCHEDULE} and torchtune_ac.training.constant_schedule)")
+            return
+        node = {COMPONENT_KEY: COSINE_SCHEDULE, "num_warmup_steps": scheduler.get("num_warmup_steps", 0)}
+        self.out["lr_scheduler"] = node
+        if scheduler.get("num_cycles", 0.5) != 0.5:
+            self.dropped("lr_scheduler.num_cycles", "the cosine decays once, from lr to 0 (num_cycles 0.5)")
+        if scheduler.get("num_training_steps") is not None:
+            self.dropped("lr_scheduler.num_training_steps", "the recipe passes the run's number of optimizer steps")
+
+    def migrate_loss(self) -> None:
+        loss = self.take("loss")
+        if loss is None:
+            return
+        path = loss.get(COMPONENT_KEY) if isinstance(loss, Mapping) else None
+        if path in CHUNKED_LOSSES:
+            chunks = loss.get("num_output_chunks", DEFAULT_LOSS_CHUNKS)
+            self.out["loss_chunks"] = chunks
+        elif path not in PLAIN_LOSSES:
+            self.dropped("loss", f"{path}: torchtune_ac trains with the cross-entropy of the next token")
+            return
+        if loss.get("ignore_index", -100) != -100:
+            self.dropped("loss.ignore_index", "masked positions always have label -100")
+
+    def migrate_device_and_dtype(self) -> None:
+        device = self.take("device")
+        if device in ("cpu", "cuda"):
+            self.out["device"] = device
+        elif device is not None:
+            self.dropped("device", f"{device}: torchtune_ac runs on cpu or cuda (device: auto picks CUDA when present)")
+        dtype = self.take("dtype")
+        if dtype in ("fp32", "bf16"):
+            self.out["dtype"] = dtype
+        elif dtype is not None:
+            self.dropped("dtype", f"{dtype}: torchtune_ac trains in fp32 or bf16; fp32 is used")
+
+    def migrate_activation_checkpointing(self) -> None:
+        flag = self.take("enable_activation_checkpointing")
+        mode = self.take("ac_mode")
+        option = self.take("ac_option")
+        for key, value in migrate_ac_keys(flag, mode, option).items():
+            self.out[key] = value
+        for key, message in ac_notes(flag, mode, option):
+            self.changed(key, message)
+
+    def migrate_fsdp(self) -> None:
+        reshard = self.take("fsdp_reshard_after_forward")
+        if reshard is not None:
+            self.out["fsdp"] = {"reshard_after_forward": reshard}
+
+    def migrate_metric_logger(self) -> None:
+        logger = self.take("metric_logger")
+        if logger is None:
+            return
+        path = logger.get(COMPONENT_KEY) if isinstance(logger, Mapping) else None
+        name = path[len(METRIC_LOGGERS):] if isinstance(path, str) and path.startswith(METRIC_LOGGERS) else path
+        args = {k: v for k, v in logger.items() if k != COMPONENT_KEY}
+        if name in ("DiskLogger", "StdoutLogger"):
+            self.changed("metric_logger", f"{name}: metrics.jsonl in output_dir is always written (and progress "
+                         "goes to stderr), so no logger is needed: metric_logger is null")
+            return
+        if name == "TensorBoardLogger":
+            node = {COMPONENT_KEY: TENSORBOARD_LOGGER}
+            known = ("log_dir",)
+        elif name == "WandBLogger":
+            node = {COMPONENT_KEY: WANDB_LOGGER}
+            known = ("project", "entity", "group", "name", "mode", "tags", "notes", "log_dir")
+        else:
+            self.dropped("metric_logger", f"{path}: torchtune_ac logs to metrics.jsonl, TensorBoard or Weights & Biases")
+            return
+        output_dir = str(self.out["output_dir"])
+        for key, value in args.items():
+            if key not in known:
+                if key != "organize_logs":
+                    self.dropped(f"metric_logger.{key}", f"not an argument of {node[COMPONENT_KEY]}")
+                elif value is not False:
+                    self.changed("metric_logger.organize_logs", "events go straight into log_dir (no run_<time> "
+                                 "subfolder); a resumed run continues the same event stream")
+                continue
+            if key == "log_dir" and isinstance(value, str) and _is_under(value, output_dir):
+                value = "${output_dir}" + value[len(output_dir.rstrip("/")):]
+            node[key] = value
+        self.out["metric_logger"] = node
+
+
+def migrate_ac_keys(flag: Any, mode: Any, option: Any) -> dict[str, Any]:
+    """Our AC keys for torchtune's ``enable_activation_checkpointing``, ``ac_mode`` and ``ac_option``.
+
+    torchtune 0.6's distributed recipe applied ``ac_mode`` only when the flag was false, full AC when the flag
+    was true and ``ac_mode`` unset, and nothing when both were set. Here ``ac_mode`` decides whenever it is set
+    (what the config asks for); the flag is kept only when there is no ``ac_mode``, or when it agrees with it.
+    """
+    if mode is None:
+        return {} if flag is None else {"enable_activation_checkpointing": flag}
+    normalized = str(mode).lower()
+    if normalized not in ("none", "full", "selective"):
+        return {"ac_mode": mode} if option is None else {"ac_mode": mode, "ac_option": option}
+    keys: dict[str, Any] = {}
+    if flag is not None and flag == (normalized != "none"):
+        keys["enable_activation_checkpointing"] = flag
+    keys["ac_mode"] = normalized
+    if normalized == "selective":
+        keys["ac_option"] = 1 if _is_zero(option) else option
+    return keys
+
+
+def ac_notes(flag: Any, mode: Any, option: Any) -> list[tuple[str, str]]:
+    """Why the AC keys differ from torchtune's, or what torchtune did silently with them."""
+    if mode is None:
+        return []
+    notes = []
+    normalized = str(mode).lower()
+    if normalized not in ("none", "full", "selective"):
+        return [("ac_mode", f"{mode!r} is not a mode (none, full, selective): fix it before running")]
+    if mode != normalized:
+        notes.append(("ac_mode", f"torchtune compared ac_mode case-sensitively, so {mode!r} applied no activation "
+                      "checkpointing at all; here it means " + normalized))
+    if flag is True and normalized != "none":
+        notes.append(("enable_activation_checkpointing", "torchtune applied no activation checkpointing at all "
+                      "when the flag was true and ac_mode was set (neither branch ran); here ac_mode decides"))
+    elif flag is True:
+        notes.append(("enable_activation_checkpointing", "true with ac_mode: none is refused here as a "
+                      "contradiction; dropped (torchtune applied no activation checkpointing either)"))
+    elif flag is False and normalized != "none":
+        notes.append(("enable_activation_checkpointing", "torchtune applied ac_mode only when this flag was false; "
+                      "false with ac_mode full or selective is refused here as a contradiction, so it is dropped"))
+    if normalized == "selective" and _is_zero(option):
+        notes.append(("ac_option", "torchtune checkpointed every block for 0; that is ac_option: 1 here"))
+    elif normalized == "selective" and option is None:
+        notes.append(("ac_option", "missing: torchtune failed on it; set an integer k or op"))
+    elif normalized != "selective" and option is not None:
+        notes.append(("ac_option", f"ignored by torchtune with ac_mode {normalized}; dropped (refused here)"))
+    if normalized != "none":
+        notes.append(("ac_mode", "only torchtune's distributed recipe read ac_mode (single-device ignored it), "
+                      "and it recomputed dropout with fresh randomness; here it applies to 1 and N processes "
+                      "alike and replays dropout exactly"))
+    return notes
+
+
+def migrate_torchtune_config(tt: Mapping[str, Any]) -> Migration:
+    """Map a torchtune full fine-tuning config to ours.
+
+    Args:
+        tt: the torchtune config as plain values, interpolations resolved.
+
+    Returns:
+        Our config, in our key order, and one note per key not carried over or carried over with a change.
+
+    Raises:
+        UserError: a part with no equivalent that a run cannot do without (model builder, dataset, tokenizer
+            path, output_dir, checkpointer without checkpoint_dir, several data files).
+    """
+    return _Migrator(tt).run()
+
+
+def _ordered(config: Mapping[str, Any]) -> dict[str, Any]:
+    order = [key for section in OUTPUT_SECTIONS for key in section]
+    return {key: config[key] for key in sorted(config, key=order.index)}
+
+
+def _is_harmless(value: Any, harmless: tuple) -> bool:
+    if isinstance(value, Mapping):
+        return value.get("enabled") is False  # profiler: {enabled: false}
+    return any(value == h and type(value) is type(h) for h in harmless)
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, Mapping) and value.get("enabled") is False:
+        return "enabled: false"
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else repr(value)
+
+
+def _is_zero(value: Any) -> bool:
+    return (isinstance(value, int) and not isinstance(value, bool) and value == 0) or value == "0"
+
+
+def _same_path(a: Any, b: Any) -> Optional[bool]:
+    if a is None or b is None:
+        return None
+    return os.path.normpath(str(a)) == os.path.normpath(str(b))
+
+
+def _is_under(path: str, folder: str) -> bool:
+    path, folder = os.path.normpath(path), os.path.normpath(folder)
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
+
+
+_HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def _is_local_path(source: str) -> bool:
+    return not _HUB_NAME.match(source) or os.path.exists(os.path.expanduser(source))
+
+
+# ---------------------------------------------------------------------------------------------------- I/O
+
+
+def read_torchtune_config(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a torchtune YAML config, resolving its interpolations (``${output_dir}``).
+
+    Raises:
+        UserError: missing or unreadable file, invalid YAML (with line), not a mapping, an interpolation that
+            cannot be resolved, or a file that is not a torchtune config.
+    """
+    import yaml
+    from omegaconf import DictConfig, OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    source = Path(path).expanduser()
+    if not source.is_file():
+        raise UserError(f"tune migrate: {path}: no such file")
+    try:
+        raw = OmegaConf.load(source)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        raise UserError(f"{where}: invalid YAML: {getattr(err, 'problem', None) or err}") from None
+    except (OmegaConfBaseException, OSError, UnicodeDecodeError) as err:
+        raise UserError(f"tune migrate: {path}: {str(err).splitlines()[0]}") from None
+    if not isinstance(raw, DictConfig):
+        raise UserError(f"tune migrate: {path}: expected a mapping of keys to values at the top level")
+    try:
+        config = OmegaConf.to_container(raw, resolve=True)
+    except OmegaConfBaseException as err:
+        key = getattr(err, "full_key", None) or "an interpolation"
+        raise UserError(f"tune migrate: {path}: cannot resolve {key}: {str(err).splitlines()[0]}") from None
+    if torchtune_marker(config) is None:
+        raise UserError(f"tune migrate: {path} does not look like a torchtune config (no torchtune. component, no "
+                        "checkpointer key)")
+    return config
+
+
+def render_config(migration: Migration, *, source: str, destination: str) -> str:
+    """The YAML text we write: a header saying where it came from and how to launch it, then the keys in
+    sections."""
+    import yaml
+
+    lines = [
+        f"# Migrated from the torchtune config {source} by `tune migrate`.",
+        "#",
+        f"#   tune run full_finetune --config {destination}",
+        f"#   tune run --nproc_per_node 4 full_finetune --config {destination}      # FSDP2 over 4 processes",
+    ]
+    if migration.notes:
+        lines += ["#", "# Notes from the migration:"]
+        lines += [f"#   {note}" for note in migration.notes]
+    for section in OUTPUT_SECTIONS:
+        part = {key: migration.config[key] for key in section if key in migration.config}
+        if part:
+            lines.append("")
+            lines.append(yaml.safe_dump(part, sort_keys=False, default_flow_style=False, width=1000).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def migrate_file(source: str, destination: str, *, force: bool = False) -> Migration:
+    """Read the torchtune config ``source``, migrate it and write ours to ``destination`` (atomically).
+
+    Raises:
+        UserError: ``destination`` exists and not ``force``, its folder does not exist, or see
+            :func:`read_torchtune_config` and :func:`migrate_torchtune_config`. Nothing is written then.
+    """
+    out = Path(destination).expanduser()
+    if out.suffix not in (".yaml", ".yml"):
+        raise UserError(f"tune migrate: -o {destination}: expected a .yaml or .yml file name")
+    if out.exists() and not force:
+        raise UserError(f"tune migrate: {destination} already exists; pass --force to overwrite it")
+    if not out.parent.is_dir():
+        raise UserError(f"tune migrate: directory {out.parent} does not exist")
+    migration = migrate_torchtune_config(read_torchtune_config(source))
+    text = render_config(migration, source=source, destination=destination)
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out)
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise UserError(f"tune migrate: cannot write {destination}: {err.strerror}") from None
+    return migration

@@ -1,0 +1,57 @@
+"""Rank 0's progress report: a tqdm bar on a terminal, plain lines everywhere else.
+
+A bar redraws itself with carriage returns; in a SLURM log, a CI log or ``nohup.out`` each redraw stays in the
+file as one more very long line. When the stream is not a terminal the bar is off and a plain line is printed
+every ``every`` steps (the recipe passes ``log_every_n_steps``) and at the last step.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Optional, TextIO
+
+from tqdm import tqdm
+
+
+def format_duration(seconds: float) -> str:
+    """``h:mm:ss``."""
+    seconds = max(0, int(round(seconds)))
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class ProgressReporter:
+    """Shows training progress on ``stream`` (rank 0 only: ``enabled`` is false elsewhere)."""
+
+    def __init__(self, *, total: int, initial: int, every: int, enabled: bool, stream: Optional[TextIO] = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.total, self.initial, self.every = total, initial, every
+        self.enabled = enabled
+        self.interactive = enabled and self.stream.isatty()
+        self.started = time.perf_counter()
+        self.bar = tqdm(total=total, initial=initial, desc="train", disable=not self.interactive, dynamic_ncols=True,
+                        file=self.stream)
+
+    def update(self, *, step: int, loss: float, lr: float, tokens_per_second: float,
+               target_tokens_per_second: float) -> None:
+        """Report that optimizer step ``step`` (1-based, counted over the whole run) is done."""
+        if self.interactive:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}",
+                                 tgt_s=f"{target_tokens_per_second:,.0f}")
+            return
+        if not self.enabled or (step % self.every != 0 and step != self.total):
+            return
+        elapsed = time.perf_counter() - self.started
+        done = step - self.initial
+        eta = elapsed / done * (self.total - step) if done > 0 else 0.0
+        print(
+            f"step {step}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | tokens/s {tokens_per_second:,.0f} | "
+            f"target tokens/s {target_tokens_per_second:,.0f} | elapsed {format_duration(elapsed)} | "
+            f"eta {format_duration(eta)}",
+            file=self.stream,
+            flush=True,
+        )
+
+    def close(self) -> None:
+        self.bar.close()
