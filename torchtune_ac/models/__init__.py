@@ -19,6 +19,7 @@ from torchtune_ac.models.families.llama import (
     llama3_8b,
     llama3_70b,
     llama_small,
+    llama_small_32k,
     llama_tiny,
 )
 from torchtune_ac.models.families.mistral import MISTRAL, Mistral, mistral_7b
@@ -50,6 +51,7 @@ __all__ = [
     "llama3_8b",
     "llama3_70b",
     "llama_small",
+    "llama_small_32k",
     "llama_tiny",
     "mistral_7b",
     "qwen2_5_0_5b",

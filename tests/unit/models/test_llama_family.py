@@ -26,6 +26,7 @@ PARAMETER_COUNTS = {
     "llama3_2_3b": 3_212_749_824,
     "llama_tiny": 1_607_808,
     "llama_small": 31_990_272,
+    "llama_small_32k": 45_355_520,
 }
 BUILDERS = sorted(PARAMETER_COUNTS)
 
@@ -105,6 +106,7 @@ def test_builder_defaults_are_the_published_args(name):
                             max_seq_len=512, tie_embeddings=False)),
         ("llama_small", dict(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, intermediate_dim=1408,
                              max_seq_len=2048, tie_embeddings=False)),
+        ("llama_small_32k", dict(vocab_size=32768, dim=512, n_layers=4, intermediate_dim=1408, tie_embeddings=False)),
     ],
 )
 def test_published_shapes(name, expected):

@@ -44,6 +44,9 @@ LLAMA_TINY = LlamaArgs(vocab_size=512, dim=128, n_layers=8, n_heads=4, n_kv_head
 # About 32 M parameters: big enough for activation checkpointing to matter in CPU benchmarks.
 LLAMA_SMALL = LlamaArgs(vocab_size=8192, dim=512, n_layers=8, n_heads=8, n_kv_heads=4, intermediate_dim=1408,
                         max_seq_len=2048)
+# About 45 M parameters with a 32,768-token vocabulary: the logits outweigh the rest, as for published models.
+LLAMA_SMALL_32K = LlamaArgs(vocab_size=32_768, dim=512, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_dim=1408,
+                            max_seq_len=2048)
 
 
 def _build(name: str, base: LlamaArgs, attn_dropout: float, resid_dropout: float, max_seq_len: int | None) -> Llama:
@@ -101,6 +104,14 @@ def llama_tiny(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq
 
 
 @config_component
+def llama_small_32k(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0,
+                    max_seq_len: int | None = None) -> Llama:
+    """The CPU memory-benchmark model: 4 blocks of ``llama_small`` with a 32,768-token vocabulary (~45 M
+    parameters)."""
+    return _build("llama_small_32k", LLAMA_SMALL_32K, attn_dropout, resid_dropout, max_seq_len)
+
+
+@config_component
 def llama_small(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
     """The CPU benchmark model (~32 M parameters)."""
     return _build("llama_small", LLAMA_SMALL, attn_dropout, resid_dropout, max_seq_len)
@@ -112,7 +123,7 @@ LLAMA = llama_style_family(
     {
         builder.__name__: builder
         for builder in (llama2_7b, llama3_8b, llama3_70b, llama3_1_8b, llama3_1_70b, llama3_2_1b, llama3_2_3b,
-                        llama_tiny, llama_small)
+                        llama_tiny, llama_small, llama_small_32k)
     },
     LlamaStyleHFAdapter(
         model_type="llama",
