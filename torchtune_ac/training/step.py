@@ -48,6 +48,53 @@ def micro_batch_loss(model: nn.Module, batch: Mapping[str, torch.Tensor], loss_c
     return cross_entropy_sum(model(batch["tokens"], batch.get("document_ids")), batch["labels"])
 
 
+def accumulate_gradients(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: Sequence[Mapping[str, torch.Tensor]],
+    *,
+    scale: float,
+    loss_chunks: int = 1,
+) -> torch.Tensor:
+    """Forward and backward every micro-batch, each summed loss scaled by ``scale`` (an ``OptimizerInBackward``
+    steps during the last one's backward). No host synchronisation: the memory planner runs this under fake
+    tensors.
+
+    Returns:
+        The summed (unscaled) loss of all micro-batches, detached.
+    """
+    in_backward = isinstance(optimizer, OptimizerInBackward)
+    loss_sum = torch.zeros((), device=micro_batches[0]["tokens"].device)
+    for i, batch in enumerate(micro_batches):
+        if in_backward:
+            optimizer.begin_micro_batch(final=i == len(micro_batches) - 1)
+        micro_loss = micro_batch_loss(model, batch, loss_chunks)
+        (micro_loss * scale).backward()
+        loss_sum += micro_loss.detach()
+        del micro_loss
+    return loss_sum
+
+
+def update_parameters(
+    model: nn.Module, optimizer: torch.optim.Optimizer, clip_grad_norm: Optional[float] = None
+) -> Optional[torch.Tensor]:
+    """Clip the gradients and step the optimizer, then free the gradients (no host synchronisation).
+
+    Returns:
+        The total gradient norm before clipping (a 0-d tensor), or None for an ``OptimizerInBackward``, whose
+        hooks have already stepped every parameter (it measures the norm itself).
+    """
+    norm = None
+    if not isinstance(optimizer, OptimizerInBackward):
+        norm = torch.nn.utils.clip_grad_norm_(
+            model.parameters(), max_norm=clip_grad_norm if clip_grad_norm is not None else math.inf
+        )
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    optimizer.step()  # in backward: nothing left to do (an LR scheduler still sees the step)
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
 def train_step(
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -80,24 +127,9 @@ def train_step(
     global_targets = max(int(counts[0]), 1)
     scale = ctx.world_size / global_targets
 
-    loss_sum = torch.zeros((), device=ctx.device)
-    for i, batch in enumerate(micro_batches):
-        if in_backward:
-            optimizer.begin_micro_batch(final=i == len(micro_batches) - 1)
-        micro_loss = micro_batch_loss(model, batch, loss_chunks)
-        (micro_loss * scale).backward()
-        loss_sum += micro_loss.detach()
-        del micro_loss
-
-    if in_backward:
-        grad_norm = optimizer.finish_step(ctx.device)
-    else:
-        norm = torch.nn.utils.clip_grad_norm_(
-            model.parameters(), max_norm=clip_grad_norm if clip_grad_norm is not None else math.inf
-        )
-        grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    optimizer.step()  # in backward: nothing left to do (an LR scheduler still sees the step)
-    optimizer.zero_grad(set_to_none=True)
+    loss_sum = accumulate_gradients(model, optimizer, micro_batches, scale=scale, loss_chunks=loss_chunks)
+    norm = update_parameters(model, optimizer, clip_grad_norm)
+    grad_norm = optimizer.finish_step(ctx.device) if in_backward else float(norm)
     total_loss = all_reduce_sum(loss_sum, ctx)
     return StepResult(
         loss=float(total_loss) / global_targets,
