@@ -335,10 +335,11 @@ def test_validate_names_the_config_file_of_an_unsupported_checkpoint(tmp_path, c
     config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     (checkpoint / "config.json").write_text(json.dumps(config))
 
-    main(["validate", "--config", "tiny/full", f"checkpoint_dir={checkpoint}"])
+    # A file that exists and contradicts the config is an error for validate as for run (a missing one: a warning).
+    assert main(["validate", "--config", "tiny/full", f"checkpoint_dir={checkpoint}"]) == 2
 
-    out = capsys.readouterr().out
-    assert f"{checkpoint / 'config.json'}: unsupported Hugging Face llama config: rope_scaling.rope_type='yarn'" in out
+    err = capsys.readouterr().err
+    assert f"{checkpoint / 'config.json'}: unsupported Hugging Face llama config: rope_scaling.rope_type='yarn'" in err
 
 
 def test_fsdp_settings_in_a_single_process_run_are_not_silently_ignored(tmp_path):
