@@ -301,7 +301,9 @@ def _forward_stop_signals() -> Iterator[None]:
     def forward(signum: int, frame: object) -> None:
         workers = psutil.Process().children()
         if not workers:
-            raise KeyboardInterrupt
+            raise RunStopped(f"stopped by {signal.Signals(signum).name} before the processes started: nothing to save; "
+                             "to continue, run the same command with resume_from_checkpoint=true",
+                             exit_status=EXIT_STOPPED)
         for worker in workers:
             try:
                 os.kill(worker.pid, signum)

@@ -158,7 +158,8 @@ def write_directory(
 
 
 def remove_debris(parent: PathLike) -> list[Path]:
-    """Delete what writes killed mid-way left in ``parent`` (temporary directories of ``write_directory``).
+    """Delete what a process killed mid-way left in ``parent``: the temporary directory of a ``write_directory``, a
+    directory ``discard_directory`` had renamed away, the token of ``check_shared_directory``.
 
     Returns:
         The removed paths.
