@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -55,10 +55,12 @@ def accumulate_gradients(
     *,
     scale: float,
     loss_chunks: int = 1,
+    after_forward: Optional[Callable[[int], None]] = None,
 ) -> torch.Tensor:
     """Forward and backward every micro-batch, each summed loss scaled by ``scale`` (an ``OptimizerInBackward``
     steps during the last one's backward). No host synchronisation: the memory planner runs this under fake
-    tensors.
+    tensors, and ``after_forward(i)`` (called between micro-batch ``i``'s forward and backward) lets it see what
+    a forward keeps.
 
     Returns:
         The summed (unscaled) loss of all micro-batches, detached.
@@ -69,6 +71,8 @@ def accumulate_gradients(
         if in_backward:
             optimizer.begin_micro_batch(final=i == len(micro_batches) - 1)
         micro_loss = micro_batch_loss(model, batch, loss_chunks)
+        if after_forward is not None:
+            after_forward(i)
         (micro_loss * scale).backward()
         loss_sum += micro_loss.detach()
         del micro_loss
