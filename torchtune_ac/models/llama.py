@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtune_ac.models.attention import DocumentRuns, causal_attention, document_runs, document_starts
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -138,7 +140,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns]
     ) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [b, n_heads, s, hd]
@@ -146,25 +148,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [b, n_kv, s, hd]
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        # Causal attention without a mask runs on flash kernels, which take grouped K/V as they are. With a
-        # document mask, CUDA's memory-efficient kernel does not, so K/V are expanded to one per query head
-        # rather than letting SDPA fall back to its slow math path.
-        gqa = self.n_kv_heads != self.n_heads
-        if gqa and mask is not None:
-            repeat = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(repeat, dim=1)  # [b, n_heads, s, hd]
-            v = v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask is None,
-            enable_gqa=gqa and mask is None,
-        )  # [b, n_heads, s, hd]
-        out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
-        return self.o_proj(out)
+        out = causal_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, runs=runs
+        )  # [b, s, n_heads, hd]
+        return self.o_proj(out.reshape(b, s, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -192,17 +179,10 @@ class TransformerBlock(nn.Module):
         self.resid_dropout = nn.Dropout(args.resid_dropout)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns] = None
     ) -> torch.Tensor:
-        h = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin, mask))
+        h = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin, runs))
         return h + self.resid_dropout(self.mlp(self.mlp_norm(h)))
-
-
-def _document_starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """``[b, s]`` bool: True where a document starts (the first token, and wherever the id changes)."""
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    return starts
 
 
 def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
@@ -212,21 +192,8 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """
     b, s = document_ids.shape
     idx = torch.arange(s, device=document_ids.device).expand(b, s)
-    start_idx = torch.where(_document_starts(document_ids), idx, torch.zeros_like(idx))
+    start_idx = torch.where(document_starts(document_ids), idx, torch.zeros_like(idx))
     return idx - torch.cummax(start_idx, dim=1).values
-
-
-def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean attention mask ``[b, 1, s, s]``: causal, and only within the same document.
-
-    Documents are contiguous runs of equal ids, as for the positions: a run whose id repeats an earlier,
-    non-adjacent run's id is still a document of its own.
-    """
-    s = document_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
-    runs = _document_starts(document_ids).cumsum(dim=1)  # [b, s]: index of each token's document
-    same_doc = runs.unsqueeze(2) == runs.unsqueeze(1)  # [b, s, s]
-    return (same_doc & causal).unsqueeze(1)
 
 
 class Llama(nn.Module):
@@ -268,14 +235,14 @@ class Llama(nn.Module):
         b, s = tokens.shape
         if document_ids is None:
             positions = torch.arange(s, device=tokens.device).expand(b, s)
-            mask = None
+            runs = None
         else:
             positions = positions_from_document_ids(document_ids)
-            mask = document_causal_mask(document_ids)
+            runs = document_runs(document_ids)  # once per forward, shared by every layer
         h = self.tok_embeddings(tokens)  # [b, s, dim]
         cos, sin = self.rope_cos_sin(positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, runs)
         return self.output(self.norm(h))  # [b, s, vocab]
 
     @torch.no_grad()
