@@ -15,9 +15,12 @@ handed to the kernel as they are (``enable_gqa``), never copied per query head.
   ``scaled_dot_product_attention`` call per document. Splitting the flattened batch with ``split`` keeps the
   backward to a single concatenation of the per-document gradients.
 
-Under ``torch.compile`` the per-document loop runs eagerly (``torch.compiler.disable``): its trip count and
-slice sizes change with every batch, so tracing it would recompile per batch. The projections, rotary
-embedding and MLP around it stay compiled.
+Under ``torch.compile`` (``block.compile()``) the per-document loop runs eagerly (``torch.compiler.disable``):
+its trip count and slice sizes change with every batch, so tracing it would recompile per batch. Without AC a
+block then compiles into two graphs around it, and nothing recompiles as document layouts change. A block with
+AC cannot be split inside its checkpoint, so Dynamo runs the whole checkpointed block eagerly on packed
+batches (exactly as in eager mode, per-op policy and dropout replay included); unpacked batches and the varlen
+path, which is traced whole, stay compiled.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.varlen import varlen_attn
 
-# Flash Attention (behind ``varlen_attn``) takes half-precision inputs only, and has no dropout.
+# Flash Attention (behind ``varlen_attn``) takes half-precision inputs only, has no dropout, and needs an
+# Ampere or newer GPU.
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 _VARLEN_MIN_CAPABILITY = (8, 0)
 
@@ -106,7 +110,7 @@ def causal_attention(
         return out.transpose(1, 2)  # [b, s, n_heads, hd]
     if runs.varlen_device and dropout_p == 0.0 and q.dtype in _VARLEN_DTYPES:
         return _varlen_document_attention(q, k, v, runs, gqa)
-    return per_document_attention(q, k, v, runs=runs, dropout_p=dropout_p, gqa=gqa)
+    return _per_document_attention(q, k, v, runs=runs, dropout_p=dropout_p, gqa=gqa)
 
 
 def _as_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -135,7 +139,7 @@ def _varlen_document_attention(
 
 
 @torch.compiler.disable
-def per_document_attention(
+def _per_document_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, runs: DocumentRuns, dropout_p: float, gqa: bool
 ) -> torch.Tensor:
     """One causal ``scaled_dot_product_attention`` call per document (shapes as in ``causal_attention``)."""

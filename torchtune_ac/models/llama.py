@@ -126,7 +126,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with rotary embeddings, through ``F.scaled_dot_product_attention``."""
+    """Grouped-query self-attention with rotary embeddings; the attention itself is ``causal_attention``
+    (``attention.py``): one causal call, or one per document of a packed batch."""
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -200,7 +201,8 @@ class Llama(nn.Module):
     """Token embedding -> ``layers`` (``nn.ModuleList`` of ``TransformerBlock``) -> final norm -> output.
 
     ``forward(tokens[b, s]) -> logits[b, s, vocab]``. Pass ``document_ids[b, s]`` for packed sequences:
-    tokens then attend only within their own document, and rotary positions restart at each document.
+    tokens then attend only within their own document (nothing is computed across documents), and rotary
+    positions restart at each document.
     """
 
     def __init__(self, args: LlamaArgs) -> None:
