@@ -1,6 +1,6 @@
 """Benchmark packed attention: one causal call per document against the dense document mask it replaced, on CPU.
 
-    .venv/bin/python scripts/bench_attention.py                 # llama_small, fp32, 2 threads (~9 min on 2 cores)
+    .venv/bin/python scripts/bench_attention.py                 # llama_small, fp32, 2 threads (~8 min on 2 busy cores)
     .venv/bin/python scripts/bench_attention.py --repeats 3 --steps 3 --step-settings none
     .venv/bin/python scripts/bench_attention.py --step-settings none+compile,op+compile   # compile: true
 
@@ -75,13 +75,16 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-lens", default="512,2048", help="row lengths for the attention measurement")
     parser.add_argument("--documents", default="1,2,5,20", help="documents per row for the attention measurement")
-    parser.add_argument("--repeats", type=int, default=7, help="timed forward+backward runs per attention case")
+    parser.add_argument("--repeats", type=int, default=5, help="timed forward+backward runs per attention case")
     parser.add_argument("--step-seq-len", type=int, default=512, help="row length of the packed workload")
     parser.add_argument("--step-settings", default="none,full",
                         help=f"comma-separated AC settings for the whole step: {', '.join(AC_SETTINGS)}, each "
                              f"optionally with {COMPILED} (e.g. none{COMPILED})")
-    parser.add_argument("--steps", type=int, default=9, help="timed steps per side and setting")
+    parser.add_argument("--steps", type=int, default=7, help="timed steps per side and setting")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side and setting, first")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads (default: torch's, one per core); 1 takes OpenMP's waiting for "
+                             "busy cores out of the measurement on a shared machine")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-json", type=Path, default=REPO / "bench_results" / "bench_attention.json")
     parser.add_argument("--out-png", type=Path, default=REPO / "docs" / "images" / "bench_attention.png")
@@ -98,6 +101,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error(f"--step-settings: each of {', '.join(AC_SETTINGS)} (optionally {COMPILED}) at most once")
     if not callable(getattr(models, args.model, None)):
         parser.error(f"--model {args.model!r}: no such builder in torchtune_ac.models")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads={args.threads}: must be at least 1")
     for name in ("batch_size", "repeats", "steps"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: must be at least 1")
@@ -464,6 +469,8 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     report = run_benchmark(args)
     print(format_tables(report))
     args.out_json.parent.mkdir(parents=True, exist_ok=True)
