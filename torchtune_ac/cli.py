@@ -1,4 +1,4 @@
-"""The ``tune`` command: ``run``, ``ls``, ``cp``, ``validate``, ``migrate``.
+"""The ``tune`` command: ``run``, ``ls``, ``cp``, ``validate``, ``plan``, ``migrate``.
 
 Exit status: 0 success, 2 user error (one short message on stderr, no traceback), 1 internal failure
 (traceback); a run that stopped early says why in one line: 143 stopped by SIGTERM or a first Ctrl-C after
@@ -368,6 +368,33 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from torchtune_ac.config.planning import draw_plan, plan_table
+    from torchtune_ac.config.schema import FullFinetuneConfig
+
+    path = resolve_recipe_path(args.recipe)
+    recipe = load_recipe(path)
+    cfg = load_recipe_config(recipe, args.config, args.overrides, args.allow_component)
+    if not isinstance(cfg, FullFinetuneConfig):
+        raise UserError(f"tune plan: recipe {path.stem} has no memory planner (full_finetune has)")
+    budget = args.budget_gib if args.budget_gib is not None else cfg.ac.ac_memory_budget_gib
+    table = plan_table(cfg, world_size=args.nproc, budget_gib=budget)
+    print("\n".join(table.lines()))
+    if args.png is not None:
+        print(f"wrote {draw_plan(table, Path(args.png).expanduser())}")
+    return 0
+
+
 def cmd_migrate(args: argparse.Namespace) -> int:
     from torchtune_ac.migrate import migrate_file
 
@@ -405,6 +432,17 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--recipe", default="full_finetune", help="recipe whose schema applies (default: full_finetune)")
     _add_config_arguments(validate)
     validate.set_defaults(handler=cmd_validate, overrides=[])
+
+    plan = sub.add_parser("plan", help="estimate memory per process for every activation checkpointing setting",
+                          description="Estimate the memory per process of a training step for every AC setting "
+                          "(a step simulated under fake tensors: no weights, no memory), and which one fits a budget.")
+    plan.add_argument("--recipe", default="full_finetune", help="recipe whose schema applies (default: full_finetune)")
+    plan.add_argument("--nproc", type=_int_at_least(1), default=1, help="processes the run will use (FSDP2)")
+    plan.add_argument("--budget-gib", dest="budget_gib", type=_positive_float, default=None,
+                      help="memory per process to fit in (default: the config's ac_memory_budget_gib)")
+    plan.add_argument("--png", default=None, metavar="PATH", help="also draw the estimates as a PNG at PATH")
+    _add_config_arguments(plan)
+    plan.set_defaults(handler=cmd_plan, overrides=[])
 
     migrate = sub.add_parser("migrate", help="convert a torchtune config to a torchtune_ac config")
     migrate.add_argument("source", help="torchtune YAML config (full fine-tuning)")

@@ -1,6 +1,7 @@
 """The `tune` command as users type it: ls, cp, validate, and bad command lines (exit 2, one short message)."""
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -116,6 +117,28 @@ def test_validate_shows_the_memory_switches_with_the_ac_plan(config, overrides, 
         assert line in out, out
 
 
+def test_plan_answers_for_llama3_8b_on_4_processes_without_weights(capsys):
+    assert main(["plan", "--config", "llama3/8B_full", "--nproc", "4", "--budget-gib", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "8,030,261,248 parameters; 4 process(es), batch 2 x 2048 tokens per process" in out
+    row = re.compile(r"^(none|per-op|every \S+ block|full) +((?:[\d.]+ +){6})([+\-][\d.]+%) +([\d.]+) +(yes|no)")
+    rows = [m.groups() for m in map(row.match, out.splitlines()) if m]
+    assert [r[0] for r in rows] == ["none", "per-op", "every 4th block", "every 2nd block", "full"]
+    totals = {r[0]: float(r[1].split()[-1]) for r in rows}
+    fits = {r[0]: r[4] == "yes" for r in rows}
+    assert totals["none"] > totals["full"]  # no AC needs more than full AC
+    assert fits == {name: total <= 24 for name, total in totals.items()}
+    picked = next(line for line in out.splitlines() if "<- ac_mode: auto picks this" in line)
+    assert picked.startswith(next(name for name in totals if fits[name]))
+
+
+def test_plan_draws_the_estimates(tmp_path, capsys):
+    png = tmp_path / "plan.png"
+    assert main(["plan", "--config", "tiny/full", "max_seq_len=64", "--budget-gib", "0.05", "--png", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"wrote {png}" in capsys.readouterr().out
+
+
 def test_from_hf_config_reads_the_runs_checkpoint_dir(tmp_path, capsys, embedded_checkpoint):
     # Any supported Hugging Face checkpoint: name the builder and the directory, once.
     other = tmp_path / "six_layers"
@@ -184,6 +207,13 @@ BAD_COMMAND_LINES = [
       "model._component_=torch.nn.TransformerEncoder", "+model.encoder_layer._component_=torch.nn.TransformerEncoderLayer",
       "+model.encoder_layer.d_model=8", "+model.encoder_layer.nhead=2", "+model.num_layers=2"],
      "loss_chunks=4: the chunked loss runs through the model's output head"),
+    (["validate", "--config", "tiny/full", "ac_mode=auto"], "ac_mode=auto on cpu: set ac_memory_budget_gib"),
+    (["validate", "--config", "tiny/full", "ac_mode=auto", "ac_memory_budget_gib=0.001"],
+     "ac_mode=auto: no plan fits ac_memory_budget_gib=0.001: even full AC needs"),
+    (["validate", "--config", "tiny/full", "ac_memory_budget_gib=4"], "ac_memory_budget_gib=4: only used by ac_mode: auto"),
+    (["plan", "--config", "tiny/full", "--nproc", "0"], "--nproc: must be >= 1, got 0"),
+    (["plan", "--config", "tiny/full", "--budget-gib", "-1"], "--budget-gib: must be > 0, got -1"),
+    (["plan", "--config", "tiny/full", "max_seq_len=null"], "max_seq_len: must be set to estimate memory"),
     (["validate", "--config", "tiny/full", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["run", "--nproc_per_node", "0", "full_finetune", "--config", "tiny/full"], "--nproc-per-node: must be >= 1, got 0"),

@@ -1,6 +1,6 @@
 """The same global batch gives the same training however it is split: over 2 processes (FSDP2 on gloo), over
-accumulation micro-batches, or not at all. The sampler fixes the global batch order, so runs are comparable
-step for step (fp32, shuffle on, dropout off)."""
+accumulation micro-batches, or not at all, with plain or packed rows. The sampler fixes the global batch order,
+so runs are comparable step for step (fp32, shuffle on, dropout off)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,10 @@ from torchtune_ac.training.metrics import read_metrics
 STEPS = 5
 LOSS_RTOL = 1e-4
 WEIGHT_ATOL = 1e-5
+
+
+# Packed rows of 128 tokens hold 1 to 3 of the embedded instruction samples (2.2 on average), plus a padding tail.
+PACKED = ("dataset.packed=true", "max_seq_len=128")
 
 
 def _run(output_dir: Path, *overrides: str, nproc: int, batch_size: int, accumulation: int) -> list[dict]:
@@ -86,4 +90,13 @@ def test_the_memory_switches_train_alike_on_2_processes_and_1(tmp_path: Path) ->
     switches = ("optimizer_in_bwd=true", "clip_grad_norm=null", "loss_chunks=4")
     one = _run(tmp_path / "one", *switches, nproc=1, batch_size=4, accumulation=1)
     two = _run(tmp_path / "two", *switches, nproc=2, batch_size=2, accumulation=1)
+    _assert_same_training(tmp_path / "two", two, tmp_path / "one", one)
+
+
+@pytest.mark.distributed
+def test_packed_rows_train_alike_on_2_processes(tmp_path: Path) -> None:
+    """Packed attention (one causal call per document) under FSDP2: 2 processes x 2 rows = 1 process x 4 rows."""
+    one = _run(tmp_path / "one", *PACKED, nproc=1, batch_size=4, accumulation=1)
+    two = _run(tmp_path / "two", *PACKED, nproc=2, batch_size=2, accumulation=1)
+    assert all(record["tokens"] == 4 * 128 for record in one)  # every row packed to exactly max_seq_len
     _assert_same_training(tmp_path / "two", two, tmp_path / "one", one)

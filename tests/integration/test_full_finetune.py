@@ -124,12 +124,16 @@ AC_MODES = {
     "full": ("enable_activation_checkpointing=true", "ac_mode=full"),
     "selective_every_2nd_block": ("ac_mode=selective", "ac_option=2"),
     "selective_per_op": ("ac_mode=selective", "ac_option=op"),
+    # 40 MiB per process: per-op AC is the least recompute that fits (tune plan: none needs 49, per-op 35).
+    "auto": ("ac_mode=auto", "ac_memory_budget_gib=0.0390625"),
 }
 AC_PLAN_LINES = {
     "none": "activation checkpointing: none",
     "full": "activation checkpointing: full: all 8 blocks",
     "selective_every_2nd_block": "activation checkpointing: selective every 2nd block: 4 of 8 blocks",
     "selective_per_op": "activation checkpointing: selective per-op",
+    "auto": "activation checkpointing: auto -> selective per-op (save matmuls and attention, recompute the rest): "
+            "all 8 blocks (the least recompute that fits: estimated 0.03 GiB of 0.0390625 GiB per process)",
 }
 
 

@@ -25,6 +25,7 @@ from torchtune_ac.checkpoint import (
     list_checkpoints,
     read_trainer_state,
 )
+from torchtune_ac.config.planning import planning_inputs
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.config.startup_checks import check_optimizer_builds, check_tokenizer_fits
 from torchtune_ac.errors import UnavailableError, UserError
@@ -89,6 +90,26 @@ def _check_output_dir(cfg: FullFinetuneConfig, strict: bool) -> None:
         )
 
 
+def _resolve_plan(cfg: FullFinetuneConfig, model: torch.nn.Module, world_size: Optional[int], strict: bool,
+                  report: PreflightReport) -> MemoryPlan:
+    """The memory plan; with ``ac_mode: auto``, the planner's choice for this world size (1 when unknown)."""
+    planning = None
+    if cfg.ac.is_auto:
+        try:
+            device = resolve_device(cfg.device.value)
+        except UserError:
+            if strict or cfg.ac.ac_memory_budget_gib is None:
+                raise UserError(
+                    f"ac_mode=auto with device={cfg.device.value}: the budget cannot be read on this machine; set "
+                    "ac_memory_budget_gib to plan here"
+                ) from None
+            device = torch.device("cpu")  # validating elsewhere: the given budget is all the planner needs
+        if world_size is None:
+            report.warnings.append("ac_mode=auto: planned for 1 process (the launch's world size is not known here)")
+        planning = planning_inputs(cfg, world_size or 1, device)
+    return resolve_memory_plan(cfg.ac, cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm, planning=planning)
+
+
 def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size: Optional[int] = 1) -> PreflightReport:
     """Run the start-up checks.
 
@@ -114,9 +135,9 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
 
     model = build_meta_model(cfg.model, cfg.checkpoint_dir)
     n_layers = len(transformer_blocks(model))
-    report.plan = resolve_memory_plan(cfg.ac, cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm)
     report.n_parameters = count_parameters(model)
     soft(lambda: resolve_device(cfg.device.value))
+    report.plan = _resolve_plan(cfg, model, world_size, strict, report)
     if cfg.checkpoint_dir is not None:
         soft(lambda: check_checkpoint_matches(model, cfg.checkpoint_dir))
     soft(lambda: check_tokenizer_fits(cfg.tokenizer, report.plan.vocab_size))

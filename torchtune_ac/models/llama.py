@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtune_ac.models.attention import DocumentRuns, causal_attention, document_runs, document_starts
+
 
 @dataclass(frozen=True)
 class RopeScaling:
@@ -126,7 +128,8 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention with rotary embeddings, through ``F.scaled_dot_product_attention``."""
+    """Grouped-query self-attention with rotary embeddings; the attention itself is ``causal_attention``
+    (``attention.py``): one causal call, or one per document of a packed batch."""
 
     def __init__(self, args: LlamaArgs) -> None:
         super().__init__()
@@ -140,7 +143,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns]
     ) -> torch.Tensor:
         b, s, _ = x.shape
         q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [b, n_heads, s, hd]
@@ -148,25 +151,10 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [b, n_kv, s, hd]
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
-        # Causal attention without a mask runs on flash kernels, which take grouped K/V as they are. With a
-        # document mask, CUDA's memory-efficient kernel does not, so K/V are expanded to one per query head
-        # rather than letting SDPA fall back to its slow math path.
-        gqa = self.n_kv_heads != self.n_heads
-        if gqa and mask is not None:
-            repeat = self.n_heads // self.n_kv_heads
-            k = k.repeat_interleave(repeat, dim=1)  # [b, n_heads, s, hd]
-            v = v.repeat_interleave(repeat, dim=1)
-        out = F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout if self.training else 0.0,
-            is_causal=mask is None,
-            enable_gqa=gqa and mask is None,
-        )  # [b, n_heads, s, hd]
-        out = out.transpose(1, 2).reshape(b, s, self.n_heads * self.head_dim)
-        return self.o_proj(out)
+        out = causal_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, runs=runs
+        )  # [b, s, n_heads, hd]
+        return self.o_proj(out.reshape(b, s, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -194,17 +182,10 @@ class TransformerBlock(nn.Module):
         self.resid_dropout = nn.Dropout(args.resid_dropout)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: Optional[torch.Tensor] = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns] = None
     ) -> torch.Tensor:
-        h = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin, mask))
+        h = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin, runs))
         return h + self.resid_dropout(self.mlp(self.mlp_norm(h)))
-
-
-def _document_starts(document_ids: torch.Tensor) -> torch.Tensor:
-    """``[b, s]`` bool: True where a document starts (the first token, and wherever the id changes)."""
-    starts = torch.ones_like(document_ids, dtype=torch.bool)
-    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
-    return starts
 
 
 def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
@@ -214,28 +195,16 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     """
     b, s = document_ids.shape
     idx = torch.arange(s, device=document_ids.device).expand(b, s)
-    start_idx = torch.where(_document_starts(document_ids), idx, torch.zeros_like(idx))
+    start_idx = torch.where(document_starts(document_ids), idx, torch.zeros_like(idx))
     return idx - torch.cummax(start_idx, dim=1).values
-
-
-def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean attention mask ``[b, 1, s, s]``: causal, and only within the same document.
-
-    Documents are contiguous runs of equal ids, as for the positions: a run whose id repeats an earlier,
-    non-adjacent run's id is still a document of its own.
-    """
-    s = document_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
-    runs = _document_starts(document_ids).cumsum(dim=1)  # [b, s]: index of each token's document
-    same_doc = runs.unsqueeze(2) == runs.unsqueeze(1)  # [b, s, s]
-    return (same_doc & causal).unsqueeze(1)
 
 
 class Llama(nn.Module):
     """Token embedding -> ``layers`` (``nn.ModuleList`` of ``TransformerBlock``) -> final norm -> output.
 
     ``forward(tokens[b, s]) -> logits[b, s, vocab]``. Pass ``document_ids[b, s]`` for packed sequences:
-    tokens then attend only within their own document, and rotary positions restart at each document.
+    tokens then attend only within their own document (nothing is computed across documents), and rotary
+    positions restart at each document.
     """
 
     def __init__(self, args: LlamaArgs) -> None:
@@ -282,14 +251,14 @@ class Llama(nn.Module):
         b, s = tokens.shape
         if document_ids is None:
             positions = torch.arange(s, device=tokens.device).expand(b, s)
-            mask = None
+            runs = None
         else:
             positions = positions_from_document_ids(document_ids)
-            mask = document_causal_mask(document_ids)
+            runs = document_runs(document_ids)  # once per forward, shared by every layer
         h = self.tok_embeddings(tokens)  # [b, s, dim]
         cos, sin = self.rope_cos_sin(positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask)
+            h = layer(h, cos, sin, runs)
         if head is not None:
             return head(self.norm(h), self.output.weight)
         return self.output(self.norm(h))  # [b, s, vocab]

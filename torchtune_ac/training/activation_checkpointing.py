@@ -35,6 +35,7 @@ from enum import Enum
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
+import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn._varlen_attn)
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -50,6 +51,8 @@ class ACMode(str, Enum):
     NONE = "none"
     FULL = "full"
     SELECTIVE = "selective"
+    # Chosen by the memory planner: the least recompute whose estimate fits ac_memory_budget_gib.
+    AUTO = "auto"
 
 
 class ACConfigError(UserError):
@@ -77,8 +80,9 @@ def _resolve_aten_ops(names: tuple[str, ...]) -> frozenset:
 
 
 # Ops whose outputs per-op AC keeps: every matrix multiply (nn.Linear lowers to mm on 2-D views, addmm with a
-# bias, bmm in the math attention path used e.g. with attention dropout on CPU) and every fused SDPA kernel
-# (CPU flash, CUDA flash / memory-efficient / cuDNN). ``aten.scaled_dot_product_attention`` itself is a
+# bias, bmm in the math attention path used e.g. with attention dropout on CPU), every fused SDPA kernel
+# (CPU flash, CUDA flash / memory-efficient / cuDNN; packed batches call them once per document) and
+# variable-length Flash Attention (packed batches on CUDA). ``aten.scaled_dot_product_attention`` itself is a
 # composite op that never reaches the policy: it dispatches to one of these kernels or to bmm + softmax.
 # Everything else (norms, rotary, SiLU, element-wise products, dropout) is cheap to recompute.
 SAVED_OPS = _resolve_aten_ops(
@@ -91,7 +95,7 @@ SAVED_OPS = _resolve_aten_ops(
         "_scaled_dot_product_efficient_attention.default",
         "_scaled_dot_product_cudnn_attention.default",
     )
-)
+) | {torch.ops.torch_attn._varlen_attn.default}
 
 
 def save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -216,7 +220,7 @@ def _check_keys(
         mode: Optional[ACMode] = ACMode.FULL if enable else ACMode.NONE
     else:
         mode = _parse_mode(ac_mode, problems)
-    if enable is False and mode in (ACMode.FULL, ACMode.SELECTIVE):
+    if enable is False and mode in (ACMode.FULL, ACMode.SELECTIVE, ACMode.AUTO):
         problems.append(
             f"enable_activation_checkpointing=false contradicts ac_mode={mode.value}: "
             "set enable_activation_checkpointing: true (or remove it), or set ac_mode: none"
@@ -228,7 +232,7 @@ def _check_keys(
         )
 
     option: Optional[Union[int, str]] = None
-    if mode in (ACMode.NONE, ACMode.FULL):
+    if mode in (ACMode.NONE, ACMode.FULL, ACMode.AUTO):
         if ac_option is not None:
             if ac_mode is not None:
                 context = f"ac_mode is {mode.value}"
@@ -254,17 +258,20 @@ def _check_keys(
 
 @dataclass(frozen=True)
 class ACConfig:
-    """The three activation-checkpointing config keys, validated and typed (``ACConfig.from_config``).
+    """The activation-checkpointing config keys, validated and typed (``ACConfig.from_config``).
 
     Attributes:
         enable_activation_checkpointing: the on/off switch, or None when absent.
         ac_mode: the mode, or None when absent (then the switch decides: true means full).
         ac_option: the stride k or ``"op"`` (selective only), else None.
+        ac_memory_budget_gib: with ``ac_mode: auto``, the memory per process the plan must fit in (GiB); None:
+            the device's memory minus a margin (CUDA only).
     """
 
     enable_activation_checkpointing: Optional[bool] = None
     ac_mode: Optional[ACMode] = None
     ac_option: Optional[Union[int, str]] = None
+    ac_memory_budget_gib: Optional[float] = None
 
     @classmethod
     def from_config(cls, values: Mapping[str, Any]) -> "ACConfig":
@@ -274,14 +281,31 @@ class ACConfig:
         Raises:
             ACConfigError: listing every problem, each naming the key, the value and what is allowed.
         """
-        enable, ac_mode, ac_option = (values.get(f.name) for f in dataclasses.fields(cls))
+        enable, ac_mode, ac_option, budget = (values.get(f.name) for f in dataclasses.fields(cls))
         mode, option, problems = _check_keys(enable, ac_mode, ac_option, None)
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not budget > 0:
+                problems.append(f"ac_memory_budget_gib={_show(budget)}: must be a positive number of GiB")
+            elif mode is not ACMode.AUTO:
+                problems.append(
+                    f"ac_memory_budget_gib={_show(budget)}: only used by ac_mode: auto; remove it or set ac_mode: auto"
+                )
         if problems:
             raise ACConfigError(problems)
-        return cls(enable, None if ac_mode is None else mode, option)
+        return cls(enable, None if ac_mode is None else mode, option, None if budget is None else float(budget))
+
+    @property
+    def is_auto(self) -> bool:
+        return self.ac_mode is ACMode.AUTO
 
     def resolve(self, n_layers: int) -> ACPlan:
-        """The plan for a model with ``n_layers`` blocks (see ``resolve_ac_plan``)."""
+        """The plan for a model with ``n_layers`` blocks (see ``resolve_ac_plan``).
+
+        Raises:
+            ValueError: ``ac_mode`` is auto (the memory planner resolves it, see ``training/memory_plan.py``).
+        """
+        if self.is_auto:
+            raise ValueError("ac_mode=auto is resolved by resolve_memory_plan, which estimates every plan's memory")
         return resolve_ac_plan(
             enable_activation_checkpointing=self.enable_activation_checkpointing,
             ac_mode=self.ac_mode,
@@ -324,6 +348,11 @@ def resolve_ac_plan(
     if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
         raise ValueError(f"n_layers must be a positive int, got {n_layers!r}")
     mode, option, problems = _check_keys(enable_activation_checkpointing, ac_mode, ac_option, n_layers)
+    if mode is ACMode.AUTO and not problems:
+        problems.append(
+            "ac_mode=auto: chosen by the memory planner from ac_memory_budget_gib when a run starts (see tune plan); "
+            "here use none, full or selective"
+        )
     if problems:
         raise ACConfigError(problems)
 

@@ -57,11 +57,14 @@ def accumulate_gradients(
     *,
     scale: float,
     loss_chunks: int = 1,
+    after_forward: Optional[Callable[[int], None]] = None,
     check_loss: Optional[Callable[[int, torch.Tensor], None]] = None,
 ) -> torch.Tensor:
     """Forward and backward every micro-batch, each summed loss scaled by ``scale`` (an ``OptimizerInBackward``
     steps during the last one's backward). No host synchronisation: the memory planner runs this under fake
-    tensors. ``check_loss(i, loss)``, if given, sees micro-batch ``i``'s loss before its backward (and may raise).
+    tensors, and ``after_forward(i)`` (called between micro-batch ``i``'s forward and backward) lets it see what
+    a forward keeps. ``check_loss(i, loss)``, if given, sees micro-batch ``i``'s loss before its backward (and may
+    raise).
 
     Returns:
         The summed (unscaled) loss of all micro-batches, detached.
@@ -72,6 +75,8 @@ def accumulate_gradients(
         if in_backward:
             optimizer.begin_micro_batch(final=i == len(micro_batches) - 1)
         micro_loss = micro_batch_loss(model, batch, loss_chunks)
+        if after_forward is not None:
+            after_forward(i)
         if check_loss is not None:
             check_loss(i, micro_loss)
         (micro_loss * scale).backward()

@@ -273,7 +273,7 @@ def test_activation_checkpointing_problems_are_listed_with_the_others():
     problems = problems_of(base_config(enable_activation_checkpointing="maybe", ac_mode=5))
     assert problems == [
         "enable_activation_checkpointing='maybe': must be true or false",
-        "ac_mode=5: unknown mode; allowed: none, full, selective",
+        "ac_mode=5: unknown mode; allowed: none, full, selective, auto",
     ]
 
 

@@ -1,9 +1,11 @@
-"""Packed rows: positions and attention mask agree on what a document is (a contiguous run of equal ids)."""
+"""Packed rows: positions and the oracle's attention mask agree on what a document is (a contiguous run of equal ids)."""
 
 import torch
 
+from attention_oracle import document_causal_mask
+
 from torchtune_ac.models import llama_tiny
-from torchtune_ac.models.llama import document_causal_mask, positions_from_document_ids
+from torchtune_ac.models.llama import positions_from_document_ids
 
 
 def test_positions_restart_and_the_mask_stays_within_each_run():

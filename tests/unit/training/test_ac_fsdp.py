@@ -1,8 +1,9 @@
 """Activation checkpointing composes with FSDP2: AC first, then fully_shard per block, then the root.
 
-Two gloo processes on CPU train a tiny model with dropout for a few steps in every AC mode. The losses
-must be bit-identical to the same run without AC, and match a single process that replays both ranks'
-micro-batches (same data, same per-rank RNG) and averages their gradients.
+Two gloo processes on CPU train a tiny model with dropout for a few steps in every AC mode, on plain rows
+first, then on packed rows (attention per document). The losses must be bit-identical to the same run without
+AC, and match a single process that replays both ranks' micro-batches (same data, same per-rank RNG) and
+averages their gradients.
 """
 
 import pytest
@@ -36,9 +37,21 @@ def make_batch(step: int, rank: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (2, 25), generator=generator)
 
 
+def make_document_ids(step: int, rank: int) -> torch.Tensor | None:
+    """None (plain rows) at step 0, then packed rows: documents of 4 to 12 tokens, a different layout per rank."""
+    if step == 0:
+        return None
+    generator = torch.Generator().manual_seed(2000 * step + rank)
+    rows = []
+    for _ in range(2):
+        lengths = torch.randint(4, 13, (24,), generator=generator)
+        rows.append(torch.repeat_interleave(torch.arange(24), lengths)[:24])
+    return torch.stack(rows)
+
+
 def compute_loss(model: Llama, tokens: torch.Tensor, step: int, rank: int) -> torch.Tensor:
     torch.manual_seed(10_000 + 100 * step + rank)  # the dropout masks of this rank's micro-batch
-    logits = model(tokens[:, :-1])
+    logits = model(tokens[:, :-1], make_document_ids(step, rank))
     return F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1))
 
 

@@ -12,7 +12,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.llama import Llama, LlamaArgs, document_causal_mask, positions_from_document_ids
+from torchtune_ac.models.attention import document_runs
+from torchtune_ac.models.llama import Llama, LlamaArgs, positions_from_document_ids
 from torchtune_ac.training.activation_checkpointing import (
     SAVED_OPS,
     ACConfigError,
@@ -478,13 +479,13 @@ def test_transformer_block_mutates_nothing_per_op_ac_saves(dropout, document_ids
     x = model.tok_embeddings(tokens).detach().requires_grad_()
     if document_ids:
         ids = torch.tensor([[0] * 8 + [1] * 8] * 2)
-        positions, mask = positions_from_document_ids(ids), document_causal_mask(ids)
+        positions, runs = positions_from_document_ids(ids), document_runs(ids)
     else:
-        positions, mask = torch.arange(16).expand(2, 16), None
+        positions, runs = torch.arange(16).expand(2, 16), None
     cos, sin = model.rope_cos_sin(positions, x.dtype)
-    inputs = [x, cos, sin] + ([mask] if mask is not None else [])
+    inputs = [x, cos, sin] + ([runs.cu_seqlens] if runs is not None else [])
     with RecordMutations(inputs) as recorder:
-        model.layers[0](x, cos, sin, mask)
+        model.layers[0](x, cos, sin, runs)
     assert recorder.bad == []
     # The recorder does catch such writes, so the empty list above means something.
     with RecordMutations([x]) as recorder:

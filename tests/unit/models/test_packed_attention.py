@@ -1,0 +1,443 @@
+"""Packed attention: one causal call per document, exact against the dense-mask oracle (``attention_oracle``),
+with and without dropout, in every activation-checkpointing mode, and compiled."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from attention_oracle import DropoutMaskRecorder, dense_attention_oracle, dense_document_attention, document_spans
+from torch._dynamo.backends.registry import lookup_backend
+from torch._dynamo.utils import counters
+from torch.nn.attention.varlen import varlen_attn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from torchtune_ac.models import attention, llama
+from torchtune_ac.models.attention import causal_attention, document_runs
+from torchtune_ac.models.llama import Llama, LlamaArgs
+from torchtune_ac.training.activation_checkpointing import setup_activation_checkpointing
+
+VOCAB = 96
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+FLASH_CPU_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+VARLEN = torch.ops.torch_attn._varlen_attn.default
+AC_SETTINGS = [("none", None), ("full", None), ("selective", 2), ("selective", "op")]
+
+
+def ids_from_lengths(rows: list[list[int]]) -> torch.Tensor:
+    """``[b, s]`` document ids with documents of the given lengths in each row (ids 0, 1, 2, ... per row)."""
+    return torch.stack([torch.repeat_interleave(torch.arange(len(r)), torch.tensor(r)) for r in rows])
+
+
+# Two rows of 24 tokens: documents of several lengths, a single-token document, a repeated id (a new document).
+PACKED_IDS = torch.tensor([
+    [0] * 5 + [1] * 9 + [2] + [0] * 9,
+    [0] * 11 + [1] * 13,
+])
+# Document layouts of batches [2, 24] that follow one another (compile must not recompile for each).
+LAYOUTS = [[[5, 9, 1, 9], [11, 13]], [[24], [3, 21]], [[12, 12], [1, 1, 1, 21]], [[2] * 12, [24]], [[4, 20], [6, 18]]]
+
+
+def build(n_layers: int = 2, dropout: float = 0.0) -> Llama:
+    """A GQA model (4 query heads, 2 KV heads) whose only dropout is attention dropout."""
+    torch.manual_seed(0)
+    args = LlamaArgs(vocab_size=VOCAB, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, intermediate_dim=64,
+                     max_seq_len=64, attn_dropout=dropout)
+    model = Llama(args)
+    model.init_weights(std=0.2)  # large enough weights that attention patterns are far from uniform
+    return model
+
+
+def tokens_for(ids: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, ids.shape, generator=torch.Generator().manual_seed(seed))
+
+
+def forward_backward(model: Llama, tokens: torch.Tensor, ids, seed: int = 1234):
+    """Logits and parameter gradients of one forward + backward under a fixed RNG state."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    logits = model(tokens, ids)
+    (logits.square().mean() + logits.logsumexp(-1).mean()).backward()
+    return logits.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def assert_same(actual, expected, **tolerance) -> None:
+    (logits, grads), (ref_logits, ref_grads) = actual, expected
+    torch.testing.assert_close(logits, ref_logits, **tolerance)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, **tolerance, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize(
+    "ids, lengths",
+    [
+        ([[0, 0, 0, 1, 1, 2]], (3, 2, 1)),
+        ([[0, 0, 1, 1, 0, 0]], (2, 2, 2)),  # a repeated id starts a document of its own
+        ([[0, 0, 0], [0, 1, 1]], (3, 1, 2)),  # every row starts a document, whatever its first id
+        ([[7, 7], [7, 7]], (2, 2)),
+        ([[0, 1, 2, 3]], (1, 1, 1, 1)),
+    ],
+)
+def test_document_runs_are_the_contiguous_runs_row_after_row(ids, lengths):
+    runs = document_runs(torch.tensor(ids))
+    assert runs.lengths == lengths
+    assert runs.cu_seqlens.dtype == torch.int32
+    assert runs.cu_seqlens.tolist() == [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    assert runs.max_length == max(lengths)
+    assert runs.varlen_device is False  # CPU
+    assert [end - start for _, start, end in document_spans(torch.tensor(ids))] == list(lengths)
+
+
+# (n_heads, n_kv_heads, document lengths per row)
+ATTENTION_CASES = {
+    "gqa": (4, 2, [[5, 9, 1, 9], [11, 13]]),
+    "mha": (4, 4, [[12, 12], [1, 1, 22]]),
+    "mqa": (4, 1, [[3, 21], [24]]),
+    "one_document_per_row": (4, 2, [[24], [24]]),
+    "single_tokens": (2, 1, [[1] * 8]),
+}
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_packed_attention_equals_the_dense_oracle(case):
+    n_heads, n_kv_heads, lengths = ATTENTION_CASES[case]
+    ids = ids_from_lengths(lengths)
+    b, s = ids.shape
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, heads, s, 8, generator=generator) * 2 for heads in (n_heads, n_kv_heads, n_kv_heads))
+    grad_out = torch.randn(b, s, n_heads, 8, generator=generator)
+
+    def run(fn):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*inputs)
+        out.backward(grad_out)
+        return out.detach(), [x.grad for x in inputs]
+
+    out, grads = run(lambda q, k, v: causal_attention(q, k, v, dropout_p=0.0, runs=document_runs(ids)))
+    ref_out, ref_grads = run(lambda q, k, v: dense_document_attention(q, k, v, ids))
+    torch.testing.assert_close(out, ref_out, **TOL)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, **TOL)
+
+
+class AttentionCalls(TorchDispatchMode):
+    """Records the attention kernels run (with their query / key shapes) and the largest tensor any op makes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (FLASH_CPU, FLASH_CPU_BACKWARD):
+            q, k = (args[0], args[1]) if func is FLASH_CPU else (args[1], args[2])
+            self.calls.append((func.__name__, tuple(q.shape), tuple(k.shape)))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+def test_only_pairs_within_documents_are_computed_with_grouped_kv_as_they_are():
+    """No query-key pair across documents, no ``[b, s, s]`` mask or score tensor, no K/V copy."""
+    lengths = [[10, 20, 2, 32], [64]]
+    ids = ids_from_lengths(lengths)
+    b, s, n_heads, n_kv_heads, hd = 2, 64, 4, 2, 4
+    q = torch.randn(b, n_heads, s, hd, requires_grad=True)
+    k, v = (torch.randn(b, n_kv_heads, s, hd, requires_grad=True) for _ in range(2))
+    runs = document_runs(ids)
+    with AttentionCalls() as recorder:
+        causal_attention(q, k, v, dropout_p=0.0, runs=runs).sum().backward()
+    doc_lengths = [n for row in lengths for n in row]
+    expected = [(1, n_heads, n, hd) for n in doc_lengths]
+    assert [call[1] for call in recorder.calls if call[0] == FLASH_CPU.__name__] == expected
+    assert [call[1] for call in recorder.calls if call[0] == FLASH_CPU_BACKWARD.__name__] == expected[::-1]
+    assert all(call[2][1] == n_kv_heads for call in recorder.calls)  # K reaches the kernel un-expanded
+    # Every tensor is smaller than a [b, s, s] mask would be (q, k, v and the output are b * s * heads * hd).
+    assert recorder.largest < b * s * s
+    assert recorder.largest == b * s * n_heads * hd
+
+
+def test_an_unpacked_batch_is_one_causal_call_per_layer():
+    model = build(n_layers=3)
+    tokens = tokens_for(torch.zeros(2, 24))
+    with AttentionCalls() as recorder:
+        model(tokens)
+    assert [call[1] for call in recorder.calls] == [(2, 4, 24, 8)] * 3
+
+
+@pytest.mark.parametrize("mode, option", AC_SETTINGS)
+def test_model_logits_and_gradients_equal_the_dense_oracle_in_every_ac_mode(mode, option):
+    tokens = tokens_for(PACKED_IDS)
+    with dense_attention_oracle(PACKED_IDS):
+        expected = forward_backward(build(), tokens, PACKED_IDS)
+    model = build()
+    setup_activation_checkpointing(model, ac_mode=mode, ac_option=option)
+    assert_same(forward_backward(model, tokens, PACKED_IDS), expected, **TOL)
+    # The oracle is not trivially satisfied: without document ids the documents see each other.
+    leaking = forward_backward(build(), tokens, None)
+    assert (leaking[0] - expected[0]).abs().max() > 1e-2
+
+
+def test_with_dropout_equal_to_the_dense_oracle_drawing_the_same_masks():
+    """The per-document path draws one dropout mask per document; the dense oracle, handed those masks
+    (zero across documents), gives the same logits and gradients. Other masks give other results."""
+    tokens = tokens_for(PACKED_IDS)
+    p = 0.3
+    model = build(dropout=p)
+    with DropoutMaskRecorder() as recorder:
+        actual = forward_backward(model, tokens, PACKED_IDS)
+    n_documents = len(document_spans(PACKED_IDS))
+    assert len(recorder.masks) == model.args.n_layers * n_documents
+    with dense_attention_oracle(PACKED_IDS, recorder.masks, p):
+        expected = forward_backward(build(dropout=p), tokens, PACKED_IDS)
+    assert_same(actual, expected, **TOL)
+    with DropoutMaskRecorder() as other:
+        forward_backward(build(dropout=p), tokens, PACKED_IDS, seed=99)
+    with dense_attention_oracle(PACKED_IDS, other.masks, p):
+        other_masks = forward_backward(build(dropout=p), tokens, PACKED_IDS)
+    assert (other_masks[0] - actual[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.2], ids=["no_dropout", "dropout"])
+def test_per_op_ac_keeps_the_attention_outputs_of_packed_batches(dropout):
+    """Per-op AC recomputes no attention kernel with document ids: it runs the same attention kernels as no AC
+    (flash per document; with dropout, the math path's two batched matmuls per document), full AC runs the
+    forward ones twice."""
+    ids, tokens = PACKED_IDS, tokens_for(PACKED_IDS)
+    attention_ops = {FLASH_CPU, torch.ops.aten.bmm.default}
+
+    class CountAttentionOps(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func in attention_ops
+            return func(*args, **(kwargs or {}))
+
+    counts = {}
+    for mode, option in [("none", None), ("selective", "op"), ("full", None)]:
+        model = build(dropout=dropout)
+        setup_activation_checkpointing(model, ac_mode=mode, ac_option=option)
+        torch.manual_seed(0)
+        logits = model(tokens, ids)
+        with CountAttentionOps() as counter:
+            logits.sum().backward()
+        counts[mode] = counter.count
+    n_documents = len(document_spans(ids))
+    # In backward: no AC and per-op AC run only backward kernels (flash: none of attention_ops; math: 4 bmm per
+    # document), full AC recomputes each document's forward attention first.
+    backward_only = 0 if dropout == 0.0 else 4 * n_documents * 2
+    recompute = n_documents * 2 * (1 if dropout == 0.0 else 2)
+    assert counts == {"none": backward_only, "selective": backward_only, "full": backward_only + recompute}
+
+
+# ---- the CUDA path: torch's varlen_attn, run here through CPU kernels for its ops --------------------------
+
+
+def _reference_documents(q, k, v, cu_seqlens, scale):
+    """Per-document causal attention in float32 over ``[T, heads, hd]`` tensors: output ``[T, h, hd]``, the
+    probabilities and (repeated) K/V of each document, for the reference backward."""
+    outs, saved = [], []
+    offsets = cu_seqlens.tolist()
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        qd, kd, vd = (x[start:end].transpose(0, 1).float() for x in (q, k, v))  # [heads, L, hd]
+        repeat = qd.shape[0] // kd.shape[0]
+        kd, vd = kd.repeat_interleave(repeat, dim=0), vd.repeat_interleave(repeat, dim=0)
+        causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+        probs = (qd @ kd.transpose(1, 2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)  # [h, L, L]
+        outs.append((probs @ vd).transpose(0, 1))
+        saved.append((qd, kd, vd, probs, repeat))
+    return torch.cat(outs), saved
+
+
+def varlen_forward_on_cpu(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None,
+                          window_size=None, enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+    """``torch_attn::_varlen_attn`` as documented, in plain tensor maths (no logsumexp: the backward below
+    recomputes the probabilities)."""
+    assert is_causal and torch.equal(cu_seq_q, cu_seq_k) and seqused_k is None and block_table is None
+    lengths = cu_seq_q.diff()
+    assert max_q == max_k == int(lengths.max()) and (enable_gqa or key.shape[1] == query.shape[1])
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    out, _ = _reference_documents(query, key, value, cu_seq_q, scale)
+    lse = torch.zeros(query.shape[1], query.shape[0])
+    return out.to(query.dtype), lse, torch.zeros(2, dtype=torch.uint64)
+
+
+def varlen_backward_on_cpu(grad_out, query, key, value, out, lse, cu_seq_q, cu_seq_k, max_q, max_k, is_causal,
+                           rng_state, scale=None, window_size=None):
+    """``torch_attn::_varlen_attn_backward``: softmax attention's gradients, written out (autograd does not
+    record inside an operator's kernel)."""
+    scale = scale if scale is not None else query.shape[-1] ** -0.5
+    _, saved = _reference_documents(query, key, value, cu_seq_q, scale)
+    grads = {"q": [], "k": [], "v": []}
+    offsets = cu_seq_q.tolist()
+    for (start, end), (qd, kd, vd, probs, repeat) in zip(zip(offsets[:-1], offsets[1:]), saved):
+        d_out = grad_out[start:end].transpose(0, 1).float()  # [h, L, hd]
+        d_v = probs.transpose(1, 2) @ d_out
+        d_probs = d_out @ vd.transpose(1, 2)
+        d_scores = probs * (d_probs - (d_probs * probs).sum(-1, keepdim=True)) * scale
+        d_q, d_k = d_scores @ kd, d_scores.transpose(1, 2) @ qd
+        heads_kv = kd.shape[0] // repeat
+        for name, grad in (("q", d_q), ("k", d_k.view(heads_kv, repeat, *d_k.shape[1:]).sum(1)),
+                           ("v", d_v.view(heads_kv, repeat, *d_v.shape[1:]).sum(1))):
+            grads[name].append(grad.transpose(0, 1))
+    return tuple(torch.cat(grads[n]).to(x.dtype) for n, x in (("q", query), ("k", key), ("v", value)))
+
+
+@pytest.fixture(scope="module")
+def varlen_on_cpu():
+    """The CUDA path cannot run here (Flash Attention needs a GPU). With CPU kernels for torch's own varlen ops,
+    registered through the public ``torch.library.register_kernel`` for this test process (nothing else calls
+    those ops on CPU), it runs from ``varlen_attn``'s public function through its own autograd."""
+    torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", varlen_forward_on_cpu)
+    torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", varlen_backward_on_cpu)
+
+
+def with_varlen_device(monkeypatch, fp32: bool = True) -> None:
+    """Make ``Llama.forward`` treat the batch as if it were on a GPU that runs ``varlen_attn``; with ``fp32``,
+    let fp32 take that path too (Flash Attention itself takes fp16/bf16 only), so that the model's results can
+    be compared with the oracle to fp32 precision."""
+    monkeypatch.setattr(llama, "document_runs", lambda ids: dataclasses.replace(document_runs(ids),
+                                                                                 varlen_device=True))
+    if fp32:
+        monkeypatch.setattr(attention, "_VARLEN_DTYPES", (torch.float32,))
+
+
+def test_the_cpu_varlen_kernels_are_the_dense_oracle(varlen_on_cpu):
+    ids = ids_from_lengths(ATTENTION_CASES["gqa"][2])
+    b, s = ids.shape
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b * s, heads, 8, generator=generator, requires_grad=True) for heads in (4, 2, 2))
+    grad_out = torch.randn(b * s, 4, 8, generator=generator)
+    runs = document_runs(ids)
+    out = varlen_attn(q, k, v, runs.cu_seqlens, runs.cu_seqlens, runs.max_length, runs.max_length,
+                      window_size=(-1, 0), enable_gqa=True)
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    as_heads = [x.detach().view(b, s, *x.shape[1:]).transpose(1, 2).requires_grad_() for x in (q, k, v)]
+    expected = dense_document_attention(*as_heads, ids)  # [b, s, h, hd]
+    expected_grads = torch.autograd.grad(expected, as_heads, grad_out.view(b, s, 4, 8))
+    torch.testing.assert_close(out.view(b, s, 4, 8), expected, **TOL)
+    for grad, ref in zip(grads, expected_grads):
+        torch.testing.assert_close(grad.view(b, s, *grad.shape[1:]), ref.transpose(1, 2), **TOL)
+
+
+class CountOps(TorchDispatchMode):
+    def __init__(self, ops):
+        super().__init__()
+        self.ops, self.count = ops, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.ops
+        return func(*args, **(kwargs or {}))
+
+
+def test_varlen_path_of_the_model_equals_the_dense_oracle(varlen_on_cpu, monkeypatch):
+    tokens = tokens_for(PACKED_IDS)
+    with dense_attention_oracle(PACKED_IDS):
+        expected = forward_backward(build(), tokens, PACKED_IDS)
+    with_varlen_device(monkeypatch)
+    model = build()
+    with CountOps({VARLEN}) as counter:
+        actual = forward_backward(model, tokens, PACKED_IDS)
+    assert counter.count == model.args.n_layers  # one call per layer, over all documents of the batch
+    assert_same(actual, expected, **TOL)
+
+
+def test_varlen_is_taken_in_half_precision_without_dropout_only(varlen_on_cpu, monkeypatch):
+    """Flash Attention has no dropout and no fp32: those take the per-document path."""
+    with_varlen_device(monkeypatch, fp32=False)
+    tokens = tokens_for(PACKED_IDS)
+    calls = {}
+    for name, model in [("bf16", build().bfloat16()), ("fp16", build().half()),
+                        ("bf16_dropout", build(dropout=0.1).bfloat16()), ("fp32", build())]:
+        with CountOps({VARLEN}) as counter:
+            model(tokens, PACKED_IDS)
+        calls[name] = counter.count
+    assert calls == {"bf16": 2, "fp16": 2, "bf16_dropout": 0, "fp32": 0}
+
+
+def test_per_op_ac_keeps_the_varlen_output(varlen_on_cpu, monkeypatch):
+    with_varlen_device(monkeypatch)
+    tokens = tokens_for(PACKED_IDS)
+    recomputed = {}
+    for mode, option in [("selective", "op"), ("full", None)]:
+        model = build()
+        setup_activation_checkpointing(model, ac_mode=mode, ac_option=option)
+        logits = model(tokens, PACKED_IDS)
+        with CountOps({VARLEN}) as counter:
+            logits.sum().backward()
+        recomputed[mode] = counter.count
+    assert recomputed == {"selective": 0, "full": 2}
+
+
+@pytest.mark.parametrize("mode, option", [("selective", "op"), ("full", None)])
+def test_varlen_path_compiles_into_the_checkpointed_block_once(varlen_on_cpu, monkeypatch, mode, option):
+    """Compiled, the varlen path is traced whole (no graph break, even inside a checkpoint) and is recompiled at
+    most once as document layouts change (its offsets and longest length then become dynamic)."""
+    with_varlen_device(monkeypatch)
+    eager, model = build(), build()
+    for m in (eager, model):
+        setup_activation_checkpointing(m, ac_mode=mode, ac_option=option)
+    counts = {"graphs": 0}
+    aot_eager = lookup_backend("aot_eager")  # AOTAutograd and its partitioner, as inductor uses them
+
+    def counting_backend(graph_module, example_inputs):
+        counts["graphs"] += 1
+        return aot_eager(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    counters.clear()
+    for block in model.layers:
+        block.compile(backend=counting_backend)
+    graphs = []
+    for lengths in LAYOUTS:
+        ids = ids_from_lengths(lengths)
+        tokens = tokens_for(ids)
+        assert_same(forward_backward(model, tokens, ids), forward_backward(eager, tokens, ids), rtol=0, atol=0)
+        graphs.append(counts["graphs"])
+    assert not counters["graph_break"]
+    # Both blocks share one graph; one recompile makes the offsets and the longest length dynamic.
+    assert graphs[0] == 1 and graphs[-1] <= 2, graphs
+    torch._dynamo.reset()
+
+
+def compile_blocks_counting_graphs(model: Llama) -> dict:
+    """``block.compile()`` (inductor) on every block; the returned dict counts the graphs compiled."""
+    from torch._inductor.compile_fx import compile_fx
+
+    counts = {"graphs": 0}
+
+    def counting_inductor(graph_module, example_inputs):
+        counts["graphs"] += 1
+        return compile_fx(graph_module, example_inputs)
+
+    torch._dynamo.reset()
+    for block in model.layers:
+        block.compile(backend=counting_inductor)
+    return counts
+
+
+@pytest.mark.parametrize("mode, option", [("none", None), ("selective", "op")])
+def test_compiled_blocks_on_packed_batches_match_eager_and_compile_once(mode, option):
+    """``compile: true`` on CPU: the per-document loop runs eagerly (``torch.compiler.disable``), so its
+    changing trip count and sizes never reach a guard. Without AC each block compiles into two graphs, before and
+    after the attention; a checkpointed block cannot be split inside its checkpoint, so Dynamo runs it eagerly
+    on packed batches (unpacked batches stay compiled). Either way nothing is recompiled when the layout
+    changes, and the results are eager's, attention dropout included (its masks are drawn eagerly)."""
+    eager, model = build(dropout=0.2), build(dropout=0.2)
+    for m in (eager, model):
+        setup_activation_checkpointing(m, ac_mode=mode, ac_option=option)
+    counts = compile_blocks_counting_graphs(model)
+    graphs = []
+    for lengths in LAYOUTS:
+        ids = ids_from_lengths(lengths)
+        tokens = tokens_for(ids)
+        assert_same(forward_backward(model, tokens, ids), forward_backward(eager, tokens, ids), **TOL)
+        graphs.append(counts["graphs"])
+    assert graphs == [4 if mode == "none" else 0] * len(LAYOUTS)
+    torch._dynamo.reset()

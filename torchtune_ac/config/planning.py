@@ -1,0 +1,156 @@
+"""A config's memory plan: what ``ac_mode: auto`` and ``tune plan`` estimate, built from the config's keys.
+
+The estimates themselves come from ``torchtune_ac.training.planner`` (a simulated step under fake tensors);
+this module turns a ``FullFinetuneConfig`` into the planner's inputs, lays the estimates out as a table, and
+draws them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.errors import UserError
+from torchtune_ac.training.memory_plan import PlanningInputs, resolve_memory_plan
+from torchtune_ac.training.model_setup import build_meta_model
+from torchtune_ac.training.planner import GiB, MemoryEstimate, Workload, describe_setting, estimate_memory
+
+ASSUMPTIONS = (
+    "every row is max_seq_len tokens and every position a target (the loss's worst case); parameters compute in "
+    "their storage dtype; allocator caching and fragmentation are not included (on CUDA compare with "
+    "max_memory_allocated; on CPU set MALLOC_MMAP_THRESHOLD_=131072 for RSS to follow the tensors)"
+)
+
+
+def planning_inputs(cfg: FullFinetuneConfig, world_size: int, device: torch.device) -> PlanningInputs:
+    """The planner's inputs for ``cfg`` on ``world_size`` processes.
+
+    Raises:
+        UserError: ``max_seq_len`` is not set (the activations are sized by it).
+    """
+    if cfg.max_seq_len is None:
+        raise UserError("max_seq_len: must be set to estimate memory (ac_mode: auto, tune plan): it sizes the activations")
+    workload = Workload(
+        batch_size=cfg.batch_size,
+        seq_len=cfg.max_seq_len,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        dtype=cfg.dtype,
+        world_size=world_size,
+        fsdp=cfg.fsdp,
+    )
+    return PlanningInputs(
+        build_model=lambda: cfg.model.instantiate_with_defaults(checkpoint_dir=cfg.checkpoint_dir),
+        make_optimizer=cfg.optimizer.instantiate,
+        workload=workload,
+        device=device,
+    )
+
+
+@dataclass(frozen=True)
+class PlanTable:
+    """``tune plan``'s answer: one estimate per AC setting, the budget, and the row ``ac_mode: auto`` picks."""
+
+    title: str
+    estimates: list[MemoryEstimate]
+    budget_gib: Optional[float]
+    chosen: Optional[int]  # index into estimates; None when nothing fits or there is no budget
+
+    def lines(self) -> list[str]:
+        unit, scale = ("GiB", GiB) if max(e.total for e in self.estimates) >= GiB else ("MiB", 2**20)
+        header = (f"{'setting':<17} {'activations':>11} {'parameters':>10} {'gradients':>9} {'optimizer':>9} "
+                  f"{'transient':>9} {'total':>7} {'recompute':>9} {'saved/fwd':>9}")
+        if self.budget_gib is not None:
+            header += "  fits"
+        out = [self.title, f"estimated {unit} per process at the peak of one step (the five parts add up to the total)",
+               header]
+        for i, e in enumerate(self.estimates):
+            row = (f"{describe_setting(e.plan):<17} {e.activations / scale:>11.2f} {e.parameters / scale:>10.2f} "
+                   f"{e.gradients / scale:>9.2f} {e.optimizer / scale:>9.2f} {e.transient / scale:>9.2f} "
+                   f"{e.total / scale:>7.2f} {e.extra_flops:>+9.1%} {e.saved_activations / scale:>9.2f}")
+            if self.budget_gib is not None:
+                row += "  yes" if e.total <= self.budget_gib * GiB else "  no"
+                if i == self.chosen:
+                    row += "   <- ac_mode: auto picks this (the least recompute that fits)"
+            out.append(row)
+        if self.budget_gib is not None and self.chosen is None:
+            out.append(f"nothing fits {self.budget_gib:g} GiB: lower batch_size or max_seq_len, add processes, or turn on "
+                       "optimizer_in_bwd / loss_chunks")
+        out.append("activations: saved for backward and alive at the peak; transient: backward temporaries, a block's "
+                   "recompute, the loss's gradients, FSDP2's gathered parameters and reduce buffers; recompute: extra "
+                   "matrix-multiply and attention FLOPs of the step; saved/fwd: what one forward keeps for backward.")
+        out.append(f"Assumptions: {ASSUMPTIONS}.")
+        return out
+
+
+def plan_table(cfg: FullFinetuneConfig, *, world_size: int, budget_gib: Optional[float]) -> PlanTable:
+    """Estimate every AC setting for ``cfg`` on ``world_size`` processes, with its memory switches as configured.
+
+    Raises:
+        UserError: the config's memory switches are refused, or ``max_seq_len`` is unset.
+    """
+    model = build_meta_model(cfg.model, cfg.checkpoint_dir)
+    # The switches besides AC, resolved as a run would (AC set to none here: every setting gets a row).
+    plan = resolve_memory_plan(dataclasses.replace(cfg.ac, ac_mode=None, enable_activation_checkpointing=None,
+                                                   ac_option=None, ac_memory_budget_gib=None),
+                               cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm)
+    inputs = planning_inputs(cfg, world_size, torch.device("cpu"))
+    workload = dataclasses.replace(inputs.workload, optimizer_in_bwd=plan.optimizer_in_backward,
+                                   loss_chunks=plan.loss_chunks, clip_grad_norm=cfg.clip_grad_norm)
+    estimates = estimate_memory(inputs.build_model, inputs.make_optimizer, workload)
+    chosen = None
+    if budget_gib is not None:
+        chosen = next((i for i, e in enumerate(estimates) if e.total <= budget_gib * GiB), None)
+    n_params = sum(p.numel() for p in model.parameters())
+    loss = f"loss in {plan.loss_chunks} chunks" if plan.loss_chunks > 1 else "whole logits"
+    step = "optimizer step in backward" if plan.optimizer_in_backward else "optimizer step after backward"
+    title = (f"{cfg.model.path}: {n_params:,} parameters; {world_size} process(es), batch {cfg.batch_size} x "
+             f"{cfg.max_seq_len} tokens per process x {cfg.gradient_accumulation_steps} accumulation step(s), "
+             f"{cfg.dtype.value}, {cfg.optimizer.path.rsplit('.', 1)[-1]}, {loss}, {step}")
+    return PlanTable(title, estimates, budget_gib, chosen)
+
+
+def draw_plan(table: PlanTable, path: Path) -> Path:
+    """A stacked bar per setting (parameters, optimizer state, gradients, activations, transient), with the
+    budget as a line, written as a PNG.
+
+    Raises:
+        UserError: matplotlib is missing (``pip install 'torchtune_ac[plot]'``), or the file cannot be written.
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise UserError("--png needs matplotlib: pip install 'torchtune_ac[plot]'") from None
+    names = [describe_setting(e.plan).replace(" block", "\nblock") for e in table.estimates]
+    parts = [("parameters", "parameters", "tab:gray"), ("optimizer state", "optimizer", "tab:brown"),
+             ("gradients", "gradients", "tab:orange"), ("activations", "activations", "tab:blue"),
+             ("transient", "transient", "tab:green")]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(names)), 4.8))
+    bottom = [0.0] * len(names)
+    for label, attr, color in parts:
+        heights = [getattr(e, attr) / GiB for e in table.estimates]
+        ax.bar(names, heights, bottom=bottom, label=label, color=color)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for i, e in enumerate(table.estimates):
+        ax.annotate(f"{e.total / GiB:.1f}\n{e.extra_flops:+.0%}", (i, bottom[i]), ha="center", va="bottom", fontsize=8)
+    if table.budget_gib is not None:
+        ax.axhline(table.budget_gib, color="tab:red", linestyle="--", label=f"budget {table.budget_gib:g} GiB")
+    ax.set_ylabel("GiB per process at the step's peak")
+    ax.set_title(table.title, fontsize=7, wrap=True)
+    ax.legend(fontsize=8)
+    ax.set_ylim(0, max(bottom + [table.budget_gib or 0]) * 1.2)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=110)
+    except OSError as err:
+        raise UserError(f"--png {path}: cannot write it ({err.strerror})") from None
+    finally:
+        plt.close(fig)
+    return path

@@ -1,0 +1,155 @@
+"""Causal self-attention for plain and packed batches: pure functions, no module state.
+
+A packed row holds several documents, each a contiguous run of equal ``document_ids``. Attention is causal
+within each document and absent across documents, so it is computed one document at a time: no query-key
+pair that crosses a document boundary is ever computed, no ``[b, s, s]`` mask is built, and grouped K/V are
+handed to the kernel as they are (``enable_gqa``), never copied per query head.
+
+``document_runs`` finds the documents once per forward (``Llama.forward``); every layer then calls
+``causal_attention`` with the same ``DocumentRuns``. Kernels:
+
+* no ``document_ids``: one causal ``scaled_dot_product_attention`` call over the whole batch;
+* packed, CUDA, fp16/bf16, no attention dropout: one ``torch.nn.attention.varlen.varlen_attn`` call (Flash
+  Attention over all documents of the batch at once, from the same offsets);
+* packed otherwise (CPU; CUDA with fp32 or attention dropout, which ``varlen_attn`` does not do): one causal
+  ``scaled_dot_product_attention`` call per document. Splitting the flattened batch with ``split`` keeps the
+  backward to a single concatenation of the per-document gradients.
+
+Under ``torch.compile`` (``block.compile()``) the per-document loop runs eagerly (``torch.compiler.disable``):
+its trip count and slice sizes change with every batch, so tracing it would recompile per batch. Without AC a
+block then compiles into two graphs around it, and nothing recompiles as document layouts change. A block with
+AC cannot be split inside its checkpoint, so Dynamo runs the whole checkpointed block eagerly on packed
+batches (exactly as in eager mode, per-op policy and dropout replay included); unpacked batches and the varlen
+path, which is traced whole, stay compiled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.varlen import varlen_attn
+
+# Flash Attention (behind ``varlen_attn``) takes half-precision inputs only, has no dropout, and needs an
+# Ampere or newer GPU.
+_VARLEN_DTYPES = (torch.float16, torch.bfloat16)
+_VARLEN_MIN_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True, eq=False)
+class DocumentRuns:
+    """The documents of a packed batch ``[b, s]``, in order over its ``b * s`` flattened tokens.
+
+    Attributes:
+        lengths: number of tokens of each document, row after row (every row starts a new document); they
+            sum to ``b * s``.
+        cu_seqlens: ``[len(lengths) + 1]`` int32 offsets where each document starts, then ``b * s``, on the
+            batch's device (the form variable-length attention takes).
+        max_length: the longest document's length.
+        varlen_device: the batch is on a GPU that runs ``varlen_attn`` (CUDA, compute capability 8.0 or more).
+
+    Compiled code reads only ``cu_seqlens``, ``max_length`` and ``varlen_device`` (the varlen path): reading
+    ``lengths`` there would make every batch's document lengths a guard, recompiling per batch.
+    """
+
+    lengths: tuple[int, ...]
+    cu_seqlens: torch.Tensor
+    max_length: int
+    varlen_device: bool
+
+
+def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
+    """``[b, s]`` bool: True where a document starts (each row's first token, and wherever the id changes).
+
+    A document is a contiguous run of equal ids: a run that repeats an earlier, non-adjacent run's id is a
+    document of its own.
+    """
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    return starts
+
+
+def document_runs(document_ids: torch.Tensor) -> DocumentRuns:
+    """The documents of ``document_ids[b, s]`` (one host synchronisation on CUDA: the lengths are Python ints).
+
+    Returns:
+        Their lengths and offsets over the flattened batch.
+    """
+    starts = document_starts(document_ids).flatten()  # [b * s]
+    end = torch.full((1,), starts.numel(), dtype=torch.long, device=starts.device)
+    offsets = torch.cat([starts.nonzero().flatten(), end])  # [n_documents + 1]
+    lengths = tuple(offsets.diff().tolist())
+    device = document_ids.device
+    return DocumentRuns(
+        lengths=lengths,
+        cu_seqlens=offsets.to(torch.int32),
+        max_length=max(lengths),
+        varlen_device=device.type == "cuda" and torch.cuda.get_device_capability(device) >= _VARLEN_MIN_CAPABILITY,
+    )
+
+
+def causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float, runs: Optional[DocumentRuns]
+) -> torch.Tensor:
+    """Causal attention, within each document when ``runs`` is given.
+
+    Args:
+        q: queries ``[b, n_heads, s, head_dim]``.
+        k, v: keys and values ``[b, n_kv_heads, s, head_dim]`` (``n_heads`` a multiple of ``n_kv_heads``).
+        dropout_p: attention dropout probability (0.0 outside training).
+        runs: the batch's documents from ``document_runs``, or None for one sequence per row.
+
+    Returns:
+        ``[b, s, n_heads, head_dim]``.
+    """
+    gqa = k.shape[1] != q.shape[1]
+    if runs is None:
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+        return out.transpose(1, 2)  # [b, s, n_heads, hd]
+    if runs.varlen_device and dropout_p == 0.0 and q.dtype in _VARLEN_DTYPES:
+        return _varlen_document_attention(q, k, v, runs, gqa)
+    return _per_document_attention(q, k, v, runs=runs, dropout_p=dropout_p, gqa=gqa)
+
+
+def _as_tokens(x: torch.Tensor) -> torch.Tensor:
+    """``[b, heads, s, hd]`` -> ``[b * s, heads, hd]``: a view when the tensor came from ``[b, s, heads * hd]``
+    projections (as in ``Attention``), else a copy."""
+    b, heads, s, hd = x.shape
+    return x.transpose(1, 2).reshape(b * s, heads, hd)
+
+
+def _varlen_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: DocumentRuns, gqa: bool
+) -> torch.Tensor:
+    b, n_heads, s, hd = q.shape
+    out = varlen_attn(
+        _as_tokens(q),
+        _as_tokens(k),
+        _as_tokens(v),
+        runs.cu_seqlens,
+        runs.cu_seqlens,
+        runs.max_length,
+        runs.max_length,
+        window_size=(-1, 0),  # causal
+        enable_gqa=gqa,
+    )  # [b * s, n_heads, hd]
+    return out.view(b, s, n_heads, hd)
+
+
+@torch.compiler.disable
+def _per_document_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, runs: DocumentRuns, dropout_p: float, gqa: bool
+) -> torch.Tensor:
+    """One causal ``scaled_dot_product_attention`` call per document (shapes as in ``causal_attention``)."""
+    b, n_heads, s, hd = q.shape
+    outs = []
+    for q_doc, k_doc, v_doc in zip(*(_as_tokens(x).split(runs.lengths) for x in (q, k, v))):
+        # [length, heads, hd] -> [1, heads, length, hd]
+        q_doc, k_doc, v_doc = (x.transpose(0, 1).unsqueeze(0) for x in (q_doc, k_doc, v_doc))
+        out = F.scaled_dot_product_attention(
+            q_doc, k_doc, v_doc, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
+        )  # [1, n_heads, length, hd]
+        outs.append(out.squeeze(0).transpose(0, 1))  # [length, n_heads, hd]
+    return torch.cat(outs).view(b, s, n_heads, hd)

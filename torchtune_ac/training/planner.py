@@ -1,0 +1,527 @@
+"""Will it fit? The memory per process of a training step, for every activation checkpointing setting.
+
+Method: simulate, not guess. The real model and the recipe's own step (``accumulate_gradients`` then
+``update_parameters``: forward, loss, backward with AC recompute, clipping, the optimizer step, or the step in
+backward) run under ``FakeTensorMode``: tensors carry shapes and dtypes but no data and no memory, and kernels
+are chosen as on a CPU (flash attention without a mask; CUDA's fused kernels keep the same output and log-sum-
+exp). A dispatch mode records every tensor storage the step allocates and when it is freed, so the estimate
+follows the step's real sequence of allocations: activations saved for backward, per-op AC caches, a block's
+recompute, the logits or the chunked loss, gradients, the optimizer's temporaries. Parameters, optimizer
+state and the batch exist before the step and are counted from their sizes.
+
+Deep models are simulated shallower. The step is split into phases (forward, the loss's backward, the blocks'
+backward, the rest of backward, the optimizer step) and each phase's peak is recorded; every block is alike,
+so each phase's peak grows linearly with the number of blocks. The planner simulates two depths that repeat
+the plan's pattern (2 and 4 blocks, or k and 2k for every k-th block) and extrapolates each phase to the
+model's depth; the step's peak is the largest phase. A model no deeper than the second depth is simulated
+whole. ``tests/unit/training/test_planner.py`` checks the extrapolation against whole-depth simulation.
+
+Several processes (FSDP2): the simulation runs one process's batch; parameters, optimizer state and gradients
+are divided by the world size, and what FSDP2 adds is counted from the model's sizes: the root's parameters
+stay gathered through forward and backward (``reshard_after_forward`` is false for the root), two blocks'
+gathered parameters (the one running and the one prefetched; every block when
+``fsdp.reshard_after_forward`` is false), and one block's unsharded gradients in the reduce dtype.
+
+Assumptions (``tune plan`` prints them): every position of every row is a target (the loss's worst case),
+rows are ``max_seq_len`` long, parameters compute in their storage dtype (FSDP mixed precision is not
+modelled), and memory an allocator keeps beyond live tensors (fragmentation, caching) is not included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.flop_counter import flop_registry
+
+from torchtune_ac.errors import UserError
+from torchtune_ac.models.families import family_of, transformer_blocks
+from torchtune_ac.training.activation_checkpointing import OP_OPTION, ACMode, ACPlan, apply_ac_plan, resolve_ac_plan
+from torchtune_ac.training.distributed import FSDPConfig
+from torchtune_ac.training.dtypes import DType
+from torchtune_ac.training.optimizer_in_backward import build_optimizer, optimizers_to_checkpoint
+from torchtune_ac.training.step import accumulate_gradients, update_parameters
+
+GiB = 2**30
+# Strides of selective AC worth a row, besides none, per-op and full (one row per distinct block count).
+STRIDES = (2, 4)
+PHASES = ("forward", "loss backward", "blocks backward", "rest of backward", "optimizer step")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one process does in a step.
+
+    Attributes:
+        batch_size: samples per micro-batch on each process.
+        seq_len: tokens per sample (the config's ``max_seq_len``).
+        gradient_accumulation_steps: micro-batches per step (gradients live across them).
+        dtype: storage dtype of parameters and optimizer state.
+        world_size: processes (FSDP2 shards parameters, gradients and optimizer state over them).
+        fsdp: FSDP2 settings (used when ``world_size`` > 1).
+        optimizer_in_bwd: the optimizer steps in backward.
+        loss_chunks: 1 for the whole logits, else the chunks of the loss.
+        clip_grad_norm: the config's value.
+    """
+
+    batch_size: int
+    seq_len: int
+    gradient_accumulation_steps: int = 1
+    dtype: DType = DType.FP32
+    world_size: int = 1
+    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    optimizer_in_bwd: bool = False
+    loss_chunks: int = 1
+    clip_grad_norm: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """The estimated memory of one process for one AC plan, in bytes.
+
+    ``total`` is the peak of the step. At that moment it is made of: ``parameters`` and ``optimizer`` (resident,
+    sharded), the ``gradients`` alive, the saved ``activations`` still alive, and ``transient`` (the rest:
+    backward temporaries, a block's recompute, the loss's gradients, FSDP's gathered parameters and reduce
+    buffers, the batch). ``saved_activations`` is what one micro-batch's forward keeps for backward (what
+    ``torchtune_ac.training.memory.measure_saved_activation_bytes`` measures); ``extra_flops`` is the share of
+    floating-point work the plan adds by recomputing (0.21 = +21 %); ``peak_phase`` is where the peak falls.
+    """
+
+    plan: ACPlan
+    parameters: int
+    optimizer: int
+    gradients: int
+    activations: int
+    transient: int
+    saved_activations: int
+    extra_flops: float
+    peak_phase: str
+    flops: float  # floating-point operations of the step (matrix multiplies and attention)
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.optimizer + self.gradients + self.activations + self.transient
+
+    @property
+    def step_peak(self) -> int:
+        """What the step adds above the resident parameters and optimizer state (a measured VmHWM increase)."""
+        return self.gradients + self.activations + self.transient
+
+
+def describe_setting(plan: ACPlan) -> str:
+    """A short name of an AC plan for tables: none, per-op, every 2nd block, full."""
+    if plan.mode is ACMode.NONE:
+        return "none"
+    if plan.mode is ACMode.FULL:
+        return "full"
+    if plan.option == OP_OPTION:
+        return "per-op"
+    suffix = "th" if 10 <= plan.option % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(plan.option % 10, "th")
+    return f"every {plan.option}{suffix} block"
+
+
+def candidate_plans(n_layers: int) -> list[ACPlan]:
+    """The AC plans a planner compares, from the least recompute to the most: none, per-op, every k-th block for
+    the strides in ``STRIDES`` (largest first, one row per distinct number of blocks), full."""
+    settings: list[tuple[str, Any]] = [("none", None), ("selective", OP_OPTION)]
+    counts = set()
+    for k in sorted(STRIDES, reverse=True):
+        if k <= n_layers and n_layers // k not in counts and n_layers // k < n_layers:
+            counts.add(n_layers // k)
+            settings.append(("selective", k))
+    settings.append(("full", None))
+    return [_plan(mode, option, n_layers) for mode, option in settings]
+
+
+def _plan(mode: str, option: Any, n_layers: int) -> ACPlan:
+    return resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=option, n_layers=n_layers)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# One simulated step
+# --------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Peak:
+    """The largest live memory of a phase once gradients are sharded (see ``_LiveStorages._record``), and what
+    it was made of (``grads``: as many bytes as one process holds)."""
+
+    value: float = -1.0
+    other: float = 0  # temporaries: neither gradients nor saved activations
+    grads: float = 0
+    acts: float = 0
+
+
+class _LiveStorages(TorchDispatchMode):
+    """Tracks the bytes of every storage an op creates until it is freed, and each phase's peak.
+
+    Storages that existed before (``known``) are not counted. Gradients (marked when accumulated) and saved
+    activations (everything live at the end of a forward) are kept apart, so that a peak can be recomputed for
+    sharded gradients and broken down by kind.
+    """
+
+    def __init__(self, world_size: int, root_parameters: set[int]) -> None:
+        super().__init__()
+        self.world_size = world_size
+        self.root_parameters = root_parameters  # ids of the parameters outside the blocks
+        self.known: set[int] = set()
+        self.live: dict[int, int] = {}
+        self.grads: set[int] = set()
+        self.root_grads: set[int] = set()
+        self.activations: set[int] = set()
+        self.phase = PHASES[0]
+        self.peaks = {phase: _Peak() for phase in PHASES}
+        self.flops = 0
+        self._live = self._grad = self._root_grad = self._act = 0
+
+    def _free(self, key: int) -> None:
+        nbytes = self.live.pop(key, 0)
+        self._live -= nbytes
+        # Discarded, not only subtracted: a later storage may be given the same address.
+        if key in self.grads:
+            self.grads.discard(key)
+            self._grad -= nbytes
+        if key in self.root_grads:
+            self.root_grads.discard(key)
+            self._root_grad -= nbytes
+        if key in self.activations:
+            self.activations.discard(key)
+            self._act -= nbytes
+
+    def _record(self) -> None:
+        # Under FSDP2 a block's gradients are reduce-scattered as its backward ends; the root's (embedding,
+        # output) only at the end of backward: until the optimizer step they are whole on every process.
+        sharded = self._grad if self.phase == "optimizer step" else self._grad - self._root_grad
+        grads = self._grad - sharded * (1 - 1 / self.world_size)
+        value = self._live - self._grad + grads
+        # In a forward, what is live is (mostly) being saved for backward: count it as activations.
+        acts = self._live - self._grad if self.phase == "forward" else self._act
+        peak = self.peaks[self.phase]
+        if value > peak.value:
+            self.peaks[self.phase] = _Peak(value, value - grads - acts, grads, acts)
+
+    def enter(self, phase: str) -> None:
+        self.phase = phase
+        self._record()
+
+    def mark_gradient(self, param: torch.Tensor) -> None:
+        key = param.grad.untyped_storage()._cdata
+        if key in self.live and key not in self.grads:
+            self.grads.add(key)
+            self._grad += self.live[key]
+            if id(param) in self.root_parameters:
+                self.root_grads.add(key)
+                self._root_grad += self.live[key]
+            if key in self.activations:  # the chunked loss computes the output weight's gradient in forward
+                self.activations.discard(key)
+                self._act -= self.live[key]
+
+    def mark_activations(self) -> int:
+        """Everything live now (but gradients) is a saved activation; returns its bytes."""
+        self.activations = set(self.live) - self.grads
+        self._act = sum(self.live[key] for key in self.activations)
+        return self._act
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = _assume_every_position_a_target(func, args, kwargs)
+        if out is None:
+            out = func(*args, **kwargs)
+        # FLOPs as torch.utils.flop_counter counts them (matrix multiplies and attention); its FlopCounterMode
+        # itself is not used: its module tracking keeps tensors alive that the step would have freed.
+        count = flop_registry.get(func.overloadpacket)
+        if count is not None:
+            self.flops += count(*args, **kwargs, out_val=out)
+        for leaf in tree_flatten(out)[0]:
+            if isinstance(leaf, torch.Tensor):
+                storage = leaf.untyped_storage()
+                key = storage._cdata
+                if key not in self.live and key not in self.known and storage.nbytes() > 0:
+                    self.live[key] = storage.nbytes()
+                    self._live += storage.nbytes()
+                    # The Python storage object lives exactly as long as its memory (PyObject preservation).
+                    weakref.finalize(storage, self._free, key)
+        self._record()
+        return out
+
+
+def _assume_every_position_a_target(func: Any, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
+    """Boolean-mask indexing has a data-dependent size, which fake tensors cannot have: every mask is taken as
+    all true (every position a target: the loss's worst case). Returns the op's result, or None to run it."""
+    if func is torch.ops.aten.index.Tensor:
+        source, indices = args
+        if len(indices) == 1 and indices[0] is not None and indices[0].dtype == torch.bool:
+            return source.reshape(-1, *source.shape[indices[0].dim():]).clone()
+    if func in (torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default,
+                torch.ops.aten._index_put_impl_.default):
+        target, indices, values = args[:3]
+        if len(indices) == 1 and indices[0] is not None and indices[0].dtype == torch.bool:
+            result = values.reshape(target.shape).clone()
+            return result if func is torch.ops.aten.index_put.default else target.copy_(result)
+    return None
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
+    """Bytes of the distinct storages of ``tensors`` (a tied weight once)."""
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+@dataclass(frozen=True)
+class _Simulation:
+    """What one simulated step at one depth measured."""
+
+    n_blocks: int
+    parameters: int
+    optimizer: int
+    batch: int
+    saved_activations: int
+    flops: int
+    peaks: dict[str, _Peak]
+    block_parameters: int  # the largest block's parameters
+    root_parameters: int  # parameters outside the blocks
+
+
+def _simulate(
+    build_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    mode: str,
+    option: Any,
+    n_blocks: Optional[int],
+    workload: Workload,
+) -> _Simulation:
+    """One step of the recipe under fake tensors with its first ``n_blocks`` blocks (all when None)."""
+    with FakeTensorMode(), _default_dtype(workload.dtype.torch):
+        model = build_model()
+        blocks = transformer_blocks(model)
+        if n_blocks is not None:
+            del blocks[n_blocks:]  # every block alike: a shallower model of the same blocks
+        apply_ac_plan(model, _plan(mode, option, len(blocks)))
+        params = list(model.parameters())
+        in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        tracker = _LiveStorages(workload.world_size, {id(p) for p in params if id(p) not in in_blocks})
+        # Registered before an optimizer in backward registers its own: a gradient is seen before it is freed.
+        hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params]
+        optimizer = build_optimizer(make_optimizer, model, in_backward=workload.optimizer_in_bwd)
+        _allocate_optimizer_state(optimizer)
+        hooks += _phase_hooks(blocks, tracker)
+        family = family_of(model)
+        vocab = family.hf.architecture(family.args_of(model))["vocab_size"] if family is not None else 2
+        micro_batches = []
+        for _ in range(min(workload.gradient_accumulation_steps, 2)):  # gradients live across the second
+            tokens = torch.randint(0, vocab, (workload.batch_size, workload.seq_len))
+            micro_batches.append({"tokens": tokens, "labels": torch.randint(0, vocab, tokens.shape)})
+        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        inputs = [t for batch in micro_batches for t in batch.values()]
+        tracker.known = {t.untyped_storage()._cdata for t in [*params, *states, *inputs, *model.buffers()]}
+        saved: list[int] = []
+
+        def after_forward(i: int) -> None:
+            if i == 0:
+                saved.append(tracker.mark_activations())
+            tracker.enter("loss backward")
+
+        with tracker:
+            accumulate_gradients(model, optimizer, micro_batches, scale=1.0, loss_chunks=workload.loss_chunks,
+                                 after_forward=after_forward)
+            tracker.enter("optimizer step")
+            update_parameters(model, optimizer, workload.clip_grad_norm)
+        for hook in hooks:
+            hook.remove()
+        return _Simulation(
+            n_blocks=len(blocks), parameters=_nbytes(params), optimizer=_nbytes(states), batch=_nbytes(inputs),
+            saved_activations=saved[0], flops=tracker.flops, peaks=tracker.peaks,
+            block_parameters=max(_nbytes(list(block.parameters())) for block in blocks),
+            root_parameters=_nbytes([p for p in params if id(p) not in in_blocks]),
+        )
+
+
+def _phase_hooks(blocks: nn.ModuleList, tracker: _LiveStorages) -> list[Any]:
+    """Move the tracker from phase to phase: the last block's output gradient starts the blocks' backward, the
+    first block's input gradient ends it; a new forward starts with the first block's input."""
+
+    def first_input(module: nn.Module, args: tuple) -> None:
+        tracker.enter("forward")
+        x = args[0]
+        if x.requires_grad:
+            x.register_hook(lambda grad: tracker.enter("rest of backward"))
+
+    def last_output(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        output.register_hook(lambda grad: tracker.enter("blocks backward"))
+
+    return [blocks[0].register_forward_pre_hook(first_input), blocks[-1].register_forward_hook(last_output)]
+
+
+@torch.no_grad()
+def _allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Give every parameter its optimizer state, as after a first step (a step on zero gradients)."""
+    for opt in optimizers_to_checkpoint(optimizer):
+        for group in opt.param_groups:
+            for param in group["params"]:
+                param.grad = torch.zeros_like(param)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Estimates
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _extrapolate(a: float, b: float, depth_a: int, depth_b: int, depth: int) -> float:
+    return a + (b - a) * (depth - depth_a) / (depth_b - depth_a)
+
+
+def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], workload: Workload) -> MemoryEstimate:
+    """The estimate at ``plan.n_layers`` blocks from one simulation at that depth (``deep`` None) or two
+    shallower ones, with FSDP2's share added (``extra_flops`` is left at 0: see ``estimate_memory``)."""
+    n, depth = workload.world_size, plan.n_layers
+
+    def at_depth(get: Callable[[_Simulation], float]) -> float:
+        if deep is None:
+            return get(shallow)
+        return _extrapolate(get(shallow), get(deep), shallow.n_blocks, deep.n_blocks, depth)
+
+    peaks = {phase: tuple(at_depth(lambda s, p=phase, f=f: getattr(s.peaks[p], f)) for f in ("value", "other", "grads", "acts"))
+             for phase in PHASES}
+    phase = max(PHASES, key=lambda p: peaks[p][0])
+    _, other, grads, acts = peaks[phase]
+    parameters = at_depth(lambda s: s.parameters)
+    fsdp_extra = 0.0
+    if n > 1:
+        root = shallow.root_parameters
+        gathered = parameters - root if not workload.fsdp.reshard_after_forward else 2 * shallow.block_parameters
+        reduce_factor = workload.fsdp.reduce_dtype.torch.itemsize / workload.dtype.torch.itemsize
+        # Gathered parameters beyond the resident shards, and the reduce-scatter input of the largest group.
+        fsdp_extra = (root + gathered) * (n - 1) / n + max(shallow.block_parameters, root) * reduce_factor
+    return MemoryEstimate(
+        plan=plan,
+        parameters=math.ceil(parameters / n),
+        optimizer=math.ceil(at_depth(lambda s: s.optimizer) / n),
+        gradients=math.ceil(grads),
+        activations=math.ceil(acts),
+        transient=math.ceil(other + fsdp_extra + shallow.batch),
+        saved_activations=math.ceil(at_depth(lambda s: s.saved_activations)),
+        extra_flops=0.0,
+        peak_phase=phase,
+        flops=at_depth(lambda s: s.flops),
+    )
+
+
+def _depths(plan: ACPlan) -> tuple[int, Optional[int]]:
+    """The two depths that repeat the plan's pattern (the second None: simulate the whole model)."""
+    period = plan.option if isinstance(plan.option, int) else 1
+    first = period * max(1, math.ceil(2 / period))
+    second = 2 * first
+    return (first, second) if second < plan.n_layers else (plan.n_layers, None)
+
+
+def estimate_memory(
+    build_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    workload: Workload,
+    plans: Optional[Sequence[ACPlan]] = None,
+) -> list[MemoryEstimate]:
+    """Estimate the memory per process of a training step for each AC plan (default: ``candidate_plans``).
+
+    Args:
+        build_model: builds the model on the current default device (called under fake tensors: no memory).
+        make_optimizer: the config's optimizer, called with parameters.
+        workload: what one process does per step.
+        plans: the AC plans to estimate, resolved for the model's layer count.
+
+    Returns:
+        One estimate per plan, in order; ``extra_flops`` is relative to the same step without AC.
+    """
+    if plans is None:
+        with FakeTensorMode():
+            plans = candidate_plans(len(transformer_blocks(build_model())))
+    plans = list(plans)
+    cache: dict[tuple, _Simulation] = {}
+    none = _plan("none", None, plans[0].n_layers)
+    baseline = _estimate_plan(build_model, make_optimizer, none, workload, cache).flops
+    return [dataclasses.replace(estimate, extra_flops=estimate.flops / baseline - 1)
+            for estimate in (_estimate_plan(build_model, make_optimizer, plan, workload, cache) for plan in plans)]
+
+
+def choose_plan(
+    build_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    workload: Workload,
+    budget_gib: float,
+    n_layers: int,
+) -> MemoryEstimate:
+    """``ac_mode: auto``: the plan with the least recompute whose estimate fits ``budget_gib`` per process.
+
+    Plans are tried in ``candidate_plans`` order (none, per-op, every k-th block, full) and the first that fits
+    wins, so no more plans are simulated than needed.
+
+    Raises:
+        UserError: no plan fits; one line saying how many GiB are missing even with full AC, and what each knob
+            (batch size, sequence length, more processes, the optimizer step in backward, the chunked loss) would
+            bring the full-AC estimate to.
+    """
+    budget = budget_gib * GiB
+    cache: dict[tuple, _Simulation] = {}
+    plans = candidate_plans(n_layers)
+    estimate = None
+    for plan in plans:
+        estimate = _estimate_plan(build_model, make_optimizer, plan, workload, cache)
+        if estimate.total <= budget:
+            return estimate
+    full = plans[-1]
+    knobs = []
+    alternatives = []
+    if workload.batch_size > 1:
+        alternatives.append((f"batch_size={workload.batch_size // 2}", {"batch_size": workload.batch_size // 2}))
+    if workload.seq_len > 1:
+        alternatives.append((f"max_seq_len={workload.seq_len // 2}", {"seq_len": workload.seq_len // 2}))
+    alternatives.append((f"{2 * workload.world_size} processes", {"world_size": 2 * workload.world_size}))
+    if not workload.optimizer_in_bwd:
+        alternatives.append(("optimizer_in_bwd=true (with clip_grad_norm: null)",
+                             {"optimizer_in_bwd": True, "clip_grad_norm": None}))
+    if workload.loss_chunks == 1:
+        alternatives.append(("loss_chunks=8", {"loss_chunks": 8}))
+    for label, change in alternatives:
+        changed = dataclasses.replace(workload, **change)
+        total = _estimate_plan(build_model, make_optimizer, full, changed, {}).total
+        knobs.append(f"{label} {total / GiB:.2f} GiB")
+    raise UserError(
+        f"ac_mode=auto: no plan fits ac_memory_budget_gib={budget_gib:g}: even full AC needs an estimated "
+        f"{estimate.total / GiB:.2f} GiB per process, {(estimate.total - budget) / GiB:.2f} GiB too many; with full "
+        f"AC, {', '.join(knobs)} (see tune plan)"
+    )
+
+
+def _estimate_plan(build_model, make_optimizer, plan: ACPlan, workload: Workload,
+                   cache: dict[tuple, _Simulation]) -> MemoryEstimate:
+    """One plan's estimate (its extra FLOPs left at 0: no baseline is simulated), reusing ``cache``."""
+
+    def simulate(depth: Optional[int]) -> _Simulation:
+        key = (plan.mode.value, plan.option, depth, workload)
+        if key not in cache:
+            cache[key] = _simulate(build_model, make_optimizer, plan.mode.value, plan.option, depth, workload)
+        return cache[key]
+
+    first, second = _depths(plan)
+    return _estimate(plan, simulate(first if second else None), simulate(second) if second else None, workload)
