@@ -33,8 +33,8 @@ earlier one, because they failed their manifest) are deleted too. Pruning rename
 deleting it and rewrites a manifest before its recipe state goes, so a kill during pruning leaves nothing that
 looks complete but is not.
 
-Every function here is a collective call when a process group is initialised (all ranks call it), except
-``list_checkpoints``, ``read_trainer_state``, ``check_resume_shape`` and ``choose_resume_checkpoint(hashes=False)``.
+``save_checkpoint`` and ``load_checkpoint`` are collective calls when a process group is initialised (all ranks
+call them), and so is ``choose_resume_checkpoint(collective=True)``; the other functions are local.
 """
 
 from __future__ import annotations
