@@ -208,8 +208,8 @@ class FullFinetuneRecipe:
                                 target_tokens_per_second=target_tokens_per_second)
                 stop = self.stop.agreed(ctx)  # every rank stops after the same step
                 if stop is not None:
-                    log.warning("%s received: saving step %d, then stopping (Ctrl-C again aborts at once)",
-                                stop, self.progress.step)
+                    log.info("%s received: saving step %d, then stopping (Ctrl-C again aborts at once)",
+                             stop, self.progress.step)
                 epoch_done = step_in_epoch + 1 == self.steps_per_epoch
                 if epoch_done or stop or (cfg.save_every_n_steps and self.progress.step % cfg.save_every_n_steps == 0):
                     if epoch_done:
