@@ -16,6 +16,7 @@ import torch
 
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.errors import UserError
+from torchtune_ac.training.activation_checkpointing import ACConfig
 from torchtune_ac.training.memory_plan import PlanningInputs, resolve_memory_plan
 from torchtune_ac.training.model_setup import build_meta_model
 from torchtune_ac.training.planner import GiB, MemoryEstimate, Workload, describe_setting, estimate_memory
@@ -94,10 +95,8 @@ def plan_table(cfg: FullFinetuneConfig, *, world_size: int, budget_gib: Optional
         UserError: the config's memory switches are refused, or ``max_seq_len`` is unset.
     """
     model = build_meta_model(cfg.model, cfg.checkpoint_dir)
-    # The switches besides AC, resolved as a run would (AC set to none here: every setting gets a row).
-    plan = resolve_memory_plan(dataclasses.replace(cfg.ac, ac_mode=None, enable_activation_checkpointing=None,
-                                                   ac_option=None, ac_memory_budget_gib=None),
-                               cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm)
+    # The switches besides AC, resolved as a run resolves them (every AC setting gets a row of its own).
+    plan = resolve_memory_plan(ACConfig(), cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm)
     inputs = planning_inputs(cfg, world_size, torch.device("cpu"))
     workload = dataclasses.replace(inputs.workload, optimizer_in_bwd=plan.optimizer_in_backward,
                                    loss_chunks=plan.loss_chunks, clip_grad_norm=cfg.clip_grad_norm)

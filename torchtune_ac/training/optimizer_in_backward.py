@@ -75,7 +75,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 return  # let the gradient accumulate; the last micro-batch steps
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            squared = local.detach().float().pow(2).sum()
+            # A float32 reduction, not a float32 copy of the gradient (that would double its memory).
+            squared = torch.linalg.vector_norm(local.detach(), dtype=torch.float32).square()
             self._squared_norm = squared if self._squared_norm is None else self._squared_norm + squared
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)

@@ -178,11 +178,14 @@ class _LiveStorages(TorchDispatchMode):
         self.live: dict[int, int] = {}
         self.grads: set[int] = set()
         self.root_grads: set[int] = set()
+        # Storages the optimizer allocates while stepping (its temporaries): as big as a shard under FSDP2.
+        self.optimizer_temporaries: set[int] = set()
+        self.in_optimizer = False
         self.activations: set[int] = set()
         self.phase = PHASES[0]
         self.peaks = {phase: _Peak() for phase in PHASES}
         self.flops = 0
-        self._live = self._grad = self._root_grad = self._act = 0
+        self._live = self._grad = self._root_grad = self._act = self._opt = 0
 
     def _free(self, key: int) -> None:
         nbytes = self.live.pop(key, 0)
@@ -194,6 +197,9 @@ class _LiveStorages(TorchDispatchMode):
         if key in self.root_grads:
             self.root_grads.discard(key)
             self._root_grad -= nbytes
+        if key in self.optimizer_temporaries:
+            self.optimizer_temporaries.discard(key)
+            self._opt -= nbytes
         if key in self.activations:
             self.activations.discard(key)
             self._act -= nbytes
@@ -203,7 +209,7 @@ class _LiveStorages(TorchDispatchMode):
         # output) only at the end of backward: until the optimizer step they are whole on every process.
         sharded = self._grad if self.phase == "optimizer step" else self._grad - self._root_grad
         grads = self._grad - sharded * (1 - 1 / self.world_size)
-        value = self._live - self._grad + grads
+        value = self._live - self._grad + grads - self._opt * (1 - 1 / self.world_size)
         # In a forward, what is live is (mostly) being saved for backward: count it as activations.
         acts = self._live - self._grad if self.phase == "forward" else self._act
         peak = self.peaks[self.phase]
@@ -249,6 +255,9 @@ class _LiveStorages(TorchDispatchMode):
                 if key not in self.live and key not in self.known and storage.nbytes() > 0:
                     self.live[key] = storage.nbytes()
                     self._live += storage.nbytes()
+                    if self.in_optimizer:
+                        self.optimizer_temporaries.add(key)
+                        self._opt += storage.nbytes()
                     # The Python storage object lives exactly as long as its memory (PyObject preservation).
                     weakref.finalize(storage, self._free, key)
         self._record()
@@ -325,6 +334,9 @@ def _simulate(
         optimizer = build_optimizer(make_optimizer, model, in_backward=workload.optimizer_in_bwd)
         _allocate_optimizer_state(optimizer)
         hooks += _phase_hooks(blocks, tracker)
+        for opt in optimizers_to_checkpoint(optimizer):
+            hooks.append(opt.register_step_pre_hook(lambda *_: setattr(tracker, "in_optimizer", True)))
+            hooks.append(opt.register_step_post_hook(lambda *_: setattr(tracker, "in_optimizer", False)))
         family = family_of(model)
         vocab = family.hf.architecture(family.args_of(model))["vocab_size"] if family is not None else 2
         micro_batches = []
@@ -414,6 +426,9 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         reduce_factor = workload.fsdp.reduce_dtype.torch.itemsize / workload.dtype.torch.itemsize
         # Gathered parameters beyond the resident shards, and the reduce-scatter input of the largest group.
         fsdp_extra = (root + gathered) * (n - 1) / n + max(shallow.block_parameters, root) * reduce_factor
+        if workload.optimizer_in_bwd:
+            # The root's gradients are reduced, and so stepped, only at the end of backward: whole until then.
+            fsdp_extra += root
     return MemoryEstimate(
         plan=plan,
         parameters=math.ceil(parameters / n),
