@@ -5,6 +5,9 @@
 
 The recipe only orders library calls: setup -> train (train_step, save_checkpoint) -> cleanup (always).
 Everything it calls lives in torchtune_ac, so another recipe reuses it rather than copying it.
+
+SIGTERM or a first Ctrl-C stops the run after the current step with a checkpoint (exit 143); a non-finite loss
+or gradient norm stops it before the optimizer takes it in, saving nothing (exit 3).
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from torchtune_ac.checkpoint import (
     Progress,
+    ResumeChoice,
+    check_resume_shape,
+    check_shared_directory,
+    choose_resume_checkpoint,
     create_output_dir,
-    find_resumable_checkpoint,
     load_checkpoint,
     read_trainer_state,
     save_checkpoint,
@@ -29,14 +35,17 @@ from torchtune_ac.checkpoint import (
 from torchtune_ac.config.preflight import preflight_full_finetune, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.data import build_dataloader
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import EXIT_NON_FINITE, EXIT_STOPPED, RunStopped, UserError
 from torchtune_ac.training.distributed import barrier, destroy_distributed, init_distributed
-from torchtune_ac.training.metric_logging import RunLog, open_run_log
+from torchtune_ac.training.metric_logging import RunLog, open_run_log, plain_config
 from torchtune_ac.training.metrics import peak_memory_gib
 from torchtune_ac.training.model_setup import build_training_model
+from torchtune_ac.training.non_finite import NonFiniteError
 from torchtune_ac.training.optimizer_in_backward import build_optimizer, optimizers_to_checkpoint
 from torchtune_ac.training.progress import ProgressReporter
+from torchtune_ac.training.rank_agreement import check_same_config
 from torchtune_ac.training.step import move_batch, train_step
+from torchtune_ac.training.stop import StopSignals
 
 CONFIG_SCHEMA = FullFinetuneConfig
 log = logging.getLogger("torchtune_ac.full_finetune")
@@ -53,6 +62,8 @@ class FullFinetuneRecipe:
     def __init__(self, cfg: FullFinetuneConfig) -> None:
         self.cfg = cfg
         self.metrics: Optional[RunLog] = None
+        self.stop = StopSignals()
+        self.last_checkpoint: Optional[Path] = None
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -61,8 +72,15 @@ class FullFinetuneRecipe:
         report = preflight_full_finetune(cfg, strict=True, world_size=ctx.world_size)
         for warning in report.warnings:
             log.warning(warning)
+        # Before anything is written: every rank has the same config and sees the same output_dir.
+        check_same_config(plain_config(cfg), ctx)
+        check_shared_directory(cfg.output_dir, "output_dir")
         barrier(ctx)  # every rank has checked output_dir before rank 0 writes to it
-        resume_from = find_resumable_checkpoint(cfg.output_dir) if cfg.resume_from_checkpoint else None
+        resume = (choose_resume_checkpoint(cfg.output_dir, hashes=True, collective=True)
+                  if cfg.resume_from_checkpoint else ResumeChoice(None))
+        for skipped in resume.skipped:
+            log.warning("resume: %s", skipped)
+        resume_from = resume.checkpoint
         torch.manual_seed(cfg.seed)
 
         self.tokenizer = cfg.tokenizer.instantiate()
@@ -108,15 +126,25 @@ class FullFinetuneRecipe:
 
         self.progress = Progress()
         if resume_from is not None:
+            saved_progress, saved_shape = read_trainer_state(resume_from)
+            check_resume_shape(resume_from, saved_shape, run_shape(cfg, ctx.world_size, self.model))
             load_checkpoint(resume_from, model=self.model, optimizers=optimizers_to_checkpoint(self.optimizer),
                             scheduler=self.scheduler)
-            self.progress, _ = read_trainer_state(resume_from)
+            self.progress, self.last_checkpoint = saved_progress, resume_from
             log.info("resumed from %s at step %d", resume_from, self.progress.step)
+            if saved_shape.world_size != ctx.world_size:
+                log.info("resharded from %d process(es) to %d: model, optimizer, scheduler and data order carry "
+                         "over; dropout masks do not (each rank's RNG state is its own)",
+                         saved_shape.world_size, ctx.world_size)
+        elif cfg.resume_from_checkpoint:
+            log.info("resume_from_checkpoint=true: %s holds no checkpoint yet, so the run starts at step 0",
+                     cfg.output_dir)
         if ctx.is_rank_zero:
             create_output_dir(cfg.output_dir)
             tracker = cfg.metric_logger.instantiate() if cfg.metric_logger is not None else None
+            # A resume drops what the interrupted run logged after its checkpoint (all of it without one).
             self.metrics = open_run_log(cfg.output_dir, tracker, config=cfg,
-                                        resume_after_step=self.progress.step if resume_from else None)
+                                        resume_after_step=self.progress.step if cfg.resume_from_checkpoint else None)
 
         global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * ctx.world_size
         for line in (
@@ -137,6 +165,8 @@ class FullFinetuneRecipe:
                                     enabled=ctx.is_rank_zero)
         started = time.perf_counter()
         first_step, last_loss = self.progress.step, float("nan")
+        if (stop := self.stop.agreed(ctx)) is not None:  # a signal during set-up: nothing new to save
+            raise self.stopped(stop, saved=False)
         for epoch in range(self.progress.epoch, cfg.epochs):
             self.loader.set_epoch(epoch)
             skip = self.progress.step_in_epoch if epoch == self.progress.epoch else 0
@@ -145,8 +175,11 @@ class FullFinetuneRecipe:
             for step_in_epoch in range(skip, self.steps_per_epoch):
                 step_start = time.perf_counter()
                 micro = [move_batch(next(batches), ctx.device) for _ in range(accum)]
-                result = train_step(self.model, self.optimizer, micro, ctx=ctx, clip_grad_norm=cfg.clip_grad_norm,
-                                    loss_chunks=self.plan.loss_chunks)
+                try:
+                    result = train_step(self.model, self.optimizer, micro, ctx=ctx,
+                                        clip_grad_norm=cfg.clip_grad_norm, loss_chunks=self.plan.loss_chunks)
+                except NonFiniteError as err:
+                    raise self.diverged(err) from None
                 lr = self.optimizer.param_groups[0]["lr"]
                 if self.scheduler is not None:
                     self.scheduler.step()
@@ -173,11 +206,18 @@ class FullFinetuneRecipe:
                     )
                 progress.update(step=self.progress.step, loss=result.loss, lr=lr, tokens_per_second=tokens_per_second,
                                 target_tokens_per_second=target_tokens_per_second)
+                stop = self.stop.agreed(ctx)  # every rank stops after the same step
+                if stop is not None:
+                    log.info("%s received: saving step %d, then stopping (Ctrl-C again aborts at once)",
+                             stop, self.progress.step)
                 epoch_done = step_in_epoch + 1 == self.steps_per_epoch
-                if epoch_done or (cfg.save_every_n_steps and self.progress.step % cfg.save_every_n_steps == 0):
+                if epoch_done or stop or (cfg.save_every_n_steps and self.progress.step % cfg.save_every_n_steps == 0):
                     if epoch_done:
                         self.progress = Progress(self.progress.step, epoch + 1, 0)
                     self.save()
+                if stop is not None:
+                    progress.close()
+                    raise self.stopped(stop, saved=True)
         progress.close()
         steps = self.progress.step - first_step
         if steps == 0:
@@ -196,10 +236,32 @@ class FullFinetuneRecipe:
             scheduler=self.scheduler,
             progress=self.progress,
             shape=run_shape(self.cfg, self.ctx.world_size, self.model),
+            keep_last_n=self.cfg.keep_last_n_checkpoints,
             tokenizer_dir=Path(self.tokenizer.path).parent,
             hf_config_extra={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
         )
+        self.last_checkpoint = path
         log.info("saved checkpoint %s", path)
+
+    def stopped(self, signal_name: str, *, saved: bool) -> RunStopped:
+        """The stop on a signal, after the checkpoint of the current step (``saved``) or before any step."""
+        if saved:
+            what = f"after step {self.progress.step}: checkpoint {self.last_checkpoint} written"
+        else:
+            since = self.last_checkpoint.name if self.last_checkpoint else "the start (no step taken yet)"
+            what = f"before step {self.progress.step + 1}: nothing new to save since {since}"
+        return RunStopped(f"stopped by {signal_name} {what}; to continue, run the same command with "
+                          "resume_from_checkpoint=true", exit_status=EXIT_STOPPED, announce=self.ctx.is_rank_zero)
+
+    def diverged(self, err: NonFiniteError) -> RunStopped:
+        """The stop on a non-finite loss or gradient norm: nothing is saved, the newest checkpoint predates it."""
+        newest = (f"the newest checkpoint is still {self.last_checkpoint}" if self.last_checkpoint
+                  else "there is no checkpoint yet")
+        taken = ("with optimizer_in_bwd the parameters were stepped in backward, in memory only"
+                 if err.stepped else "no optimizer step took it in")
+        return RunStopped(f"stopped at step {self.progress.step + 1}: {err.describe()}; {taken}, and nothing was saved "
+                          f"({newest}): lower the learning rate or check that step's data, then resume with "
+                          "resume_from_checkpoint=true", exit_status=EXIT_NON_FINITE, announce=self.ctx.is_rank_zero)
 
     def cleanup(self, *, succeeded: bool) -> None:
         if self.metrics is not None:
@@ -210,14 +272,15 @@ class FullFinetuneRecipe:
 def run(cfg: FullFinetuneConfig) -> None:
     """Run the recipe; cleanup always runs (after a success, every rank shuts down together)."""
     recipe = FullFinetuneRecipe(cfg)
-    try:
-        recipe.setup()
-        with logging_redirect_tqdm():
-            recipe.train()
-    except BaseException:
-        recipe.cleanup(succeeded=False)
-        raise
-    recipe.cleanup(succeeded=True)
+    with recipe.stop:  # SIGTERM / Ctrl-C from here on: stop after the current step, with a checkpoint
+        try:
+            recipe.setup()
+            with logging_redirect_tqdm():
+                recipe.train()
+        except BaseException:
+            recipe.cleanup(succeeded=False)
+            raise
+        recipe.cleanup(succeeded=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,9 @@
 """The ``tune`` command: ``run``, ``ls``, ``cp``, ``validate``, ``plan``, ``migrate``.
 
 Exit status: 0 success, 2 user error (one short message on stderr, no traceback), 1 internal failure
-(traceback). ``--debug`` or ``TUNE_DEBUG=1`` shows tracebacks for user errors too.
+(traceback); a run that stopped early says why in one line: 143 stopped by SIGTERM or a first Ctrl-C after
+writing a checkpoint, 3 stopped on a non-finite loss or gradient norm (nothing saved), 130 aborted by a second
+Ctrl-C. ``--debug`` or ``TUNE_DEBUG=1`` shows tracebacks for user errors too.
 
 A recipe is a Python file that defines ``CONFIG_SCHEMA`` (a dataclass), ``preflight(cfg, *, strict=True,
 world_size=1) -> list[tuple[str, str]]`` (cheap checks and a summary: builds the model on the meta device, resolves the AC plan,
@@ -12,19 +14,20 @@ run as a script (under PyTorch's elastic launcher) it calls :func:`recipe_main`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
-from typing import Callable, NoReturn, Optional, Sequence
+from typing import Callable, Iterator, NoReturn, Optional, Sequence
 
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_STOPPED, EXIT_USER_ERROR, RunStopped, UserError
 
 DEBUG_ENV_VAR = "TUNE_DEBUG"
-EXIT_USER_ERROR = 2
 
 
 def _int_at_least(minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
@@ -91,9 +94,13 @@ def guarded(fn: Callable[[], int | None]) -> int:
     except UserError as err:
         _report_user_error(err)
         return EXIT_USER_ERROR
+    except RunStopped as err:
+        if err.announce:
+            print(f"tune: {err}", file=sys.stderr, flush=True)
+        return err.exit_status
     except KeyboardInterrupt:
         print("tune: interrupted", file=sys.stderr)
-        return 130
+        return EXIT_INTERRUPTED
 
 
 # ---------------------------------------------------------------------------------------------- recipes
@@ -139,17 +146,26 @@ def load_recipe(path: Path) -> ModuleType:
     return module
 
 
-def load_recipe_config(recipe: ModuleType, config: str, overrides: Sequence[str], allow_components: Sequence[str]):
-    """Load ``config`` with ``overrides`` and validate it against the recipe's schema (typed config back)."""
+def load_recipe_config(recipe: ModuleType, config: str, overrides: Sequence[str], allow_components: Sequence[str],
+                       *, to_run: bool = False):
+    """Load ``config`` with ``overrides`` and validate it against the recipe's schema (typed config back).
+
+    ``to_run``: the config is about to run, so create the embedded checkpoint if it names it (only ``tune run``
+    writes; for anything else the embedded checkpoint is a path like any other).
+    """
     from torchtune_ac.config import load_config, resolve_config_path, validate_config
+    from torchtune_ac.config.loading import create_embedded_checkpoint_if_named
 
     cfg = load_config(config, overrides)
-    return validate_config(
+    validated = validate_config(
         cfg,
         recipe.CONFIG_SCHEMA,
         source=str(resolve_config_path(config)),
         extra_allowed_components=allow_components,
     )
+    if to_run:
+        create_embedded_checkpoint_if_named(cfg)
+    return validated
 
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -190,7 +206,7 @@ def recipe_main(argv: Optional[Sequence[str]] = None, recipe_file: Optional[str]
         parser.set_defaults(overrides=[])
         args = parse_with_overrides(parser, list(sys.argv[1:] if argv is None else argv))
         recipe = load_recipe(path)
-        recipe.run(load_recipe_config(recipe, args.config, args.overrides, args.allow_component))
+        recipe.run(load_recipe_config(recipe, args.config, args.overrides, args.allow_component, to_run=True))
 
     return guarded(_main)
 
@@ -207,7 +223,7 @@ def _print_summary(lines: Sequence[tuple[str, str]]) -> None:
 def cmd_run(args: argparse.Namespace) -> int:
     path = resolve_recipe_path(args.recipe)
     recipe = load_recipe(path)
-    cfg = load_recipe_config(recipe, args.config, args.overrides, args.allow_component)
+    cfg = load_recipe_config(recipe, args.config, args.overrides, args.allow_component, to_run=True)
     launcher = {name: getattr(args, name) for name in LAUNCHER_FLAGS if getattr(args, name) is not None}
     if not launcher or launcher == {"nproc_per_node": 1}:
         recipe.run(cfg)
@@ -240,18 +256,66 @@ def _launch_elastic(launcher: dict, recipe_path: Path, args: argparse.Namespace)
     # Workers run the recipe file as a script: make sure they import this same torchtune_ac.
     package_root = str(Path(__file__).resolve().parent.parent)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    torchrun_args = get_args_parser().parse_args(torchrun_argv)
+    if hasattr(torchrun_args, "signals_to_handle"):
+        # SIGTERM and SIGINT are ours to forward (see _forward_stop_signals); the launcher keeps the others.
+        torchrun_args.signals_to_handle = ",".join(
+            name for name in torchrun_args.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGINT")
+        )
     try:
-        run(get_args_parser().parse_args(torchrun_argv))
+        with _forward_stop_signals():
+            run(torchrun_args)
     except ChildFailedError as err:
-        # When one worker fails, the launcher terminates the others (negative codes: killed by a signal);
-        # the status that matters is that of the workers that exited on their own.
-        exited = {rank: f.exitcode for rank, f in err.failures.items() if f.exitcode > 0}
-        codes = sorted(set(exited.values()))
-        print(f"tune: error: process(es) {sorted(exited) or sorted(err.failures)} failed with exit status "
-              f"{codes or sorted({f.exitcode for f in err.failures.values()})}; see their messages above",
-              file=sys.stderr)
-        return EXIT_USER_ERROR if codes == [EXIT_USER_ERROR] else 1
+        return _status_of_failed_workers({rank: failure.exitcode for rank, failure in err.failures.items()})
     return 0
+
+
+_STATUSES_OF_WORKERS = (EXIT_USER_ERROR, EXIT_NON_FINITE, EXIT_STOPPED)
+
+
+def _status_of_failed_workers(exit_codes: dict[int, int]) -> int:
+    """The launcher's exit status from its workers' (a negative code: killed by that signal)."""
+    # When one worker fails, the launcher terminates the others (negative codes: killed by a signal); the status
+    # that matters is that of the workers that exited on their own.
+    exited = {rank: code for rank, code in exit_codes.items() if code > 0}
+    codes = sorted(set(exited.values()))
+    if codes == [EXIT_STOPPED]:
+        return EXIT_STOPPED  # rank 0 said where the checkpoint is and how to resume
+    if not codes and set(exit_codes.values()) == {-signal.SIGINT}:
+        print("tune: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"tune: error: process(es) {sorted(exited) or sorted(exit_codes)} failed with exit status "
+          f"{codes or sorted(set(exit_codes.values()))}; see their messages above", file=sys.stderr)
+    return codes[0] if len(codes) == 1 and codes[0] in _STATUSES_OF_WORKERS else 1
+
+
+@contextlib.contextmanager
+def _forward_stop_signals() -> Iterator[None]:
+    """While the workers run, the launcher passes SIGTERM and SIGINT on to each of them, so they stop after their
+    current step with a checkpoint (a second SIGINT: at once), and keeps waiting for them to exit with their own
+    status. The workers run in sessions of their own, so a Ctrl-C at the terminal reaches only the launcher, and
+    each signal reaches each worker once. Before any worker exists, there is nothing to save: the signal ends the
+    launch."""
+    import psutil
+
+    def forward(signum: int, frame: object) -> None:
+        workers = psutil.Process().children()
+        if not workers:
+            raise RunStopped(f"stopped by {signal.Signals(signum).name} before the processes started: nothing to save; "
+                             "to continue, run the same command with resume_from_checkpoint=true",
+                             exit_status=EXIT_STOPPED)
+        for worker in workers:
+            try:
+                os.kill(worker.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def cmd_validate(args: argparse.Namespace) -> int:

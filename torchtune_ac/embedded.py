@@ -35,6 +35,11 @@ def resolve_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path.home() / ".cache" / "torchtune_ac"
 
 
+def embedded_checkpoint_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the embedded checkpoint is (or will be) written; creates nothing (``tune validate`` names it)."""
+    return resolve_cache_dir(cache_dir) / EMBEDDED_CHECKPOINT_NAME
+
+
 def _read_special_token_ids(tokenizer_dir: Path) -> dict[str, int | None]:
     """bos/eos/pad ids of the embedded tokenizer, as ``save_hf`` keyword arguments."""
     tokenizer = load_tokenizer(str(tokenizer_dir))
@@ -70,7 +75,7 @@ def ensure_embedded_checkpoint(
     Raises:
         FileNotFoundError: the tokenizer files are missing (a packaging bug).
     """
-    out_dir = resolve_cache_dir(cache_dir) / EMBEDDED_CHECKPOINT_NAME
+    out_dir = embedded_checkpoint_dir(cache_dir)
     if not force and _is_complete(out_dir):
         return out_dir
     tokenizer_dir = Path(EMBEDDED_TOKENIZER_DIR if tokenizer_dir is None else tokenizer_dir)

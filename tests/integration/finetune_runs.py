@@ -7,17 +7,20 @@ import hashlib
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import psutil
 import torch
 from safetensors.torch import load_file
 
 from torchtune_ac.cli import main as tune_main
 from torchtune_ac.checkpoint import RECIPE_STATE_DIR, TRAINER_STATE_FILE, list_checkpoints
+from torchtune_ac.checkpoint.manifest import check_against_manifest
 from torchtune_ac.training.metrics import METRICS_FILE, read_metrics
 
 # Keeps one run on the embedded tiny model to a few seconds: short sequences, small batches.
@@ -70,6 +73,26 @@ def run_tune_subprocess(argv: Sequence[str], timeout: float = 300) -> subprocess
     """Run ``tune`` as its own process (the real console path) and wait for it."""
     return subprocess.run(tune_command(argv), capture_output=True, text=True, env=subprocess_env(),
                           timeout=timeout, check=False)
+
+
+def kill_tree(process: subprocess.Popen) -> None:
+    """SIGKILL a ``tune`` process and every process it started, as a crash would: each elastic worker leads its own
+    session, so killing the launcher's process group alone would leave the workers training (and writing)."""
+    try:
+        workers = psutil.Process(process.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        workers = []
+    for worker in workers:
+        try:
+            worker.kill()
+        except psutil.NoSuchProcess:
+            pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+    psutil.wait_procs(workers, timeout=30)
 
 
 def check_success(result: CliResult | subprocess.CompletedProcess) -> None:
@@ -127,8 +150,8 @@ def hash_tree(root: Path) -> dict[str, str]:
 
 
 def assert_only_complete_checkpoints(output_dir: Path, world_size: int) -> int:
-    """Check what a (possibly killed) run left: every ``step_*`` directory is a loadable Hugging Face checkpoint,
-    the newest also holds complete recipe state, and anything else is ``metrics.jsonl`` or hidden ``.tmp-``
+    """Check what a (possibly killed) run left: every ``step_*`` directory is a loadable Hugging Face checkpoint
+    that matches its manifest, the newest also holds complete recipe state, and anything else is ``metrics.jsonl`` or hidden ``.tmp-``
     debris that nothing reads.
 
     Returns:
@@ -141,6 +164,7 @@ def assert_only_complete_checkpoints(output_dir: Path, world_size: int) -> int:
         if entry.name not in names:
             assert entry.name.startswith(".") and ".tmp-" in entry.name, f"unexpected entry {entry}"
     for checkpoint in checkpoints:
+        assert check_against_manifest(checkpoint, hashes=True) is None, check_against_manifest(checkpoint, hashes=True)
         for name in HF_MODEL_FILES:
             assert (checkpoint / name).is_file(), f"{checkpoint} lacks {name}"
         json.loads((checkpoint / "config.json").read_text())

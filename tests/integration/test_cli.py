@@ -365,10 +365,11 @@ def test_validate_names_the_config_file_of_an_unsupported_checkpoint(tmp_path, c
     config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
     (checkpoint / "config.json").write_text(json.dumps(config))
 
-    main(["validate", "--config", "tiny/full", f"checkpoint_dir={checkpoint}"])
+    # A file that exists and contradicts the config is an error for validate as for run (a missing one: a warning).
+    assert main(["validate", "--config", "tiny/full", f"checkpoint_dir={checkpoint}"]) == 2
 
-    out = capsys.readouterr().out
-    assert f"{checkpoint / 'config.json'}: unsupported Hugging Face llama config: rope_scaling.rope_type='yarn'" in out
+    err = capsys.readouterr().err
+    assert f"{checkpoint / 'config.json'}: unsupported Hugging Face llama config: rope_scaling.rope_type='yarn'" in err
 
 
 def test_fsdp_settings_in_a_single_process_run_are_not_silently_ignored(tmp_path):
@@ -381,3 +382,23 @@ def test_fsdp_settings_in_a_single_process_run_are_not_silently_ignored(tmp_path
     )
     assert not [w for w in recipe.preflight(cfg, world_size=2) if w[0] == "warning"]
     assert not [w for w in recipe.preflight(cfg, world_size=None) if w[0] == "warning"]  # tune validate
+
+
+@pytest.mark.parametrize(
+    "exit_codes, status, says",
+    [
+        ({0: 143, 1: 143}, 143, None),  # stopped on a signal after the checkpoint: rank 0 said how to resume
+        ({0: 143, 1: -15}, 143, None),  # the launcher ended the slower worker once the first had exited
+        ({0: -2, 1: -2}, 130, "tune: interrupted"),  # a second Ctrl-C: every worker ended at once
+        ({0: 2, 1: -15}, 2, "failed with exit status [2]"),
+        ({0: 3, 1: 3}, 3, "failed with exit status [3]"),
+        ({0: 1, 1: 2}, 1, "failed with exit status [1, 2]"),
+        ({0: -9, 1: -15}, 1, "failed with exit status [-15, -9]"),
+    ],
+)
+def test_the_launcher_exits_with_its_workers_status(exit_codes, status, says, capsys):
+    from torchtune_ac.cli import _status_of_failed_workers
+
+    assert _status_of_failed_workers(exit_codes) == status
+    err = capsys.readouterr().err
+    assert (says in err) if says else err == ""

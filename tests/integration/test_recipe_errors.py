@@ -84,9 +84,6 @@ CASES = {
         ],
         ("checkpoint_dir", "known family (llama", "TransformerEncoder is not one of them"),
     ),
-    "resume_without_checkpoint": BadInput(
-        lambda i: ["resume_from_checkpoint=true"], ("resume_from_checkpoint=true", "no checkpoint to resume from")
-    ),
     "resume_with_other_model_shape": BadInput(
         lambda i: ["resume_from_checkpoint=true", *_four_layer_model(i)],
         ("step_0000005", "cannot continue exactly", "num_hidden_layers 8 -> 4"),

@@ -4,13 +4,10 @@ RNG state must be restored for the masks after the resume to match."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 from finetune_runs import (
@@ -18,6 +15,7 @@ from finetune_runs import (
     assert_only_complete_checkpoints,
     check_success,
     final_checkpoint,
+    kill_tree,
     load_weights,
     logged_steps,
     run_tune_subprocess,
@@ -53,26 +51,6 @@ def _resume_argv(output_dir: Path, nproc: int, *extra: str) -> list[str]:
     )
 
 
-def _kill_tree(process: subprocess.Popen) -> None:
-    """SIGKILL the run and every process it started, like a crash would: each elastic worker leads its own
-    session, so killing the launcher's process group alone would leave the workers training (and writing)."""
-    try:
-        workers = psutil.Process(process.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        workers = []
-    for worker in workers:
-        try:
-            worker.kill()
-        except psutil.NoSuchProcess:
-            pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    process.wait()
-    psutil.wait_procs(workers, timeout=30)
-
-
 def _start_and_kill(output_dir: Path, nproc: int, log: Path, *extra: str) -> int:
     """Start the run, SIGKILL it once step KILL_AFTER_STEP is logged; return the last step it logged."""
     with log.open("w") as stderr:
@@ -88,7 +66,7 @@ def _start_and_kill(output_dir: Path, nproc: int, log: Path, *extra: str) -> int
                 pytest.fail(f"step {KILL_AFTER_STEP} not logged within {KILL_TIMEOUT_S} s")
             time.sleep(0.02)
     finally:
-        _kill_tree(process)
+        kill_tree(process)
     last = logged_steps(output_dir)[-1]
     if last >= TOTAL_STEPS:
         pytest.fail(f"the run reached its last step {last} before it was killed")

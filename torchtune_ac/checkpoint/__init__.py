@@ -1,10 +1,11 @@
 """Checkpoints on disk: safetensors reading (header checks, per-rank regions), Hugging Face load and save (one
-shard at a time for sharded models), the one atomic directory writer, and recipe state for exact resume (DCP).
+shard at a time for sharded models), the one atomic directory writer, recipe state for exact resume (DCP), and the
+manifest that ends each checkpoint of a run (sizes and SHA-256 of its files, checked on resume).
 
 All the file-system code and collectives of checkpointing live here; ``torchtune_ac.models`` holds neither.
 """
 
-from torchtune_ac.checkpoint.files import read_json, remove_debris, write_directory
+from torchtune_ac.checkpoint.files import check_shared_directory, read_json, remove_debris, write_directory
 from torchtune_ac.checkpoint.hf import (
     CONFIG_FILE,
     TOKENIZER_FILES,
@@ -20,14 +21,17 @@ from torchtune_ac.checkpoint.hf import (
     save_hf_state_dict,
     write_hf_files,
 )
+from torchtune_ac.checkpoint.manifest import MANIFEST_FILE
 from torchtune_ac.checkpoint.recipe_state import (
     RECIPE_STATE_DIR,
+    RESUMABLE_KEPT,
     TRAINER_STATE_FILE,
     Progress,
+    ResumeChoice,
     RunShape,
     check_resume_shape,
+    choose_resume_checkpoint,
     create_output_dir,
-    find_resumable_checkpoint,
     list_checkpoints,
     load_checkpoint,
     read_trainer_state,
@@ -38,17 +42,21 @@ from torchtune_ac.checkpoint.safetensors_io import INDEX_FILE, WEIGHTS_FILE, loc
 __all__ = [
     "CONFIG_FILE",
     "INDEX_FILE",
+    "MANIFEST_FILE",
     "RECIPE_STATE_DIR",
+    "RESUMABLE_KEPT",
     "TOKENIZER_FILES",
     "TRAINER_STATE_FILE",
     "WEIGHTS_FILE",
     "Progress",
+    "ResumeChoice",
     "RunShape",
     "check_checkpoint_matches",
     "check_resume_shape",
+    "check_shared_directory",
+    "choose_resume_checkpoint",
     "copy_tokenizer_files",
     "create_output_dir",
-    "find_resumable_checkpoint",
     "from_hf_config",
     "list_checkpoints",
     "llama_from_hf_config",

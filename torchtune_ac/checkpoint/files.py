@@ -1,27 +1,38 @@
-"""File-system helpers of the checkpoint package: the one atomic directory writer, and JSON files.
+"""File-system helpers of the checkpoint package: the one atomic directory writer (and remover), JSON files, the
+check that every rank sees the same directory, and failures agreed on by every rank.
 
 Every checkpoint directory (a Hugging Face export, a recipe's ``step_*`` directory) is written under a temporary
 sibling name and renamed into place when complete, so a process killed mid-write never leaves a directory that
-looks complete. The temporary names belong to this module alone: ``remove_debris`` is the only code that looks
-for them.
+looks complete; one is deleted by renaming it to a temporary name first, for the same reason. The temporary names
+belong to this module alone: ``remove_debris`` is the only code that looks for them.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import secrets
 import shutil
+import socket
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional, TypeVar
 
 import torch.distributed as dist
+from torch.distributed.checkpoint import CheckpointException
 
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 
 PathLike = str | os.PathLike
 _TMP_MARK = ".tmp-"
 _OLD_MARK = ".old-"
+_SHARED_CHECK_NAME = ".shared-check"
+# Below this much free space, a failed write is taken for a full file system, whatever the library reported
+# (safetensors and torch.save report a full disk as their own exception types, not as OSError).
+_NEARLY_FULL_BYTES = 256 << 20
+T = TypeVar("T")
 
 
 def process_group_active() -> bool:
@@ -60,11 +71,12 @@ def require_directory(path: PathLike, what: str) -> Path:
     """``path`` as a Path, checked to be an existing directory (``what`` names it in the message).
 
     Raises:
-        UserError: it does not exist or is not a directory.
+        UnavailableError: it does not exist.
+        UserError: it is not a directory.
     """
     path = Path(path)
     if not path.exists():
-        raise UserError(f"{what} {path} does not exist")
+        raise UnavailableError(f"{what} {path} does not exist")
     if not path.is_dir():
         raise UserError(f"{what} {path} is not a directory")
     return path
@@ -102,7 +114,8 @@ def write_directory(
         ``out_dir`` as a Path.
 
     Raises:
-        UserError: ``out_dir`` is a file, or not empty and ``overwrite`` is false.
+        UserError: ``out_dir`` is a file, not empty and ``overwrite`` is false, or cannot be created.
+        CollectiveStepFailed: (collective) flushing or renaming failed on rank 0, raised on every rank.
     """
     out_dir = Path(out_dir)
     collective = collective and process_group_active()
@@ -111,33 +124,42 @@ def write_directory(
     if writer:
         shared[0] = directory_problem(out_dir, overwrite)
         if shared[0] is None:
-            out_dir.parent.mkdir(parents=True, exist_ok=True)
             # Same parent, so the renames below stay on one file system and are atomic.
-            shared[1] = str(out_dir.parent / f".{out_dir.name}{_TMP_MARK}{uuid.uuid4().hex}")
-            Path(shared[1]).mkdir()
+            tmp_name = out_dir.parent / f".{out_dir.name}{_TMP_MARK}{uuid.uuid4().hex}"
+            try:
+                out_dir.parent.mkdir(parents=True, exist_ok=True)
+                tmp_name.mkdir()
+                shared[1] = str(tmp_name)
+            except OSError as err:  # reported on every rank, not raised on this one alone
+                shared[0] = f"{out_dir}: cannot create it ({err.strerror})"
     if collective:
         dist.broadcast_object_list(shared, src=0)
     if shared[0]:
         raise UserError(shared[0])
     tmp = Path(shared[1])
-    try:
-        write(tmp)
-        if collective:
-            dist.barrier()
+
+    def finish() -> None:
         if writer:
             _finish_files(tmp)
             _move_into_place(tmp, out_dir)
+
+    try:
+        write(tmp)
+        if collective:
+            dist.barrier()  # every rank has written its files
+            run_on_every_rank(finish, where=out_dir.parent)  # a failure of rank 0's rename reaches every rank
+        else:
+            finish()
     except BaseException:
         if writer:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if collective:
-        dist.barrier()
     return out_dir
 
 
 def remove_debris(parent: PathLike) -> list[Path]:
-    """Delete what writes killed mid-way left in ``parent`` (temporary directories of ``write_directory``).
+    """Delete what a process killed mid-way left in ``parent``: the temporary directory of a ``write_directory``, a
+    directory ``discard_directory`` had renamed away, the token of ``check_shared_directory``.
 
     Returns:
         The removed paths.
@@ -148,9 +170,23 @@ def remove_debris(parent: PathLike) -> list[Path]:
     removed = []
     for path in parent.iterdir():
         if path.name.startswith(".") and (_TMP_MARK in path.name or _OLD_MARK in path.name):
-            shutil.rmtree(path, ignore_errors=True)
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
             removed.append(path)
     return removed
+
+
+def discard_directory(path: PathLike, debris_parent: Optional[PathLike] = None) -> None:
+    """Delete the directory ``path`` so that it never looks half-deleted: rename it to a temporary name in
+    ``debris_parent`` (default: its parent; same file system), then delete that. A process killed in between
+    leaves debris that ``remove_debris(debris_parent)`` removes."""
+    path = Path(path)
+    parent = Path(debris_parent) if debris_parent is not None else path.parent
+    doomed = parent / f".{path.parent.name}-{path.name}{_OLD_MARK}{uuid.uuid4().hex}"
+    os.rename(path, doomed)
+    shutil.rmtree(doomed)
 
 
 def _move_into_place(tmp: Path, out_dir: Path) -> None:
@@ -182,3 +218,166 @@ def _finish_files(root: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Collective steps: every rank sees the same directory, and every rank hears of a failure
+# --------------------------------------------------------------------------------------------------------------
+
+
+def check_shared_directory(path: PathLike, what: str) -> None:
+    """Refuse to start unless every rank sees the files rank 0 writes in ``path`` (all ranks call this).
+
+    Rank 0 writes a token holding a random nonce into ``path`` (created if missing), every rank reads it back, and
+    rank 0 removes the token again (and ``path``, if it created it), so the check leaves nothing behind. Several
+    nodes with a directory of the same name on local disks fail here, instead of writing checkpoints that look
+    complete on node 0 but lack the other nodes' shards. A world of one has nothing to check.
+
+    Raises:
+        UserError: naming each rank (and its host) that does not see the token.
+    """
+    if not process_group_active():
+        return
+    path = Path(path).expanduser()
+    rank = dist.get_rank()
+    shared: list[Any] = [None]  # rank 0's (token file name, nonce, problem)
+    created = False
+    if rank == 0:
+        name, nonce = f"{_SHARED_CHECK_NAME}{_TMP_MARK}{secrets.token_hex(8)}", secrets.token_hex(16)
+        try:
+            created = not path.exists()
+            path.mkdir(parents=True, exist_ok=True)
+            with open(path / name, "w", encoding="utf-8") as f:
+                f.write(nonce)
+                f.flush()
+                os.fsync(f.fileno())
+            shared[0] = (name, nonce, None)
+        except OSError as err:
+            shared[0] = (name, nonce, f"{what} {path}: cannot write in it ({err.strerror})")
+    dist.broadcast_object_list(shared, src=0)
+    name, nonce, problem = shared[0]
+    token = path / name  # each rank looks in its own ``path``: the same directory only if it is shared
+    if problem is None:
+        try:
+            seen = token.read_text(encoding="utf-8") == nonce
+        except OSError:
+            seen = False
+    else:
+        seen = True
+    answers: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(answers, (seen, socket.gethostname()))
+    if rank == 0:
+        token.unlink(missing_ok=True)
+        if created:
+            try:
+                path.rmdir()  # made for this check only (the run creates it when it first writes)
+            except OSError:
+                pass
+    if problem is not None:
+        raise UserError(problem)
+    blind = [f"rank {r} (host {host})" for r, (ok, host) in enumerate(answers) if not ok]
+    if blind:
+        raise UserError(
+            f"{what} {path}: {', '.join(blind)} cannot see the file rank 0 (host {answers[0][1]}) wrote there; "
+            f"{what} must be one directory that every node shares (a network file system), since every rank writes "
+            "its shard of each checkpoint there and reads the others' on resume"
+        )
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """How a step failed on one rank: one line, and whether the machine rather than our code is to blame."""
+
+    rank: int
+    message: str
+    environmental: bool
+
+
+class CollectiveStepFailed(Exception):
+    """A collective step failed on at least one rank; raised on every rank, naming the first failure."""
+
+    def __init__(self, failure: RankFailure) -> None:
+        super().__init__(f"rank {failure.rank}: {failure.message}")
+        self.failure = failure
+
+
+def run_on_every_rank(step: Callable[[], T], *, where: PathLike) -> T:
+    """Run ``step`` on every rank and agree on the outcome (all ranks call this).
+
+    Without the agreement, a rank whose write fails (a full disk) would raise alone while the others wait forever
+    in the next collective. Every rank reports whether its ``step`` raised (one ``all_gather_object``), and if any
+    did, every rank raises ``CollectiveStepFailed`` naming the first failing rank, chained to the local exception
+    where there is one.
+
+    Args:
+        step: the work (it may call collectives itself; a failure inside one must surface on every rank, as
+            torch.distributed.checkpoint's do).
+        where: a path on the file system written to, to report free space on a failure.
+
+    Raises:
+        CollectiveStepFailed: ``step`` failed on some rank; ``failure.environmental`` says whether the file system
+            (full, read-only, an I/O error) is to blame.
+    """
+    local: Optional[BaseException] = None
+    result: Any = None
+    try:
+        result = step()
+    except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
+        local = err
+    rank = dist.get_rank() if process_group_active() else 0
+    report = None if local is None else _describe_failure(rank, local, Path(where))
+    reports = [report]
+    if process_group_active():
+        reports = [None] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+    failures = [r for r in reports if r is not None]
+    if failures:
+        raise CollectiveStepFailed(failures[0]) from local
+    return result
+
+
+def _describe_failure(rank: int, err: BaseException, where: Path) -> RankFailure:
+    if isinstance(err, CheckpointException) and err.failures:
+        rank = min(err.failures)  # DCP raises on every rank; the failure belongs to the rank it names
+    os_error = _find_os_error(err)
+    cause = os_error if os_error is not None else _innermost(err)
+    text = _one_line(cause)
+    if os_error is not None and os_error.filename and str(os_error.filename) not in text:
+        text = f"{os_error.filename}: {text}"
+    try:
+        free = shutil.disk_usage(where if where.exists() else where.parent).free
+    except OSError:
+        free = None
+    nearly_full = free is not None and free < _NEARLY_FULL_BYTES
+    if nearly_full:
+        text += f" ({free // 2**20} MiB free on that file system)"
+    environmental = os_error is not None or nearly_full or "os error" in text
+    return RankFailure(rank, text, environmental)
+
+
+def _find_os_error(err: Optional[BaseException], depth: int = 0) -> Optional[OSError]:
+    """The first OSError in ``err``, its causes and contexts, and the per-rank failures of a DCP exception."""
+    if err is None or depth > 8:
+        return None
+    if isinstance(err, OSError) and err.errno is not None:
+        return err
+    if isinstance(err, CheckpointException):
+        for failure in err.failures.values():
+            found = _find_os_error(failure[0] if isinstance(failure, tuple) else failure, depth + 1)
+            if found is not None:
+                return found
+    return _find_os_error(err.__cause__ or err.__context__, depth + 1)
+
+
+def _innermost(err: BaseException) -> BaseException:
+    if isinstance(err, CheckpointException):
+        for failure in err.failures.values():
+            return _innermost(failure[0] if isinstance(failure, tuple) else failure)
+    return err
+
+
+def _one_line(err: BaseException) -> str:
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror} ({errno.errorcode.get(err.errno, err.errno)})"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"

@@ -36,7 +36,7 @@ from torchtune_ac.checkpoint.safetensors_io import (
     write_safetensors,
 )
 from torchtune_ac.component_marker import config_component
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.models.families import FAMILIES, family_for_hf_config, require_family, retie_parameters
 from torchtune_ac.models.family import ModelFamily, architecture_mismatches
 
@@ -55,14 +55,14 @@ def config_path(checkpoint_dir: PathLike) -> Path:
     """The config.json of a checkpoint directory (or ``checkpoint_dir`` itself when it is a file).
 
     Raises:
-        UserError: the directory or its config.json is missing.
+        UnavailableError: the directory or its config.json is missing.
     """
     path = Path(checkpoint_dir)
     if path.is_file():
         return path
     path = require_directory(path, "checkpoint directory") / CONFIG_FILE
     if not path.is_file():
-        raise UserError(f"{path}: missing (every Hugging Face checkpoint directory has a config.json)")
+        raise UnavailableError(f"{path}: missing (every Hugging Face checkpoint directory has a config.json)")
     return path
 
 
@@ -378,15 +378,35 @@ def write_hf_files(
                 out[hf_name] = full.to("cpu").contiguous()
         return out
 
+    shards = plan_shards(nbytes, max_bytes)
     if not writer:
-        for shard in plan_shards(nbytes, max_bytes):
+        for shard in shards:
             fetch(shard)  # take part in rank 0's gathers, one shard at a time
         return
-    dtype = tensors[next(iter(tensors))].dtype
-    write_json(out_dir / CONFIG_FILE, family.hf.hf_config_from_args(family.args_of(model), dtype, **token_ids))
-    write_safetensors(out_dir, nbytes, max_bytes, fetch)
-    if tokenizer_dir is not None:
-        copy_tokenizer_files(tokenizer_dir, out_dir)
+    fetched, gather_failed = 0, False
+
+    def fetch_counted(hf_names: list[str]) -> dict[str, torch.Tensor]:
+        nonlocal fetched, gather_failed
+        try:
+            out = fetch(hf_names)
+        except BaseException:
+            gather_failed = True
+            raise
+        fetched += 1
+        return out
+
+    try:
+        dtype = tensors[next(iter(tensors))].dtype
+        write_json(out_dir / CONFIG_FILE, family.hf.hf_config_from_args(family.args_of(model), dtype, **token_ids))
+        write_safetensors(out_dir, nbytes, max_bytes, fetch_counted)
+        if tokenizer_dir is not None:
+            copy_tokenizer_files(tokenizer_dir, out_dir)
+    except Exception:
+        # A write failed (a full disk): still take part in the gathers the other ranks are waiting in, then raise.
+        if sharded and not gather_failed:
+            for shard in shards[fetched:]:
+                fetch(shard)
+        raise
 
 
 def save_hf(

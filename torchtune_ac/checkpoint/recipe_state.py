@@ -2,27 +2,45 @@
 
 Layout of ``output_dir``::
 
-    step_0000040/                  one directory per save (end of each epoch, every save_every_n_steps)
+    step_0000040/                  one directory per save (end of each epoch, every save_every_n_steps, a stop)
         config.json, model*.safetensors[, model.safetensors.index.json], tokenizer files
                                    the model in Hugging Face format: AutoModelForCausalLM.from_pretrained(here)
-        recipe_state/              only in the newest checkpoint (older ones are pruned when a new one lands)
-            .metadata, *.distcp    model + optimizer, torch.distributed.checkpoint (sharded when FSDP)
+        recipe_state/              in the checkpoints a resume may use (see "Keeping checkpoints" below)
+            .metadata, *.distcp    model + optimizer, torch.distributed.checkpoint (sharded when FSDP; loads into
+                                   another number of processes)
             trainer_state.json     step, epoch, position in the epoch, run shape (world size, batch sizes, model)
             scheduler.pt           learning-rate scheduler state
-            rng_rank{r}.pt         each rank's RNG state (dropout masks continue exactly)
+            rng_rank{r}.pt         each rank's RNG state (dropout masks continue exactly on the same world size)
+        manifest.json              written last: every other file's size and SHA-256 (``manifest.py``)
     metrics.jsonl
 
-Every checkpoint is written by ``files.write_directory`` (a temporary name, renamed into place when
-complete), so a killed run never leaves a checkpoint that looks complete but is not; the base checkpoint
-directory is only ever read. Every function here is a collective call when a process group is initialised: all
-ranks call it.
+Every checkpoint is written by ``files.write_directory`` (a temporary name, renamed into place when complete),
+so a killed run never leaves a checkpoint that looks complete but is not; the base checkpoint directory is only
+ever read. Each step of a save is agreed on by every rank (``files.run_on_every_rank``): a rank whose write fails
+(a full disk) makes every rank stop with the same one-line error, and the temporary directory is removed.
+
+Resume takes the newest checkpoint whose recipe state matches its manifest (sizes, then every file's SHA-256,
+the ranks sharing the reading); one that does not is skipped, with a warning naming the bad file, for the
+previous one.
+
+Keeping checkpoints: once a new checkpoint is renamed into place and matches its manifest, older ones are pruned.
+With ``keep_last_n_checkpoints: N`` the newest N checkpoints are kept whole and older ones deleted; with null
+(the default) every checkpoint keeps its Hugging Face files, and the recipe state is kept in the newest
+``RESUMABLE_KEPT`` (2) only, so a damaged newest checkpoint has one to fall back on. (Before manifests, only the
+newest kept its recipe state; the second costs one more copy of the model and optimizer state, about 3x the
+model's bytes with AdamW.) Checkpoints newer than the one just written (left by a run that resumed from an
+earlier one, because they failed their manifest) are deleted too. Pruning renames a directory away before
+deleting it and rewrites a manifest before its recipe state goes, so a kill during pruning leaves nothing that
+looks complete but is not.
+
+``save_checkpoint`` and ``load_checkpoint`` are collective calls when a process group is initialised (all ranks
+call them), and so is ``choose_resume_checkpoint(collective=True)``; the other functions are local.
 """
 
 from __future__ import annotations
 
 import json
 import re
-import shutil
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -40,13 +58,27 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from torchtune_ac.checkpoint.files import is_writer_rank, process_group_active, remove_debris, write_directory
+from torchtune_ac.checkpoint.files import (
+    CollectiveStepFailed,
+    discard_directory,
+    is_writer_rank,
+    process_group_active,
+    read_json,
+    remove_debris,
+    run_on_every_rank,
+    write_directory,
+)
 from torchtune_ac.checkpoint.hf import write_hf_files
+from torchtune_ac.checkpoint.manifest import check_against_manifest, write_manifest, write_manifest_without
 from torchtune_ac.errors import UserError
 
 RECIPE_STATE_DIR = "recipe_state"
 TRAINER_STATE_FILE = "trainer_state.json"
+# Newest checkpoints that keep their recipe state when keep_last_n_checkpoints is null: one to resume from, and
+# one to fall back on if it is damaged.
+RESUMABLE_KEPT = 2
 _CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
+_TRAINER_STATE = f"{RECIPE_STATE_DIR}/{TRAINER_STATE_FILE}"
 
 
 @dataclass(frozen=True)
@@ -60,10 +92,11 @@ class Progress:
 
 @dataclass(frozen=True)
 class RunShape:
-    """What must not change between a run and its resume for the resume to be exact.
+    """What must carry over from a run to its resume for the resume to continue the same run.
 
     ``data`` holds what decides the batches (seed, shuffle, max_seq_len, the dataset and tokenizer settings),
-    as plain JSON values.
+    as plain JSON values. The world size, batch size and accumulation may each change, as long as the global
+    batch (their product) stays the same: the sampler makes each step out of the same samples then.
     """
 
     world_size: int
@@ -71,6 +104,24 @@ class RunShape:
     gradient_accumulation_steps: int
     model_args: dict[str, Any]
     data: dict[str, Any]
+
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step, over all ranks."""
+        return self.batch_size * self.gradient_accumulation_steps * self.world_size
+
+    def describe_batch(self) -> str:
+        return (f"{self.global_batch} (batch_size {self.batch_size} x gradient_accumulation_steps "
+                f"{self.gradient_accumulation_steps} x {self.world_size} process(es))")
+
+
+@dataclass(frozen=True)
+class ResumeChoice:
+    """The checkpoint a resume continues from (None: there is none, the run starts at step 0), and why each newer
+    one was skipped (one line each, naming the bad file)."""
+
+    checkpoint: Optional[Path]
+    skipped: tuple[str, ...] = ()
 
 
 @contextmanager
@@ -83,6 +134,11 @@ def _single_process_dcp_quiet() -> Iterator[None]:
 
 def checkpoint_name(step: int) -> str:
     return f"step_{step:07d}"
+
+
+def _checkpoint_step(path: Path) -> int:
+    match = _CHECKPOINT_RE.match(path.name)
+    return int(match.group(1)) if match else -1
 
 
 def create_output_dir(output_dir: str | Path) -> Path:
@@ -100,20 +156,45 @@ def create_output_dir(output_dir: str | Path) -> Path:
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoint directories in ``output_dir``, oldest first."""
+    """Checkpoint directories in ``output_dir``, oldest first."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))]
-    return [p for _, p in sorted(found)]
+    return sorted((p for p in root.iterdir() if p.is_dir() and _CHECKPOINT_RE.match(p.name)), key=_checkpoint_step)
 
 
-def find_resumable_checkpoint(output_dir: str | Path) -> Optional[Path]:
-    """The newest checkpoint in ``output_dir`` that carries recipe state, or None."""
-    for path in reversed(list_checkpoints(output_dir)):
-        if (path / RECIPE_STATE_DIR / TRAINER_STATE_FILE).is_file():
-            return path
-    return None
+def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool, collective: bool = False) -> ResumeChoice:
+    """The newest checkpoint in ``output_dir`` whose recipe state matches its manifest.
+
+    Args:
+        output_dir: the run's directory.
+        hashes: recompute each file's SHA-256 (the resume itself); False compares sizes only, reading no
+            checkpoint file but the manifest and trainer_state.json (the start-up checks, ``tune validate``).
+        collective: every rank calls this and the ranks share the hashing.
+
+    Returns:
+        The checkpoint, and the newer ones skipped; no checkpoint when ``output_dir`` holds none with recipe state.
+
+    Raises:
+        UserError: there are checkpoints with recipe state, and none of them matches its manifest (naming each
+            checkpoint's first bad file).
+    """
+    candidates = [c for c in reversed(list_checkpoints(output_dir)) if (c / RECIPE_STATE_DIR).is_dir()]
+    skipped = []
+    for candidate in candidates:
+        problem = check_against_manifest(candidate, hashes=hashes, collective=collective, require=_TRAINER_STATE)
+        if problem is None:
+            try:
+                read_trainer_state(candidate)
+            except UserError as err:
+                problem = str(err)
+        if problem is None:
+            return ResumeChoice(candidate, tuple(skipped))
+        skipped.append(f"{candidate.name} skipped: {problem}")
+    if skipped:
+        raise UserError(f"resume_from_checkpoint=true: no checkpoint in {output_dir} can be resumed: "
+                        + "; ".join(skipped))
+    return ResumeChoice(None)
 
 
 def _barrier() -> None:
@@ -129,39 +210,81 @@ def save_checkpoint(
     scheduler: Optional[Any],
     progress: Progress,
     shape: RunShape,
+    keep_last_n: Optional[int] = None,
     tokenizer_dir: Optional[str | Path] = None,
     hf_config_extra: Optional[dict[str, Any]] = None,
 ) -> Path:
-    """Write a complete checkpoint for ``progress.step`` (all ranks must call this).
+    """Write a complete checkpoint for ``progress.step`` (all ranks must call this), then prune older ones.
 
     The Hugging Face files are written by rank 0 (a sharded model gathered one output shard at a time, so no
-    rank holds the whole model), the recipe state by every rank (DCP: each rank its own shard), all into one
-    temporary directory that rank 0 renames into place once every rank is done. Older checkpoints then lose
-    their recipe state (only the newest one resumes). ``optimizers`` is the optimizer, or the per-parameter
-    optimizers of a step in backward: their state is saved by parameter name either way.
+    rank holds the whole model), the recipe state by every rank (DCP: each rank its own shard), then the manifest
+    (every rank hashing its share of the files), all into one temporary directory that rank 0 renames into place
+    once every rank is done. Once the renamed checkpoint matches its manifest, older checkpoints are pruned (see
+    the module docstring). ``optimizers`` is the optimizer, or the per-parameter optimizers of a step in
+    backward: their state is saved by parameter name either way.
+
+    Args:
+        keep_last_n: keep this many newest checkpoints whole and delete the others; None keeps every
+            checkpoint's Hugging Face files and the recipe state of the newest ``RESUMABLE_KEPT``.
 
     Returns:
         The checkpoint directory.
+
+    Raises:
+        UserError: a rank could not write its files (a full disk, a read-only file system, an I/O error), on every
+            rank; the partial checkpoint is removed and nothing older is touched.
     """
     root = Path(output_dir)
     final = root / checkpoint_name(progress.step)
     if is_writer_rank():
-        remove_debris(root)  # what a run killed while saving left behind
+        remove_debris(root)  # what a run killed while saving or pruning left behind
     _barrier()
 
     def write(tmp: Path) -> None:
-        write_hf_files(model, tmp, tokenizer_dir=tokenizer_dir, **(hf_config_extra or {}))
-        _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizers=optimizers, scheduler=scheduler,
-                           progress=progress, shape=shape)
+        run_on_every_rank(
+            lambda: write_hf_files(model, tmp, tokenizer_dir=tokenizer_dir, **(hf_config_extra or {})), where=tmp
+        )
+        run_on_every_rank(
+            lambda: _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizers=optimizers,
+                                       scheduler=scheduler, progress=progress, shape=shape),
+            where=tmp,
+        )
+        run_on_every_rank(lambda: write_manifest(tmp, collective=True), where=tmp)  # last
 
-    # overwrite: an earlier save of this very step (epoch end == save_every_n_steps) is replaced.
-    write_directory(final, write, overwrite=True, collective=True)
-    if is_writer_rank():
-        for older in list_checkpoints(root):
-            if older != final and (older / RECIPE_STATE_DIR).exists():
-                shutil.rmtree(older / RECIPE_STATE_DIR)
-    _barrier()
+    try:
+        # overwrite: an earlier save of this very step (epoch end == save_every_n_steps) is replaced.
+        write_directory(final, write, overwrite=True, collective=True)
+    except CollectiveStepFailed as err:
+        if not err.failure.environmental:
+            raise
+        older = [c.name for c in list_checkpoints(root) if c != final]
+        kept = f"the newest is still {older[-1]}" if older else "there is none yet"
+        raise UserError(
+            f"checkpoint {final} could not be written: rank {err.failure.rank}: {err.failure.message}; the partial "
+            f"checkpoint was removed and no earlier checkpoint was touched ({kept}): make room, then run the same "
+            "command with resume_from_checkpoint=true"
+        ) from err
+    run_on_every_rank(lambda: _prune(root, final, keep_last_n) if is_writer_rank() else None, where=root)
     return final
+
+
+def _prune(root: Path, final: Path, keep_last_n: Optional[int]) -> None:
+    """Rank 0: check ``final`` against its manifest, then prune the older checkpoints (see the module docstring)."""
+    problem = check_against_manifest(final, hashes=False, require=_TRAINER_STATE)
+    if problem is not None:
+        raise RuntimeError(f"the checkpoint just written does not match its manifest ({problem}); nothing pruned")
+    newest_first = list(reversed(list_checkpoints(root)))
+    for checkpoint in newest_first:
+        if _checkpoint_step(checkpoint) > _checkpoint_step(final):
+            discard_directory(checkpoint, root)  # a resumed run superseded it (it failed its manifest)
+    older = [c for c in newest_first if _checkpoint_step(c) < _checkpoint_step(final)]
+    keep_state = (keep_last_n if keep_last_n is not None else RESUMABLE_KEPT) - 1
+    for i, checkpoint in enumerate(older):
+        if keep_last_n is not None and i >= keep_last_n - 1:
+            discard_directory(checkpoint, root)
+        elif i >= keep_state and (checkpoint / RECIPE_STATE_DIR).exists():
+            write_manifest_without(checkpoint, f"{RECIPE_STATE_DIR}/")
+            discard_directory(checkpoint / RECIPE_STATE_DIR, root)
 
 
 def _save_recipe_state(
@@ -190,21 +313,39 @@ def _save_recipe_state(
 
 
 def read_trainer_state(checkpoint: Path) -> tuple[Progress, RunShape]:
-    """Progress and run shape recorded in ``checkpoint``."""
-    data = json.loads((checkpoint / RECIPE_STATE_DIR / TRAINER_STATE_FILE).read_text())
-    return Progress(**data["progress"]), RunShape(**data["shape"])
+    """Progress and run shape recorded in ``checkpoint``.
+
+    Raises:
+        UserError: trainer_state.json is missing, not JSON, or not what this version writes (naming the file).
+    """
+    path = checkpoint / RECIPE_STATE_DIR / TRAINER_STATE_FILE
+    data = read_json(path)
+    try:
+        return Progress(**data["progress"]), RunShape(**data["shape"])
+    except (KeyError, TypeError) as err:
+        raise UserError(f"{path}: not a trainer state this version reads ({type(err).__name__}: {err})") from None
 
 
 def check_resume_shape(checkpoint: Path, saved: RunShape, current: RunShape) -> None:
-    """Refuse a resume that could not continue exactly.
+    """Refuse a resume that could not continue the same run.
+
+    The number of processes, the batch size and the accumulation may change if the global batch does not (each
+    step is then made of the same samples, and the loss of a step does not depend on how they are split).
 
     Raises:
         UserError: naming each setting that differs between the checkpoint and this run.
     """
     problems = []
-    for name in ("world_size", "batch_size", "gradient_accumulation_steps"):
-        if getattr(saved, name) != getattr(current, name):
-            problems.append(f"{name} was {getattr(saved, name)}, now {getattr(current, name)}")
+    if saved.global_batch != current.global_batch:
+        changed = [
+            f"{name} was {getattr(saved, name)}, now {getattr(current, name)}"
+            for name in ("batch_size", "gradient_accumulation_steps", "world_size")
+            if getattr(saved, name) != getattr(current, name)
+        ]
+        problems.append(
+            f"the global batch was {saved.describe_batch()}, now {current.describe_batch()} ({', '.join(changed)}): "
+            "keep batch_size x gradient_accumulation_steps x processes equal"
+        )
     model_diff = [
         f"{key} {saved.model_args.get(key)} -> {current.model_args.get(key)}"
         for key in sorted(set(saved.model_args) | set(current.model_args))
@@ -227,7 +368,12 @@ def load_checkpoint(
     optimizers: Sequence[torch.optim.Optimizer],
     scheduler: Optional[Any],
 ) -> None:
-    """Restore model, optimizer(s), scheduler and this rank's RNG state from ``checkpoint`` (all ranks call this)."""
+    """Restore model, optimizer(s), scheduler and this rank's RNG state from ``checkpoint`` (all ranks call this).
+
+    The model and optimizer state are resharded by DCP to this run's number of processes. Each rank's RNG state
+    belongs to its rank: on another world size, rank ``r`` takes that of rank ``r`` modulo the saved world size
+    (dropout masks then differ from an uninterrupted run's; nothing else draws random numbers while training).
+    """
     state_dir = checkpoint / RECIPE_STATE_DIR
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
     with _single_process_dcp_quiet():
@@ -237,7 +383,8 @@ def load_checkpoint(
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(state_dir / "scheduler.pt", weights_only=True))
     rank = dist.get_rank() if process_group_active() else 0
-    rng = torch.load(state_dir / f"rng_rank{rank}.pt", weights_only=True)
+    saved_ranks = len(list(state_dir.glob("rng_rank*.pt")))
+    rng = torch.load(state_dir / f"rng_rank{rank % saved_ranks}.pt", weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"])

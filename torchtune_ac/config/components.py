@@ -244,7 +244,8 @@ class Component:
         """Call the target with ``args``, this node's kwargs (nested components built first) and ``extra_kwargs``.
 
         Raises:
-            UserError: the target rejected its arguments (TypeError/ValueError), naming this node's key.
+            UserError: the target raised (it rejected its arguments: a TypeError, a ValueError, an IndexError for
+                ``betas=[0.9]``, ...), naming this node's key, the target and the arguments the config gave it.
         """
         kwargs = {name: _instantiate_nested(value, f"{self.key}.{name}") for name, value in self.kwargs.items()}
         kwargs.update(extra_kwargs)
@@ -252,8 +253,11 @@ class Component:
             return self.target()(*args, **kwargs)
         except UserError:
             raise
-        except (TypeError, ValueError) as err:
-            raise UserError(f"{self.key} ({self.path}): {err}") from err
+        except Exception as err:  # noqa: BLE001 - whatever a component raises on its arguments is the config's doing
+            given = ", ".join(f"{name}={_show_argument(value)}" for name, value in self.kwargs.items())
+            detail = str(err).splitlines()[0] if str(err) else ""
+            kind = "" if isinstance(err, (TypeError, ValueError)) else f"{type(err).__name__}: "
+            raise UserError(f"{self.key} ({self.path}): {kind}{detail}{f' (arguments: {given})' if given else ''}") from err
 
 
     def instantiate_with_defaults(self, *args: Any, **defaults: Any) -> Any:
@@ -265,6 +269,11 @@ class Component:
             parameters = {}
         wanted = {name: value for name, value in defaults.items() if name in parameters and name not in self.kwargs}
         return self.instantiate(*args, **wanted)
+
+
+def _show_argument(value: Any) -> str:
+    text = repr(value.as_config() if isinstance(value, Component) else value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _as_config(value: Any) -> Any:

@@ -27,17 +27,40 @@ from torchtune_ac.registry import builtin_config_names, builtin_config_path
 def register_resolvers() -> None:
     """Register torchtune_ac's OmegaConf resolvers (idempotent).
 
-    ``${embedded_checkpoint:}`` is the path of the embedded tiny checkpoint, written on first use.
+    ``${embedded_checkpoint:}`` is the path of the embedded tiny checkpoint. Resolving it writes nothing (``tune
+    validate`` writes nothing anywhere); ``tune run`` creates it (``create_embedded_checkpoint_if_named``).
     """
     if OmegaConf.has_resolver("embedded_checkpoint"):
         return
 
     def _embedded_checkpoint() -> str:
-        from torchtune_ac.embedded import ensure_embedded_checkpoint
+        from torchtune_ac.embedded import embedded_checkpoint_dir
 
-        return str(ensure_embedded_checkpoint())
+        return str(embedded_checkpoint_dir())
 
-    OmegaConf.register_new_resolver("embedded_checkpoint", _embedded_checkpoint, use_cache=True)
+    # Not cached: the cache directory comes from $TORCHTUNE_AC_CACHE, which may change between loads.
+    OmegaConf.register_new_resolver("embedded_checkpoint", _embedded_checkpoint)
+
+
+def create_embedded_checkpoint_if_named(cfg: DictConfig) -> None:
+    """Write the embedded checkpoint if a value of the resolved ``cfg`` is its directory or a path inside it
+    (``tune run`` only: the run reads it; ``tune validate`` reports it missing like any other file)."""
+    from torchtune_ac.embedded import embedded_checkpoint_dir, ensure_embedded_checkpoint
+
+    target = embedded_checkpoint_dir().expanduser().absolute()
+
+    def names_it(value: object) -> bool:
+        if isinstance(value, dict):
+            return any(names_it(v) for v in value.values())
+        if isinstance(value, list):
+            return any(names_it(v) for v in value)
+        if not isinstance(value, str) or not value:
+            return False
+        path = Path(value).expanduser().absolute()
+        return path == target or target in path.parents
+
+    if names_it(OmegaConf.to_container(cfg, resolve=True)):
+        ensure_embedded_checkpoint()
 
 
 def resolve_config_path(config: str) -> Path:

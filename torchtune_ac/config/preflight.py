@@ -1,9 +1,10 @@
 """Cheap start-up checks of a fine-tuning config, run before anything heavy (and by ``tune validate``).
 
 Builds the model on the meta device (sizes, parameter count), resolves the activation-checkpointing plan,
-and checks the files the run will read and write. Problems with the config itself are always errors;
-problems with files and devices are errors when ``strict`` (about to run) and warnings otherwise (``tune
-validate`` on a machine that is not the training machine).
+and checks the files the run will read and write. Problems with the config itself, and files that exist and
+contradict it, are always errors; what is missing or unavailable on this machine (``UnavailableError``: a file,
+a device, a package) is an error when ``strict`` (about to run) and a warning otherwise (``tune validate`` on a
+machine that is not the training machine).
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ from torchtune_ac.checkpoint import (
     RunShape,
     check_checkpoint_matches,
     check_resume_shape,
-    find_resumable_checkpoint,
+    choose_resume_checkpoint,
     list_checkpoints,
     read_trainer_state,
 )
 from torchtune_ac.config.planning import planning_inputs
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
-from torchtune_ac.errors import UserError
+from torchtune_ac.config.startup_checks import check_optimizer_builds, check_tokenizer_fits
+from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.training.distributed import resolve_device
 from torchtune_ac.training.memory_plan import MemoryPlan, resolve_memory_plan
@@ -80,14 +82,12 @@ def _check_output_dir(cfg: FullFinetuneConfig, strict: bool) -> None:
     if not existing.is_dir():
         raise UserError(f"output_dir {out}: not writable ({existing} is a file, not a directory)")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise UserError(f"output_dir {out}: not writable ({existing} does not allow writing)")
+        raise UnavailableError(f"output_dir {out}: not writable ({existing} does not allow writing)")
     if not cfg.resume_from_checkpoint and (list_checkpoints(out) or (out / METRICS_FILE).exists()):
         raise UserError(
             f"output_dir {out}: holds checkpoints or metrics of an earlier run; pass resume_from_checkpoint=true "
             "to continue it, or choose another output_dir"
         )
-    if cfg.resume_from_checkpoint and find_resumable_checkpoint(out) is None:
-        raise UserError(f"resume_from_checkpoint=true: output_dir {out} has no checkpoint to resume from")
 
 
 def _resolve_plan(cfg: FullFinetuneConfig, model: torch.nn.Module, world_size: Optional[int], strict: bool,
@@ -120,14 +120,15 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
             elastic node range), which skips the world-size comparison.
 
     Raises:
-        UserError: the first problem found (config problems always; file problems when ``strict``).
+        UserError: the first problem found (config problems and contradicting files always; what is missing on
+            this machine when ``strict``).
     """
     report = PreflightReport()
 
     def soft(check: Callable[[], None]) -> None:
         try:
             check()
-        except UserError as err:
+        except UnavailableError as err:
             if strict:
                 raise
             report.warnings.append(str(err))
@@ -139,17 +140,21 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
     report.plan = _resolve_plan(cfg, model, world_size, strict, report)
     if cfg.checkpoint_dir is not None:
         soft(lambda: check_checkpoint_matches(model, cfg.checkpoint_dir))
+    soft(lambda: check_tokenizer_fits(cfg.tokenizer, report.plan.vocab_size))
+    check_optimizer_builds(cfg.optimizer, cfg.lr_scheduler)
     soft(lambda: _check_output_dir(cfg, strict))
+    resume_note = ""
     if cfg.resume_from_checkpoint:
-
-        def check_resume() -> None:
-            checkpoint = find_resumable_checkpoint(Path(cfg.output_dir).expanduser())
-            if checkpoint is not None:
-                _, saved = read_trainer_state(checkpoint)
-                current = run_shape(cfg, saved.world_size if world_size is None else world_size, model)
-                check_resume_shape(checkpoint, saved, current)
-
-        soft(check_resume)
+        # Sizes against each checkpoint's manifest here; the run itself also checks every file's SHA-256.
+        choice = choose_resume_checkpoint(Path(cfg.output_dir).expanduser(), hashes=False)
+        report.warnings.extend(choice.skipped)
+        if choice.checkpoint is not None:
+            _, saved = read_trainer_state(choice.checkpoint)
+            current = run_shape(cfg, saved.world_size if world_size is None else world_size, model)
+            check_resume_shape(choice.checkpoint, saved, current)
+            resume_note = f" (resuming from {choice.checkpoint.name})"
+        else:
+            resume_note = " (resume_from_checkpoint=true, but no checkpoint yet: starts at step 0)"
 
     if cfg.metric_logger is not None:
         # Building the tracker only checks its settings; its package is needed on the machine that trains.
@@ -169,6 +174,6 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
             f" = {per_step} samples per step per process",
         ),
         ("checkpoint_dir", cfg.checkpoint_dir or "none (random initialisation from seed)"),
-        ("output_dir", cfg.output_dir + (" (resuming)" if cfg.resume_from_checkpoint else "")),
+        ("output_dir", cfg.output_dir + resume_note),
     ]
     return report

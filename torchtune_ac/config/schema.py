@@ -64,6 +64,9 @@ class FullFinetuneConfig:
     # optimizer_in_bwd, loss_chunks (top-level keys); see training/memory_plan.py.
     memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"flatten": True})
     save_every_n_steps: Optional[int] = field(default=None, metadata=_min(1))
+    # Keep the newest N checkpoints whole, delete older ones once a new one is verified; null: keep every
+    # checkpoint's model files, and recipe state in the newest two (see checkpoint/recipe_state.py).
+    keep_last_n_checkpoints: Optional[int] = field(default=None, metadata=_min(1))
     log_every_n_steps: int = field(default=1, metadata=_min(1))
     # Experiment tracker besides metrics.jsonl (always written): torchtune_ac.training.metric_logging.*, or null.
     metric_logger: Optional[Component] = None

@@ -20,7 +20,7 @@ from typing import Any, Optional
 from tokenizers import Tokenizer as BackendTokenizer
 
 from torchtune_ac.component_marker import config_component
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 
 # Used when no chat template ships with the tokenizer: "role: content" paragraphs, e.g.
 #   "user: What is 2 + 3?\n\nassistant: 5\n\n"
@@ -205,8 +205,9 @@ def load_tokenizer(path: str, max_seq_len: Optional[int] = None) -> Tokenizer:
         The tokenizer.
 
     Raises:
-        UserError: for a missing path, unreadable or invalid JSON, a special token not in the vocabulary, no EOS
-            token anywhere, or ``max_seq_len <= 0``.
+        UnavailableError: the path, or the folder's tokenizer.json, does not exist.
+        UserError: unreadable or invalid JSON, a special token not in the vocabulary, no EOS token anywhere, or
+            ``max_seq_len <= 0``.
     """
     if max_seq_len is not None and max_seq_len <= 0:
         raise UserError(f"tokenizer max_seq_len={max_seq_len}: must be a positive integer or null")
@@ -215,11 +216,11 @@ def load_tokenizer(path: str, max_seq_len: Optional[int] = None) -> Tokenizer:
         folder, file = location, location / "tokenizer.json"
         if not file.is_file():
             present = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
-            raise UserError(f"{folder}: no tokenizer.json in this folder (it holds: {present})")
+            raise UnavailableError(f"{folder}: no tokenizer.json in this folder (it holds: {present})")
     elif location.is_file():
         folder, file = location.parent, location
     else:
-        raise UserError(f"tokenizer path {path} does not exist")
+        raise UnavailableError(f"tokenizer path {path} does not exist")
 
     text = read_text_file(file)
     parse_json_text(file, text)

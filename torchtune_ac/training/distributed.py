@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError
 from torchtune_ac.models.families import transformer_blocks
 from torchtune_ac.training.dtypes import DType
 
@@ -61,13 +61,13 @@ def resolve_device(device: str, local_rank: int = 0) -> torch.device:
     """``auto`` -> CUDA when present, else CPU; ``cuda`` -> this process's GPU.
 
     Raises:
-        UserError: ``cuda`` was asked for on a machine without CUDA.
+        UnavailableError: ``cuda`` was asked for on a machine without CUDA.
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
-            raise UserError("device=cuda: CUDA is not available on this machine (use device=cpu or device=auto)")
+            raise UnavailableError("device=cuda: CUDA is not available on this machine (use device=cpu or device=auto)")
         return torch.device("cuda", local_rank)
     return torch.device(device)
 

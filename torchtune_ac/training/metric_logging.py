@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Protocol, Sequence
 
 from torchtune_ac.component_marker import config_component
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.training.metrics import MetricsWriter
 
 TENSORBOARD_DIR = "tensorboard"
@@ -51,7 +51,7 @@ class MetricLogger(Protocol):
 
 def _require(package: str, logger: str, extra: str) -> None:
     if importlib.util.find_spec(package) is None:
-        raise UserError(
+        raise UnavailableError(
             f"metric_logger: {logger} needs the {package} package: pip install 'torchtune_ac[{extra}]'"
         )
 

@@ -8,7 +8,8 @@ gradients over ranks, hence the factor ``world_size``).
 The memory plan decides how: the loss is computed from the whole logits or chunk by chunk
 (``ChunkedCrossEntropy`` as the model's output head), and the optimizer steps after backward (clipping first)
 or inside it (``OptimizerInBackward``, whose hooks have stepped every parameter by the end of the last
-micro-batch's backward).
+micro-batch's backward). ``train_step`` stops a step whose loss or gradient norm is not finite before the
+optimizer takes it in (``non_finite.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtune_ac.training.distributed import DistributedContext, all_reduce_sum
 from torchtune_ac.training.loss import ChunkedCrossEntropy, count_target_tokens, cross_entropy_sum
+from torchtune_ac.training.non_finite import FiniteChecks
 from torchtune_ac.training.optimizer_in_backward import OptimizerInBackward
 
 
@@ -56,11 +58,13 @@ def accumulate_gradients(
     scale: float,
     loss_chunks: int = 1,
     after_forward: Optional[Callable[[int], None]] = None,
+    check_loss: Optional[Callable[[int, torch.Tensor], None]] = None,
 ) -> torch.Tensor:
     """Forward and backward every micro-batch, each summed loss scaled by ``scale`` (an ``OptimizerInBackward``
     steps during the last one's backward). No host synchronisation: the memory planner runs this under fake
     tensors, and ``after_forward(i)`` (called between micro-batch ``i``'s forward and backward) lets it see what
-    a forward keeps.
+    a forward keeps. ``check_loss(i, loss)``, if given, sees micro-batch ``i``'s loss before its backward (and may
+    raise).
 
     Returns:
         The summed (unscaled) loss of all micro-batches, detached.
@@ -73,6 +77,8 @@ def accumulate_gradients(
         micro_loss = micro_batch_loss(model, batch, loss_chunks)
         if after_forward is not None:
             after_forward(i)
+        if check_loss is not None:
+            check_loss(i, micro_loss)
         (micro_loss * scale).backward()
         loss_sum += micro_loss.detach()
         del micro_loss
@@ -80,9 +86,13 @@ def accumulate_gradients(
 
 
 def update_parameters(
-    model: nn.Module, optimizer: torch.optim.Optimizer, clip_grad_norm: Optional[float] = None
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    clip_grad_norm: Optional[float] = None,
+    check_norm: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> Optional[torch.Tensor]:
     """Clip the gradients and step the optimizer, then free the gradients (no host synchronisation).
+    ``check_norm(norm)``, if given, sees the total norm before the optimizer steps (and may raise).
 
     Returns:
         The total gradient norm before clipping (a 0-d tensor), or None for an ``OptimizerInBackward``, whose
@@ -94,6 +104,8 @@ def update_parameters(
             model.parameters(), max_norm=clip_grad_norm if clip_grad_norm is not None else math.inf
         )
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+        if check_norm is not None:
+            check_norm(norm)
     optimizer.step()  # in backward: nothing left to do (an LR scheduler still sees the step)
     optimizer.zero_grad(set_to_none=True)
     return norm
@@ -121,6 +133,10 @@ def train_step(
 
     Returns:
         The global mean loss, the gradient norm before clipping, and token counts.
+
+    Raises:
+        NonFiniteError: on every rank, a micro-batch's loss (before its backward) or the gradient norm (before
+            the optimizer step; with an ``OptimizerInBackward``, after its hooks stepped) is NaN or infinite.
     """
     in_backward = isinstance(optimizer, OptimizerInBackward)
     if in_backward and clip_grad_norm is not None:
@@ -131,9 +147,13 @@ def train_step(
     global_targets = max(int(counts[0]), 1)
     scale = ctx.world_size / global_targets
 
-    loss_sum = accumulate_gradients(model, optimizer, micro_batches, scale=scale, loss_chunks=loss_chunks)
-    norm = update_parameters(model, optimizer, clip_grad_norm)
+    checks = FiniteChecks(ctx, len(micro_batches))
+    loss_sum = accumulate_gradients(model, optimizer, micro_batches, scale=scale, loss_chunks=loss_chunks,
+                                    check_loss=checks.check_loss)
+    norm = update_parameters(model, optimizer, clip_grad_norm, check_norm=checks.check_grad_norm)
     grad_norm = optimizer.finish_step(ctx.device) if in_backward else float(norm)
+    if in_backward:
+        checks.check_grad_norm(grad_norm, stepped=True)
     total_loss = all_reduce_sum(loss_sum, ctx)
     return StepResult(
         loss=float(total_loss) / global_targets,

@@ -1,0 +1,211 @@
+"""A run's checkpoints in one process: the manifest comes last, resume takes the newest checkpoint that passes it
+(skipping a damaged one with a line naming the bad file), older checkpoints are pruned only once the new one is
+verified, a full disk costs nothing that was there before, and what may change on resume is the global batch's
+split, not the global batch."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from torchtune_ac.checkpoint import (
+    MANIFEST_FILE,
+    RECIPE_STATE_DIR,
+    Progress,
+    RunShape,
+    check_resume_shape,
+    choose_resume_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from torchtune_ac.checkpoint import safetensors_io
+from torchtune_ac.checkpoint.manifest import check_against_manifest
+from torchtune_ac.errors import UserError
+from torchtune_ac.models import Llama, LlamaArgs
+
+TINY = LlamaArgs(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=64, max_seq_len=64)
+SHAPE = RunShape(world_size=1, batch_size=4, gradient_accumulation_steps=1, model_args={"n_layers": 2},
+                 data={"seed": 0})
+
+
+def _trained(seed: int = 0) -> tuple[Llama, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = Llama(TINY)
+    model.init_weights(0.02)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tokens = torch.randint(0, TINY.vocab_size, (2, 16))
+    model(tokens).float().logsumexp(-1).mean().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _save(output_dir: Path, model: Llama, optimizer: torch.optim.Optimizer, step: int, **kwargs) -> Path:
+    return save_checkpoint(output_dir, model=model, optimizers=[optimizer], scheduler=None,
+                           progress=Progress(step, 0, step), shape=SHAPE, **kwargs)
+
+
+def _resumable(output_dir: Path) -> list[str]:
+    return [c.name for c in list_checkpoints(output_dir) if (c / RECIPE_STATE_DIR).exists()]
+
+
+def test_each_checkpoint_ends_with_a_manifest_that_it_passes(tmp_path):
+    model, optimizer = _trained()
+    path = _save(tmp_path, model, optimizer, 3)
+    assert (path / MANIFEST_FILE).is_file()
+    assert check_against_manifest(path, hashes=True) is None
+    listed = json.loads((path / MANIFEST_FILE).read_text())["files"]
+    on_disk = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file() and p.name != MANIFEST_FILE)
+    assert sorted(listed) == on_disk
+    assert choose_resume_checkpoint(tmp_path, hashes=True).checkpoint == path
+
+
+@pytest.mark.parametrize(
+    "keep_last_n, whole, model_only",
+    [
+        (None, ["step_0000003", "step_0000004"], ["step_0000001", "step_0000002"]),  # recipe state in the newest 2
+        (1, ["step_0000004"], []),
+        (3, ["step_0000002", "step_0000003", "step_0000004"], []),
+    ],
+)
+def test_older_checkpoints_are_pruned_as_keep_last_n_checkpoints_says(tmp_path, keep_last_n, whole, model_only):
+    model, optimizer = _trained()
+    for step in range(1, 5):
+        _save(tmp_path, model, optimizer, step, keep_last_n=keep_last_n)
+    assert [c.name for c in list_checkpoints(tmp_path)] == sorted(whole + model_only)
+    assert _resumable(tmp_path) == whole
+    for checkpoint in list_checkpoints(tmp_path):  # a pruned checkpoint's manifest no longer lists what went
+        assert check_against_manifest(checkpoint, hashes=True) is None
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no debris
+
+
+def _break_newest_distcp(output_dir: Path) -> Path:
+    distcp = next((list_checkpoints(output_dir)[-1] / RECIPE_STATE_DIR).glob("*.distcp"))
+    distcp.write_bytes(distcp.read_bytes()[:1000])
+    return distcp
+
+
+def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one_with_the_file_named(tmp_path):
+    first, first_optimizer = _trained(seed=0)
+    _save(tmp_path, first, first_optimizer, 1)
+    second, second_optimizer = _trained(seed=1)
+    _save(tmp_path, second, second_optimizer, 2)
+    distcp = _break_newest_distcp(tmp_path)
+
+    for hashes in (False, True):
+        choice = choose_resume_checkpoint(tmp_path, hashes=hashes)
+        assert choice.checkpoint == tmp_path / "step_0000001"
+        assert len(choice.skipped) == 1 and str(distcp) in choice.skipped[0] and "truncated" in choice.skipped[0]
+
+    restored, restored_optimizer = _trained(seed=2)
+    load_checkpoint(choice.checkpoint, model=restored, optimizers=[restored_optimizer], scheduler=None)
+    for name, value in first.state_dict().items():
+        assert torch.equal(restored.state_dict()[name], value), name
+
+    # The next save (a resumed run at step 2) replaces the damaged one, which is then pruned like any other.
+    _save(tmp_path, second, second_optimizer, 2)
+    assert choose_resume_checkpoint(tmp_path, hashes=True) == type(choice)(tmp_path / "step_0000002")
+
+
+def test_checkpoints_newer_than_a_resumed_save_are_removed_once_it_is_verified(tmp_path):
+    model, optimizer = _trained()
+    for step in (1, 2, 3):
+        _save(tmp_path, model, optimizer, step)
+    _break_newest_distcp(tmp_path)  # step 3: the run resumes from step 2 ...
+    _save(tmp_path, model, optimizer, 2)  # ... and its first save supersedes step 3's timeline
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["step_0000001", "step_0000002"]
+
+
+def test_when_every_checkpoint_is_damaged_resume_refuses_in_one_line_naming_each(tmp_path):
+    model, optimizer = _trained()
+    _save(tmp_path, model, optimizer, 1)
+    state = tmp_path / "step_0000001" / RECIPE_STATE_DIR / "trainer_state.json"
+    state.write_text(state.read_text()[:20])  # what a JSONDecodeError traceback used to come from
+    with pytest.raises(UserError) as caught:
+        choose_resume_checkpoint(tmp_path, hashes=True)
+    message = str(caught.value)
+    assert "\n" not in message and "no checkpoint in" in message and str(state) in message
+
+
+def test_no_checkpoint_at_all_means_starting_at_step_0(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')  # an interrupted run before its first checkpoint
+    assert choose_resume_checkpoint(tmp_path, hashes=True).checkpoint is None
+    assert choose_resume_checkpoint(tmp_path / "missing", hashes=False).checkpoint is None
+
+
+def _disk_full_after(nbytes: int):
+    """A safetensors writer that writes ``nbytes`` of the file, then fails as a full disk does."""
+
+    def save_file(tensors, filename, metadata=None):
+        with open(filename, "wb") as f:
+            f.write(b"\0" * nbytes)
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    return save_file
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_costs_no_earlier_checkpoint(tmp_path, monkeypatch):
+    model, optimizer = _trained()
+    _save(tmp_path, model, optimizer, 1)
+    _save(tmp_path, model, optimizer, 2)
+    before = {c.name: load_file(c / "model.safetensors") for c in list_checkpoints(tmp_path)}
+    monkeypatch.setattr(safetensors_io, "save_file", _disk_full_after(1000))
+    with pytest.raises(UserError) as caught:
+        _save(tmp_path, model, optimizer, 3)
+    message = str(caught.value)
+    assert "\n" not in message
+    for part in ("step_0000003 could not be written", "No space left on device (ENOSPC)", "model.safetensors",
+                 "the newest is still step_0000002", "resume_from_checkpoint=true"):
+        assert part in message, (part, message)
+    assert [c.name for c in list_checkpoints(tmp_path)] == ["step_0000001", "step_0000002"]
+    assert _resumable(tmp_path) == ["step_0000001", "step_0000002"]  # nothing pruned
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # the partial save is gone
+    for checkpoint in list_checkpoints(tmp_path):
+        assert check_against_manifest(checkpoint, hashes=True) is None
+        after = load_file(checkpoint / "model.safetensors")
+        assert all(torch.equal(after[name], before[checkpoint.name][name]) for name in after)
+
+
+def test_a_bug_while_saving_is_not_passed_off_as_a_full_disk(tmp_path, monkeypatch):
+    model, optimizer = _trained()
+
+    def broken(tensors, filename, metadata=None):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(safetensors_io, "save_file", broken)
+    with pytest.raises(Exception) as caught:
+        _save(tmp_path, model, optimizer, 1)
+    assert not isinstance(caught.value, UserError)
+    assert list(tmp_path.iterdir()) == []
+
+
+# saved (world, batch, accumulation) -> resumed, and whether the resume may continue
+SPLITS = [
+    ((1, 4, 1), (2, 2, 1), None),
+    ((2, 2, 1), (1, 4, 1), None),
+    ((2, 2, 1), (1, 2, 2), None),
+    ((1, 4, 1), (4, 1, 1), None),
+    ((1, 4, 1), (1, 2, 1), "the global batch was 4 (batch_size 4 x gradient_accumulation_steps 1 x 1 process(es)), "
+                           "now 2 (batch_size 2 x gradient_accumulation_steps 1 x 1 process(es)) (batch_size was 4, now 2)"),
+    ((2, 2, 1), (1, 2, 1), "(world_size was 2, now 1)"),
+]
+
+
+@pytest.mark.parametrize("saved, resumed, refusal", SPLITS)
+def test_resume_may_change_how_the_global_batch_is_split_but_not_its_size(saved, resumed, refusal):
+    def shape(split):
+        world, batch, accumulation = split
+        return dataclasses.replace(SHAPE, world_size=world, batch_size=batch, gradient_accumulation_steps=accumulation)
+
+    if refusal is None:
+        check_resume_shape(Path("step_0000005"), shape(saved), shape(resumed))
+        return
+    with pytest.raises(UserError) as caught:
+        check_resume_shape(Path("step_0000005"), shape(saved), shape(resumed))
+    assert refusal in str(caught.value)

@@ -1,0 +1,69 @@
+"""Stopping a run cleanly on SIGTERM or Ctrl-C: every rank finishes its step, a checkpoint is written, and the run
+exits with a documented status (``errors.EXIT_STOPPED``) and one line saying how to resume.
+
+A scheduler (SLURM, Kubernetes, a spot instance's notice) sends SIGTERM; a user at a terminal presses Ctrl-C.
+Either only sets a flag here: a handler runs between two bytecodes of whatever the main thread is doing, in the
+middle of a collective or a write, so it must not act itself. Once per step every rank takes the largest flag of
+all ranks (one all-reduce of one number), so all ranks agree on the step to stop after, even when the signal
+reached only some of them; the recipe then saves and raises ``RunStopped``. After the first signal, SIGINT gets
+its default action back: a second Ctrl-C ends the process at once, whatever it is doing; further SIGTERMs are
+ignored until the process has exited.
+
+Under ``tune run --nproc_per_node N`` the launcher forwards SIGTERM and SIGINT to every worker (``cli.py``).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType, TracebackType
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from torchtune_ac.training.distributed import DistributedContext
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class StopSignals:
+    """While active (a context manager), SIGTERM and SIGINT ask the run to stop at the end of its current step.
+
+    Outside the main thread (where Python cannot install handlers) it does nothing, and signals keep their
+    usual effect.
+    """
+
+    def __init__(self) -> None:
+        self.received: Optional[signal.Signals] = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in STOP_SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, kind: Optional[type], value: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        for sig, handler in self._previous.items():
+            if sig == signal.SIGTERM and self.received is not None:
+                # Already stopping: a later SIGTERM (the launcher ends the workers that have not exited yet once
+                # one has) must not cut this process short before it has said how to resume.
+                handler = signal.SIG_IGN
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum)
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C aborts at once
+
+    def agreed(self, ctx: DistributedContext) -> Optional[str]:
+        """The name of a stop signal some rank received (``SIGTERM`` wins over ``SIGINT``), or None. Every rank
+        calls this at the same point of each step: it is one all-reduce of one number."""
+        value = int(self.received or 0)
+        if ctx.is_distributed:
+            flag = torch.tensor([value], dtype=torch.int32, device=ctx.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            value = int(flag.item())
+        return signal.Signals(value).name if value else None
