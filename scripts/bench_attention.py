@@ -56,13 +56,16 @@ from torchtune_ac.data import IGNORE_INDEX, build_sample, collate_batch, pack_sa
 from torchtune_ac.models.attention import DocumentRuns, causal_attention, document_runs, document_starts  # noqa: E402
 from torchtune_ac.models.llama import Attention, apply_rope  # noqa: E402
 from torchtune_ac.training.distributed import DistributedContext  # noqa: E402
-from torchtune_ac.training.model_setup import ACSettings, build_training_model  # noqa: E402
+from torchtune_ac.training.activation_checkpointing import ACConfig, ACMode  # noqa: E402
+from torchtune_ac.training.distributed import FSDPConfig  # noqa: E402
+from torchtune_ac.training.dtypes import DType  # noqa: E402
+from torchtune_ac.training.model_setup import build_training_model  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 
 ATTENTION_SIDES = ("dense", "per_document", "causal_row")
 STEP_SIDES = ("before", "after")
-AC_SETTINGS = {"none": ACSettings(ac_mode="none"), "full": ACSettings(ac_mode="full"),
-               "op": ACSettings(ac_mode="selective", ac_option="op")}
+AC_SETTINGS = {"none": ACConfig(ac_mode=ACMode.NONE), "full": ACConfig(ac_mode=ACMode.FULL),
+               "op": ACConfig(ac_mode=ACMode.SELECTIVE, ac_option="op")}
 COMPILED = "+compile"  # a step setting ending in it compiles each block (``compile: true``)
 TARGET_ATTENTION_RATIO = 0.6  # per_document / dense time, at 5 documents per 512-token row
 TARGET_STEP_SPEEDUP = 1.10  # before / after step time on the packed workload
@@ -272,10 +275,12 @@ def packed_workload(n_rows: int, seq_len: int, vocab_size: int, seed: int) -> li
 def build_step(args: argparse.Namespace, side: str, setting: str, batches: list[dict]) -> Callable[[int], object]:
     """The recipe's model and step on one CPU process (weights from the seed); ``before`` attends densely."""
     ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    model, _ = build_training_model(
-        Component(key="model", path=f"torchtune_ac.models.{args.model}"), ctx=ctx, dtype="fp32",
-        ac=AC_SETTINGS[setting.removesuffix(COMPILED)], compile_blocks=setting.endswith(COMPILED),
-        checkpoint_dir=None, seed=args.seed,
+    component = Component(key="model", path=f"torchtune_ac.models.{args.model}")
+    with torch.device("meta"):
+        n_layers = len(component.instantiate().layers)
+    model = build_training_model(
+        component, ctx=ctx, dtype=DType.FP32, ac=AC_SETTINGS[setting.removesuffix(COMPILED)].resolve(n_layers),
+        fsdp=FSDPConfig(), compile_blocks=setting.endswith(COMPILED), checkpoint_dir=None, seed=args.seed,
     )
     holder = DenseMask()  # installed before the first call, so compile traces the dense attention
     if side == "before" and install_dense_attention(model, holder) == 0:
