@@ -19,7 +19,6 @@ Writes a JSON file and a chart (x: step time relative to no AC, y: activation me
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -35,6 +34,8 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from _benchlib import pyplot, save_figure, write_report  # noqa: E402
 
 from torchtune_ac import models  # noqa: E402
 from torchtune_ac.training.activation_checkpointing import setup_activation_checkpointing  # noqa: E402
@@ -205,10 +206,7 @@ def format_table(report: dict) -> str:
 
 def plot(report: dict, path: Path) -> None:
     """Save the time-ratio / memory-ratio scatter with the target boxes to ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.patches import Rectangle
 
     fig, ax = plt.subplots(figsize=(7, 5))
@@ -233,19 +231,13 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylim(0.0, 1.1)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     report = run_benchmark(args)
-    print(format_table(report))
-    args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out_png)
-    print(f"wrote {args.out_json} and {args.out_png}")
+    write_report(report, format_table(report), args.out_json, plot, args.out_png)
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ Writes a JSON file and a two-panel chart.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -49,6 +48,8 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from _benchlib import pyplot, save_figure, write_report  # noqa: E402
 
 from torchtune_ac import models  # noqa: E402
 from torchtune_ac.config.components import Component  # noqa: E402
@@ -414,10 +415,7 @@ def format_tables(report: dict) -> str:
 
 def plot(report: dict, path: Path) -> None:
     """Left: attention time per layer against documents per row; right: whole-step tokens/s before and after."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import FuncFormatter
 
     cfg = report["config"]
@@ -467,9 +465,7 @@ def plot(report: dict, path: Path) -> None:
     right.set_ylim(0, 1.35 * max(e[s]["target_tokens_per_second"] for e in steps for s in STEP_SIDES))
     right.grid(axis="y", alpha=0.3)
     right.legend(fontsize=7, loc="upper center", ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -477,11 +473,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     report = run_benchmark(args)
-    print(format_tables(report))
-    args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out_png)
-    print(f"wrote {args.out_json} and {args.out_png}")
+    write_report(report, format_tables(report), args.out_json, plot, args.out_png)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import platform
 import statistics
@@ -39,6 +38,8 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from _benchlib import pyplot, save_figure, write_report  # noqa: E402
 
 from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.training.activation_checkpointing import ACConfig, ACMode  # noqa: E402
@@ -199,10 +200,7 @@ def format_table(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     groups = [(ac, chunked) for ac in ("none", "full") for chunked in (False, True)]
     rows = {(r["ac"], r["chunked"], r["in_backward"]): r for r in report["rows"]}
@@ -225,19 +223,13 @@ def plot(report: dict, path: Path) -> None:
     ax.set_title(f"{report['model']}, batch {report['batch_size']} x {report['seq_len']}, fp32 "
                  "(labels: step time vs whole logits + ordinary step)", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path, dpi=110)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     report = run_benchmark(args)
-    print(format_table(report))
-    args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out_png)
-    print(f"wrote {args.out_json} and {args.out_png}")
+    write_report(report, format_table(report), args.out_json, plot, args.out_png)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,8 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from _benchlib import write_report  # noqa: E402
+
 from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.training.activation_checkpointing import ACConfig, resolve_ac_plan  # noqa: E402
 from torchtune_ac.training.dtypes import DType  # noqa: E402
@@ -232,10 +234,7 @@ def main() -> None:
         return
     args = parse_args()
     report = run_benchmark(args)
-    print(format_table(report))
-    args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out_json}")
+    write_report(report, format_table(report), args.out_json)
 
 
 if __name__ == "__main__":

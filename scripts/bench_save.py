@@ -38,6 +38,8 @@ from torch.distributed.fsdp import fully_shard
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from _benchlib import pyplot, save_figure, write_report  # noqa: E402
+
 from torchtune_ac.checkpoint import save_hf_state_dict  # noqa: E402
 from torchtune_ac.models import Llama, LlamaArgs, load_hf, save_hf  # noqa: E402
 from torchtune_ac.training.memory import track_peak_rss  # noqa: E402
@@ -128,11 +130,18 @@ def model_mib(layers: int) -> float:
         return sum(p.numel() * p.element_size() for p in Llama(model_args(layers)).parameters()) / MIB
 
 
-def write_chart(report: dict, path: Path) -> None:
-    import matplotlib
+def format_table(report: dict) -> str:
+    """The results as a fixed-width text table."""
+    lines = [f"\n{report['world_size']} ranks, max_shard_size {report['shard_size']}; both ways write equal tensors",
+             f"{'model':>10} {'mode':<12} {'rank-0 peak RSS growth':>24} {'save time':>10}"]
+    for r in report["results"]:
+        lines.append(f"{r['model_mib']:>6.0f} MiB {r['mode']:<12} {r['peak_rss_growth_mib']:>20.0f} MiB "
+                     f"{r['seconds']:>8.1f} s")
+    return "\n".join(lines)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+
+def write_chart(report: dict, path: Path) -> None:
+    plt = pyplot()
 
     rows = report["results"]
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
@@ -151,9 +160,7 @@ def write_chart(report: dict, path: Path) -> None:
     ax.set_ylim(0, max(max(sizes), *(r["peak_rss_growth_mib"] for r in rows)) * 1.12)
     ax.legend(loc="upper left")
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -173,15 +180,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         "shard_size": args.shard_size, "world_size": WORLD_SIZE, "torch": torch.__version__,
         "cpu_count": psutil.cpu_count(), "machine": platform.machine(), "results": results,
     }
-    print(f"\n{WORLD_SIZE} ranks, max_shard_size {args.shard_size}; both ways write equal tensors")
-    print(f"{'model':>10} {'mode':<12} {'rank-0 peak RSS growth':>24} {'save time':>10}")
-    for r in results:
-        print(f"{r['model_mib']:>6.0f} MiB {r['mode']:<12} {r['peak_rss_growth_mib']:>20.0f} MiB "
-              f"{r['seconds']:>8.1f} s")
-    args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps(report, indent=2) + "\n")
-    write_chart(report, args.out_png)
-    print(f"wrote {args.out_json} and {args.out_png}")
+    write_report(report, format_table(report), args.out_json, write_chart, args.out_png)
 
 
 if __name__ == "__main__":

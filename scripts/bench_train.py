@@ -23,7 +23,6 @@ Writes a JSON file and a bar chart.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import platform
@@ -40,6 +39,8 @@ from tqdm import tqdm
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from _benchlib import pyplot, save_figure, write_report  # noqa: E402
 
 from torchtune_ac import models  # noqa: E402
 from torchtune_ac.config.components import Component  # noqa: E402
@@ -265,10 +266,7 @@ def format_table(report: dict) -> str:
 
 def plot(report: dict, path: Path) -> None:
     """Save a grouped bar chart of tokens/s (ours vs HF per AC setting) to ``path``."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     results = report["results"]
     fig, ax = plt.subplots(figsize=(6, 4.5))
@@ -288,19 +286,13 @@ def plot(report: dict, path: Path) -> None:
     ax.set_ylim(0, 1.3 * max(r[s]["tokens_per_second"] for r in results for s in SIDES))
     ax.grid(axis="y", alpha=0.3)
     ax.legend(loc="upper center", ncol=2, fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    save_figure(fig, path)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     report = run_benchmark(args)
-    print(format_table(report))
-    args.out_json.parent.mkdir(parents=True, exist_ok=True)
-    args.out_json.write_text(json.dumps(report, indent=2) + "\n")
-    plot(report, args.out_png)
-    print(f"wrote {args.out_json} and {args.out_png}")
+    write_report(report, format_table(report), args.out_json, plot, args.out_png)
 
 
 if __name__ == "__main__":

@@ -15,14 +15,12 @@ from torchtune_ac.config.components import Component
 from torchtune_ac.errors import UserError
 from torchtune_ac.training import setup_activation_checkpointing
 from torchtune_ac.training.activation_checkpointing import ACConfig, ACConfigError, ACMode
-from torchtune_ac.training.dtypes import DType
 from torchtune_ac.training.loss import cross_entropy_sum
 from torchtune_ac.training.memory import measure_saved_activation_bytes
 from torchtune_ac.training.memory_plan import MemoryConfig, PlanningInputs, budget_gib, resolve_memory_plan
 from torchtune_ac.training.planner import (
     GiB,
     Workload,
-    _estimate_plan,
     _simulate,
     candidate_plans,
     choose_plan,
