@@ -164,3 +164,15 @@ def test_under_fsdp2_the_output_weight_is_gathered_once_and_the_gradients_match(
     assert torch.allclose(chunked, whole, rtol=1e-5)
     for name, grad in whole_grads.items():
         assert torch.allclose(chunked_grads[name], grad, rtol=1e-5, atol=1e-6), name
+
+
+def test_memory_plan_describes_the_chunked_loss_as_it_works():
+    """The chunked loss computes each chunk's gradients in forward: the summary must not say it recomputes."""
+    from torchtune_ac.training.activation_checkpointing import ACMode, ACPlan
+    from torchtune_ac.training.memory_plan import MemoryPlan
+
+    plan = MemoryPlan(ac=ACPlan(ACMode.NONE, None, (), 8), optimizer_in_backward=False, loss_chunks=8,
+                      vocab_size=32_000)
+    loss = dict(plan.describe())["loss"]
+    assert loss.startswith("8 chunks (vocabulary 32,000): targets only")
+    assert "logits recomputed" not in loss and "nothing recomputed in backward" in loss
