@@ -63,6 +63,8 @@ CASES = {
     "empty_dataset": BadInput(lambda i: [f"dataset.source={i.data / 'empty.jsonl'}"], ("empty.jsonl", "no records")),
     "max_seq_len_zero": BadInput(lambda i: ["max_seq_len=0"], ("max_seq_len=0", "must be >= 1")),
     "batch_size_zero": BadInput(lambda i: ["batch_size=0"], ("batch_size=0", "must be >= 1")),
+    # torch.manual_seed takes 64 bits at most (was an OverflowError traceback, exit 1, after validation passed).
+    "seed_beyond_64_bits": BadInput(lambda i: ["seed=99999999999999999999"], ("seed=99999999999999999999", "must be <=")),
     "output_dir_under_a_file": BadInput(
         lambda i: [f"output_dir={i.data / 'a_file' / 'run'}"], ("output_dir", "a_file", "not writable")
     ),

@@ -53,7 +53,8 @@ class FullFinetuneConfig:
     gradient_accumulation_steps: int = field(default=1, metadata=_min(1))
     max_seq_len: Optional[int] = field(default=None, metadata=_min(1))
     clip_grad_norm: Optional[float] = field(default=None, metadata={"exclusive_minimum": 0.0})
-    seed: int = 0
+    # torch.manual_seed takes at most 64 bits, and epoch e seeds the data order with seed + e.
+    seed: int = field(default=0, metadata={"minimum": 0, "maximum": 2**63 - 1})
     shuffle: bool = True
     device: Device = Device.AUTO
     dtype: DType = DType.FP32

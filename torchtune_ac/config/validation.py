@@ -6,7 +6,7 @@ given and what is allowed, and all of them are reported together.
 
 Supported field types: bool, int, float, str, ``Enum`` subclasses, ``Optional[...]``, ``list[...]``,
 ``dict[str, ...]``, ``Any``, nested dataclasses, and ``Component`` (a ``_component_`` node). Per-field
-metadata: ``minimum`` (inclusive), ``exclusive_minimum``, ``positional`` (how many positional arguments the
+metadata: ``minimum`` and ``maximum`` (inclusive), ``exclusive_minimum``, ``positional`` (how many positional arguments the
 recipe passes when instantiating a component), ``recipe_kwargs`` (names the recipe passes itself) and
 ``flatten`` (a nested dataclass whose keys sit at the parent's level). A dataclass with a ``from_config(mapping)``
 classmethod validates itself: it raises a ``UserError`` whose ``problems`` lists each problem.
@@ -138,6 +138,8 @@ class _Checker:
             return self.fail(f"{key}=nan: expected a number")
         if "minimum" in meta and value < meta["minimum"]:
             return self.fail(f"{key}={_show(value)}: must be >= {meta['minimum']}")
+        if "maximum" in meta and value > meta["maximum"]:
+            return self.fail(f"{key}={_show(value)}: must be <= {meta['maximum']}")
         if "exclusive_minimum" in meta and value <= meta["exclusive_minimum"]:
             return self.fail(f"{key}={_show(value)}: must be > {meta['exclusive_minimum']}")
         return value

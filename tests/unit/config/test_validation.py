@@ -49,6 +49,8 @@ def test_valid_config_becomes_typed():
         ({"gradient_accumulation_steps": 0}, "gradient_accumulation_steps=0: must be >= 1"),
         ({"clip_grad_norm": 0}, "clip_grad_norm=0.0: must be > 0.0"),
         ({"clip_grad_norm": float("nan")}, "clip_grad_norm=nan: expected a number"),
+        ({"seed": -1}, "seed=-1: must be >= 0"),
+        ({"seed": 2**64}, "seed=18446744073709551616: must be <= 9223372036854775807"),
         ({"shuffle": "yes"}, "shuffle='yes': expected true or false"),
         ({"dtype": "fp16"}, "dtype='fp16': expected one of fp32, bf16"),
         ({"device": "tpu"}, "device='tpu': expected one of auto, cpu, cuda"),
