@@ -387,11 +387,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_recipe_config(recipe, args.config, args.overrides, args.allow_component)
     if not isinstance(cfg, FullFinetuneConfig):
         raise UserError(f"tune plan: recipe {path.stem} has no memory planner (full_finetune has)")
+    png = Path(args.png).expanduser() if args.png is not None else None
+    if png is not None and png.suffix.lower() != ".png":
+        # matplotlib would pick the format from the suffix: "plan" became plan.png (reported as "wrote plan"),
+        # "plan.txt" a traceback.
+        raise UserError(f"--png {png}: the file name must end in .png")
     budget = args.budget_gib if args.budget_gib is not None else cfg.ac.ac_memory_budget_gib
     table = plan_table(cfg, world_size=args.nproc, budget_gib=budget)
     print("\n".join(table.lines()))
-    if args.png is not None:
-        print(f"wrote {draw_plan(table, Path(args.png).expanduser())}")
+    if png is not None:
+        print(f"wrote {draw_plan(table, png)}")
     return 0
 
 

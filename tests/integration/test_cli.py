@@ -139,6 +139,16 @@ def test_plan_draws_the_estimates(tmp_path, capsys):
     assert f"wrote {png}" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("name", ["plan", "plan.txt", "plan.jpg"])
+def test_plan_refuses_a_png_path_of_another_format(name, tmp_path, capsys):
+    # matplotlib picks the format from the suffix: "plan" was written as plan.png while tune said "wrote plan",
+    # "plan.txt" was a traceback (exit 1), "plan.jpg" a JPEG.
+    assert main(["plan", "--config", "tiny/full", "--png", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tune: error: --png {tmp_path / name}: the file name must end in .png"), err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_from_hf_config_reads_the_runs_checkpoint_dir(tmp_path, capsys, embedded_checkpoint):
     # Any supported Hugging Face checkpoint: name the builder and the directory, once.
     other = tmp_path / "six_layers"
