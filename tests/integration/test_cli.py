@@ -105,7 +105,8 @@ def test_validate_prints_the_resolved_plan(capsys):
                            "loss                      whole logits (vocabulary 512)"]),
         ("tiny/full", ["optimizer_in_bwd=true", "clip_grad_norm=null", "loss_chunks=4"],
          ["optimizer step            in backward: each parameter stepped as its gradient is ready",
-          "loss                      4 chunks (vocabulary 512): targets only"]),
+          "loss                      4 chunks (vocabulary 512): targets only, each chunk's gradients computed "
+          "as it goes (nothing recomputed in backward), never the whole logits"]),
         ("llama3/8B_full", [], ["loss                      8 chunks (vocabulary 128,256)"]),
         ("mistral/7B_full", ["loss_chunks=1"], ["loss                      whole logits (vocabulary 32,768)"]),
     ],
