@@ -38,6 +38,18 @@ def test_ls_lists_every_recipe_and_config(capsys):
         assert name in out.split()
 
 
+def test_ls_into_a_closed_pipe_stops_quietly():
+    """`tune ls | head -1`: the reader is gone before tune writes (was a BrokenPipeError traceback, exit 1)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "torchtune_ac.cli", "ls"], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (141, "")
+
+
 def test_every_builtin_config_file_is_registered():
     on_disk = {str(p.relative_to(REPO / "configs").with_suffix("")) for p in (REPO / "configs").rglob("*.yaml")}
     assert on_disk == set(builtin_config_names())
