@@ -99,6 +99,12 @@ CASES = {
         ("cannot continue exactly", "seed was 0, now 7", '"train_on_input": true'),
         earlier_run=True,
     ),
+    # The earlier run finished its one epoch after 5 steps; a longer epoch was "nothing to do", exit 0.
+    "resume_with_more_steps_per_epoch": BadInput(
+        lambda i: ["resume_from_checkpoint=true", "max_steps_per_epoch=8"],
+        ("step_0000005", "finished its 1 epoch(s) at step 5", "8 steps per epoch", "raise epochs"),
+        earlier_run=True,
+    ),
     "fresh_run_in_earlier_output_dir": BadInput(
         lambda i: [], ("output_dir", "earlier run", "resume_from_checkpoint=true"), earlier_run=True
     ),
