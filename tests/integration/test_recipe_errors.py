@@ -105,6 +105,11 @@ CASES = {
         ("step_0000005", "finished its 1 epoch(s) at step 5", "8 steps per epoch", "raise epochs"),
         earlier_run=True,
     ),
+    # A step_* folder the run did not write: the resume started at step 0 and deleted it at its first save.
+    "resume_in_output_dir_with_a_foreign_step_folder": BadInput(
+        lambda i: [f"output_dir={i.data / 'foreign_run'}", "resume_from_checkpoint=true"],
+        ("step_0000009 has no recipe state", "would replace or delete it"),
+    ),
     "fresh_run_in_earlier_output_dir": BadInput(
         lambda i: [], ("output_dir", "earlier run", "resume_from_checkpoint=true"), earlier_run=True
     ),
@@ -133,6 +138,8 @@ def _prepare(tmp_path: Path, case: BadInput, earlier_run: Path, embedded: Path) 
     (data / "no_output.jsonl").write_text(json.dumps({"instruction": "Say hi.", "answer": "hi"}) + "\n")
     (data / "empty.jsonl").write_text("")
     (data / "a_file").write_text("a regular file\n")
+    (data / "foreign_run" / "step_0000009").mkdir(parents=True)
+    (data / "foreign_run" / "step_0000009" / "notes.txt").write_text("not a checkpoint; must survive\n")
     (data / "a_script").write_text("#!/bin/sh\n")
     (data / "a_script").chmod(0o755)  # os.access(W_OK | X_OK) alone would let it pass as a directory
     (data / "config_only").mkdir()
