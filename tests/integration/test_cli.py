@@ -263,6 +263,14 @@ def test_bad_command_lines_exit_2_with_one_short_message(argv, expected, tmp_pat
     assert len(err.strip().splitlines()) <= 2, err
 
 
+def test_an_empty_output_dir_is_refused_not_the_current_directory(tmp_path, monkeypatch, capsys):
+    # output_dir='' used to pass, and the run wrote its checkpoints and metrics.jsonl into the current directory.
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "full_finetune", "--config", "tiny/full", "max_steps_per_epoch=1", "output_dir=''"]) == 2
+    assert "output_dir='': must not be empty" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_recipe_file_with_a_syntax_error_is_a_user_error(tmp_path, capsys):
     recipe = tmp_path / "mine.py"
     recipe.write_text("CONFIG_SCHEMA = None\ndef run(:\n")

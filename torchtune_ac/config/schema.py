@@ -38,13 +38,14 @@ def _min(value: int) -> dict:
 class FullFinetuneConfig:
     """Config of the ``full_finetune`` recipe."""
 
-    output_dir: str
+    # An empty path would mean the current directory.
+    output_dir: str = field(metadata={"non_empty": True})
     model: Component = field(metadata={})
     tokenizer: Component = field(metadata={})
     dataset: Component = field(metadata={"positional": 1, "recipe_kwargs": ("max_seq_len",)})
     optimizer: Component = field(metadata={"positional": 1})
     # Hugging Face checkpoint directory to start from (config.json + safetensors); null = random init.
-    checkpoint_dir: Optional[str] = None
+    checkpoint_dir: Optional[str] = field(default=None, metadata={"non_empty": True})
     resume_from_checkpoint: bool = False
     lr_scheduler: Optional[Component] = field(default=None, metadata={"positional": 1, "recipe_kwargs": ("num_training_steps",)})
     batch_size: int = field(default=1, metadata=_min(1))

@@ -55,6 +55,8 @@ def test_valid_config_becomes_typed():
         ({"dtype": "fp16"}, "dtype='fp16': expected one of fp32, bf16"),
         ({"device": "tpu"}, "device='tpu': expected one of auto, cpu, cuda"),
         ({"output_dir": None}, "output_dir: must not be null"),
+        ({"output_dir": ""}, "output_dir='': must not be empty"),
+        ({"checkpoint_dir": " "}, "checkpoint_dir=' ': must not be empty"),
         ({"fsdp": {"reshard_after_forwards": True}}, "fsdp.reshard_after_forwards: unknown key (did you mean fsdp.reshard_after_forward?)"),
         ({"fsdp": 3}, "fsdp=3: expected a mapping"),
         ({"optimizer": "adamw"}, "optimizer='adamw': expected a mapping with _component_"),
