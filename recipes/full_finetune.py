@@ -128,6 +128,14 @@ class FullFinetuneRecipe:
         if resume_from is not None:
             saved_progress, saved_shape = read_trainer_state(resume_from)
             check_resume_shape(resume_from, saved_shape, run_shape(cfg, ctx.world_size, self.model))
+            if saved_progress.epoch >= cfg.epochs and saved_progress.step < self.total_steps:
+                # A finished epoch is not reopened: more steps per epoch would otherwise end in "nothing to do".
+                raise UserError(
+                    f"resume from {resume_from}: the run finished its {saved_progress.epoch} epoch(s) at step "
+                    f"{saved_progress.step}, but this config makes {self.steps_per_epoch} steps per epoch "
+                    f"({self.total_steps} in all: max_steps_per_epoch or the data changed); finished epochs are not "
+                    "extended: raise epochs to train more, or start a new run in another output_dir"
+                )
             load_checkpoint(resume_from, model=self.model, optimizers=optimizers_to_checkpoint(self.optimizer),
                             scheduler=self.scheduler)
             self.progress, self.last_checkpoint = saved_progress, resume_from

@@ -3,7 +3,7 @@
 Exit status: 0 success, 2 user error (one short message on stderr, no traceback), 1 internal failure
 (traceback); a run that stopped early says why in one line: 143 stopped by SIGTERM or a first Ctrl-C after
 writing a checkpoint, 3 stopped on a non-finite loss or gradient norm (nothing saved), 130 aborted by a second
-Ctrl-C. ``--debug`` or ``TUNE_DEBUG=1`` shows tracebacks for user errors too.
+Ctrl-C; 141 (silently) when the reader of stdout went away, as in ``tune ls | head -1``. ``--debug`` or ``TUNE_DEBUG=1`` shows tracebacks for user errors too.
 
 A recipe is a Python file that defines ``CONFIG_SCHEMA`` (a dataclass), ``preflight(cfg, *, strict=True,
 world_size=1) -> list[tuple[str, str]]`` (cheap checks and a summary: builds the model on the meta device, resolves the AC plan,
@@ -25,7 +25,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Iterator, NoReturn, Optional, Sequence
 
-from torchtune_ac.errors import EXIT_INTERRUPTED, EXIT_NON_FINITE, EXIT_STOPPED, EXIT_USER_ERROR, RunStopped, UserError
+from torchtune_ac.errors import (
+    EXIT_BROKEN_PIPE,
+    EXIT_INTERRUPTED,
+    EXIT_NON_FINITE,
+    EXIT_STOPPED,
+    EXIT_USER_ERROR,
+    RunStopped,
+    UserError,
+)
 
 DEBUG_ENV_VAR = "TUNE_DEBUG"
 
@@ -101,6 +109,12 @@ def guarded(fn: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print("tune: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # Stop quietly, as other commands in a pipeline do; stdout goes to /dev/null so that the interpreter's
+        # final flush does not raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
 
 
 # ---------------------------------------------------------------------------------------------- recipes
@@ -387,11 +401,16 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_recipe_config(recipe, args.config, args.overrides, args.allow_component)
     if not isinstance(cfg, FullFinetuneConfig):
         raise UserError(f"tune plan: recipe {path.stem} has no memory planner (full_finetune has)")
+    png = Path(args.png).expanduser() if args.png is not None else None
+    if png is not None and png.suffix.lower() != ".png":
+        # matplotlib would pick the format from the suffix: "plan" became plan.png (reported as "wrote plan"),
+        # "plan.txt" a traceback.
+        raise UserError(f"--png {png}: the file name must end in .png")
     budget = args.budget_gib if args.budget_gib is not None else cfg.ac.ac_memory_budget_gib
     table = plan_table(cfg, world_size=args.nproc, budget_gib=budget)
     print("\n".join(table.lines()))
-    if args.png is not None:
-        print(f"wrote {draw_plan(table, Path(args.png).expanduser())}")
+    if png is not None:
+        print(f"wrote {draw_plan(table, png)}")
     return 0
 
 

@@ -16,6 +16,8 @@ EXIT_INTERRUPTED = 130
 # Stopped by SIGTERM or a first Ctrl-C once every rank had finished its step and the checkpoint was written: the
 # shell's status for SIGTERM, which schedulers already read as "terminated on request".
 EXIT_STOPPED = 143
+# The reader of stdout went away (`tune ls | head`): the shell's status for a process killed by SIGPIPE.
+EXIT_BROKEN_PIPE = 141
 
 
 class UserError(Exception):

@@ -733,15 +733,16 @@ def read_torchtune_config(path: str | os.PathLike) -> dict[str, Any]:
         raise UserError(f"tune migrate: {path}: {str(err).splitlines()[0]}") from None
     if not isinstance(raw, DictConfig):
         raise UserError(f"tune migrate: {path}: expected a mapping of keys to values at the top level")
+    # Recognised before resolving: one of our own configs uses resolvers (${embedded_checkpoint:}) that only
+    # `tune run` registers, and would fail as an interpolation instead of as "not a torchtune config".
+    if torchtune_marker(OmegaConf.to_container(raw, resolve=False)) is None:
+        raise UserError(f"tune migrate: {path} does not look like a torchtune config (no torchtune. component, no "
+                        "checkpointer key)")
     try:
-        config = OmegaConf.to_container(raw, resolve=True)
+        return OmegaConf.to_container(raw, resolve=True)
     except OmegaConfBaseException as err:
         key = getattr(err, "full_key", None) or "an interpolation"
         raise UserError(f"tune migrate: {path}: cannot resolve {key}: {str(err).splitlines()[0]}") from None
-    if torchtune_marker(config) is None:
-        raise UserError(f"tune migrate: {path} does not look like a torchtune config (no torchtune. component, no "
-                        "checkpointer key)")
-    return config
 
 
 def render_config(migration: Migration, *, source: str, destination: str) -> str:
@@ -780,7 +781,12 @@ def migrate_file(source: str, destination: str, *, force: bool = False) -> Migra
         raise UserError(f"tune migrate: {destination} already exists; pass --force to overwrite it")
     if not out.parent.is_dir():
         raise UserError(f"tune migrate: directory {out.parent} does not exist")
-    migration = migrate_torchtune_config(read_torchtune_config(source))
+    try:
+        migration = migrate_torchtune_config(read_torchtune_config(source))
+    except UserError as err:
+        if str(err).startswith("tune migrate: "):
+            raise
+        raise UserError(f"tune migrate: {source}: {err}") from None
     text = render_config(migration, source=source, destination=destination)
     tmp = out.with_name(f".{out.name}.tmp")
     try:

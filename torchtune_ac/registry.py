@@ -34,6 +34,11 @@ RECIPES: tuple[Recipe, ...] = (Recipe("full_finetune"),)
 
 
 def _shipped_dir(package: str, source_folder: str) -> Path:
+    # A source checkout uses its own folders: an editable install of another checkout (a second git worktree)
+    # maps the package to that checkout's folders, and would pair this code with its recipe and configs.
+    checkout = Path(__file__).resolve().parent.parent
+    if (checkout / "pyproject.toml").is_file() and (checkout / source_folder).is_dir():
+        return checkout / source_folder
     spec = importlib.util.find_spec(package)
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))

@@ -38,6 +38,18 @@ def test_ls_lists_every_recipe_and_config(capsys):
         assert name in out.split()
 
 
+def test_ls_into_a_closed_pipe_stops_quietly():
+    """`tune ls | head -1`: the reader is gone before tune writes (was a BrokenPipeError traceback, exit 1)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run([sys.executable, "-m", "torchtune_ac.cli", "ls"], stdout=write_end,
+                                stderr=subprocess.PIPE, text=True, timeout=300)
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (141, "")
+
+
 def test_every_builtin_config_file_is_registered():
     on_disk = {str(p.relative_to(REPO / "configs").with_suffix("")) for p in (REPO / "configs").rglob("*.yaml")}
     assert on_disk == set(builtin_config_names())
@@ -105,7 +117,8 @@ def test_validate_prints_the_resolved_plan(capsys):
                            "loss                      whole logits (vocabulary 512)"]),
         ("tiny/full", ["optimizer_in_bwd=true", "clip_grad_norm=null", "loss_chunks=4"],
          ["optimizer step            in backward: each parameter stepped as its gradient is ready",
-          "loss                      4 chunks (vocabulary 512): targets only"]),
+          "loss                      4 chunks (vocabulary 512): targets only, each chunk's gradients computed "
+          "as it goes (nothing recomputed in backward), never the whole logits"]),
         ("llama3/8B_full", [], ["loss                      8 chunks (vocabulary 128,256)"]),
         ("mistral/7B_full", ["loss_chunks=1"], ["loss                      whole logits (vocabulary 32,768)"]),
     ],
@@ -137,6 +150,16 @@ def test_plan_draws_the_estimates(tmp_path, capsys):
     assert main(["plan", "--config", "tiny/full", "max_seq_len=64", "--budget-gib", "0.05", "--png", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"wrote {png}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["plan", "plan.txt", "plan.jpg"])
+def test_plan_refuses_a_png_path_of_another_format(name, tmp_path, capsys):
+    # matplotlib picks the format from the suffix: "plan" was written as plan.png while tune said "wrote plan",
+    # "plan.txt" was a traceback (exit 1), "plan.jpg" a JPEG.
+    assert main(["plan", "--config", "tiny/full", "--png", str(tmp_path / name)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"tune: error: --png {tmp_path / name}: the file name must end in .png"), err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_from_hf_config_reads_the_runs_checkpoint_dir(tmp_path, capsys, embedded_checkpoint):
@@ -238,6 +261,14 @@ def test_bad_command_lines_exit_2_with_one_short_message(argv, expected, tmp_pat
     assert "Traceback" not in err
     assert err.startswith("tune: error: ")
     assert len(err.strip().splitlines()) <= 2, err
+
+
+def test_an_empty_output_dir_is_refused_not_the_current_directory(tmp_path, monkeypatch, capsys):
+    # output_dir='' used to pass, and the run wrote its checkpoints and metrics.jsonl into the current directory.
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "full_finetune", "--config", "tiny/full", "max_steps_per_epoch=1", "output_dir=''"]) == 2
+    assert "output_dir='': must not be empty" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_recipe_file_with_a_syntax_error_is_a_user_error(tmp_path, capsys):

@@ -14,6 +14,7 @@ import yaml
 from torchtune_ac.cli import main
 from torchtune_ac.models import MISTRAL
 from torchtune_ac.models.families.mistral import MISTRAL_7B
+from torchtune_ac.registry import builtin_config_path
 
 
 
@@ -197,9 +198,13 @@ def test_refuses_to_overwrite_without_force(tmp_path, capsys):
 @pytest.mark.parametrize(
     "text, message",
     [
+        # The file is named (a mapping problem was reported with the key only).
         ("output_dir: /tmp/x\nmodel:\n  _component_: torchtune.models.gemma.gemma_2b\ncheckpointer:\n  checkpoint_dir: /m\n",
-         "model._component_=torchtune.models.gemma.gemma_2b: no equivalent in torchtune_ac; supported: "),
+         "tune migrate: {source}: model._component_=torchtune.models.gemma.gemma_2b: no equivalent in torchtune_ac; "
+         "supported: "),
         ("output_dir: /tmp/x\nbatch_size: 2\n", "does not look like a torchtune config"),
+        # One of our own configs: its resolver is not an interpolation error ("Unsupported interpolation type").
+        (builtin_config_path("tiny/full").read_text(), "tune migrate: {source} does not look like a torchtune config"),
         ("model: [\n", "invalid YAML"),
     ],
 )
@@ -208,7 +213,7 @@ def test_refusals_are_one_line_and_write_nothing(tmp_path, capsys, text, message
     source.write_text(text)
     assert main(["migrate", str(source), "-o", str(tmp_path / "ours.yaml")]) == 2
     err = capsys.readouterr().err
-    assert message in err and err.count("\n") == 1
+    assert message.format(source=source) in err and err.count("\n") == 1, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["torchtune.yaml"]
 
 

@@ -63,6 +63,8 @@ CASES = {
     "empty_dataset": BadInput(lambda i: [f"dataset.source={i.data / 'empty.jsonl'}"], ("empty.jsonl", "no records")),
     "max_seq_len_zero": BadInput(lambda i: ["max_seq_len=0"], ("max_seq_len=0", "must be >= 1")),
     "batch_size_zero": BadInput(lambda i: ["batch_size=0"], ("batch_size=0", "must be >= 1")),
+    # torch.manual_seed takes 64 bits at most (was an OverflowError traceback, exit 1, after validation passed).
+    "seed_beyond_64_bits": BadInput(lambda i: ["seed=99999999999999999999"], ("seed=99999999999999999999", "must be <=")),
     "output_dir_under_a_file": BadInput(
         lambda i: [f"output_dir={i.data / 'a_file' / 'run'}"], ("output_dir", "a_file", "not writable")
     ),
@@ -97,6 +99,17 @@ CASES = {
         ("cannot continue exactly", "seed was 0, now 7", '"train_on_input": true'),
         earlier_run=True,
     ),
+    # The earlier run finished its one epoch after 5 steps; a longer epoch was "nothing to do", exit 0.
+    "resume_with_more_steps_per_epoch": BadInput(
+        lambda i: ["resume_from_checkpoint=true", "max_steps_per_epoch=8"],
+        ("step_0000005", "finished its 1 epoch(s) at step 5", "8 steps per epoch", "raise epochs"),
+        earlier_run=True,
+    ),
+    # A step_* folder the run did not write: the resume started at step 0 and deleted it at its first save.
+    "resume_in_output_dir_with_a_foreign_step_folder": BadInput(
+        lambda i: [f"output_dir={i.data / 'foreign_run'}", "resume_from_checkpoint=true"],
+        ("step_0000009 has no recipe state", "would replace or delete it"),
+    ),
     "fresh_run_in_earlier_output_dir": BadInput(
         lambda i: [], ("output_dir", "earlier run", "resume_from_checkpoint=true"), earlier_run=True
     ),
@@ -125,6 +138,8 @@ def _prepare(tmp_path: Path, case: BadInput, earlier_run: Path, embedded: Path) 
     (data / "no_output.jsonl").write_text(json.dumps({"instruction": "Say hi.", "answer": "hi"}) + "\n")
     (data / "empty.jsonl").write_text("")
     (data / "a_file").write_text("a regular file\n")
+    (data / "foreign_run" / "step_0000009").mkdir(parents=True)
+    (data / "foreign_run" / "step_0000009" / "notes.txt").write_text("not a checkpoint; must survive\n")
     (data / "a_script").write_text("#!/bin/sh\n")
     (data / "a_script").chmod(0o755)  # os.access(W_OK | X_OK) alone would let it pass as a directory
     (data / "config_only").mkdir()

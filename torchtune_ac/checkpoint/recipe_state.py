@@ -21,7 +21,8 @@ ever read. Each step of a save is agreed on by every rank (``files.run_on_every_
 
 Resume takes the newest checkpoint whose recipe state matches its manifest (sizes, then every file's SHA-256,
 the ranks sharing the reading); one that does not is skipped, with a warning naming the bad file, for the
-previous one.
+previous one. A newest checkpoint without recipe state (not written by a run, or its recipe state deleted) is
+refused rather than superseded.
 
 Keeping checkpoints: once a new checkpoint is renamed into place and matches its manifest, older ones are pruned.
 With ``keep_last_n_checkpoints: N`` the newest N checkpoints are kept whole and older ones deleted; with null
@@ -69,7 +70,7 @@ from torchtune_ac.checkpoint.files import (
     write_directory,
 )
 from torchtune_ac.checkpoint.hf import write_hf_files
-from torchtune_ac.checkpoint.manifest import check_against_manifest, write_manifest, write_manifest_without
+from torchtune_ac.checkpoint.manifest import check_against_manifest, read_manifest, write_manifest, write_manifest_without
 from torchtune_ac.errors import UserError
 
 RECIPE_STATE_DIR = "recipe_state"
@@ -177,9 +178,19 @@ def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool, collective
 
     Raises:
         UserError: there are checkpoints with recipe state, and none of them matches its manifest (naming each
-            checkpoint's first bad file).
+            checkpoint's first bad file); or the newest checkpoint has no recipe state (see below).
     """
-    candidates = [c for c in reversed(list_checkpoints(output_dir)) if (c / RECIPE_STATE_DIR).is_dir()]
+    checkpoints = list_checkpoints(output_dir)
+    candidates = [c for c in reversed(checkpoints) if _has_recipe_state(c)]
+    if checkpoints and not _has_recipe_state(checkpoints[-1]):
+        # A run keeps the recipe state of its newest checkpoint: this one came from elsewhere, or lost it. Resuming
+        # from an older one (or from step 0) would delete it at the first save, as a superseded checkpoint.
+        start = candidates[0].name if candidates else "step 0"
+        raise UserError(
+            f"resume_from_checkpoint=true: {checkpoints[-1]} has no recipe state ({RECIPE_STATE_DIR}/) to continue "
+            f"from, and a resume from {start} would replace or delete it when it saves; move it out of "
+            f"{output_dir}, or start a new run in another output_dir"
+        )
     skipped = []
     for candidate in candidates:
         problem = check_against_manifest(candidate, hashes=hashes, collective=collective, require=_TRAINER_STATE)
@@ -195,6 +206,15 @@ def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool, collective
         raise UserError(f"resume_from_checkpoint=true: no checkpoint in {output_dir} can be resumed: "
                         + "; ".join(skipped))
     return ResumeChoice(None)
+
+
+def _has_recipe_state(checkpoint: Path) -> bool:
+    """Whether ``checkpoint`` was saved with recipe state: its folder is there, or its manifest lists it (then a
+    missing folder is damage, which the manifest check names)."""
+    if (checkpoint / RECIPE_STATE_DIR).is_dir():
+        return True
+    records, _ = read_manifest(checkpoint)
+    return any(name.startswith(f"{RECIPE_STATE_DIR}/") for name in records or ())
 
 
 def _barrier() -> None:

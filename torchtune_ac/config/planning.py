@@ -147,7 +147,7 @@ def draw_plan(table: PlanTable, path: Path) -> Path:
     ax.set_ylim(0, max(bottom + [table.budget_gib or 0]) * 1.2)
     fig.tight_layout()
     try:
-        fig.savefig(path, dpi=110)
+        fig.savefig(path, dpi=110, format="png")
     except OSError as err:
         raise UserError(f"--png {path}: cannot write it ({err.strerror})") from None
     finally:

@@ -38,13 +38,14 @@ def _min(value: int) -> dict:
 class FullFinetuneConfig:
     """Config of the ``full_finetune`` recipe."""
 
-    output_dir: str
+    # An empty path would mean the current directory.
+    output_dir: str = field(metadata={"non_empty": True})
     model: Component = field(metadata={})
     tokenizer: Component = field(metadata={})
     dataset: Component = field(metadata={"positional": 1, "recipe_kwargs": ("max_seq_len",)})
     optimizer: Component = field(metadata={"positional": 1})
     # Hugging Face checkpoint directory to start from (config.json + safetensors); null = random init.
-    checkpoint_dir: Optional[str] = None
+    checkpoint_dir: Optional[str] = field(default=None, metadata={"non_empty": True})
     resume_from_checkpoint: bool = False
     lr_scheduler: Optional[Component] = field(default=None, metadata={"positional": 1, "recipe_kwargs": ("num_training_steps",)})
     batch_size: int = field(default=1, metadata=_min(1))
@@ -53,7 +54,8 @@ class FullFinetuneConfig:
     gradient_accumulation_steps: int = field(default=1, metadata=_min(1))
     max_seq_len: Optional[int] = field(default=None, metadata=_min(1))
     clip_grad_norm: Optional[float] = field(default=None, metadata={"exclusive_minimum": 0.0})
-    seed: int = 0
+    # torch.manual_seed takes at most 64 bits, and epoch e seeds the data order with seed + e.
+    seed: int = field(default=0, metadata={"minimum": 0, "maximum": 2**63 - 1})
     shuffle: bool = True
     device: Device = Device.AUTO
     dtype: DType = DType.FP32

@@ -6,7 +6,8 @@ given and what is allowed, and all of them are reported together.
 
 Supported field types: bool, int, float, str, ``Enum`` subclasses, ``Optional[...]``, ``list[...]``,
 ``dict[str, ...]``, ``Any``, nested dataclasses, and ``Component`` (a ``_component_`` node). Per-field
-metadata: ``minimum`` (inclusive), ``exclusive_minimum``, ``positional`` (how many positional arguments the
+metadata: ``minimum`` and ``maximum`` (inclusive), ``exclusive_minimum``, ``non_empty`` (a string with more than
+blanks), ``positional`` (how many positional arguments the
 recipe passes when instantiating a component), ``recipe_kwargs`` (names the recipe passes itself) and
 ``flatten`` (a nested dataclass whose keys sit at the parent's level). A dataclass with a ``from_config(mapping)``
 classmethod validates itself: it raises a ``UserError`` whose ``problems`` lists each problem.
@@ -134,10 +135,14 @@ class _Checker:
             raise TypeError(f"unsupported schema type {tp!r} for {key}")
         if not ok:
             return self.fail(f"{key}={_show(value)}: expected {_type_name(tp)}")
+        if tp is str and meta.get("non_empty") and not value.strip():
+            return self.fail(f"{key}={_show(value)}: must not be empty")
         if tp is float and math.isnan(value):  # every comparison with nan is False: no bound would catch it
             return self.fail(f"{key}=nan: expected a number")
         if "minimum" in meta and value < meta["minimum"]:
             return self.fail(f"{key}={_show(value)}: must be >= {meta['minimum']}")
+        if "maximum" in meta and value > meta["maximum"]:
+            return self.fail(f"{key}={_show(value)}: must be <= {meta['maximum']}")
         if "exclusive_minimum" in meta and value <= meta["exclusive_minimum"]:
             return self.fail(f"{key}={_show(value)}: must be > {meta['exclusive_minimum']}")
         return value

@@ -70,8 +70,8 @@ class MemoryPlan:
         """``(label, value)`` lines for ``tune validate`` and the recipe's log."""
         vocab = f" (vocabulary {self.vocab_size:,})" if self.vocab_size else ""
         if self.loss_chunks > 1:
-            loss = (f"{self.loss_chunks} chunks{vocab}: targets only, each chunk's gradients computed at once "
-                    "(nothing recomputed in backward), never the whole logits")
+            loss = (f"{self.loss_chunks} chunks{vocab}: targets only, each chunk's gradients computed as it "
+                    "goes (nothing recomputed in backward), never the whole logits")
         else:
             loss = f"whole logits{vocab}"
         step = ("in backward: each parameter stepped as its gradient is ready, gradients freed at once"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import errno
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from torchtune_ac.checkpoint import (
     save_checkpoint,
 )
 from torchtune_ac.checkpoint import safetensors_io
-from torchtune_ac.checkpoint.manifest import check_against_manifest
+from torchtune_ac.checkpoint.manifest import check_against_manifest, write_manifest_without
 from torchtune_ac.errors import UserError
 from torchtune_ac.models import Llama, LlamaArgs
 
@@ -131,6 +132,37 @@ def test_when_every_checkpoint_is_damaged_resume_refuses_in_one_line_naming_each
         choose_resume_checkpoint(tmp_path, hashes=True)
     message = str(caught.value)
     assert "\n" not in message and "no checkpoint in" in message and str(state) in message
+
+
+@pytest.mark.parametrize("newest", ["model_only", "foreign"])
+def test_a_newest_checkpoint_without_recipe_state_is_refused_not_replaced(tmp_path, newest):
+    """A resume used to start over (or from an older checkpoint) and delete such a folder at its first save."""
+    model, optimizer = _trained()
+    _save(tmp_path, model, optimizer, 1)
+    if newest == "model_only":  # a checkpoint whose recipe state was deleted to save space
+        _save(tmp_path, model, optimizer, 2)
+        write_manifest_without(tmp_path / "step_0000002", f"{RECIPE_STATE_DIR}/")
+        shutil.rmtree(tmp_path / "step_0000002" / RECIPE_STATE_DIR)
+    else:  # not written by a run at all
+        (tmp_path / "step_0000002").mkdir()
+        (tmp_path / "step_0000002" / "notes.txt").write_text("mine\n")
+    for hashes in (False, True):
+        with pytest.raises(UserError) as caught:
+            choose_resume_checkpoint(tmp_path, hashes=hashes)
+        assert str(caught.value).startswith(
+            f"resume_from_checkpoint=true: {tmp_path / 'step_0000002'} has no recipe state (recipe_state/) to "
+            "continue from, and a resume from step_0000001 would replace or delete it"
+        ), caught.value
+
+
+def test_a_newest_checkpoint_whose_recipe_state_folder_is_gone_is_damaged_and_skipped(tmp_path):
+    model, optimizer = _trained()
+    for step in (1, 2):
+        _save(tmp_path, model, optimizer, step)
+    shutil.rmtree(tmp_path / "step_0000002" / RECIPE_STATE_DIR)  # the manifest still lists it
+    choice = choose_resume_checkpoint(tmp_path, hashes=True)
+    assert choice.checkpoint == tmp_path / "step_0000001"
+    assert len(choice.skipped) == 1 and "missing (the manifest lists it)" in choice.skipped[0]
 
 
 def test_no_checkpoint_at_all_means_starting_at_step_0(tmp_path):

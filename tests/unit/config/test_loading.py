@@ -55,6 +55,25 @@ def test_builtin_names_resolve_to_files():
         assert path.is_file(), name
 
 
+def test_a_source_checkout_uses_its_own_configs_and_recipes(monkeypatch, tmp_path):
+    """An editable install of another checkout (a second git worktree) maps ``torchtune_ac._configs`` to that
+    checkout's folders; this checkout's code must still run its own recipe and configs."""
+    from importlib.machinery import ModuleSpec
+    from pathlib import Path
+
+    from torchtune_ac import registry
+
+    def other_checkout(name, *args):
+        spec = ModuleSpec(name, loader=None, is_package=True)
+        spec.submodule_search_locations = [str(tmp_path / name)]
+        return spec
+
+    monkeypatch.setattr(registry.importlib.util, "find_spec", other_checkout)
+    checkout = Path(registry.__file__).resolve().parent.parent
+    assert registry.configs_dir() == checkout / "configs"
+    assert registry.recipes_dir() == checkout / "recipes"
+
+
 @pytest.mark.parametrize(
     "text, overrides, expected",
     [
