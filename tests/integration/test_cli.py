@@ -415,6 +415,23 @@ def test_fsdp_settings_in_a_single_process_run_are_not_silently_ignored(tmp_path
     assert not [w for w in recipe.preflight(cfg, world_size=None) if w[0] == "warning"]  # tune validate
 
 
+def test_a_max_seq_len_beyond_the_model_context_is_not_silently_accepted(tmp_path):
+    from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
+
+    recipe = load_recipe(resolve_recipe_path("full_finetune"))
+
+    def warnings(*overrides):
+        cfg = load_recipe_config(recipe, "tiny/full", [f"output_dir={tmp_path}", *overrides], [])
+        return [w for kind, w in recipe.preflight(cfg, world_size=None) if kind == "warning"]
+
+    assert warnings("max_seq_len=4096") == [
+        "max_seq_len=4096: samples may be longer than the model's context (512 positions, "
+        "torchtune_ac.models.llama_tiny); if you extend it on purpose, say so with model.max_seq_len=4096"
+    ]
+    assert warnings("max_seq_len=4096", "+model.max_seq_len=4096") == []
+    assert warnings("max_seq_len=512") == []
+
+
 @pytest.mark.parametrize(
     "exit_codes, status, says",
     [

@@ -160,6 +160,15 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
         # Building the tracker only checks its settings; its package is needed on the machine that trains.
         soft(cfg.metric_logger.instantiate().check_available)
 
+    family = family_of(model)
+    context = getattr(family.args_of(model), "max_seq_len", None) if family is not None else None
+    if cfg.max_seq_len is not None and context is not None and cfg.max_seq_len > context:
+        # Positions are computed as needed, so nothing fails: longer samples just meet positions never trained.
+        report.warnings.append(
+            f"max_seq_len={cfg.max_seq_len}: samples may be longer than the model's context ({context} positions, "
+            f"{cfg.model.path}); if you extend it on purpose, say so with model.max_seq_len={cfg.max_seq_len}"
+        )
+
     if world_size == 1 and cfg.fsdp != FSDPConfig():
         report.warnings.append("fsdp.*: these settings apply only when the run has more than one process (FSDP2)")
 

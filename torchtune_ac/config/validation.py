@@ -177,7 +177,11 @@ class _Checker:
         for name in value:
             if name not in known:
                 hint = difflib.get_close_matches(str(name), known, n=1, cutoff=0.6)
-                suggestion = f" (did you mean {prefix}{hint[0]}?)" if hint else ""
+                # `lr=0.1` for `optimizer.lr=0.1`: a component at this level that takes the key by that name.
+                owners = [sub for sub, node in value.items()
+                          if isinstance(node, Mapping) and "_component_" in node and name in node]
+                suggestion = (f" (did you mean {prefix}{hint[0]}?)" if hint
+                              else f" (did you mean {prefix}{owners[0]}.{name}?)" if owners else "")
                 self.fail(f"{prefix}{name}: unknown key{suggestion}")
         from_config = getattr(cls, "from_config", None)
         if from_config is not None:

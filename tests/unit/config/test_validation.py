@@ -40,6 +40,7 @@ def test_valid_config_becomes_typed():
     [
         ({"enable_activaton_checkpointing": True}, "enable_activaton_checkpointing: unknown key (did you mean enable_activation_checkpointing?)"),
         ({"batch_sise": 2}, "batch_sise: unknown key (did you mean batch_size?)"),
+        ({"lr": 0.1}, "lr: unknown key (did you mean optimizer.lr?)"),
         ({"batch_size": "four"}, "batch_size='four': expected an integer"),
         ({"batch_size": 0}, "batch_size=0: must be >= 1"),
         ({"batch_size": True}, "batch_size=True: expected an integer"),
@@ -70,6 +71,10 @@ def test_valid_config_becomes_typed():
 def test_each_problem_is_named(changes, expected):
     problems = problems_of(base_config(**changes))
     assert any(expected in problem for problem in problems), problems
+
+
+def test_an_unknown_key_like_nothing_gets_no_suggestion():
+    assert "frobnicate: unknown key" in problems_of(base_config(frobnicate=1))
 
 
 def test_missing_required_keys():
