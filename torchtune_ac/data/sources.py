@@ -55,7 +55,7 @@ def read_source_text(source: str, *, suffixes: tuple[str, ...]) -> tuple[Path, s
         suffixes: Allowed extensions, lower case with the dot.
 
     Returns:
-        The resolved path and the file's UTF-8 text.
+        The resolved path and the file's UTF-8 text, without a byte-order mark.
 
     Raises:
         UserError: if the file is missing, has another extension, or is not UTF-8.
@@ -68,7 +68,8 @@ def read_source_text(source: str, *, suffixes: tuple[str, ...]) -> tuple[Path, s
         found, allowed = path.suffix or "(none)", ", ".join(suffixes)
         raise UserError(f"{source}: unsupported extension {found!r}; this dataset reads {allowed} files")
     try:
-        return path, path.read_text(encoding="utf-8")
+        # utf-8-sig: a byte-order mark (as Windows editors write) is dropped, not read as part of the first record.
+        return path, path.read_text(encoding="utf-8-sig")
     except UnicodeDecodeError as e:
         raise UserError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
 

@@ -55,6 +55,16 @@ def test_instruct_train_on_input_targets_every_next_token(tmp_path, tokenizer):
     assert sample["labels"] == sample["tokens"][1:] + [M]
 
 
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_byte_order_mark_is_not_part_of_the_first_record(tmp_path, tokenizer, suffix):
+    record = {"instruction": "Add.", "input": "1, 2", "output": "3"}
+    text = json.dumps(record) + "\n" if suffix == ".jsonl" else json.dumps([record])
+    (tmp_path / f"bom{suffix}").write_bytes(b"\xef\xbb\xbf" + text.encode())
+    (tmp_path / f"plain{suffix}").write_text(text)
+    with_bom = instruct_dataset(tokenizer, source=str(tmp_path / f"bom{suffix}"))
+    assert with_bom[0] == instruct_dataset(tokenizer, source=str(tmp_path / f"plain{suffix}"))[0]
+
+
 def test_instruct_reads_json_array_and_column_map(tmp_path, tokenizer):
     records = [{"prompt": "Sort.", "context": "3, 1", "answer": "1, 3"}]
     (tmp_path / "d.json").write_text(json.dumps(records, indent=2))
