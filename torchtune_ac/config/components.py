@@ -251,8 +251,12 @@ class Component:
         kwargs.update(extra_kwargs)
         try:
             return self.target()(*args, **kwargs)
-        except UserError:
-            raise
+        except UserError as err:
+            # Our builders name a bad argument as `template='foo'`; from the config it is `dataset.template`.
+            message = str(err)
+            if not any(message.startswith(f"{name}=") for name in self.kwargs):
+                raise
+            raise UserError(f"{self.key}.{message}") from None
         except Exception as err:  # noqa: BLE001 - whatever a component raises on its arguments is the config's doing
             given = ", ".join(f"{name}={_show_argument(value)}" for name, value in self.kwargs.items())
             detail = str(err).splitlines()[0] if str(err) else ""

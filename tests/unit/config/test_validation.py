@@ -152,6 +152,19 @@ def test_component_errors_at_instantiation_name_the_key():
         component.instantiate([torch.nn.Parameter(torch.ones(1))])
 
 
+def test_a_builder_refusing_its_argument_is_named_by_the_dotted_key(tmp_path):
+    from torchtune_ac.data import EMBEDDED_TOKENIZER_DIR, load_tokenizer
+
+    (tmp_path / "d.jsonl").write_text('{"instruction": "i", "output": "o"}\n')
+    node = {"_component_": "torchtune_ac.data.instruct_dataset", "source": str(tmp_path / "d.jsonl")}
+    with pytest.raises(UserError, match=r"^dataset\.template='foo': must be one of alpaca, chat$"):
+        parse_component({**node, "template": "foo"}, "dataset").instantiate(load_tokenizer(EMBEDDED_TOKENIZER_DIR))
+    # A message about something else (here a file) is passed on as it is.
+    with pytest.raises(UserError, match=r"^dataset source \S+missing.jsonl does not exist$"):
+        parse_component({**node, "source": str(tmp_path / "missing.jsonl")}, "dataset").instantiate(
+            load_tokenizer(EMBEDDED_TOKENIZER_DIR))
+
+
 # Paths that pass the string check but lead to something a config must not call: os.system under another name,
 # torch functions that unpickle, write or delete files, run shell commands or import code, torchtune_ac
 # functions that write files, and callables that are not builders.
