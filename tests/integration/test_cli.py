@@ -152,6 +152,27 @@ def test_plan_draws_the_estimates(tmp_path, capsys):
     assert f"wrote {png}" in capsys.readouterr().out
 
 
+def test_plan_says_what_it_does_not_model(tmp_path, capsys):
+    note = ("Note: fsdp.param_dtype=bf16 is not modelled: activations and gathered weights are counted in fp32 "
+            "(dtype), so the estimate is higher than the run's")
+    assert main(["plan", "--config", "tiny/full", "max_seq_len=64", "--nproc", "2", "fsdp.param_dtype=bf16"]) == 0
+    assert note in capsys.readouterr().out.splitlines()
+    # One process does not use FSDP2; bf16 storage computes in bf16, as modelled.
+    for argv in (["--nproc", "1", "fsdp.param_dtype=bf16"], ["--nproc", "2", "dtype=bf16", "fsdp.param_dtype=bf16"]):
+        assert main(["plan", "--config", "tiny/full", "max_seq_len=64", *argv]) == 0
+        assert "Note:" not in capsys.readouterr().out
+
+
+def test_auto_says_what_its_estimate_does_not_model(tmp_path):
+    from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
+
+    recipe = load_recipe(resolve_recipe_path("full_finetune"))
+    cfg = load_recipe_config(recipe, "tiny/full", [f"output_dir={tmp_path}", "max_seq_len=64", "ac_mode=auto",
+                                                   "ac_memory_budget_gib=1", "fsdp.param_dtype=bf16"], [])
+    assert ("warning", "ac_mode=auto: fsdp.param_dtype=bf16 is not modelled: activations and gathered weights are "
+            "counted in fp32 (dtype), so the estimate is higher than the run's") in recipe.preflight(cfg, world_size=2)
+
+
 @pytest.mark.parametrize("name", ["plan", "plan.txt", "plan.jpg"])
 def test_plan_refuses_a_png_path_of_another_format(name, tmp_path, capsys):
     # matplotlib picks the format from the suffix: "plan" was written as plan.png while tune said "wrote plan",

@@ -60,6 +60,7 @@ class PlanTable:
     estimates: list[MemoryEstimate]
     budget_gib: Optional[float]
     chosen: Optional[int]  # index into estimates; None when nothing fits or there is no budget
+    notes: tuple[str, ...] = ()  # what this estimate leaves out of the config, printed before the assumptions
 
     def lines(self) -> list[str]:
         unit, scale = ("GiB", GiB) if max(e.total for e in self.estimates) >= GiB else ("MiB", 2**20)
@@ -84,6 +85,7 @@ class PlanTable:
         out.append("activations: saved for backward and alive at the peak; transient: backward temporaries, a block's "
                    "recompute, the loss's gradients, FSDP2's gathered parameters and reduce buffers; recompute: extra "
                    "matrix-multiply and attention FLOPs of the step; saved/fwd: what one forward keeps for backward.")
+        out.extend(f"Note: {note}" for note in self.notes)
         out.append(f"Assumptions: {ASSUMPTIONS}.")
         return out
 
@@ -110,7 +112,17 @@ def plan_table(cfg: FullFinetuneConfig, *, world_size: int, budget_gib: Optional
     title = (f"{cfg.model.path}: {n_params:,} parameters; {world_size} process(es), batch {cfg.batch_size} x "
              f"{cfg.max_seq_len} tokens per process x {cfg.gradient_accumulation_steps} accumulation step(s), "
              f"{cfg.dtype.value}, {cfg.optimizer.path.rsplit('.', 1)[-1]}, {loss}, {step}")
-    return PlanTable(title, estimates, budget_gib, chosen)
+    return PlanTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size))
+
+
+def unmodelled_settings(cfg: FullFinetuneConfig, world_size: int) -> tuple[str, ...]:
+    """What the estimate leaves out of ``cfg`` on ``world_size`` processes, one sentence each."""
+    mixed = cfg.fsdp.param_dtype
+    if world_size == 1 or mixed is None or mixed is cfg.dtype:
+        return ()
+    direction = "higher" if mixed.torch.itemsize < cfg.dtype.torch.itemsize else "lower"
+    return (f"fsdp.param_dtype={mixed.value} is not modelled: activations and gathered weights are counted in "
+            f"{cfg.dtype.value} (dtype), so the estimate is {direction} than the run's",)
 
 
 def draw_plan(table: PlanTable, path: Path) -> Path:

@@ -25,7 +25,7 @@ from torchtune_ac.checkpoint import (
     list_checkpoints,
     read_trainer_state,
 )
-from torchtune_ac.config.planning import planning_inputs
+from torchtune_ac.config.planning import planning_inputs, unmodelled_settings
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.config.startup_checks import check_optimizer_builds, check_tokenizer_fits
 from torchtune_ac.errors import UnavailableError, UserError
@@ -107,6 +107,7 @@ def _resolve_plan(cfg: FullFinetuneConfig, model: torch.nn.Module, world_size: O
         if world_size is None:
             report.warnings.append("ac_mode=auto: planned for 1 process (the launch's world size is not known here)")
         planning = planning_inputs(cfg, world_size or 1, device)
+        report.warnings.extend(f"ac_mode=auto: {note}" for note in unmodelled_settings(cfg, world_size or 1))
     return resolve_memory_plan(cfg.ac, cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm, planning=planning)
 
 
