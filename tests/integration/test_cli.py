@@ -471,3 +471,31 @@ def test_the_launcher_exits_with_its_workers_status(exit_codes, status, says, ca
     assert _status_of_failed_workers(exit_codes) == status
     err = capsys.readouterr().err
     assert (says in err) if says else err == ""
+
+
+class _Left(Exception):
+    """Raised by the stand-in for ``os._exit``."""
+
+
+@pytest.mark.parametrize("world_size, leaves", [("2", True), ("1", False), (None, False)])
+def test_a_worker_of_a_multi_process_run_leaves_with_its_exact_status(world_size, leaves, tmp_path, monkeypatch):
+    """Workers skip the interpreter's teardown (where gloo's destructors can abort a finished rank); one process does not."""
+    from torchtune_ac import cli
+    from torchtune_ac.registry import find_recipe
+
+    def fake_exit(status):
+        raise _Left(status)
+
+    monkeypatch.setattr(cli.os, "_exit", fake_exit)
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    argv = ["--config", "tiny/full", "no_such_key=1"]  # refused before any process group exists
+    recipe = str(find_recipe("full_finetune").path)
+    if leaves:
+        with pytest.raises(_Left) as left:
+            cli.recipe_main(argv, recipe)
+        assert left.value.args == (2,)
+    else:
+        assert cli.recipe_main(argv, recipe) == 2
