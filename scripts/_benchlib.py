@@ -7,8 +7,22 @@ into ``bench_results/``, draw the PNG, and say where both went.
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+
+def leave_spawned_rank() -> None:
+    """End a spawned rank that finished its work (process group already destroyed) with status 0.
+
+    Skips the interpreter's teardown, where a race in gloo's C++ destructors can abort an already finished
+    rank with SIGABRT, failing ``mp.spawn`` after the measurement was written (the recipe's workers leave the
+    same way, see ``torchtune_ac.cli._leave_worker``).
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def pyplot() -> Any:

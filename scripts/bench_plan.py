@@ -31,7 +31,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from _benchlib import write_report  # noqa: E402
+from _benchlib import leave_spawned_rank, write_report  # noqa: E402
 
 from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.training.activation_checkpointing import ACConfig, resolve_ac_plan  # noqa: E402
@@ -122,6 +122,7 @@ def _fsdp_rank(rank: int, store: str, args: dict, out: str) -> None:
         torch.distributed.barrier()
     finally:
         torch.distributed.destroy_process_group()
+    leave_spawned_rank()  # reached only when the work above succeeded
 
 
 def worker(argv: list[str]) -> None:

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import fully_shard
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from _benchlib import pyplot, save_figure, write_report  # noqa: E402
+from _benchlib import leave_spawned_rank, pyplot, save_figure, write_report  # noqa: E402
 
 from torchtune_ac.checkpoint import save_hf_state_dict  # noqa: E402
 from torchtune_ac.models import Llama, LlamaArgs, load_hf, save_hf  # noqa: E402
@@ -116,6 +116,7 @@ def save_rank(rank: int, store: str, mode: str, layers: int, shard_size: str, ou
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    leave_spawned_rank()  # reached only when the work above succeeded
 
 
 def run_mode(mode: str, layers: int, shard_size: str, work: Path) -> dict:
