@@ -206,6 +206,10 @@ class Component:
             if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
         ]
         if not accepts_any:
+            for name in extra_kwargs:
+                if name not in names:
+                    problems.append(f"{self.key}: {self.path} takes no {name} argument, which the recipe passes "
+                                    f"to every {self.key}")
             for name in self.kwargs:
                 if name not in names and name not in extra_kwargs:
                     hint = difflib.get_close_matches(name, names, n=1)

@@ -66,6 +66,8 @@ def test_valid_config_becomes_typed():
         ({"optimizer": {"_component_": "torch.optim.AdamW", "lrr": 1}}, "optimizer.lrr: not an argument of torch.optim.AdamW (did you mean lr?)"),
         ({"optimizer": {"_component_": "torch.optim.AdamWW"}}, "did you mean torch.optim.AdamW?"),
         ({"dataset": {"_component_": "torchtune_ac.data.instruct_dataset", "max_seq_len": 3}}, "dataset.max_seq_len: set by the recipe"),
+        ({"lr_scheduler": {"_component_": "torch.optim.lr_scheduler.StepLR", "step_size": 2}},
+         "lr_scheduler: torch.optim.lr_scheduler.StepLR takes no num_training_steps argument, which the recipe passes"),
     ],
 )
 def test_each_problem_is_named(changes, expected):
