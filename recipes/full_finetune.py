@@ -3,8 +3,9 @@
     tune run full_finetune --config tiny/full
     tune run --nproc_per_node 2 full_finetune --config tiny/full
 
-The recipe only orders library calls: setup -> train (train_step, save_checkpoint) -> cleanup (always).
-Everything it calls lives in torchtune_ac, so another recipe reuses it rather than copying it.
+The recipe only orders library calls: setup (the run layer's phases, ``torchtune_ac/run/phases.py``) -> train
+(train_step, save_checkpoint) -> cleanup (always). Everything it calls lives in torchtune_ac, so another recipe
+composes the same phases rather than copying them.
 
 SIGTERM or a first Ctrl-C stops the run after the current step with a checkpoint (exit 143); a non-finite loss
 or gradient norm stops it before the optimizer takes it in, saving nothing (exit 3).
@@ -18,34 +19,28 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from torchtune_ac.checkpoint import (
-    Progress,
-    ResumeChoice,
-    check_resume_shape,
-    check_shared_directory,
-    choose_resume_checkpoint,
-    create_output_dir,
-    load_checkpoint,
-    read_trainer_state,
-    save_checkpoint,
-)
+from torchtune_ac.checkpoint import Progress, create_output_dir, save_checkpoint
 from torchtune_ac.config.preflight import preflight_full_finetune, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
-from torchtune_ac.data import build_dataloader
-from torchtune_ac.errors import EXIT_NON_FINITE, EXIT_STOPPED, RunStopped, UserError
-from torchtune_ac.training.distributed import barrier, destroy_distributed, init_distributed
-from torchtune_ac.training.metric_logging import RunLog, open_run_log, plain_config
-from torchtune_ac.training.metrics import peak_memory_gib
-from torchtune_ac.training.model_setup import build_training_model
-from torchtune_ac.training.non_finite import NonFiniteError
-from torchtune_ac.training.optimizer_in_backward import build_optimizer, optimizers_to_checkpoint
-from torchtune_ac.training.progress import ProgressReporter
-from torchtune_ac.training.rank_agreement import check_same_config
+from torchtune_ac.observability.metric_logging import RunLog, open_run_log
+from torchtune_ac.observability.metrics import peak_memory_gib
+from torchtune_ac.observability.progress import ProgressReporter
+from torchtune_ac.run import messages
+from torchtune_ac.run.phases import (
+    SavePolicy,
+    build_data,
+    build_model,
+    build_scheduler,
+    choose_resume,
+    restore,
+    start_run,
+)
+from torchtune_ac.runtime.distributed import destroy_distributed
+from torchtune_ac.runtime.non_finite import NonFiniteError
+from torchtune_ac.runtime.stop import StopSignals
 from torchtune_ac.training.step import move_batch, train_step
-from torchtune_ac.training.stop import StopSignals
 
 CONFIG_SCHEMA = FullFinetuneConfig
 log = logging.getLogger("torchtune_ac.full_finetune")
@@ -64,131 +59,65 @@ class FullFinetuneRecipe:
         self.metrics: Optional[RunLog] = None
         self.stop = StopSignals()
         self.last_checkpoint: Optional[Path] = None
+        self.progress = Progress()
 
     def setup(self) -> None:
         cfg = self.cfg
-        self.ctx = ctx = init_distributed(cfg.device.value)
-        logging.basicConfig(level=logging.INFO if ctx.is_rank_zero else logging.WARNING, format="%(message)s")
-        report = preflight_full_finetune(cfg, strict=True, world_size=ctx.world_size)
-        for warning in report.warnings:
-            log.warning(warning)
-        # Before anything is written: every rank has the same config and sees the same output_dir.
-        check_same_config(plain_config(cfg), ctx)
-        check_shared_directory(cfg.output_dir, "output_dir")
-        barrier(ctx)  # every rank has checked output_dir before rank 0 writes to it
-        resume = (choose_resume_checkpoint(cfg.output_dir, hashes=True, collective=True)
-                  if cfg.resume_from_checkpoint else ResumeChoice(None))
-        for skipped in resume.skipped:
-            log.warning("resume: %s", skipped)
-        resume_from = resume.checkpoint
-        torch.manual_seed(cfg.seed)
-
+        self.run = run = start_run(cfg)
+        resume_from = choose_resume(cfg).checkpoint
         self.tokenizer = cfg.tokenizer.instantiate()
-        self.plan = report.plan
-        self.model = build_training_model(
-            cfg.model,
-            ctx=ctx,
-            dtype=cfg.dtype,
-            ac=self.plan.ac,
-            fsdp=cfg.fsdp,
-            compile_blocks=cfg.compile,
-            checkpoint_dir=cfg.checkpoint_dir,
-            load_weights=resume_from is None,  # a resume loads them from its recipe state
-            seed=cfg.seed,
-        )
-        self.optimizer = build_optimizer(cfg.optimizer.instantiate, self.model, in_backward=self.plan.optimizer_in_backward)
-
-        dataset = cfg.dataset.instantiate(self.tokenizer, max_seq_len=cfg.max_seq_len)
-        self.loader = build_dataloader(
-            dataset,
-            batch_size=cfg.batch_size,
-            rank=ctx.rank,
-            world_size=ctx.world_size,
-            shuffle=cfg.shuffle,
-            seed=cfg.seed,
-            pad_id=self.tokenizer.pad_id,
-        )
-        batches_per_epoch = len(self.loader)
-        self.steps_per_epoch = batches_per_epoch // cfg.gradient_accumulation_steps
-        if cfg.max_steps_per_epoch is not None:
-            self.steps_per_epoch = min(self.steps_per_epoch, cfg.max_steps_per_epoch)
-        if self.steps_per_epoch == 0:
-            raise UserError(
-                f"dataset: {len(dataset)} samples make {batches_per_epoch} batch(es) per process per epoch, fewer than "
-                f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (reduce batch_size or accumulation)"
-            )
-        self.total_steps = self.steps_per_epoch * cfg.epochs
-        self.scheduler = (
-            cfg.lr_scheduler.instantiate(self.optimizer, num_training_steps=self.total_steps)
-            if cfg.lr_scheduler is not None
-            else None
-        )
-
-        self.progress = Progress()
+        self.training = build_model(cfg, run, load_weights=resume_from is None)  # a resume loads its own
+        self.data = build_data(cfg, self.tokenizer, run.ctx)
+        self.scheduler = build_scheduler(cfg, self.training.stepper, self.data.total_steps)
+        self.save_policy = SavePolicy(cfg.save_every_n_steps)
         if resume_from is not None:
-            saved_progress, saved_shape = read_trainer_state(resume_from)
-            check_resume_shape(resume_from, saved_shape, run_shape(cfg, ctx.world_size, self.model))
-            if saved_progress.epoch >= cfg.epochs and saved_progress.step < self.total_steps:
-                # A finished epoch is not reopened: more steps per epoch would otherwise end in "nothing to do".
-                raise UserError(
-                    f"resume from {resume_from}: the run finished its {saved_progress.epoch} epoch(s) at step "
-                    f"{saved_progress.step}, but this config makes {self.steps_per_epoch} steps per epoch "
-                    f"({self.total_steps} in all: max_steps_per_epoch or the data changed); finished epochs are not "
-                    "extended: raise epochs to train more, or start a new run in another output_dir"
-                )
-            load_checkpoint(resume_from, model=self.model, optimizers=optimizers_to_checkpoint(self.optimizer),
-                            scheduler=self.scheduler)
-            self.progress, self.last_checkpoint = saved_progress, resume_from
-            log.info("resumed from %s at step %d", resume_from, self.progress.step)
-            if saved_shape.world_size != ctx.world_size:
-                log.info("resharded from %d process(es) to %d: model, optimizer, scheduler and data order carry "
-                         "over; dropout masks do not (each rank's RNG state is its own)",
-                         saved_shape.world_size, ctx.world_size)
+            self.progress = restore(cfg, run, resume_from, self.training, self.scheduler, self.data)
+            self.last_checkpoint = resume_from
         elif cfg.resume_from_checkpoint:
-            log.info("resume_from_checkpoint=true: %s holds no checkpoint yet, so the run starts at step 0",
-                     cfg.output_dir)
-        if ctx.is_rank_zero:
+            log.info(messages.no_checkpoint_yet(cfg.output_dir))
+        if run.ctx.is_rank_zero:
             create_output_dir(cfg.output_dir)
             tracker = cfg.metric_logger.instantiate() if cfg.metric_logger is not None else None
             # A resume drops what the interrupted run logged after its checkpoint (all of it without one).
             self.metrics = open_run_log(cfg.output_dir, tracker, config=cfg,
                                         resume_after_step=self.progress.step if cfg.resume_from_checkpoint else None)
-
+        ctx = run.ctx
         global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * ctx.world_size
         for line in (
             f"world size {ctx.world_size} on {ctx.device} ({cfg.dtype.value})",
-            f"model {cfg.model.path}: {report.n_parameters:,} parameters, {self.plan.ac.n_layers} layers",
-            *(f"{label}: {value}" for label, value in self.plan.describe()),
+            f"model {cfg.model.path}: {run.report.n_parameters:,} parameters, {run.plan.ac.n_layers} layers",
+            *(f"{label}: {value}" for label, value in run.plan.describe()),
             f"global batch {global_batch} samples ({cfg.batch_size} x {cfg.gradient_accumulation_steps} accumulation"
-            f" x {ctx.world_size} processes); {len(dataset)} samples, {self.steps_per_epoch} steps per epoch,"
+            f" x {ctx.world_size} processes); {self.data.samples} samples, {self.data.steps_per_epoch} steps per epoch,"
             f" {cfg.epochs} epoch(s)",
         ):
             log.info(line)
 
     def train(self) -> None:
-        cfg, ctx = self.cfg, self.ctx
+        cfg, ctx, data, training = self.cfg, self.run.ctx, self.data, self.training
         accum = cfg.gradient_accumulation_steps
         # A bar on a terminal; plain lines every log_every_n_steps in a log file (no carriage returns).
-        progress = ProgressReporter(total=self.total_steps, initial=self.progress.step, every=cfg.log_every_n_steps,
+        progress = ProgressReporter(total=data.total_steps, initial=self.progress.step, every=cfg.log_every_n_steps,
                                     enabled=ctx.is_rank_zero)
         started = time.perf_counter()
         first_step, last_loss = self.progress.step, float("nan")
         if (stop := self.stop.agreed(ctx)) is not None:  # a signal during set-up: nothing new to save
             raise self.stopped(stop, saved=False)
         for epoch in range(self.progress.epoch, cfg.epochs):
-            self.loader.set_epoch(epoch)
+            data.loader.set_epoch(epoch)
             skip = self.progress.step_in_epoch if epoch == self.progress.epoch else 0
-            self.loader.skip_steps(skip * accum)
-            batches = iter(self.loader)
-            for step_in_epoch in range(skip, self.steps_per_epoch):
+            data.loader.skip_steps(skip * accum)
+            batches = iter(data.loader)
+            for step_in_epoch in range(skip, data.steps_per_epoch):
                 step_start = time.perf_counter()
                 micro = [move_batch(next(batches), ctx.device) for _ in range(accum)]
                 try:
-                    result = train_step(self.model, self.optimizer, micro, ctx=ctx,
-                                        clip_grad_norm=cfg.clip_grad_norm, loss_chunks=self.plan.loss_chunks)
+                    result = train_step(training.model, training.stepper, micro, ctx=ctx, objective=training.objective,
+                                        clip_grad_norm=cfg.clip_grad_norm)
                 except NonFiniteError as err:
-                    raise self.diverged(err) from None
-                lr = self.optimizer.param_groups[0]["lr"]
+                    raise messages.diverged(err, self.progress, self.last_checkpoint,
+                                            announce=ctx.is_rank_zero) from None
+                lr = training.stepper.optimizer.param_groups[0]["lr"]
                 if self.scheduler is not None:
                     self.scheduler.step()
                 elapsed = time.perf_counter() - step_start
@@ -216,10 +145,9 @@ class FullFinetuneRecipe:
                                 target_tokens_per_second=target_tokens_per_second)
                 stop = self.stop.agreed(ctx)  # every rank stops after the same step
                 if stop is not None:
-                    log.info("%s received: saving step %d, then stopping (Ctrl-C again aborts at once)",
-                             stop, self.progress.step)
-                epoch_done = step_in_epoch + 1 == self.steps_per_epoch
-                if epoch_done or stop or (cfg.save_every_n_steps and self.progress.step % cfg.save_every_n_steps == 0):
+                    log.info(messages.stopping(stop, self.progress.step))
+                epoch_done = step_in_epoch + 1 == data.steps_per_epoch
+                if self.save_policy.should_save(self.progress.step, epoch_done=epoch_done, stopping=stop is not None):
                     if epoch_done:
                         self.progress = Progress(self.progress.step, epoch + 1, 0)
                     self.save()
@@ -229,7 +157,7 @@ class FullFinetuneRecipe:
         progress.close()
         steps = self.progress.step - first_step
         if steps == 0:
-            log.info("nothing to do: the run in %s already finished %d step(s)", cfg.output_dir, self.progress.step)
+            log.info(messages.nothing_to_do(cfg.output_dir, self.progress.step))
             return
         log.info(
             "done: %d step(s) in %.1f s, final loss %.4f, peak memory %.2f GiB; checkpoints in %s",
@@ -239,11 +167,11 @@ class FullFinetuneRecipe:
     def save(self) -> None:
         path = save_checkpoint(
             self.cfg.output_dir,
-            model=self.model,
-            optimizers=optimizers_to_checkpoint(self.optimizer),
+            model=self.training.model,
+            optimizers=self.training.stepper.optimizers_to_checkpoint(),
             scheduler=self.scheduler,
             progress=self.progress,
-            shape=run_shape(self.cfg, self.ctx.world_size, self.model),
+            shape=run_shape(self.cfg, self.run.ctx.world_size, self.training.model, self.run.plan),
             keep_last_n=self.cfg.keep_last_n_checkpoints,
             tokenizer_dir=Path(self.tokenizer.path).parent,
             hf_config_extra={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
@@ -251,25 +179,9 @@ class FullFinetuneRecipe:
         self.last_checkpoint = path
         log.info("saved checkpoint %s", path)
 
-    def stopped(self, signal_name: str, *, saved: bool) -> RunStopped:
-        """The stop on a signal, after the checkpoint of the current step (``saved``) or before any step."""
-        if saved:
-            what = f"after step {self.progress.step}: checkpoint {self.last_checkpoint} written"
-        else:
-            since = self.last_checkpoint.name if self.last_checkpoint else "the start (no step taken yet)"
-            what = f"before step {self.progress.step + 1}: nothing new to save since {since}"
-        return RunStopped(f"stopped by {signal_name} {what}; to continue, run the same command with "
-                          "resume_from_checkpoint=true", exit_status=EXIT_STOPPED, announce=self.ctx.is_rank_zero)
-
-    def diverged(self, err: NonFiniteError) -> RunStopped:
-        """The stop on a non-finite loss or gradient norm: nothing is saved, the newest checkpoint predates it."""
-        newest = (f"the newest checkpoint is still {self.last_checkpoint}" if self.last_checkpoint
-                  else "there is no checkpoint yet")
-        taken = ("with optimizer_in_bwd the parameters were stepped in backward, in memory only"
-                 if err.stepped else "no optimizer step took it in")
-        return RunStopped(f"stopped at step {self.progress.step + 1}: {err.describe()}; {taken}, and nothing was saved "
-                          f"({newest}): lower the learning rate or check that step's data, then resume with "
-                          "resume_from_checkpoint=true", exit_status=EXIT_NON_FINITE, announce=self.ctx.is_rank_zero)
+    def stopped(self, signal_name: str, *, saved: bool):
+        return messages.stopped(signal_name, self.progress, self.last_checkpoint, saved=saved,
+                                announce=self.run.ctx.is_rank_zero)
 
     def cleanup(self, *, succeeded: bool) -> None:
         if self.metrics is not None:

@@ -6,7 +6,7 @@
 For each setting (none, full, selective every k-th block, selective per-op) it measures, with a fresh model
 built from the same seed and the same batch:
   * saved activations: bytes kept for backward by one training forward (model + loss), see
-    ``torchtune_ac.training.memory.measure_saved_activation_bytes``;
+    ``_measure.measure_saved_activation_bytes``;
   * step time: median wall time of forward + backward + AdamW step, after a warm-up step;
   * peak RSS of the process while that setting trains (Linux VmHWM, reset before each run, after freed
     heap is handed back to the OS, so one run's peak does not include memory left from an earlier run).
@@ -38,8 +38,8 @@ sys.path.insert(0, str(REPO))
 from _benchlib import pyplot, save_figure, write_report  # noqa: E402
 
 from torchtune_ac import models  # noqa: E402
-from torchtune_ac.training.activation_checkpointing import setup_activation_checkpointing  # noqa: E402
-from torchtune_ac.training.memory import (  # noqa: E402
+from torchtune_ac.memory.activation_checkpointing import setup_activation_checkpointing  # noqa: E402
+from _measure import (  # noqa: E402
     measure_saved_activation_bytes,
     return_freed_memory_to_os,
     track_peak_rss,

@@ -56,11 +56,12 @@ from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.data import IGNORE_INDEX, build_sample, collate_batch, pack_samples  # noqa: E402
 from torchtune_ac.models.attention import DocumentRuns, causal_attention, document_runs, document_starts  # noqa: E402
 from torchtune_ac.models.llama import Attention, apply_rope  # noqa: E402
-from torchtune_ac.training.distributed import DistributedContext  # noqa: E402
-from torchtune_ac.training.activation_checkpointing import ACConfig, ACMode  # noqa: E402
-from torchtune_ac.training.distributed import FSDPConfig  # noqa: E402
-from torchtune_ac.training.dtypes import DType  # noqa: E402
-from torchtune_ac.training.model_setup import build_training_model  # noqa: E402
+from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
+from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode  # noqa: E402
+from torchtune_ac.memory.plan import MemoryPlan  # noqa: E402
+from torchtune_ac.runtime.distributed import FSDPConfig  # noqa: E402
+from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.run.model_setup import build_training_model  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 
 ATTENTION_SIDES = ("dense", "per_document", "causal_row")
@@ -280,7 +281,7 @@ def build_step(args: argparse.Namespace, side: str, setting: str, batches: list[
     with torch.device("meta"):
         n_layers = len(component.instantiate().layers)
     model = build_training_model(
-        component, ctx=ctx, dtype=DType.FP32, ac=AC_SETTINGS[setting.removesuffix(COMPILED)].resolve(n_layers),
+        component, ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=AC_SETTINGS[setting.removesuffix(COMPILED)].resolve(n_layers), settings={}),
         fsdp=FSDPConfig(), compile_blocks=setting.endswith(COMPILED), checkpoint_dir=None, seed=args.seed,
     )
     holder = DenseMask()  # installed before the first call, so compile traces the dense attention

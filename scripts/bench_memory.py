@@ -42,14 +42,14 @@ sys.path.insert(0, str(REPO))
 from _benchlib import pyplot, save_figure, write_report  # noqa: E402
 
 from torchtune_ac.config.components import Component  # noqa: E402
-from torchtune_ac.training.activation_checkpointing import ACConfig, ACMode  # noqa: E402
-from torchtune_ac.training.distributed import DistributedContext, FSDPConfig  # noqa: E402
-from torchtune_ac.training.dtypes import DType  # noqa: E402
-from torchtune_ac.training.loss import IGNORE_INDEX  # noqa: E402
-from torchtune_ac.training.memory import return_freed_memory_to_os, track_peak_rss  # noqa: E402
-from torchtune_ac.training.memory_plan import MemoryConfig, resolve_memory_plan  # noqa: E402
-from torchtune_ac.training.model_setup import build_meta_model, build_training_model  # noqa: E402
-from torchtune_ac.training.optimizer_in_backward import build_optimizer  # noqa: E402
+from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode  # noqa: E402
+from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig  # noqa: E402
+from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
+from _measure import return_freed_memory_to_os, track_peak_rss  # noqa: E402
+from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
+from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
+from torchtune_ac.run.model_setup import build_training_model  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 
 MiB = 2**20
@@ -105,16 +105,15 @@ def measure(args: argparse.Namespace, setting: Setting, batch: dict[str, torch.T
     memory = MemoryConfig(optimizer_in_bwd=setting.in_backward, loss_chunks=CHUNKS if setting.chunked else 1)
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting.ac)), memory, build_meta_model(component),
                                clip_grad_norm=None)
-    model = build_training_model(component, ctx=ctx, dtype=DType.FP32, ac=plan.ac, fsdp=FSDPConfig(),
+    model = build_training_model(component, ctx=ctx, dtype=DType.FP32, memory=plan, fsdp=FSDPConfig(),
                                  compile_blocks=False, checkpoint_dir=None, seed=args.seed)
-    optimizer = build_optimizer(lambda params: torch.optim.AdamW(params, lr=1e-5), model,
-                                in_backward=plan.optimizer_in_backward)
-    train_step(model, optimizer, [batch], ctx=ctx, loss_chunks=plan.loss_chunks)  # allocates the optimizer state
+    optimizer = plan.build_stepper(lambda params: torch.optim.AdamW(params, lr=1e-5), model)
+    train_step(model, optimizer, [batch], ctx=ctx, objective=plan.objective())  # allocates the optimizer state
     return_freed_memory_to_os()
     before = psutil.Process().memory_info().rss
     with track_peak_rss() as peak:
         start = time.perf_counter()
-        train_step(model, optimizer, [batch], ctx=ctx, loss_chunks=plan.loss_chunks)
+        train_step(model, optimizer, [batch], ctx=ctx, objective=plan.objective())
         seconds = time.perf_counter() - start
     if hasattr(optimizer, "remove_hooks"):
         optimizer.remove_hooks()

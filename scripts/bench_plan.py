@@ -34,11 +34,12 @@ sys.path.insert(0, str(REPO))
 from _benchlib import leave_spawned_rank, write_report  # noqa: E402
 
 from torchtune_ac.config.components import Component  # noqa: E402
-from torchtune_ac.training.activation_checkpointing import ACConfig, resolve_ac_plan  # noqa: E402
-from torchtune_ac.training.dtypes import DType  # noqa: E402
-from torchtune_ac.training.loss import IGNORE_INDEX  # noqa: E402
-from torchtune_ac.training.memory_plan import MemoryConfig, resolve_memory_plan  # noqa: E402
-from torchtune_ac.training.planner import Workload, candidate_plans, describe_setting, estimate_memory  # noqa: E402
+from torchtune_ac.memory.activation_checkpointing import ACConfig, resolve_ac_plan  # noqa: E402
+from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
+from torchtune_ac.memory.chunked_loss import loss_objective  # noqa: E402
+from torchtune_ac.memory.plan import MemoryConfig, MemoryPlan, resolve_memory_plan  # noqa: E402
+from torchtune_ac.memory.planner import Workload, candidate_plans, describe_setting, estimate_memory  # noqa: E402
 
 MiB = 2**20
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -64,7 +65,7 @@ def plans_of(name: str) -> list:
 
 def loss_chunks_of(name: str) -> int:
     """The model's default loss chunks, as a run resolves them (8 for a 32k vocabulary, else 1)."""
-    return resolve_memory_plan(ACConfig(), MemoryConfig(), meta_model(name), clip_grad_norm=None).loss_chunks
+    return resolve_memory_plan(ACConfig(), MemoryConfig(), meta_model(name), clip_grad_norm=None).setting("loss_chunks")
 
 
 def batch(name: str, batch_size: int, seq_len: int, rank: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -82,10 +83,10 @@ def measure_steps(name: str, settings, batch_size: int, seq_len: int, chunks: in
 
     import psutil
 
-    from torchtune_ac.training.distributed import DistributedContext, FSDPConfig
-    from torchtune_ac.training.memory import return_freed_memory_to_os, track_peak_rss
-    from torchtune_ac.training.model_setup import build_training_model
-    from torchtune_ac.training.optimizer_in_backward import build_optimizer
+    from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
+    from _measure import return_freed_memory_to_os, track_peak_rss
+    from torchtune_ac.run.model_setup import build_training_model
+    from torchtune_ac.memory.optimizer_in_backward import build_optimizer
     from torchtune_ac.training.step import train_step
 
     ctx = DistributedContext(rank, world_size, rank, torch.device("cpu"))
@@ -94,16 +95,16 @@ def measure_steps(name: str, settings, batch_size: int, seq_len: int, chunks: in
     n_layers = len(meta_model(name).layers)
     for mode, option in settings:
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=option, n_layers=n_layers)
-        model = build_training_model(component(name), ctx=ctx, dtype=DType.FP32, ac=plan, fsdp=FSDPConfig(),
+        model = build_training_model(component(name), ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(),
                                      compile_blocks=False, checkpoint_dir=None, seed=0)
         optimizer = build_optimizer(adamw, model, in_backward=False)
-        train_step(model, optimizer, data, ctx=ctx, loss_chunks=chunks)
+        train_step(model, optimizer, data, ctx=ctx, objective=loss_objective(chunks))
         return_freed_memory_to_os()
         if world_size > 1:
             torch.distributed.barrier()
         before = psutil.Process().memory_info().rss
         with track_peak_rss() as peak:
-            train_step(model, optimizer, data, ctx=ctx, loss_chunks=chunks)
+            train_step(model, optimizer, data, ctx=ctx, objective=loss_objective(chunks))
         out.append(peak.peak_bytes - before)
         del model, optimizer
         gc.collect()
@@ -152,7 +153,7 @@ def run_worker(kind: str, args: dict, extra_env: dict) -> list[int]:
 
 def measured_saved_activations(name: str, settings, batch_size: int, seq_len: int, chunks: int) -> list[int]:
     from torchtune_ac.training import setup_activation_checkpointing
-    from torchtune_ac.training.memory import measure_saved_activation_bytes
+    from _measure import measure_saved_activation_bytes
     from torchtune_ac.training.step import micro_batch_loss
 
     data = batch(name, batch_size, seq_len)[0]
@@ -161,7 +162,7 @@ def measured_saved_activations(name: str, settings, batch_size: int, seq_len: in
         torch.manual_seed(0)
         model = component(name).instantiate()
         setup_activation_checkpointing(model, ac_mode=mode, ac_option=option)
-        out.append(measure_saved_activation_bytes(lambda b: micro_batch_loss(model, b, chunks), data,
+        out.append(measure_saved_activation_bytes(lambda b: micro_batch_loss(model, b, loss_objective(chunks)), data,
                                                   exclude=list(model.parameters())))
     return out
 
@@ -174,7 +175,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         chunks = loss_chunks_of(name)
         estimates = {}
         for world in (1, 2):
-            workload = Workload(args.batch_size, args.seq_len, world_size=world, loss_chunks=chunks)
+            workload = Workload(args.batch_size, args.seq_len, world_size=world, settings=(("loss_chunks", chunks),))
             start = time.perf_counter()
             estimates[world] = estimate_memory(component(name).instantiate, adamw, workload, plans=plans)
             print(f"{name}: planned {len(plans)} settings for {world} process(es) in "

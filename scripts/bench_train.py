@@ -44,13 +44,14 @@ from _benchlib import pyplot, save_figure, write_report  # noqa: E402
 
 from torchtune_ac import models  # noqa: E402
 from torchtune_ac.config.components import Component  # noqa: E402
-from torchtune_ac.training.distributed import DistributedContext  # noqa: E402
-from torchtune_ac.training.loss import IGNORE_INDEX  # noqa: E402
-from torchtune_ac.training.activation_checkpointing import ACConfig, ACMode  # noqa: E402
-from torchtune_ac.training.distributed import FSDPConfig  # noqa: E402
-from torchtune_ac.training.dtypes import DType  # noqa: E402
-from torchtune_ac.training.memory_plan import MemoryConfig, resolve_memory_plan  # noqa: E402
-from torchtune_ac.training.model_setup import build_meta_model, build_training_model  # noqa: E402
+from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
+from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
+from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode  # noqa: E402
+from torchtune_ac.runtime.distributed import FSDPConfig  # noqa: E402
+from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
+from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
+from torchtune_ac.run.model_setup import build_training_model  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 
 SETTINGS = ("none", "full")
@@ -131,7 +132,7 @@ def build_ours(model_name: str, checkpoint_dir: Path, setting: str, batches: lis
         component,
         ctx=ctx,
         dtype=DType.FP32,
-        ac=plan.ac,
+        memory=plan,
         fsdp=FSDPConfig(),
         compile_blocks=False,
         checkpoint_dir=str(checkpoint_dir),
@@ -141,7 +142,7 @@ def build_ours(model_name: str, checkpoint_dir: Path, setting: str, batches: lis
     micro_batches = [[{"tokens": tokens, "labels": shift_labels(tokens)}] for tokens in batches]
 
     def step(i: int) -> float:
-        return train_step(model, optimizer, micro_batches[i], ctx=ctx, loss_chunks=plan.loss_chunks).loss
+        return train_step(model, optimizer, micro_batches[i], ctx=ctx, objective=plan.objective()).loss
 
     return step, str(plan.ac)
 

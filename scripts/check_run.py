@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from torchtune_ac.models import load_hf
 from torchtune_ac.checkpoint import list_checkpoints
-from torchtune_ac.training.metrics import read_metrics
+from torchtune_ac.observability.metrics import read_metrics
 
 
 def main() -> int:

@@ -5,17 +5,22 @@ module imports ``datasets`` (which reads its cache location at import), and inhe
 subprocess. No test reaches the Hub: ``HF_HUB_OFFLINE=1``.
 
 This folder is on ``sys.path`` (pytest puts a conftest's folder there), so unit and integration tests share
-``hf_families`` (tiny random checkpoints made with transformers' own classes) and ``tracker_readers``.
+``hf_families`` (tiny random checkpoints made with transformers' own classes) and ``tracker_readers``. So is
+``scripts/``, whose ``_measure`` (bytes kept for backward, peak resident memory) the planner's tests measure with.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
+SCRIPTS = str(Path(__file__).resolve().parent.parent / "scripts")
+sys.path.insert(0, SCRIPTS)
 pytest.register_assert_rewrite("hf_families")
 
 _ENV_DIRS = {
@@ -36,6 +41,8 @@ def pytest_configure(config) -> None:
         os.environ[name] = os.path.join(root, folder)
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["WANDB_MODE"] = "offline"
+    # Subprocesses that measure memory import scripts/_measure too.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SCRIPTS, os.environ.get("PYTHONPATH")]))
 
 
 def pytest_unconfigure(config) -> None:

@@ -466,9 +466,9 @@ def test_a_max_seq_len_beyond_the_model_context_is_not_silently_accepted(tmp_pat
     ],
 )
 def test_the_launcher_exits_with_its_workers_status(exit_codes, status, says, capsys):
-    from torchtune_ac.cli import _status_of_failed_workers
+    from torchtune_ac.runtime.launcher import status_of_failed_workers
 
-    assert _status_of_failed_workers(exit_codes) == status
+    assert status_of_failed_workers(exit_codes) == status
     err = capsys.readouterr().err
     assert (says in err) if says else err == ""
 

@@ -18,7 +18,7 @@ from finetune_runs import (
 )
 from hf_families import FAMILY_NAMES, write_hf_checkpoint
 
-from torchtune_ac.training.metrics import read_metrics
+from torchtune_ac.observability.metrics import read_metrics
 
 STEPS = 5
 LOSS_RTOL = 1e-4

@@ -51,7 +51,7 @@ from torchtune_ac.checkpoint import safetensors_io
 from torchtune_ac.checkpoint.manifest import check_against_manifest
 from torchtune_ac.embedded import CACHE_ENV_VAR
 from torchtune_ac.training import step as step_module
-from torchtune_ac.training.metrics import read_metrics
+from torchtune_ac.observability.metrics import read_metrics
 
 STEPS, SAVE_EVERY, GLOBAL_BATCH = 12, 3, 4
 LOSS_RTOL = 1e-5

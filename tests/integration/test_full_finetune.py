@@ -24,7 +24,7 @@ from finetune_runs import (
 
 from torchtune_ac.models import load_hf
 from torchtune_ac.checkpoint import list_checkpoints
-from torchtune_ac.training.metrics import read_metrics
+from torchtune_ac.observability.metrics import read_metrics
 
 LEARNING_STEPS = 30
 PEAK_LR = 3.0e-3  # configs/tiny/full.yaml

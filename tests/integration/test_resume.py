@@ -24,7 +24,7 @@ from finetune_runs import (
     tune_run_argv,
 )
 
-from torchtune_ac.training.metrics import read_metrics
+from torchtune_ac.observability.metrics import read_metrics
 
 EPOCHS, STEPS_PER_EPOCH, SAVE_EVERY = 3, 20, 5
 TOTAL_STEPS = EPOCHS * STEPS_PER_EPOCH

@@ -17,14 +17,14 @@ import pytest
 
 from finetune_runs import check_success, run_tune_in_process, run_tune_subprocess, subprocess_env, tune_command, tune_run_argv
 from torchtune_ac.cli import main
-from torchtune_ac.training.metrics import read_metrics
+from torchtune_ac.observability.metrics import read_metrics
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")
 
 from tracker_readers import read_tensorboard, read_wandb_offline_runs  # noqa: E402
 
-LOGGERS = "torchtune_ac.training.metric_logging"
+LOGGERS = "torchtune_ac.observability.metric_logging"
 TENSORBOARD = f"metric_logger={{_component_:{LOGGERS}.TensorBoardLogger}}"
 WANDB_OFFLINE = f"metric_logger={{_component_:{LOGGERS}.WandBLogger,project:tests,mode:offline}}"
 PLAIN_LINE = re.compile(

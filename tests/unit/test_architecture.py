@@ -1,9 +1,13 @@
 """The package's layers, checked on its import statements: each package imports only the packages below it.
 
     cli, recipes
-    config      (schema, loading, components, start-up checks)
-    training    (AC, sharding, step, loss, model setup)
+    run         (the set-up phases, model assembly, stop and resume messages)
+    config      (schema, loading, components, start-up checks, plan tables)
+    memory      (the memory switches, their mechanisms, the memory plan and the planner)
+    training    (the step, the objective, LR schedules)
+    runtime     (launcher, processes and FSDP2, stop signals, rank agreement, non-finite checks)
     checkpoint  (files, safetensors, Hugging Face load/save, recipe state)
+    observability (metrics.jsonl, trackers, progress)
     models, data
     errors, component_marker
 
@@ -24,15 +28,26 @@ LEAVES = {"errors", "component_marker"}
 ALLOWED = {
     "models": LEAVES,
     "data": LEAVES,
+    "observability": LEAVES,
     "checkpoint": LEAVES | {"models"},
-    "training": LEAVES | {"models", "checkpoint"},
+    "runtime": LEAVES | {"models"},
+    "training": LEAVES | {"models", "runtime"},
+    "memory": LEAVES | {"models", "runtime", "training"},
     "embedded": LEAVES | {"models", "data", "checkpoint"},
     "migrate": LEAVES,
-    "config": LEAVES | {"models", "data", "checkpoint", "training", "registry", "embedded", "migrate"},
+    "config": LEAVES | {"models", "data", "checkpoint", "runtime", "training", "memory", "observability", "registry",
+                        "embedded", "migrate"},
+    "run": LEAVES | {"models", "data", "checkpoint", "runtime", "training", "memory", "observability", "config"},
 }
-# The one way up: torchtune_ac.models.load_hf / save_hf / from_hf_config are contract names, re-exported from
-# the checkpoint package on first use (a module __getattr__), not at import.
-EXCEPTIONS = {"models/__init__.py": {"checkpoint"}}
+# Component paths that configs name (``torchtune_ac.training.cosine_schedule_with_warmup``,
+# ``torchtune_ac.training.metric_logging.WandBLogger``) and ``setup_activation_checkpointing``: the training
+# package's namespace names them, defined in the packages that own them. The one way up: torchtune_ac.models.load_hf
+# / save_hf / from_hf_config are contract names, re-exported from the checkpoint package on first use.
+EXCEPTIONS = {
+    "training/__init__.py": {"memory", "observability"},
+    "training/metric_logging.py": {"observability"},
+    "models/__init__.py": {"checkpoint"},
+}
 
 
 def imported_modules(path: Path) -> list[str]:

@@ -1,13 +1,12 @@
 """A config's memory plan: what ``ac_mode: auto`` and ``tune plan`` estimate, built from the config's keys.
 
-The estimates themselves come from ``torchtune_ac.training.planner`` (a simulated step under fake tensors);
+The estimates themselves come from ``torchtune_ac.memory.planner`` (a simulated step under fake tensors);
 this module turns a ``FullFinetuneConfig`` into the planner's inputs, lays the estimates out as a table, and
 draws them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -16,10 +15,10 @@ import torch
 
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.errors import UserError
-from torchtune_ac.training.activation_checkpointing import ACConfig
-from torchtune_ac.training.memory_plan import PlanningInputs, resolve_memory_plan
-from torchtune_ac.training.model_setup import build_meta_model
-from torchtune_ac.training.planner import GiB, MemoryEstimate, Workload, describe_setting, estimate_memory
+from torchtune_ac.memory.activation_checkpointing import ACConfig
+from torchtune_ac.memory.plan import PlanningInputs, resolve_memory_plan
+from torchtune_ac.config.meta_model import build_meta_model
+from torchtune_ac.memory.planner import GiB, MemoryEstimate, Workload, describe_setting, estimate_memory
 
 ASSUMPTIONS = (
     "every row is max_seq_len tokens and every position a target (the loss's worst case); parameters compute in "
@@ -81,7 +80,7 @@ class PlanTable:
             out.append(row)
         if self.budget_gib is not None and self.chosen is None:
             out.append(f"nothing fits {self.budget_gib:g} GiB: lower batch_size or max_seq_len, add processes, or turn on "
-                       "optimizer_in_bwd / loss_chunks")
+                       "another memory switch (ac_mode: auto lists what each would bring)")
         out.append("activations: saved for backward and alive at the peak; transient: backward temporaries, a block's "
                    "recompute, the loss's gradients, FSDP2's gathered parameters and reduce buffers; recompute: extra "
                    "matrix-multiply and attention FLOPs of the step; saved/fwd: what one forward keeps for backward.")
@@ -100,18 +99,16 @@ def plan_table(cfg: FullFinetuneConfig, *, world_size: int, budget_gib: Optional
     # The switches besides AC, resolved as a run resolves them (every AC setting gets a row of its own).
     plan = resolve_memory_plan(ACConfig(), cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm)
     inputs = planning_inputs(cfg, world_size, torch.device("cpu"))
-    workload = dataclasses.replace(inputs.workload, optimizer_in_bwd=plan.optimizer_in_backward,
-                                   loss_chunks=plan.loss_chunks, clip_grad_norm=cfg.clip_grad_norm)
+    workload = inputs.workload.with_settings(plan.settings, clip_grad_norm=cfg.clip_grad_norm)
     estimates = estimate_memory(inputs.build_model, inputs.make_optimizer, workload)
     chosen = None
     if budget_gib is not None:
         chosen = next((i for i, e in enumerate(estimates) if e.total <= budget_gib * GiB), None)
     n_params = sum(p.numel() for p in model.parameters())
-    loss = f"loss in {plan.loss_chunks} chunks" if plan.loss_chunks > 1 else "whole logits"
-    step = "optimizer step in backward" if plan.optimizer_in_backward else "optimizer step after backward"
+    switches = "; ".join(f"{label}: {value.split(':')[0]}" for label, value in plan.describe(ac=False))
     title = (f"{cfg.model.path}: {n_params:,} parameters; {world_size} process(es), batch {cfg.batch_size} x "
              f"{cfg.max_seq_len} tokens per process x {cfg.gradient_accumulation_steps} accumulation step(s), "
-             f"{cfg.dtype.value}, {cfg.optimizer.path.rsplit('.', 1)[-1]}, {loss}, {step}")
+             f"{cfg.dtype.value}, {cfg.optimizer.path.rsplit('.', 1)[-1]}; {switches}")
     return PlanTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size))
 
 

@@ -30,10 +30,10 @@ from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.config.startup_checks import check_optimizer_builds, check_tokenizer_fits
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.models.families import family_of, transformer_blocks
-from torchtune_ac.training.distributed import resolve_device
-from torchtune_ac.training.memory_plan import MemoryPlan, resolve_memory_plan
-from torchtune_ac.training.metrics import METRICS_FILE
-from torchtune_ac.training.model_setup import build_meta_model, count_parameters
+from torchtune_ac.runtime.distributed import resolve_device
+from torchtune_ac.memory.plan import MemoryPlan, resolve_memory_plan
+from torchtune_ac.observability.metrics import METRICS_FILE
+from torchtune_ac.config.meta_model import build_meta_model, count_parameters
 
 
 @dataclass
@@ -52,8 +52,8 @@ def model_architecture(model: torch.nn.Module) -> dict:
     return {} if family is None else family.hf.architecture(family.args_of(model))
 
 
-def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module) -> RunShape:
-    """What a resume of this run must keep (see ``RunShape``)."""
+def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module, plan: MemoryPlan) -> RunShape:
+    """What a resume of this run must keep (see ``RunShape``), with what the memory switches say of theirs."""
     data = {
         "seed": cfg.seed,
         "shuffle": cfg.shuffle,
@@ -61,8 +61,7 @@ def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module) 
         "dataset": cfg.dataset.as_config(),
         "tokenizer": cfg.tokenizer.as_config(),
     }
-    if cfg.memory.optimizer_in_bwd:  # recorded only when on, so runs from before the switch existed still resume
-        data["optimizer_in_bwd"] = True
+    data.update(plan.resume_record())
     # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
     data, architecture = json.loads(json.dumps([data, model_architecture(model)]))
     return RunShape(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, architecture, data)
@@ -151,7 +150,7 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
         report.warnings.extend(choice.skipped)
         if choice.checkpoint is not None:
             _, saved = read_trainer_state(choice.checkpoint)
-            current = run_shape(cfg, saved.world_size if world_size is None else world_size, model)
+            current = run_shape(cfg, saved.world_size if world_size is None else world_size, model, report.plan)
             check_resume_shape(choice.checkpoint, saved, current)
             resume_note = f" (resuming from {choice.checkpoint.name})"
         else:

@@ -16,10 +16,10 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from torchtune_ac.config.components import Component
-from torchtune_ac.training.activation_checkpointing import ACConfig
-from torchtune_ac.training.distributed import FSDPConfig
-from torchtune_ac.training.dtypes import DType
-from torchtune_ac.training.memory_plan import MemoryConfig
+from torchtune_ac.memory.activation_checkpointing import ACConfig
+from torchtune_ac.runtime.distributed import FSDPConfig
+from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.memory.plan import MemoryConfig
 
 __all__ = ["Device", "DType", "FSDPConfig", "FullFinetuneConfig"]
 
@@ -70,6 +70,6 @@ class FullFinetuneConfig:
     # checkpoint's model files, and recipe state in the newest two (see checkpoint/recipe_state.py).
     keep_last_n_checkpoints: Optional[int] = field(default=None, metadata=_min(1))
     log_every_n_steps: int = field(default=1, metadata=_min(1))
-    # Experiment tracker besides metrics.jsonl (always written): torchtune_ac.training.metric_logging.*, or null.
+    # Experiment tracker besides metrics.jsonl (always written): torchtune_ac.observability.metric_logging.*, or null.
     metric_logger: Optional[Component] = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -1,7 +1,12 @@
-"""Training building blocks: activation checkpointing, FSDP2 sharding, the train step, checkpoints, metrics and
-experiment trackers."""
+"""Training: the model assembled in the one working order (``model_setup.py``), the step (``step.py``), the
+objective (``objective.py``) and the LR schedules.
 
-from torchtune_ac.training.activation_checkpointing import (
+The names below are what configs and scripts import from here (``_component_:
+torchtune_ac.training.cosine_schedule_with_warmup``, ``setup_activation_checkpointing``); they are defined in
+the packages that own them (``memory``, ``observability``).
+"""
+
+from torchtune_ac.memory.activation_checkpointing import (
     ACConfig,
     ACMode,
     ACPlan,
@@ -9,8 +14,8 @@ from torchtune_ac.training.activation_checkpointing import (
     resolve_ac_plan,
     setup_activation_checkpointing,
 )
+from torchtune_ac.observability.metric_logging import TensorBoardLogger, WandBLogger
 from torchtune_ac.training.lr_schedulers import constant_schedule, cosine_schedule_with_warmup
-from torchtune_ac.training.metric_logging import TensorBoardLogger, WandBLogger
 
 __all__ = [
     "ACConfig",

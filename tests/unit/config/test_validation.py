@@ -5,7 +5,7 @@ import pytest
 from torchtune_ac.config import ConfigError, DType, FullFinetuneConfig, validate_config
 from torchtune_ac.config.components import ALLOWED_ENV_VAR, Component, check_component_path, parse_component
 from torchtune_ac.errors import UserError
-from torchtune_ac.training.activation_checkpointing import ACConfig, ACMode
+from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode
 
 
 def base_config(**changes):

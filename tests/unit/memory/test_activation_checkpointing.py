@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.attention import document_runs
 from torchtune_ac.models.llama import Llama, LlamaArgs, positions_from_document_ids
-from torchtune_ac.training.activation_checkpointing import (
+from torchtune_ac.memory.activation_checkpointing import (
     SAVED_OPS,
     ACConfigError,
     ACMode,

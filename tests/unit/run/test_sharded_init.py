@@ -9,10 +9,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torchtune_ac.config.components import parse_component
 from torchtune_ac.models import LLAMA
 from torchtune_ac.models.families.llama import LLAMA_TINY
-from torchtune_ac.training.activation_checkpointing import ACConfig
-from torchtune_ac.training.distributed import DistributedContext, FSDPConfig
-from torchtune_ac.training.dtypes import DType
-from torchtune_ac.training.model_setup import build_training_model
+from torchtune_ac.memory.activation_checkpointing import ACConfig
+from torchtune_ac.memory.plan import MemoryPlan
+from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
+from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.run.model_setup import build_training_model
 
 SEED = 3
 # llama_tiny (512 x 128 embedding, 8 blocks), and the same with tied embeddings.
@@ -25,7 +26,7 @@ MODELS = {
 
 def build(node: dict, ctx: DistributedContext) -> torch.nn.Module:
     return build_training_model(
-        parse_component(node, "model"), ctx=ctx, dtype=DType.FP32, ac=ACConfig().resolve(8), fsdp=FSDPConfig(),
+        parse_component(node, "model"), ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}), fsdp=FSDPConfig(),
         compile_blocks=False, checkpoint_dir=None, seed=SEED,
     )
 

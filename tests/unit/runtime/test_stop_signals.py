@@ -10,8 +10,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from torchtune_ac.training.distributed import DistributedContext
-from torchtune_ac.training.stop import StopSignals
+from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.runtime.stop import StopSignals
 
 CTX = DistributedContext(0, 1, 0, torch.device("cpu"))
 

@@ -14,9 +14,10 @@ from torch.distributed.fsdp import fully_shard
 
 from torchtune_ac.models import Llama
 from torchtune_ac.training import cosine_schedule_with_warmup
-from torchtune_ac.training.distributed import DistributedContext
-from torchtune_ac.training.loss import IGNORE_INDEX
-from torchtune_ac.training.optimizer_in_backward import OptimizerInBackward, build_optimizer
+from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.training.objective import IGNORE_INDEX
+from torchtune_ac.memory.chunked_loss import loss_objective
+from torchtune_ac.memory.optimizer_in_backward import OptimizerInBackward, build_optimizer
 from torchtune_ac.training.step import train_step
 
 STEPS = 5
@@ -48,13 +49,13 @@ def train(in_backward: bool, *, tied: bool, accumulation: int, loss_chunks: int 
         for block in model.layers:
             fully_shard(block)
         fully_shard(model, reshard_after_forward=False)
-    optimizer = build_optimizer(adamw, model, in_backward=in_backward)
-    scheduler = cosine_schedule_with_warmup(optimizer, num_warmup_steps=2, num_training_steps=STEPS)
+    stepper = build_optimizer(adamw, model, in_backward=in_backward)
+    scheduler = cosine_schedule_with_warmup(stepper.optimizer, num_warmup_steps=2, num_training_steps=STEPS)
     history = []
     for step in range(STEPS):
-        result = train_step(model, optimizer, micro_batches(step, ctx.rank, accumulation), ctx=ctx,
-                            loss_chunks=loss_chunks)
-        history.append((result.loss, result.grad_norm, optimizer.param_groups[0]["lr"]))
+        result = train_step(model, stepper, micro_batches(step, ctx.rank, accumulation), ctx=ctx,
+                            objective=loss_objective(loss_chunks))
+        history.append((result.loss, result.grad_norm, stepper.optimizer.param_groups[0]["lr"]))
         scheduler.step()
     return model, history
 

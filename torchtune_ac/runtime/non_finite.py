@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from torchtune_ac.training.distributed import DistributedContext, all_reduce_sum
+from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
 
 
 class NonFiniteError(Exception):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from gloo_testlib import run_on_gloo_ranks
 
-from torchtune_ac.training.distributed import destroy_distributed
+from torchtune_ac.runtime.distributed import destroy_distributed
 
 LATE_BY = 1.0  # seconds rank 0 takes longer than rank 1 to finish its part
 

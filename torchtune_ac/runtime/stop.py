@@ -22,7 +22,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from torchtune_ac.training.distributed import DistributedContext
+from torchtune_ac.runtime.distributed import DistributedContext
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 

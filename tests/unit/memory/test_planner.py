@@ -14,11 +14,11 @@ import torch
 from torchtune_ac.config.components import Component
 from torchtune_ac.errors import UserError
 from torchtune_ac.training import setup_activation_checkpointing
-from torchtune_ac.training.activation_checkpointing import ACConfig, ACConfigError, ACMode
-from torchtune_ac.training.loss import cross_entropy_sum
-from torchtune_ac.training.memory import measure_saved_activation_bytes
-from torchtune_ac.training.memory_plan import MemoryConfig, PlanningInputs, budget_gib, resolve_memory_plan
-from torchtune_ac.training.planner import (
+from torchtune_ac.memory.activation_checkpointing import ACConfig, ACConfigError, ACMode
+from _measure import measure_saved_activation_bytes
+from torchtune_ac.memory.plan import MemoryConfig, PlanningInputs, budget_gib, resolve_memory_plan
+from torchtune_ac.training.objective import cross_entropy_sum
+from torchtune_ac.memory.planner import (
     GiB,
     Workload,
     _simulate,
@@ -84,12 +84,14 @@ def test_recompute_flops_follow_the_checkpointed_blocks(small_estimates):
 MEASURE_STEPS = textwrap.dedent("""
     import gc, json, sys, psutil, torch
     from torchtune_ac.config.components import Component
-    from torchtune_ac.training.activation_checkpointing import resolve_ac_plan
-    from torchtune_ac.training.distributed import DistributedContext, FSDPConfig
-    from torchtune_ac.training.dtypes import DType
-    from torchtune_ac.training.memory import return_freed_memory_to_os, track_peak_rss
-    from torchtune_ac.training.model_setup import build_training_model
-    from torchtune_ac.training.optimizer_in_backward import build_optimizer
+    from torchtune_ac.memory.activation_checkpointing import resolve_ac_plan
+    from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
+    from torchtune_ac.runtime.dtypes import DType
+    from _measure import return_freed_memory_to_os, track_peak_rss
+    from torchtune_ac.run.model_setup import build_training_model
+    from torchtune_ac.memory.chunked_loss import loss_objective
+    from torchtune_ac.memory.optimizer_in_backward import build_optimizer
+    from torchtune_ac.memory.plan import MemoryPlan
     from torchtune_ac.training.step import train_step
     ctx = DistributedContext(0, 1, 0, torch.device("cpu"))
     tokens = torch.randint(0, 8192, (2, 512))
@@ -98,14 +100,14 @@ MEASURE_STEPS = textwrap.dedent("""
     for mode, chunks in json.loads(sys.argv[1]):
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=None, n_layers=8)
         model = build_training_model(Component(key="model", path="torchtune_ac.models.llama_small"), ctx=ctx,
-                                     dtype=DType.FP32, ac=plan, fsdp=FSDPConfig(), compile_blocks=False,
+                                     dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(), compile_blocks=False,
                                      checkpoint_dir=None, seed=0)
         optimizer = build_optimizer(lambda p: torch.optim.AdamW(p, lr=1e-5), model, in_backward=False)
-        train_step(model, optimizer, batch, ctx=ctx, loss_chunks=chunks)  # allocates the optimizer state
+        train_step(model, optimizer, batch, ctx=ctx, objective=loss_objective(chunks))  # allocates the optimizer state
         return_freed_memory_to_os()
         before = psutil.Process().memory_info().rss
         with track_peak_rss() as peak:
-            train_step(model, optimizer, batch, ctx=ctx, loss_chunks=chunks)
+            train_step(model, optimizer, batch, ctx=ctx, objective=loss_objective(chunks))
         measured.append(peak.peak_bytes - before)
         del model, optimizer
         gc.collect()
@@ -125,7 +127,7 @@ def test_estimated_step_peak_is_within_15_percent_of_a_measured_step():
                             capture_output=True, text=True, env=env, check=True)
     measured = json.loads(result.stdout.split("\n")[-2])
     for (mode, chunks), bytes_ in zip(MEASURED_SETTINGS, measured):
-        workload = Workload(batch_size=2, seq_len=512, loss_chunks=chunks)
+        workload = Workload(batch_size=2, seq_len=512, settings=(("loss_chunks", chunks),))
         plan = candidate_plans(8)[0 if mode == "none" else -1]
         estimate = estimate_memory(SMALL.instantiate, adamw, workload, plans=[plan])[0]
         assert estimate.step_peak == pytest.approx(bytes_, rel=0.15), (mode, chunks)

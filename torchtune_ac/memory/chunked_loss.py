@@ -1,11 +1,14 @@
-"""Token-level cross-entropy, summed, so the caller can normalise by the global number of target tokens.
+"""The chunked loss, a memory switch: the token cross-entropy without the whole logits.
 
-Two ways to get there from the final hidden states:
+    loss_chunks: null | N              # N > 1: project and score the targets N chunks at a time
 
-- whole logits: the model projects every position to the vocabulary (``[b, s, vocab]``) and
-  ``cross_entropy_sum`` takes it from there, in float32;
-- chunked (``ChunkedCrossEntropy``, passed to the model as its output head): positions whose label is
-  ``IGNORE_INDEX`` are dropped first, and the rest is projected and scored a chunk at a time. Each chunk's
+``loss_chunks: null`` (the default) chooses from the vocabulary: ``DEFAULT_LOSS_CHUNKS`` chunks when it has at
+least ``CHUNKED_LOSS_MIN_VOCAB`` tokens (the logits then outweigh everything else a step keeps), else the whole
+logits (see the README's "Fitting a bigger model" for the measurements behind this).
+
+The whole-logits objective (``training/objective.py``) projects every position to the vocabulary
+(``[b, s, vocab]``). ``ChunkedCrossEntropy``, passed to the model as its output head, gives the same sum:
+positions whose label is ``IGNORE_INDEX`` are dropped first, and the rest is projected and scored a chunk at a time. Each chunk's
   float32 logits live only while that chunk is processed: its gradients with respect to the hidden states and
   to the output weight are computed right away (the weight's accumulated in place), so backward keeps only
   the targets' hidden-state gradients and the weight's gradient, and has nothing to recompute.
@@ -19,28 +22,13 @@ by chunk in the forward pass gives the same values with neither cost.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-IGNORE_INDEX = -100
-
-
-def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum of token cross-entropies, computed in float32; ``labels == -100`` are ignored.
-
-    Args:
-        logits: ``[b, s, vocab]``.
-        labels: ``[b, s]``, already shifted (``labels[:, i]`` is the target after ``tokens[:, i]``).
-    """
-    return F.cross_entropy(
-        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-
-
-def count_target_tokens(labels: torch.Tensor) -> torch.Tensor:
-    """Number of positions that contribute to the loss (int64 scalar tensor)."""
-    return (labels != IGNORE_INDEX).sum()
+from torchtune_ac.training.objective import IGNORE_INDEX, CrossEntropy, count_target_tokens
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -113,3 +101,22 @@ class ChunkedCrossEntropy:
         targets = self.labels.flatten()[keep]  # [n]
         hidden = hidden.flatten(0, 1)[keep]  # [n, dim]: ignored positions never reach the projection
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, self.n_chunks)
+
+
+@dataclass(frozen=True)
+class ChunkedCrossEntropyObjective:
+    """The step's objective (``training/objective.py``) with the loss computed through ``ChunkedCrossEntropy``
+    as the model's output head: the same sums as the whole logits, ``n_chunks`` chunks of targets at a time."""
+
+    n_chunks: int
+
+    def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return count_target_tokens(batch["labels"])
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return model(batch["tokens"], batch.get("document_ids"), head=ChunkedCrossEntropy(batch["labels"], self.n_chunks))
+
+
+def loss_objective(n_chunks: int) -> "ChunkedCrossEntropyObjective | CrossEntropy":
+    """The objective of a ``loss_chunks`` setting: the chunked loss for ``n_chunks`` > 1, else the whole logits."""
+    return ChunkedCrossEntropyObjective(n_chunks) if n_chunks > 1 else CrossEntropy()

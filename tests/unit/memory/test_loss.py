@@ -11,8 +11,9 @@ from torch.distributed.fsdp import fully_shard
 
 from torchtune_ac.models import Llama
 from torchtune_ac.training import setup_activation_checkpointing
-from torchtune_ac.training.loss import IGNORE_INDEX, ChunkedCrossEntropy, cross_entropy_sum
-from torchtune_ac.training.memory import measure_saved_activation_bytes
+from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropy
+from torchtune_ac.training.objective import IGNORE_INDEX, cross_entropy_sum
+from _measure import measure_saved_activation_bytes
 
 VOCAB, DIM = 1000, 16
 
@@ -168,10 +169,10 @@ def test_under_fsdp2_the_output_weight_is_gathered_once_and_the_gradients_match(
 
 def test_memory_plan_describes_the_chunked_loss_as_it_works():
     """The chunked loss computes each chunk's gradients in forward: the summary must not say it recomputes."""
-    from torchtune_ac.training.activation_checkpointing import ACMode, ACPlan
-    from torchtune_ac.training.memory_plan import MemoryPlan
+    from torchtune_ac.memory.activation_checkpointing import ACMode, ACPlan
+    from torchtune_ac.memory.plan import MemoryPlan
 
-    plan = MemoryPlan(ac=ACPlan(ACMode.NONE, None, (), 8), optimizer_in_backward=False, loss_chunks=8,
+    plan = MemoryPlan(ac=ACPlan(ACMode.NONE, None, (), 8), settings={"optimizer_in_bwd": False, "loss_chunks": 8},
                       vocab_size=32_000)
     loss = dict(plan.describe())["loss"]
     assert loss.startswith("8 chunks (vocabulary 32,000): targets only")

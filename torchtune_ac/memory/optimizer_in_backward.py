@@ -7,21 +7,24 @@ after ``fully_shard``: FSDP2 sets the sharded gradient after its reduce-scatter 
 hooks, so the hook sees the final, reduced gradient of its shard. With gradient accumulation the hooks let the
 gradient accumulate on every micro-batch but the last, and step on the last one.
 
-``OptimizerInBackward`` is a ``torch.optim.Optimizer`` whose ``param_groups`` are the per-parameter
-optimizers' own groups, so an LR scheduler built on it sets the learning rate of every per-parameter step.
-Its ``step()`` does nothing: the steps happen in backward. Its state is checkpointed through the per-parameter
-optimizers (``optimizers``), which ``torch.distributed.checkpoint`` saves and loads by parameter name.
+``OptimizerInBackward`` composes the per-parameter optimizers. It is built as an ordinary
+``torch.optim.Optimizer`` (through its own ``__init__``) over their parameter groups, the very same dicts, so an
+LR scheduler built on it sets the learning rate of every per-parameter step, and nothing of the base class is
+set by hand. Its ``step()`` does nothing: the steps happen in backward. Its state is checkpointed through the
+per-parameter optimizers (``optimizers``), which ``torch.distributed.checkpoint`` saves and loads by parameter
+name. ``InBackwardStepper`` is how the train step drives it (``training/step.py``'s ``Stepper``).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+from torchtune_ac.training.step import NormCheck, OptimizerStepper
 
 
 class OptimizerInBackward(torch.optim.Optimizer):
@@ -38,36 +41,17 @@ class OptimizerInBackward(torch.optim.Optimizer):
         make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
     ) -> None:
         params = [(name, p) for name, p in named_parameters if p.requires_grad]
+        if not params:
+            raise ValueError("OptimizerInBackward needs at least one parameter that requires a gradient")
         self.optimizers: list[torch.optim.Optimizer] = [make_optimizer([p]) for _, p in params]
         self.names = [name for name, _ in params]
-        # What torch.optim.Optimizer.__init__ would set up, without taking ownership of the parameters.
-        self.defaults = dict(self.optimizers[0].defaults) if self.optimizers else {}
-        self._optimizer_step_pre_hooks: dict = {}
-        self._optimizer_step_post_hooks: dict = {}
-        self._optimizer_state_dict_pre_hooks: dict = {}
-        self._optimizer_state_dict_post_hooks: dict = {}
-        self._optimizer_load_state_dict_pre_hooks: dict = {}
-        self._optimizer_load_state_dict_post_hooks: dict = {}
-        self._zero_grad_profile_name = "OptimizerInBackward.zero_grad"
+        # The per-parameter optimizers' own group dicts become this optimizer's groups (the base class keeps the
+        # dicts it is given), so a scheduler's learning rate reaches every per-parameter step.
+        groups = [group for optimizer in self.optimizers for group in optimizer.param_groups]
+        super().__init__(groups, dict(self.optimizers[0].defaults))
         self._final_micro_batch = True
         self._squared_norm: Optional[torch.Tensor] = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(opt)) for (_, p), opt in zip(params, self.optimizers)]
-
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return [group for optimizer in self.optimizers for group in optimizer.param_groups]
-
-    @param_groups.setter
-    def param_groups(self, value: Any) -> None:
-        raise AttributeError("OptimizerInBackward's param_groups are its per-parameter optimizers' groups")
-
-    @property
-    def state(self) -> dict:  # type: ignore[override]
-        return {p: s for optimizer in self.optimizers for p, s in optimizer.state.items()}
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        raise AttributeError("OptimizerInBackward's state lives in its per-parameter optimizers")
 
     def _hook(self, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
         def step_now(param: torch.Tensor) -> None:
@@ -89,9 +73,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if final:
             self._squared_norm = None
 
-    def finish_step(self, device: torch.device) -> float:
-        """The total gradient norm of the step the hooks just took (all ranks call this: the squared norms of
-        each rank's shards are summed over ranks).
+    def total_norm(self, device: torch.device) -> torch.Tensor:
+        """The total gradient norm of the step the hooks just took, a 0-d tensor (all ranks call this: the
+        squared norms of each rank's shards are summed over ranks). No host synchronisation.
 
         Raises:
             RuntimeError: no hook ran (a backward without ``begin_micro_batch(final=True)`` before it).
@@ -102,7 +86,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if dist.is_available() and dist.is_initialized():
             dist.all_reduce(squared, op=dist.ReduceOp.SUM)
         self._squared_norm = None
-        return math.sqrt(float(squared))
+        return squared.sqrt()
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # noqa: D401
@@ -129,23 +113,51 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._hooks = []
 
 
-def optimizers_to_checkpoint(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
-    """The optimizers whose state a checkpoint holds: the per-parameter ones in backward, else ``optimizer``."""
-    return list(optimizer.optimizers) if isinstance(optimizer, OptimizerInBackward) else [optimizer]
+class InBackwardStepper:
+    """The ``Stepper`` of an ``OptimizerInBackward``: each parameter is stepped by its hook in the last
+    micro-batch's backward, so ``update`` only collects the norm the hooks measured."""
+
+    def __init__(self, optimizer: OptimizerInBackward) -> None:
+        self.optimizer = optimizer
+
+    def begin_micro_batch(self, *, final: bool) -> None:
+        self.optimizer.begin_micro_batch(final=final)
+
+    def update(self, model: nn.Module, clip_grad_norm: Optional[float],
+               check_norm: Optional[NormCheck] = None) -> torch.Tensor:
+        if clip_grad_norm is not None:
+            raise ValueError("clip_grad_norm cannot be applied when the optimizer steps in backward")
+        self.optimizer.zero_grad(set_to_none=True)
+        norm = self.optimizer.total_norm(next(model.parameters()).device)
+        if check_norm is not None:
+            check_norm(norm, stepped=True)
+        return norm
+
+    def optimizers_to_checkpoint(self) -> list[torch.optim.Optimizer]:
+        return list(self.optimizer.optimizers)
+
+
+def optimizers_to_checkpoint(stepper: Any) -> list[torch.optim.Optimizer]:
+    """The optimizers whose state a checkpoint holds (``stepper.optimizers_to_checkpoint()``)."""
+    return stepper.optimizers_to_checkpoint()
 
 
 def build_optimizer(
     make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], model: nn.Module, *, in_backward: bool
-) -> torch.optim.Optimizer:
-    """The optimizer of ``model``: one over all its parameters, or, ``in_backward``, one per parameter stepped in
-    backward (``OptimizerInBackward``). Build it after ``fully_shard``: in backward, the hooks go on the sharded
-    parameters, which is where FSDP2 delivers the reduced gradients.
+) -> Any:
+    """The stepper of ``model``'s parameters: one optimizer over all of them stepped after backward, or, with
+    ``in_backward``, one per parameter stepped in backward (``OptimizerInBackward``). Build it after
+    ``fully_shard``: in backward, the hooks go on the sharded parameters, which is where FSDP2 delivers the
+    reduced gradients.
 
     Args:
         make_optimizer: the config's optimizer, called with the parameters (all, or one at a time).
         model: the model to train.
         in_backward: step each parameter in backward.
+
+    Returns:
+        A ``training.step.Stepper``; its ``optimizer`` is what an LR scheduler drives.
     """
     if in_backward:
-        return OptimizerInBackward(model.named_parameters(), lambda params: make_optimizer(params))
-    return make_optimizer(model.parameters())
+        return InBackwardStepper(OptimizerInBackward(model.named_parameters(), lambda params: make_optimizer(params)))
+    return OptimizerStepper(make_optimizer(model.parameters()))

@@ -34,7 +34,7 @@ import dataclasses
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -44,12 +44,19 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from torchtune_ac.errors import UserError
+from torchtune_ac.memory.activation_checkpointing import (
+    OP_OPTION,
+    ACConfig,
+    ACMode,
+    ACPlan,
+    apply_ac_plan,
+    resolve_ac_plan,
+)
+from torchtune_ac.memory.switch import MemorySwitch, ModelSizes, discover_switches
 from torchtune_ac.models.families import family_of, transformer_blocks
-from torchtune_ac.training.activation_checkpointing import OP_OPTION, ACMode, ACPlan, apply_ac_plan, resolve_ac_plan
-from torchtune_ac.training.distributed import FSDPConfig
-from torchtune_ac.training.dtypes import DType
-from torchtune_ac.training.optimizer_in_backward import build_optimizer, optimizers_to_checkpoint
-from torchtune_ac.training.step import accumulate_gradients, update_parameters
+from torchtune_ac.runtime.distributed import FSDPConfig
+from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper, accumulate_gradients
 
 GiB = 2**30
 # Strides of selective AC worth a row, besides none, per-op and full (one row per distinct block count).
@@ -68,9 +75,9 @@ class Workload:
         dtype: storage dtype of parameters and optimizer state.
         world_size: processes (FSDP2 shards parameters, gradients and optimizer state over them).
         fsdp: FSDP2 settings (used when ``world_size`` > 1).
-        optimizer_in_bwd: the optimizer steps in backward.
-        loss_chunks: 1 for the whole logits, else the chunks of the loss.
         clip_grad_norm: the config's value.
+        settings: the memory switches' settings besides AC, as ``(name, setting)`` pairs (see
+            ``memory/switch.py``); a switch not named here has its ``off`` setting.
     """
 
     batch_size: int
@@ -79,9 +86,19 @@ class Workload:
     dtype: DType = DType.FP32
     world_size: int = 1
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
-    optimizer_in_bwd: bool = False
-    loss_chunks: int = 1
     clip_grad_norm: Optional[float] = None
+    settings: tuple[tuple[str, Any], ...] = ()
+
+    def with_settings(self, settings: Mapping[str, Any], **changes: Any) -> "Workload":
+        """This workload with the switches' ``settings`` (merged over its own) and other fields changed."""
+        merged = {**dict(self.settings), **settings}
+        return dataclasses.replace(self, settings=tuple(sorted(merged.items())), **changes)
+
+    def switch_settings(self) -> list[tuple[MemorySwitch, Any]]:
+        """The memory switches besides AC, with their settings (AC is the plan's, not the workload's)."""
+        given = dict(self.settings)
+        return [(switch, given.get(switch.name, switch.off)) for switch in discover_switches()
+                if switch.config_class is not ACConfig]
 
 
 @dataclass(frozen=True)
@@ -92,7 +109,7 @@ class MemoryEstimate:
     sharded), the ``gradients`` alive, the saved ``activations`` still alive, and ``transient`` (the rest:
     backward temporaries, a block's recompute, the loss's gradients, FSDP's gathered parameters and reduce
     buffers, the batch). ``saved_activations`` is what one micro-batch's forward keeps for backward (what
-    ``torchtune_ac.training.memory.measure_saved_activation_bytes`` measures); ``extra_flops`` is the share of
+    ``scripts/_measure.py`` measures); ``extra_flops`` is the share of
     floating-point work the plan adds by recomputing (0.21 = +21 %); ``peak_phase`` is where the peak falls.
     """
 
@@ -106,6 +123,7 @@ class MemoryEstimate:
     extra_flops: float
     peak_phase: str
     flops: float  # floating-point operations of the step (matrix multiplies and attention)
+    host: int = 0  # bytes the switches keep in the host's memory instead (not in ``total``)
 
     @property
     def total(self) -> int:
@@ -331,10 +349,15 @@ def _simulate(
         tracker = _LiveStorages(workload.world_size, {id(p) for p in params if id(p) not in in_blocks})
         # Registered before an optimizer in backward registers its own: a gradient is seen before it is freed.
         hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params]
-        optimizer = build_optimizer(make_optimizer, model, in_backward=workload.optimizer_in_bwd)
-        _allocate_optimizer_state(optimizer)
+        switches = workload.switch_settings()
+        stepper = next((s for s in (switch.build_stepper(setting, make_optimizer, model) for switch, setting in switches)
+                        if s is not None), None) or OptimizerStepper(make_optimizer(model.parameters()))
+        objective = next((o for o in (switch.objective(setting) for switch, setting in switches) if o is not None),
+                         CROSS_ENTROPY)
+        optimizers = stepper.optimizers_to_checkpoint()
+        _allocate_optimizer_state(optimizers)
         hooks += _phase_hooks(blocks, tracker)
-        for opt in optimizers_to_checkpoint(optimizer):
+        for opt in optimizers:
             hooks.append(opt.register_step_pre_hook(lambda *_: setattr(tracker, "in_optimizer", True)))
             hooks.append(opt.register_step_post_hook(lambda *_: setattr(tracker, "in_optimizer", False)))
         family = family_of(model)
@@ -343,7 +366,7 @@ def _simulate(
         for _ in range(min(workload.gradient_accumulation_steps, 2)):  # gradients live across the second
             tokens = torch.randint(0, vocab, (workload.batch_size, workload.seq_len))
             micro_batches.append({"tokens": tokens, "labels": torch.randint(0, vocab, tokens.shape)})
-        states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        states = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         inputs = [t for batch in micro_batches for t in batch.values()]
         tracker.known = {t.untyped_storage()._cdata for t in [*params, *states, *inputs, *model.buffers()]}
         saved: list[int] = []
@@ -354,10 +377,10 @@ def _simulate(
             tracker.enter("loss backward")
 
         with tracker:
-            accumulate_gradients(model, optimizer, micro_batches, scale=1.0, loss_chunks=workload.loss_chunks,
+            accumulate_gradients(model, stepper, micro_batches, scale=1.0, objective=objective,
                                  after_forward=after_forward)
             tracker.enter("optimizer step")
-            update_parameters(model, optimizer, workload.clip_grad_norm)
+            stepper.update(model, workload.clip_grad_norm)
         for hook in hooks:
             hook.remove()
         return _Simulation(
@@ -385,9 +408,9 @@ def _phase_hooks(blocks: nn.ModuleList, tracker: _LiveStorages) -> list[Any]:
 
 
 @torch.no_grad()
-def _allocate_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def _allocate_optimizer_state(optimizers: Sequence[torch.optim.Optimizer]) -> None:
     """Give every parameter its optimizer state, as after a first step (a step on zero gradients)."""
-    for opt in optimizers_to_checkpoint(optimizer):
+    for opt in optimizers:
         for group in opt.param_groups:
             for param in group["params"]:
                 param.grad = torch.zeros_like(param)
@@ -426,20 +449,29 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         reduce_factor = workload.fsdp.reduce_dtype.torch.itemsize / workload.dtype.torch.itemsize
         # Gathered parameters beyond the resident shards, and the reduce-scatter input of the largest group.
         fsdp_extra = (root + gathered) * (n - 1) / n + max(shallow.block_parameters, root) * reduce_factor
-        if workload.optimizer_in_bwd:
-            # The root's gradients are reduced, and so stepped, only at the end of backward: whole until then.
-            fsdp_extra += root
+    # What the simulation cannot show, as each switch declares it.
+    sizes = ModelSizes(parameters=math.ceil(parameters), root_parameters=shallow.root_parameters,
+                       largest_block=shallow.block_parameters, optimizer_state=math.ceil(at_depth(lambda s: s.optimizer)),
+                       world_size=n)
+    device: dict[str, float] = {}
+    host = 0
+    for switch, setting in workload.switch_settings():
+        cost = switch.planner_cost(setting, sizes)
+        for category, nbytes in cost.device.items():
+            device[category] = device.get(category, 0) + nbytes
+        host += sum(cost.host.values())
     return MemoryEstimate(
         plan=plan,
-        parameters=math.ceil(parameters / n),
-        optimizer=math.ceil(at_depth(lambda s: s.optimizer) / n),
-        gradients=math.ceil(grads),
-        activations=math.ceil(acts),
-        transient=math.ceil(other + fsdp_extra + shallow.batch),
+        parameters=math.ceil(parameters / n + device.get("parameters", 0)),
+        optimizer=math.ceil(at_depth(lambda s: s.optimizer) / n + device.get("optimizer", 0)),
+        gradients=math.ceil(grads + device.get("gradients", 0)),
+        activations=math.ceil(acts + device.get("activations", 0)),
+        transient=math.ceil(other + fsdp_extra + shallow.batch + device.get("transient", 0)),
         saved_activations=math.ceil(at_depth(lambda s: s.saved_activations)),
         extra_flops=0.0,
         peak_phase=phase,
         flops=at_depth(lambda s: s.flops),
+        host=host,
     )
 
 
@@ -493,8 +525,8 @@ def choose_plan(
 
     Raises:
         UserError: no plan fits; one line saying how many GiB are missing even with full AC, and what each knob
-            (batch size, sequence length, more processes, the optimizer step in backward, the chunked loss) would
-            bring the full-AC estimate to.
+            (batch size, sequence length, more processes, and each memory switch's ``alternatives``) would bring
+            the full-AC estimate to.
     """
     budget = budget_gib * GiB
     cache: dict[tuple, _Simulation] = {}
@@ -512,13 +544,13 @@ def choose_plan(
     if workload.seq_len > 1:
         alternatives.append((f"max_seq_len={workload.seq_len // 2}", {"seq_len": workload.seq_len // 2}))
     alternatives.append((f"{2 * workload.world_size} processes", {"world_size": 2 * workload.world_size}))
-    if not workload.optimizer_in_bwd:
-        alternatives.append(("optimizer_in_bwd=true (with clip_grad_norm: null)",
-                             {"optimizer_in_bwd": True, "clip_grad_norm": None}))
-    if workload.loss_chunks == 1:
-        alternatives.append(("loss_chunks=8", {"loss_chunks": 8}))
+    for switch, setting in workload.switch_settings():
+        for alternative in switch.alternatives(setting):
+            alternatives.append((alternative.label, {"settings": {switch.name: alternative.setting},
+                                                     **alternative.workload_changes}))
     for label, change in alternatives:
-        changed = dataclasses.replace(workload, **change)
+        change = dict(change)
+        changed = workload.with_settings(change.pop("settings", {}), **change)
         total = _estimate_plan(build_model, make_optimizer, full, changed, {}).total
         knobs.append(f"{label} {total / GiB:.2f} GiB")
     raise UserError(

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchtune_ac.errors import UnavailableError
 from torchtune_ac.models.families import transformer_blocks
-from torchtune_ac.training.dtypes import DType
+from torchtune_ac.runtime.dtypes import DType
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 

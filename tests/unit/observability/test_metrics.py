@@ -2,7 +2,7 @@
 
 import json
 
-from torchtune_ac.training.metrics import METRICS_FILE, MetricsWriter, read_metrics
+from torchtune_ac.observability.metrics import METRICS_FILE, MetricsWriter, read_metrics
 
 
 def write_steps(out, steps, **kwargs):

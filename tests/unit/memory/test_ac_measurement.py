@@ -15,9 +15,9 @@ from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtune_ac.models.llama import Llama, LlamaArgs
-from torchtune_ac.training import memory
-from torchtune_ac.training.activation_checkpointing import setup_activation_checkpointing
-from torchtune_ac.training.memory import measure_saved_activation_bytes, track_peak_rss
+import _measure as memory
+from torchtune_ac.memory.activation_checkpointing import setup_activation_checkpointing
+from _measure import measure_saved_activation_bytes, track_peak_rss
 
 F32 = 4
 
@@ -150,7 +150,7 @@ def test_peak_rss_sees_a_transient_allocation(monkeypatch, use_proc):
 
 RETENTION_SCRIPT = """
 import ctypes, ctypes.util, gc, json, psutil, torch
-from torchtune_ac.training.memory import return_freed_memory_to_os
+from _measure import return_freed_memory_to_os
 # Serve 4 MiB blocks from the heap (as glibc does on its own once large blocks have been freed).
 ctypes.CDLL(ctypes.util.find_library("c")).mallopt(-3, 64 * 2**20)  # M_MMAP_THRESHOLD
 process = psutil.Process()

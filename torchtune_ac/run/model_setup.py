@@ -1,6 +1,7 @@
 """Build the model to train, in the one order that works for 1 and N processes.
 
-    build on the meta device -> cast to the storage dtype -> activation checkpointing -> compile (optional)
+    build on the meta device -> cast to the storage dtype -> the memory switches that change the model
+    (activation checkpointing) -> compile (optional)
     -> FSDP2 per block, then root (N > 1) -> allocate on the device -> load Hugging Face weights (each rank
     reads only its own shard) or initialise from the seed.
 
@@ -11,49 +12,19 @@ The model's family (``torchtune_ac.models.families``) says which modules are its
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Optional
 
 import torch
 from torch import nn
 
 from torchtune_ac.checkpoint import load_hf_weights_, local_region
-from torchtune_ac.errors import UserError
+from torchtune_ac.config.meta_model import ModelBuilder, build_meta_model
 from torchtune_ac.models.families import init_weights_, retie_parameters, transformer_blocks
 from torchtune_ac.models.llama import TransformerBlock
-from torchtune_ac.training.activation_checkpointing import ACPlan, apply_ac_plan, silence_compiled_policy_warning
-from torchtune_ac.training.distributed import DistributedContext, FSDPConfig, shard_model
-from torchtune_ac.training.dtypes import DType
-
-
-class ModelBuilder(Protocol):
-    """What builds the model: a config's ``model`` component (``torchtune_ac.config.Component``)."""
-
-    path: str
-
-    def instantiate_with_defaults(self, **defaults: Any) -> Any:
-        """Call the builder; each default is passed only if the builder takes it and the config does not set it."""
-
-
-def build_meta_model(model: ModelBuilder, checkpoint_dir: Optional[str] = None) -> nn.Module:
-    """Instantiate the model component on the meta device (no memory, no initialisation).
-
-    A builder that takes a ``checkpoint_dir`` argument (``from_hf_config``) gets the run's, unless the config sets
-    its own.
-
-    Raises:
-        UserError: the component did not return an ``nn.Module`` whose transformer blocks can be found.
-    """
-    with torch.device("meta"):
-        built = model.instantiate_with_defaults(checkpoint_dir=checkpoint_dir)
-    if not isinstance(built, nn.Module):
-        raise UserError(f"model ({model.path}): must return an nn.Module, not {type(built).__name__}")
-    transformer_blocks(built)
-    return built
-
-
-def count_parameters(model: nn.Module) -> int:
-    """Number of distinct parameters (a tied weight counts once; works on meta and sharded models)."""
-    return sum(p.numel() for p in model.parameters())
+from torchtune_ac.memory.activation_checkpointing import silence_compiled_policy_warning
+from torchtune_ac.memory.plan import MemoryPlan
+from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, shard_model
+from torchtune_ac.runtime.dtypes import DType
 
 
 def build_training_model(
@@ -61,7 +32,7 @@ def build_training_model(
     *,
     ctx: DistributedContext,
     dtype: DType,
-    ac: ACPlan,
+    memory: MemoryPlan,
     fsdp: FSDPConfig,
     compile_blocks: bool,
     checkpoint_dir: Optional[str],
@@ -74,7 +45,8 @@ def build_training_model(
         model: the ``model`` config component.
         ctx: rank, world size and device.
         dtype: storage dtype of parameters.
-        ac: the activation-checkpointing plan (``MemoryPlan.ac``), resolved for this model's layer count.
+        memory: the memory plan: every switch that changes the model (activation checkpointing) is applied
+            before compile and sharding.
         fsdp: FSDP2 settings (used when world size > 1).
         compile_blocks: ``torch.compile`` each block in place (state_dict keys unchanged).
         checkpoint_dir: the run's Hugging Face checkpoint: the weights when ``load_weights``, and the config.json
@@ -88,9 +60,9 @@ def build_training_model(
     """
     built = build_meta_model(model, checkpoint_dir).to(dtype.torch)
     blocks = transformer_blocks(built)
-    apply_ac_plan(built, ac)
+    memory.apply_to_model(built)
     if compile_blocks:
-        if ac.policy is not None and all(isinstance(b, TransformerBlock) for b in blocks):
+        if memory.ac.policy is not None and all(isinstance(b, TransformerBlock) for b in blocks):
             silence_compiled_policy_warning()
         for block in blocks:
             block.compile()

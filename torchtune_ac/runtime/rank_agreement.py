@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch.distributed as dist
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.training.distributed import DistributedContext
+from torchtune_ac.runtime.distributed import DistributedContext
 
 _MAX_KEYS_SHOWN = 5
 

@@ -1,0 +1,228 @@
+"""The memory switches, resolved in one place. ``resolve_memory_plan`` turns the config keys and the model into a
+``MemoryPlan``, a frozen value that the recipe follows (``apply_to_model``, ``build_stepper``, ``objective``),
+``tune validate`` prints (``describe``) and the memory planner estimates.
+
+The switches are declared in ``memory/switches/`` (one module each, see ``memory/switch.py``); this module
+iterates over them and names none. Their keys sit at the top level of the YAML: activation checkpointing's are
+``ACConfig`` (the schema's ``ac`` group, validated as one by the AC module's rules); every other switch's are
+fields of ``MemoryConfig``, which is made from the switches' own config classes.
+
+``ac_mode: auto`` is resolved here too, last, once the other switches are known: the memory planner
+(``memory/planner.py``) estimates the plans from the least recompute to the most, and the first whose estimate
+fits ``ac_memory_budget_gib`` wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from torchtune_ac.errors import UserError
+from torchtune_ac.memory.activation_checkpointing import ACConfig, ACPlan
+from torchtune_ac.memory.planner import GiB, MemoryEstimate, Workload, choose_plan
+from torchtune_ac.memory.switch import MemorySwitch, SwitchContext, discover_switches
+from torchtune_ac.models.families import family_of, transformer_blocks
+from torchtune_ac.training.objective import Objective
+from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper, Stepper
+
+# ac_mode: auto without a budget, on CUDA: the device's memory minus this share (the CUDA context, the
+# collectives' buffers and the caching allocator's fragmentation are not in the estimate).
+CUDA_BUDGET_MARGIN = 0.10
+
+SWITCHES: tuple[MemorySwitch, ...] = discover_switches()
+AC_SWITCH = next(switch for switch in SWITCHES if switch.config_class is ACConfig)
+OTHER_SWITCHES = tuple(switch for switch in SWITCHES if switch is not AC_SWITCH)
+
+
+def _memory_config_class() -> type:
+    fields = []
+    for switch in OTHER_SWITCHES:
+        hints = typing.get_type_hints(switch.config_class)
+        for f in dataclasses.fields(switch.config_class):
+            fields.append((f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata)))
+    names = [name for name, _, _ in fields]
+    if len(set(names)) != len(names):
+        raise RuntimeError(f"two memory switches declare the same config key: {sorted(names)}")
+    cls = dataclasses.make_dataclass(
+        "MemoryConfig", fields, frozen=True,
+        namespace={"__doc__": "The memory switches' config keys besides activation checkpointing (top-level "
+                              "keys), one field per key that a switch in memory/switches/ declares."},
+    )
+    cls.__module__ = __name__
+    return cls
+
+
+MemoryConfig = _memory_config_class()
+
+
+def switch_config(switch: MemorySwitch, ac: ACConfig, memory: Any) -> Any:
+    """The switch's own config value: ``ac`` for activation checkpointing, else its keys read from ``memory``."""
+    if switch is AC_SWITCH:
+        return ac
+    return switch.config_class(**{f.name: getattr(memory, f.name) for f in dataclasses.fields(switch.config_class)})
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """What a training step does to save memory.
+
+    Attributes:
+        ac: which blocks are checkpointed, and how.
+        settings: every other switch's setting, by ``SWITCH.name`` (``optimizer_in_bwd``, ``loss_chunks``, ...);
+            a switch left out has its ``off`` setting (a plan built by hand for AC alone).
+        vocab_size: the vocabulary the loss projects to (None when the model's family is unknown).
+        budget_gib: with ``ac_mode: auto``, the budget the AC plan was chosen for (per process).
+        estimate: with ``ac_mode: auto``, the chosen plan's memory estimate.
+    """
+
+    ac: ACPlan
+    settings: Mapping[str, Any]
+    vocab_size: Optional[int] = None
+    budget_gib: Optional[float] = None
+    estimate: Optional[MemoryEstimate] = None
+
+    def setting(self, name: str) -> Any:
+        """The setting of the switch called ``name``."""
+        if name == AC_SWITCH.name:
+            return self.ac
+        switch = next((s for s in OTHER_SWITCHES if s.name == name), None)
+        if switch is None:
+            raise KeyError(f"no memory switch is called {name!r}")
+        return self.settings.get(name, switch.off)
+
+    def switch_settings(self) -> list[tuple[MemorySwitch, Any]]:
+        """Every switch with its setting, in the switches' order."""
+        return [(switch, self.setting(switch.name)) for switch in SWITCHES]
+
+    def describe(self, *, ac: bool = True) -> list[tuple[str, str]]:
+        """``(label, value)`` lines for ``tune validate`` and the recipe's log (without activation checkpointing's
+        line when not ``ac``)."""
+        lines = []
+        for switch, setting in self.switch_settings():
+            if switch is AC_SWITCH and not ac:
+                continue
+            value = switch.describe(setting, self.vocab_size)
+            if switch is AC_SWITCH and self.estimate is not None:
+                value = (f"auto -> {value} (the least recompute that fits: estimated {self.estimate.total / GiB:.2f} "
+                         f"GiB of {self.budget_gib:g} GiB per process)")
+            lines.append((switch.label, value))
+        return lines
+
+    def apply_to_model(self, model: nn.Module) -> None:
+        """Apply every switch that changes the model (before it is sharded)."""
+        for switch, setting in self.switch_settings():
+            switch.apply_to_model(model, setting)
+
+    def build_stepper(self, make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
+                      model: nn.Module) -> Stepper:
+        """Who steps the model's parameters: the one switch that says so, else the optimizer after backward.
+        Build it after ``fully_shard``."""
+        for switch, setting in self.switch_settings():
+            stepper = switch.build_stepper(setting, make_optimizer, model)
+            if stepper is not None:
+                return stepper
+        return OptimizerStepper(make_optimizer(model.parameters()))
+
+    def objective(self) -> Objective:
+        """What the step computes: the one switch that says so, else the whole-logits cross-entropy."""
+        for switch, setting in self.switch_settings():
+            objective = switch.objective(setting)
+            if objective is not None:
+                return objective
+        return CROSS_ENTROPY
+
+    def resume_record(self) -> dict[str, Any]:
+        """What a resume must keep of the switches' settings."""
+        record: dict[str, Any] = {}
+        for switch, setting in self.switch_settings():
+            record.update(switch.resume_record(setting))
+        return record
+
+
+def vocab_size_of(model: nn.Module) -> Optional[int]:
+    """The vocabulary a model's loss projects to (None for a model of no known family)."""
+    family = family_of(model)
+    return None if family is None else family.hf.architecture(family.args_of(model))["vocab_size"]
+
+
+@dataclass(frozen=True)
+class PlanningInputs:
+    """What ``ac_mode: auto`` needs to estimate a plan's memory.
+
+    Attributes:
+        build_model: builds the model on the current default device (the planner calls it under fake tensors).
+        make_optimizer: the config's optimizer, called with parameters.
+        workload: one process's step (its switch settings are filled in here).
+        device: where the run trains (on CUDA, an unset budget is the device's memory minus a margin).
+    """
+
+    build_model: Callable[[], nn.Module]
+    make_optimizer: Callable[[Any], torch.optim.Optimizer]
+    workload: Workload
+    device: torch.device
+
+
+def budget_gib(ac: ACConfig, device: torch.device) -> float:
+    """The memory per process an auto plan must fit in: ``ac_memory_budget_gib``, else (CUDA) the device's memory
+    minus ``CUDA_BUDGET_MARGIN``.
+
+    Raises:
+        UserError: no budget on a CPU (there is no device memory to read).
+    """
+    if ac.ac_memory_budget_gib is not None:
+        return ac.ac_memory_budget_gib
+    if device.type != "cuda":
+        raise UserError(
+            f"ac_mode=auto on {device.type}: set ac_memory_budget_gib, the memory per process the run must fit in "
+            "(on CUDA it defaults to the device's memory minus 10 %)"
+        )
+    total = torch.cuda.get_device_properties(device).total_memory
+    return total * (1 - CUDA_BUDGET_MARGIN) / GiB
+
+
+def resolve_memory_plan(
+    ac: ACConfig,
+    memory: Any,
+    model: nn.Module,
+    *,
+    clip_grad_norm: Optional[float],
+    planning: Optional[PlanningInputs] = None,
+) -> MemoryPlan:
+    """Resolve the memory switches for ``model`` (built, or on the meta device).
+
+    Args:
+        ac: the activation-checkpointing keys.
+        memory: the other switches' keys (a ``MemoryConfig``).
+        model: the model the run trains.
+        clip_grad_norm: the config's value (clipping needs the total norm before any parameter is stepped).
+        planning: what ``ac_mode: auto`` needs to estimate memory (required with auto only).
+
+    Returns:
+        The plan.
+
+    Raises:
+        UserError: one line naming the keys of a combination that cannot work (each switch's ``resolve``);
+            ``ac_mode: auto`` with no budget on a CPU, or with no plan that fits (saying how much is missing and
+            what would close the gap); and the AC problems of ``ACConfig.resolve``.
+    """
+    vocab_size = vocab_size_of(model)
+    settings: dict[str, Any] = {}
+    for switch in SWITCHES:
+        ctx = SwitchContext(model=model, vocab_size=vocab_size, clip_grad_norm=clip_grad_norm, settings=dict(settings))
+        settings[switch.name] = switch.resolve(switch_config(switch, ac, memory), ctx)
+    ac_plan = settings.pop(AC_SWITCH.name)
+    if ac_plan is not None:
+        return MemoryPlan(ac=ac_plan, settings=settings, vocab_size=vocab_size)
+    if planning is None:
+        raise ValueError("ac_mode=auto needs PlanningInputs to estimate the plans' memory")
+    budget = budget_gib(ac, planning.device)
+    workload = planning.workload.with_settings(settings, clip_grad_norm=clip_grad_norm)
+    estimate = choose_plan(planning.build_model, planning.make_optimizer, workload, budget,
+                           len(transformer_blocks(model)))
+    return MemoryPlan(ac=estimate.plan, settings=settings, vocab_size=vocab_size, budget_gib=budget,
+                      estimate=estimate)

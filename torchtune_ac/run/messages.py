@@ -1,0 +1,65 @@
+"""What a user reads when a run stops, resumes or cannot resume: one place for the lines that say what was
+saved and how to go on."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from torchtune_ac.checkpoint import Progress
+from torchtune_ac.errors import EXIT_NON_FINITE, EXIT_STOPPED, RunStopped, UserError
+from torchtune_ac.runtime.non_finite import NonFiniteError
+
+RESUME_HINT = "run the same command with resume_from_checkpoint=true"
+
+
+def stopped(signal_name: str, progress: Progress, last_checkpoint: Optional[Path], *, saved: bool,
+            announce: bool) -> RunStopped:
+    """The stop on a signal, after the checkpoint of the current step (``saved``) or before any step."""
+    if saved:
+        what = f"after step {progress.step}: checkpoint {last_checkpoint} written"
+    else:
+        since = last_checkpoint.name if last_checkpoint else "the start (no step taken yet)"
+        what = f"before step {progress.step + 1}: nothing new to save since {since}"
+    return RunStopped(f"stopped by {signal_name} {what}; to continue, {RESUME_HINT}", exit_status=EXIT_STOPPED,
+                      announce=announce)
+
+
+def diverged(err: NonFiniteError, progress: Progress, last_checkpoint: Optional[Path], *,
+             announce: bool) -> RunStopped:
+    """The stop on a non-finite loss or gradient norm: nothing is saved, the newest checkpoint predates it."""
+    newest = (f"the newest checkpoint is still {last_checkpoint}" if last_checkpoint
+              else "there is no checkpoint yet")
+    taken = ("with optimizer_in_bwd the parameters were stepped in backward, in memory only"
+             if err.stepped else "no optimizer step took it in")
+    return RunStopped(f"stopped at step {progress.step + 1}: {err.describe()}; {taken}, and nothing was saved "
+                      f"({newest}): lower the learning rate or check that step's data, then resume with "
+                      "resume_from_checkpoint=true", exit_status=EXIT_NON_FINITE, announce=announce)
+
+
+def stopping(signal_name: str, step: int) -> str:
+    """The line logged when a stop signal is agreed on, before the checkpoint is written."""
+    return f"{signal_name} received: saving step {step}, then stopping (Ctrl-C again aborts at once)"
+
+
+def finished_epochs_not_extended(checkpoint: Path, saved: Progress, steps_per_epoch: int, total_steps: int) -> UserError:
+    """A finished epoch is not reopened: more steps per epoch would otherwise end in "nothing to do"."""
+    return UserError(
+        f"resume from {checkpoint}: the run finished its {saved.epoch} epoch(s) at step {saved.step}, but this "
+        f"config makes {steps_per_epoch} steps per epoch ({total_steps} in all: max_steps_per_epoch or the data "
+        "changed); finished epochs are not extended: raise epochs to train more, or start a new run in another "
+        "output_dir"
+    )
+
+
+def resharded(saved_world_size: int, world_size: int) -> str:
+    return (f"resharded from {saved_world_size} process(es) to {world_size}: model, optimizer, scheduler and data "
+            "order carry over; dropout masks do not (each rank's RNG state is its own)")
+
+
+def no_checkpoint_yet(output_dir: str) -> str:
+    return f"resume_from_checkpoint=true: {output_dir} holds no checkpoint yet, so the run starts at step 0"
+
+
+def nothing_to_do(output_dir: str, step: int) -> str:
+    return f"nothing to do: the run in {output_dir} already finished {step} step(s)"

@@ -1,0 +1,161 @@
+"""The launcher of a multi-process run: ``tune run --nproc_per_node N`` starts the recipe in N processes with
+PyTorch's own elastic launcher (``torch.distributed.run``), forwards stop signals to them, turns their exit
+statuses into the run's, and lets each worker leave with its exact status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Callable, Iterator, NoReturn, Optional, Sequence
+
+from torchtune_ac.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_NON_FINITE,
+    EXIT_STOPPED,
+    EXIT_USER_ERROR,
+    RunStopped,
+)
+
+
+def int_at_least(minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer in [minimum, maximum] (a bad value is a usage error, exit 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            bound = f"between {minimum} and {maximum}" if maximum is not None else f">= {minimum}"
+            raise argparse.ArgumentTypeError(f"must be {bound}, got {value}")
+        return value
+
+    return parse
+
+
+def parse_nnodes(text: str) -> str:
+    """``N`` or ``MIN:MAX`` (an elastic range), as torch.distributed.run takes it."""
+    bounds = text.split(":")
+    if len(bounds) > 2 or not all(b.isdigit() and int(b) >= 1 for b in bounds) or int(bounds[0]) > int(bounds[-1]):
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX with 1 <= MIN <= MAX, got {text!r}")
+    return text
+
+
+# Launcher flags forwarded to torch.distributed.run (the elastic launcher), with how argparse reads them.
+LAUNCHER_FLAGS = {
+    "nproc_per_node": (("--nproc_per_node", "--nproc-per-node"), int_at_least(1)),
+    "nnodes": (("--nnodes",), parse_nnodes),
+    "node_rank": (("--node_rank", "--node-rank"), int_at_least(0)),
+    "rdzv_endpoint": (("--rdzv_endpoint", "--rdzv-endpoint"), str),
+    "rdzv_backend": (("--rdzv_backend", "--rdzv-backend"), str),
+    "master_addr": (("--master_addr", "--master-addr"), str),
+    "master_port": (("--master_port", "--master-port"), int_at_least(1, 65535)),
+}
+
+
+def leave_worker(status: int) -> NoReturn:
+    """End a worker of a multi-process run with ``status``, skipping the interpreter's teardown.
+
+    By the time a recipe returns, its work is done and closed: the checkpoint written, ``metrics.jsonl`` and the
+    trackers closed, the process group destroyed after a barrier. FSDP2's device mesh still holds the gloo
+    process group, though, and it is freed during interpreter finalisation, where a C++ destructor race in
+    gloo's threads ("terminate called without an active exception") has killed a finished worker with SIGABRT
+    about once in a hundred runs: the launcher then reports a successful run as failed (or hides the real
+    status, 143 or 3, behind -6). Leaving with ``os._exit`` after flushing is what makes the status exact.
+    """
+    import logging
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
+
+
+def launch_elastic(launcher: dict, recipe_path: Path, recipe_argv: Sequence[str]) -> int:
+    """Run ``recipe_path`` as a script in the processes ``launcher`` asks for (torch.distributed.run's flags, as
+    ``LAUNCHER_FLAGS`` reads them), with ``recipe_argv`` after it, and return the run's exit status.
+
+    SIGTERM and SIGINT reach every worker once (``forward_stop_signals``); the status is that of the workers
+    that exited on their own (``status_of_failed_workers``).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    torchrun_argv = []
+    for name, value in launcher.items():
+        torchrun_argv += [f"--{name}", str(value)]
+    # Single node and no rendezvous flag: let the launcher pick a free port. (--standalone would override a
+    # --master_port or --rdzv_backend the user gave.)
+    rendezvous_flags = {"rdzv_endpoint", "rdzv_backend", "master_addr", "master_port"}
+    if not rendezvous_flags & launcher.keys() and launcher.get("nnodes", "1") == "1":
+        torchrun_argv.append("--standalone")
+    torchrun_argv += [str(recipe_path), *recipe_argv]
+    # Workers run the recipe file as a script: make sure they import this same torchtune_ac.
+    package_root = str(Path(__file__).resolve().parents[2])
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    torchrun_args = get_args_parser().parse_args(torchrun_argv)
+    if hasattr(torchrun_args, "signals_to_handle"):
+        # SIGTERM and SIGINT are ours to forward (see forward_stop_signals); the launcher keeps the others.
+        torchrun_args.signals_to_handle = ",".join(
+            name for name in torchrun_args.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGINT")
+        )
+    try:
+        with forward_stop_signals():
+            run(torchrun_args)
+    except ChildFailedError as err:
+        return status_of_failed_workers({rank: failure.exitcode for rank, failure in err.failures.items()})
+    return 0
+
+
+STATUSES_OF_WORKERS = (EXIT_USER_ERROR, EXIT_NON_FINITE, EXIT_STOPPED)
+
+
+def status_of_failed_workers(exit_codes: dict[int, int]) -> int:
+    """The launcher's exit status from its workers' (a negative code: killed by that signal)."""
+    # When one worker fails, the launcher terminates the others (negative codes: killed by a signal); the status
+    # that matters is that of the workers that exited on their own.
+    exited = {rank: code for rank, code in exit_codes.items() if code > 0}
+    codes = sorted(set(exited.values()))
+    if codes == [EXIT_STOPPED]:
+        return EXIT_STOPPED  # rank 0 said where the checkpoint is and how to resume
+    if not codes and set(exit_codes.values()) == {-signal.SIGINT}:
+        print("tune: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"tune: error: process(es) {sorted(exited) or sorted(exit_codes)} failed with exit status "
+          f"{codes or sorted(set(exit_codes.values()))}; see their messages above", file=sys.stderr)
+    return codes[0] if len(codes) == 1 and codes[0] in STATUSES_OF_WORKERS else 1
+
+
+@contextlib.contextmanager
+def forward_stop_signals() -> Iterator[None]:
+    """While the workers run, the launcher passes SIGTERM and SIGINT on to each of them, so they stop after their
+    current step with a checkpoint (a second SIGINT: at once), and keeps waiting for them to exit with their own
+    status. The workers run in sessions of their own, so a Ctrl-C at the terminal reaches only the launcher, and
+    each signal reaches each worker once. Before any worker exists, there is nothing to save: the signal ends the
+    launch."""
+    import psutil
+
+    def forward(signum: int, frame: object) -> None:
+        workers = psutil.Process().children()
+        if not workers:
+            raise RunStopped(f"stopped by {signal.Signals(signum).name} before the processes started: nothing to save; "
+                             "to continue, run the same command with resume_from_checkpoint=true",
+                             exit_status=EXIT_STOPPED)
+        for worker in workers:
+            try:
+                os.kill(worker.pid, signum)
+            except ProcessLookupError:
+                pass
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

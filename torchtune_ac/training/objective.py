@@ -1,0 +1,62 @@
+"""The training objective: what a step minimises, as a function of the model and one micro-batch.
+
+An ``Objective`` gives a micro-batch's summed loss and says how many positions it sums over; the step divides
+every micro-batch's sum by the global count (over micro-batches and ranks), so the gradient is that of the mean
+loss per target whatever the split. The count is asked for before any forward (``targets``), because that
+division must be known before the first backward. Another objective (a distillation loss, a preference loss)
+plugs in here without touching the step.
+
+``CrossEntropy`` is the default: token cross-entropy from the whole logits. The chunked loss (a memory
+switch, ``torchtune_ac/memory/chunked_loss.py``) gives the same values without the whole logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+IGNORE_INDEX = -100
+
+
+class Objective(Protocol):
+    """What a step minimises (see the module docstring)."""
+
+    def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """How many positions of ``batch`` the loss sums over (an int64 0-d tensor, on the batch's device)."""
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The micro-batch's summed loss (a float32 0-d tensor that backward can start from)."""
+
+
+def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum of token cross-entropies, computed in float32; ``labels == -100`` are ignored.
+
+    Args:
+        logits: ``[b, s, vocab]``.
+        labels: ``[b, s]``, already shifted (``labels[:, i]`` is the target after ``tokens[:, i]``).
+    """
+    return F.cross_entropy(
+        logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def count_target_tokens(labels: torch.Tensor) -> torch.Tensor:
+    """Number of positions that contribute to the loss (int64 scalar tensor)."""
+    return (labels != IGNORE_INDEX).sum()
+
+
+@dataclass(frozen=True)
+class CrossEntropy:
+    """Next-token cross-entropy over every labelled position, from the model's whole logits.
+
+    Batches hold ``tokens`` and ``labels`` ``[b, s]`` and, when packed, ``document_ids``."""
+
+    def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return count_target_tokens(batch["labels"])
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return cross_entropy_sum(model(batch["tokens"], batch.get("document_ids")), batch["labels"])
