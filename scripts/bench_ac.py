@@ -36,14 +36,14 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from _benchlib import pyplot, save_figure, write_report  # noqa: E402
-
-from torchtune_ac import models  # noqa: E402
-from torchtune_ac.memory.activation_checkpointing import setup_activation_checkpointing  # noqa: E402
 from _measure import (  # noqa: E402
     measure_saved_activation_bytes,
     return_freed_memory_to_os,
     track_peak_rss,
 )
+
+from torchtune_ac import models  # noqa: E402
+from torchtune_ac.memory.activation_checkpointing import setup_activation_checkpointing  # noqa: E402
 
 MiB = 2**20
 # (max step time ratio, max activation ratio) each setting should reach; drawn on the chart.

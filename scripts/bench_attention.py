@@ -54,14 +54,16 @@ from _benchlib import pyplot, save_figure, write_report  # noqa: E402
 from torchtune_ac import models  # noqa: E402
 from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.data import IGNORE_INDEX, build_sample, collate_batch, pack_samples  # noqa: E402
-from torchtune_ac.models.attention import DocumentRuns, causal_attention, document_runs, document_starts  # noqa: E402
-from torchtune_ac.models.llama import Attention, apply_rope  # noqa: E402
-from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
 from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.memory.plan import MemoryPlan  # noqa: E402
-from torchtune_ac.runtime.distributed import FSDPConfig  # noqa: E402
-from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.models.attention import DocumentRuns, causal_attention, document_runs, document_starts  # noqa: E402
+from torchtune_ac.models.llama import Attention, apply_rope  # noqa: E402
 from torchtune_ac.run.model_setup import build_training_model  # noqa: E402
+from torchtune_ac.runtime.distributed import (
+    DistributedContext,  # noqa: E402
+    FSDPConfig,  # noqa: E402
+)
+from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 
 ATTENTION_SIDES = ("dense", "per_document", "causal_row")

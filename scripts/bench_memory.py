@@ -40,16 +40,16 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from _benchlib import pyplot, save_figure, write_report  # noqa: E402
+from _measure import return_freed_memory_to_os, track_peak_rss  # noqa: E402
 
 from torchtune_ac.config.components import Component  # noqa: E402
+from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
 from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode  # noqa: E402
+from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
+from torchtune_ac.run.model_setup import build_training_model  # noqa: E402
 from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
-from _measure import return_freed_memory_to_os, track_peak_rss  # noqa: E402
-from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
-from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
-from torchtune_ac.run.model_setup import build_training_model  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 
 MiB = 2**20

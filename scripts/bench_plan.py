@@ -35,11 +35,11 @@ from _benchlib import leave_spawned_rank, write_report  # noqa: E402
 
 from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.memory.activation_checkpointing import ACConfig, resolve_ac_plan  # noqa: E402
-from torchtune_ac.runtime.dtypes import DType  # noqa: E402
-from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 from torchtune_ac.memory.chunked_loss import loss_objective  # noqa: E402
 from torchtune_ac.memory.plan import MemoryConfig, MemoryPlan, resolve_memory_plan  # noqa: E402
 from torchtune_ac.memory.planner import Workload, candidate_plans, describe_setting, estimate_memory  # noqa: E402
+from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 
 MiB = 2**20
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -82,11 +82,11 @@ def measure_steps(name: str, settings, batch_size: int, seq_len: int, chunks: in
     import gc
 
     import psutil
-
-    from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
     from _measure import return_freed_memory_to_os, track_peak_rss
-    from torchtune_ac.run.model_setup import build_training_model
+
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
+    from torchtune_ac.run.model_setup import build_training_model
+    from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
     from torchtune_ac.training.step import train_step
 
     ctx = DistributedContext(rank, world_size, rank, torch.device("cpu"))
@@ -152,8 +152,9 @@ def run_worker(kind: str, args: dict, extra_env: dict) -> list[int]:
 
 
 def measured_saved_activations(name: str, settings, batch_size: int, seq_len: int, chunks: int) -> list[int]:
-    from torchtune_ac.training import setup_activation_checkpointing
     from _measure import measure_saved_activation_bytes
+
+    from torchtune_ac.training import setup_activation_checkpointing
     from torchtune_ac.training.step import micro_batch_loss
 
     data = batch(name, batch_size, seq_len)[0]

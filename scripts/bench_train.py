@@ -44,14 +44,16 @@ from _benchlib import pyplot, save_figure, write_report  # noqa: E402
 
 from torchtune_ac import models  # noqa: E402
 from torchtune_ac.config.components import Component  # noqa: E402
-from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
-from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
-from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode  # noqa: E402
-from torchtune_ac.runtime.distributed import FSDPConfig  # noqa: E402
-from torchtune_ac.runtime.dtypes import DType  # noqa: E402
-from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
 from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
+from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode  # noqa: E402
+from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
 from torchtune_ac.run.model_setup import build_training_model  # noqa: E402
+from torchtune_ac.runtime.distributed import (
+    DistributedContext,  # noqa: E402
+    FSDPConfig,  # noqa: E402
+)
+from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 
 SETTINGS = ("none", "full")

@@ -13,8 +13,8 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM
 
-from torchtune_ac.models import load_hf
 from torchtune_ac.checkpoint import list_checkpoints
+from torchtune_ac.models import load_hf
 from torchtune_ac.observability.metrics import read_metrics
 
 

@@ -12,13 +12,18 @@ a null seed drawing a random one, ...), a note says so.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Mapping, Optional
 
+from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.config.validation import torchtune_marker
 from torchtune_ac.errors import UserError
+from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode
+from torchtune_ac.memory.plan import MemoryConfig
 
 COMPONENT_KEY = "_component_"
 
@@ -54,8 +59,8 @@ INSTRUCT_DATASET = "torchtune_ac.data.instruct_dataset"
 CHAT_DATASET = "torchtune_ac.data.chat_dataset"
 TEXT_DATASET = "torchtune_ac.data.text_dataset"
 COSINE_SCHEDULE = "torchtune_ac.training.cosine_schedule_with_warmup"
-TENSORBOARD_LOGGER = "torchtune_ac.observability.metric_logging.TensorBoardLogger"
-WANDB_LOGGER = "torchtune_ac.observability.metric_logging.WandBLogger"
+TENSORBOARD_LOGGER = "torchtune_ac.training.metric_logging.TensorBoardLogger"
+WANDB_LOGGER = "torchtune_ac.training.metric_logging.WandBLogger"
 ADAMW = "torch.optim.AdamW"
 
 TT_DATASETS = "torchtune.datasets."
@@ -83,22 +88,17 @@ DEFAULT_LOSS_CHUNKS = 8
 PLAIN_LOSSES = ("torch.nn.CrossEntropyLoss",)
 METRIC_LOGGERS = "torchtune.training.metric_logging."
 
-# Keys copied unchanged: same name and meaning here.
-SAME_KEYS = (
-    "resume_from_checkpoint",
-    "shuffle",
-    "batch_size",
-    "epochs",
-    "max_steps_per_epoch",
-    "gradient_accumulation_steps",
-    "clip_grad_norm",
-    "compile",
-    "save_every_n_steps",
-    "log_every_n_steps",
-)
+# Keys copied unchanged: same name and meaning here, as the schema marks them (``torchtune: same``). The memory
+# switches' keys (ours, top-level) are written when they differ from our default.
+SAME_KEYS = tuple(f.name for f in dataclasses.fields(FullFinetuneConfig) if f.metadata.get("torchtune") == "same")
+MEMORY_KEYS = tuple(f.name for f in dataclasses.fields(MemoryConfig))
+AC_KEYS = tuple(f.name for f in dataclasses.fields(ACConfig))
+# The modes torchtune's recipes knew (auto is ours).
+TORCHTUNE_AC_MODES = tuple(mode.value for mode in ACMode if mode is not ACMode.AUTO)
 
-# Top-level torchtune keys with no counterpart here, and why.
-UNSUPPORTED_KEYS = {
+# Top-level torchtune keys with no counterpart here, and why (a key the schema or a memory switch takes is
+# carried over instead, so adding the switch removes it from here without an edit).
+_NOT_CARRIED_OVER = {
     "enable_activation_offloading": "activation offloading to CPU is not implemented; ac_mode full or selective "
     "saves activation memory instead",
     "activation_offloading_use_streams": "activation offloading is not implemented",
@@ -117,6 +117,8 @@ UNSUPPORTED_KEYS = {
     "run_val_every_n_steps": "validation during training is not supported",
     "batch_size_val": "validation during training is not supported",
 }
+_SCHEMA_KEYS = {f.name for f in dataclasses.fields(FullFinetuneConfig)} | set(MEMORY_KEYS) | set(AC_KEYS)
+UNSUPPORTED_KEYS = {key: why for key, why in _NOT_CARRIED_OVER.items() if key not in _SCHEMA_KEYS}
 # The values of those keys with which dropping them loses nothing (mostly "off").
 HARMLESS_VALUES = {
     "enable_activation_offloading": (False, None),
@@ -138,9 +140,9 @@ OUTPUT_SECTIONS = (
     ("output_dir", "checkpoint_dir", "resume_from_checkpoint"),
     ("model", "tokenizer", "dataset", "max_seq_len"),
     ("seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch", "gradient_accumulation_steps",
-     "clip_grad_norm", "optimizer", "lr_scheduler", "optimizer_in_bwd", "loss_chunks"),
+     "clip_grad_norm", "optimizer", "lr_scheduler", *MEMORY_KEYS),
     ("device", "dtype", "compile"),
-    ("enable_activation_checkpointing", "ac_mode", "ac_option"),
+    AC_KEYS,
     ("save_every_n_steps", "log_every_n_steps", "metric_logger", "fsdp"),
 )
 
@@ -167,29 +169,6 @@ class Migration:
 
     config: dict[str, Any]
     notes: tuple[MigrationNote, ...]
-
-
-def torchtune_marker(cfg: Mapping[str, Any]) -> Optional[str]:
-    """What makes ``cfg`` a torchtune config, or None: a ``_component_`` under ``torchtune.`` or a
-    ``checkpointer`` key (torchtune's; this project has ``checkpoint_dir``)."""
-    if "checkpointer" in cfg:
-        return "checkpointer"
-    for key, path in _components(cfg, ""):
-        if path.startswith("torchtune."):
-            return f"{key}._component_={path}"
-    return None
-
-
-def _components(node: Any, key: str) -> Iterator[tuple[str, str]]:
-    if isinstance(node, Mapping):
-        path = node.get(COMPONENT_KEY)
-        if isinstance(path, str):
-            yield key or COMPONENT_KEY, path
-        for name, value in node.items():
-            yield from _components(value, f"{key}.{name}" if key else str(name))
-    elif isinstance(node, list):
-        for index, value in enumerate(node):
-            yield from _components(value, f"{key}[{index}]")
 
 
 class _Migrator:
@@ -484,8 +463,11 @@ class _Migrator:
                          "reproducible with seed 0 (set another to vary)")
         else:
             self.out["seed"] = seed
-        if self.take("optimizer_in_bwd") is True:
-            self.out["optimizer_in_bwd"] = True
+        defaults = MemoryConfig()
+        for key in MEMORY_KEYS:
+            value = self.take(key)
+            if key in self.tt and value is not None and value != getattr(defaults, key):
+                self.out[key] = value
 
     def migrate_optimizer(self) -> None:
         optimizer = self.take("optimizer")
@@ -607,7 +589,7 @@ def migrate_ac_keys(flag: Any, mode: Any, option: Any) -> dict[str, Any]:
     if mode is None:
         return {} if flag is None else {"enable_activation_checkpointing": flag}
     normalized = str(mode).lower()
-    if normalized not in ("none", "full", "selective"):
+    if normalized not in TORCHTUNE_AC_MODES:
         return {"ac_mode": mode} if option is None else {"ac_mode": mode, "ac_option": option}
     keys: dict[str, Any] = {}
     if flag is not None and flag == (normalized != "none"):
@@ -624,8 +606,8 @@ def ac_notes(flag: Any, mode: Any, option: Any) -> list[tuple[str, str]]:
         return []
     notes = []
     normalized = str(mode).lower()
-    if normalized not in ("none", "full", "selective"):
-        return [("ac_mode", f"{mode!r} is not a mode (none, full, selective): fix it before running")]
+    if normalized not in TORCHTUNE_AC_MODES:
+        return [("ac_mode", f"{mode!r} is not a mode ({', '.join(TORCHTUNE_AC_MODES)}): fix it before running")]
     if mode != normalized:
         notes.append(("ac_mode", f"torchtune compared ac_mode case-sensitively, so {mode!r} applied no activation "
                       "checkpointing at all; here it means " + normalized))

@@ -18,9 +18,9 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-from torchtune_ac.cli import main as tune_main
 from torchtune_ac.checkpoint import RECIPE_STATE_DIR, TRAINER_STATE_FILE, list_checkpoints
 from torchtune_ac.checkpoint.manifest import check_against_manifest
+from torchtune_ac.cli import main as tune_main
 from torchtune_ac.observability.metrics import METRICS_FILE, read_metrics
 
 # Keeps one run on the embedded tiny model to a few seconds: short sequences, small batches.

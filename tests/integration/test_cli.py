@@ -1,8 +1,8 @@
 """The `tune` command as users type it: ls, cp, validate, and bad command lines (exit 2, one short message)."""
 
 import json
-import re
 import os
+import re
 import shutil
 import subprocess
 import sys

@@ -46,12 +46,11 @@ from finetune_runs import (
     tune_run_argv,
 )
 
-from torchtune_ac.checkpoint import RECIPE_STATE_DIR, list_checkpoints
-from torchtune_ac.checkpoint import safetensors_io
+from torchtune_ac.checkpoint import RECIPE_STATE_DIR, list_checkpoints, safetensors_io
 from torchtune_ac.checkpoint.manifest import check_against_manifest
 from torchtune_ac.embedded import CACHE_ENV_VAR
-from torchtune_ac.training import step as step_module
 from torchtune_ac.observability.metrics import read_metrics
+from torchtune_ac.training import step as step_module
 
 STEPS, SAVE_EVERY, GLOBAL_BATCH = 12, 3, 4
 LOSS_RTOL = 1e-5

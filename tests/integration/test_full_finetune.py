@@ -22,8 +22,8 @@ from finetune_runs import (
     tune_run_argv,
 )
 
-from torchtune_ac.models import load_hf
 from torchtune_ac.checkpoint import list_checkpoints
+from torchtune_ac.models import load_hf
 from torchtune_ac.observability.metrics import read_metrics
 
 LEARNING_STEPS = 30

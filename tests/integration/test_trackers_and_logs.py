@@ -14,8 +14,15 @@ import threading
 from pathlib import Path
 
 import pytest
+from finetune_runs import (
+    check_success,
+    run_tune_in_process,
+    run_tune_subprocess,
+    subprocess_env,
+    tune_command,
+    tune_run_argv,
+)
 
-from finetune_runs import check_success, run_tune_in_process, run_tune_subprocess, subprocess_env, tune_command, tune_run_argv
 from torchtune_ac.cli import main
 from torchtune_ac.observability.metrics import read_metrics
 

@@ -12,7 +12,8 @@
     errors, component_marker
 
 ``embedded`` (the maker of the embedded checkpoint) needs models, data and checkpoint, and sits above them;
-``migrate`` (torchtune configs to ours) is a pure mapping that config uses to recognise a torchtune config.
+``migrate`` (torchtune configs to ours) is a pure mapping above config, whose key tables it derives from the
+schema and the memory switches.
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ ALLOWED = {
     "training": LEAVES | {"models", "runtime"},
     "memory": LEAVES | {"models", "runtime", "training"},
     "embedded": LEAVES | {"models", "data", "checkpoint"},
-    "migrate": LEAVES,
+    "migrate": LEAVES | {"config", "memory"},
     "config": LEAVES | {"models", "data", "checkpoint", "runtime", "training", "memory", "observability", "registry",
-                        "embedded", "migrate"},
+                        "embedded"},
     "run": LEAVES | {"models", "data", "checkpoint", "runtime", "training", "memory", "observability", "config"},
 }
 # Component paths that configs name (``torchtune_ac.training.cosine_schedule_with_warmup``,

@@ -163,7 +163,7 @@ def test_other_losses_are_reported():
 
 
 LOGGERS = "torchtune.training.metric_logging."
-OURS = "torchtune_ac.observability.metric_logging."
+OURS = "torchtune_ac.training.metric_logging."
 METRIC_LOGGER_TABLE = [
     ({"_component_": LOGGERS + "DiskLogger", "log_dir": "/tmp/torchtune/run/logs"}, None, "metric_logger"),
     ({"_component_": LOGGERS + "StdoutLogger"}, None, "metric_logger"),

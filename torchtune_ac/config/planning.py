@@ -13,11 +13,11 @@ from typing import Optional
 
 import torch
 
+from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.activation_checkpointing import ACConfig
 from torchtune_ac.memory.plan import PlanningInputs, resolve_memory_plan
-from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.memory.planner import GiB, MemoryEstimate, Workload, describe_setting, estimate_memory
 
 ASSUMPTIONS = (

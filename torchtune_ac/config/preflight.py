@@ -5,6 +5,16 @@ and checks the files the run will read and write. Problems with the config itsel
 contradict it, are always errors; what is missing or unavailable on this machine (``UnavailableError``: a file,
 a device, a package) is an error when ``strict`` (about to run) and a warning otherwise (``tune validate`` on a
 machine that is not the training machine).
+
+This is where the environment is checked (files, devices, what the components build); the config's types are
+checked once by the schema (``validation.py``) and the memory switches' combinations once by the memory plan
+(``memory/plan.py``). Two checks catch, before anything heavy, what would otherwise fail at step 1 or later:
+
+- the tokenizer against the model: a tokenizer with more tokens than the model's vocabulary (or a special-token
+  id beyond it) would make an embedding lookup index past the table at the first batch that holds such an id;
+- the optimizer and the LR scheduler, built once on a stand-in parameter: an argument the class itself rejects
+  (``optimizer.betas=[0.9]``) is reported naming the key at start-up, and by ``tune validate``, instead of after
+  the model is built and sharded.
 """
 
 from __future__ import annotations
@@ -25,15 +35,56 @@ from torchtune_ac.checkpoint import (
     list_checkpoints,
     read_trainer_state,
 )
+from torchtune_ac.config.components import Component
+from torchtune_ac.config.meta_model import build_meta_model, count_parameters
 from torchtune_ac.config.planning import planning_inputs, unmodelled_settings
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
-from torchtune_ac.config.startup_checks import check_optimizer_builds, check_tokenizer_fits
 from torchtune_ac.errors import UnavailableError, UserError
-from torchtune_ac.models.families import family_of, transformer_blocks
-from torchtune_ac.runtime.distributed import resolve_device
 from torchtune_ac.memory.plan import MemoryPlan, resolve_memory_plan
+from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.observability.metrics import METRICS_FILE
-from torchtune_ac.config.meta_model import build_meta_model, count_parameters
+from torchtune_ac.runtime.distributed import resolve_device
+
+# A schedule built for the stand-in checks only: long enough for any warm-up a real run could ask for.
+_STAND_IN_TRAINING_STEPS = 1_000_000
+
+
+def check_tokenizer_fits(tokenizer: Component, vocab_size: Optional[int]) -> None:
+    """Build the tokenizer and check its ids fit the model's vocabulary (``vocab_size``; None: unknown model).
+
+    Raises:
+        UnavailableError: the tokenizer's files are not on this machine.
+        UserError: the tokenizer's files are broken, or it has more tokens, or a special-token id, beyond the
+            model's vocabulary (naming the tokenizer file and both sizes).
+    """
+    built = tokenizer.instantiate()
+    if vocab_size is None:
+        return
+    problems = []
+    if built.vocab_size > vocab_size:
+        problems.append(f"it has {built.vocab_size:,} tokens (ids up to {built.vocab_size - 1:,})")
+    for name in ("bos", "eos", "pad"):
+        token_id = getattr(built, f"{name}_id")
+        if token_id is not None and token_id >= vocab_size and built.vocab_size <= vocab_size:
+            problems.append(f"its {name} id is {token_id:,}")
+    if problems:
+        raise UserError(
+            f"tokenizer {built.path}: {' and '.join(problems)}, but the model's vocabulary has {vocab_size:,} tokens "
+            f"(ids 0 to {vocab_size - 1:,}): such an id would index past the embedding table; use the tokenizer "
+            "that belongs to the model's checkpoint, or a model whose vocab_size covers it"
+        )
+
+
+def check_optimizer_builds(optimizer: Component, lr_scheduler: Optional[Component]) -> None:
+    """Build the optimizer on one stand-in parameter, and the LR scheduler on that optimizer.
+
+    Raises:
+        UserError: either rejected its arguments (naming the key, the class and the arguments).
+    """
+    stand_in = torch.nn.Parameter(torch.zeros(1))
+    built = optimizer.instantiate([stand_in])
+    if lr_scheduler is not None:
+        lr_scheduler.instantiate(built, num_training_steps=_STAND_IN_TRAINING_STEPS)
 
 
 @dataclass

@@ -17,9 +17,9 @@ from typing import Optional
 
 from torchtune_ac.config.components import Component
 from torchtune_ac.memory.activation_checkpointing import ACConfig
+from torchtune_ac.memory.plan import MemoryConfig
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.memory.plan import MemoryConfig
 
 __all__ = ["Device", "DType", "FSDPConfig", "FullFinetuneConfig"]
 
@@ -34,6 +34,10 @@ def _min(value: int) -> dict:
     return {"minimum": value}
 
 
+# A key torchtune has too, with the same name and meaning: tune migrate copies it unchanged.
+SAME = {"torchtune": "same"}
+
+
 @dataclass(frozen=True)
 class FullFinetuneConfig:
     """Config of the ``full_finetune`` recipe."""
@@ -46,30 +50,30 @@ class FullFinetuneConfig:
     optimizer: Component = field(metadata={"positional": 1})
     # Hugging Face checkpoint directory to start from (config.json + safetensors); null = random init.
     checkpoint_dir: Optional[str] = field(default=None, metadata={"non_empty": True})
-    resume_from_checkpoint: bool = False
+    resume_from_checkpoint: bool = field(default=False, metadata=SAME)
     lr_scheduler: Optional[Component] = field(default=None, metadata={"positional": 1, "recipe_kwargs": ("num_training_steps",)})
-    batch_size: int = field(default=1, metadata=_min(1))
-    epochs: int = field(default=1, metadata=_min(1))
-    max_steps_per_epoch: Optional[int] = field(default=None, metadata=_min(1))
-    gradient_accumulation_steps: int = field(default=1, metadata=_min(1))
+    batch_size: int = field(default=1, metadata={**_min(1), **SAME})
+    epochs: int = field(default=1, metadata={**_min(1), **SAME})
+    max_steps_per_epoch: Optional[int] = field(default=None, metadata={**_min(1), **SAME})
+    gradient_accumulation_steps: int = field(default=1, metadata={**_min(1), **SAME})
     max_seq_len: Optional[int] = field(default=None, metadata=_min(1))
-    clip_grad_norm: Optional[float] = field(default=None, metadata={"exclusive_minimum": 0.0})
+    clip_grad_norm: Optional[float] = field(default=None, metadata={"exclusive_minimum": 0.0, **SAME})
     # torch.manual_seed takes at most 64 bits, and epoch e seeds the data order with seed + e.
     seed: int = field(default=0, metadata={"minimum": 0, "maximum": 2**63 - 1})
-    shuffle: bool = True
+    shuffle: bool = field(default=True, metadata=SAME)
     device: Device = Device.AUTO
     dtype: DType = DType.FP32
-    compile: bool = False
+    compile: bool = field(default=False, metadata=SAME)
     # enable_activation_checkpointing, ac_mode, ac_option (top-level keys); the bound of ac_option (at most the
     # model's layer count) is checked once the model is built.
     ac: ACConfig = field(default_factory=ACConfig, metadata={"flatten": True})
-    # optimizer_in_bwd, loss_chunks (top-level keys); see training/memory_plan.py.
+    # optimizer_in_bwd, loss_chunks (top-level keys); see memory/plan.py.
     memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"flatten": True})
-    save_every_n_steps: Optional[int] = field(default=None, metadata=_min(1))
+    save_every_n_steps: Optional[int] = field(default=None, metadata={**_min(1), **SAME})
     # Keep the newest N checkpoints whole, delete older ones once a new one is verified; null: keep every
     # checkpoint's model files, and recipe state in the newest two (see checkpoint/recipe_state.py).
     keep_last_n_checkpoints: Optional[int] = field(default=None, metadata=_min(1))
-    log_every_n_steps: int = field(default=1, metadata=_min(1))
-    # Experiment tracker besides metrics.jsonl (always written): torchtune_ac.observability.metric_logging.*, or null.
+    log_every_n_steps: int = field(default=1, metadata={**_min(1), **SAME})
+    # Experiment tracker besides metrics.jsonl (always written): torchtune_ac.training.metric_logging.*, or null.
     metric_logger: Optional[Component] = None
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -21,13 +21,12 @@ import enum
 import math
 import types
 import typing
-from typing import Any, Mapping, Sequence, TypeVar
+from typing import Any, Iterator, Mapping, Optional, Sequence, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
 from torchtune_ac.config.components import Component, parse_component
 from torchtune_ac.errors import UserError
-from torchtune_ac.migrate import torchtune_marker
 
 T = TypeVar("T")
 _MISSING = object()
@@ -235,3 +234,29 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], schema: type[T], *, sou
     if checker.problems:
         raise ConfigError(source, checker.problems)
     return result
+
+
+_COMPONENT_KEY = "_component_"
+
+
+def torchtune_marker(cfg: Mapping[str, Any]) -> Optional[str]:
+    """What makes ``cfg`` a torchtune config, or None: a ``_component_`` under ``torchtune.`` or a
+    ``checkpointer`` key (torchtune's; this project has ``checkpoint_dir``)."""
+    if "checkpointer" in cfg:
+        return "checkpointer"
+    for key, path in _components(cfg, ""):
+        if path.startswith("torchtune."):
+            return f"{key}._component_={path}"
+    return None
+
+
+def _components(node: Any, key: str) -> Iterator[tuple[str, str]]:
+    if isinstance(node, Mapping):
+        path = node.get(_COMPONENT_KEY)
+        if isinstance(path, str):
+            yield key or _COMPONENT_KEY, path
+        for name, value in node.items():
+            yield from _components(value, f"{key}.{name}" if key else str(name))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _components(value, f"{key}[{index}]")

@@ -302,7 +302,7 @@ class ACConfig:
         """The plan for a model with ``n_layers`` blocks (see ``resolve_ac_plan``).
 
         Raises:
-            ValueError: ``ac_mode`` is auto (the memory planner resolves it, see ``training/memory_plan.py``).
+            ValueError: ``ac_mode`` is auto (the memory planner resolves it, see ``memory/plan.py``).
         """
         if self.is_auto:
             raise ValueError("ac_mode=auto is resolved by resolve_memory_plan, which estimates every plan's memory")

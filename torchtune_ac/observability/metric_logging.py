@@ -1,7 +1,7 @@
 """Experiment trackers behind the ``metric_logger`` config key: TensorBoard and Weights & Biases.
 
 ``output_dir/metrics.jsonl`` is always written (``metrics.py``); a tracker receives the same records. Each is
-a ``_component_`` (``metric_logger: {_component_: torchtune_ac.observability.metric_logging.WandBLogger, project:
+a ``_component_`` (``metric_logger: {_component_: torchtune_ac.training.metric_logging.WandBLogger, project:
 x}``) whose constructor only stores and checks its settings, so ``tune validate`` can build it; the recipe
 calls ``start`` on rank 0 only, once the output directory exists. The packages are optional extras:
 ``pip install 'torchtune_ac[tensorboard]'`` or ``'torchtune_ac[wandb]'``; :meth:`check_available` says which

@@ -26,16 +26,16 @@ from torchtune_ac.checkpoint import (
     check_shared_directory,
     list_checkpoints,
     load_checkpoint,
+    safetensors_io,
     save_checkpoint,
 )
-from torchtune_ac.checkpoint import safetensors_io
 from torchtune_ac.checkpoint.manifest import check_against_manifest
 from torchtune_ac.errors import UserError
+from torchtune_ac.memory.optimizer_in_backward import build_optimizer, optimizers_to_checkpoint
 from torchtune_ac.models import Llama, LlamaArgs
 from torchtune_ac.runtime.distributed import DistributedContext
-from torchtune_ac.training.objective import IGNORE_INDEX
-from torchtune_ac.memory.optimizer_in_backward import build_optimizer, optimizers_to_checkpoint
 from torchtune_ac.runtime.rank_agreement import check_same_config
+from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.training.step import train_step
 
 pytestmark = pytest.mark.distributed

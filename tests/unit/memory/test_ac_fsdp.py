@@ -13,8 +13,8 @@ from gloo_testlib import WORLD_SIZE, run_on_gloo_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-from torchtune_ac.models.llama import Llama, LlamaArgs
 from torchtune_ac.memory.activation_checkpointing import setup_activation_checkpointing
+from torchtune_ac.models.llama import Llama, LlamaArgs
 
 STEPS = 3
 VOCAB = 96

@@ -8,16 +8,16 @@ import sys
 import time
 from pathlib import Path
 
+import _measure as memory
 import pytest
 import torch
+from _measure import measure_saved_activation_bytes, track_peak_rss
 from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtune_ac.models.llama import Llama, LlamaArgs
-import _measure as memory
 from torchtune_ac.memory.activation_checkpointing import setup_activation_checkpointing
-from _measure import measure_saved_activation_bytes, track_peak_rss
+from torchtune_ac.models.llama import Llama, LlamaArgs
 
 F32 = 4
 

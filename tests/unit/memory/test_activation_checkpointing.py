@@ -12,8 +12,6 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.attention import document_runs
-from torchtune_ac.models.llama import Llama, LlamaArgs, positions_from_document_ids
 from torchtune_ac.memory.activation_checkpointing import (
     SAVED_OPS,
     ACConfigError,
@@ -27,6 +25,8 @@ from torchtune_ac.memory.activation_checkpointing import (
     setup_activation_checkpointing,
     silence_compiled_policy_warning,
 )
+from torchtune_ac.models.attention import document_runs
+from torchtune_ac.models.llama import Llama, LlamaArgs, positions_from_document_ids
 
 VOCAB = 128
 

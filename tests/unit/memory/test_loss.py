@@ -5,15 +5,15 @@ import dataclasses
 
 import pytest
 import torch
+from _measure import measure_saved_activation_bytes
 from gloo_testlib import run_on_gloo_ranks
 from models_testlib import TINY
 from torch.distributed.fsdp import fully_shard
 
+from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropy
 from torchtune_ac.models import Llama
 from torchtune_ac.training import setup_activation_checkpointing
-from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropy
 from torchtune_ac.training.objective import IGNORE_INDEX, cross_entropy_sum
-from _measure import measure_saved_activation_bytes
 
 VOCAB, DIM = 1000, 16
 

@@ -12,12 +12,12 @@ from models_testlib import TINY
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from torchtune_ac.models import Llama
-from torchtune_ac.training import cosine_schedule_with_warmup
-from torchtune_ac.runtime.distributed import DistributedContext
-from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.memory.chunked_loss import loss_objective
 from torchtune_ac.memory.optimizer_in_backward import OptimizerInBackward, build_optimizer
+from torchtune_ac.models import Llama
+from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.training import cosine_schedule_with_warmup
+from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.training.step import train_step
 
 STEPS = 5

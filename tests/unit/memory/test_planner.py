@@ -10,14 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _measure import measure_saved_activation_bytes
 
 from torchtune_ac.config.components import Component
 from torchtune_ac.errors import UserError
-from torchtune_ac.training import setup_activation_checkpointing
 from torchtune_ac.memory.activation_checkpointing import ACConfig, ACConfigError, ACMode
-from _measure import measure_saved_activation_bytes
 from torchtune_ac.memory.plan import MemoryConfig, PlanningInputs, budget_gib, resolve_memory_plan
-from torchtune_ac.training.objective import cross_entropy_sum
 from torchtune_ac.memory.planner import (
     GiB,
     Workload,
@@ -27,6 +25,8 @@ from torchtune_ac.memory.planner import (
     describe_setting,
     estimate_memory,
 )
+from torchtune_ac.training import setup_activation_checkpointing
+from torchtune_ac.training.objective import cross_entropy_sum
 
 REPO = Path(__file__).resolve().parents[3]
 SMALL = Component(key="model", path="torchtune_ac.models.llama_small")

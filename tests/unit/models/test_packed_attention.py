@@ -13,10 +13,10 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.varlen import varlen_attn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchtune_ac.memory.activation_checkpointing import setup_activation_checkpointing
 from torchtune_ac.models import attention, llama
 from torchtune_ac.models.attention import causal_attention, document_runs
 from torchtune_ac.models.llama import Llama, LlamaArgs
-from torchtune_ac.memory.activation_checkpointing import setup_activation_checkpointing
 
 VOCAB = 96
 TOL = {"rtol": 1e-5, "atol": 1e-5}

@@ -9,9 +9,9 @@ import pytest
 
 from torchtune_ac.config import FullFinetuneConfig, validate_config
 from torchtune_ac.errors import UserError
-from torchtune_ac.training import TensorBoardLogger, WandBLogger
 from torchtune_ac.observability.metric_logging import WANDB_RUN_ID_FILE, open_run_log, plain_config
 from torchtune_ac.observability.metrics import read_metrics
+from torchtune_ac.training import TensorBoardLogger, WandBLogger
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")
@@ -102,7 +102,7 @@ def test_plain_config_is_what_the_yaml_said():
             "dataset": {"_component_": "torchtune_ac.data.instruct_dataset", "source": "d.jsonl"},
             "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3},
             "dtype": "BF16",
-            "metric_logger": {"_component_": "torchtune_ac.observability.metric_logging.WandBLogger", "project": "x"},
+            "metric_logger": {"_component_": "torchtune_ac.training.metric_logging.WandBLogger", "project": "x"},
         },
         FullFinetuneConfig,
         source="c.yaml",
@@ -110,4 +110,4 @@ def test_plain_config_is_what_the_yaml_said():
     plain = plain_config(cfg)
     assert plain["dtype"] == "bf16" and plain["fsdp"]["reduce_dtype"] == "fp32"
     assert plain["optimizer"] == {"_component_": "torch.optim.AdamW", "lr": 1e-3}
-    assert plain["metric_logger"] == {"_component_": "torchtune_ac.observability.metric_logging.WandBLogger", "project": "x"}
+    assert plain["metric_logger"] == {"_component_": "torchtune_ac.training.metric_logging.WandBLogger", "project": "x"}

@@ -7,13 +7,13 @@ from gloo_testlib import WORLD_SIZE, run_on_gloo_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from torchtune_ac.config.components import parse_component
-from torchtune_ac.models import LLAMA
-from torchtune_ac.models.families.llama import LLAMA_TINY
 from torchtune_ac.memory.activation_checkpointing import ACConfig
 from torchtune_ac.memory.plan import MemoryPlan
+from torchtune_ac.models import LLAMA
+from torchtune_ac.models.families.llama import LLAMA_TINY
+from torchtune_ac.run.model_setup import build_training_model
 from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.run.model_setup import build_training_model
 
 SEED = 3
 # llama_tiny (512 x 128 embedding, 8 blocks), and the same with tied embeddings.

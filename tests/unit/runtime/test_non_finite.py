@@ -7,12 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from torchtune_ac.models import Llama, LlamaArgs
-from torchtune_ac.training import step as step_module
-from torchtune_ac.runtime.distributed import DistributedContext
-from torchtune_ac.training.objective import IGNORE_INDEX
-from torchtune_ac.runtime.non_finite import NonFiniteError
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer
+from torchtune_ac.models import Llama, LlamaArgs
+from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.runtime.non_finite import NonFiniteError
+from torchtune_ac.training import step as step_module
+from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.training.step import train_step
 
 ARGS = LlamaArgs(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=64, max_seq_len=64)
