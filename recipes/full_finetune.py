@@ -22,6 +22,7 @@ from typing import Optional
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from torchtune_ac.checkpoint import Progress, create_output_dir, save_checkpoint
+from torchtune_ac.config.planning import PlanTable, plan_table
 from torchtune_ac.config.preflight import preflight_full_finetune, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.observability.metric_logging import RunLog, open_run_log
@@ -51,6 +52,13 @@ def preflight(cfg: FullFinetuneConfig, *, strict: bool = True, world_size: Optio
     world size it is about to start, or None when it cannot tell)."""
     report = preflight_full_finetune(cfg, strict=strict, world_size=world_size)
     return report.summary + [("warning", w) for w in report.warnings]
+
+
+def plan(cfg: FullFinetuneConfig, *, world_size: int, budget_gib: Optional[float]) -> PlanTable:
+    """``tune plan``: the memory per process of every AC setting for this recipe's step (``budget_gib`` None: the
+    config's ``ac_memory_budget_gib``)."""
+    budget = budget_gib if budget_gib is not None else cfg.ac.ac_memory_budget_gib
+    return plan_table(cfg, world_size=world_size, budget_gib=budget)
 
 
 class FullFinetuneRecipe:

@@ -115,7 +115,9 @@ def load_recipe(path: Path) -> ModuleType:
         spec.loader.exec_module(module)
     except SyntaxError as err:  # the user's own file (a built-in recipe is tested): name the line
         raise UserError(f"recipe {path}:{err.lineno}: invalid Python: {err.msg}") from None
-    missing = [name for name in ("CONFIG_SCHEMA", "preflight", "run") if not hasattr(module, name)]
+    from torchtune_ac.registry import RECIPE_INTERFACE
+
+    missing = [name for name in RECIPE_INTERFACE if not hasattr(module, name)]
     if missing:
         raise UserError(f"recipe {path}: not a recipe (missing {', '.join(missing)})")
     return module
@@ -279,21 +281,21 @@ def _positive_float(text: str) -> float:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from torchtune_ac.config.planning import draw_plan, plan_table
-    from torchtune_ac.config.schema import FullFinetuneConfig
+    from torchtune_ac.config.planning import draw_plan
+    from torchtune_ac.registry import PlannedRecipe
 
     path = resolve_recipe_path(args.recipe)
     recipe = load_recipe(path)
+    if not isinstance(recipe, PlannedRecipe):
+        raise UserError(f"tune plan: recipe {path.stem} declares no workload for the memory planner (it defines "
+                        "no plan(cfg, *, world_size, budget_gib); full_finetune does)")
     cfg = load_recipe_config(recipe, args.config, args.overrides, args.allow_component)
-    if not isinstance(cfg, FullFinetuneConfig):
-        raise UserError(f"tune plan: recipe {path.stem} has no memory planner (full_finetune has)")
     png = Path(args.png).expanduser() if args.png is not None else None
     if png is not None and png.suffix.lower() != ".png":
         # matplotlib would pick the format from the suffix: "plan" became plan.png (reported as "wrote plan"),
         # "plan.txt" a traceback.
         raise UserError(f"--png {png}: the file name must end in .png")
-    budget = args.budget_gib if args.budget_gib is not None else cfg.ac.ac_memory_budget_gib
-    table = plan_table(cfg, world_size=args.nproc, budget_gib=budget)
+    table = recipe.plan(cfg, world_size=args.nproc, budget_gib=args.budget_gib)
     print("\n".join(table.lines()))
     if png is not None:
         print(f"wrote {draw_plan(table, png)}")

@@ -1,15 +1,54 @@
-"""Built-in recipes and configs, wherever they live.
+"""Built-in recipes and configs, wherever they live, and what a recipe module is.
 
 In a source checkout they are the top-level ``recipes/`` and ``configs/`` folders; an installed wheel carries
 the same files as the ``torchtune_ac._recipes`` and ``torchtune_ac._configs`` packages (see pyproject.toml).
+
+A config belongs to the recipe its launch line names: every built-in config opens with a comment showing how
+to run it (``#   tune run [launcher flags] RECIPE --config NAME``), and that line is what maps it to its
+recipe, so a new config or a new recipe needs no entry here.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Protocol, runtime_checkable
+
+# "#   tune run --nproc_per_node 2 full_finetune --config tiny/full ...": the recipe is the first word after the
+# launcher flags (each "--flag value").
+_LAUNCH_LINE = re.compile(r"^#\s*tune run\s+(?:--\S+\s+\S+\s+)*(?P<recipe>[A-Za-z_][\w]*)\s+--config\b")
+
+
+@runtime_checkable
+class RecipeModule(Protocol):
+    """What a recipe file defines (``tune run``, ``tune validate``).
+
+    Attributes:
+        CONFIG_SCHEMA: the typed schema of its configs (a dataclass).
+    """
+
+    CONFIG_SCHEMA: type
+
+    def preflight(self, cfg: Any, *, strict: bool = True, world_size: Optional[int] = 1) -> list[tuple[str, str]]:
+        """Cheap start-up checks and a summary (builds the model on the meta device, resolves the memory plan,
+        checks files; with ``strict=False`` what is missing on this machine is a warning)."""
+
+    def run(self, cfg: Any) -> None:
+        """Run it (in each process of a multi-process run)."""
+
+
+RECIPE_INTERFACE = ("CONFIG_SCHEMA", "preflight", "run")  # RecipeModule's members, for a message naming the missing
+
+
+@runtime_checkable
+class PlannedRecipe(RecipeModule, Protocol):
+    """A recipe whose step the memory planner can simulate: ``tune plan`` answers for its configs."""
+
+    def plan(self, cfg: Any, *, world_size: int, budget_gib: Optional[float]) -> Any:
+        """The memory per process of every activation checkpointing setting (a ``config.planning.PlanTable``);
+        ``budget_gib`` None: the config's own budget, if any."""
 
 
 @dataclass(frozen=True)
@@ -24,10 +63,10 @@ class Recipe:
 
     @property
     def configs(self) -> tuple[str, ...]:
-        """The built-in configs made for it: every ``configs/<family>/<name>.yaml`` (the only recipe so far),
-        found on disk, so a new config needs no entry here."""
+        """The built-in configs made for it: those whose launch line names it (found on disk)."""
         root = configs_dir()
-        return tuple(sorted(path.relative_to(root).with_suffix("").as_posix() for path in root.glob("*/*.yaml")))
+        return tuple(sorted(path.relative_to(root).with_suffix("").as_posix() for path in root.glob("*/*.yaml")
+                            if config_recipe(path) == self.name))
 
 
 RECIPES: tuple[Recipe, ...] = (Recipe("full_finetune"),)
@@ -43,6 +82,17 @@ def _shipped_dir(package: str, source_folder: str) -> Path:
     if spec is not None and spec.submodule_search_locations:
         return Path(next(iter(spec.submodule_search_locations)))
     return Path(__file__).resolve().parent.parent / source_folder
+
+
+def config_recipe(path: Path) -> Optional[str]:
+    """The recipe a config's launch comment names (its first ``# tune run ... RECIPE --config`` line), or None."""
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if not line.startswith("#"):
+            break
+        match = _LAUNCH_LINE.match(line)
+        if match:
+            return match.group("recipe")
+    return None
 
 
 def recipes_dir() -> Path:

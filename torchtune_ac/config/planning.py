@@ -1,24 +1,27 @@
 """A config's memory plan: what ``ac_mode: auto`` and ``tune plan`` estimate, built from the config's keys.
 
 The estimates themselves come from ``torchtune_ac.memory.planner`` (a simulated step under fake tensors);
-this module turns a ``FullFinetuneConfig`` into the planner's inputs, lays the estimates out as a table, and
-draws them.
+this module turns a training config (any recipe's whose config has the keys of ``TrainingWorkload``) into the
+planner's inputs, lays the estimates out as a table, and draws them. A recipe declares that ``tune plan`` can
+answer for it by defining ``plan`` (see ``torchtune_ac/registry.py``'s ``PlannedRecipe``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 import torch
 
+from torchtune_ac.config.components import Component
 from torchtune_ac.config.meta_model import build_meta_model
-from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.activation_checkpointing import ACConfig
 from torchtune_ac.memory.plan import PlanningInputs, resolve_memory_plan
 from torchtune_ac.memory.planner import GiB, MemoryEstimate, Workload, describe_setting, estimate_memory
+from torchtune_ac.runtime.distributed import FSDPConfig
+from torchtune_ac.runtime.dtypes import DType
 
 ASSUMPTIONS = (
     "every row is max_seq_len tokens and every position a target (the loss's worst case); parameters compute in "
@@ -27,7 +30,23 @@ ASSUMPTIONS = (
 )
 
 
-def planning_inputs(cfg: FullFinetuneConfig, world_size: int, device: torch.device) -> PlanningInputs:
+class TrainingWorkload(Protocol):
+    """The config keys a training step's memory depends on: what a recipe's config must have for the planner."""
+
+    model: Component
+    optimizer: Component
+    checkpoint_dir: Optional[str]
+    batch_size: int
+    max_seq_len: Optional[int]
+    gradient_accumulation_steps: int
+    clip_grad_norm: Optional[float]
+    dtype: DType
+    fsdp: FSDPConfig
+    ac: ACConfig
+    memory: Any  # MemoryConfig: the other memory switches' keys
+
+
+def planning_inputs(cfg: TrainingWorkload, world_size: int, device: torch.device) -> PlanningInputs:
     """The planner's inputs for ``cfg`` on ``world_size`` processes.
 
     Raises:
@@ -89,7 +108,7 @@ class PlanTable:
         return out
 
 
-def plan_table(cfg: FullFinetuneConfig, *, world_size: int, budget_gib: Optional[float]) -> PlanTable:
+def plan_table(cfg: TrainingWorkload, *, world_size: int, budget_gib: Optional[float]) -> PlanTable:
     """Estimate every AC setting for ``cfg`` on ``world_size`` processes, with its memory switches as configured.
 
     Raises:
@@ -112,7 +131,7 @@ def plan_table(cfg: FullFinetuneConfig, *, world_size: int, budget_gib: Optional
     return PlanTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size))
 
 
-def unmodelled_settings(cfg: FullFinetuneConfig, world_size: int) -> tuple[str, ...]:
+def unmodelled_settings(cfg: TrainingWorkload, world_size: int) -> tuple[str, ...]:
     """What the estimate leaves out of ``cfg`` on ``world_size`` processes, one sentence each."""
     mixed = cfg.fsdp.param_dtype
     if world_size == 1 or mixed is None or mixed is cfg.dtype:

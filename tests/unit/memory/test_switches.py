@@ -1,0 +1,90 @@
+"""The memory-switch contract: switches are found in memory/switches/, their keys make MemoryConfig, and the plan,
+the step and the planner go through what each declares (nothing names a switch)."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from torchtune_ac.memory import switches as switches_package
+from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode
+from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective
+from torchtune_ac.memory.optimizer_in_backward import InBackwardStepper
+from torchtune_ac.memory.plan import SWITCHES, MemoryConfig, resolve_memory_plan
+from torchtune_ac.memory.planner import Workload, estimate_memory
+from torchtune_ac.memory.switch import discover_switches
+from torchtune_ac.models import LlamaArgs
+from torchtune_ac.models.llama import Llama
+from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper
+
+ARGS = LlamaArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=64, max_seq_len=32)
+
+
+def test_the_switches_are_found_in_order_and_their_keys_make_memory_config():
+    assert [s.name for s in SWITCHES] == ["ac", "optimizer_in_bwd", "loss_chunks"]
+    keys = {f.name for s in SWITCHES if s.config_class is not ACConfig for f in dataclasses.fields(s.config_class)}
+    assert {f.name for f in dataclasses.fields(MemoryConfig)} == keys == {"optimizer_in_bwd", "loss_chunks"}
+    assert MemoryConfig().loss_chunks is None and MemoryConfig().optimizer_in_bwd is False
+
+
+@pytest.mark.parametrize("in_bwd, chunks, stepper_type, objective", [
+    (False, 1, OptimizerStepper, CROSS_ENTROPY),
+    (True, 1, InBackwardStepper, CROSS_ENTROPY),
+    (False, 3, OptimizerStepper, ChunkedCrossEntropyObjective(3)),
+])
+def test_the_plan_builds_the_stepper_and_objective_its_switches_declare(in_bwd, chunks, stepper_type, objective):
+    model = Llama(ARGS)
+    plan = resolve_memory_plan(ACConfig(ac_mode=ACMode.FULL), MemoryConfig(optimizer_in_bwd=in_bwd, loss_chunks=chunks),
+                               model, clip_grad_norm=None)
+    assert [label for label, _ in plan.describe()] == ["activation checkpointing", "optimizer step", "loss"]
+    assert isinstance(plan.build_stepper(lambda p: torch.optim.SGD(p, lr=0.1), model), stepper_type)
+    assert plan.objective() == objective
+    assert plan.resume_record() == ({"optimizer_in_bwd": True} if in_bwd else {})
+
+
+NEW_SWITCH = textwrap.dedent('''
+    from dataclasses import dataclass
+    from torchtune_ac.memory.switch import SwitchCost, SwitchDefaults
+
+    @dataclass(frozen=True)
+    class ParkConfig:
+        park_on_host: bool = False
+
+    class Park(SwitchDefaults):
+        name, label, order, off, config_class = "park", "parking", 30, False, ParkConfig
+
+        def resolve(self, config, ctx):
+            return config.park_on_host
+
+        def describe(self, setting, vocab_size):
+            return "on the host" if setting else "off"
+
+        def planner_cost(self, setting, sizes):
+            return SwitchCost(device={"optimizer": -sizes.optimizer_state}, host={"optimizer": sizes.optimizer_state}) if setting else SwitchCost()
+
+    SWITCH = Park()
+''')
+
+
+def test_a_new_switch_is_one_module_and_the_planner_counts_its_declared_cost(tmp_path, monkeypatch):
+    (tmp_path / "park.py").write_text(NEW_SWITCH)
+    monkeypatch.setattr(switches_package, "__path__", [*switches_package.__path__, str(tmp_path)])
+    discover_switches.cache_clear()
+    try:
+        found = discover_switches()
+        assert [s.name for s in found] == ["ac", "optimizer_in_bwd", "loss_chunks", "park"]
+        workload = Workload(batch_size=1, seq_len=16)
+        plans = [ACConfig(ac_mode=ACMode.FULL).resolve(ARGS.n_layers)]
+        off, = estimate_memory(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p), workload, plans)
+        on, = estimate_memory(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p),
+                              workload.with_settings({"park": True}), plans)
+        assert off.host == 0 and off.optimizer > 0
+        assert on.host == off.optimizer and on.optimizer == 0
+        assert on.total == off.total - off.optimizer
+    finally:
+        discover_switches.cache_clear()
+        sys.modules.pop("torchtune_ac.memory.switches.park", None)
