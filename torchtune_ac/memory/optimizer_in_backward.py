@@ -49,9 +49,18 @@ class OptimizerInBackward(torch.optim.Optimizer):
         # dicts it is given), so a scheduler's learning rate reaches every per-parameter step.
         groups = [group for optimizer in self.optimizers for group in optimizer.param_groups]
         super().__init__(groups, dict(self.optimizers[0].defaults))
+        # Loading a state dict gives an optimizer new group dicts: share the loaded ones again (a public hook).
+        for index, optimizer in enumerate(self.optimizers):
+            optimizer.register_load_state_dict_post_hook(self._share_groups_of(index))
         self._final_micro_batch = True
         self._squared_norm: Optional[torch.Tensor] = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(opt)) for (_, p), opt in zip(params, self.optimizers)]
+
+    def _share_groups_of(self, index: int) -> Callable[[torch.optim.Optimizer], None]:
+        def share(optimizer: torch.optim.Optimizer) -> None:
+            (self.param_groups[index],) = optimizer.param_groups
+
+        return share
 
     def _hook(self, optimizer: torch.optim.Optimizer) -> Callable[[torch.Tensor], None]:
         def step_now(param: torch.Tensor) -> None:

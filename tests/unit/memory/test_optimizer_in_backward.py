@@ -139,3 +139,14 @@ def test_weights_equal_the_ordinary_step_on_two_fsdp2_processes(tmp_path: Path, 
         assert lr_b == lr_a
     for name, tensor in state_a.items():
         assert (state_b[name] - tensor).abs().max() <= 1e-6, name
+
+
+def test_the_scheduler_still_reaches_every_parameter_after_a_state_dict_is_loaded():
+    model = Llama(ARGS)
+    optimizer = OptimizerInBackward(model.named_parameters(), adamw)
+    saved = [opt.state_dict() for opt in optimizer.optimizers]
+    for opt, state in zip(optimizer.optimizers, saved):
+        opt.load_state_dict(state)  # new group dicts, as a resume gives them
+    scheduler = cosine_schedule_with_warmup(optimizer, num_warmup_steps=4, num_training_steps=10)
+    scheduler.step()
+    assert {group["lr"] for opt in optimizer.optimizers for group in opt.param_groups} == {1e-2 * 2 / 5}
