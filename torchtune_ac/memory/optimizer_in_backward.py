@@ -136,6 +136,7 @@ class InBackwardStepper:
                check_norm: Optional[NormCheck] = None) -> torch.Tensor:
         if clip_grad_norm is not None:
             raise ValueError("clip_grad_norm cannot be applied when the optimizer steps in backward")
+        self.optimizer.step()  # nothing left to step; an LR scheduler still sees that the step happened
         self.optimizer.zero_grad(set_to_none=True)
         norm = self.optimizer.total_norm(next(model.parameters()).device)
         if check_norm is not None:
