@@ -18,6 +18,7 @@ from finetune_runs import (
     kill_tree,
     load_weights,
     logged_steps,
+    run_tune_in_process,
     run_tune_subprocess,
     subprocess_env,
     tune_command,
@@ -111,3 +112,18 @@ def test_killed_single_process_run_resumes_exactly(tmp_path: Path, extra: tuple[
 @pytest.mark.parametrize("extra", [(), IN_BACKWARD], ids=["step_after_backward", "step_in_backward"])
 def test_killed_two_process_run_resumes_exactly(tmp_path: Path, extra: tuple[str, ...]) -> None:
     _check_kill_and_resume(tmp_path, 2, *extra)
+
+
+def test_a_longer_resumed_run_takes_its_first_step_at_the_new_schedules_rate(tmp_path):
+    # The README's way to train more: raise epochs and resume. The checkpoint holds the rate the 6-step schedule
+    # reached at its end (0.0); the resumed step 7 must use the 12-step schedule's rate, as a 12-step run does.
+    schedule = ("max_steps_per_epoch=6", "lr_scheduler.num_warmup_steps=2")
+    out, reference = tmp_path / "resumed", tmp_path / "reference"
+    check_success(run_tune_in_process(tune_run_argv(out, *schedule, "epochs=1")))
+    check_success(run_tune_in_process(tune_run_argv(out, *schedule, "epochs=2", "resume_from_checkpoint=true")))
+    check_success(run_tune_in_process(tune_run_argv(reference, *schedule, "epochs=2")))
+    resumed = {row["step"]: row["lr"] for row in read_metrics(out)}
+    expected = {row["step"]: row["lr"] for row in read_metrics(reference)}
+    assert sorted(resumed) == list(range(1, 13))
+    assert resumed[7] > 0
+    assert [resumed[step] for step in range(7, 13)] == [expected[step] for step in range(7, 13)]

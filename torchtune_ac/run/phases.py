@@ -189,10 +189,24 @@ def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training
         raise finished_epochs_not_extended(checkpoint, saved_progress, data.steps_per_epoch, data.total_steps)
     load_checkpoint(checkpoint, model=training.model, optimizers=training.stepper.optimizers_to_checkpoint(),
                     scheduler=scheduler)
+    if scheduler is not None:
+        resume_schedule(scheduler, saved_progress.step)
     log.info("resumed from %s at step %d", checkpoint, saved_progress.step)
     if saved_shape.world_size != run.ctx.world_size:
         log.info(resharded(saved_shape.world_size, run.ctx.world_size))
     return saved_progress
+
+
+def resume_schedule(scheduler: Any, step: int) -> None:
+    """Set every learning rate to what this run's schedule gives at ``step`` (the steps already taken).
+
+    A checkpoint holds the learning rates the saved run's schedule reached. When the run's length changed since
+    (``epochs`` raised to train more, ``max_steps_per_epoch`` changed), those belong to the old schedule: the
+    last step of a finished run has decayed to 0. The scheduler was built for the new length, so stepping it to
+    ``step`` again gives the new schedule's rates, before the first resumed step uses them.
+    """
+    scheduler.last_epoch = step - 1
+    scheduler.step()
 
 
 @dataclass(frozen=True)
