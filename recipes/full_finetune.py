@@ -14,11 +14,13 @@ or gradient norm stops it before the optimizer takes it in, saving nothing (exit
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Optional
 
+import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from torchtune_ac.checkpoint import Progress, create_output_dir, save_checkpoint
@@ -65,9 +67,14 @@ class FullFinetuneRecipe:
     def __init__(self, cfg: FullFinetuneConfig) -> None:
         self.cfg = cfg
         self.metrics: Optional[RunLog] = None
-        self.stop = StopSignals()
         self.last_checkpoint: Optional[Path] = None
         self.progress = Progress()
+        # Rank 0 (of the launcher's RANK; a single process is rank 0) says at once what a signal will do.
+        self.stop = StopSignals(
+            announce=os.environ.get("RANK", "0") == "0",
+            requested=lambda name: messages.stop_requested(name, self.progress.step + 1, self.last_checkpoint),
+            aborted=lambda: messages.aborted(self.progress.step + 1, self.last_checkpoint),
+        )
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -92,7 +99,8 @@ class FullFinetuneRecipe:
         ctx = run.ctx
         global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * ctx.world_size
         for line in (
-            f"world size {ctx.world_size} on {ctx.device} ({cfg.dtype.value})",
+            f"world size {ctx.world_size} on {ctx.device} ({cfg.dtype.value}), {torch.get_num_threads()} thread(s) per "
+            "process",
             f"model {cfg.model.path}: {run.report.n_parameters:,} parameters, {run.plan.ac.n_layers} layers",
             *(f"{label}: {value}" for label, value in run.plan.describe()),
             f"global batch {global_batch} samples ({cfg.batch_size} x {cfg.gradient_accumulation_steps} accumulation"

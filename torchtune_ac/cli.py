@@ -30,7 +30,13 @@ from torchtune_ac.errors import (
     RunStopped,
     UserError,
 )
-from torchtune_ac.runtime.launcher import LAUNCHER_FLAGS, int_at_least, launch_elastic, leave_worker
+from torchtune_ac.runtime.launcher import (
+    LAUNCHER_FLAGS,
+    int_at_least,
+    launch_elastic,
+    leave_worker,
+    report_worker_error,
+)
 
 DEBUG_ENV_VAR = "TUNE_DEBUG"
 
@@ -47,12 +53,14 @@ def _debug_enabled() -> bool:
 
 
 def _report_user_error(err: UserError) -> None:
-    prefix = "tune: error: "
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        prefix += f"[rank {os.environ.get('RANK', '?')}] "
     if _debug_enabled():
         traceback.print_exc()
+    # A worker of a multi-process run hands its line to the launcher, which prints each distinct one once.
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and report_worker_error(str(err)):
+        return
+    prefix = "tune: error: "
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        prefix += f"[rank {os.environ.get('RANK', '?')}] "
     print(prefix + str(err), file=sys.stderr, flush=True)
 
 

@@ -453,12 +453,24 @@ def test_a_max_seq_len_beyond_the_model_context_is_not_silently_accepted(tmp_pat
     assert warnings("max_seq_len=512") == []
 
 
+def test_the_workers_errors_are_printed_once_each(capsys):
+    from torchtune_ac.runtime.launcher import status_of_failed_workers
+
+    assert status_of_failed_workers({0: 2, 1: 2, 2: -15}, {0: "data.jsonl:3: bad", 1: "data.jsonl:3: bad"}) == 2
+    assert capsys.readouterr().err.splitlines() == ["tune: error: data.jsonl:3: bad"]
+    assert status_of_failed_workers({0: 2, 1: 2}, {0: "a", 1: "b"}) == 2
+    assert capsys.readouterr().err.splitlines() == ["tune: error: rank 0: a", "tune: error: rank 1: b"]
+    assert status_of_failed_workers({0: 2, 1: 1}, {0: "a"}) == 1  # rank 1 failed without a line: say so
+    assert capsys.readouterr().err.splitlines()[-1].endswith("failed with exit status [1, 2]; see their messages above")
+
+
 @pytest.mark.parametrize(
     "exit_codes, status, says",
     [
         ({0: 143, 1: 143}, 143, None),  # stopped on a signal after the checkpoint: rank 0 said how to resume
         ({0: 143, 1: -15}, 143, None),  # the launcher ended the slower worker once the first had exited
-        ({0: -2, 1: -2}, 130, "tune: interrupted"),  # a second Ctrl-C: every worker ended at once
+        ({0: -2, 1: -2}, 130, "tune: interrupted"),  # Ctrl-C twice before the workers could say anything
+        ({0: 130, 1: 130}, 130, None),  # a second Ctrl-C: rank 0 said what survived
         ({0: 2, 1: -15}, 2, "failed with exit status [2]"),
         ({0: 3, 1: 3}, 3, "failed with exit status [3]"),
         ({0: 1, 1: 2}, 1, "failed with exit status [1, 2]"),

@@ -56,7 +56,7 @@ STEPS, SAVE_EVERY, GLOBAL_BATCH = 12, 3, 4
 LOSS_RTOL = 1e-5
 WEIGHT_ATOL = 1e-5
 DEADLINE_S = 180
-EXIT_STOPPED, EXIT_NON_FINITE = 143, 3
+EXIT_STOPPED, EXIT_NON_FINITE, EXIT_INTERRUPTED = 143, 3, 130
 
 
 def _argv(output_dir: Path, *extra: str, nproc: int = 1) -> list[str]:
@@ -128,14 +128,18 @@ def _signal_after_steps(argv: list[str], log: Path, steps: int, sig: signal.Sign
 
 
 def _assert_stopped(code: int, stderr: str, signal_name: str, output_dir: Path, nproc: int) -> int:
-    """A stop on a signal: exit 143, one line naming the checkpoint and how to resume; returns its step."""
+    """A stop on a signal: exit 143, one line at once saying what will happen, then one line naming the checkpoint
+    and how to resume; returns its step."""
     assert code == EXIT_STOPPED, stderr[-3000:]
     assert "Traceback" not in stderr, stderr
     ours = _ours(stderr)
-    assert len(ours) == 1 and ours[0].startswith(f"tune: stopped by {signal_name} after step "), stderr
-    assert ours[0].endswith("to continue, run the same command with resume_from_checkpoint=true"), ours
+    assert len(ours) == 2, stderr
+    assert ours[0].startswith(f"tune: {signal_name} received: finishing step "), ours
+    assert "then saving a checkpoint and stopping; Ctrl-C again aborts at once" in ours[0], ours
+    assert ours[1].startswith(f"tune: stopped by {signal_name} after step "), stderr
+    assert ours[1].endswith("to continue, run the same command with resume_from_checkpoint=true"), ours
     step = assert_only_complete_checkpoints(output_dir, world_size=nproc)
-    assert f"checkpoint {output_dir / f'step_{step:07d}'} written" in ours[0]
+    assert f"checkpoint {output_dir / f'step_{step:07d}'} written" in ours[1]
     assert max(logged_steps(output_dir)) == step  # the step every rank finished is the one saved
     return step
 
@@ -163,7 +167,8 @@ def test_sigterm_through_tune_run_on_2_then_1_process_resumes_like_the_uninterru
 @pytest.mark.slow
 def test_ctrl_c_once_saves_and_stops_twice_aborts_at_once_and_sigkill_anywhere_loses_nothing_saved(tmp_path, reference):
     """One process: SIGKILL while a save is being written; a first Ctrl-C (checkpoint, exit 143); Ctrl-C twice
-    (ends at once, killed by SIGINT); SIGKILL at a random step; then to the end, as if never interrupted."""
+    (ends at once, exit 130, one line saying what survived); SIGKILL at a random step; then to the end, as if
+    never interrupted."""
     out, resume = tmp_path / "run", "resume_from_checkpoint=true"
 
     process = _start(_argv(out), tmp_path / "a.log")
@@ -182,8 +187,11 @@ def test_ctrl_c_once_saves_and_stops_twice_aborts_at_once_and_sigkill_anywhere_l
     _wait_until(lambda: "SIGINT received: saving step" in log.read_text(), process, log, "the first Ctrl-C was seen")
     process.send_signal(signal.SIGINT)  # while the stop's checkpoint is being written
     code, stderr = _finish(process, log)
-    assert code == -signal.SIGINT, stderr[-3000:]  # SIGINT's default action: ended at once, nothing more ran
+    assert code == EXIT_INTERRUPTED, stderr[-3000:]  # ended at once, nothing more ran
     assert "stopped by" not in stderr
+    aborted = _ours(stderr)[-1]
+    assert aborted.startswith("tune: aborted by a second Ctrl-C during step "), stderr[-3000:]
+    assert aborted.endswith("to continue from there, run the same command with resume_from_checkpoint=true")
 
     kill_after = random.Random(0).randint(1, 3)
     process = _start(_argv(out, resume), tmp_path / "d.log")

@@ -37,6 +37,22 @@ def diverged(err: NonFiniteError, progress: Progress, last_checkpoint: Optional[
                       "resume_from_checkpoint=true", exit_status=EXIT_NON_FINITE, announce=announce)
 
 
+def stop_requested(signal_name: str, step: int, last_checkpoint: Optional[Path]) -> str:
+    """The line printed as soon as a stop signal arrives (the current step may take minutes to finish)."""
+    return (f"{signal_name} received: finishing step {step} first, then saving a checkpoint and stopping; "
+            f"Ctrl-C again aborts at once, losing what was done since {_newest(last_checkpoint)}")
+
+
+def aborted(step: int, last_checkpoint: Optional[Path]) -> str:
+    """The line printed when a second Ctrl-C ends the run at once."""
+    return (f"aborted by a second Ctrl-C during step {step}: nothing since {_newest(last_checkpoint)} was saved; "
+            f"to continue from there, {RESUME_HINT}")
+
+
+def _newest(last_checkpoint: Optional[Path]) -> str:
+    return f"the newest checkpoint, {last_checkpoint}" if last_checkpoint else "the start (there is no checkpoint yet)"
+
+
 def stopping(signal_name: str, step: int) -> str:
     """The line logged when a stop signal is agreed on, before the checkpoint is written."""
     return f"{signal_name} received: saving step {step}, then stopping (Ctrl-C again aborts at once)"

@@ -1,17 +1,25 @@
 """The launcher of a multi-process run: ``tune run --nproc_per_node N`` starts the recipe in N processes with
 PyTorch's own elastic launcher (``torch.distributed.run``), forwards stop signals to them, turns their exit
 statuses into the run's, and lets each worker leave with its exact status.
+
+What a user reads of a failed multi-process run is one line per distinct problem: a worker's one-line error
+(exit 2) is handed to the launcher (``report_worker_error``) instead of being printed by every process, and the
+launcher prints each distinct one once; the elastic launcher's own log lines about ending the other workers
+are not shown. Each worker gets ``OMP_NUM_THREADS`` = the cores this process may use / processes per node,
+unless the user set it: N processes with the default threads each would oversubscribe the cores.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
 import signal
 import sys
+import tempfile
 from pathlib import Path
-from typing import Callable, Iterator, NoReturn, Optional, Sequence
+from typing import Callable, Iterator, Mapping, NoReturn, Optional, Sequence
 
 from torchtune_ac.errors import (
     EXIT_INTERRUPTED,
@@ -105,28 +113,98 @@ def launch_elastic(launcher: dict, recipe_path: Path, recipe_argv: Sequence[str]
         torchrun_args.signals_to_handle = ",".join(
             name for name in torchrun_args.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGINT")
         )
-    try:
-        with forward_stop_signals():
-            run(torchrun_args)
-    except ChildFailedError as err:
-        return status_of_failed_workers({rank: failure.exitcode for rank, failure in err.failures.items()})
+    threads = os.environ.get("OMP_NUM_THREADS")
+    with tempfile.TemporaryDirectory(prefix="tune-run-") as reports, _quiet_elastic_logs(), _environ(
+        {REPORTS_ENV_VAR: reports, "OMP_NUM_THREADS": threads or str(threads_per_process(launcher))}
+    ):
+        try:
+            with forward_stop_signals():
+                run(torchrun_args)
+        except ChildFailedError as err:
+            codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
+            return status_of_failed_workers(codes, read_worker_errors(Path(reports)))
     return 0
+
+
+REPORTS_ENV_VAR = "TORCHTUNE_AC_WORKER_REPORTS"
+
+
+def threads_per_process(launcher: Mapping[str, object]) -> int:
+    """Intra-op threads for each worker: the cores this process may run on, shared by the node's workers."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // int(launcher.get("nproc_per_node", 1)))
+
+
+def report_worker_error(message: str) -> bool:
+    """In a worker started by ``launch_elastic``: hand a one-line error to the launcher, which prints each distinct
+    one once. Returns False (the caller prints it) outside such a worker."""
+    folder = os.environ.get(REPORTS_ENV_VAR)
+    if not folder or not Path(folder).is_dir():
+        return False
+    (Path(folder) / f"rank_{os.environ.get('RANK', '0')}.txt").write_text(message, encoding="utf-8")
+    return True
+
+
+def read_worker_errors(folder: Path) -> dict[int, str]:
+    """rank -> the error that worker handed over (``report_worker_error``)."""
+    return {int(path.stem.removeprefix("rank_")): path.read_text(encoding="utf-8")
+            for path in folder.glob("rank_*.txt")}
+
+
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    previous = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextlib.contextmanager
+def _quiet_elastic_logs() -> Iterator[None]:
+    """The elastic launcher logs every worker it ends ("Sending process ... closing signal SIGTERM") and every
+    non-zero exit as an error, a clean stop (143) included; the run's own lines say what happened instead."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 STATUSES_OF_WORKERS = (EXIT_USER_ERROR, EXIT_NON_FINITE, EXIT_STOPPED)
 
 
-def status_of_failed_workers(exit_codes: dict[int, int]) -> int:
-    """The launcher's exit status from its workers' (a negative code: killed by that signal)."""
+def status_of_failed_workers(exit_codes: dict[int, int], errors: Optional[Mapping[int, str]] = None) -> int:
+    """The launcher's exit status from its workers' (a negative code: killed by that signal), after printing each
+    distinct error the workers handed over (``errors``: rank -> one line) once.
+    """
     # When one worker fails, the launcher terminates the others (negative codes: killed by a signal); the status
     # that matters is that of the workers that exited on their own.
     exited = {rank: code for rank, code in exit_codes.items() if code > 0}
     codes = sorted(set(exited.values()))
     if codes == [EXIT_STOPPED]:
         return EXIT_STOPPED  # rank 0 said where the checkpoint is and how to resume
+    if codes == [EXIT_INTERRUPTED]:
+        return EXIT_INTERRUPTED  # a second Ctrl-C: rank 0 said what survived
     if not codes and set(exit_codes.values()) == {-signal.SIGINT}:
         print("tune: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    errors = dict(errors or {})
+    by_message: dict[str, list[int]] = {}
+    for rank, message in sorted(errors.items()):
+        by_message.setdefault(message, []).append(rank)
+    for message, ranks in by_message.items():
+        where = "" if len(by_message) == 1 else f"rank {', '.join(map(str, ranks))}: "
+        print(f"tune: error: {where}{message}", file=sys.stderr, flush=True)
+    if codes == [EXIT_USER_ERROR] and exited.keys() <= errors.keys():
+        return EXIT_USER_ERROR  # every failed worker said why, in the lines above
     print(f"tune: error: process(es) {sorted(exited) or sorted(exit_codes)} failed with exit status "
           f"{codes or sorted(set(exit_codes.values()))}; see their messages above", file=sys.stderr)
     return codes[0] if len(codes) == 1 and codes[0] in STATUSES_OF_WORKERS else 1

@@ -5,23 +5,27 @@ A scheduler (SLURM, Kubernetes, a spot instance's notice) sends SIGTERM; a user 
 Either only sets a flag here: a handler runs between two bytecodes of whatever the main thread is doing, in the
 middle of a collective or a write, so it must not act itself. Once per step every rank takes the largest flag of
 all ranks (one all-reduce of one number), so all ranks agree on the step to stop after, even when the signal
-reached only some of them; the recipe then saves and raises ``RunStopped``. After the first signal, SIGINT gets
-its default action back: a second Ctrl-C ends the process at once, whatever it is doing; further SIGTERMs are
-ignored until the process has exited.
+reached only some of them; the recipe then saves and raises ``RunStopped``. The first signal is acknowledged
+at once, in one line (a step can take minutes): what will happen, and what a second Ctrl-C would lose. A second
+Ctrl-C ends the process at once, whatever it is doing, with one line saying what survived and how to go on,
+and exit status 130; further SIGTERMs are ignored until the process has exited. Only the process that speaks
+for the run (rank 0) prints these lines.
 
 Under ``tune run --nproc_per_node N`` the launcher forwards SIGTERM and SIGINT to every worker (``cli.py``).
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 from types import FrameType, TracebackType
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 
+from torchtune_ac.errors import EXIT_INTERRUPTED
 from torchtune_ac.runtime.distributed import DistributedContext
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -32,10 +36,19 @@ class StopSignals:
 
     Outside the main thread (where Python cannot install handlers) it does nothing, and signals keep their
     usual effect.
+
+    Args:
+        announce: this process prints the lines (rank 0 of the run).
+        requested: the line printed when the first signal arrives, given its name (None: nothing printed).
+        aborted: the line printed when a second Ctrl-C aborts (None: nothing printed).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, announce: bool = True, requested: Optional[Callable[[str], str]] = None,
+                 aborted: Optional[Callable[[], str]] = None) -> None:
         self.received: Optional[signal.Signals] = None
+        self.announce = announce
+        self.requested = requested
+        self.aborted = aborted
         self._previous: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -53,10 +66,20 @@ class StopSignals:
             signal.signal(sig, handler)
         self._previous.clear()
 
+    def _say(self, line: Optional[str]) -> None:
+        # os.write, not print: the handler may run while the main thread is inside a print.
+        if self.announce and line:
+            os.write(2, f"tune: {line}\n".encode())
+
     def _handle(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.received is None:
             self.received = signal.Signals(signum)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)  # a second Ctrl-C aborts at once
+            signal.signal(signal.SIGINT, self._abort)  # a second Ctrl-C aborts at once
+            self._say(self.requested(self.received.name) if self.requested else None)
+
+    def _abort(self, signum: int, frame: Optional[FrameType]) -> None:
+        self._say(self.aborted() if self.aborted else None)
+        os._exit(EXIT_INTERRUPTED)
 
     def agreed(self, ctx: DistributedContext) -> Optional[str]:
         """The name of a stop signal some rank received (``SIGTERM`` wins over ``SIGINT``), or None. Every rank

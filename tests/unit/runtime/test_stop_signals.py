@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from typing import Iterator
 
 import pytest
@@ -39,7 +41,39 @@ def test_a_signal_is_only_recorded_then_a_ctrl_c_aborts_and_sigterm_is_ignored(r
         os.kill(os.getpid(), first)  # delivered to this (main) thread before kill returns to Python code
         assert stop.received == first
         assert stop.agreed(CTX) == first.name
-        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL  # a second Ctrl-C ends the process at once
+        assert signal.getsignal(signal.SIGINT) == stop._abort  # a second Ctrl-C ends the process at once
         os.kill(os.getpid(), signal.SIGTERM)  # a repeated SIGTERM changes nothing
         assert stop.received == first
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN  # already stopping: later SIGTERMs cannot cut it short
+
+
+def test_the_first_signal_is_acknowledged_at_once_and_a_second_ctrl_c_says_what_survived(tmp_path):
+    # In a child process: the second Ctrl-C ends it with os._exit.
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import os, signal, time\n"
+        "from torchtune_ac.runtime.stop import StopSignals\n"
+        "with StopSignals(requested=lambda name: f'{name} asked', aborted=lambda: 'gone') as stop:\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    print('still running', flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\n"
+        "print('not reached', flush=True)\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 130
+    assert result.stdout == "still running\n"
+    assert result.stderr.splitlines() == ["tune: SIGINT asked", "tune: gone"]
+
+
+def test_a_process_that_does_not_speak_for_the_run_prints_nothing(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import os, signal\n"
+        "from torchtune_ac.runtime.stop import StopSignals\n"
+        "with StopSignals(announce=False, requested=lambda name: 'asked', aborted=lambda: 'gone'):\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+    )
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stderr) == (130, "")
