@@ -36,6 +36,7 @@ from torchtune_ac.run.phases import (
     build_data,
     build_model,
     build_scheduler,
+    build_validation,
     choose_resume,
     restore,
     start_run,
@@ -43,6 +44,7 @@ from torchtune_ac.run.phases import (
 from torchtune_ac.runtime.distributed import destroy_distributed
 from torchtune_ac.runtime.non_finite import NonFiniteError
 from torchtune_ac.runtime.stop import StopSignals
+from torchtune_ac.training.evaluation import evaluate
 from torchtune_ac.training.step import move_batch, train_step
 
 CONFIG_SCHEMA = FullFinetuneConfig
@@ -83,6 +85,7 @@ class FullFinetuneRecipe:
         self.tokenizer = cfg.tokenizer.instantiate()
         self.training = build_model(cfg, run, load_weights=resume_from is None)  # a resume loads its own
         self.data = build_data(cfg, self.tokenizer, run.ctx)
+        self.validation = build_validation(cfg, self.tokenizer, run.ctx)
         self.scheduler = build_scheduler(cfg, self.training.stepper, self.data.total_steps)
         self.save_policy = SavePolicy(cfg.save_every_n_steps)
         if resume_from is not None:
@@ -141,7 +144,14 @@ class FullFinetuneRecipe:
                 last_loss = result.loss
                 tokens_per_second = result.input_tokens / elapsed
                 target_tokens_per_second = result.target_tokens / elapsed
-                if self.metrics is not None and self.progress.step % cfg.log_every_n_steps == 0:
+                epoch_done = step_in_epoch + 1 == data.steps_per_epoch
+                val_loss = None
+                if self.validation is not None and self.validation.due(self.progress.step, epoch_done=epoch_done):
+                    val_loss = evaluate(training.model, self.validation.batches(), ctx=ctx,
+                                        objective=training.objective)
+                    log.info("step %d: validation loss %.4f", self.progress.step, val_loss)
+                logged = self.progress.step % cfg.log_every_n_steps == 0 or val_loss is not None
+                if self.metrics is not None and logged:
                     self.metrics.write(
                         {
                             "step": self.progress.step,
@@ -155,14 +165,14 @@ class FullFinetuneRecipe:
                             "target_tokens": result.target_tokens,
                             "step_time_s": elapsed,
                             "target_tokens_per_second": target_tokens_per_second,
+                            **({"val_loss": val_loss} if val_loss is not None else {}),
                         }
                     )
                 progress.update(step=self.progress.step, loss=result.loss, lr=lr, tokens_per_second=tokens_per_second,
-                                target_tokens_per_second=target_tokens_per_second)
+                                target_tokens_per_second=target_tokens_per_second, val_loss=val_loss)
                 stop = self.stop.agreed(ctx)  # every rank stops after the same step
                 if stop is not None:
                     log.info(messages.stopping(stop, self.progress.step))
-                epoch_done = step_in_epoch + 1 == data.steps_per_epoch
                 if self.save_policy.should_save(self.progress.step, epoch_done=epoch_done, stopping=stop is not None):
                     if epoch_done:
                         self.progress = Progress(self.progress.step, epoch + 1, 0)

@@ -113,9 +113,6 @@ _NOT_CARRIED_OVER = {
     "enable_async_checkpointing": "checkpoints are written synchronously",
     "cudnn_deterministic_mode": "not configurable",
     "collate_fn": "batches are padded, or packed rows when dataset.packed is true; the collate function is fixed",
-    "dataset_val": "validation during training is not supported",
-    "run_val_every_n_steps": "validation during training is not supported",
-    "batch_size_val": "validation during training is not supported",
 }
 _SCHEMA_KEYS = {f.name for f in dataclasses.fields(FullFinetuneConfig)} | set(MEMORY_KEYS) | set(AC_KEYS)
 UNSUPPORTED_KEYS = {key: why for key, why in _NOT_CARRIED_OVER.items() if key not in _SCHEMA_KEYS}
@@ -131,14 +128,12 @@ HARMLESS_VALUES = {
     "enable_async_checkpointing": (False, None),
     "cudnn_deterministic_mode": (False, None),
     "collate_fn": (None, "torchtune.data.padded_collate_sft"),
-    "dataset_val": (None,),
-    "run_val_every_n_steps": (None,),
 }
 
 # Key order and blank-line-separated sections of the YAML we write (as in the shipped configs).
 OUTPUT_SECTIONS = (
     ("output_dir", "checkpoint_dir", "resume_from_checkpoint"),
-    ("model", "tokenizer", "dataset", "max_seq_len"),
+    ("model", "tokenizer", "dataset", "max_seq_len", "dataset_val", "run_val_every_n_steps", "batch_size_val"),
     ("seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch", "gradient_accumulation_steps",
      "clip_grad_norm", "optimizer", "lr_scheduler", *MEMORY_KEYS),
     ("device", "dtype", "compile"),
@@ -195,6 +190,8 @@ class _Migrator:
         self.migrate_model()
         self.migrate_tokenizer()
         self.migrate_dataset()
+        if self.tt.get("dataset_val") is not None:
+            self.migrate_dataset("dataset_val")
         self.migrate_training_keys()
         self.migrate_optimizer()
         self.migrate_lr_scheduler()
@@ -343,28 +340,29 @@ class _Migrator:
                 continue
             self.dropped(f"tokenizer.{name}", reasons.get(name, "no such tokenizer setting in torchtune_ac"))
 
-    def migrate_dataset(self) -> None:
-        dataset = self.take("dataset")
+    def migrate_dataset(self, key: str = "dataset") -> None:
+        """torchtune's ``dataset`` (or ``dataset_val``, the same kind of component) as ours."""
+        dataset = self.take(key)
         if isinstance(dataset, list):
             raise UserError("dataset: a list of datasets is not supported; torchtune_ac trains on one dataset")
         path = dataset.get(COMPONENT_KEY) if isinstance(dataset, Mapping) else None
         name = path[len(TT_DATASETS):] if isinstance(path, str) and path.startswith(TT_DATASETS) else None
         if name not in DATASET_BUILDERS:
             supported = ", ".join(DATASET_BUILDERS)
-            raise UserError(f"dataset._component_={path}: no equivalent in torchtune_ac; supported: {supported}")
+            raise UserError(f"{key}._component_={path}: no equivalent in torchtune_ac; supported: {supported}")
         ours, torchtune_defaults = DATASET_BUILDERS[name]
         args = {**torchtune_defaults, **{k: v for k, v in dataset.items() if k != COMPONENT_KEY}}
         node: dict[str, Any] = {COMPONENT_KEY: ours}
-        node["source"] = self.dataset_source(args)
+        node["source"] = self.dataset_source(key, args)
         if args.pop("split", "train") != "train":
             node["split"] = dataset["split"]
         if ours == INSTRUCT_DATASET:
-            self.instruct_arguments(name, args, node)
+            self.instruct_arguments(key, name, args, node)
         elif ours == CHAT_DATASET:
             node["conversation_column"] = args.pop("conversation_column", "messages")
             style = args.pop("conversation_style", None)
             if style not in ("openai", "sharegpt"):
-                raise UserError(f"dataset.conversation_style={style!r}: expected openai or sharegpt")
+                raise UserError(f"{key}.conversation_style={style!r}: expected openai or sharegpt")
             if style != "openai":
                 node["conversation_style"] = style
             node["train_on_input"] = args.pop("train_on_input")
@@ -372,35 +370,35 @@ class _Migrator:
             if "column" in args:
                 node["column"] = args.pop("column")
             if args.pop("add_eos", True) is not True:
-                self.dropped("dataset.add_eos", "every text sample ends with EOS")
+                self.dropped(f"{key}.add_eos", "every text sample ends with EOS")
             if args.pop("split_across_pack", True) is not True:
-                self.dropped("dataset.split_across_pack", "packing never splits a sample across rows")
+                self.dropped(f"{key}.split_across_pack", "packing never splits a sample across rows")
         node["packed"] = bool(args.pop("packed", False))
         if node["packed"] and self.out.get("max_seq_len") is None:
-            self.changed("dataset.packed", "packing needs max_seq_len: set it (torchtune needed tokenizer.max_seq_len)")
+            self.changed(f"{key}.packed", "packing needs max_seq_len: set it (torchtune needed tokenizer.max_seq_len)")
         reasons = {
             "filter_fn": "filtering with a Python function is not supported; filter the data file instead",
             "new_system_prompt": "system prompts are not injected; add a system message to the data",
         }
-        for key, value in args.items():
+        for arg, value in args.items():
             if value is None:
                 continue
-            self.dropped(f"dataset.{key}", reasons.get(key, "not an argument of the dataset here (Hugging Face "
+            self.dropped(f"{key}.{arg}", reasons.get(arg, "not an argument of the dataset here (Hugging Face "
                                                        "load_dataset arguments are not passed through)"))
-        self.out["dataset"] = node
+        self.out[key] = node
 
-    def dataset_source(self, args: dict[str, Any]) -> str:
+    def dataset_source(self, key: str, args: dict[str, Any]) -> str:
         source = args.pop("source", None)
         data_files = args.pop("data_files", None)
         data_dir = args.pop("data_dir", None)
         if source is None:
-            raise UserError("dataset.source: missing")
+            raise UserError(f"{key}.source: missing")
         if source not in HF_FILE_BUILDERS:
             if data_files is not None:
-                raise UserError(f"dataset.data_files with source={source}: torchtune_ac reads one file, folder or Hub "
+                raise UserError(f"{key}.data_files with source={source}: torchtune_ac reads one file, folder or Hub "
                                 "dataset; point source at it")
             if not _is_local_path(source):
-                self.changed("dataset.source", f"{source} is loaded from the Hugging Face Hub at run time (needs "
+                self.changed(f"{key}.source", f"{source} is loaded from the Hugging Face Hub at run time (needs "
                              "network access); for offline runs download it and point source at the local files")
             return source
         if isinstance(data_files, Mapping):
@@ -413,17 +411,17 @@ class _Migrator:
             file = data_dir
         else:
             raise UserError(
-                f"dataset.data_files={data_files!r}: torchtune_ac reads one file or one folder; put the files in a "
+                f"{key}.data_files={data_files!r}: torchtune_ac reads one file or one folder; put the files in a "
                 "folder and set source to it"
             )
         if source == "text":
-            self.changed("dataset.source", f"a .txt file is split into documents at blank lines here (Hugging "
+            self.changed(f"{key}.source", f"a .txt file is split into documents at blank lines here (Hugging "
                          f"Face's text loader made one sample per line): check {file}")
         elif source == "json" and not file.endswith((".json", ".jsonl")):
-            raise UserError(f"dataset.data_files={file}: a JSON source must end in .json or .jsonl here")
+            raise UserError(f"{key}.data_files={file}: a JSON source must end in .json or .jsonl here")
         return file
 
-    def instruct_arguments(self, name: str, args: dict[str, Any], node: dict[str, Any]) -> None:
+    def instruct_arguments(self, key: str, name: str, args: dict[str, Any], node: dict[str, Any]) -> None:
         column_map = args.pop("column_map", None)
         if name == "instruct_dataset":
             # torchtune's instruct_dataset reads the prompt from an `input` column and renders the pair with the
@@ -431,20 +429,20 @@ class _Migrator:
             column_map = dict(column_map or {})
             node["column_map"] = {"instruction": column_map.pop("input", "input"), "input": None,
                                   "output": column_map.pop("output", "output")}
-            for key in column_map:
-                self.dropped(f"dataset.column_map.{key}", "instruct_dataset reads input and output columns")
+            for column in column_map:
+                self.dropped(f"{key}.column_map.{column}", "instruct_dataset reads input and output columns")
             node["template"] = "chat"
         else:
             if column_map:
                 node["column_map"] = dict(column_map)
             self.changed(
-                "dataset._component_",
+                f"{key}._component_",
                 f"{name} -> instruct_dataset with the alpaca template: the prompt wording differs a little from "
                 "torchtune's, and it is not wrapped in the model's chat format",
             )
         node["train_on_input"] = args.pop("train_on_input")
-        if name.startswith("alpaca") and node["train_on_input"] and "train_on_input" not in self.tt["dataset"]:
-            self.changed("dataset.train_on_input", "torchtune's alpaca datasets train on the prompt by default; "
+        if name.startswith("alpaca") and node["train_on_input"] and "train_on_input" not in self.tt[key]:
+            self.changed(f"{key}.train_on_input", "torchtune's alpaca datasets train on the prompt by default; "
                          "kept as train_on_input: true (torchtune_ac's default is false)")
 
     def migrate_training_keys(self) -> None:

@@ -336,3 +336,15 @@ def test_pickled_checkpoint_files_are_called_out():
                     "output_dir": "/tmp/torchtune/run"}
     notes = notes_by_key(migrate_torchtune_config(torchtune_config(checkpointer=checkpointer)))
     assert "reads only *.safetensors files" in notes["checkpointer.checkpoint_files"]
+
+
+def test_validation_keys_are_carried_over():
+    val = {"_component_": "torchtune.datasets.alpaca_dataset", "packed": False, "split": "train[:5%]"}
+    migration = migrate_torchtune_config(torchtune_config(dataset_val=val, run_val_every_n_steps=50,
+                                                          batch_size_val=2))
+    config = migration.config
+    assert config["dataset_val"]["_component_"] == "torchtune_ac.data.instruct_dataset"
+    assert (config["run_val_every_n_steps"], config["batch_size_val"]) == (50, 2)
+    assert "dataset_val" not in {n.key for n in migration.notes if not n.carried}
+    assert list(config).index("dataset_val") == list(config).index("max_seq_len" if "max_seq_len" in config
+                                                                   else "dataset") + 1

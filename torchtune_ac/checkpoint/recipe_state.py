@@ -70,7 +70,12 @@ from torchtune_ac.checkpoint.files import (
     write_directory,
 )
 from torchtune_ac.checkpoint.hf import write_hf_files
-from torchtune_ac.checkpoint.manifest import check_against_manifest, read_manifest, write_manifest, write_manifest_without
+from torchtune_ac.checkpoint.manifest import (
+    check_against_manifest,
+    read_manifest,
+    write_manifest,
+    write_manifest_without,
+)
 from torchtune_ac.errors import UserError
 
 RECIPE_STATE_DIR = "recipe_state"

@@ -220,6 +220,12 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
             f"{cfg.model.path}); if you extend it on purpose, say so with model.max_seq_len={cfg.max_seq_len}"
         )
 
+    if cfg.dataset_val is None:
+        for key in ("run_val_every_n_steps", "batch_size_val"):
+            if getattr(cfg, key) is not None:
+                raise UserError(f"{key}={getattr(cfg, key)}: only used with dataset_val; set dataset_val (a dataset "
+                                f"component, like dataset) or remove {key}")
+
     if world_size == 1 and cfg.fsdp != FSDPConfig():
         report.warnings.append("fsdp.*: these settings apply only when the run has more than one process (FSDP2)")
 

@@ -52,6 +52,12 @@ class FullFinetuneConfig:
     checkpoint_dir: Optional[str] = field(default=None, metadata={"non_empty": True})
     resume_from_checkpoint: bool = field(default=False, metadata=SAME)
     lr_scheduler: Optional[Component] = field(default=None, metadata={"positional": 1, "recipe_kwargs": ("num_training_steps",)})
+    # Held-out data for the validation loss (a dataset component like ``dataset``); null: no validation.
+    dataset_val: Optional[Component] = field(default=None, metadata={"positional": 1, "recipe_kwargs": ("max_seq_len",)})
+    # Validate every N optimizer steps; null: at the end of every epoch (when dataset_val is set).
+    run_val_every_n_steps: Optional[int] = field(default=None, metadata={**_min(1), **SAME})
+    # Samples per process per validation batch; null: batch_size.
+    batch_size_val: Optional[int] = field(default=None, metadata={**_min(1), **SAME})
     batch_size: int = field(default=1, metadata={**_min(1), **SAME})
     epochs: int = field(default=1, metadata={**_min(1), **SAME})
     max_steps_per_epoch: Optional[int] = field(default=None, metadata={**_min(1), **SAME})

@@ -16,6 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from torchtune_ac.data.collate import collate_batch
+from torchtune_ac.data.samples import IGNORE_INDEX
 from torchtune_ac.errors import UserError
 
 
@@ -180,3 +181,34 @@ def build_dataloader(
     return ShardedDataLoader(
         dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0, generator=torch.Generator()
     )
+
+
+def evaluation_batches(
+    dataset: Dataset, *, batch_size: int, pad_id: int, rank: int = 0, world_size: int = 1
+) -> Iterator[dict[str, torch.Tensor]]:
+    """This rank's batches of one pass over ``dataset`` in order, for an evaluation: every sample exactly once
+    over all ranks.
+
+    Every rank yields the same number of ``batch_size`` batches (a sharded model's forward is a collective, so
+    ranks must run equally many). Rank ``r``'s batch ``t`` holds the samples at positions
+    ``t*B + r*batch_size ...`` with ``B = batch_size * world_size``; positions past the end are filled with the
+    first sample with every label ignored, so they count towards no loss and no target.
+
+    Raises:
+        UserError: the dataset is empty, or ``batch_size`` is not positive.
+    """
+    if len(dataset) == 0:
+        raise UserError("dataset_val: holds no sample")
+    if batch_size < 1:
+        raise UserError(f"batch_size_val={batch_size}: must be a positive integer")
+    global_batch = batch_size * world_size
+    for start in range(0, len(dataset), global_batch):
+        samples = []
+        for position in range(start + rank * batch_size, start + (rank + 1) * batch_size):
+            if position < len(dataset):
+                samples.append(dataset[position])
+            else:
+                filler = dict(dataset[0])
+                filler["labels"] = [IGNORE_INDEX] * len(filler["labels"])
+                samples.append(filler)
+        yield collate_batch(samples, pad_id=pad_id)

@@ -29,24 +29,32 @@ class ProgressReporter:
         self.enabled = enabled
         self.interactive = enabled and self.stream.isatty()
         self.started = time.perf_counter()
+        self.val_loss: Optional[float] = None
         self.bar = tqdm(total=total, initial=initial, desc="train", disable=not self.interactive, dynamic_ncols=True,
                         file=self.stream)
 
     def update(self, *, step: int, loss: float, lr: float, tokens_per_second: float,
-               target_tokens_per_second: float) -> None:
-        """Report that optimizer step ``step`` (1-based, counted over the whole run) is done."""
+               target_tokens_per_second: float, val_loss: Optional[float] = None) -> None:
+        """Report that optimizer step ``step`` (1-based, counted over the whole run) is done (``val_loss``: the
+        validation loss computed after it, if one was; shown until the next)."""
+        if val_loss is not None:
+            self.val_loss = val_loss
         if self.interactive:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}",
-                                 tgt_s=f"{target_tokens_per_second:,.0f}")
+            postfix = dict(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}",
+                           tgt_s=f"{target_tokens_per_second:,.0f}")
+            if self.val_loss is not None:
+                postfix["val_loss"] = f"{self.val_loss:.4f}"
+            self.bar.set_postfix(**postfix)
             return
-        if not self.enabled or (step % self.every != 0 and step != self.total):
+        if not self.enabled or (step % self.every != 0 and step != self.total and val_loss is None):
             return
         elapsed = time.perf_counter() - self.started
         done = step - self.initial
         eta = elapsed / done * (self.total - step) if done > 0 else 0.0
+        validation = f" | val_loss {self.val_loss:.4f}" if self.val_loss is not None else ""
         print(
-            f"step {step}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | tokens/s {tokens_per_second:,.0f} | "
+            f"step {step}/{self.total} | loss {loss:.4f}{validation} | lr {lr:.2e} | tokens/s {tokens_per_second:,.0f} | "
             f"target tokens/s {target_tokens_per_second:,.0f} | elapsed {format_duration(elapsed)} | "
             f"eta {format_duration(eta)}",
             file=self.stream,

@@ -5,6 +5,7 @@ order (``recipes/full_finetune.py``); another recipe composes the same ones.
     choose_resume    the checkpoint to continue from (resume_from_checkpoint)                 -> ResumeChoice
     build_model      build -> memory switches -> shard -> load, and who steps the parameters  -> TrainingModel
     build_data       the data loader, its steps per epoch and the run's length                -> RunData
+    build_validation the held-out data of the validation loss, and when to compute it     -> ValidationData
     restore          a resume's progress, model, optimizer and scheduler state                -> Progress
     SavePolicy       when a step ends with a checkpoint
 """
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 from torch import nn
@@ -31,6 +32,7 @@ from torchtune_ac.checkpoint import (
 from torchtune_ac.config.preflight import PreflightReport, preflight_full_finetune, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.data import build_dataloader
+from torchtune_ac.data.sampler import evaluation_batches
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.observability.metric_logging import plain_config
@@ -163,6 +165,47 @@ def build_data(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext)
             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (reduce batch_size or accumulation)"
         )
     return RunData(loader, len(dataset), steps_per_epoch, steps_per_epoch * cfg.epochs)
+
+
+@dataclass
+class ValidationData:
+    """The held-out data of the validation loss, and when to compute it.
+
+    Attributes:
+        dataset: the ``dataset_val`` samples.
+        batch_size: samples per process per batch.
+        every_n_steps: validate every this many optimizer steps; None: at the end of each epoch.
+        pad_id: the tokenizer's padding id.
+        ctx: this rank's place in the run.
+    """
+
+    dataset: Any
+    batch_size: int
+    every_n_steps: Optional[int]
+    pad_id: int
+    ctx: DistributedContext
+
+    def batches(self) -> Iterator[dict[str, torch.Tensor]]:
+        """This rank's batches of one pass (every sample once over all ranks; see ``evaluation_batches``)."""
+        return evaluation_batches(self.dataset, batch_size=self.batch_size, pad_id=self.pad_id,
+                                  rank=self.ctx.rank, world_size=self.ctx.world_size)
+
+    def due(self, step: int, *, epoch_done: bool) -> bool:
+        """Whether the step just finished is one to validate after."""
+        return step % self.every_n_steps == 0 if self.every_n_steps else epoch_done
+
+
+def build_validation(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext) -> Optional[ValidationData]:
+    """The validation data, or None without ``dataset_val``."""
+    if cfg.dataset_val is None:
+        return None
+    dataset = cfg.dataset_val.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
+    if len(dataset) == 0:
+        raise UserError("dataset_val: holds no sample")
+    log.info("validation: %d samples, every %s", len(dataset),
+             f"{cfg.run_val_every_n_steps} steps" if cfg.run_val_every_n_steps else "epoch")
+    return ValidationData(dataset, cfg.batch_size_val or cfg.batch_size, cfg.run_val_every_n_steps,
+                          tokenizer.pad_id, ctx)
 
 
 def build_scheduler(cfg: FullFinetuneConfig, stepper: Stepper, total_steps: int) -> Optional[Any]:

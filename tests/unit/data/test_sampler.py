@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from torchtune_ac.data import ShardedBatchSampler, TokenizedDataset, build_dataloader, collate_batch
+from torchtune_ac.data import IGNORE_INDEX, ShardedBatchSampler, TokenizedDataset, build_dataloader, collate_batch
 from torchtune_ac.errors import UserError
 
 
@@ -108,3 +108,20 @@ def test_dataloader_batches_this_ranks_shard():
         reference = collate_batch([dataset[i] for i in indices], pad_id=-1)
         assert torch.equal(batch["tokens"], reference["tokens"])
         assert batch["tokens"][:, 0].tolist() == indices
+
+
+def test_an_evaluation_pass_reads_every_sample_once_over_all_ranks():
+    from torchtune_ac.data.sampler import evaluation_batches
+
+    samples = [{"tokens": [i, i], "labels": [i, i]} for i in range(7)]
+    seen = []
+    steps = []
+    for rank in range(2):
+        batches = list(evaluation_batches(samples, batch_size=2, pad_id=0, rank=rank, world_size=2))
+        steps.append(len(batches))
+        for batch in batches:
+            for row in batch["labels"].tolist():
+                if row != [IGNORE_INDEX, IGNORE_INDEX]:
+                    seen.append(row[0])
+    assert steps == [2, 2]  # the same number of batches on every rank
+    assert sorted(seen) == list(range(7))  # every sample once; the filler of the last batch counts nowhere
