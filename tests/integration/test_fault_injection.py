@@ -132,6 +132,7 @@ def _assert_stopped(code: int, stderr: str, signal_name: str, output_dir: Path, 
     and how to resume; returns its step."""
     assert code == EXIT_STOPPED, stderr[-3000:]
     assert "Traceback" not in stderr, stderr
+    assert "exitcode" not in stderr, stderr  # a clean stop: no error line from the elastic launcher
     ours = _ours(stderr)
     assert len(ours) == 2, stderr
     assert ours[0].startswith(f"tune: {signal_name} received: finishing step "), ours
