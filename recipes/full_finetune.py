@@ -212,7 +212,10 @@ class FullFinetuneRecipe:
     def cleanup(self, *, succeeded: bool) -> None:
         if self.metrics is not None:
             self.metrics.close(succeeded=succeeded)
-        destroy_distributed(synchronize=succeeded)
+        if succeeded:
+            # After a failure the process group is left alone: other ranks may be waiting in a collective this
+            # one will never join, and destroying it under them can hang (NCCL); the process exits right after.
+            destroy_distributed(synchronize=True)
 
 
 def run(cfg: FullFinetuneConfig) -> None:

@@ -36,6 +36,7 @@ from torchtune_ac.runtime.launcher import (
     launch_elastic,
     leave_worker,
     report_worker_error,
+    report_worker_failure,
 )
 
 DEBUG_ENV_VAR = "TUNE_DEBUG"
@@ -193,10 +194,18 @@ def recipe_main(argv: Optional[Sequence[str]] = None, recipe_file: Optional[str]
         recipe = load_recipe(path)
         recipe.run(load_recipe_config(recipe, args.config, args.overrides, args.allow_component, to_run=True))
 
-    status = guarded(_main)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        leave_worker(status)
-    return status
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return guarded(_main)
+    try:
+        status = guarded(_main)
+    except BaseException:  # noqa: BLE001 - a bug, or the machine failing (a CUDA OOM): say so now, and leave
+        # Now, not after a teardown: the other ranks may be waiting in a collective this rank will never join,
+        # and destroying the process group under them can hang (NCCL). The launcher ends them.
+        text = traceback.format_exc()
+        if not report_worker_failure(text):
+            print(text, file=sys.stderr, flush=True)
+        status = 1
+    leave_worker(status)
 
 
 # ---------------------------------------------------------------------------------------------- commands

@@ -32,6 +32,7 @@ from typing import Callable
 import pytest
 import torch
 from finetune_runs import (
+    SHORT_RUN,
     assert_only_complete_checkpoints,
     check_success,
     final_checkpoint,
@@ -41,6 +42,7 @@ from finetune_runs import (
     logged_steps,
     max_weight_difference,
     run_tune_in_process,
+    run_tune_subprocess,
     subprocess_env,
     tune_command,
     tune_run_argv,
@@ -412,3 +414,47 @@ def test_nodes_given_different_configs_are_refused_naming_the_key(tmp_path):
         assert "Traceback" not in stderr, stderr
         assert any("batch_size is 8 on rank 0" in line and "but 4 on rank 1" in line for line in _ours(stderr)), stderr
     assert not out.exists() or not any(out.iterdir())
+
+
+FAILING_RANK_RECIPE = '''"""full_finetune, with rank 1 raising at its second step, as a CUDA OOM on one GPU would."""
+import importlib.util
+import os
+import sys
+
+from torchtune_ac.registry import recipes_dir
+
+spec = importlib.util.spec_from_file_location("full_finetune_base", recipes_dir() / "full_finetune.py")
+base = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(base)
+CONFIG_SCHEMA, preflight, run, calls, real_step = base.CONFIG_SCHEMA, base.preflight, base.run, [], base.train_step
+
+
+def failing_step(*args, **kwargs):
+    calls.append(None)
+    if len(calls) == 2 and os.environ.get("RANK") == "1":
+        raise RuntimeError("CUDA out of memory (injected on rank 1 at step 2)")
+    return real_step(*args, **kwargs)
+
+
+base.train_step = failing_step
+
+if __name__ == "__main__":
+    from torchtune_ac.cli import recipe_main
+
+    sys.exit(recipe_main())
+'''
+
+
+@pytest.mark.distributed
+def test_one_failing_rank_ends_the_run_at_once_with_its_error_printed_once(tmp_path):
+    recipe = tmp_path / "failing.py"
+    recipe.write_text(FAILING_RANK_RECIPE)
+    argv = ["run", "--nproc_per_node", "2", str(recipe), "--config", "tiny/full", *SHORT_RUN,
+            f"output_dir={tmp_path / 'run'}"]
+    # A rank that tore down its process group under peers waiting in a collective could hang them (NCCL): the
+    # timeout is the hang's failure; the run itself takes as long as two steps.
+    result = run_tune_subprocess(argv, timeout=150)
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert result.stderr.count("CUDA out of memory (injected on rank 1 at step 2)") == 1, result.stderr
+    assert "tune: error: rank 1 failed (its traceback is above)" in result.stderr
+    assert "[rank0]" not in result.stderr  # rank 0's consequence is one line, not a second traceback

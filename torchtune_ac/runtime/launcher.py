@@ -122,6 +122,7 @@ def launch_elastic(launcher: dict, recipe_path: Path, recipe_argv: Sequence[str]
                 run(torchrun_args)
         except ChildFailedError as err:
             codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
+            report_first_failure(Path(reports))
             return status_of_failed_workers(codes, read_worker_errors(Path(reports)))
     return 0
 
@@ -143,6 +144,30 @@ def report_worker_error(message: str) -> bool:
         return False
     (Path(folder) / f"rank_{os.environ.get('RANK', '0')}.txt").write_text(message, encoding="utf-8")
     return True
+
+
+def report_worker_failure(text: str) -> bool:
+    """In a worker started by ``launch_elastic``: hand an unexpected failure's traceback to the launcher, which
+    prints the first rank's in full and one line for each rank that failed after it (usually because the first
+    one left its collectives). Returns False (the caller prints it) outside such a worker."""
+    folder = os.environ.get(REPORTS_ENV_VAR)
+    if not folder or not Path(folder).is_dir():
+        return False
+    (Path(folder) / f"rank_{os.environ.get('RANK', '0')}.failure").write_text(text, encoding="utf-8")
+    return True
+
+
+def report_first_failure(folder: Path) -> None:
+    """Print the workers' failures (``report_worker_failure``): the first in full, the later ones in a line each."""
+    failures = sorted(folder.glob("rank_*.failure"), key=lambda path: path.stat().st_mtime_ns)
+    for index, path in enumerate(failures):
+        rank = path.stem.removeprefix("rank_")
+        text = path.read_text(encoding="utf-8").rstrip()
+        if index == 0:
+            print(f"{text}\ntune: error: rank {rank} failed (its traceback is above)", file=sys.stderr, flush=True)
+        else:
+            last = text.splitlines()[-1] if text else "no message"
+            print(f"tune: error: rank {rank} failed after it: {last}", file=sys.stderr, flush=True)
 
 
 def read_worker_errors(folder: Path) -> dict[int, str]:
