@@ -455,6 +455,6 @@ def test_one_failing_rank_ends_the_run_at_once_with_its_error_printed_once(tmp_p
     # timeout is the hang's failure; the run itself takes as long as two steps.
     result = run_tune_subprocess(argv, timeout=150)
     assert result.returncode == 1, result.stderr[-3000:]
-    assert result.stderr.count("CUDA out of memory (injected on rank 1 at step 2)") == 1, result.stderr
+    assert result.stderr.count("RuntimeError: CUDA out of memory (injected on rank 1 at step 2)") == 1, result.stderr
     assert "tune: error: rank 1 failed (its traceback is above)" in result.stderr
     assert "[rank0]" not in result.stderr  # rank 0's consequence is one line, not a second traceback
