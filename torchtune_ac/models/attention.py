@@ -91,7 +91,13 @@ def document_runs(document_ids: torch.Tensor) -> DocumentRuns:
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float, runs: Optional[DocumentRuns]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    dropout_p: float,
+    runs: Optional[DocumentRuns],
+    scale: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention, within each document when ``runs`` is given.
 
@@ -100,17 +106,20 @@ def causal_attention(
         k, v: keys and values ``[b, n_kv_heads, s, head_dim]`` (``n_heads`` a multiple of ``n_kv_heads``).
         dropout_p: attention dropout probability (0.0 outside training).
         runs: the batch's documents from ``document_runs``, or None for one sequence per row.
+        scale: the factor scores are multiplied by; None for ``head_dim ** -0.5``.
 
     Returns:
         ``[b, s, n_heads, head_dim]``.
     """
     gqa = k.shape[1] != q.shape[1]
     if runs is None:
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+        out = F.scaled_dot_product_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa, scale=scale
+        )
         return out.transpose(1, 2)  # [b, s, n_heads, hd]
     if runs.varlen_device and dropout_p == 0.0 and q.dtype in _VARLEN_DTYPES:
-        return _varlen_document_attention(q, k, v, runs, gqa)
-    return _per_document_attention(q, k, v, runs=runs, dropout_p=dropout_p, gqa=gqa)
+        return _varlen_document_attention(q, k, v, runs, gqa, scale)
+    return _per_document_attention(q, k, v, runs=runs, dropout_p=dropout_p, gqa=gqa, scale=scale)
 
 
 def _as_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +130,7 @@ def _as_tokens(x: torch.Tensor) -> torch.Tensor:
 
 
 def _varlen_document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: DocumentRuns, gqa: bool
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: DocumentRuns, gqa: bool, scale: Optional[float]
 ) -> torch.Tensor:
     b, n_heads, s, hd = q.shape
     out = varlen_attn(
@@ -132,6 +141,7 @@ def _varlen_document_attention(
         runs.cu_seqlens,
         runs.max_length,
         runs.max_length,
+        scale=scale,
         window_size=(-1, 0),  # causal
         enable_gqa=gqa,
     )  # [b * s, n_heads, hd]
@@ -140,7 +150,14 @@ def _varlen_document_attention(
 
 @torch.compiler.disable
 def _per_document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, runs: DocumentRuns, dropout_p: float, gqa: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    runs: DocumentRuns,
+    dropout_p: float,
+    gqa: bool,
+    scale: Optional[float],
 ) -> torch.Tensor:
     """One causal ``scaled_dot_product_attention`` call per document (shapes as in ``causal_attention``)."""
     b, n_heads, s, hd = q.shape
@@ -149,7 +166,7 @@ def _per_document_attention(
         # [length, heads, hd] -> [1, heads, length, hd]
         q_doc, k_doc, v_doc = (x.transpose(0, 1).unsqueeze(0) for x in (q_doc, k_doc, v_doc))
         out = F.scaled_dot_product_attention(
-            q_doc, k_doc, v_doc, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
+            q_doc, k_doc, v_doc, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa, scale=scale
         )  # [1, n_heads, length, hd]
         outs.append(out.squeeze(0).transpose(0, 1))  # [length, n_heads, hd]
     return torch.cat(outs).view(b, s, n_heads, hd)
