@@ -36,6 +36,7 @@ from torchtune_ac.config.preflight import preflight_full_finetune, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.data import build_dataloader
 from torchtune_ac.errors import EXIT_NON_FINITE, EXIT_STOPPED, RunStopped, UserError
+from torchtune_ac.models import hf_model_files
 from torchtune_ac.training.distributed import barrier, destroy_distributed, init_distributed
 from torchtune_ac.training.metric_logging import RunLog, open_run_log, plain_config
 from torchtune_ac.training.metrics import peak_memory_gib
@@ -240,13 +241,15 @@ class FullFinetuneRecipe:
         path = save_checkpoint(
             self.cfg.output_dir,
             model=self.model,
+            hf_files=hf_model_files(
+                self.model, bos_token_id=self.tokenizer.bos_id, eos_token_id=self.tokenizer.eos_id
+            ),
             optimizers=optimizers_to_checkpoint(self.optimizer),
             scheduler=self.scheduler,
             progress=self.progress,
             shape=run_shape(self.cfg, self.ctx.world_size, self.model),
             keep_last_n=self.cfg.keep_last_n_checkpoints,
             tokenizer_dir=Path(self.tokenizer.path).parent,
-            hf_config_extra={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
         )
         self.last_checkpoint = path
         log.info("saved checkpoint %s", path)

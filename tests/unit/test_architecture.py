@@ -3,12 +3,16 @@
     cli, recipes
     config      (schema, loading, components, start-up checks)
     training    (AC, sharding, step, loss, model setup)
-    checkpoint  (files, safetensors, Hugging Face load/save, recipe state)
-    models, data
+    models      (the decoder, the families and their pure adapters; Hugging Face checkpoints of any family)
+    checkpoint, data   (files, safetensors, Hugging Face files by tensor name, recipe state; datasets)
     errors, component_marker
 
 ``embedded`` (the maker of the embedded checkpoint) needs models, data and checkpoint, and sits above them;
-``migrate`` (torchtune configs to ours) is a pure mapping that config uses to recognise a torchtune config.
+``migrate`` (torchtune configs to ours) is a pure mapping, over the builders the families declare, that config uses
+to recognise a torchtune config.
+
+Within ``models``, one module composes the families' adapters with checkpoint's file code
+(``models/hf_checkpoint.py``) and the package exports it; no other model file knows checkpointing.
 """
 
 from __future__ import annotations
@@ -22,17 +26,16 @@ PACKAGE = Path(__file__).resolve().parents[2] / "torchtune_ac"
 LEAVES = {"errors", "component_marker"}
 # package -> the torchtune_ac packages (first component after torchtune_ac.) it may import
 ALLOWED = {
-    "models": LEAVES,
+    "models": LEAVES | {"checkpoint"},
     "data": LEAVES,
-    "checkpoint": LEAVES | {"models"},
+    "checkpoint": LEAVES,
     "training": LEAVES | {"models", "checkpoint"},
     "embedded": LEAVES | {"models", "data", "checkpoint"},
-    "migrate": LEAVES,
+    "migrate": LEAVES | {"models"},
     "config": LEAVES | {"models", "data", "checkpoint", "training", "registry", "embedded", "migrate"},
 }
-# The one way up: torchtune_ac.models.load_hf / save_hf / from_hf_config are contract names, re-exported from
-# the checkpoint package on first use (a module __getattr__), not at import.
-EXCEPTIONS = {"models/__init__.py": {"checkpoint"}}
+# The model files that may import checkpoint: the one composing module, and the package that exports it.
+MODELS_USING_CHECKPOINT = {"models/hf_checkpoint.py", "models/__init__.py"}
 
 
 def imported_modules(path: Path) -> list[str]:
@@ -64,8 +67,19 @@ def torchtune_ac_imports(package: str) -> dict[str, set[str]]:
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_each_package_imports_only_the_layers_below_it(package):
     for path, targets in torchtune_ac_imports(package).items():
-        allowed = ALLOWED[package] | EXCEPTIONS.get(path, set())
-        assert targets <= allowed, f"{path} imports {sorted(targets - allowed)}"
+        assert targets <= ALLOWED[package], f"{path} imports {sorted(targets - ALLOWED[package])}"
+
+
+def test_only_the_hugging_face_module_of_models_knows_checkpointing():
+    for path, targets in torchtune_ac_imports("models").items():
+        assert "checkpoint" not in targets or path in MODELS_USING_CHECKPOINT, path
+
+
+def test_models_define_no_module_getattr():
+    """Every name of ``torchtune_ac.models`` exists at import: no lazy re-export through a module ``__getattr__``."""
+    for path in sorted((PACKAGE / "models").rglob("*.py")):
+        functions = {node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+        assert "__getattr__" not in functions, path
 
 
 def test_models_hold_no_collectives_and_no_file_system_code():

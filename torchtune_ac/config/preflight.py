@@ -19,7 +19,6 @@ import torch
 
 from torchtune_ac.checkpoint import (
     RunShape,
-    check_checkpoint_matches,
     check_resume_shape,
     choose_resume_checkpoint,
     list_checkpoints,
@@ -29,6 +28,7 @@ from torchtune_ac.config.planning import planning_inputs, unmodelled_settings
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.config.startup_checks import check_optimizer_builds, check_tokenizer_fits
 from torchtune_ac.errors import UnavailableError, UserError
+from torchtune_ac.models import check_checkpoint_matches
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.training.distributed import resolve_device
 from torchtune_ac.training.memory_plan import MemoryPlan, resolve_memory_plan

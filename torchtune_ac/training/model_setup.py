@@ -16,8 +16,9 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
-from torchtune_ac.checkpoint import load_hf_weights_, local_region
+from torchtune_ac.checkpoint import local_region
 from torchtune_ac.errors import UserError
+from torchtune_ac.models import load_hf_weights_
 from torchtune_ac.models.families import init_weights_, retie_parameters, transformer_blocks
 from torchtune_ac.models.llama import TransformerBlock
 from torchtune_ac.training.activation_checkpointing import ACPlan, apply_ac_plan, silence_compiled_policy_warning

@@ -8,8 +8,7 @@ import pytest
 import torch
 from hf_families import FAMILY_NAMES, HF_CLASSES, random_hf_model, write_hf_checkpoint
 
-from torchtune_ac.checkpoint import load_hf_weights_
-from torchtune_ac.models import FAMILIES, family_of, from_hf_config, load_hf, save_hf
+from torchtune_ac.models import FAMILIES, family_of, from_hf_config, load_hf, load_hf_weights_, save_hf
 from torchtune_ac.training import setup_activation_checkpointing
 
 CASES = [(family, tied) for family in FAMILY_NAMES for tied in (False, True)]

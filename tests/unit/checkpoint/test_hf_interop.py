@@ -18,8 +18,8 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.checkpoint import copy_tokenizer_files, read_hf_config, save_hf_state_dict
-from torchtune_ac.models import load_hf, save_hf
+from torchtune_ac.checkpoint import copy_tokenizer_files, read_hf_config
+from torchtune_ac.models import load_hf, save_hf, save_hf_state_dict
 from torchtune_ac.checkpoint import INDEX_FILE, WEIGHTS_FILE, parse_shard_size
 from torchtune_ac.training.activation_checkpointing import setup_activation_checkpointing
 
