@@ -33,6 +33,8 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+# Attention of a layer, by the Hugging Face names (config.json ``layer_types``).
+LAYER_TYPES = ("full_attention", "sliding_attention")
 # MLP activations by their Hugging Face names (config.json ``hidden_act``): SwiGLU and GeGLU (tanh approximation).
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -59,6 +61,15 @@ class LlamaArgs:
     - ``activation``: the MLP's gate activation, a key of ``ACTIVATIONS`` (``gelu_pytorch_tanh``: Gemma's GeGLU).
     - ``query_pre_attn_scalar``: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` instead of
       ``head_dim ** -0.5`` (Gemma 3).
+
+    The attention pattern, per layer:
+
+    - ``sliding_window``: W, the window of sliding-window layers: a query sees itself and the W - 1 tokens
+      before it (of its own document).
+    - ``layer_types``: each layer's attention, ``"full_attention"`` or ``"sliding_attention"`` (the Hugging Face
+      names); None: every layer slides when ``sliding_window`` is set (Mistral 7B v0.1), else every layer is full.
+    - ``sliding_rope_theta``: the RoPE base of sliding-window layers, which then use no RoPE scaling (Gemma 3's
+      local layers); None: they use ``rope_theta`` and ``rope_scaling`` as full layers do.
     """
 
     vocab_size: int
@@ -82,6 +93,9 @@ class LlamaArgs:
     scale_embeddings: bool = False
     activation: str = "silu"
     query_pre_attn_scalar: Optional[float] = None
+    sliding_window: Optional[int] = None
+    layer_types: Optional[tuple[str, ...]] = None
+    sliding_rope_theta: Optional[float] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -103,8 +117,35 @@ class LlamaArgs:
             problems.append(f"activation={self.activation!r} must be one of {', '.join(ACTIVATIONS)}")
         if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
             problems.append(f"query_pre_attn_scalar={self.query_pre_attn_scalar} must be positive")
+        problems += self._attention_pattern_problems()
         if problems:
             raise ValueError("invalid Llama model arguments: " + "; ".join(problems))
+
+    def _attention_pattern_problems(self) -> list[str]:
+        problems = []
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            problems.append(f"sliding_window={self.sliding_window} must be positive")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layers:
+                problems.append(f"layer_types has {len(self.layer_types)} entries, must have one per layer "
+                                f"(n_layers={self.n_layers})")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                problems.append(f"layer_types: {', '.join(map(repr, unknown))} not one of {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                problems.append("layer_types has sliding_attention layers: set sliding_window")
+        if self.sliding_rope_theta is not None:
+            if not self.sliding_rope_theta > 0:
+                problems.append(f"sliding_rope_theta={self.sliding_rope_theta} must be positive")
+            if self.sliding_window is None:
+                problems.append("sliding_rope_theta is set but no layer slides (sliding_window is not set)")
+        return problems
+
+    def window_of(self, layer: int) -> Optional[int]:
+        """The sliding window of layer ``layer``'s attention, or None for full (causal) attention."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def resolved_head_dim(self) -> int:
@@ -170,10 +211,12 @@ class RMSNorm(nn.Module):
 
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary embeddings; the attention itself is ``causal_attention``
-    (``attention.py``): one causal call, or one per document of a packed batch."""
+    (``attention.py``): one causal call, or one per document of a packed batch, within ``window`` tokens when
+    it is set (sliding-window attention)."""
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, window: Optional[int] = None) -> None:
         super().__init__()
+        self.window = window
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.resolved_head_dim
@@ -199,7 +242,7 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, n_heads, s, hd]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [b, n_kv, s, hd]
         out = causal_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, runs=runs, scale=self.scale
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, runs=runs, scale=self.scale, window=self.window
         )  # [b, s, n_heads, hd]
         return self.o_proj(out.reshape(b, s, self.n_heads * self.head_dim))
 
@@ -219,12 +262,17 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + drop(attn(norm(x)))``; ``out = h + drop(mlp(norm(h)))``."""
+    """Pre-norm block: ``h = x + drop(attn(norm(x)))``; ``out = h + drop(mlp(norm(h)))``.
 
-    def __init__(self, args: LlamaArgs) -> None:
+    Args:
+        args: the model's arguments.
+        window: the sliding window of this block's attention (``args.window_of(layer)``); None for full.
+    """
+
+    def __init__(self, args: LlamaArgs, window: Optional[int] = None) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-        self.attn = Attention(args)
+        self.attn = Attention(args, window)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.mlp = MLP(args.dim, args.intermediate_dim, args.activation)
         self.resid_dropout = nn.Dropout(args.resid_dropout)
@@ -248,9 +296,10 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 class BlockClass(Protocol):
-    """What ``Llama`` needs of a block class: built from the arguments, called as ``TransformerBlock`` is."""
+    """What ``Llama`` needs of a block class: built from the arguments and the block's attention window, called
+    as ``TransformerBlock`` is."""
 
-    def __call__(self, args: LlamaArgs) -> nn.Module: ...
+    def __call__(self, args: LlamaArgs, window: Optional[int]) -> nn.Module: ...
 
 
 class Llama(nn.Module):
@@ -263,14 +312,14 @@ class Llama(nn.Module):
     Args:
         args: the model's arguments.
         block: the block class, ``TransformerBlock`` unless the family's block differs in structure; it is
-            called as ``block(args)`` and its instances as ``TransformerBlock``'s are.
+            called as ``block(args, args.window_of(layer))`` and its instances as ``TransformerBlock``'s are.
     """
 
     def __init__(self, args: LlamaArgs, block: BlockClass = TransformerBlock) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(block(args) for _ in range(args.n_layers))
+        self.layers = nn.ModuleList(block(args, args.window_of(layer)) for layer in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -281,14 +330,20 @@ class Llama(nn.Module):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables ``[b, 1, s, head_dim]`` for integer ``positions[b, s]``.
+    def rope_cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, sliding: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables ``[b, 1, s, head_dim]`` for integer ``positions[b, s]``, of the sliding-window layers'
+        RoPE when ``sliding`` (``args.sliding_rope_theta``, where it is set).
 
         Computed per call from the arguments (a few hundred flops), so the model holds no buffers that
         would need re-initialising after being built on the meta device.
         """
         args = self.args
-        inv_freq = compute_rope_inv_freq(args.resolved_head_dim, args.rope_theta, args.rope_scaling)
+        theta, scaling = args.rope_theta, args.rope_scaling
+        if sliding and args.sliding_rope_theta is not None:
+            theta, scaling = args.sliding_rope_theta, None
+        inv_freq = compute_rope_inv_freq(args.resolved_head_dim, theta, scaling)
         inv_freq = inv_freq.to(positions.device)
         freqs = positions.float().unsqueeze(-1) * inv_freq  # [b, s, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, hd]
@@ -318,8 +373,11 @@ class Llama(nn.Module):
         if self.args.scale_embeddings:
             # sqrt(dim) rounded to the embedding's dtype first, as Gemma's checkpoints were trained with.
             h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype).item()
-        cos, sin = self.rope_cos_sin(positions, h.dtype)
-        for layer in self.layers:
+        full = self.rope_cos_sin(positions, h.dtype)
+        # Sliding-window layers may have a RoPE of their own (Gemma 3's local layers).
+        sliding = full if self.args.sliding_rope_theta is None else self.rope_cos_sin(positions, h.dtype, sliding=True)
+        for index, layer in enumerate(self.layers):
+            cos, sin = sliding if self.args.window_of(index) is not None else full
             h = layer(h, cos, sin, runs)
         if head is not None:
             return head(self.norm(h), self.output.weight)

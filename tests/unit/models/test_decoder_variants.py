@@ -101,11 +101,24 @@ def test_the_attention_scale_replaces_one_over_sqrt_head_dim(packed):
     [
         (dict(activation="relu"), "activation='relu' must be one of silu, gelu_pytorch_tanh"),
         (dict(query_pre_attn_scalar=0), "query_pre_attn_scalar=0 must be positive"),
+        (dict(sliding_window=0), "sliding_window=0 must be positive"),
+        (dict(sliding_window=4, layer_types=("sliding_attention",)), "layer_types has 1 entries, must have one per"),
+        (dict(sliding_window=4, layer_types=("full_attention", "local")), "layer_types: 'local' not one of"),
+        (dict(layer_types=("sliding_attention", "full_attention")), "sliding_attention layers: set sliding_window"),
+        (dict(sliding_rope_theta=10.0), "sliding_rope_theta is set but no layer slides"),
     ],
 )
 def test_bad_flags_are_refused_naming_the_field(change, message):
     with pytest.raises(ValueError, match=message):
         LlamaArgs(**SHAPE, **change)
+
+
+def test_each_layer_gets_the_window_its_type_says():
+    every = LlamaArgs(**SHAPE, sliding_window=8)  # no layer_types: every layer slides (Mistral 7B v0.1)
+    mixed = LlamaArgs(**SHAPE, sliding_window=8, layer_types=("full_attention", "sliding_attention"))
+    assert [every.window_of(i) for i in range(2)] == [8, 8]
+    assert [layer.attn.window for layer in Llama(mixed).layers] == [None, 8]
+    assert [LlamaArgs(**SHAPE).window_of(i) for i in range(2)] == [None, None]
 
 
 def test_qk_norm_adds_one_head_dim_weight_per_projection():
