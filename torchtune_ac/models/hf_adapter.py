@@ -190,21 +190,21 @@ class LlamaStyleHFAdapter:
             if reason is not None:
                 problems.append(f"{refusal.key}={d.get(refusal.key)!r}: {reason}")
 
-        dim = _read_value(d, "hidden_size", int, problems)
-        n_heads = _read_value(d, "num_attention_heads", int, problems)
-        max_pos = _read_value(d, "max_position_embeddings", int, problems, default=2048)
+        dim = read_value(d, "hidden_size", int, problems)
+        n_heads = read_value(d, "num_attention_heads", int, problems)
+        max_pos = read_value(d, "max_position_embeddings", int, problems, default=2048)
         fields = dict(
-            vocab_size=_read_value(d, "vocab_size", int, problems),
+            vocab_size=read_value(d, "vocab_size", int, problems),
             dim=dim,
-            n_layers=_read_value(d, "num_hidden_layers", int, problems),
+            n_layers=read_value(d, "num_hidden_layers", int, problems),
             n_heads=n_heads,
-            n_kv_heads=_read_value(d, "num_key_value_heads", int, problems, default=n_heads),
-            intermediate_dim=_read_value(d, "intermediate_size", int, problems),
+            n_kv_heads=read_value(d, "num_key_value_heads", int, problems, default=n_heads),
+            intermediate_dim=read_value(d, "intermediate_size", int, problems),
             max_seq_len=max_pos,
-            norm_eps=_read_value(d, "rms_norm_eps", float, problems, default=1e-6),
-            tie_embeddings=_read_value(d, "tie_word_embeddings", bool, problems, default=False),
-            head_dim=_read_value(d, "head_dim", int, problems, default=None),
-            attn_dropout=_read_value(d, "attention_dropout", float, problems, default=0.0),
+            norm_eps=read_value(d, "rms_norm_eps", float, problems, default=1e-6),
+            tie_embeddings=read_value(d, "tie_word_embeddings", bool, problems, default=False),
+            head_dim=read_value(d, "head_dim", int, problems, default=None),
+            attn_dropout=read_value(d, "attention_dropout", float, problems, default=0.0),
             model_type=self.model_type,
             **{name: self.flag(name) for name in VARIANT_FLAGS},
         )
@@ -284,10 +284,16 @@ class LlamaStyleHFAdapter:
         }
 
 
-def _read_value(
+def read_value(
     d: Mapping[str, Any], key: str, kind: type, problems: list[str], default: Any = _REQUIRED, prefix: str = ""
 ) -> Any:
-    """``d[key]`` checked to be of ``kind`` (ints accepted as floats); problems are appended, not raised."""
+    """``d[key]`` checked to be of ``kind`` (ints accepted as floats); problems are appended, not raised (for a
+    family's own keys in ``read_family_keys`` too).
+
+    Returns:
+        The value, ``default`` when it is absent or null (a problem when there is no default), None when it is
+        of another kind.
+    """
     value = d.get(key)
     if value is None:
         if default is _REQUIRED:
@@ -312,9 +318,9 @@ def _read_rope(
     if not isinstance(rope, dict):
         problems.append(f"{rope_key}={rope!r}: must be an object")
         return None, None
-    theta = _read_value(rope, "rope_theta", float, problems, default=None, prefix=f"{rope_key}.")
+    theta = read_value(rope, "rope_theta", float, problems, default=None, prefix=f"{rope_key}.")
     if theta is None:
-        theta = _read_value(d, "rope_theta", float, problems, default=_HF_DEFAULT_ROPE_THETA)
+        theta = read_value(d, "rope_theta", float, problems, default=_HF_DEFAULT_ROPE_THETA)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type in (None, "default"):
         return theta, None
@@ -323,10 +329,10 @@ def _read_rope(
         problems.append(f"{rope_key}.rope_type={rope_type!r}: only {supported} RoPE is supported")
         return theta, None
     prefix = f"{rope_key}."
-    values = {key: _read_value(rope, key, float, problems, prefix=prefix) for key in
+    values = {key: read_value(rope, key, float, problems, prefix=prefix) for key in
               ("factor", "low_freq_factor", "high_freq_factor")}
     # transformers falls back to max_position_embeddings too when this key is absent.
-    original = _read_value(rope, "original_max_position_embeddings", int, problems,
+    original = read_value(rope, "original_max_position_embeddings", int, problems,
                            default=max_position_embeddings, prefix=prefix)
     if None in values.values() or original is None:
         return theta, None
