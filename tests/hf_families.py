@@ -14,6 +14,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 # family -> (config class, model class, config settings that make transformers build exactly our architecture)
@@ -21,6 +23,8 @@ HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    # head_dim 16 with 4 heads of a 32-wide model: decoupled from hidden / heads, as Qwen3's 128 is.
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16, "use_sliding_window": False}),
 }
 FAMILY_NAMES = sorted(HF_CLASSES)
 TINY_SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
