@@ -26,11 +26,12 @@ from torchtune_ac.models.hf_checkpoint import (
     save_hf,
     save_hf_state_dict,
 )
-from torchtune_ac.models.llama import Llama, LlamaArgs, RopeScaling
+from torchtune_ac.models.llama import LinearRopeScaling, Llama, LlamaArgs, RopeScaling
 
 __all__ = [
     "FAMILIES",
     "HFAdapter",
+    "LinearRopeScaling",
     "Llama",
     "LlamaArgs",
     "ModelFamily",

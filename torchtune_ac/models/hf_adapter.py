@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.llama import LlamaArgs, RopeScaling
+from torchtune_ac.models.llama import LinearRopeScaling, LlamaArgs, RopeScaling
 
 _TOP_LEVEL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -87,7 +87,8 @@ class LlamaStyleHFAdapter:
         refusals: config.json keys this family cannot honour (e.g. sliding-window attention), checked on read.
         extra_config: keys written into config.json on save besides the shared ones, so that transformers
             builds exactly our model (e.g. ``sliding_window: null`` for Mistral, whose default is 4096).
-        rope_types: the RoPE types (config.json ``rope_type``) read, besides ``default``.
+        rope_types: the RoPE scaling types (config.json ``rope_type``: ``llama3``, ``linear``) read, besides
+            ``default``.
         block_names: our block's submodule prefixes -> Hugging Face's.
         activation_key: the config.json key holding the MLP activation.
     """
@@ -122,6 +123,10 @@ class LlamaStyleHFAdapter:
         """
         if args.model_type != self.model_type:
             raise ValueError(f"model_type={args.model_type!r}: these are not {self.model_type} arguments")
+        scaling = _rope_scaling_config(args.rope_scaling)
+        if scaling is not None and scaling["rope_type"] not in self.rope_types:
+            raise ValueError(f"rope_scaling={args.rope_scaling}: {self.model_type} has "
+                             f"{' or '.join(self.rope_types)} RoPE scaling only")
         for name, meaning in VARIANT_FLAGS.items():
             value, fixed = getattr(args, name), self.flag(name)
             if value == fixed:
@@ -267,7 +272,6 @@ class LlamaStyleHFAdapter:
 
     def architecture(self, args: LlamaArgs) -> dict[str, Any]:
         self.check_args(args)
-        scaling = args.rope_scaling
         return {
             "vocab_size": args.vocab_size,
             "hidden_size": args.dim,
@@ -278,7 +282,7 @@ class LlamaStyleHFAdapter:
             "head_dim": args.resolved_head_dim,
             "rms_norm_eps": args.norm_eps,
             "rope_theta": args.rope_theta,
-            "rope_scaling": None if scaling is None else {"rope_type": "llama3", **dataclasses.asdict(scaling)},
+            "rope_scaling": _rope_scaling_config(args.rope_scaling),
             "tie_word_embeddings": args.tie_embeddings,
             **self.family_architecture(args),
         }
@@ -308,9 +312,18 @@ def read_value(
     return value
 
 
+def _rope_scaling_config(scaling: Optional[RopeScaling | LinearRopeScaling]) -> Optional[dict[str, Any]]:
+    """config.json's ``rope_scaling`` for ``scaling``."""
+    if scaling is None:
+        return None
+    if isinstance(scaling, LinearRopeScaling):
+        return {"rope_type": "linear", "factor": scaling.factor}
+    return {"rope_type": "llama3", **dataclasses.asdict(scaling)}
+
+
 def _read_rope(
     d: Mapping[str, Any], max_position_embeddings: Optional[int], rope_types: tuple[str, ...], problems: list[str]
-) -> tuple[Optional[float], Optional[RopeScaling]]:
+) -> tuple[Optional[float], Optional[RopeScaling | LinearRopeScaling]]:
     """Rope theta and scaling from either the transformers 5 form (``rope_parameters``) or the older one
     (top-level ``rope_theta`` plus ``rope_scaling``); ``rope_types``: the scaled types read."""
     rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
@@ -329,6 +342,9 @@ def _read_rope(
         problems.append(f"{rope_key}.rope_type={rope_type!r}: only {supported} RoPE is supported")
         return theta, None
     prefix = f"{rope_key}."
+    if rope_type == "linear":
+        factor = read_value(rope, "factor", float, problems, prefix=prefix)
+        return theta, None if factor is None else LinearRopeScaling(factor)
     values = {key: read_value(rope, key, float, problems, prefix=prefix) for key in
               ("factor", "low_freq_factor", "high_freq_factor")}
     # transformers falls back to max_position_embeddings too when this key is absent.

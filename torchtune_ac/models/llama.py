@@ -33,6 +33,14 @@ class RopeScaling:
     original_max_position_embeddings: int = 8192
 
 
+@dataclass(frozen=True)
+class LinearRopeScaling:
+    """Linear RoPE scaling (``rope_type: linear`` in Hugging Face configs): every frequency divided by ``factor``
+    (Gemma 3's global layers)."""
+
+    factor: float
+
+
 # Attention of a layer, by the Hugging Face names (config.json ``layer_types``).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # MLP activations by their Hugging Face names (config.json ``hidden_act``): SwiGLU and GeGLU (tanh approximation).
@@ -81,7 +89,7 @@ class LlamaArgs:
     max_seq_len: int = 4096
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling] = None
+    rope_scaling: Optional[RopeScaling | LinearRopeScaling] = None
     tie_embeddings: bool = False
     head_dim: Optional[int] = None
     attn_dropout: float = 0.0
@@ -152,15 +160,19 @@ class LlamaArgs:
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
 
-def compute_rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
+def compute_rope_inv_freq(
+    head_dim: int, theta: float, scaling: Optional[RopeScaling | LinearRopeScaling]
+) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, shape ``[head_dim // 2]``, float32.
 
-    With ``scaling`` set, long wavelengths are divided by ``factor``, short ones are kept, and the band
-    in between is interpolated smoothly (Llama 3.1).
+    With a ``RopeScaling``, long wavelengths are divided by ``factor``, short ones are kept, and the band
+    in between is interpolated smoothly (Llama 3.1); with a ``LinearRopeScaling`` every one is divided.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return inv_freq / scaling.factor
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq

@@ -9,11 +9,14 @@ import pytest
 import torch
 from attention_oracle import dense_document_attention
 from hf_families import randomize_
-from transformers import GemmaConfig, GemmaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import GemmaConfig, GemmaForCausalLM, LlamaConfig, Qwen3Config, Qwen3ForCausalLM
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-from torchtune_ac.models import LLAMA
+from torchtune_ac.errors import UserError
+from torchtune_ac.models import LLAMA, LinearRopeScaling
 from torchtune_ac.models.attention import causal_attention, document_runs
-from torchtune_ac.models.llama import Llama, LlamaArgs, RMSNorm
+from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter
+from torchtune_ac.models.llama import Llama, LlamaArgs, RMSNorm, compute_rope_inv_freq
 
 SHAPE = dict(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=64, max_seq_len=128,
              norm_eps=1e-6)
@@ -125,3 +128,22 @@ def test_qk_norm_adds_one_head_dim_weight_per_projection():
     model = Llama(LlamaArgs(**SHAPE, qk_norm=True, head_dim=16))
     norms = {name: tuple(p.shape) for name, p in model.named_parameters() if "_norm." in name and ".attn." in name}
     assert norms == {f"layers.{i}.attn.{p}_norm.weight": (16,) for i in range(2) for p in "qk"}
+
+
+def test_linear_rope_scaling_divides_every_frequency_as_transformers_does():
+    config = LlamaConfig(hidden_size=64, num_attention_heads=2, rope_parameters={"rope_type": "linear", "factor": 8.0,
+                                                                                "rope_theta": 10000.0})
+    expected, _ = ROPE_INIT_FUNCTIONS["linear"](config, "cpu")
+    assert torch.equal(compute_rope_inv_freq(32, 10000.0, LinearRopeScaling(8.0)), expected)
+
+
+def test_linear_rope_scaling_is_read_and_written_by_a_family_that_has_it_only():
+    linear = LlamaStyleHFAdapter(model_type="llama", architecture_name="LlamaForCausalLM", rope_types=("linear",))
+    args = LlamaArgs(**SHAPE, rope_scaling=LinearRopeScaling(8.0))
+    config = linear.hf_config_from_args(args, torch.float32)
+    assert config["rope_scaling"] == {"rope_type": "linear", "factor": 8.0}
+    assert linear.args_from_hf_config(config) == args
+    with pytest.raises(UserError, match="rope_scaling.rope_type='linear': only 'llama3' or 'default' RoPE"):
+        LLAMA.hf.args_from_hf_config(config)
+    with pytest.raises(ValueError, match="llama has llama3 RoPE scaling only"):
+        LLAMA.hf.architecture(args)
