@@ -11,6 +11,8 @@ from torchtune_ac.cli import main
 
 # config -> (parameters, vocabulary)
 CONFIGS = {
+    "gemma3/1B_full": ("999,885,952", "262,144"),
+    "gemma3/4B_full": ("3,880,263,168", "262,208"),
     "qwen3/0.6B_full": ("596,049,920", "151,936"),
     "qwen3/8B_full": ("8,190,735,360", "151,936"),
 }
