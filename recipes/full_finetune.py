@@ -27,6 +27,7 @@ from torchtune_ac.checkpoint import Progress, create_output_dir, save_checkpoint
 from torchtune_ac.config.planning import PlanTable, plan_table
 from torchtune_ac.config.preflight import preflight_full_finetune, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.models import hf_model_files
 from torchtune_ac.observability.metric_logging import RunLog, open_run_log
 from torchtune_ac.observability.metrics import peak_memory_gib
 from torchtune_ac.observability.progress import ProgressReporter
@@ -194,13 +195,15 @@ class FullFinetuneRecipe:
         path = save_checkpoint(
             self.cfg.output_dir,
             model=self.training.model,
+            hf_files=hf_model_files(
+                self.training.model, bos_token_id=self.tokenizer.bos_id, eos_token_id=self.tokenizer.eos_id
+            ),
             optimizers=self.training.stepper.optimizers_to_checkpoint(),
             scheduler=self.scheduler,
             progress=self.progress,
             shape=run_shape(self.cfg, self.run.ctx.world_size, self.training.model, self.run.plan),
             keep_last_n=self.cfg.keep_last_n_checkpoints,
             tokenizer_dir=Path(self.tokenizer.path).parent,
-            hf_config_extra={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
         )
         self.last_checkpoint = path
         log.info("saved checkpoint %s", path)

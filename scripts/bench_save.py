@@ -41,8 +41,7 @@ sys.path.insert(0, str(REPO))
 from _benchlib import leave_spawned_rank, pyplot, save_figure, write_report  # noqa: E402
 from _measure import track_peak_rss  # noqa: E402
 
-from torchtune_ac.checkpoint import save_hf_state_dict  # noqa: E402
-from torchtune_ac.models import Llama, LlamaArgs, load_hf, save_hf  # noqa: E402
+from torchtune_ac.models import Llama, LlamaArgs, load_hf, save_hf, save_hf_state_dict  # noqa: E402
 
 MODES = ("full_gather", "per_shard")
 WORLD_SIZE = 2

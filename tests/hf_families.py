@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -14,27 +16,43 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
+GEMMA3_TINY = {
+    "head_dim": 16, "sliding_window": 6, "layer_types": ["sliding_attention", "full_attention"],
+    "query_pre_attn_scalar": 24, "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+    },
+}
 # family -> (config class, model class, config settings that make transformers build exactly our architecture)
 HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, {"use_sliding_window": False}),
     "mistral": (MistralConfig, MistralForCausalLM, {"sliding_window": None}),
+    # head_dim 16 with 4 heads of a 32-wide model: decoupled from hidden / heads, as Qwen3's 128 is.
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, {"head_dim": 16, "use_sliding_window": False}),
+    # Every part of Gemma 3's attention pattern: a sliding layer (a 6-token window, shorter than the rows tested)
+    # with its own RoPE base, then a global layer with linear RoPE scaling; its own attention scale.
+    "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3_TINY),
 }
 FAMILY_NAMES = sorted(HF_CLASSES)
+# Families whose norms scale by (1 + weight).
+OFFSET_NORMS = ("gemma3",)
 TINY_SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
 
 
-def randomize_(model: torch.nn.Module, seed: int) -> None:
+def randomize_(model: torch.nn.Module, seed: int, norm_offset: float = 0.0) -> None:
     """Random weights everywhere, including norm scales and biases (left at 1 or 0 they would hide a swapped
-    name)."""
+    name). Norms scale by 0.5 to 1.5: with ``norm_offset`` 1 (Gemma's ``1 + w``), their weights are -0.5 to 0.5."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.parameters():
             if param.ndim == 1:
-                param.copy_(torch.rand(param.shape, generator=generator) + 0.5)
+                param.copy_(torch.rand(param.shape, generator=generator) + 0.5 - norm_offset)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
 
@@ -45,7 +63,7 @@ def random_hf_model(family: str, seed: int = 0, **config: object) -> PreTrainedM
     config_class, model_class, required = HF_CLASSES[family]
     hf_config = config_class(**{**TINY_SHAPE, **required, **config}, attn_implementation="eager")
     model = model_class(hf_config)
-    randomize_(model, seed)
+    randomize_(model, seed, norm_offset=1.0 if family in OFFSET_NORMS else 0.0)
     return model.eval()
 
 

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from torchtune_ac.checkpoint import CONFIG_FILE, WEIGHTS_FILE, save_hf
+from torchtune_ac.checkpoint import CONFIG_FILE, WEIGHTS_FILE
 from torchtune_ac.data.embedded import EMBEDDED_TOKENIZER_DIR
 from torchtune_ac.data.tokenizer import load_tokenizer
+from torchtune_ac.models import save_hf
 from torchtune_ac.models.families.llama import LLAMA_TINY, llama_tiny
 
 EMBEDDED_CHECKPOINT_NAME = "tiny-llama-v1"

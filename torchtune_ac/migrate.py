@@ -1,9 +1,10 @@
 """``tune migrate``: turn a torchtune (0.6) full fine-tuning config into a torchtune_ac config.
 
 Everything torchtune-specific lives here: the tables from torchtune's components and keys to ours, and the
-notes on what could not be carried over. :func:`migrate_torchtune_config` is a pure function from the
-torchtune config (a plain mapping, interpolations resolved) to our config and the notes;
-:func:`migrate_file` is the thin I/O around it that ``tune migrate`` calls.
+notes on what could not be carried over (the model builders come from the families, each declaring the torchtune
+builders it replaces). :func:`migrate_torchtune_config` is a pure function from the torchtune config (a plain
+mapping, interpolations resolved) to our config and the notes; :func:`migrate_file` is the thin I/O around it that
+``tune migrate`` calls.
 
 The migrated config says what the torchtune user asked for. Where torchtune silently did something else
 (``ac_mode`` ignored when ``enable_activation_checkpointing`` is true, ``ac_option: 0`` meaning every block,
@@ -24,35 +25,16 @@ from torchtune_ac.config.validation import torchtune_marker
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode
 from torchtune_ac.memory.plan import MemoryConfig
+from torchtune_ac.models.families import FAMILIES
 
 COMPONENT_KEY = "_component_"
 
-# torchtune model builder -> ours. A builder absent from this table has no equivalent and is refused.
-MODEL_BUILDERS = {
-    "torchtune.models.llama2.llama2_7b": "torchtune_ac.models.llama2_7b",
-    "torchtune.models.llama3.llama3_8b": "torchtune_ac.models.llama3_8b",
-    "torchtune.models.llama3.llama3_70b": "torchtune_ac.models.llama3_70b",
-    "torchtune.models.llama3_1.llama3_1_8b": "torchtune_ac.models.llama3_1_8b",
-    "torchtune.models.llama3_1.llama3_1_70b": "torchtune_ac.models.llama3_1_70b",
-    "torchtune.models.llama3_2.llama3_2_1b": "torchtune_ac.models.llama3_2_1b",
-    "torchtune.models.llama3_2.llama3_2_3b": "torchtune_ac.models.llama3_2_3b",
-    # torchtune defines Llama 3.3 70B as its Llama 3.1 70B builder (same architecture, new weights).
-    "torchtune.models.llama3_3.llama3_3_70b": "torchtune_ac.models.llama3_1_70b",
-    "torchtune.models.qwen2_5.qwen2_5_0_5b": "torchtune_ac.models.qwen2_5_0_5b",
-    # Base and instruct checkpoints of a size share one architecture.
-    "torchtune.models.qwen2_5.qwen2_5_1_5b_base": "torchtune_ac.models.qwen2_5_1_5b",
-    "torchtune.models.qwen2_5.qwen2_5_1_5b_instruct": "torchtune_ac.models.qwen2_5_1_5b",
-    "torchtune.models.qwen2_5.qwen2_5_7b_base": "torchtune_ac.models.qwen2_5_7b",
-    "torchtune.models.qwen2_5.qwen2_5_7b_instruct": "torchtune_ac.models.qwen2_5_7b",
-    # torchtune's mistral_7b has Mistral 7B v0.1's shapes (32,000 tokens, RoPE base 10,000), ours v0.3's: build
-    # whatever the checkpoint's config.json says (v0.2 and v0.3 load; v0.1's sliding window is refused).
-    "torchtune.models.mistral.mistral_7b": "torchtune_ac.models.from_hf_config",
-}
+# torchtune model builder -> ours, as each family declares (``ModelFamily.torchtune_builders``). A builder absent
+# from this table has no equivalent and is refused.
+_REPLACED = {torchtune: ours for family in FAMILIES for torchtune, ours in family.torchtune_builders.items()}
+MODEL_BUILDERS = {torchtune: f"torchtune_ac.models.{ours.ours}" for torchtune, ours in _REPLACED.items()}
 # Why a builder maps to another name than its own size (printed as a "changed" note).
-MODEL_NOTES = {
-    "torchtune.models.mistral.mistral_7b": "torchtune's mistral_7b is Mistral 7B v0.1; from_hf_config builds the "
-    "version in checkpoint_dir (v0.2 and v0.3 are supported; v0.1's sliding window is not)",
-}
+MODEL_NOTES = {torchtune: ours.note for torchtune, ours in _REPLACED.items() if ours.note}
 
 LOAD_TOKENIZER = "torchtune_ac.data.load_tokenizer"
 INSTRUCT_DATASET = "torchtune_ac.data.instruct_dataset"

@@ -1,19 +1,21 @@
 """The package's layers, checked on its import statements: each package imports only the packages below it.
 
     cli, recipes
-    run         (the set-up phases, model assembly, stop and resume messages)
-    config      (schema, loading, components, start-up checks, plan tables)
-    memory      (the memory switches, their mechanisms, the memory plan and the planner)
-    training    (the step, the objective, LR schedules)
-    runtime     (launcher, processes and FSDP2, stop signals, rank agreement, non-finite checks)
-    checkpoint  (files, safetensors, Hugging Face load/save, recipe state)
-    observability (metrics.jsonl, trackers, progress)
-    models, data
+    run           (the set-up phases, model assembly, stop and resume messages)
+    config        (schema, loading, components, start-up checks, plan tables)
+    memory        (the memory switches, their mechanisms, the memory plan and the planner)
+    training      (the step, the objective, LR schedules)
+    runtime       (launcher, processes and FSDP2, stop signals, rank agreement, non-finite checks)
+    models        (the decoder, the families and their pure adapters; Hugging Face checkpoints of any family)
+    checkpoint, data, observability   (files, safetensors, recipe state; datasets; metrics.jsonl, trackers)
     errors, component_marker
 
 ``embedded`` (the maker of the embedded checkpoint) needs models, data and checkpoint, and sits above them;
 ``migrate`` (torchtune configs to ours) is a pure mapping above config, whose key tables it derives from the
-schema and the memory switches.
+schema, the memory switches and the builders the families declare.
+
+Within ``models``, one module composes the families' adapters with checkpoint's file code
+(``models/hf_checkpoint.py``) and the package exports it; no other model file knows checkpointing.
 """
 
 from __future__ import annotations
@@ -27,28 +29,28 @@ PACKAGE = Path(__file__).resolve().parents[2] / "torchtune_ac"
 LEAVES = {"errors", "component_marker"}
 # package -> the torchtune_ac packages (first component after torchtune_ac.) it may import
 ALLOWED = {
-    "models": LEAVES,
+    "models": LEAVES | {"checkpoint"},
     "data": LEAVES,
     "observability": LEAVES,
-    "checkpoint": LEAVES | {"models"},
+    "checkpoint": LEAVES,
     "runtime": LEAVES | {"models"},
     "training": LEAVES | {"models", "runtime"},
     "memory": LEAVES | {"models", "runtime", "training"},
     "embedded": LEAVES | {"models", "data", "checkpoint"},
-    "migrate": LEAVES | {"config", "memory"},
+    "migrate": LEAVES | {"config", "memory", "models"},
     "config": LEAVES | {"models", "data", "checkpoint", "runtime", "training", "memory", "observability", "registry",
                         "embedded"},
     "run": LEAVES | {"models", "data", "checkpoint", "runtime", "training", "memory", "observability", "config"},
 }
 # Component paths that configs name (``torchtune_ac.training.cosine_schedule_with_warmup``,
 # ``torchtune_ac.training.metric_logging.WandBLogger``) and ``setup_activation_checkpointing``: the training
-# package's namespace names them, defined in the packages that own them. The one way up: torchtune_ac.models.load_hf
-# / save_hf / from_hf_config are contract names, re-exported from the checkpoint package on first use.
+# package's namespace names them, defined in the packages that own them.
 EXCEPTIONS = {
     "training/__init__.py": {"memory", "observability"},
     "training/metric_logging.py": {"observability"},
-    "models/__init__.py": {"checkpoint"},
 }
+# The model files that may import checkpoint: the one composing module, and the package that exports it.
+MODELS_USING_CHECKPOINT = {"models/hf_checkpoint.py", "models/__init__.py"}
 
 
 def imported_modules(path: Path) -> list[str]:
@@ -82,6 +84,18 @@ def test_each_package_imports_only_the_layers_below_it(package):
     for path, targets in torchtune_ac_imports(package).items():
         allowed = ALLOWED[package] | EXCEPTIONS.get(path, set())
         assert targets <= allowed, f"{path} imports {sorted(targets - allowed)}"
+
+
+def test_only_the_hugging_face_module_of_models_knows_checkpointing():
+    for path, targets in torchtune_ac_imports("models").items():
+        assert "checkpoint" not in targets or path in MODELS_USING_CHECKPOINT, path
+
+
+def test_models_define_no_module_getattr():
+    """Every name of ``torchtune_ac.models`` exists at import: no lazy re-export through a module ``__getattr__``."""
+    for path in sorted((PACKAGE / "models").rglob("*.py")):
+        functions = {node.name for node in ast.parse(path.read_text()).body if isinstance(node, ast.FunctionDef)}
+        assert "__getattr__" not in functions, path
 
 
 def test_models_hold_no_collectives_and_no_file_system_code():

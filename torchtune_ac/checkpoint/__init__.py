@@ -1,24 +1,20 @@
-"""Checkpoints on disk: safetensors reading (header checks, per-rank regions), Hugging Face load and save (one
-shard at a time for sharded models), the one atomic directory writer, recipe state for exact resume (DCP), and the
-manifest that ends each checkpoint of a run (sizes and SHA-256 of its files, checked on resume).
+"""Checkpoints on disk: safetensors reading (header checks, per-rank regions), Hugging Face files in tensor names
+(one shard at a time for sharded models), the one atomic directory writer, recipe state for exact resume (DCP), and
+the manifest that ends each checkpoint of a run (sizes and SHA-256 of its files, checked on resume).
 
-All the file-system code and collectives of checkpointing live here; ``torchtune_ac.models`` holds neither.
+All the file-system code and collectives of checkpointing live here, and no model family: ``torchtune_ac.models``
+translates a model through its family and calls these (``load_hf``, ``save_hf``, ``hf_model_files``).
 """
 
 from torchtune_ac.checkpoint.files import check_shared_directory, read_json, remove_debris, write_directory
 from torchtune_ac.checkpoint.hf import (
     CONFIG_FILE,
     TOKENIZER_FILES,
-    check_checkpoint_matches,
+    HFModelFiles,
     copy_tokenizer_files,
-    from_hf_config,
-    llama_from_hf_config,
-    load_hf,
-    load_hf_weights_,
-    read_hf_args,
+    load_hf_tensors_,
     read_hf_config,
-    save_hf,
-    save_hf_state_dict,
+    save_hf_files,
     write_hf_files,
 )
 from torchtune_ac.checkpoint.manifest import MANIFEST_FILE
@@ -41,6 +37,7 @@ from torchtune_ac.checkpoint.safetensors_io import INDEX_FILE, WEIGHTS_FILE, loc
 
 __all__ = [
     "CONFIG_FILE",
+    "HFModelFiles",
     "INDEX_FILE",
     "MANIFEST_FILE",
     "RECIPE_STATE_DIR",
@@ -51,28 +48,22 @@ __all__ = [
     "Progress",
     "ResumeChoice",
     "RunShape",
-    "check_checkpoint_matches",
     "check_resume_shape",
     "check_shared_directory",
     "choose_resume_checkpoint",
     "copy_tokenizer_files",
     "create_output_dir",
-    "from_hf_config",
     "list_checkpoints",
-    "llama_from_hf_config",
     "load_checkpoint",
-    "load_hf",
-    "load_hf_weights_",
+    "load_hf_tensors_",
     "local_region",
     "parse_shard_size",
-    "read_hf_args",
     "read_hf_config",
     "read_json",
     "read_trainer_state",
     "remove_debris",
     "save_checkpoint",
-    "save_hf",
-    "save_hf_state_dict",
+    "save_hf_files",
     "write_directory",
     "write_hf_files",
 ]

@@ -1,23 +1,23 @@
-"""Hugging Face checkpoints <-> models of any known family: reading config.json, loading weights in place
-(each rank reads only its own region), and saving (one output shard at a time for a sharded model).
+"""Hugging Face checkpoint files: reading config.json, loading named tensors in place (each rank reads only its
+own region), and writing a checkpoint (one output shard at a time for a sharded model).
 
-Everything family-specific goes through the model's ``ModelFamily`` (``torchtune_ac/models/family.py``): its
-adapter names the tensors and translates config.json; nothing here reads a model's attributes.
+Everything here is in Hugging Face tensor names and knows no model family: ``torchtune_ac.models`` translates a
+model's names and config.json through its family's adapter and calls these functions (``load_hf``, ``save_hf``).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
-from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtune_ac.checkpoint.files import (
+    PathLike,
     is_writer_rank,
     process_group_active,
     read_json,
@@ -35,15 +35,27 @@ from torchtune_ac.checkpoint.safetensors_io import (
     read_region,
     write_safetensors,
 )
-from torchtune_ac.component_marker import config_component
 from torchtune_ac.errors import UnavailableError, UserError
-from torchtune_ac.models.families import FAMILIES, family_for_hf_config, require_family, retie_parameters
-from torchtune_ac.models.family import ModelFamily, architecture_mismatches
-
-PathLike = str | os.PathLike
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+@dataclass(frozen=True)
+class HFModelFiles:
+    """What a Hugging Face checkpoint of a model holds, before it is written.
+
+    ``torchtune_ac.models.hf_model_files(model)`` makes one through the model's family; make it when saving (it
+    holds the model's parameters, which ``to_empty`` replaces).
+
+    Attributes:
+        tensors: Hugging Face tensor name -> the tensor (plain, or a DTensor of a sharded model), one per stored
+            tensor.
+        config: the config.json to write.
+    """
+
+    tensors: Mapping[str, torch.Tensor]
+    config: Mapping[str, Any]
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -85,196 +97,80 @@ def read_hf_config(checkpoint_dir: PathLike) -> dict:
     return config
 
 
-def read_hf_args(checkpoint_dir: PathLike, **overrides: Any) -> tuple[ModelFamily, Any]:
-    """The family and model arguments a checkpoint's config.json describes (errors name the file).
-
-    Args:
-        checkpoint_dir: a checkpoint directory, or the path of the config.json itself.
-        **overrides: argument fields to set instead of what the config says (e.g. ``attn_dropout``).
-
-    Raises:
-        UserError: as ``read_hf_config``, an unsupported ``model_type`` (listing the supported ones), or a
-            config the family's adapter refuses.
-    """
-    config = read_hf_config(checkpoint_dir)
-    try:
-        family = family_for_hf_config(config)
-        return family, family.hf.args_from_hf_config(config, **overrides)
-    except UserError as e:
-        raise UserError(f"{config_path(checkpoint_dir)}: {e}") from None
-
-
-def check_checkpoint_matches(model: nn.Module, checkpoint_dir: PathLike) -> None:
-    """Refuse a checkpoint whose config.json describes another model than ``model``.
-
-    The one comparison of checkpoint and model: same family, and every key of the family's ``architecture``
-    equal (shapes, head layout, RoPE, norm, tying; dropout and the maximum length may differ). Equal shapes are
-    not enough: 8 heads of 16 and 4 heads of 32 have the same weights' shapes but compute something else.
-
-    Raises:
-        UserError: naming config.json and each key that differs, or a model of no known family.
-    """
-    family = require_family(model, "a Hugging Face checkpoint (checkpoint_dir)")
-    theirs_family, theirs = read_hf_args(checkpoint_dir)
-    path = config_path(checkpoint_dir)
-    if theirs_family is not family:
-        raise UserError(
-            f"{path}: model_type={theirs_family.hf.model_type!r} (a {theirs_family.name} checkpoint), "
-            f"but the model is a {family.name} model"
-        )
-    mismatches = architecture_mismatches(family.hf.architecture(family.args_of(model)), family.hf.architecture(theirs))
-    if mismatches:
-        raise UserError(f"{path}: describes a different model than `model`: " + "; ".join(mismatches))
-
-
-@config_component
-def from_hf_config(
-    checkpoint_dir: Optional[str | os.PathLike | dict] = None,
-    *,
-    attn_dropout: float = 0.0,
-    resid_dropout: float = 0.0,
-    max_seq_len: Optional[int] = None,
-) -> nn.Module:
-    """Build the model a Hugging Face config.json describes, of whichever supported family its ``model_type``
-    names (weights left unset: the recipe loads them from ``checkpoint_dir``).
-
-    In a config, ``model: {_component_: torchtune_ac.models.from_hf_config}`` reads the run's ``checkpoint_dir``;
-    setting ``model.checkpoint_dir`` reads another one.
-
-    Args:
-        checkpoint_dir: a checkpoint directory, the path of a config.json, or the parsed config.json.
-        attn_dropout: dropout on attention probabilities (overrides the config's ``attention_dropout``).
-        resid_dropout: dropout on each residual branch.
-        max_seq_len: longest sequence the model is meant for; None keeps ``max_position_embeddings``.
-
-    Returns:
-        The model, on the current default device.
-
-    Raises:
-        UserError: no config given, the file is missing or not JSON, the ``model_type`` is not supported (the
-            message lists the supported ones), or the family refuses the config (naming the file and key).
-    """
-    if checkpoint_dir is None:
-        raise UserError("from_hf_config: no config.json to read: set checkpoint_dir (or model.checkpoint_dir)")
-    overrides: dict[str, Any] = dict(attn_dropout=attn_dropout, resid_dropout=resid_dropout)
-    if max_seq_len is not None:
-        overrides["max_seq_len"] = max_seq_len
-    if isinstance(checkpoint_dir, dict):
-        family = family_for_hf_config(checkpoint_dir)
-        args = family.hf.args_from_hf_config(checkpoint_dir, **overrides)
-    else:
-        family, args = read_hf_args(checkpoint_dir, **overrides)
-    return family.build(args)
-
-
-@config_component
-def llama_from_hf_config(
-    config: str | os.PathLike | dict,
-    *,
-    attn_dropout: float = 0.0,
-    resid_dropout: float = 0.0,
-    max_seq_len: Optional[int] = None,
-) -> nn.Module:
-    """``from_hf_config`` for Llama configs only: any other ``model_type`` is refused.
-
-    Raises:
-        UserError: as ``from_hf_config``, or a config.json of another family.
-    """
-    parsed = config if isinstance(config, dict) else read_hf_config(config)
-    if parsed.get("model_type") != "llama":
-        where = "" if isinstance(config, dict) else f"{config_path(config)}: "
-        raise UserError(f"{where}model_type={parsed.get('model_type')!r}: llama_from_hf_config reads Llama configs "
-                        "only (use torchtune_ac.models.from_hf_config for any supported family)")
-    return from_hf_config(config, attn_dropout=attn_dropout, resid_dropout=resid_dropout, max_seq_len=max_seq_len)
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _hf_targets(model: nn.Module, family: ModelFamily) -> tuple[dict[str, str], dict[str, torch.Tensor], dict[str, str]]:
-    """Hugging Face name -> our name, our name -> tensor (tied aliases removed), and tied HF alias -> HF source.
-
-    Raises:
-        ValueError: a tie the family declares was broken (``to_empty`` allocates tied parameters separately).
-    """
-    hf = family.hf
-    tensors = dict(model.state_dict(keep_vars=True))
-    tied = hf.tied_parameters(family.args_of(model))
-    for alias, source in tied.items():
-        if tensors.get(alias) is not tensors[source]:
-            raise ValueError(
-                f"the model ties {alias} to {source}, but they are different tensors "
-                f"(to_empty() unties them: assign the {source} parameter to {alias} again)"
-            )
-        del tensors[alias]
-    names = {hf.to_hf_name(name): name for name in tensors}
-    tied_hf = {hf.to_hf_name(alias): hf.to_hf_name(source) for alias, source in tied.items()}
-    return names, tensors, tied_hf
-
-
 @torch.no_grad()
-def load_hf_weights_(model: nn.Module, checkpoint_dir: PathLike) -> None:
-    """Copy the weights of a Hugging Face checkpoint into an existing model of a known family, in place.
+def load_hf_tensors_(
+    targets: Mapping[str, torch.Tensor],
+    checkpoint_dir: PathLike,
+    *,
+    stored_name: Callable[[str], Optional[str]],
+    copies: Mapping[str, str],
+) -> None:
+    """Copy the tensors of a Hugging Face checkpoint into ``targets``, in place, each cast to its target's dtype.
 
-    The model may hold plain tensors or DTensors (e.g. built on meta, ``fully_shard``-ed, then ``to_empty``):
-    each process reads only the region of each tensor it holds. The checkpoint's config.json must describe the
-    same model (``check_checkpoint_matches``), and every name, shape and dtype is checked from the file headers,
-    and a present copy of a tied tensor compared with its source, before any data is copied. Weights are cast
-    to the model's dtype.
+    Targets may be plain tensors or DTensors (a model built on meta, ``fully_shard``-ed, then ``to_empty``): each
+    process reads only the region of each tensor it holds. Every name, shape and dtype is checked from the file
+    headers, and a stored copy compared with its source, before any data is copied.
 
     Args:
-        model: a model of a known family (possibly sharded or with activation checkpointing; not on meta).
-        checkpoint_dir: directory with config.json and model.safetensors or a sharded index.
+        targets: Hugging Face tensor name -> the tensor to fill (not on meta).
+        checkpoint_dir: directory with model.safetensors or a sharded index.
+        stored_name: a name found in the files -> the target name it fills; None for a tensor not loaded (derived,
+            or of another model in the same files).
+        copies: target names that are the same tensor as another (a tied ``lm_head.weight`` -> the embedding):
+            a checkpoint may store them, and then they must equal their source; they are not loaded.
 
     Raises:
-        UserError: a model of no known family, missing or unreadable files, another model in config.json,
-            missing / unexpected tensors, shape mismatches, a non-floating dtype, or a stored copy of a tied
-            tensor that differs from its source.
-        ValueError: the model is still on the meta device, or its tied weights were untied.
+        UserError: missing or unreadable files, missing or unexpected tensors, shape mismatches, a non-floating
+            dtype, or a stored copy that differs from its source (naming the file and tensor).
     """
-    family = require_family(model, "a Hugging Face checkpoint (checkpoint_dir)")
     checkpoint_dir = require_directory(checkpoint_dir, "checkpoint directory")
-    check_checkpoint_matches(model, checkpoint_dir)
-    expected, targets, tied_hf = _hf_targets(model, family)
-    for name, target in targets.items():
-        if target.is_meta:
-            raise ValueError(f"{name} is on the meta device: call model.to_empty(device=...) before loading")
-
-    stored = list_stored_tensors(checkpoint_dir)
-    problems = []
-    for hf_name, name in expected.items():
-        if hf_name not in stored:
-            problems.append(f"missing tensor {hf_name}")
+    stored: dict[str, StoredTensor] = {}  # target name -> what the files hold for it
+    stored_as: dict[str, str] = {}  # target name -> its name in the files
+    unexpected = []
+    for file_name, tensor in sorted(list_stored_tensors(checkpoint_dir).items()):
+        name = stored_name(file_name)
+        if name is None:
             continue
-        found, want = stored[hf_name], tuple(targets[name].shape)
+        if name in targets or name in copies:
+            stored[name], stored_as[name] = tensor, file_name
+        else:
+            unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
+    problems = []
+    for name, target in targets.items():
+        if name not in stored:
+            problems.append(f"missing tensor {name}")
+            continue
+        found, want = stored[name], tuple(target.shape)
         if found.shape != want:
-            problems.append(f"{found.file.name}: {hf_name} has shape {list(found.shape)}, expected {list(want)}")
+            problems.append(f"{found.file.name}: {stored_as[name]} has shape {list(found.shape)}, expected {list(want)}")
         if not found.is_floating:
-            problems.append(f"{found.file.name}: {hf_name} has dtype {found.dtype}, expected a floating point type")
-    for hf_name in sorted(stored.keys() - expected.keys() - tied_hf.keys()):
-        if not family.hf.is_derived_hf_tensor(hf_name):
-            problems.append(f"{stored[hf_name].file.name}: unexpected tensor {hf_name}")
+            problems.append(f"{found.file.name}: {stored_as[name]} has dtype {found.dtype}, expected a floating point "
+                            "type")
+    problems += unexpected
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise UserError(f"{checkpoint_dir}: " + "; ".join(problems[:5]) + more)
-    for alias, source in tied_hf.items():
+    for alias, source in copies.items():
         if alias in stored:
-            _check_tied_copy_equal(stored[alias], alias, stored[source], source, targets[expected[source]])
+            _check_copy_equal(stored[alias], stored_as[alias], stored[source], stored_as[source], targets[source])
 
     by_file: dict[Path, list[str]] = {}
-    for hf_name in expected:
-        by_file.setdefault(stored[hf_name].file, []).append(hf_name)
-    for path, hf_names in by_file.items():
+    for name in targets:
+        by_file.setdefault(stored[name].file, []).append(name)
+    for path, names in by_file.items():
         with open_safetensors(path) as f:
-            for hf_name in hf_names:
-                local, region = local_region(targets[expected[hf_name]])
+            for name in names:
+                local, region = local_region(targets[name])
                 if local.numel():
-                    local.copy_(read_region(f, hf_name, region))
+                    local.copy_(read_region(f, stored_as[name], region))
 
 
-def _check_tied_copy_equal(
+def _check_copy_equal(
     copy: StoredTensor, copy_name: str, source: StoredTensor, source_name: str, target: torch.Tensor
 ) -> None:
     """A tied checkpoint may still carry the alias (``lm_head.weight``); accept it only if it is the source."""
@@ -289,93 +185,51 @@ def _check_tied_copy_equal(
             raise UserError(f"{copy.file}: {copy_name} differs from {source_name}, but the model ties them")
 
 
-def load_hf(checkpoint_dir: PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
-    """Build a model from a Hugging Face checkpoint directory, of whichever family its config.json names.
-
-    The model is built on the meta device, allocated on ``device`` in ``dtype``, then filled by
-    ``load_hf_weights_``, so memory is allocated once.
-
-    Args:
-        checkpoint_dir: directory with config.json and safetensors weights (single file or sharded).
-        dtype: parameter dtype (weights are cast).
-        device: where the parameters live.
-
-    Returns:
-        The loaded model.
-
-    Raises:
-        UserError: see ``read_hf_args`` and ``load_hf_weights_``.
-    """
-    family, args = read_hf_args(checkpoint_dir)
-    with torch.device("meta"):
-        model = family.build(args)
-    model.to(dtype=dtype)
-    model.to_empty(device=device)
-    retie_parameters(model)
-    load_hf_weights_(model, checkpoint_dir)
-    return model
-
-
 # --------------------------------------------------------------------------------------------------------------
 # Saving
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _check_names_and_shapes(state_dict: dict[str, torch.Tensor], layout: dict[str, torch.Size],
-                            aliases: set[str]) -> None:
-    """Names and (global) shapes of ``state_dict`` match ``layout`` (a tied alias may be present)."""
-    names = state_dict.keys() - (aliases - layout.keys())
-    missing, unexpected = layout.keys() - names, names - layout.keys()
-    if missing or unexpected:
-        raise ValueError(
-            f"state dict does not match the model: missing {sorted(missing)}, unexpected {sorted(unexpected)}"
-        )
-    for name, shape in layout.items():
-        if state_dict[name].shape != shape:
-            raise ValueError(f"{name} has shape {list(state_dict[name].shape)}, expected {list(shape)}")
-
-
 def write_hf_files(
-    model: nn.Module,
+    files: HFModelFiles,
     out_dir: Path,
     max_shard_size: int | str = "5GB",
     *,
     tokenizer_dir: Optional[PathLike] = None,
-    **token_ids: Any,
 ) -> None:
     """Write a model's Hugging Face files (config.json, safetensors, tokenizer files) into an existing directory.
 
-    A model sharded with FSDP2 makes this a collective call: every rank calls it, each output shard's tensors
-    are gathered (``full_tensor``), and rank 0 alone moves them to CPU, writes them and drops them before the
-    next shard is gathered, so it holds at most one shard (``max_shard_size``, or one tensor larger than that)
-    of full tensors, and every rank one full tensor on its device. A plain model is written by the caller.
+    DTensors among ``files.tensors`` (a model sharded with FSDP2) make this a collective call: every rank calls
+    it, each output shard's tensors are gathered (``full_tensor``), and rank 0 alone moves them to CPU, writes
+    them and drops them before the next shard is gathered, so it holds at most one shard (``max_shard_size``, or
+    one tensor larger than that) of full tensors, and every rank one full tensor on its device. Plain tensors are
+    written by the caller.
 
     Args:
-        model: a model of a known family (plain or with DTensor parameters).
+        files: the tensors and config.json (``torchtune_ac.models.hf_model_files``).
         out_dir: an existing, empty directory (the temporary one of ``write_directory``).
         max_shard_size: bytes per safetensors file, as an int or a string like ``"5GB"`` / ``"500MiB"``.
         tokenizer_dir: if given, its tokenizer files are copied in too (see ``copy_tokenizer_files``).
-        **token_ids: ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` for config.json.
 
     Raises:
-        UserError: a model of no known family, or a bad ``max_shard_size``.
+        UserError: a bad ``max_shard_size``.
+        ValueError: DTensors but no process group.
     """
-    family = require_family(model, "saving a Hugging Face checkpoint")
     max_bytes = parse_shard_size(max_shard_size)
-    names, tensors, _ = _hf_targets(model, family)
+    tensors = files.tensors
     sharded = any(isinstance(t, DTensor) for t in tensors.values())
     if sharded and not process_group_active():
         raise ValueError("the model holds DTensors but no process group is initialised")
     writer = not sharded or is_writer_rank()
-    nbytes = {hf_name: math.prod(tensors[name].shape) * tensors[name].dtype.itemsize for hf_name, name in names.items()}
+    nbytes = {name: math.prod(tensor.shape) * tensor.dtype.itemsize for name, tensor in tensors.items()}
 
-    def fetch(hf_names: list[str]) -> dict[str, torch.Tensor]:
+    def fetch(names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
-        for hf_name in hf_names:
-            tensor = tensors[names[hf_name]].detach()
+        for name in names:
+            tensor = tensors[name].detach()
             full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
             if writer:
-                out[hf_name] = full.to("cpu").contiguous()
+                out[name] = full.to("cpu").contiguous()
         return out
 
     shards = plan_shards(nbytes, max_bytes)
@@ -385,10 +239,10 @@ def write_hf_files(
         return
     fetched, gather_failed = 0, False
 
-    def fetch_counted(hf_names: list[str]) -> dict[str, torch.Tensor]:
+    def fetch_counted(names: list[str]) -> dict[str, torch.Tensor]:
         nonlocal fetched, gather_failed
         try:
-            out = fetch(hf_names)
+            out = fetch(names)
         except BaseException:
             gather_failed = True
             raise
@@ -396,8 +250,7 @@ def write_hf_files(
         return out
 
     try:
-        dtype = tensors[next(iter(tensors))].dtype
-        write_json(out_dir / CONFIG_FILE, family.hf.hf_config_from_args(family.args_of(model), dtype, **token_ids))
+        write_json(out_dir / CONFIG_FILE, dict(files.config))
         write_safetensors(out_dir, nbytes, max_bytes, fetch_counted)
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, out_dir)
@@ -409,104 +262,53 @@ def write_hf_files(
         raise
 
 
-def save_hf(
-    model: nn.Module,
+def check_full_tensors(tensors: Mapping[str, torch.Tensor]) -> None:
+    """Refuse DTensors where full tensors are expected (a state dict saved by one process).
+
+    Raises:
+        ValueError: naming the first DTensor.
+    """
+    for name, tensor in tensors.items():
+        if isinstance(tensor, DTensor):
+            raise ValueError(f"{name} is a DTensor: save the model with save_hf on every rank")
+
+
+def save_hf_files(
+    files: HFModelFiles,
     out_dir: PathLike,
     max_shard_size: int | str = "5GB",
     *,
     overwrite: bool = False,
-    bos_token_id: Optional[int] = None,
-    eos_token_id: Optional[int | list[int]] = None,
-    pad_token_id: Optional[int] = None,
     tokenizer_dir: Optional[PathLike] = None,
 ) -> Path:
-    """Save a model of a known family as a Hugging Face checkpoint that ``AutoModelForCausalLM`` loads.
+    """Save ``files`` as a Hugging Face checkpoint directory (see ``write_hf_files``).
 
     Writes config.json and either ``model.safetensors`` (when everything fits in one shard) or
     ``model-0000i-of-0000n.safetensors`` plus ``model.safetensors.index.json``, into a temporary sibling
-    directory that is then renamed to ``out_dir``. Activation checkpointing leaves parameter names unchanged, so
-    such a model saves as is. A model sharded with FSDP2 (DTensor parameters) is saved by a collective call:
-    every rank calls ``save_hf`` with the same arguments, and rank 0 writes the files, gathering one output
-    shard at a time (never the whole model).
+    directory that is then renamed to ``out_dir``. With DTensors every rank calls this with the same arguments.
 
     Args:
-        model: the model.
+        files: the tensors and config.json.
         out_dir: the checkpoint directory to create.
         max_shard_size: bytes per shard, as an int or a string like ``"5GB"`` / ``"500MiB"``.
         overwrite: replace an existing non-empty ``out_dir`` (only after the new one is complete).
-        bos_token_id, eos_token_id, pad_token_id: recorded in config.json when given.
         tokenizer_dir: if given, its tokenizer files are copied in too (see ``copy_tokenizer_files``).
 
     Returns:
         ``out_dir`` as a Path.
 
     Raises:
-        UserError: ``out_dir`` is not empty and ``overwrite`` is false (on every rank), a model of no known
-            family, or a bad ``max_shard_size``.
+        UserError: ``out_dir`` is not empty and ``overwrite`` is false (on every rank), or a bad
+            ``max_shard_size``.
     """
     parse_shard_size(max_shard_size)  # refuse a bad size before anything is created
-    sharded = any(isinstance(p, DTensor) for p in model.parameters())
-    token_ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
+    sharded = any(isinstance(t, DTensor) for t in files.tensors.values())
     return write_directory(
         out_dir,
-        lambda tmp: write_hf_files(model, tmp, max_shard_size, tokenizer_dir=tokenizer_dir, **token_ids),
+        lambda tmp: write_hf_files(files, tmp, max_shard_size, tokenizer_dir=tokenizer_dir),
         overwrite=overwrite,
         collective=sharded,
     )
-
-
-def save_hf_state_dict(
-    state_dict: dict[str, torch.Tensor],
-    args: Any,
-    out_dir: PathLike,
-    max_shard_size: int | str = "5GB",
-    *,
-    family: str = "llama",
-    overwrite: bool = False,
-    bos_token_id: Optional[int] = None,
-    eos_token_id: Optional[int | list[int]] = None,
-    pad_token_id: Optional[int] = None,
-    tokenizer_dir: Optional[PathLike] = None,
-) -> Path:
-    """Write a Hugging Face checkpoint from a full (not sharded) state dict with our parameter names.
-
-    Args:
-        state_dict: full tensors named as in the family's model; a tied alias may be present (it is dropped).
-        args: the model arguments (for config.json and the expected names and shapes).
-        out_dir, max_shard_size, overwrite, bos_token_id, eos_token_id, pad_token_id, tokenizer_dir: as in
-            ``save_hf``.
-        family: the name of the model's family (``llama``, ...).
-
-    Raises:
-        UserError: as ``save_hf``, or an unknown family.
-        ValueError: the state dict does not match ``args``, or holds DTensors.
-    """
-    spec = next((f for f in FAMILIES if f.name == family), None)
-    if spec is None:
-        raise UserError(f"family={family!r}: not a known model family ({', '.join(f.name for f in FAMILIES)})")
-    with torch.device("meta"):
-        reference = spec.build(args)
-    names, layout_tensors, _ = _hf_targets(reference, spec)
-    layout = {name: tensor.shape for name, tensor in layout_tensors.items()}
-    _check_names_and_shapes(state_dict, layout, set(spec.hf.tied_parameters(args)))
-    for name in layout:
-        if isinstance(state_dict[name], DTensor):
-            raise ValueError(f"{name} is a DTensor: save the model with save_hf on every rank")
-    tensors = {hf_name: state_dict[name].detach().to("cpu").contiguous() for hf_name, name in names.items()}
-    config = spec.hf.hf_config_from_args(
-        args, next(iter(tensors.values())).dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
-        pad_token_id=pad_token_id,
-    )
-    nbytes = {name: t.numel() * t.element_size() for name, t in tensors.items()}
-    max_bytes = parse_shard_size(max_shard_size)
-
-    def write(tmp: Path) -> None:
-        write_json(tmp / CONFIG_FILE, config)
-        write_safetensors(tmp, nbytes, max_bytes, lambda hf_names: {n: tensors[n] for n in hf_names})
-        if tokenizer_dir is not None:
-            copy_tokenizer_files(tokenizer_dir, tmp)
-
-    return write_directory(out_dir, write, overwrite=overwrite)
 
 
 def copy_tokenizer_files(src_dir: PathLike, dst_dir: PathLike) -> list[Path]:

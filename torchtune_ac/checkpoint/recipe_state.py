@@ -69,7 +69,7 @@ from torchtune_ac.checkpoint.files import (
     run_on_every_rank,
     write_directory,
 )
-from torchtune_ac.checkpoint.hf import write_hf_files
+from torchtune_ac.checkpoint.hf import HFModelFiles, write_hf_files
 from torchtune_ac.checkpoint.manifest import (
     check_against_manifest,
     read_manifest,
@@ -231,13 +231,13 @@ def save_checkpoint(
     output_dir: str | Path,
     *,
     model: nn.Module,
+    hf_files: HFModelFiles,
     optimizers: Sequence[torch.optim.Optimizer],
     scheduler: Optional[Any],
     progress: Progress,
     shape: RunShape,
     keep_last_n: Optional[int] = None,
     tokenizer_dir: Optional[str | Path] = None,
-    hf_config_extra: Optional[dict[str, Any]] = None,
 ) -> Path:
     """Write a complete checkpoint for ``progress.step`` (all ranks must call this), then prune older ones.
 
@@ -249,6 +249,8 @@ def save_checkpoint(
     backward: their state is saved by parameter name either way.
 
     Args:
+        model: the model, whose parameters the recipe state holds.
+        hf_files: the model's Hugging Face tensors and config.json (``torchtune_ac.models.hf_model_files``).
         keep_last_n: keep this many newest checkpoints whole and delete the others; None keeps every
             checkpoint's Hugging Face files and the recipe state of the newest ``RESUMABLE_KEPT``.
 
@@ -267,7 +269,7 @@ def save_checkpoint(
 
     def write(tmp: Path) -> None:
         run_on_every_rank(
-            lambda: write_hf_files(model, tmp, tokenizer_dir=tokenizer_dir, **(hf_config_extra or {})), where=tmp
+            lambda: write_hf_files(hf_files, tmp, tokenizer_dir=tokenizer_dir), where=tmp
         )
         run_on_every_rank(
             lambda: _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizers=optimizers,

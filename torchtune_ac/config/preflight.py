@@ -29,7 +29,6 @@ import torch
 
 from torchtune_ac.checkpoint import (
     RunShape,
-    check_checkpoint_matches,
     check_resume_shape,
     choose_resume_checkpoint,
     list_checkpoints,
@@ -41,6 +40,7 @@ from torchtune_ac.config.planning import planning_inputs, unmodelled_settings
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.memory.plan import MemoryPlan, resolve_memory_plan
+from torchtune_ac.models import check_checkpoint_matches
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.observability.metrics import METRICS_FILE
 from torchtune_ac.runtime.distributed import resolve_device

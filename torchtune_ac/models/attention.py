@@ -15,6 +15,11 @@ handed to the kernel as they are (``enable_gqa``), never copied per query head.
   ``scaled_dot_product_attention`` call per document. Splitting the flattened batch with ``split`` keeps the
   backward to a single concatenation of the per-document gradients.
 
+Sliding-window attention (a ``window`` W: a query sees itself and the W - 1 tokens before it, within its
+document) takes the same paths: ``varlen_attn`` with ``window_size=(W - 1, 0)``, and elsewhere the same
+``scaled_dot_product_attention`` call with a band mask ``[L, L]`` for a sequence (row or document) longer than W.
+A sequence of at most W tokens is plain causal attention, and is computed exactly as without a window.
+
 Under ``torch.compile`` (``block.compile()``) the per-document loop runs eagerly (``torch.compiler.disable``):
 its trip count and slice sizes change with every batch, so tracing it would recompile per batch. Without AC a
 block then compiles into two graphs around it, and nothing recompiles as document layouts change. A block with
@@ -91,26 +96,58 @@ def document_runs(document_ids: torch.Tensor) -> DocumentRuns:
 
 
 def causal_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, dropout_p: float, runs: Optional[DocumentRuns]
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    dropout_p: float,
+    runs: Optional[DocumentRuns],
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
-    """Causal attention, within each document when ``runs`` is given.
+    """Causal attention, within each document when ``runs`` is given, and within ``window`` tokens when set.
 
     Args:
         q: queries ``[b, n_heads, s, head_dim]``.
         k, v: keys and values ``[b, n_kv_heads, s, head_dim]`` (``n_heads`` a multiple of ``n_kv_heads``).
         dropout_p: attention dropout probability (0.0 outside training).
         runs: the batch's documents from ``document_runs``, or None for one sequence per row.
+        scale: the factor scores are multiplied by; None for ``head_dim ** -0.5``.
+        window: W, for sliding-window attention: a query sees itself and the W - 1 tokens before it; None: every
+            earlier token (of its document).
 
     Returns:
         ``[b, s, n_heads, head_dim]``.
     """
     gqa = k.shape[1] != q.shape[1]
     if runs is None:
-        out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa)
+        out = _causal_sdpa(q, k, v, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window)
         return out.transpose(1, 2)  # [b, s, n_heads, hd]
     if runs.varlen_device and dropout_p == 0.0 and q.dtype in _VARLEN_DTYPES:
-        return _varlen_document_attention(q, k, v, runs, gqa)
-    return _per_document_attention(q, k, v, runs=runs, dropout_p=dropout_p, gqa=gqa)
+        return _varlen_document_attention(q, k, v, runs, gqa, scale, window)
+    return _per_document_attention(q, k, v, runs=runs, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window)
+
+
+def _causal_sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    dropout_p: float,
+    gqa: bool,
+    scale: Optional[float],
+    window: Optional[int],
+) -> torch.Tensor:
+    """One ``scaled_dot_product_attention`` call over sequences ``[..., L, hd]``: causal, and within ``window``
+    tokens when the sequences are longer than it (a band mask ``[L, L]``)."""
+    length = q.shape[-2]
+    if window is None or length <= window:
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa,
+                                              scale=scale)
+    position = torch.arange(length, device=q.device)
+    behind = position.unsqueeze(1) - position.unsqueeze(0)  # [L, L]: query index - key index
+    band = (behind >= 0) & (behind < window)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p, enable_gqa=gqa, scale=scale)
 
 
 def _as_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -121,7 +158,13 @@ def _as_tokens(x: torch.Tensor) -> torch.Tensor:
 
 
 def _varlen_document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runs: DocumentRuns, gqa: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    runs: DocumentRuns,
+    gqa: bool,
+    scale: Optional[float],
+    window: Optional[int],
 ) -> torch.Tensor:
     b, n_heads, s, hd = q.shape
     out = varlen_attn(
@@ -132,7 +175,9 @@ def _varlen_document_attention(
         runs.cu_seqlens,
         runs.max_length,
         runs.max_length,
-        window_size=(-1, 0),  # causal
+        scale=scale,
+        # (-1, 0): causal; (W - 1, 0): causal within the W tokens ending at the query.
+        window_size=(-1, 0) if window is None else (window - 1, 0),
         enable_gqa=gqa,
     )  # [b * s, n_heads, hd]
     return out.view(b, s, n_heads, hd)
@@ -140,7 +185,15 @@ def _varlen_document_attention(
 
 @torch.compiler.disable
 def _per_document_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, runs: DocumentRuns, dropout_p: float, gqa: bool
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    runs: DocumentRuns,
+    dropout_p: float,
+    gqa: bool,
+    scale: Optional[float],
+    window: Optional[int],
 ) -> torch.Tensor:
     """One causal ``scaled_dot_product_attention`` call per document (shapes as in ``causal_attention``)."""
     b, n_heads, s, hd = q.shape
@@ -148,8 +201,8 @@ def _per_document_attention(
     for q_doc, k_doc, v_doc in zip(*(_as_tokens(x).split(runs.lengths) for x in (q, k, v))):
         # [length, heads, hd] -> [1, heads, length, hd]
         q_doc, k_doc, v_doc = (x.transpose(0, 1).unsqueeze(0) for x in (q_doc, k_doc, v_doc))
-        out = F.scaled_dot_product_attention(
-            q_doc, k_doc, v_doc, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa
+        out = _causal_sdpa(
+            q_doc, k_doc, v_doc, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window
         )  # [1, n_heads, length, hd]
         outs.append(out.squeeze(0).transpose(0, 1))  # [length, n_heads, hd]
     return torch.cat(outs).view(b, s, n_heads, hd)

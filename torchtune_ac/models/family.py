@@ -3,7 +3,9 @@ and save, start-up checks) may know about a family of models.
 
 A family declares:
 
-- its model class and named builders;
+- the ``model_type`` its models carry in their arguments (a model's family is found by it, not by its class)
+  and the config.json ``model_type`` values it reads;
+- its named builders, and the torchtune builders they replace (``tune migrate`` reads them);
 - a pure Hugging Face adapter (``HFAdapter``): parameter names both ways and ``config.json`` to and from the
   model's arguments, with no file or network access;
 - which modules are its transformer blocks (activation checkpointing and FSDP2 act on them);
@@ -11,13 +13,13 @@ A family declares:
 
 Generic code asks ``family_of(model)`` (``torchtune_ac.models.families``) and goes through the answer; it
 never reads a family's attributes (``model.args``, ``model.layers``) itself. Adding a family means writing
-one module under ``torchtune_ac/models/families/`` and listing it there.
+one module under ``torchtune_ac/models/families/`` that declares ``FAMILY``: it is found there.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
@@ -27,15 +29,18 @@ from torch import nn
 class HFAdapter(Protocol):
     """Translation between a family's models and the Hugging Face layout. Pure: no I/O, no collectives."""
 
-    #: ``model_type`` in the config.json files this adapter reads and writes.
+    #: ``model_type`` of the config.json files this adapter writes, carried by the family's model arguments.
     model_type: str
+    #: every config.json ``model_type`` this adapter reads (``model_type`` first).
+    model_types_read: tuple[str, ...]
 
     def to_hf_name(self, name: str) -> str:
         """Our parameter name -> the Hugging Face tensor name. Raises ``ValueError`` for an unknown name."""
 
-    def is_derived_hf_tensor(self, hf_name: str) -> bool:
-        """Whether a tensor found in a checkpoint is derived, not learned (e.g. stored rotary frequencies), and is
-        skipped when loading."""
+    def stored_name(self, config: Mapping[str, Any], name: str) -> Optional[str]:
+        """A tensor found in a checkpoint with this config.json, as ``to_hf_name`` names it; None for a tensor
+        that is not loaded: derived, not learned (stored rotary frequencies), or of another model in the same
+        files (a multimodal checkpoint's vision tower)."""
 
     def args_from_hf_config(self, config: Mapping[str, Any], **overrides: Any) -> Any:
         """The model's arguments from a parsed config.json. Raises ``UserError`` listing every problem."""
@@ -54,19 +59,39 @@ class HFAdapter(Protocol):
 
 
 @dataclass(frozen=True)
+class TorchtuneBuilder:
+    """A torchtune model builder a family replaces (``tune migrate``).
+
+    Attributes:
+        ours: the name of our builder under ``torchtune_ac.models`` (``llama3_8b``, or ``from_hf_config``).
+        note: why it is another builder than torchtune's of the same name, printed as a "changed" note; None
+            when it is the same model.
+    """
+
+    ours: str
+    note: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One family of models, as generic code sees it.
 
     Attributes:
         name: short name used in messages (``llama``).
-        model_class: the ``nn.Module`` class of the family's models (a model is of this family when it is an
-            instance of this class and of no more specific family's class).
-        builders: named builders (``{"llama3_8b": llama3_8b, ...}``), each a config component.
+        model_class: the ``nn.Module`` class of the family's models, shared by every family built on the same
+            decoder: a model is of this family when it is an instance of this class and its arguments carry
+            the family's ``model_type`` (``hf.model_type``).
+        builders: named builders (``{"llama3_8b": llama3_8b, ...}``), each a config component, exported from
+            ``torchtune_ac.models``.
         hf: the pure Hugging Face adapter.
-        args_of: the arguments a model was built from (what ``hf`` translates).
-        build: a model from arguments (on the current default device, weights uninitialised).
+        args_of: the arguments a model was built from (what ``hf`` translates); they carry ``model_type``.
+        build: a model from arguments (on the current default device, weights uninitialised). Raises
+            ``ValueError`` for arguments of another family, or that contradict the family (Qwen2 without its
+            q/k/v biases).
         blocks: the model's transformer blocks, in order: activation checkpointing and FSDP2 act on them.
         init_weights: initialise every parameter in place (called under a seeded RNG).
+        torchtune_builders: torchtune builder (``torchtune.models.llama3.llama3_8b``) -> ours, for
+            ``tune migrate``.
     """
 
     name: str
@@ -77,6 +102,14 @@ class ModelFamily:
     build: Callable[[Any], nn.Module]
     blocks: Callable[[nn.Module], nn.ModuleList]
     init_weights: Callable[[nn.Module], None]
+    torchtune_builders: Mapping[str, TorchtuneBuilder] = field(default_factory=dict)
+
+    def owns(self, model: nn.Module) -> bool:
+        """Whether ``model`` is of this family (wrapping by ``fully_shard``, a subclass of the model's class, is
+        seen through)."""
+        return isinstance(model, self.model_class) and getattr(self.args_of(model), "model_type", None) == (
+            self.hf.model_type
+        )
 
 
 def architecture_mismatches(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> list[str]:

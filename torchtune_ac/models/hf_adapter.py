@@ -11,8 +11,10 @@ Hugging Face names one prefix away, the same for every family here::
     norm.weight                        model.norm.weight
     output.weight                      lm_head.weight   (absent when embeddings are tied)
 
-The config.json keys are shared too; what differs between families (``model_type``, where q/k/v biases come
-from, which keys must be refused, what extra keys transformers needs) is a field of ``LlamaStyleHFAdapter``.
+The config.json keys are shared too; what differs between families (``model_type``, the variant flags every model
+of the family has, which keys must be refused, what extra keys transformers needs) is a field of
+``LlamaStyleHFAdapter``; a family whose config.json or names differ further overrides its methods in its own
+module.
 """
 
 from __future__ import annotations
@@ -25,20 +27,29 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.llama import LlamaArgs, RopeScaling
+from torchtune_ac.models.llama import LinearRopeScaling, LlamaArgs, RopeScaling
 
 _TOP_LEVEL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# No prefix here is a prefix of another.
-_BLOCK_PREFIXES = (
+# Our block's submodules -> Hugging Face's (no prefix here is a prefix of another).
+LLAMA_BLOCK_NAMES = (
     ("attn_norm.", "input_layernorm."),
     ("attn.", "self_attn."),
     ("mlp_norm.", "post_attention_layernorm."),
     ("mlp.", "mlp."),
 )
+# The variant flags of ``LlamaArgs`` that a family fixes (every model of the family has the same value), and
+# what each means, for messages.
+VARIANT_FLAGS = {
+    "qkv_bias": "q/k/v projection biases",
+    "qk_norm": "q/k norms",
+    "norm_offset": "norms scaling by norm_offset + weight",
+    "scale_embeddings": "embeddings scaled by sqrt(hidden_size)",
+    "activation": "an MLP activation",
+}
 _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
 # Older Hugging Face conversions stored the rotary inverse frequencies; they are derived, not learned.
 _DERIVED_HF_SUFFIX = ".rotary_emb.inv_freq"
@@ -69,19 +80,62 @@ class LlamaStyleHFAdapter:
     """``HFAdapter`` (see ``models/family.py``) for a family built on the Llama decoder.
 
     Attributes:
-        model_type: config.json ``model_type`` (``llama``, ...).
+        model_type: config.json ``model_type`` (``llama``, ...), carried by the family's ``LlamaArgs``.
         architecture_name: config.json ``architectures[0]`` (``LlamaForCausalLM``).
-        qkv_bias: the family's q/k/v projections always have biases (Qwen2), whatever config.json says.
+        variant: the ``VARIANT_FLAGS`` every model of the family has, where they differ from ``LlamaArgs``'
+            defaults (``{"qkv_bias": True}`` for Qwen2), whatever config.json says.
         refusals: config.json keys this family cannot honour (e.g. sliding-window attention), checked on read.
         extra_config: keys written into config.json on save besides the shared ones, so that transformers
             builds exactly our model (e.g. ``sliding_window: null`` for Mistral, whose default is 4096).
+        rope_types: the RoPE scaling types (config.json ``rope_type``: ``llama3``, ``linear``) read, besides
+            ``default``.
+        block_names: our block's submodule prefixes -> Hugging Face's.
+        activation_key: the config.json key holding the MLP activation.
     """
 
     model_type: str
     architecture_name: str
-    qkv_bias: bool = False
+    variant: Mapping[str, Any] = field(default_factory=dict)
     refusals: tuple[Refusal, ...] = ()
     extra_config: Mapping[str, Any] = field(default_factory=dict)
+    rope_types: tuple[str, ...] = ("llama3",)
+    block_names: tuple[tuple[str, str], ...] = LLAMA_BLOCK_NAMES
+    activation_key: str = "hidden_act"
+
+    def __post_init__(self) -> None:
+        unknown = self.variant.keys() - VARIANT_FLAGS.keys()
+        if unknown:
+            raise ValueError(f"variant: {sorted(unknown)} are not variant flags ({', '.join(VARIANT_FLAGS)})")
+
+    @property
+    def model_types_read(self) -> tuple[str, ...]:
+        return (self.model_type,)
+
+    def flag(self, name: str) -> Any:
+        """The value of variant flag ``name`` for every model of this family."""
+        return self.variant.get(name, LlamaArgs.__dataclass_fields__[name].default)
+
+    def check_args(self, args: LlamaArgs) -> None:
+        """Refuse arguments that are not of this family: another ``model_type``, or a variant flag that differs.
+
+        Raises:
+            ValueError: naming the field.
+        """
+        if args.model_type != self.model_type:
+            raise ValueError(f"model_type={args.model_type!r}: these are not {self.model_type} arguments")
+        scaling = _rope_scaling_config(args.rope_scaling)
+        if scaling is not None and scaling["rope_type"] not in self.rope_types:
+            raise ValueError(f"rope_scaling={args.rope_scaling}: {self.model_type} has "
+                             f"{' or '.join(self.rope_types)} RoPE scaling only")
+        for name, meaning in VARIANT_FLAGS.items():
+            value, fixed = getattr(args, name), self.flag(name)
+            if value == fixed:
+                continue
+            if isinstance(fixed, bool):
+                having = "has" if fixed else "has no"
+                advice = f": build them with {name}=True" if fixed else ""
+                raise ValueError(f"{name}={value}, but {self.model_type} {having} {meaning}{advice}")
+            raise ValueError(f"{name}={value!r}, but {self.model_type} has {meaning} {name}={fixed!r}")
 
     # ---------------------------------------------------------------------------------------------- names
 
@@ -96,13 +150,13 @@ class LlamaStyleHFAdapter:
         match = _LAYER_NAME.fullmatch(name)
         if match:
             index, rest = match.groups()
-            for ours, theirs in _BLOCK_PREFIXES:
+            for ours, theirs in self.block_names:
                 if rest.startswith(ours):
                     return f"model.layers.{index}.{theirs}{rest[len(ours):]}"
         raise ValueError(f"parameter {name!r} has no Hugging Face {self.model_type} equivalent")
 
-    def is_derived_hf_tensor(self, hf_name: str) -> bool:
-        return hf_name.endswith(_DERIVED_HF_SUFFIX)
+    def stored_name(self, config: Mapping[str, Any], name: str) -> Optional[str]:
+        return None if name.endswith(_DERIVED_HF_SUFFIX) else name
 
     def tied_parameters(self, args: LlamaArgs) -> dict[str, str]:
         return {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else {}
@@ -121,43 +175,46 @@ class LlamaStyleHFAdapter:
 
         Raises:
             UserError: listing every unsupported or invalid key (another model_type, biases the family does
-                not have, an activation other than silu, a rope type other than llama3/default, the family's
-                own refusals, bad values).
+                not have, another activation than the family's, a rope type the family does not read, the
+                family's own refusals, bad values).
         """
         d = config
         problems: list[str] = []
         model_type = d.get("model_type")
-        if model_type != self.model_type:
+        if model_type not in self.model_types_read:
             problems.append(f"model_type={model_type!r}: this reader is for {self.model_type!r}")
         for key in ("attention_bias", "mlp_bias"):
             if d.get(key):
                 problems.append(f"{key}={d[key]!r}: {self.model_type} projections with biases are not supported")
-        hidden_act = d.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            problems.append(f"hidden_act={hidden_act!r}: only 'silu' is supported")
+        activation = self.flag("activation")
+        found = d.get(self.activation_key) or activation
+        if found != activation:
+            problems.append(f"{self.activation_key}={found!r}: only {activation!r} is supported")
         for refusal in self.refusals:
             reason = refusal.refuse(d.get(refusal.key))
             if reason is not None:
                 problems.append(f"{refusal.key}={d.get(refusal.key)!r}: {reason}")
 
-        dim = _read_value(d, "hidden_size", int, problems)
-        n_heads = _read_value(d, "num_attention_heads", int, problems)
-        max_pos = _read_value(d, "max_position_embeddings", int, problems, default=2048)
+        dim = read_value(d, "hidden_size", int, problems)
+        n_heads = read_value(d, "num_attention_heads", int, problems)
+        max_pos = read_value(d, "max_position_embeddings", int, problems, default=2048)
         fields = dict(
-            vocab_size=_read_value(d, "vocab_size", int, problems),
+            vocab_size=read_value(d, "vocab_size", int, problems),
             dim=dim,
-            n_layers=_read_value(d, "num_hidden_layers", int, problems),
+            n_layers=read_value(d, "num_hidden_layers", int, problems),
             n_heads=n_heads,
-            n_kv_heads=_read_value(d, "num_key_value_heads", int, problems, default=n_heads),
-            intermediate_dim=_read_value(d, "intermediate_size", int, problems),
+            n_kv_heads=read_value(d, "num_key_value_heads", int, problems, default=n_heads),
+            intermediate_dim=read_value(d, "intermediate_size", int, problems),
             max_seq_len=max_pos,
-            norm_eps=_read_value(d, "rms_norm_eps", float, problems, default=1e-6),
-            tie_embeddings=_read_value(d, "tie_word_embeddings", bool, problems, default=False),
-            head_dim=_read_value(d, "head_dim", int, problems, default=None),
-            attn_dropout=_read_value(d, "attention_dropout", float, problems, default=0.0),
-            qkv_bias=self.qkv_bias,
+            norm_eps=read_value(d, "rms_norm_eps", float, problems, default=1e-6),
+            tie_embeddings=read_value(d, "tie_word_embeddings", bool, problems, default=False),
+            head_dim=read_value(d, "head_dim", int, problems, default=None),
+            attn_dropout=read_value(d, "attention_dropout", float, problems, default=0.0),
+            model_type=self.model_type,
+            **{name: self.flag(name) for name in VARIANT_FLAGS},
         )
-        fields["rope_theta"], fields["rope_scaling"] = _read_rope(d, max_pos, problems)
+        fields["rope_theta"], fields["rope_scaling"] = _read_rope(d, max_pos, self.rope_types, problems)
+        fields.update(self.read_family_keys(d, problems))
         if problems:
             raise UserError(f"unsupported Hugging Face {self.model_type} config: " + "; ".join(problems))
         # An explicit head_dim equal to the default is dropped so args compare equal to the builders'.
@@ -193,7 +250,7 @@ class LlamaStyleHFAdapter:
             "architectures": [self.architecture_name],
             "model_type": self.model_type,
             **self.architecture(args),
-            "hidden_act": "silu",
+            self.activation_key: args.activation,
             "max_position_embeddings": args.max_seq_len,
             "attention_dropout": args.attn_dropout,
             "bos_token_id": bos_token_id,
@@ -204,11 +261,17 @@ class LlamaStyleHFAdapter:
         }
         return config
 
+    def read_family_keys(self, config: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+        """``LlamaArgs`` fields read from config.json keys of this family only (none here; a family with such
+        keys overrides this and ``family_architecture``). Problems are appended, not raised."""
+        return {}
+
+    def family_architecture(self, args: LlamaArgs) -> dict[str, Any]:
+        """The config.json keys of this family only that give weights their meaning (see ``architecture``)."""
+        return {}
+
     def architecture(self, args: LlamaArgs) -> dict[str, Any]:
-        if args.qkv_bias != self.qkv_bias:
-            having = "has" if self.qkv_bias else "has no"
-            raise ValueError(f"qkv_bias={args.qkv_bias}, but {self.model_type} {having} q/k/v projection biases")
-        scaling = args.rope_scaling
+        self.check_args(args)
         return {
             "vocab_size": args.vocab_size,
             "hidden_size": args.dim,
@@ -219,15 +282,22 @@ class LlamaStyleHFAdapter:
             "head_dim": args.resolved_head_dim,
             "rms_norm_eps": args.norm_eps,
             "rope_theta": args.rope_theta,
-            "rope_scaling": None if scaling is None else {"rope_type": "llama3", **dataclasses.asdict(scaling)},
+            "rope_scaling": _rope_scaling_config(args.rope_scaling),
             "tie_word_embeddings": args.tie_embeddings,
+            **self.family_architecture(args),
         }
 
 
-def _read_value(
+def read_value(
     d: Mapping[str, Any], key: str, kind: type, problems: list[str], default: Any = _REQUIRED, prefix: str = ""
 ) -> Any:
-    """``d[key]`` checked to be of ``kind`` (ints accepted as floats); problems are appended, not raised."""
+    """``d[key]`` checked to be of ``kind`` (ints accepted as floats); problems are appended, not raised (for a
+    family's own keys in ``read_family_keys`` too).
+
+    Returns:
+        The value, ``default`` when it is absent or null (a problem when there is no default), None when it is
+        of another kind.
+    """
     value = d.get(key)
     if value is None:
         if default is _REQUIRED:
@@ -242,30 +312,43 @@ def _read_value(
     return value
 
 
+def _rope_scaling_config(scaling: Optional[RopeScaling | LinearRopeScaling]) -> Optional[dict[str, Any]]:
+    """config.json's ``rope_scaling`` for ``scaling``."""
+    if scaling is None:
+        return None
+    if isinstance(scaling, LinearRopeScaling):
+        return {"rope_type": "linear", "factor": scaling.factor}
+    return {"rope_type": "llama3", **dataclasses.asdict(scaling)}
+
+
 def _read_rope(
-    d: Mapping[str, Any], max_position_embeddings: Optional[int], problems: list[str]
-) -> tuple[Optional[float], Optional[RopeScaling]]:
+    d: Mapping[str, Any], max_position_embeddings: Optional[int], rope_types: tuple[str, ...], problems: list[str]
+) -> tuple[Optional[float], Optional[RopeScaling | LinearRopeScaling]]:
     """Rope theta and scaling from either the transformers 5 form (``rope_parameters``) or the older one
-    (top-level ``rope_theta`` plus ``rope_scaling``)."""
+    (top-level ``rope_theta`` plus ``rope_scaling``); ``rope_types``: the scaled types read."""
     rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
     rope = d.get(rope_key) or {}
     if not isinstance(rope, dict):
         problems.append(f"{rope_key}={rope!r}: must be an object")
         return None, None
-    theta = _read_value(rope, "rope_theta", float, problems, default=None, prefix=f"{rope_key}.")
+    theta = read_value(rope, "rope_theta", float, problems, default=None, prefix=f"{rope_key}.")
     if theta is None:
-        theta = _read_value(d, "rope_theta", float, problems, default=_HF_DEFAULT_ROPE_THETA)
+        theta = read_value(d, "rope_theta", float, problems, default=_HF_DEFAULT_ROPE_THETA)
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type in (None, "default"):
         return theta, None
-    if rope_type != "llama3":
-        problems.append(f"{rope_key}.rope_type={rope_type!r}: only 'llama3' or 'default' RoPE is supported")
+    if rope_type not in rope_types:
+        supported = " or ".join(repr(t) for t in (*rope_types, "default"))
+        problems.append(f"{rope_key}.rope_type={rope_type!r}: only {supported} RoPE is supported")
         return theta, None
     prefix = f"{rope_key}."
-    values = {key: _read_value(rope, key, float, problems, prefix=prefix) for key in
+    if rope_type == "linear":
+        factor = read_value(rope, "factor", float, problems, prefix=prefix)
+        return theta, None if factor is None else LinearRopeScaling(factor)
+    values = {key: read_value(rope, key, float, problems, prefix=prefix) for key in
               ("factor", "low_freq_factor", "high_freq_factor")}
     # transformers falls back to max_position_embeddings too when this key is absent.
-    original = _read_value(rope, "original_max_position_embeddings", int, problems,
+    original = read_value(rope, "original_max_position_embeddings", int, problems,
                            default=max_position_embeddings, prefix=prefix)
     if None in values.values() or original is None:
         return theta, None

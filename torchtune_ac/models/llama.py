@@ -1,16 +1,20 @@
-"""A Llama-style decoder-only transformer.
+"""A Llama-style decoder-only transformer, and the variants of it that are a flag away.
 
 This file holds the model and nothing else: no activation checkpointing, no sharding, no config parsing.
 Its parameter names follow the Hugging Face Llama layout one prefix away (see ``hf_adapter.py``), and its
 rotary embedding uses the same "rotate half" convention as Hugging Face checkpoints, so weights load
 without permutation.
+
+A family that is a Llama variant (Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma's ``(1 + w)`` norms, scaled
+embeddings and GeGLU) is a set of ``LlamaArgs`` flags. A family whose block differs in structure passes its own
+block class to ``Llama`` (``models/families/gemma3.py``); the decoder around the blocks is shared.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -30,12 +34,50 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class LinearRopeScaling:
+    """Linear RoPE scaling (``rope_type: linear`` in Hugging Face configs): every frequency divided by ``factor``
+    (Gemma 3's global layers)."""
+
+    factor: float
+
+
+# Attention of a layer, by the Hugging Face names (config.json ``layer_types``).
+LAYER_TYPES = ("full_attention", "sliding_attention")
+# MLP activations by their Hugging Face names (config.json ``hidden_act``): SwiGLU and GeGLU (tanh approximation).
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+}
+
+
+@dataclass(frozen=True)
 class LlamaArgs:
     """Shape and behaviour of a Llama-style model.
 
     ``head_dim`` defaults to ``dim // n_heads``. Dropout defaults to 0.0 (the published models use none);
-    it exists so that activation checkpointing can be shown to replay dropout masks exactly. ``qkv_bias`` adds
-    biases to the query, key and value projections (Qwen2 has them).
+    it exists so that activation checkpointing can be shown to replay dropout masks exactly.
+
+    The variant flags (each default is Llama's):
+
+    - ``model_type``: the Hugging Face ``model_type`` of the family these arguments describe; generic code finds a
+      model's family by it (``torchtune_ac.models.families``).
+    - ``qkv_bias``: biases on the query, key and value projections (Qwen2).
+    - ``qk_norm``: an RMSNorm over ``head_dim``, per head, on queries and keys before RoPE (Qwen3, Gemma 3).
+    - ``norm_offset``: every RMSNorm scales by ``norm_offset + weight``, in float32 (Gemma's ``1 + w``, with weights
+      initialised to 0); 0.0 scales by the weight after casting back, as Llama does.
+    - ``scale_embeddings``: embeddings are multiplied by ``sqrt(dim)``, rounded to their dtype first (Gemma).
+    - ``activation``: the MLP's gate activation, a key of ``ACTIVATIONS`` (``gelu_pytorch_tanh``: Gemma's GeGLU).
+    - ``query_pre_attn_scalar``: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` instead of
+      ``head_dim ** -0.5`` (Gemma 3).
+
+    The attention pattern, per layer:
+
+    - ``sliding_window``: W, the window of sliding-window layers: a query sees itself and the W - 1 tokens
+      before it (of its own document).
+    - ``layer_types``: each layer's attention, ``"full_attention"`` or ``"sliding_attention"`` (the Hugging Face
+      names); None: every layer slides when ``sliding_window`` is set (Mistral 7B v0.1), else every layer is full.
+    - ``sliding_rope_theta``: the RoPE base of sliding-window layers, which then use no RoPE scaling (Gemma 3's
+      local layers); None: they use ``rope_theta`` and ``rope_scaling`` as full layers do.
     """
 
     vocab_size: int
@@ -47,12 +89,21 @@ class LlamaArgs:
     max_seq_len: int = 4096
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling] = None
+    rope_scaling: Optional[RopeScaling | LinearRopeScaling] = None
     tie_embeddings: bool = False
     head_dim: Optional[int] = None
     attn_dropout: float = 0.0
     resid_dropout: float = 0.0
+    model_type: str = "llama"
     qkv_bias: bool = False
+    qk_norm: bool = False
+    norm_offset: float = 0.0
+    scale_embeddings: bool = False
+    activation: str = "silu"
+    query_pre_attn_scalar: Optional[float] = None
+    sliding_window: Optional[int] = None
+    layer_types: Optional[tuple[str, ...]] = None
+    sliding_rope_theta: Optional[float] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -70,23 +121,58 @@ class LlamaArgs:
         for name in ("attn_dropout", "resid_dropout"):
             if not 0.0 <= getattr(self, name) < 1.0:
                 problems.append(f"{name}={getattr(self, name)} must be in [0, 1)")
+        if self.activation not in ACTIVATIONS:
+            problems.append(f"activation={self.activation!r} must be one of {', '.join(ACTIVATIONS)}")
+        if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
+            problems.append(f"query_pre_attn_scalar={self.query_pre_attn_scalar} must be positive")
+        problems += self._attention_pattern_problems()
         if problems:
             raise ValueError("invalid Llama model arguments: " + "; ".join(problems))
+
+    def _attention_pattern_problems(self) -> list[str]:
+        problems = []
+        if self.sliding_window is not None and self.sliding_window <= 0:
+            problems.append(f"sliding_window={self.sliding_window} must be positive")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.n_layers:
+                problems.append(f"layer_types has {len(self.layer_types)} entries, must have one per layer "
+                                f"(n_layers={self.n_layers})")
+            unknown = sorted(set(self.layer_types) - set(LAYER_TYPES))
+            if unknown:
+                problems.append(f"layer_types: {', '.join(map(repr, unknown))} not one of {', '.join(LAYER_TYPES)}")
+            if "sliding_attention" in self.layer_types and self.sliding_window is None:
+                problems.append("layer_types has sliding_attention layers: set sliding_window")
+        if self.sliding_rope_theta is not None:
+            if not self.sliding_rope_theta > 0:
+                problems.append(f"sliding_rope_theta={self.sliding_rope_theta} must be positive")
+            if self.sliding_window is None:
+                problems.append("sliding_rope_theta is set but no layer slides (sliding_window is not set)")
+        return problems
+
+    def window_of(self, layer: int) -> Optional[int]:
+        """The sliding window of layer ``layer``'s attention, or None for full (causal) attention."""
+        if self.layer_types is None or self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
 
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
 
-def compute_rope_inv_freq(head_dim: int, theta: float, scaling: Optional[RopeScaling]) -> torch.Tensor:
+def compute_rope_inv_freq(
+    head_dim: int, theta: float, scaling: Optional[RopeScaling | LinearRopeScaling]
+) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, shape ``[head_dim // 2]``, float32.
 
-    With ``scaling`` set, long wavelengths are divided by ``factor``, short ones are kept, and the band
-    in between is interpolated smoothly (Llama 3.1).
+    With a ``RopeScaling``, long wavelengths are divided by ``factor``, short ones are kept, and the band
+    in between is interpolated smoothly (Llama 3.1); with a ``LinearRopeScaling`` every one is divided.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     if scaling is None:
         return inv_freq
+    if isinstance(scaling, LinearRopeScaling):
+        return inv_freq / scaling.factor
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -110,29 +196,39 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square layer norm, computed in float32 and cast back (as Hugging Face Llama does)."""
+    """Root-mean-square layer norm, computed in float32.
 
-    def __init__(self, dim: int, eps: float) -> None:
+    With ``offset`` 0.0 it casts back, then scales by the weight (as Hugging Face Llama and Qwen do); otherwise it
+    scales by ``offset + weight`` in float32, then casts back (as Gemma does, with offset 1). Either way a freshly
+    initialised norm scales by 1.
+    """
+
+    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.offset = offset
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x * (self.offset + self.weight.float())).to(input_dtype)
         return self.weight * x.to(input_dtype)
 
     def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
+        nn.init.constant_(self.weight, 1.0 - self.offset)
 
 
 class Attention(nn.Module):
     """Grouped-query self-attention with rotary embeddings; the attention itself is ``causal_attention``
-    (``attention.py``): one causal call, or one per document of a packed batch."""
+    (``attention.py``): one causal call, or one per document of a packed batch, within ``window`` tokens when
+    it is set (sliding-window attention)."""
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, window: Optional[int] = None) -> None:
         super().__init__()
+        self.window = window
         self.n_heads = args.n_heads
         self.n_kv_heads = args.n_kv_heads
         self.head_dim = args.resolved_head_dim
@@ -141,44 +237,56 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.dim, self.n_kv_heads * self.head_dim, bias=args.qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, args.dim, bias=False)
+        # Per head, over head_dim: one weight of head_dim shared by every head (Qwen3, Gemma 3).
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        self.scale = None if args.query_pre_attn_scalar is None else args.query_pre_attn_scalar**-0.5
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns]
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim).transpose(1, 2)  # [b, n_heads, s, hd]
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [b, n_kv, s, hd]
+        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)  # [b, s, n_heads, hd]
+        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)  # [b, s, n_kv, hd]
         v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [b, n_kv, s, hd]
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, n_heads, s, hd]
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # [b, n_kv, s, hd]
         out = causal_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, runs=runs
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, runs=runs, scale=self.scale, window=self.window
         )  # [b, s, n_heads, hd]
         return self.o_proj(out.reshape(b, s, self.n_heads * self.head_dim))
 
 
 class MLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+    """Gated feed-forward: ``down(act(gate(x)) * up(x))`` (SwiGLU with silu, GeGLU with gelu)."""
 
-    def __init__(self, dim: int, hidden_dim: int) -> None:
+    def __init__(self, dim: int, hidden_dim: int, activation: str = "silu") -> None:
         super().__init__()
         self.gate_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.up_proj = nn.Linear(dim, hidden_dim, bias=False)
         self.down_proj = nn.Linear(hidden_dim, dim, bias=False)
+        self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + drop(attn(norm(x)))``; ``out = h + drop(mlp(norm(h)))``."""
+    """Pre-norm block: ``h = x + drop(attn(norm(x)))``; ``out = h + drop(mlp(norm(h)))``.
 
-    def __init__(self, args: LlamaArgs) -> None:
+    Args:
+        args: the model's arguments.
+        window: the sliding window of this block's attention (``args.window_of(layer)``); None for full.
+    """
+
+    def __init__(self, args: LlamaArgs, window: Optional[int] = None) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attn = Attention(args)
-        self.mlp_norm = RMSNorm(args.dim, args.norm_eps)
-        self.mlp = MLP(args.dim, args.intermediate_dim)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.attn = Attention(args, window)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.mlp = MLP(args.dim, args.intermediate_dim, args.activation)
         self.resid_dropout = nn.Dropout(args.resid_dropout)
 
     def forward(
@@ -199,20 +307,32 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     return idx - torch.cummax(start_idx, dim=1).values
 
 
+class BlockClass(Protocol):
+    """What ``Llama`` needs of a block class: built from the arguments and the block's attention window, called
+    as ``TransformerBlock`` is."""
+
+    def __call__(self, args: LlamaArgs, window: Optional[int]) -> nn.Module: ...
+
+
 class Llama(nn.Module):
-    """Token embedding -> ``layers`` (``nn.ModuleList`` of ``TransformerBlock``) -> final norm -> output.
+    """Token embedding -> ``layers`` (``nn.ModuleList`` of blocks) -> final norm -> output.
 
     ``forward(tokens[b, s]) -> logits[b, s, vocab]``. Pass ``document_ids[b, s]`` for packed sequences:
     tokens then attend only within their own document (nothing is computed across documents), and rotary
     positions restart at each document.
+
+    Args:
+        args: the model's arguments.
+        block: the block class, ``TransformerBlock`` unless the family's block differs in structure; it is
+            called as ``block(args, args.window_of(layer))`` and its instances as ``TransformerBlock``'s are.
     """
 
-    def __init__(self, args: LlamaArgs) -> None:
+    def __init__(self, args: LlamaArgs, block: BlockClass = TransformerBlock) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.layers = nn.ModuleList(block(args, args.window_of(layer)) for layer in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
 
@@ -222,14 +342,20 @@ class Llama(nn.Module):
         if self.args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
 
-    def rope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables ``[b, 1, s, head_dim]`` for integer ``positions[b, s]``.
+    def rope_cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, sliding: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin tables ``[b, 1, s, head_dim]`` for integer ``positions[b, s]``, of the sliding-window layers'
+        RoPE when ``sliding`` (``args.sliding_rope_theta``, where it is set).
 
         Computed per call from the arguments (a few hundred flops), so the model holds no buffers that
         would need re-initialising after being built on the meta device.
         """
         args = self.args
-        inv_freq = compute_rope_inv_freq(args.resolved_head_dim, args.rope_theta, args.rope_scaling)
+        theta, scaling = args.rope_theta, args.rope_scaling
+        if sliding and args.sliding_rope_theta is not None:
+            theta, scaling = args.sliding_rope_theta, None
+        inv_freq = compute_rope_inv_freq(args.resolved_head_dim, theta, scaling)
         inv_freq = inv_freq.to(positions.device)
         freqs = positions.float().unsqueeze(-1) * inv_freq  # [b, s, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, hd]
@@ -256,8 +382,14 @@ class Llama(nn.Module):
             positions = positions_from_document_ids(document_ids)
             runs = document_runs(document_ids)  # once per forward, shared by every layer
         h = self.tok_embeddings(tokens)  # [b, s, dim]
-        cos, sin = self.rope_cos_sin(positions, h.dtype)
-        for layer in self.layers:
+        if self.args.scale_embeddings:
+            # sqrt(dim) rounded to the embedding's dtype first, as Gemma's checkpoints were trained with.
+            h = h * torch.tensor(self.args.dim**0.5, dtype=h.dtype).item()
+        full = self.rope_cos_sin(positions, h.dtype)
+        # Sliding-window layers may have a RoPE of their own (Gemma 3's local layers).
+        sliding = full if self.args.sliding_rope_theta is None else self.rope_cos_sin(positions, h.dtype, sliding=True)
+        for index, layer in enumerate(self.layers):
+            cos, sin = sliding if self.args.window_of(index) is not None else full
             h = layer(h, cos, sin, runs)
         if head is not None:
             return head(self.norm(h), self.output.weight)
@@ -265,7 +397,8 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:
-        """Initialise every parameter in place (normal(0, std) for matrices, zeros for biases, ones for norms)."""
+        """Initialise every parameter in place (normal(0, std) for matrices, zeros for biases, norms to scale by
+        1)."""
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, mean=0.0, std=std)

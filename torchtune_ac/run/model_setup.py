@@ -17,10 +17,11 @@ from typing import Optional
 import torch
 from torch import nn
 
-from torchtune_ac.checkpoint import load_hf_weights_, local_region
+from torchtune_ac.checkpoint import local_region
 from torchtune_ac.config.meta_model import ModelBuilder, build_meta_model
 from torchtune_ac.memory.activation_checkpointing import silence_compiled_policy_warning
 from torchtune_ac.memory.plan import MemoryPlan
+from torchtune_ac.models import load_hf_weights_
 from torchtune_ac.models.families import init_weights_, retie_parameters, transformer_blocks
 from torchtune_ac.models.llama import TransformerBlock
 from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, shard_model

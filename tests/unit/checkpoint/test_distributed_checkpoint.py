@@ -32,7 +32,7 @@ from torchtune_ac.checkpoint import (
 from torchtune_ac.checkpoint.manifest import check_against_manifest
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer, optimizers_to_checkpoint
-from torchtune_ac.models import Llama, LlamaArgs
+from torchtune_ac.models import Llama, LlamaArgs, hf_model_files
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.runtime.rank_agreement import check_same_config
 from torchtune_ac.training.objective import IGNORE_INDEX
@@ -86,7 +86,8 @@ def _assert_same_state(ours: dict, expected: dict) -> None:
 
 
 def _save(output_dir: Path, model: Llama, optimizer: torch.optim.Optimizer, step: int) -> Path:
-    return save_checkpoint(output_dir, model=model, optimizers=optimizers_to_checkpoint(optimizer), scheduler=None,
+    return save_checkpoint(output_dir, model=model, hf_files=hf_model_files(model),
+                           optimizers=optimizers_to_checkpoint(optimizer), scheduler=None,
                            progress=Progress(step, 0, step), shape=SHAPE)
 
 

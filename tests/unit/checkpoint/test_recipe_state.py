@@ -29,7 +29,7 @@ from torchtune_ac.checkpoint import (
 from torchtune_ac.checkpoint import safetensors_io
 from torchtune_ac.checkpoint.manifest import check_against_manifest, write_manifest_without
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import Llama, LlamaArgs
+from torchtune_ac.models import Llama, LlamaArgs, hf_model_files
 
 TINY = LlamaArgs(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=64, max_seq_len=64)
 SHAPE = RunShape(world_size=1, batch_size=4, gradient_accumulation_steps=1, model_args={"n_layers": 2},
@@ -48,8 +48,8 @@ def _trained(seed: int = 0) -> tuple[Llama, torch.optim.Optimizer]:
 
 
 def _save(output_dir: Path, model: Llama, optimizer: torch.optim.Optimizer, step: int, **kwargs) -> Path:
-    return save_checkpoint(output_dir, model=model, optimizers=[optimizer], scheduler=None,
-                           progress=Progress(step, 0, step), shape=SHAPE, **kwargs)
+    return save_checkpoint(output_dir, model=model, hf_files=hf_model_files(model), optimizers=[optimizer],
+                           scheduler=None, progress=Progress(step, 0, step), shape=SHAPE, **kwargs)
 
 
 def _resumable(output_dir: Path) -> list[str]:

@@ -175,7 +175,7 @@ REFUSED_AFTER_IMPORT = [
     ("torchtune_ac.cli.os.system", "torchtune_ac.cli.os is the module os"),
     ("torchtune_ac.config.components.importlib.import_module", "is the module importlib"),
     ("torchtune_ac.cli.Path", "it is pathlib.Path"),
-    ("torchtune_ac.models.save_hf", "it is torchtune_ac.checkpoint.hf.save_hf"),
+    ("torchtune_ac.models.save_hf", "it is torchtune_ac.models.hf_checkpoint.save_hf"),
     ("torchtune_ac.checkpoint.save_checkpoint", "not allowed"),
     ("torch.nn.functional.relu", "not allowed"),
     ("torch.nn.Module.load_state_dict", "not allowed"),

@@ -20,14 +20,17 @@ from torchtune_ac.models import llama
 from torchtune_ac.models.attention import document_starts
 
 
-def document_causal_mask(document_ids: torch.Tensor) -> torch.Tensor:
-    """Boolean attention mask ``[b, 1, s, s]``: causal, and only within the same document.
+def document_causal_mask(document_ids: torch.Tensor, window: Optional[int] = None) -> torch.Tensor:
+    """Boolean attention mask ``[b, 1, s, s]``: causal, only within the same document, and with a ``window`` W
+    only the W - 1 tokens before each query besides itself.
 
     Documents are contiguous runs of equal ids: a run whose id repeats an earlier, non-adjacent run's id is
     still a document of its own.
     """
     s = document_ids.shape[1]
     causal = torch.ones(s, s, dtype=torch.bool, device=document_ids.device).tril()
+    if window is not None:
+        causal = causal.triu(-(window - 1))
     runs = document_starts(document_ids).cumsum(dim=1)  # [b, s]: index of each token's document
     same_doc = runs.unsqueeze(2) == runs.unsqueeze(1)  # [b, s, s]
     return (same_doc & causal).unsqueeze(1)
@@ -64,15 +67,19 @@ def dense_document_attention(
     document_ids: torch.Tensor,
     *,
     dropout: Optional[torch.Tensor] = None,
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
 ) -> torch.Tensor:
     """Dense masked attention over the whole row: ``q [b, h, s, hd]``, ``k, v [b, h_kv, s, hd]`` ->
     ``[b, s, h, hd]`` (the layout ``causal_attention`` returns). ``dropout``: a ``[b, h, s, s]`` multiplier
-    from ``dense_dropout_mask``, or None."""
+    from ``dense_dropout_mask``, or None; ``scale``: the score factor, None for ``1 / sqrt(head_dim)``;
+    ``window``: the sliding window, None for none."""
     repeat = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(repeat, dim=1)  # [b, h, s, hd]
     v = v.repeat_interleave(repeat, dim=1)
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # [b, h, s, s]
-    scores = scores.masked_fill(~document_causal_mask(document_ids), float("-inf"))
+    scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
+    scores = q @ k.transpose(-2, -1) * scale  # [b, h, s, s]
+    scores = scores.masked_fill(~document_causal_mask(document_ids, window), float("-inf"))
     probs = scores.softmax(dim=-1)
     if dropout is not None:
         probs = probs * dropout
@@ -84,19 +91,20 @@ def dense_attention_oracle(
     document_ids: torch.Tensor, dropout_masks: Optional[list[torch.Tensor]] = None, p: float = 0.0
 ) -> Iterator[None]:
     """Within the block, ``Llama`` computes packed attention with ``dense_document_attention`` (the mask made
-    from ``document_ids``, not from the model's document runs). With ``dropout_masks`` (every layer's masks,
-    in call order, as recorded from the per-document path), layer after layer takes its documents' masks."""
+    from ``document_ids``, not from the model's document runs, and each layer's window). With ``dropout_masks``
+    (every layer's masks, in call order, as recorded from the per-document path), layer after layer takes its
+    documents' masks."""
     remaining = list(dropout_masks or [])
     n_documents = len(document_spans(document_ids))
 
-    def oracle(q, k, v, *, dropout_p, runs):
+    def oracle(q, k, v, *, dropout_p, runs, scale=None, window=None):
         assert runs is not None, "the oracle stands in for packed attention only"
         dropout = None
         if dropout_p > 0.0:
             assert len(remaining) >= n_documents, "no recorded dropout masks left for this layer"
             layer_masks = [remaining.pop(0) for _ in range(n_documents)]
             dropout = dense_dropout_mask(document_ids, q.shape[1], layer_masks, p)
-        return dense_document_attention(q, k, v, document_ids, dropout=dropout)
+        return dense_document_attention(q, k, v, document_ids, dropout=dropout, scale=scale, window=window)
 
     original = llama.causal_attention
     llama.causal_attention = oracle

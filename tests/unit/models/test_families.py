@@ -1,6 +1,8 @@
 """The family interface: finding a model's family, the family a config.json names, blocks and init."""
 
+import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -8,9 +10,13 @@ from models_testlib import TINY
 
 from torchtune_ac.config.components import parse_component
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import FAMILIES, LLAMA, Llama, family_for_hf_config, family_of, from_hf_config, transformer_blocks
-from torchtune_ac.models.families import init_weights_, retie_parameters
+import torchtune_ac.models as models
+from torchtune_ac.models import FAMILIES, LLAMA, QWEN2, Llama, family_for_hf_config, family_of, from_hf_config, transformer_blocks
+from torchtune_ac.models.families import init_weights_, model_from_hf_config, retie_parameters
 from torchtune_ac.models.family import architecture_mismatches
+
+FAMILY_MODULES = sorted(p.stem for p in Path(models.__file__).parent.joinpath("families").glob("*.py")
+                        if p.stem != "__init__")
 
 
 class CustomModel(torch.nn.Module):
@@ -27,6 +33,37 @@ def test_a_model_finds_its_family_through_subclasses():
     assert family_of(Llama(TINY)) is LLAMA
     assert family_of(Wrapped(TINY)) is LLAMA
     assert family_of(CustomModel()) is None
+
+
+def test_a_model_is_of_the_family_whose_model_type_its_arguments_carry():
+    qwen2_args = dataclasses.replace(TINY, model_type="qwen2", qkv_bias=True)
+    assert family_of(Llama(qwen2_args)) is QWEN2
+    assert family_of(Llama(dataclasses.replace(TINY, model_type="gpt2"))) is None
+    with pytest.raises(ValueError, match="model_type='llama': these are not qwen2 arguments"):
+        QWEN2.build(TINY)
+
+
+def test_every_module_under_families_is_a_family_whose_builders_the_package_exports():
+    assert sorted(family.name for family in FAMILIES) == FAMILY_MODULES  # one module per family, named for it
+    for family in FAMILIES:
+        assert getattr(models, family.name.upper()) is family
+        for name, builder in family.builders.items():
+            assert getattr(models, name) is builder, name
+            assert builder.__module__ == f"torchtune_ac.models.families.{family.name}"
+
+
+def test_every_torchtune_builder_a_family_replaces_is_one_of_its_builders():
+    for family in FAMILIES:
+        for torchtune, ours in family.torchtune_builders.items():
+            assert torchtune.startswith("torchtune.models."), torchtune
+            assert ours.ours in family.builders or (ours.ours == "from_hf_config" and ours.note), torchtune
+
+
+def test_the_pure_config_reader_builds_the_family_its_model_type_names():
+    config = QWEN2.hf.hf_config_from_args(dataclasses.replace(TINY, model_type="qwen2", qkv_bias=True), torch.float32)
+    with torch.device("meta"):
+        model = model_from_hf_config(config, attn_dropout=0.1)
+    assert family_of(model) is QWEN2 and model.args.attn_dropout == 0.1
 
 
 def test_every_family_reads_back_the_config_it_writes():

@@ -1,16 +1,30 @@
-"""The Mistral family: the Mistral 7B v0.3 builder (published shape, exact parameter count) and config.json
-translation."""
+"""The Mistral family: the Mistral 7B v0.3 builder (published shape, exact parameter count), config.json
+translation, and Mistral 7B v0.1's sliding window against transformers."""
 
 import dataclasses
 import json
 
 import pytest
 import torch
-from transformers import AutoConfig
+from hf_families import random_hf_model
+from transformers import AutoConfig, MistralForCausalLM
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import MISTRAL, Mistral, family_for_hf_config, mistral_7b
+from torchtune_ac.models import (
+    MISTRAL,
+    family_for_hf_config,
+    family_of,
+    from_hf_config,
+    load_hf,
+    load_hf_weights_,
+    mistral_7b,
+    save_hf,
+)
 from torchtune_ac.models.families.mistral import MISTRAL_7B
+from torchtune_ac.training import setup_activation_checkpointing
+
+AC_MODES = {"none": {}, "full": {"ac_mode": "full"}, "every_2nd": {"ac_mode": "selective", "ac_option": 2},
+            "per_op": {"ac_mode": "selective", "ac_option": "op"}}
 
 # The config.json published with Mistral-7B-v0.3 (the keys that matter).
 PUBLISHED_V0_3 = {
@@ -24,7 +38,7 @@ PUBLISHED_V0_3 = {
 def test_parameter_count_and_arguments_on_meta():
     with torch.device("meta"):
         model = mistral_7b(resid_dropout=0.1, max_seq_len=4096)
-    assert isinstance(model, Mistral)
+    assert family_of(model) is MISTRAL
     assert sum(p.numel() for p in model.parameters()) == 7_248_023_552
     assert model.args == dataclasses.replace(MISTRAL_7B, resid_dropout=0.1, max_seq_len=4096)
 
@@ -34,9 +48,58 @@ def test_published_config_json_translates_to_builder_args():
     assert MISTRAL.hf.args_from_hf_config(PUBLISHED_V0_3) == MISTRAL_7B
 
 
-def test_a_sliding_window_is_refused_naming_the_key():
-    with pytest.raises(UserError, match="sliding_window=4096: sliding-window attention is not supported"):
-        MISTRAL.hf.args_from_hf_config({**PUBLISHED_V0_3, "sliding_window": 4096})  # Mistral 7B v0.1
+def test_mistral_7b_v0_1_reads_its_sliding_window_in_every_layer():
+    args = MISTRAL.hf.args_from_hf_config({**PUBLISHED_V0_3, "sliding_window": 4096})  # Mistral 7B v0.1's
+    assert args == dataclasses.replace(MISTRAL_7B, sliding_window=4096)
+    assert [args.window_of(layer) for layer in (0, 31)] == [4096, 4096]
+    # Without the key, transformers builds its default window: so do we.
+    absent = {key: value for key, value in PUBLISHED_V0_3.items() if key != "sliding_window"}
+    assert MISTRAL.hf.args_from_hf_config(absent).sliding_window == 4096
+    with pytest.raises(UserError, match="sliding_window='4096': must be int"):
+        MISTRAL.hf.args_from_hf_config({**PUBLISHED_V0_3, "sliding_window": "4096"})
+
+
+def test_a_window_is_part_of_the_architecture_a_checkpoint_is_checked_against():
+    assert MISTRAL.hf.architecture(dataclasses.replace(MISTRAL_7B, sliding_window=4096))["sliding_window"] == 4096
+    assert MISTRAL.hf.architecture(MISTRAL_7B)["sliding_window"] is None
+
+
+# Rows of 20 tokens, a window of 6: every row is longer than the window.
+WINDOW = 6
+TOKENS = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(0))
+
+
+def test_sliding_window_logits_and_round_trip_match_transformers(tmp_path):
+    reference = random_hf_model("mistral", seed=1, sliding_window=WINDOW)
+    reference.save_pretrained(tmp_path / "source")
+    model = load_hf(tmp_path / "source").eval()
+    assert model.args.sliding_window == WINDOW
+    with torch.no_grad():
+        expected = reference(TOKENS).logits
+        torch.testing.assert_close(model(TOKENS), expected, atol=1e-5, rtol=0)
+        assert (random_hf_model("mistral", seed=1)(TOKENS).logits - expected).abs().max() > 1e-3  # it slides
+
+    save_hf(model, tmp_path / "saved")
+    reloaded = MistralForCausalLM.from_pretrained(tmp_path / "saved", attn_implementation="eager").eval()
+    assert reloaded.config.sliding_window == WINDOW
+    with torch.no_grad():
+        assert torch.equal(reloaded(TOKENS).logits, expected)
+
+
+def test_every_ac_mode_gives_the_sliding_window_gradients_of_no_ac(tmp_path):
+    random_hf_model("mistral", seed=3, sliding_window=WINDOW).save_pretrained(tmp_path)
+    labels = torch.roll(TOKENS, -1, dims=1)
+    gradients = {}
+    for mode, keys in AC_MODES.items():
+        model = from_hf_config(str(tmp_path), attn_dropout=0.1, resid_dropout=0.1)
+        load_hf_weights_(model, tmp_path)
+        setup_activation_checkpointing(model, **keys)
+        torch.manual_seed(0)
+        torch.nn.functional.cross_entropy(model.train()(TOKENS).flatten(0, 1), labels.flatten()).backward()
+        gradients[mode] = {name: p.grad for name, p in model.named_parameters()}
+    for mode, grads in gradients.items():
+        for name, grad in grads.items():
+            assert torch.equal(grad, gradients["none"][name]), (mode, name)
 
 
 def test_transformers_reads_our_config_without_a_window(tmp_path):

@@ -239,9 +239,10 @@ def test_per_op_ac_keeps_the_attention_outputs_of_packed_batches(dropout):
 # ---- the CUDA path: torch's varlen_attn, run here through CPU kernels for its ops --------------------------
 
 
-def _reference_documents(q, k, v, cu_seqlens, scale):
-    """Per-document causal attention in float32 over ``[T, heads, hd]`` tensors: output ``[T, h, hd]``, the
-    probabilities and (repeated) K/V of each document, for the reference backward."""
+def _reference_documents(q, k, v, cu_seqlens, scale, window_size):
+    """Per-document causal attention in float32 over ``[T, heads, hd]`` tensors, within ``window_size``'s left
+    extent when it is not -1: output ``[T, h, hd]``, the probabilities and (repeated) K/V of each document, for
+    the reference backward."""
     outs, saved = [], []
     offsets = cu_seqlens.tolist()
     for start, end in zip(offsets[:-1], offsets[1:]):
@@ -249,6 +250,8 @@ def _reference_documents(q, k, v, cu_seqlens, scale):
         repeat = qd.shape[0] // kd.shape[0]
         kd, vd = kd.repeat_interleave(repeat, dim=0), vd.repeat_interleave(repeat, dim=0)
         causal = torch.ones(end - start, end - start, dtype=torch.bool).tril()
+        if window_size[0] != -1:
+            causal = causal.triu(-window_size[0])
         probs = (qd @ kd.transpose(1, 2) * scale).masked_fill(~causal, float("-inf")).softmax(-1)  # [h, L, L]
         outs.append((probs @ vd).transpose(0, 1))
         saved.append((qd, kd, vd, probs, repeat))
@@ -259,11 +262,13 @@ def varlen_forward_on_cpu(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, i
                           window_size=None, enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
     """``torch_attn::_varlen_attn`` as documented, in plain tensor maths (no logsumexp: the backward below
     recomputes the probabilities)."""
-    assert is_causal and torch.equal(cu_seq_q, cu_seq_k) and seqused_k is None and block_table is None
+    # Causal: is_causal, or a window whose right extent is 0 (Flash Attention masks the future then).
+    assert window_size[1] == 0 and is_causal == (window_size[0] == -1)
+    assert torch.equal(cu_seq_q, cu_seq_k) and seqused_k is None and block_table is None
     lengths = cu_seq_q.diff()
     assert max_q == max_k == int(lengths.max()) and (enable_gqa or key.shape[1] == query.shape[1])
     scale = scale if scale is not None else query.shape[-1] ** -0.5
-    out, _ = _reference_documents(query, key, value, cu_seq_q, scale)
+    out, _ = _reference_documents(query, key, value, cu_seq_q, scale, window_size)
     lse = torch.zeros(query.shape[1], query.shape[0])
     return out.to(query.dtype), lse, torch.zeros(2, dtype=torch.uint64)
 
@@ -273,7 +278,7 @@ def varlen_backward_on_cpu(grad_out, query, key, value, out, lse, cu_seq_q, cu_s
     """``torch_attn::_varlen_attn_backward``: softmax attention's gradients, written out (autograd does not
     record inside an operator's kernel)."""
     scale = scale if scale is not None else query.shape[-1] ** -0.5
-    _, saved = _reference_documents(query, key, value, cu_seq_q, scale)
+    _, saved = _reference_documents(query, key, value, cu_seq_q, scale, window_size)
     grads = {"q": [], "k": [], "v": []}
     offsets = cu_seq_q.tolist()
     for (start, end), (qd, kd, vd, probs, repeat) in zip(zip(offsets[:-1], offsets[1:]), saved):
@@ -440,4 +445,111 @@ def test_compiled_blocks_on_packed_batches_match_eager_and_compile_once(mode, op
         assert_same(forward_backward(model, tokens, ids), forward_backward(eager, tokens, ids), **TOL)
         graphs.append(counts["graphs"])
     assert graphs == [4 if mode == "none" else 0] * len(LAYOUTS)
+    torch._dynamo.reset()
+
+
+# ---- sliding-window attention: the same paths with a window, against the dense oracle's band ---------------
+
+WINDOW = 6
+
+
+def build_sliding(n_layers: int = 2, dropout: float = 0.0) -> Llama:
+    """``build()`` with a window of ``WINDOW`` tokens in layer 0 (with a RoPE base of its own) and full
+    attention in layer 1: documents of ``PACKED_IDS`` are both longer and shorter than the window."""
+    torch.manual_seed(0)
+    args = LlamaArgs(vocab_size=VOCAB, dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, intermediate_dim=64,
+                     max_seq_len=64, attn_dropout=dropout, sliding_window=WINDOW, sliding_rope_theta=100.0,
+                     layer_types=("sliding_attention", "full_attention") * (n_layers // 2))
+    model = Llama(args)
+    model.init_weights(std=0.2)
+    return model
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "one_sequence_per_row"])
+def test_sliding_window_attention_equals_the_dense_oracle(case, packed):
+    n_heads, n_kv_heads, lengths = ATTENTION_CASES[case]
+    ids = ids_from_lengths(lengths) if packed else torch.zeros(2, sum(lengths[0]), dtype=torch.long)
+    b, s = ids.shape
+    generator = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, heads, s, 8, generator=generator) * 2 for heads in (n_heads, n_kv_heads, n_kv_heads))
+    grad_out = torch.randn(b, s, n_heads, 8, generator=generator)
+    runs = document_runs(ids) if packed else None
+
+    def run(fn):
+        inputs = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = fn(*inputs)
+        out.backward(grad_out)
+        return out.detach(), [x.grad for x in inputs]
+
+    out, grads = run(lambda q, k, v: causal_attention(q, k, v, dropout_p=0.0, runs=runs, window=WINDOW))
+    ref_out, ref_grads = run(lambda q, k, v: dense_document_attention(q, k, v, ids, window=WINDOW))
+    torch.testing.assert_close(out, ref_out, **TOL)
+    for grad, ref_grad in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref_grad, **TOL)
+    if max(max(row) for row in lengths) > WINDOW or not packed:  # the window matters here
+        assert (out - dense_document_attention(q, k, v, ids)).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("mode, option", AC_SETTINGS)
+def test_sliding_window_model_equals_the_dense_oracle_in_every_ac_mode(mode, option):
+    """Packed rows whose documents are longer than the window; every AC mode gives no AC's gradients bit for
+    bit (the same ops, replayed)."""
+    tokens = tokens_for(PACKED_IDS)
+    with dense_attention_oracle(PACKED_IDS):
+        expected = forward_backward(build_sliding(), tokens, PACKED_IDS)
+    no_ac = forward_backward(build_sliding(), tokens, PACKED_IDS)
+    model = build_sliding()
+    setup_activation_checkpointing(model, ac_mode=mode, ac_option=option)
+    actual = forward_backward(model, tokens, PACKED_IDS)
+    assert_same(actual, expected, **TOL)
+    assert_same(actual, no_ac, rtol=0, atol=0)
+    # The window and the sliding layers' own RoPE both matter: full attention everywhere computes otherwise.
+    full = build()
+    full.load_state_dict(build_sliding().state_dict())
+    assert (forward_backward(full, tokens, PACKED_IDS)[0] - expected[0]).abs().max() > 1e-2
+
+
+def test_sliding_window_with_dropout_equals_the_dense_oracle_drawing_the_same_masks():
+    tokens, p = tokens_for(PACKED_IDS), 0.3
+    with DropoutMaskRecorder() as recorder:
+        actual = forward_backward(build_sliding(dropout=p), tokens, PACKED_IDS)
+    with dense_attention_oracle(PACKED_IDS, recorder.masks, p):
+        expected = forward_backward(build_sliding(dropout=p), tokens, PACKED_IDS)
+    assert_same(actual, expected, **TOL)
+
+
+def test_the_varlen_path_takes_the_window_and_equals_the_dense_oracle(varlen_on_cpu, monkeypatch):
+    tokens = tokens_for(PACKED_IDS)
+    with dense_attention_oracle(PACKED_IDS):
+        expected = forward_backward(build_sliding(), tokens, PACKED_IDS)
+    with_varlen_device(monkeypatch)
+    windows = []
+
+    def recording_varlen(*args, **kwargs):
+        windows.append(kwargs["window_size"])
+        return varlen_attn(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "varlen_attn", recording_varlen)
+    assert_same(forward_backward(build_sliding(), tokens, PACKED_IDS), expected, **TOL)
+    assert windows == [(WINDOW - 1, 0), (-1, 0)]  # layer 0 slides, layer 1 is full
+
+
+def test_compiled_sliding_window_blocks_match_eager():
+    """Compiled with per-op AC, on packed rows (run eagerly, as every checkpointed block on packed rows) and on
+    unpacked rows longer than the window (the band mask and the policy traced into the graph): eager's results,
+    with no recompile as layouts change."""
+    eager, model = build_sliding(), build_sliding()
+    for m in (eager, model):
+        setup_activation_checkpointing(m, ac_mode="selective", ac_option="op")
+    counts = compile_blocks_counting_graphs(model)
+    graphs = []
+    for lengths in LAYOUTS[:3]:
+        ids = ids_from_lengths(lengths)
+        tokens = tokens_for(ids)
+        assert_same(forward_backward(model, tokens, ids), forward_backward(eager, tokens, ids), **TOL)
+        graphs.append(counts["graphs"])
+    tokens = tokens_for(PACKED_IDS)
+    assert_same(forward_backward(model, tokens, None), forward_backward(eager, tokens, None), **TOL)
+    assert graphs == [graphs[0]] * len(graphs)
     torch._dynamo.reset()

@@ -10,7 +10,7 @@ from transformers import AutoConfig
 
 import torchtune_ac.models.families.qwen2 as qwen2
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import QWEN2, Qwen2, family_for_hf_config
+from torchtune_ac.models import QWEN2, family_for_hf_config, family_of
 
 PARAMETER_COUNTS = {"qwen2_5_0_5b": 494_032_768, "qwen2_5_1_5b": 1_543_714_304, "qwen2_5_7b": 7_615_616_512}
 # The config.json files published with the base models (the keys that matter).
@@ -36,7 +36,7 @@ PUBLISHED_CONFIGS = {
 def test_parameter_count_on_meta(name):
     with torch.device("meta"):
         model = getattr(qwen2, name)()
-    assert isinstance(model, Qwen2)
+    assert family_of(model) is QWEN2
     assert sum(p.numel() for p in model.parameters()) == PARAMETER_COUNTS[name]
 
 
@@ -84,4 +84,4 @@ def test_unsupported_qwen2_configs_name_the_key(change, message):
 
 def test_a_qwen2_model_needs_its_biases():
     with pytest.raises(ValueError, match="qkv_bias=True"):
-        Qwen2(dataclasses.replace(qwen2.QWEN2_5_0_5B, qkv_bias=False))
+        QWEN2.build(dataclasses.replace(qwen2.QWEN2_5_0_5B, qkv_bias=False))

@@ -1,39 +1,63 @@
 """The model families torchtune_ac knows, and how generic code finds a model's family.
 
-To add a family: write ``families/<name>.py`` declaring a ``ModelFamily`` (see ``models/family.py``), list it
-in ``FAMILIES`` below, and export its builders from ``torchtune_ac.models``.
+Every module in this package is one family: it declares ``FAMILY``, a ``ModelFamily`` (see ``models/family.py``).
+They are found here by walking the package, so adding a family is adding its module; ``torchtune_ac.models``
+exports each family's builders, and ``tune migrate`` reads the torchtune builders each replaces.
+
+Everything here is pure: a model's family is found by the ``model_type`` its arguments carry, and a config.json
+(already parsed) is turned into a model by the family its ``model_type`` names.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Any, Mapping, Optional
 
 from torch import nn
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.families.llama import LLAMA
-from torchtune_ac.models.families.mistral import MISTRAL
-from torchtune_ac.models.families.qwen2 import QWEN2
 from torchtune_ac.models.family import ModelFamily
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA, QWEN2, MISTRAL)
+
+def _discover_families() -> tuple[ModelFamily, ...]:
+    """The ``FAMILY`` of every module of this package, Llama first (the decoder they share), then by name.
+
+    Raises:
+        TypeError: a module without a ``FAMILY``, or two families that claim one name, builder or model_type.
+    """
+    found = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: (m.name != "llama", m.name)):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        family = getattr(module, "FAMILY", None)
+        if not isinstance(family, ModelFamily):
+            raise TypeError(f"{module.__name__} declares no FAMILY (a ModelFamily): every module here is a family")
+        found.append(family)
+    for what, keys in (("name", lambda f: [f.name]), ("builder", lambda f: list(f.builders)),
+                       ("model_type", lambda f: list(f.hf.model_types_read))):
+        seen: dict[str, str] = {}
+        for family in found:
+            for key in keys(family):
+                if key in seen:
+                    raise TypeError(f"{what} {key!r} is claimed by families {seen[key]} and {family.name}")
+                seen[key] = family.name
+    return tuple(found)
+
+
+FAMILIES: tuple[ModelFamily, ...] = _discover_families()
 
 
 def family_of(model: nn.Module) -> Optional[ModelFamily]:
     """The family ``model`` belongs to, or None for a model of no known family (an allowed custom component).
 
-    The most specific class wins: a family whose model class subclasses another family's is found first.
-    Wrapping by ``fully_shard`` (which subclasses the model's class) is seen through.
+    A model is of the family whose model class it is an instance of (wrapping by ``fully_shard``, which subclasses
+    the model's class, is seen through) and whose ``model_type`` its arguments carry.
     """
-    by_class = {family.model_class: family for family in FAMILIES}
-    for cls in type(model).__mro__:
-        if cls in by_class:
-            return by_class[cls]
-    return None
+    return next((family for family in FAMILIES if family.owns(model)), None)
 
 
 def supported_model_types() -> list[str]:
-    return [family.hf.model_type for family in FAMILIES]
+    return [model_type for family in FAMILIES for model_type in family.hf.model_types_read]
 
 
 def family_for_hf_config(config: Mapping[str, Any]) -> ModelFamily:
@@ -44,10 +68,36 @@ def family_for_hf_config(config: Mapping[str, Any]) -> ModelFamily:
     """
     model_type = config.get("model_type")
     for family in FAMILIES:
-        if family.hf.model_type == model_type:
+        if model_type in family.hf.model_types_read:
             return family
     supported = ", ".join(repr(t) for t in supported_model_types())
     raise UserError(f"model_type={model_type!r}: not a supported model family (supported: {supported})")
+
+
+def args_from_hf_config(config: Mapping[str, Any], **overrides: Any) -> tuple[ModelFamily, Any]:
+    """The family a parsed config.json names, and the model arguments it describes.
+
+    Args:
+        config: the parsed config.json.
+        **overrides: argument fields to set instead of what the config says (e.g. ``attn_dropout``).
+
+    Raises:
+        UserError: an unsupported ``model_type`` (listing the supported ones), or a config the family's adapter
+            refuses (naming each key).
+    """
+    family = family_for_hf_config(config)
+    return family, family.hf.args_from_hf_config(config, **overrides)
+
+
+def model_from_hf_config(config: Mapping[str, Any], **overrides: Any) -> nn.Module:
+    """The model a parsed config.json describes, of whichever family its ``model_type`` names, built on the
+    current default device with its weights unset.
+
+    Raises:
+        UserError: as ``args_from_hf_config``.
+    """
+    family, args = args_from_hf_config(config, **overrides)
+    return family.build(args)
 
 
 def require_family(model: nn.Module, what: str) -> ModelFamily:

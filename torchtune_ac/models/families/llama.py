@@ -1,23 +1,15 @@
-"""The Llama family: builders with the published Llama shapes, and two small CPU-sized models.
+"""The Llama family: builders with the published Llama shapes, and small CPU-sized models.
 
-Every named builder has the same keyword-only signature (no ``**kwargs``: YAML configs instantiate builders by
-dotted path, and the config system checks keys against the signature):
-
-    attn_dropout:  dropout on attention probabilities (the published models use 0.0)
-    resid_dropout: dropout on each residual branch (0.0)
-    max_seq_len:   longest sequence the model is meant for; None keeps the published value
-
-and raises ``UserError`` for an out-of-range value. Builders construct on the current default device: wrap a
-call in ``with torch.device("meta"):`` to get shapes without allocating memory. The ``LlamaArgs`` constants
-(``LLAMA3_8B``, ...) give the published arguments without building anything.
+Builders share one signature (see ``models/decoder_family.py``). The ``LlamaArgs`` constants (``LLAMA3_8B``,
+...) give the published arguments without building anything.
 """
 
 import dataclasses
 
-from torchtune_ac.component_marker import config_component
-from torchtune_ac.models.families.common import build_published, llama_style_family
+from torchtune_ac.models.decoder_family import decoder_family
+from torchtune_ac.models.family import TorchtuneBuilder
 from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter
-from torchtune_ac.models.llama import Llama, LlamaArgs, RopeScaling
+from torchtune_ac.models.llama import LlamaArgs, RopeScaling
 
 _LLAMA3_VOCAB = 128_256
 _LLAMA3_THETA = 500_000.0
@@ -49,85 +41,38 @@ LLAMA_SMALL_32K = LlamaArgs(vocab_size=32_768, dim=512, n_layers=4, n_heads=8, n
                             max_seq_len=2048)
 
 
-def _build(name: str, base: LlamaArgs, attn_dropout: float, resid_dropout: float, max_seq_len: int | None) -> Llama:
-    return build_published(Llama, name, base, attn_dropout=attn_dropout, resid_dropout=resid_dropout,
-                           max_seq_len=max_seq_len)
-
-
-@config_component
-def llama2_7b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
-    """Llama 2 7B (6,738,415,616 parameters)."""
-    return _build("llama2_7b", LLAMA2_7B, attn_dropout, resid_dropout, max_seq_len)
-
-
-@config_component
-def llama3_8b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
-    """Llama 3 8B (8,030,261,248 parameters)."""
-    return _build("llama3_8b", LLAMA3_8B, attn_dropout, resid_dropout, max_seq_len)
-
-
-@config_component
-def llama3_70b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
-    """Llama 3 70B (70,553,706,496 parameters)."""
-    return _build("llama3_70b", LLAMA3_70B, attn_dropout, resid_dropout, max_seq_len)
-
-
-@config_component
-def llama3_1_8b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
-    """Llama 3.1 8B: Llama 3 8B shapes with scaled RoPE."""
-    return _build("llama3_1_8b", LLAMA3_1_8B, attn_dropout, resid_dropout, max_seq_len)
-
-
-@config_component
-def llama3_1_70b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0,
-                 max_seq_len: int | None = None) -> Llama:
-    """Llama 3.1 70B: Llama 3 70B shapes with scaled RoPE."""
-    return _build("llama3_1_70b", LLAMA3_1_70B, attn_dropout, resid_dropout, max_seq_len)
-
-
-@config_component
-def llama3_2_1b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
-    """Llama 3.2 1B (1,235,814,400 parameters, tied embeddings)."""
-    return _build("llama3_2_1b", LLAMA3_2_1B, attn_dropout, resid_dropout, max_seq_len)
-
-
-@config_component
-def llama3_2_3b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
-    """Llama 3.2 3B (3,212,749,824 parameters, tied embeddings)."""
-    return _build("llama3_2_3b", LLAMA3_2_3B, attn_dropout, resid_dropout, max_seq_len)
-
-
-@config_component
-def llama_tiny(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
-    """The embedded default model (~1.6 M parameters)."""
-    return _build("llama_tiny", LLAMA_TINY, attn_dropout, resid_dropout, max_seq_len)
-
-
-@config_component
-def llama_small_32k(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0,
-                    max_seq_len: int | None = None) -> Llama:
-    """The CPU memory-benchmark model: 4 blocks of ``llama_small`` with a 32,768-token vocabulary (~45 M
-    parameters)."""
-    return _build("llama_small_32k", LLAMA_SMALL_32K, attn_dropout, resid_dropout, max_seq_len)
-
-
-@config_component
-def llama_small(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
-    """The CPU benchmark model (~32 M parameters)."""
-    return _build("llama_small", LLAMA_SMALL, attn_dropout, resid_dropout, max_seq_len)
-
-
-LLAMA = llama_style_family(
+FAMILY = decoder_family(
+    __name__,
     "llama",
-    Llama,
-    {
-        builder.__name__: builder
-        for builder in (llama2_7b, llama3_8b, llama3_70b, llama3_1_8b, llama3_1_70b, llama3_2_1b, llama3_2_3b,
-                        llama_tiny, llama_small, llama_small_32k)
-    },
     LlamaStyleHFAdapter(
         model_type="llama",
         architecture_name="LlamaForCausalLM",
         extra_config={"attention_bias": False, "mlp_bias": False},
     ),
+    {
+        "llama2_7b": (LLAMA2_7B, "Llama 2 7B (6,738,415,616 parameters)."),
+        "llama3_8b": (LLAMA3_8B, "Llama 3 8B (8,030,261,248 parameters)."),
+        "llama3_70b": (LLAMA3_70B, "Llama 3 70B (70,553,706,496 parameters)."),
+        "llama3_1_8b": (LLAMA3_1_8B, "Llama 3.1 8B: Llama 3 8B shapes with scaled RoPE."),
+        "llama3_1_70b": (LLAMA3_1_70B, "Llama 3.1 70B: Llama 3 70B shapes with scaled RoPE."),
+        "llama3_2_1b": (LLAMA3_2_1B, "Llama 3.2 1B (1,235,814,400 parameters, tied embeddings)."),
+        "llama3_2_3b": (LLAMA3_2_3B, "Llama 3.2 3B (3,212,749,824 parameters, tied embeddings)."),
+        "llama_tiny": (LLAMA_TINY, "The embedded default model (~1.6 M parameters)."),
+        "llama_small": (LLAMA_SMALL, "The CPU benchmark model (~32 M parameters)."),
+        "llama_small_32k": (LLAMA_SMALL_32K, "The CPU memory-benchmark model: 4 blocks of ``llama_small`` with a "
+                            "32,768-token vocabulary (~45 M parameters)."),
+    },
+    torchtune_builders={
+        "torchtune.models.llama2.llama2_7b": TorchtuneBuilder("llama2_7b"),
+        "torchtune.models.llama3.llama3_8b": TorchtuneBuilder("llama3_8b"),
+        "torchtune.models.llama3.llama3_70b": TorchtuneBuilder("llama3_70b"),
+        "torchtune.models.llama3_1.llama3_1_8b": TorchtuneBuilder("llama3_1_8b"),
+        "torchtune.models.llama3_1.llama3_1_70b": TorchtuneBuilder("llama3_1_70b"),
+        "torchtune.models.llama3_2.llama3_2_1b": TorchtuneBuilder("llama3_2_1b"),
+        "torchtune.models.llama3_2.llama3_2_3b": TorchtuneBuilder("llama3_2_3b"),
+        # torchtune defines Llama 3.3 70B as its Llama 3.1 70B builder (same architecture, new weights).
+        "torchtune.models.llama3_3.llama3_3_70b": TorchtuneBuilder("llama3_1_70b"),
+    },
 )
+# The builders are names of this module too (``torchtune_ac.models.families.llama.llama3_8b``).
+globals().update(FAMILY.builders)

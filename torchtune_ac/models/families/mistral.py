@@ -1,43 +1,52 @@
-"""The Mistral family: Mistral 7B v0.3, the Llama decoder with a 32,768-token vocabulary and no sliding window.
+"""The Mistral family: the Llama decoder with a 32,768-token vocabulary (v0.3), and for Mistral 7B v0.1 a
+4096-token sliding window in every layer.
 
-Mistral 7B v0.1 attends within a 4096-token sliding window; v0.2 and v0.3 attend to the whole sequence
-(``sliding_window: null``), which is what is supported here.
+v0.2 and v0.3 attend to the whole sequence (``sliding_window: null``); v0.1's config.json says
+``sliding_window: 4096``, which ``from_hf_config`` and ``load_hf`` read as such.
 """
 
-from torchtune_ac.component_marker import config_component
-from torchtune_ac.models.families.common import build_published, llama_style_family
-from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter, Refusal, refuse_unless
-from torchtune_ac.models.llama import Llama, LlamaArgs
+from typing import Any, Mapping
 
-
-class Mistral(Llama):
-    """A Mistral model: the Llama decoder (a class of its own so that generic code finds its family, and with
-    it the Hugging Face ``mistral`` layout)."""
-
+from torchtune_ac.models.decoder_family import decoder_family
+from torchtune_ac.models.family import TorchtuneBuilder
+from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter, read_value
+from torchtune_ac.models.llama import LlamaArgs
 
 MISTRAL_7B = LlamaArgs(vocab_size=32_768, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, intermediate_dim=14_336,
-                       max_seq_len=32_768, norm_eps=1e-5, rope_theta=1_000_000.0)
+                       max_seq_len=32_768, norm_eps=1e-5, rope_theta=1_000_000.0, model_type="mistral")
 
 
-@config_component
-def mistral_7b(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Mistral:
-    """Mistral 7B v0.3 (7,248,023,552 parameters)."""
-    return build_published(Mistral, "mistral_7b", MISTRAL_7B, attn_dropout=attn_dropout, resid_dropout=resid_dropout,
-                           max_seq_len=max_seq_len)
+# transformers' MistralConfig builds this window when config.json has no sliding_window key.
+_DEFAULT_WINDOW = 4096
 
 
-MISTRAL = llama_style_family(
+class MistralHFAdapter(LlamaStyleHFAdapter):
+    """Mistral's config.json: ``sliding_window`` applies to every layer (null: full attention)."""
+
+    def read_family_keys(self, config: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
+        if "sliding_window" not in config:
+            return {"sliding_window": _DEFAULT_WINDOW}
+        return {"sliding_window": read_value(config, "sliding_window", int, problems, default=None)}
+
+    def family_architecture(self, args: LlamaArgs) -> dict[str, Any]:
+        # transformers' MistralConfig defaults to a 4096-token window: null is written for full attention.
+        return {"sliding_window": args.sliding_window}
+
+
+FAMILY = decoder_family(
+    __name__,
     "mistral",
-    Mistral,
-    {"mistral_7b": mistral_7b},
-    LlamaStyleHFAdapter(
-        model_type="mistral",
-        architecture_name="MistralForCausalLM",
-        refusals=(
-            Refusal("sliding_window", refuse_unless(
-                (None,), "sliding-window attention is not supported (Mistral 7B v0.2 and later have none)")),
+    MistralHFAdapter(model_type="mistral", architecture_name="MistralForCausalLM"),
+    {"mistral_7b": (MISTRAL_7B, "Mistral 7B v0.3 (7,248,023,552 parameters).")},
+    torchtune_builders={
+        # torchtune's mistral_7b has Mistral 7B v0.1's shapes (32,000 tokens, RoPE base 10,000), ours v0.3's:
+        # build whatever the checkpoint's config.json says.
+        "torchtune.models.mistral.mistral_7b": TorchtuneBuilder(
+            "from_hf_config",
+            "torchtune's mistral_7b is Mistral 7B v0.1; from_hf_config builds the version in checkpoint_dir "
+            "(v0.1 with its 4096-token sliding window, v0.2 or v0.3)",
         ),
-        # transformers' MistralConfig defaults to a 4096-token window; null builds full attention, as ours.
-        extra_config={"sliding_window": None},
-    ),
+    },
 )
+# The builders are names of this module too (``torchtune_ac.models.families.mistral.mistral_7b``).
+globals().update(FAMILY.builders)

@@ -1,0 +1,37 @@
+"""The shipped configs of the families added on the shared decoder: `tune validate` prints the published parameter
+count (built on the meta device) and the chunked loss these vocabularies get by default, and `tune plan` answers."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from torchtune_ac.cli import main
+
+# config -> (parameters, vocabulary)
+CONFIGS = {
+    "gemma3/1B_full": ("999,885,952", "262,144"),
+    "gemma3/4B_full": ("3,880,263,168", "262,208"),
+    "qwen3/0.6B_full": ("596,049,920", "151,936"),
+    "qwen3/8B_full": ("8,190,735,360", "151,936"),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_validate_prints_the_published_parameter_count_and_a_chunked_loss(config, capsys):
+    parameters, vocabulary = CONFIGS[config]
+    assert main(["validate", "--config", config]) == 0
+    out = capsys.readouterr().out
+    assert f": {parameters} parameters, " in out
+    assert f"loss                      8 chunks (vocabulary {vocabulary})" in out
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_plan_answers_for_every_ac_setting(config, capsys):
+    assert main(["plan", "--config", config]) == 0
+    out = capsys.readouterr().out
+    assert f"{CONFIGS[config][0]} parameters; 1 process(es)" in out
+    settings = [m.group(1) for m in map(re.compile(r"^(none|per-op|every \S+ block|full) +[\d.]").match,
+                                       out.splitlines()) if m]
+    assert settings[0] == "none" and settings[-1] == "full" and "per-op" in settings

@@ -1,0 +1,119 @@
+"""Declaring a family built on the Llama decoder (``models/llama.py``): its published builders and its
+``ModelFamily``, from data.
+
+A family module under ``models/families/`` holds the published ``LlamaArgs`` of each size, a
+``LlamaStyleHFAdapter`` (or a subclass of it, where the family's config.json or names differ further) and, where
+its block differs in structure, its own block class; ``decoder_family`` turns them into the family and its
+builders.
+
+Every builder has the same keyword-only signature (no ``**kwargs``: YAML configs instantiate builders by dotted
+path, and the config system checks keys against the signature):
+
+    attn_dropout:  dropout on attention probabilities (the published models use 0.0)
+    resid_dropout: dropout on each residual branch (0.0)
+    max_seq_len:   longest sequence the model is meant for; None keeps the published value
+
+and raises ``UserError`` for an out-of-range value. Builders construct on the current default device: wrap a
+call in ``with torch.device("meta"):`` to get shapes without allocating memory.
+"""
+
+import dataclasses
+from typing import Callable, Mapping, Optional
+
+from torch import nn
+
+from torchtune_ac.component_marker import config_component
+from torchtune_ac.errors import UserError
+from torchtune_ac.models.family import ModelFamily, TorchtuneBuilder
+from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter
+from torchtune_ac.models.llama import BlockClass, Llama, LlamaArgs, TransformerBlock
+
+# This module has no ``from __future__ import annotations``: the builders' annotations must be types, which the
+# config system reads to check a YAML value against a builder's parameter.
+
+
+def published_builder(
+    module: str, name: str, base: LlamaArgs, doc: str, build: Callable[[LlamaArgs], Llama]
+) -> Callable[..., Llama]:
+    """A builder of the published model ``base``, marked as a config component.
+
+    Args:
+        module: the family module the builder is a name of (its ``__module__``).
+        name: the builder's name (``llama3_8b``).
+        base: the published arguments.
+        doc: the builder's docstring (the model and its parameter count).
+        build: the family's ``build``.
+    """
+
+    def builder(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None) -> Llama:
+        try:
+            args = dataclasses.replace(
+                base,
+                attn_dropout=attn_dropout,
+                resid_dropout=resid_dropout,
+                max_seq_len=base.max_seq_len if max_seq_len is None else max_seq_len,
+            )
+        except ValueError as e:
+            raise UserError(f"model {name}: {e}") from None
+        return build(args)
+
+    builder.__module__, builder.__name__, builder.__qualname__, builder.__doc__ = module, name, name, doc
+    return config_component(builder)
+
+
+def decoder_family(
+    module: str,
+    name: str,
+    hf: LlamaStyleHFAdapter,
+    published: Mapping[str, tuple[LlamaArgs, str]],
+    *,
+    block: BlockClass = TransformerBlock,
+    torchtune_builders: Optional[Mapping[str, TorchtuneBuilder]] = None,
+) -> ModelFamily:
+    """The ``ModelFamily`` of a family built on the Llama decoder: its arguments are ``model.args``, its blocks
+    ``model.layers``, and it initialises itself with ``init_weights()``.
+
+    Args:
+        module: the family module (``__name__``), where its builders are defined.
+        name: the family's short name (``qwen2``).
+        hf: its Hugging Face adapter.
+        published: builder name -> (published arguments, docstring).
+        block: its block class, where it differs in structure from ``TransformerBlock``.
+        torchtune_builders: the torchtune builders its builders replace (``tune migrate``).
+
+    Raises:
+        ValueError: published arguments that are not of this family.
+    """
+
+    def build(args: LlamaArgs) -> Llama:
+        hf.check_args(args)
+        return Llama(args, block)
+
+    for builder_name, (args, _) in published.items():
+        try:
+            hf.check_args(args)
+        except ValueError as e:
+            raise ValueError(f"{module}: {builder_name}: {e}") from None
+    return ModelFamily(
+        name=name,
+        model_class=Llama,
+        builders={n: published_builder(module, n, args, doc, build) for n, (args, doc) in published.items()},
+        hf=hf,
+        args_of=_args_of,
+        build=build,
+        blocks=_blocks,
+        init_weights=_init_weights,
+        torchtune_builders=dict(torchtune_builders or {}),
+    )
+
+
+def _args_of(model: nn.Module) -> LlamaArgs:
+    return model.args
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    return model.layers
+
+
+def _init_weights(model: nn.Module) -> None:
+    model.init_weights()
