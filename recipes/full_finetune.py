@@ -28,6 +28,7 @@ from torchtune_ac.checkpoint import (
     check_shared_directory,
     choose_resume_checkpoint,
     create_output_dir,
+    hold_output_dir,
     load_checkpoint,
     read_trainer_state,
     save_checkpoint,
@@ -280,7 +281,8 @@ class FullFinetuneRecipe:
 def run(cfg: FullFinetuneConfig) -> None:
     """Run the recipe; cleanup always runs (after a success, every rank shuts down together)."""
     recipe = FullFinetuneRecipe(cfg)
-    with recipe.stop:  # SIGTERM / Ctrl-C from here on: stop after the current step, with a checkpoint
+    # SIGTERM / Ctrl-C from here on: stop after the current step, with a checkpoint; output_dir is this run's alone
+    with recipe.stop, hold_output_dir(cfg.output_dir, init_distributed(cfg.device.value)):
         try:
             recipe.setup()
             with logging_redirect_tqdm():

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from torchtune_ac.cli import main as tune_main
-from torchtune_ac.checkpoint import RECIPE_STATE_DIR, TRAINER_STATE_FILE, list_checkpoints
+from torchtune_ac.checkpoint import OUTPUT_LOCK_FILE, RECIPE_STATE_DIR, TRAINER_STATE_FILE, list_checkpoints
 from torchtune_ac.checkpoint.manifest import check_against_manifest
 from torchtune_ac.training.metrics import METRICS_FILE, read_metrics
 
@@ -151,15 +151,15 @@ def hash_tree(root: Path) -> dict[str, str]:
 
 def assert_only_complete_checkpoints(output_dir: Path, world_size: int) -> int:
     """Check what a (possibly killed) run left: every ``step_*`` directory is a loadable Hugging Face checkpoint
-    that matches its manifest, the newest also holds complete recipe state, and anything else is ``metrics.jsonl`` or hidden ``.tmp-``
-    debris that nothing reads.
+    that matches its manifest, the newest also holds complete recipe state, and anything else is ``metrics.jsonl``,
+    the lock of a run killed outright (which the next run takes over), or hidden ``.tmp-`` debris that nothing reads.
 
     Returns:
         The step of the newest checkpoint.
     """
     checkpoints = list_checkpoints(output_dir)
     assert checkpoints, f"{output_dir}: no checkpoint"
-    names = {path.name for path in checkpoints} | {METRICS_FILE}
+    names = {path.name for path in checkpoints} | {METRICS_FILE, OUTPUT_LOCK_FILE}
     for entry in output_dir.iterdir():
         if entry.name not in names:
             assert entry.name.startswith(".") and ".tmp-" in entry.name, f"unexpected entry {entry}"

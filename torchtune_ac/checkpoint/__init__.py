@@ -5,7 +5,13 @@ manifest that ends each checkpoint of a run (sizes and SHA-256 of its files, che
 All the file-system code and collectives of checkpointing live here; ``torchtune_ac.models`` holds neither.
 """
 
-from torchtune_ac.checkpoint.files import check_shared_directory, read_json, remove_debris, write_directory
+from torchtune_ac.checkpoint.files import (
+    check_shared_directory,
+    check_writable_directory,
+    read_json,
+    remove_debris,
+    write_directory,
+)
 from torchtune_ac.checkpoint.hf import (
     CONFIG_FILE,
     TOKENIZER_FILES,
@@ -22,6 +28,7 @@ from torchtune_ac.checkpoint.hf import (
     write_hf_files,
 )
 from torchtune_ac.checkpoint.manifest import MANIFEST_FILE
+from torchtune_ac.checkpoint.output_lock import OUTPUT_LOCK_FILE, LockHolder, hold_output_dir, read_lock
 from torchtune_ac.checkpoint.recipe_state import (
     RECIPE_STATE_DIR,
     RESUMABLE_KEPT,
@@ -42,7 +49,9 @@ from torchtune_ac.checkpoint.safetensors_io import INDEX_FILE, WEIGHTS_FILE, loc
 __all__ = [
     "CONFIG_FILE",
     "INDEX_FILE",
+    "LockHolder",
     "MANIFEST_FILE",
+    "OUTPUT_LOCK_FILE",
     "RECIPE_STATE_DIR",
     "RESUMABLE_KEPT",
     "TOKENIZER_FILES",
@@ -54,10 +63,12 @@ __all__ = [
     "check_checkpoint_matches",
     "check_resume_shape",
     "check_shared_directory",
+    "check_writable_directory",
     "choose_resume_checkpoint",
     "copy_tokenizer_files",
     "create_output_dir",
     "from_hf_config",
+    "hold_output_dir",
     "list_checkpoints",
     "llama_from_hf_config",
     "load_checkpoint",
@@ -68,6 +79,7 @@ __all__ = [
     "read_hf_args",
     "read_hf_config",
     "read_json",
+    "read_lock",
     "read_trainer_state",
     "remove_debris",
     "save_checkpoint",

@@ -82,6 +82,24 @@ def require_directory(path: PathLike, what: str) -> Path:
     return path
 
 
+def check_writable_directory(path: Path, what: str) -> None:
+    """Check that ``path`` is, or can be created as, a directory this process may write in (nothing is created).
+
+    Raises:
+        UserError: ``path``, or the nearest existing folder above it, is a file.
+        UnavailableError: the nearest existing folder does not allow writing.
+    """
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path}: exists and is not a directory")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{what} {path}: not writable ({existing} is a file, not a directory)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UnavailableError(f"{what} {path}: not writable ({existing} does not allow writing)")
+
+
 def directory_problem(out_dir: Path, overwrite: bool) -> str | None:
     """Why a directory may not be written at ``out_dir``, or None."""
     if out_dir.exists():

@@ -10,7 +10,6 @@ machine that is not the training machine).
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -21,8 +20,10 @@ from torchtune_ac.checkpoint import (
     RunShape,
     check_checkpoint_matches,
     check_resume_shape,
+    check_writable_directory,
     choose_resume_checkpoint,
     list_checkpoints,
+    read_lock,
     read_trainer_state,
 )
 from torchtune_ac.config.planning import planning_inputs, unmodelled_settings
@@ -76,18 +77,20 @@ def _check_output_dir(cfg: FullFinetuneConfig, strict: bool) -> None:
         base = Path(cfg.checkpoint_dir).expanduser().resolve()
         if out == base or base in out.parents:
             raise UserError(f"output_dir {out}: must not be inside checkpoint_dir {base} (it is never modified)")
-    existing = out
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UserError(f"output_dir {out}: not writable ({existing} is a file, not a directory)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UnavailableError(f"output_dir {out}: not writable ({existing} does not allow writing)")
+    check_writable_directory(out, "output_dir")
     if not cfg.resume_from_checkpoint and (list_checkpoints(out) or (out / METRICS_FILE).exists()):
         raise UserError(
             f"output_dir {out}: holds checkpoints or metrics of an earlier run; pass resume_from_checkpoint=true "
             "to continue it, or choose another output_dir"
         )
+    if not strict:  # tune validate (a run checks once it holds the lock itself)
+        try:
+            holder = read_lock(out)
+        except UserError as err:
+            raise UnavailableError(str(err)) from None
+        if holder is not None:
+            now = "a run started now takes it over" if holder.is_stale_here() else "a run started now is refused"
+            raise UnavailableError(f"output_dir {out}: locked by a run ({holder.describe()}): {now}")
 
 
 def _resolve_plan(cfg: FullFinetuneConfig, model: torch.nn.Module, world_size: Optional[int], strict: bool,
