@@ -11,7 +11,7 @@ import math
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -341,6 +341,7 @@ def write_hf_files(
     max_shard_size: int | str = "5GB",
     *,
     tokenizer_dir: Optional[PathLike] = None,
+    base_config: Optional[Mapping[str, Any]] = None,
     **token_ids: Any,
 ) -> None:
     """Write a model's Hugging Face files (config.json, safetensors, tokenizer files) into an existing directory.
@@ -355,6 +356,8 @@ def write_hf_files(
         out_dir: an existing, empty directory (the temporary one of ``write_directory``).
         max_shard_size: bytes per safetensors file, as an int or a string like ``"5GB"`` / ``"500MiB"``.
         tokenizer_dir: if given, its tokenizer files are copied in too (see ``copy_tokenizer_files``).
+        base_config: the config.json the model was loaded from, whose other keys config.json keeps (see the
+            adapter's ``hf_config_from_args``).
         **token_ids: ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` for config.json.
 
     Raises:
@@ -397,7 +400,8 @@ def write_hf_files(
 
     try:
         dtype = tensors[next(iter(tensors))].dtype
-        write_json(out_dir / CONFIG_FILE, family.hf.hf_config_from_args(family.args_of(model), dtype, **token_ids))
+        write_json(out_dir / CONFIG_FILE,
+                   family.hf.hf_config_from_args(family.args_of(model), dtype, base_config=base_config, **token_ids))
         write_safetensors(out_dir, nbytes, max_bytes, fetch_counted)
         if tokenizer_dir is not None:
             copy_tokenizer_files(tokenizer_dir, out_dir)
@@ -419,6 +423,7 @@ def save_hf(
     eos_token_id: Optional[int | list[int]] = None,
     pad_token_id: Optional[int] = None,
     tokenizer_dir: Optional[PathLike] = None,
+    base_config: Optional[Mapping[str, Any]] = None,
 ) -> Path:
     """Save a model of a known family as a Hugging Face checkpoint that ``AutoModelForCausalLM`` loads.
 
@@ -436,6 +441,8 @@ def save_hf(
         overwrite: replace an existing non-empty ``out_dir`` (only after the new one is complete).
         bos_token_id, eos_token_id, pad_token_id: recorded in config.json when given.
         tokenizer_dir: if given, its tokenizer files are copied in too (see ``copy_tokenizer_files``).
+        base_config: the parsed config.json the model was loaded from (``read_hf_config``): config.json keeps
+            every key of it that the model does not define (``initializer_range``, ``use_cache``, ...).
 
     Returns:
         ``out_dir`` as a Path.
@@ -449,7 +456,8 @@ def save_hf(
     token_ids = {"bos_token_id": bos_token_id, "eos_token_id": eos_token_id, "pad_token_id": pad_token_id}
     return write_directory(
         out_dir,
-        lambda tmp: write_hf_files(model, tmp, max_shard_size, tokenizer_dir=tokenizer_dir, **token_ids),
+        lambda tmp: write_hf_files(model, tmp, max_shard_size, tokenizer_dir=tokenizer_dir, base_config=base_config,
+                                   **token_ids),
         overwrite=overwrite,
         collective=sharded,
     )

@@ -69,7 +69,7 @@ from torchtune_ac.checkpoint.files import (
     run_on_every_rank,
     write_directory,
 )
-from torchtune_ac.checkpoint.hf import write_hf_files
+from torchtune_ac.checkpoint.hf import read_hf_config, write_hf_files
 from torchtune_ac.checkpoint.manifest import check_against_manifest, read_manifest, write_manifest, write_manifest_without
 from torchtune_ac.errors import UserError
 
@@ -233,6 +233,7 @@ def save_checkpoint(
     keep_last_n: Optional[int] = None,
     tokenizer_dir: Optional[str | Path] = None,
     hf_config_extra: Optional[dict[str, Any]] = None,
+    base_checkpoint_dir: Optional[str | Path] = None,
 ) -> Path:
     """Write a complete checkpoint for ``progress.step`` (all ranks must call this), then prune older ones.
 
@@ -246,6 +247,10 @@ def save_checkpoint(
     Args:
         keep_last_n: keep this many newest checkpoints whole and delete the others; None keeps every
             checkpoint's Hugging Face files and the recipe state of the newest ``RESUMABLE_KEPT``.
+        tokenizer_dir: the tokenizer files to copy into the checkpoint.
+        hf_config_extra: token ids for config.json (``bos_token_id``, ``eos_token_id``, ``pad_token_id``).
+        base_checkpoint_dir: the Hugging Face checkpoint the run started from: the saved config.json keeps every
+            key of its config.json that the training did not change.
 
     Returns:
         The checkpoint directory.
@@ -260,9 +265,13 @@ def save_checkpoint(
         remove_debris(root)  # what a run killed while saving or pruning left behind
     _barrier()
 
+    base_config = read_hf_config(base_checkpoint_dir) if base_checkpoint_dir is not None else None
+
     def write(tmp: Path) -> None:
         run_on_every_rank(
-            lambda: write_hf_files(model, tmp, tokenizer_dir=tokenizer_dir, **(hf_config_extra or {})), where=tmp
+            lambda: write_hf_files(model, tmp, tokenizer_dir=tokenizer_dir, base_config=base_config,
+                                   **(hf_config_extra or {})),
+            where=tmp,
         )
         run_on_every_rank(
             lambda: _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizers=optimizers,
