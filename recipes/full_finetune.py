@@ -247,6 +247,7 @@ class FullFinetuneRecipe:
             shape=run_shape(self.cfg, self.ctx.world_size, self.model),
             keep_last_n=self.cfg.keep_last_n_checkpoints,
             tokenizer_dir=Path(self.tokenizer.path).parent,
+            chat_template=self.tokenizer.chat_template,
             base_checkpoint_dir=self.cfg.checkpoint_dir,
             hf_config_extra={"bos_token_id": self.tokenizer.bos_id, "eos_token_id": self.tokenizer.eos_id},
         )

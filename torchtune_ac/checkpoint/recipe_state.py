@@ -232,6 +232,7 @@ def save_checkpoint(
     shape: RunShape,
     keep_last_n: Optional[int] = None,
     tokenizer_dir: Optional[str | Path] = None,
+    chat_template: Optional[str] = None,
     hf_config_extra: Optional[dict[str, Any]] = None,
     base_checkpoint_dir: Optional[str | Path] = None,
 ) -> Path:
@@ -248,6 +249,7 @@ def save_checkpoint(
         keep_last_n: keep this many newest checkpoints whole and delete the others; None keeps every
             checkpoint's Hugging Face files and the recipe state of the newest ``RESUMABLE_KEPT``.
         tokenizer_dir: the tokenizer files to copy into the checkpoint.
+        chat_template: the chat template the run's tokenizer used (None: none), saved with the tokenizer files.
         hf_config_extra: token ids for config.json (``bos_token_id``, ``eos_token_id``, ``pad_token_id``).
         base_checkpoint_dir: the Hugging Face checkpoint the run started from: the saved config.json keeps every
             key of its config.json that the training did not change.
@@ -269,8 +271,8 @@ def save_checkpoint(
 
     def write(tmp: Path) -> None:
         run_on_every_rank(
-            lambda: write_hf_files(model, tmp, tokenizer_dir=tokenizer_dir, base_config=base_config,
-                                   **(hf_config_extra or {})),
+            lambda: write_hf_files(model, tmp, tokenizer_dir=tokenizer_dir, chat_template=chat_template,
+                                   base_config=base_config, **(hf_config_extra or {})),
             where=tmp,
         )
         run_on_every_rank(

@@ -28,7 +28,7 @@ from torchtune_ac.checkpoint import (
 )
 from torchtune_ac.config.planning import planning_inputs, unmodelled_settings
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
-from torchtune_ac.config.startup_checks import check_optimizer_builds, check_tokenizer_fits
+from torchtune_ac.config.startup_checks import check_chat_template, check_optimizer_builds, check_tokenizer_fits
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.training.distributed import resolve_device
@@ -145,6 +145,7 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
     if cfg.checkpoint_dir is not None:
         soft(lambda: check_checkpoint_matches(model, cfg.checkpoint_dir))
     soft(lambda: check_tokenizer_fits(cfg.tokenizer, report.plan.vocab_size))
+    soft(lambda: check_chat_template(cfg.tokenizer, cfg.dataset))
     check_optimizer_builds(cfg.optimizer, cfg.lr_scheduler)
     soft(lambda: _check_output_dir(cfg, strict))
     resume_note = ""

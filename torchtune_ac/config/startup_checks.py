@@ -2,6 +2,8 @@
 
 - The tokenizer against the model: a tokenizer with more tokens than the model's vocabulary (or a special-token id
   beyond it) would make an embedding lookup index past the table at the first batch that holds such an id.
+- Chat data against the tokenizer: a dataset rendered with a chat template needs a tokenizer that has one (or a
+  ``tokenizer.chat_template`` naming one), or the run would stop only once the model is built.
 - The optimizer and the LR scheduler, built once on a stand-in parameter: an argument the class itself rejects
   (``optimizer.betas=[0.9]``) is reported naming the key at start-up, and by ``tune validate``, instead of after
   the model is built and sharded.
@@ -14,7 +16,8 @@ from typing import Optional
 import torch
 
 from torchtune_ac.config.components import Component
-from torchtune_ac.errors import UserError
+from torchtune_ac.data import uses_chat_template
+from torchtune_ac.errors import UnavailableError, UserError
 
 # A schedule built for the stand-in checks only: long enough for any warm-up a real run could ask for.
 _STAND_IN_TRAINING_STEPS = 1_000_000
@@ -44,6 +47,25 @@ def check_tokenizer_fits(tokenizer: Component, vocab_size: Optional[int]) -> Non
             f"(ids 0 to {vocab_size - 1:,}): such an id would index past the embedding table; use the tokenizer "
             "that belongs to the model's checkpoint, or a model whose vocab_size covers it"
         )
+
+
+def check_chat_template(tokenizer: Component, dataset: Component) -> None:
+    """Refuse chat data with a tokenizer that has no chat template.
+
+    Raises:
+        UserError: the dataset renders chat and the tokenizer has no template (naming the tokenizer folder and how
+            to name a template).
+    """
+    if not uses_chat_template(dataset.target(), dataset.kwargs):
+        return
+    try:
+        built = tokenizer.instantiate()
+    except UnavailableError:
+        return  # not on this machine: check_tokenizer_fits says so
+    try:
+        built.require_chat_template()
+    except UserError as err:
+        raise UserError(f"{dataset.key}: {err}") from None
 
 
 def check_optimizer_builds(optimizer: Component, lr_scheduler: Optional[Component]) -> None:

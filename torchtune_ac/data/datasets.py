@@ -11,7 +11,7 @@ masked as described in ``samples.py``. Records with nothing left to train on (fo
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 from torchtune_ac.component_marker import config_component
 from torchtune_ac.data.embedded import EMBEDDED_INSTRUCT_PATH
@@ -207,6 +207,13 @@ def text_dataset(
         return tokens, [True] * len(tokens)
 
     return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed)
+
+
+def uses_chat_template(builder: Callable[..., Any], arguments: Mapping[str, Any]) -> bool:
+    """Whether the dataset ``builder`` called with ``arguments`` renders records with the tokenizer's chat template
+    (``chat_dataset``, and ``instruct_dataset`` with ``template: chat``): start-up checks ask, before the data is read.
+    """
+    return builder is chat_dataset or (builder is instruct_dataset and arguments.get("template") == "chat")
 
 
 def resolve_max_seq_len(max_seq_len: Optional[int], tokenizer: Tokenizer, packed: bool) -> Optional[int]:
