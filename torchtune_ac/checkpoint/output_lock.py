@@ -110,7 +110,8 @@ def _unreadable(path: Path, why: str) -> str:
 
 
 def _refusal(path: Path, holder: LockHolder) -> str:
-    where = "this host" if holder.host == socket.gethostname() else "another host: whether it still runs cannot be told from here"
+    where = ("this host" if holder.host == socket.gethostname()
+             else "another host: whether it still runs cannot be told from here")
     return (f"output_dir {path.parent} is in use by another run ({holder.describe()}; {where}): wait for it to "
             f"finish or choose another output_dir; if that run is gone, delete {path}")
 

@@ -1,6 +1,7 @@
 """The config.json a fine-tune saves keeps every field of the input checkpoint's config.json that training did not
 change (pad_token_id, initializer_range, use_cache, max_window_layers, ...), field by field, for Llama and Qwen2
-checkpoints that transformers wrote (``tests/integration/test_finetuned_config_fields.py``: the same through ``tune run``)."""
+checkpoints that transformers wrote; ``tests/integration/test_finetuned_config_fields.py`` does it through ``tune run``.
+"""
 
 from __future__ import annotations
 

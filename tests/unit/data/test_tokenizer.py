@@ -293,7 +293,8 @@ def test_a_jinja_chat_template_in_the_config_replaces_the_tokenizers_own(tmp_pat
 @pytest.mark.parametrize(
     "value, message",
     [
-        ("chatm", r"chat_template='chatm': not a built-in template \(chatml, llama3, plain\) \(did you mean chatml\?\)"),
+        ("chatm",
+         r"chat_template='chatm': not a built-in template \(chatml, llama3, plain\) \(did you mean chatml\?\)"),
         ("{% for m in messages %}{{ m }}", r"not a valid Jinja template \(line 1: Unexpected end of template"),
     ],
 )
