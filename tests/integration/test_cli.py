@@ -499,3 +499,13 @@ def test_a_worker_of_a_multi_process_run_leaves_with_its_exact_status(world_size
         assert left.value.args == (2,)
     else:
         assert cli.recipe_main(argv, recipe) == 2
+
+
+def test_validate_says_a_hub_dataset_is_read_at_run_time_and_whether_offline_mode_leaves_it_anything(capsys):
+    """The tests run with HF_HUB_OFFLINE=1 and an empty datasets cache: the run would stop, validate says why."""
+    assert main(["validate", "--config", "tiny/full", "dataset.source=tatsu-lab/alpaca"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"dataset source +tatsu-lab/alpaca: a Hugging Face Hub dataset, not in the datasets cache "
+                     r"\(.*\); HF_HUB_OFFLINE is set: the run reads the cache only\n", out), out
+    assert re.search(r"warning +dataset source tatsu-lab/alpaca: HF_HUB_OFFLINE is set and the dataset is not in the "
+                     "datasets cache: the run will stop\n", out), out

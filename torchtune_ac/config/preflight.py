@@ -29,6 +29,8 @@ from torchtune_ac.checkpoint import (
 from torchtune_ac.config.planning import planning_inputs, unmodelled_settings
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.config.startup_checks import check_chat_template, check_optimizer_builds, check_tokenizer_fits
+from torchtune_ac.data.hf_sources import describe_hub_source
+from torchtune_ac.data.sources import TEXT_SUFFIXES, is_hub_name
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.training.distributed import resolve_device
@@ -174,6 +176,15 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
             f"{cfg.model.path}); if you extend it on purpose, say so with model.max_seq_len={cfg.max_seq_len}"
         )
 
+    hub_source = None
+    source = cfg.dataset.kwargs.get("source")
+    if not strict and isinstance(source, str) and is_hub_name(source, TEXT_SUFFIXES):
+        # tune validate: the data is read when the run starts; say whether it will be downloaded or read from the
+        # cache, and whether offline mode leaves it nothing to read.
+        hub_source, warning = describe_hub_source(source)
+        if warning is not None:
+            report.warnings.append(warning)
+
     if world_size == 1 and cfg.fsdp != FSDPConfig():
         report.warnings.append("fsdp.*: these settings apply only when the run has more than one process (FSDP2)")
 
@@ -189,5 +200,6 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
         ),
         ("checkpoint_dir", cfg.checkpoint_dir or "none (random initialisation from seed)"),
         ("output_dir", cfg.output_dir + resume_note),
+        *([("dataset source", hub_source)] if hub_source is not None else []),
     ]
     return report
