@@ -168,7 +168,8 @@ def test_auto_says_what_its_estimate_does_not_model(tmp_path):
 
     recipe = load_recipe(resolve_recipe_path("full_finetune"))
     cfg = load_recipe_config(recipe, "tiny/full", [f"output_dir={tmp_path}", "max_seq_len=64", "ac_mode=auto",
-                                                   "ac_memory_budget_gib=1", "fsdp.param_dtype=bf16"], [])
+                                                   "enable_activation_checkpointing=null", "ac_memory_budget_gib=1",
+                                                   "fsdp.param_dtype=bf16"], [])
     assert ("warning", "ac_mode=auto: fsdp.param_dtype=bf16 is not modelled: activations and gathered weights are "
             "counted in fp32 (dtype), so the estimate is higher than the run's") in recipe.preflight(cfg, world_size=2)
 
@@ -251,9 +252,13 @@ BAD_COMMAND_LINES = [
       "model._component_=torch.nn.TransformerEncoder", "+model.encoder_layer._component_=torch.nn.TransformerEncoderLayer",
       "+model.encoder_layer.d_model=8", "+model.encoder_layer.nhead=2", "+model.num_layers=2"],
      "loss_chunks=4: the chunked loss runs through the model's output head"),
-    (["validate", "--config", "tiny/full", "ac_mode=auto"], "ac_mode=auto on cpu: set ac_memory_budget_gib"),
-    (["validate", "--config", "tiny/full", "ac_mode=auto", "ac_memory_budget_gib=0.001"],
-     "ac_mode=auto: no plan fits ac_memory_budget_gib=0.001: even full AC needs"),
+    (["validate", "--config", "tiny/full", "ac_mode=auto", "enable_activation_checkpointing=null"],
+     "ac_mode=auto on cpu: set ac_memory_budget_gib"),
+    (["validate", "--config", "tiny/full", "ac_mode=auto", "enable_activation_checkpointing=null",
+      "ac_memory_budget_gib=0.001"], "ac_mode=auto: no plan fits ac_memory_budget_gib=0.001: even full AC needs"),
+    # tiny/full turns the switch on: auto could pick none, which contradicts it (was silently "auto -> none").
+    (["validate", "--config", "tiny/full", "ac_mode=auto", "ac_memory_budget_gib=1"],
+     "enable_activation_checkpointing=true contradicts ac_mode=auto"),
     (["validate", "--config", "tiny/full", "ac_memory_budget_gib=4"], "ac_memory_budget_gib=4: only used by ac_mode: auto"),
     (["plan", "--config", "tiny/full", "--nproc", "0"], "--nproc: must be >= 1, got 0"),
     (["plan", "--config", "tiny/full", "--budget-gib", "-1"], "--budget-gib: must be > 0, got -1"),
