@@ -354,11 +354,12 @@ def test_several_config_problems_are_listed_together(capsys):
 def test_allow_component_flag_and_env(tmp_path, capsys, monkeypatch):
     argv = ["validate", "--config", "tiny/full", "optimizer._component_=textwrap.dedent"]
     assert main(argv) == 2
-    assert "--allow-component textwrap" in capsys.readouterr().err
+    assert "--allow-component textwrap.dedent " in capsys.readouterr().err
     monkeypatch.delenv("TUNE_ALLOWED_COMPONENTS", raising=False)
     # Allowed explicitly, the path is imported and checked like any other (dedent takes no lr).
-    assert main(argv + ["--allow-component", "textwrap", "optimizer.lr=1"]) == 2
-    assert "optimizer.lr: not an argument of textwrap.dedent" in capsys.readouterr().err
+    for allowed in ("textwrap", "textwrap.dedent"):
+        assert main(argv + ["--allow-component", allowed, "optimizer.lr=1"]) == 2
+        assert "optimizer.lr: not an argument of textwrap.dedent" in capsys.readouterr().err
 
 
 @pytest.mark.slow

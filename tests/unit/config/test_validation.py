@@ -3,7 +3,13 @@
 import pytest
 
 from torchtune_ac.config import ConfigError, DType, FullFinetuneConfig, validate_config
-from torchtune_ac.config.components import ALLOWED_ENV_VAR, Component, check_component_path, parse_component
+from torchtune_ac.config.components import (
+    ALLOWED_ENV_VAR,
+    Component,
+    check_component_path,
+    import_component,
+    parse_component,
+)
 from torchtune_ac.errors import UserError
 from torchtune_ac.training.activation_checkpointing import ACConfig, ACMode
 
@@ -121,8 +127,24 @@ def test_refusal_says_how_to_allow(monkeypatch):
     monkeypatch.delenv(ALLOWED_ENV_VAR, raising=False)
     with pytest.raises(UserError) as info:
         check_component_path("mypkg.models.build", "model")
-    assert "--allow-component mypkg" in str(info.value)
-    assert f"{ALLOWED_ENV_VAR}=mypkg" in str(info.value)
+    assert str(info.value).endswith(f"to allow it, pass --allow-component mypkg.models.build or set "
+                                    f"{ALLOWED_ENV_VAR}=mypkg.models.build")
+
+
+def test_the_hint_for_torch_load_allows_torch_load_and_nothing_more(monkeypatch):
+    """The hint was --allow-component torch, which allows all of torch."""
+    monkeypatch.delenv(ALLOWED_ENV_VAR, raising=False)
+    with pytest.raises(UserError) as info:
+        check_component_path("torch.load", "model")
+    assert str(info.value).endswith(
+        f"to allow it, pass --allow-component torch.load or set {ALLOWED_ENV_VAR}=torch.load")
+    # What the hint says works, for torch.load (defined in torch.serialization) and only for it.
+    import torch
+
+    check_component_path("torch.load", "model", extra_allowed=["torch.load"])
+    assert import_component("torch.load", "model", extra_allowed=["torch.load"]) is torch.load
+    with pytest.raises(UserError, match="torch.save: not allowed"):
+        check_component_path("torch.save", "model", extra_allowed=["torch.load"])
 
 
 def test_explicit_allow_by_flag_and_env(monkeypatch):
