@@ -176,6 +176,7 @@ def load_recipe_config(recipe: ModuleType, config: str, overrides: Sequence[str]
         recipe.CONFIG_SCHEMA,
         source=str(resolve_config_path(config)),
         extra_allowed_components=allow_components,
+        overrides=overrides,
     )
     if to_run:
         create_embedded_checkpoint_if_named(cfg)

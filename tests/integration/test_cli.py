@@ -351,6 +351,11 @@ def test_several_config_problems_are_listed_together(capsys):
         assert key in err
 
 
+def test_a_bad_command_line_value_is_blamed_on_the_command_line_not_the_yaml(capsys):
+    assert main(["validate", "--config", "tiny/full", "batch_size=0"]) == 2
+    assert capsys.readouterr().err == "tune: error: command line: batch_size=0: must be >= 1\n"
+
+
 def test_allow_component_flag_and_env(tmp_path, capsys, monkeypatch):
     argv = ["validate", "--config", "tiny/full", "optimizer._component_=textwrap.dedent"]
     assert main(argv) == 2

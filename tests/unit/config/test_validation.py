@@ -101,6 +101,26 @@ def test_all_problems_are_collected_into_one_error():
 
 
 @pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # Was "c.yaml: batch_size=0: ...": the value came from the command line, not the file.
+        (["batch_size=0"], "command line: batch_size=0: must be >= 1"),
+        (["++optimizer.lr=abc", "batch_size=0"], "command line: 2 problems:\n  - optimizer.lr='abc': "),
+        ([], "c.yaml: batch_size=0: must be >= 1"),
+        (["seed=x"], "c.yaml: 2 problems:\n  - batch_size=0: must be >= 1\n  - command line: seed='x': expected an "
+                     "integer"),
+    ],
+)
+def test_problems_name_the_command_line_for_the_values_it_set(overrides, message):
+    values = {"batch_size": 0, **({"seed": "x"} if "seed=x" in overrides else {})}
+    if "++optimizer.lr=abc" in overrides:
+        values["optimizer"] = {"_component_": "torch.optim.AdamW", "lr": "abc"}
+    with pytest.raises(ConfigError) as info:
+        validate_config(base_config(**values), FullFinetuneConfig, source="c.yaml", overrides=overrides)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
     "path",
     [
         "os.system",
