@@ -152,6 +152,29 @@ def test_plan_draws_the_estimates(tmp_path, capsys):
     assert f"wrote {png}" in capsys.readouterr().out
 
 
+def test_plan_png_labels_a_small_model_in_mib(tmp_path, monkeypatch):
+    """Labelled in GiB to one decimal, every bar of a small model read 0.4 or 0.0."""
+    from matplotlib.axes import Axes
+
+    from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
+    from torchtune_ac.config.planning import draw_plan, plan_table
+
+    recipe = load_recipe(resolve_recipe_path("full_finetune"))
+    cfg = load_recipe_config(recipe, "tiny/full", ["max_seq_len=64"], [])
+    table = plan_table(cfg, world_size=1, budget_gib=0.05)
+    drawn, ylabels = [], []
+    real_annotate, real_ylabel = Axes.annotate, Axes.set_ylabel
+    monkeypatch.setattr(Axes, "annotate",
+                        lambda ax, text, *a, **k: drawn.append(text) or real_annotate(ax, text, *a, **k))
+    monkeypatch.setattr(Axes, "set_ylabel",
+                        lambda ax, text, *a, **k: ylabels.append(text) or real_ylabel(ax, text, *a, **k))
+    draw_plan(table, tmp_path / "plan.png")
+    assert drawn == table.bar_labels() and ylabels == ["MiB per process at the step's peak"]
+    for label, estimate in zip(drawn, table.estimates):
+        mib, unit = label.split("\n")[0].split()
+        assert unit == "MiB" and int(mib) == round(estimate.total / 2**20) and int(mib) >= 10
+
+
 def test_plan_says_what_it_does_not_model(tmp_path, capsys):
     note = ("Note: fsdp.param_dtype=bf16 is not modelled: activations and gathered weights are counted in fp32 "
             "(dtype), so the estimate is higher than the run's")
