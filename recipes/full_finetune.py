@@ -229,13 +229,11 @@ class FullFinetuneRecipe:
                     raise self.stopped(stop, saved=True)
         progress.close()
         steps = self.progress.step - first_step
-        if steps == 0:
-            log.info("nothing to do: the run in %s already finished %d step(s)", cfg.output_dir, self.progress.step)
-            return
-        log.info(
-            "done: %d step(s) in %.1f s, final loss %.4f, peak memory %.2f GiB; checkpoints in %s",
-            steps, time.perf_counter() - started, last_loss, peak_memory_gib(ctx.device), self.cfg.output_dir,
-        )
+        if ctx.is_rank_zero:  # the result, on stdout for scripts; everything else the run says is a log on stderr
+            print(f"nothing to do: the run in {cfg.output_dir} already finished {self.progress.step} step(s)"
+                  if steps == 0 else
+                  f"done: {steps} step(s) in {time.perf_counter() - started:.1f} s, final loss {last_loss:.4f}, "
+                  f"peak memory {peak_memory_gib(ctx.device):.2f} GiB; checkpoints in {cfg.output_dir}", flush=True)
 
     def save(self) -> None:
         path = save_checkpoint(

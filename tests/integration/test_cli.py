@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from finetune_runs import run_tune_subprocess, tune_run_argv
 
 from torchtune_ac.cli import main
 from torchtune_ac.registry import RECIPES, builtin_config_names, builtin_config_path
@@ -543,3 +544,13 @@ def test_validate_says_a_hub_dataset_is_read_at_run_time_and_whether_offline_mod
                      r"\(.*\); HF_HUB_OFFLINE is set: the run reads the cache only\n", out), out
     assert re.search(r"warning +dataset source tatsu-lab/alpaca: HF_HUB_OFFLINE is set and the dataset is not in the "
                      "datasets cache: the run will stop\n", out), out
+
+
+def test_a_run_prints_its_result_on_stdout_and_its_logs_on_stderr(tmp_path):
+    """Everything, the final done: line included, went to stderr."""
+    result = run_tune_subprocess(tune_run_argv(tmp_path / "out", "max_steps_per_epoch=2"))
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(rf"done: 2 step\(s\) in [\d.]+ s, final loss [\d.]+, peak memory [\d.]+ GiB; checkpoints in "
+                        rf"{re.escape(str(tmp_path / 'out'))}\n", result.stdout), result.stdout
+    assert "saved checkpoint" in result.stderr and "done:" not in result.stderr
+
