@@ -1,6 +1,7 @@
 """The package's layers, checked on its import statements: each package imports only the packages below it.
 
     cli, recipes
+    generate    (tune generate: transformers' generation over a checkpoint a run wrote)
     config      (schema, loading, components, start-up checks)
     training    (AC, sharding, step, loss, model setup)
     checkpoint  (files, safetensors, Hugging Face load/save, recipe state)
@@ -28,6 +29,7 @@ ALLOWED = {
     "training": LEAVES | {"models", "checkpoint"},
     "embedded": LEAVES | {"models", "data", "checkpoint"},
     "migrate": LEAVES,
+    "generate": LEAVES | {"checkpoint", "data"},
     "config": LEAVES | {"models", "data", "checkpoint", "training", "registry", "embedded", "migrate"},
 }
 # The one way up: torchtune_ac.models.load_hf / save_hf / from_hf_config are contract names, re-exported from

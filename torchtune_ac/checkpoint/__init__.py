@@ -30,6 +30,7 @@ from torchtune_ac.checkpoint.hf import (
 from torchtune_ac.checkpoint.manifest import MANIFEST_FILE
 from torchtune_ac.checkpoint.output_lock import OUTPUT_LOCK_FILE, LockHolder, hold_output_dir, read_lock
 from torchtune_ac.checkpoint.recipe_state import (
+    LATEST_POINTER,
     RECIPE_STATE_DIR,
     RESUMABLE_KEPT,
     TRAINER_STATE_FILE,
@@ -42,6 +43,7 @@ from torchtune_ac.checkpoint.recipe_state import (
     list_checkpoints,
     load_checkpoint,
     read_trainer_state,
+    resolve_hf_checkpoint,
     save_checkpoint,
 )
 from torchtune_ac.checkpoint.safetensors_io import INDEX_FILE, WEIGHTS_FILE, local_region, parse_shard_size
@@ -49,6 +51,7 @@ from torchtune_ac.checkpoint.safetensors_io import INDEX_FILE, WEIGHTS_FILE, loc
 __all__ = [
     "CONFIG_FILE",
     "INDEX_FILE",
+    "LATEST_POINTER",
     "LockHolder",
     "MANIFEST_FILE",
     "OUTPUT_LOCK_FILE",
@@ -82,6 +85,7 @@ __all__ = [
     "read_lock",
     "read_trainer_state",
     "remove_debris",
+    "resolve_hf_checkpoint",
     "save_checkpoint",
     "save_hf",
     "save_hf_state_dict",

@@ -207,6 +207,33 @@ def discard_directory(path: PathLike, debris_parent: Optional[PathLike] = None) 
     shutil.rmtree(doomed)
 
 
+def write_pointer(path: Path, target: str) -> None:
+    """Make ``path`` point at its sibling named ``target``, replacing an earlier pointer atomically.
+
+    The pointer is a relative symbolic link, so it survives moving the folder; on a file system without links it
+    is a small text file holding ``target``. Either is made under a temporary name and renamed over ``path``, so
+    a reader sees the old pointer or the new one, never none. ``read_pointer`` reads both kinds.
+    """
+    tmp = path.parent / f".{path.name}{_TMP_MARK}{uuid.uuid4().hex}"
+    try:
+        os.symlink(target, tmp)
+    except OSError:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(target + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_pointer(path: Path) -> Optional[str]:
+    """The name a ``write_pointer`` pointer at ``path`` holds, or None when there is no pointer there."""
+    if path.is_symlink():
+        return os.readlink(path)
+    if path.is_file():
+        return path.read_text(encoding="utf-8").strip()
+    return None
+
+
 def _move_into_place(tmp: Path, out_dir: Path) -> None:
     if not out_dir.exists():
         os.rename(tmp, out_dir)

@@ -12,6 +12,7 @@ Layout of ``output_dir``::
             scheduler.pt           learning-rate scheduler state
             rng_rank{r}.pt         each rank's RNG state (dropout masks continue exactly on the same world size)
         manifest.json              written last: every other file's size and SHA-256 (``manifest.py``)
+    latest                         the newest checkpoint that matched its manifest (a link, or a file naming it)
     metrics.jsonl
 
 Every checkpoint is written by ``files.write_directory`` (a temporary name, renamed into place when complete),
@@ -65,16 +66,20 @@ from torchtune_ac.checkpoint.files import (
     is_writer_rank,
     process_group_active,
     read_json,
+    read_pointer,
     remove_debris,
     run_on_every_rank,
     write_directory,
+    write_pointer,
 )
-from torchtune_ac.checkpoint.hf import read_hf_config, write_hf_files
+from torchtune_ac.checkpoint.hf import CONFIG_FILE, read_hf_config, write_hf_files
 from torchtune_ac.checkpoint.manifest import check_against_manifest, read_manifest, write_manifest, write_manifest_without
 from torchtune_ac.errors import UserError
 
 RECIPE_STATE_DIR = "recipe_state"
 TRAINER_STATE_FILE = "trainer_state.json"
+# output_dir/latest: the newest checkpoint that matched its manifest once written (a link, or a file naming it).
+LATEST_POINTER = "latest"
 # Newest checkpoints that keep their recipe state when keep_last_n_checkpoints is null: one to resume from, and
 # one to fall back on if it is damaged.
 RESUMABLE_KEPT = 2
@@ -162,6 +167,34 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted((p for p in root.iterdir() if p.is_dir() and _CHECKPOINT_RE.match(p.name)), key=_checkpoint_step)
+
+
+def resolve_hf_checkpoint(path: str | Path) -> Path:
+    """The Hugging Face checkpoint ``path`` names: ``path`` itself when it holds a config.json, else, for a run's
+    ``output_dir``, the checkpoint its ``latest`` pointer names (for an ``output_dir`` written before pointers
+    existed, its newest checkpoint that matches its manifest).
+
+    Raises:
+        UserError: ``path`` does not exist, or is neither a checkpoint nor an ``output_dir`` holding one (naming
+            what it lacks).
+    """
+    root = Path(path).expanduser()
+    if (root / CONFIG_FILE).is_file():
+        return root
+    if not root.is_dir():
+        raise UserError(f"checkpoint {root}: no such directory")
+    name = read_pointer(root / LATEST_POINTER)
+    if name is not None:
+        target = root / name
+        if not _CHECKPOINT_RE.match(name) or not (target / CONFIG_FILE).is_file():
+            raise UserError(f"checkpoint {root}: {root / LATEST_POINTER} names {name}, which is not a checkpoint "
+                            "here; name a step_* folder instead")
+        return target
+    for checkpoint in reversed(list_checkpoints(root)):
+        if (checkpoint / CONFIG_FILE).is_file() and check_against_manifest(checkpoint, hashes=False) is None:
+            return checkpoint
+    raise UserError(f"checkpoint {root}: neither a Hugging Face checkpoint (no {CONFIG_FILE}) nor a run's output_dir "
+                    f"with a checkpoint (no {LATEST_POINTER}, no complete step_* folder)")
 
 
 def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool, collective: bool = False) -> ResumeChoice:
@@ -300,10 +333,12 @@ def save_checkpoint(
 
 
 def _prune(root: Path, final: Path, keep_last_n: Optional[int]) -> None:
-    """Rank 0: check ``final`` against its manifest, then prune the older checkpoints (see the module docstring)."""
+    """Rank 0: check ``final`` against its manifest, point ``latest`` at it, then prune the older checkpoints (see
+    the module docstring)."""
     problem = check_against_manifest(final, hashes=False, require=_TRAINER_STATE)
     if problem is not None:
         raise RuntimeError(f"the checkpoint just written does not match its manifest ({problem}); nothing pruned")
+    write_pointer(root / LATEST_POINTER, final.name)
     newest_first = list(reversed(list_checkpoints(root)))
     for checkpoint in newest_first:
         if _checkpoint_step(checkpoint) > _checkpoint_step(final):
