@@ -67,6 +67,16 @@ def test_latest_is_a_file_naming_the_checkpoint_where_links_cannot_be_made(tmp_p
     assert resolve_hf_checkpoint(out) == out / "step_0000002"
 
 
+def test_a_copy_made_through_the_link_is_replaced_by_the_link(run_dir, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(run_dir, out)  # follows links: latest becomes a copy of step_0000004
+    assert (out / LATEST_POINTER).is_dir() and not (out / LATEST_POINTER).is_symlink()
+    assert resolve_hf_checkpoint(out) == out / "step_0000004"  # no pointer: the newest complete checkpoint
+    check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=4", "save_every_n_steps=2", "epochs=2",
+                                                    "resume_from_checkpoint=true")))
+    assert os.readlink(out / LATEST_POINTER) == "step_0000008"
+
+
 def test_generate_equals_transformers_greedy_on_the_embedded_checkpoint(capsys, embedded_checkpoint):
     tokenizer = AutoTokenizer.from_pretrained(embedded_checkpoint)
     expected = transformers_greedy(embedded_checkpoint, bos_and(tokenizer, PROMPT))

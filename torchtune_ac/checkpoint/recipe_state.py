@@ -42,6 +42,7 @@ call them), and so is ``choose_resume_checkpoint(collective=True)``; the other f
 from __future__ import annotations
 
 import json
+import logging
 import re
 import warnings
 from contextlib import contextmanager
@@ -73,7 +74,13 @@ from torchtune_ac.checkpoint.files import (
     write_pointer,
 )
 from torchtune_ac.checkpoint.hf import CONFIG_FILE, read_hf_config, write_hf_files
-from torchtune_ac.checkpoint.manifest import check_against_manifest, read_manifest, write_manifest, write_manifest_without
+from torchtune_ac.checkpoint.manifest import (
+    MANIFEST_FILE,
+    check_against_manifest,
+    read_manifest,
+    write_manifest,
+    write_manifest_without,
+)
 from torchtune_ac.errors import UserError
 
 RECIPE_STATE_DIR = "recipe_state"
@@ -85,6 +92,7 @@ LATEST_POINTER = "latest"
 RESUMABLE_KEPT = 2
 _CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 _TRAINER_STATE = f"{RECIPE_STATE_DIR}/{TRAINER_STATE_FILE}"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -338,7 +346,7 @@ def _prune(root: Path, final: Path, keep_last_n: Optional[int]) -> None:
     problem = check_against_manifest(final, hashes=False, require=_TRAINER_STATE)
     if problem is not None:
         raise RuntimeError(f"the checkpoint just written does not match its manifest ({problem}); nothing pruned")
-    write_pointer(root / LATEST_POINTER, final.name)
+    _point_latest(root, final)
     newest_first = list(reversed(list_checkpoints(root)))
     for checkpoint in newest_first:
         if _checkpoint_step(checkpoint) > _checkpoint_step(final):
@@ -351,6 +359,21 @@ def _prune(root: Path, final: Path, keep_last_n: Optional[int]) -> None:
         elif i >= keep_state and (checkpoint / RECIPE_STATE_DIR).exists():
             write_manifest_without(checkpoint, f"{RECIPE_STATE_DIR}/")
             discard_directory(checkpoint / RECIPE_STATE_DIR, root)
+
+
+def _point_latest(root: Path, final: Path) -> None:
+    """Point ``root/latest`` at ``final``.
+
+    A folder there is a copy made through the link (``shutil.copytree``, ``cp -rL``): a stale duplicate of a
+    checkpoint (it has a manifest), replaced; any other folder is not ours, and is left alone with a warning.
+    """
+    latest = root / LATEST_POINTER
+    if latest.is_dir() and not latest.is_symlink():
+        if not (latest / MANIFEST_FILE).is_file():
+            log.warning("%s is a folder this run did not write; left alone, so it does not name %s", latest, final)
+            return
+        discard_directory(latest, root)
+    write_pointer(latest, final.name)
 
 
 def _save_recipe_state(
