@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from torchtune_ac.checkpoint import Progress, create_output_dir, save_checkpoint
+from torchtune_ac.checkpoint import Progress, create_output_dir, hold_output_dir, read_hf_config, save_checkpoint
 from torchtune_ac.config.planning import PlanTable, plan_table
 from torchtune_ac.config.preflight import preflight_full_finetune, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
@@ -42,7 +42,7 @@ from torchtune_ac.run.phases import (
     restore,
     start_run,
 )
-from torchtune_ac.runtime.distributed import destroy_distributed
+from torchtune_ac.runtime.distributed import destroy_distributed, init_distributed
 from torchtune_ac.runtime.non_finite import NonFiniteError
 from torchtune_ac.runtime.stop import StopSignals
 from torchtune_ac.training.evaluation import evaluate
@@ -84,6 +84,8 @@ class FullFinetuneRecipe:
         self.run = run = start_run(cfg)
         resume_from = choose_resume(cfg).checkpoint
         self.tokenizer = cfg.tokenizer.instantiate()
+        # The saved config.json keeps every key of the one the run started from that training did not change.
+        self.base_config = read_hf_config(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
         self.training = build_model(cfg, run, load_weights=resume_from is None)  # a resume loads its own
         self.data = build_data(cfg, self.tokenizer, run.ctx)
         self.validation = build_validation(cfg, self.tokenizer, run.ctx)
@@ -183,20 +185,19 @@ class FullFinetuneRecipe:
                     raise self.stopped(stop, saved=True)
         progress.close()
         steps = self.progress.step - first_step
-        if steps == 0:
-            log.info(messages.nothing_to_do(cfg.output_dir, self.progress.step))
-            return
-        log.info(
-            "done: %d step(s) in %.1f s, final loss %.4f, peak memory %.2f GiB; checkpoints in %s",
-            steps, time.perf_counter() - started, last_loss, peak_memory_gib(ctx.device), self.cfg.output_dir,
-        )
+        if ctx.is_rank_zero:  # the result, on stdout for scripts; everything else the run says is a log on stderr
+            print(f"nothing to do: the run in {cfg.output_dir} already finished {self.progress.step} step(s)"
+                  if steps == 0 else
+                  f"done: {steps} step(s) in {time.perf_counter() - started:.1f} s, final loss {last_loss:.4f}, "
+                  f"peak memory {peak_memory_gib(ctx.device):.2f} GiB; checkpoints in {cfg.output_dir}", flush=True)
 
     def save(self) -> None:
         path = save_checkpoint(
             self.cfg.output_dir,
             model=self.training.model,
             hf_files=hf_model_files(
-                self.training.model, bos_token_id=self.tokenizer.bos_id, eos_token_id=self.tokenizer.eos_id
+                self.training.model, base_config=self.base_config, bos_token_id=self.tokenizer.bos_id,
+                eos_token_id=self.tokenizer.eos_id,
             ),
             optimizers=self.training.stepper.optimizers_to_checkpoint(),
             scheduler=self.scheduler,
@@ -204,6 +205,7 @@ class FullFinetuneRecipe:
             shape=run_shape(self.cfg, self.run.ctx.world_size, self.training.model, self.run.plan),
             keep_last_n=self.cfg.keep_last_n_checkpoints,
             tokenizer_dir=Path(self.tokenizer.path).parent,
+            chat_template=self.tokenizer.chat_template,
         )
         self.last_checkpoint = path
         log.info("saved checkpoint %s", path)
@@ -224,7 +226,8 @@ class FullFinetuneRecipe:
 def run(cfg: FullFinetuneConfig) -> None:
     """Run the recipe; cleanup always runs (after a success, every rank shuts down together)."""
     recipe = FullFinetuneRecipe(cfg)
-    with recipe.stop:  # SIGTERM / Ctrl-C from here on: stop after the current step, with a checkpoint
+    # SIGTERM / Ctrl-C from here on: stop after the current step, with a checkpoint; output_dir is this run's alone
+    with recipe.stop, hold_output_dir(cfg.output_dir, init_distributed(cfg.device.value)):
         try:
             recipe.setup()
             with logging_redirect_tqdm():

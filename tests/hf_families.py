@@ -3,6 +3,7 @@ is downloaded): the reference our families must match."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -71,3 +72,28 @@ def write_hf_checkpoint(family: str, out_dir: Path, seed: int = 0, **config: obj
     """``random_hf_model(...)`` saved by transformers (safetensors) into ``out_dir``."""
     random_hf_model(family, seed, **config).save_pretrained(out_dir)
     return out_dir
+
+
+# Values other than transformers' defaults, so a field that is rebuilt instead of kept shows.
+CUSTOM_FIELDS = {"pad_token_id": 5, "initializer_range": 0.05, "use_cache": False, "bos_token_id": 1,
+                 "eos_token_id": [2, 7]}
+FAMILY_FIELDS = {"llama": {"pretraining_tp": 1}, "qwen2": {"max_window_layers": 1}}
+# What the saved config.json states in its own spelling: rope_parameters as rope_theta (+ rope_scaling).
+RESTATED = {"rope_parameters"}
+
+
+def write_custom_config_checkpoint(family: str, out: Path, vocab_size: int = 96) -> dict:
+    """A checkpoint like ``write_hf_checkpoint``'s whose config.json holds ``CUSTOM_FIELDS``; its parsed config.json."""
+    write_hf_checkpoint(family, out, vocab_size=vocab_size, **CUSTOM_FIELDS, **FAMILY_FIELDS[family])
+    return json.loads((out / "config.json").read_text())
+
+
+def assert_config_kept(base: dict, saved: dict, changed: tuple[str, ...] = ()) -> None:
+    """Every field of ``base`` is in ``saved`` with the same value, but those ``changed`` and those restated."""
+    for key, value in base.items():
+        if key in RESTATED or key in changed:
+            continue
+        assert key in saved, f"{key} dropped"
+        assert saved[key] == value, f"{key}: {value!r} became {saved[key]!r}"
+    assert saved["rope_theta"] == base["rope_parameters"]["rope_theta"]
+    assert "rope_parameters" not in saved

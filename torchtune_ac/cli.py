@@ -1,4 +1,4 @@
-"""The ``tune`` command: ``run``, ``ls``, ``cp``, ``validate``, ``plan``, ``migrate``.
+"""The ``tune`` command: ``run``, ``ls``, ``cp``, ``validate``, ``plan``, ``migrate``, ``generate``.
 
 Exit status: 0 success, 2 user error (one short message on stderr, no traceback), 1 internal failure
 (traceback); a run that stopped early says why in one line: 143 stopped by SIGTERM or a first Ctrl-C after
@@ -148,6 +148,7 @@ def load_recipe_config(recipe: ModuleType, config: str, overrides: Sequence[str]
         recipe.CONFIG_SCHEMA,
         source=str(resolve_config_path(config)),
         extra_allowed_components=allow_components,
+        overrides=overrides,
     )
     if to_run:
         create_embedded_checkpoint_if_named(cfg)
@@ -297,6 +298,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from torchtune_ac.config.planning import draw_plan
     from torchtune_ac.registry import PlannedRecipe
@@ -328,6 +339,12 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         print(f"  {note}")
     print(f"check it with: tune validate --config {args.output}")
     return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from torchtune_ac.generate import generate_command
+
+    return generate_command(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -373,6 +390,26 @@ def build_parser() -> argparse.ArgumentParser:
     migrate.add_argument("--output", "-o", required=True, help="YAML file to write")
     migrate.add_argument("--force", "-f", action="store_true", help="overwrite an existing file")
     migrate.set_defaults(handler=cmd_migrate)
+
+    generate = sub.add_parser("generate", help="generate text with a fine-tuned checkpoint",
+                              description="Continue a prompt with a checkpoint's model (transformers' own generation; "
+                              "greedy by default) and print only the generated text on stdout.")
+    generate.add_argument("--checkpoint", required=True,
+                          help="a Hugging Face checkpoint folder, or a run's output_dir (its latest checkpoint)")
+    generate.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
+    layout = generate.add_mutually_exclusive_group()
+    layout.add_argument("--chat", action="store_true",
+                        help="render the prompt as a user turn with the saved chat template")
+    layout.add_argument("--alpaca", action="store_true",
+                        help="lay the prompt out as instruct_dataset's Alpaca template does (its default)")
+    generate.add_argument("--max-new-tokens", dest="max_new_tokens", type=int_at_least(1), default=256,
+                          help="at most this many new tokens (default: 256)")
+    generate.add_argument("--temperature", type=_non_negative_float, default=0.0,
+                          help="0 (default): greedy; above 0: sample at this temperature")
+    generate.add_argument("--seed", type=int_at_least(0), default=0, help="seed for sampling (default: 0)")
+    generate.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                          help="auto (default): CUDA when present")
+    generate.set_defaults(handler=cmd_generate)
     return parser
 
 

@@ -18,7 +18,14 @@ import psutil
 import torch
 from safetensors.torch import load_file
 
-from torchtune_ac.checkpoint import RECIPE_STATE_DIR, TRAINER_STATE_FILE, list_checkpoints
+from torchtune_ac.checkpoint import (
+    LATEST_POINTER,
+    OUTPUT_LOCK_FILE,
+    RECIPE_STATE_DIR,
+    TRAINER_STATE_FILE,
+    list_checkpoints,
+    resolve_hf_checkpoint,
+)
 from torchtune_ac.checkpoint.manifest import check_against_manifest
 from torchtune_ac.cli import main as tune_main
 from torchtune_ac.observability.metrics import METRICS_FILE, read_metrics
@@ -151,7 +158,8 @@ def hash_tree(root: Path) -> dict[str, str]:
 
 def assert_only_complete_checkpoints(output_dir: Path, world_size: int) -> int:
     """Check what a (possibly killed) run left: every ``step_*`` directory is a loadable Hugging Face checkpoint
-    that matches its manifest, the newest also holds complete recipe state, and anything else is ``metrics.jsonl`` or hidden ``.tmp-``
+    that matches its manifest, the newest also holds complete recipe state, ``latest`` names one of the newest two,
+    and anything else is ``metrics.jsonl``, the lock of a run killed outright (which the next run takes over), or hidden ``.tmp-``
     debris that nothing reads.
 
     Returns:
@@ -159,7 +167,7 @@ def assert_only_complete_checkpoints(output_dir: Path, world_size: int) -> int:
     """
     checkpoints = list_checkpoints(output_dir)
     assert checkpoints, f"{output_dir}: no checkpoint"
-    names = {path.name for path in checkpoints} | {METRICS_FILE}
+    names = {path.name for path in checkpoints} | {METRICS_FILE, OUTPUT_LOCK_FILE, LATEST_POINTER}
     for entry in output_dir.iterdir():
         if entry.name not in names:
             assert entry.name.startswith(".") and ".tmp-" in entry.name, f"unexpected entry {entry}"
@@ -170,6 +178,8 @@ def assert_only_complete_checkpoints(output_dir: Path, world_size: int) -> int:
         json.loads((checkpoint / "config.json").read_text())
         assert load_weights(checkpoint), f"{checkpoint}: empty model.safetensors"
     newest = checkpoints[-1]
+    # A run killed between renaming a checkpoint into place and checking it leaves latest on the one before.
+    assert resolve_hf_checkpoint(output_dir) in checkpoints[-2:], f"{output_dir / LATEST_POINTER}: not a checkpoint"
     state_dir = newest / RECIPE_STATE_DIR
     expected = [TRAINER_STATE_FILE, ".metadata", "scheduler.pt", *(f"rng_rank{r}.pt" for r in range(world_size))]
     for name in expected:

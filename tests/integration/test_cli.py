@@ -10,6 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from finetune_runs import run_tune_subprocess, tune_run_argv
 
 from torchtune_ac.cli import main
 from torchtune_ac.registry import RECIPES, builtin_config_names, builtin_config_path
@@ -152,6 +153,29 @@ def test_plan_draws_the_estimates(tmp_path, capsys):
     assert f"wrote {png}" in capsys.readouterr().out
 
 
+def test_plan_png_labels_a_small_model_in_mib(tmp_path, monkeypatch):
+    """Labelled in GiB to one decimal, every bar of a small model read 0.4 or 0.0."""
+    from matplotlib.axes import Axes
+
+    from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
+    from torchtune_ac.config.planning import draw_plan, plan_table
+
+    recipe = load_recipe(resolve_recipe_path("full_finetune"))
+    cfg = load_recipe_config(recipe, "tiny/full", ["max_seq_len=64"], [])
+    table = plan_table(cfg, world_size=1, budget_gib=0.05)
+    drawn, ylabels = [], []
+    real_annotate, real_ylabel = Axes.annotate, Axes.set_ylabel
+    monkeypatch.setattr(Axes, "annotate",
+                        lambda ax, text, *a, **k: drawn.append(text) or real_annotate(ax, text, *a, **k))
+    monkeypatch.setattr(Axes, "set_ylabel",
+                        lambda ax, text, *a, **k: ylabels.append(text) or real_ylabel(ax, text, *a, **k))
+    draw_plan(table, tmp_path / "plan.png")
+    assert drawn == table.bar_labels() and ylabels == ["MiB per process at the step's peak"]
+    for label, estimate in zip(drawn, table.estimates):
+        mib, unit = label.split("\n")[0].split()
+        assert unit == "MiB" and int(mib) == round(estimate.total / 2**20) and int(mib) >= 10
+
+
 def test_plan_says_what_it_does_not_model(tmp_path, capsys):
     note = ("Note: fsdp.param_dtype=bf16 is not modelled: activations and gathered weights are counted in fp32 "
             "(dtype), so the estimate is higher than the run's")
@@ -168,7 +192,8 @@ def test_auto_says_what_its_estimate_does_not_model(tmp_path):
 
     recipe = load_recipe(resolve_recipe_path("full_finetune"))
     cfg = load_recipe_config(recipe, "tiny/full", [f"output_dir={tmp_path}", "max_seq_len=64", "ac_mode=auto",
-                                                   "ac_memory_budget_gib=1", "fsdp.param_dtype=bf16"], [])
+                                                   "enable_activation_checkpointing=null", "ac_memory_budget_gib=1",
+                                                   "fsdp.param_dtype=bf16"], [])
     assert ("warning", "ac_mode=auto: fsdp.param_dtype=bf16 is not modelled: activations and gathered weights are "
             "counted in fp32 (dtype), so the estimate is higher than the run's") in recipe.preflight(cfg, world_size=2)
 
@@ -251,9 +276,13 @@ BAD_COMMAND_LINES = [
       "model._component_=torch.nn.TransformerEncoder", "+model.encoder_layer._component_=torch.nn.TransformerEncoderLayer",
       "+model.encoder_layer.d_model=8", "+model.encoder_layer.nhead=2", "+model.num_layers=2"],
      "loss_chunks=4: the chunked loss runs through the model's output head"),
-    (["validate", "--config", "tiny/full", "ac_mode=auto"], "ac_mode=auto on cpu: set ac_memory_budget_gib"),
-    (["validate", "--config", "tiny/full", "ac_mode=auto", "ac_memory_budget_gib=0.001"],
-     "ac_mode=auto: no plan fits ac_memory_budget_gib=0.001: even full AC needs"),
+    (["validate", "--config", "tiny/full", "ac_mode=auto", "enable_activation_checkpointing=null"],
+     "ac_mode=auto on cpu: set ac_memory_budget_gib"),
+    (["validate", "--config", "tiny/full", "ac_mode=auto", "enable_activation_checkpointing=null",
+      "ac_memory_budget_gib=0.001"], "ac_mode=auto: no plan fits ac_memory_budget_gib=0.001: even full AC needs"),
+    # tiny/full turns the switch on: auto could pick none, which contradicts it (was silently "auto -> none").
+    (["validate", "--config", "tiny/full", "ac_mode=auto", "ac_memory_budget_gib=1"],
+     "enable_activation_checkpointing=true contradicts ac_mode=auto"),
     (["validate", "--config", "tiny/full", "ac_memory_budget_gib=4"], "ac_memory_budget_gib=4: only used by ac_mode: auto"),
     (["plan", "--config", "tiny/full", "--nproc", "0"], "--nproc: must be >= 1, got 0"),
     (["plan", "--config", "tiny/full", "--budget-gib", "-1"], "--budget-gib: must be > 0, got -1"),
@@ -346,14 +375,20 @@ def test_several_config_problems_are_listed_together(capsys):
         assert key in err
 
 
+def test_a_bad_command_line_value_is_blamed_on_the_command_line_not_the_yaml(capsys):
+    assert main(["validate", "--config", "tiny/full", "batch_size=0"]) == 2
+    assert capsys.readouterr().err == "tune: error: command line: batch_size=0: must be >= 1\n"
+
+
 def test_allow_component_flag_and_env(tmp_path, capsys, monkeypatch):
     argv = ["validate", "--config", "tiny/full", "optimizer._component_=textwrap.dedent"]
     assert main(argv) == 2
-    assert "--allow-component textwrap" in capsys.readouterr().err
+    assert "--allow-component textwrap.dedent " in capsys.readouterr().err
     monkeypatch.delenv("TUNE_ALLOWED_COMPONENTS", raising=False)
     # Allowed explicitly, the path is imported and checked like any other (dedent takes no lr).
-    assert main(argv + ["--allow-component", "textwrap", "optimizer.lr=1"]) == 2
-    assert "optimizer.lr: not an argument of textwrap.dedent" in capsys.readouterr().err
+    for allowed in ("textwrap", "textwrap.dedent"):
+        assert main(argv + ["--allow-component", allowed, "optimizer.lr=1"]) == 2
+        assert "optimizer.lr: not an argument of textwrap.dedent" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -511,3 +546,23 @@ def test_a_worker_of_a_multi_process_run_leaves_with_its_exact_status(world_size
         assert left.value.args == (2,)
     else:
         assert cli.recipe_main(argv, recipe) == 2
+
+
+def test_validate_says_a_hub_dataset_is_read_at_run_time_and_whether_offline_mode_leaves_it_anything(capsys):
+    """The tests run with HF_HUB_OFFLINE=1 and an empty datasets cache: the run would stop, validate says why."""
+    assert main(["validate", "--config", "tiny/full", "dataset.source=tatsu-lab/alpaca"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"dataset source +tatsu-lab/alpaca: a Hugging Face Hub dataset, not in the datasets cache "
+                     r"\(.*\); HF_HUB_OFFLINE is set: the run reads the cache only\n", out), out
+    assert re.search(r"warning +dataset source tatsu-lab/alpaca: HF_HUB_OFFLINE is set and the dataset is not in the "
+                     "datasets cache: the run will stop\n", out), out
+
+
+def test_a_run_prints_its_result_on_stdout_and_its_logs_on_stderr(tmp_path):
+    """Everything, the final done: line included, went to stderr."""
+    result = run_tune_subprocess(tune_run_argv(tmp_path / "out", "max_steps_per_epoch=2"))
+    assert result.returncode == 0, result.stderr
+    assert re.fullmatch(rf"done: 2 step\(s\) in [\d.]+ s, final loss [\d.]+, peak memory [\d.]+ GiB; checkpoints in "
+                        rf"{re.escape(str(tmp_path / 'out'))}\n", result.stdout), result.stdout
+    assert "saved checkpoint" in result.stderr and "done:" not in result.stderr
+

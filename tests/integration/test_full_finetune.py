@@ -125,7 +125,7 @@ AC_MODES = {
     "selective_every_2nd_block": ("ac_mode=selective", "ac_option=2"),
     "selective_per_op": ("ac_mode=selective", "ac_option=op"),
     # 40 MiB per process: per-op AC is the least recompute that fits (tune plan: none needs 49, per-op 35).
-    "auto": ("ac_mode=auto", "ac_memory_budget_gib=0.0390625"),
+    "auto": ("enable_activation_checkpointing=null", "ac_mode=auto", "ac_memory_budget_gib=0.0390625"),
 }
 AC_PLAN_LINES = {
     "none": "activation checkpointing: none",

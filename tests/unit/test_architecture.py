@@ -1,6 +1,7 @@
 """The package's layers, checked on its import statements: each package imports only the packages below it.
 
     cli, recipes
+    generate      (tune generate: transformers' generation over a checkpoint a run wrote)
     run           (the set-up phases, model assembly, stop and resume messages)
     config        (schema, loading, components, start-up checks, plan tables)
     memory        (the memory switches, their mechanisms, the memory plan and the planner)
@@ -41,6 +42,7 @@ ALLOWED = {
     "config": LEAVES | {"models", "data", "checkpoint", "runtime", "training", "memory", "observability", "registry",
                         "embedded"},
     "run": LEAVES | {"models", "data", "checkpoint", "runtime", "training", "memory", "observability", "config"},
+    "generate": LEAVES | {"checkpoint", "data", "models"},
 }
 # Component paths that configs name (``torchtune_ac.training.cosine_schedule_with_warmup``,
 # ``torchtune_ac.training.metric_logging.WandBLogger``) and ``setup_activation_checkpointing``: the training

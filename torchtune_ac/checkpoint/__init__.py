@@ -6,7 +6,13 @@ All the file-system code and collectives of checkpointing live here, and no mode
 translates a model through its family and calls these (``load_hf``, ``save_hf``, ``hf_model_files``).
 """
 
-from torchtune_ac.checkpoint.files import check_shared_directory, read_json, remove_debris, write_directory
+from torchtune_ac.checkpoint.files import (
+    check_shared_directory,
+    check_writable_directory,
+    read_json,
+    remove_debris,
+    write_directory,
+)
 from torchtune_ac.checkpoint.hf import (
     CONFIG_FILE,
     TOKENIZER_FILES,
@@ -18,7 +24,9 @@ from torchtune_ac.checkpoint.hf import (
     write_hf_files,
 )
 from torchtune_ac.checkpoint.manifest import MANIFEST_FILE
+from torchtune_ac.checkpoint.output_lock import OUTPUT_LOCK_FILE, LockHolder, hold_output_dir, read_lock
 from torchtune_ac.checkpoint.recipe_state import (
+    LATEST_POINTER,
     RECIPE_STATE_DIR,
     RESUMABLE_KEPT,
     TRAINER_STATE_FILE,
@@ -31,6 +39,7 @@ from torchtune_ac.checkpoint.recipe_state import (
     list_checkpoints,
     load_checkpoint,
     read_trainer_state,
+    resolve_hf_checkpoint,
     save_checkpoint,
 )
 from torchtune_ac.checkpoint.safetensors_io import INDEX_FILE, WEIGHTS_FILE, local_region, parse_shard_size
@@ -39,7 +48,10 @@ __all__ = [
     "CONFIG_FILE",
     "HFModelFiles",
     "INDEX_FILE",
+    "LATEST_POINTER",
+    "LockHolder",
     "MANIFEST_FILE",
+    "OUTPUT_LOCK_FILE",
     "RECIPE_STATE_DIR",
     "RESUMABLE_KEPT",
     "TOKENIZER_FILES",
@@ -50,9 +62,11 @@ __all__ = [
     "RunShape",
     "check_resume_shape",
     "check_shared_directory",
+    "check_writable_directory",
     "choose_resume_checkpoint",
     "copy_tokenizer_files",
     "create_output_dir",
+    "hold_output_dir",
     "list_checkpoints",
     "load_checkpoint",
     "load_hf_tensors_",
@@ -60,8 +74,10 @@ __all__ = [
     "parse_shard_size",
     "read_hf_config",
     "read_json",
+    "read_lock",
     "read_trainer_state",
     "remove_debris",
+    "resolve_hf_checkpoint",
     "save_checkpoint",
     "save_hf_files",
     "write_directory",

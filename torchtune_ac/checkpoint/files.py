@@ -82,6 +82,24 @@ def require_directory(path: PathLike, what: str) -> Path:
     return path
 
 
+def check_writable_directory(path: Path, what: str) -> None:
+    """Check that ``path`` is, or can be created as, a directory this process may write in (nothing is created).
+
+    Raises:
+        UserError: ``path``, or the nearest existing folder above it, is a file.
+        UnavailableError: the nearest existing folder does not allow writing.
+    """
+    if path.exists() and not path.is_dir():
+        raise UserError(f"{what} {path}: exists and is not a directory")
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise UserError(f"{what} {path}: not writable ({existing} is a file, not a directory)")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UnavailableError(f"{what} {path}: not writable ({existing} does not allow writing)")
+
+
 def directory_problem(out_dir: Path, overwrite: bool) -> str | None:
     """Why a directory may not be written at ``out_dir``, or None."""
     if out_dir.exists():
@@ -187,6 +205,33 @@ def discard_directory(path: PathLike, debris_parent: Optional[PathLike] = None) 
     doomed = parent / f".{path.parent.name}-{path.name}{_OLD_MARK}{uuid.uuid4().hex}"
     os.rename(path, doomed)
     shutil.rmtree(doomed)
+
+
+def write_pointer(path: Path, target: str) -> None:
+    """Make ``path`` point at its sibling named ``target``, replacing an earlier pointer atomically.
+
+    The pointer is a relative symbolic link, so it survives moving the folder; on a file system without links it
+    is a small text file holding ``target``. Either is made under a temporary name and renamed over ``path``, so
+    a reader sees the old pointer or the new one, never none. ``read_pointer`` reads both kinds.
+    """
+    tmp = path.parent / f".{path.name}{_TMP_MARK}{uuid.uuid4().hex}"
+    try:
+        os.symlink(target, tmp)
+    except OSError:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(target + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_pointer(path: Path) -> Optional[str]:
+    """The name a ``write_pointer`` pointer at ``path`` holds, or None when there is no pointer there."""
+    if path.is_symlink():
+        return os.readlink(path)
+    if path.is_file():
+        return path.read_text(encoding="utf-8").strip()
+    return None
 
 
 def _move_into_place(tmp: Path, out_dir: Path) -> None:

@@ -38,7 +38,9 @@ from torchtune_ac.checkpoint.safetensors_io import (
 from torchtune_ac.errors import UnavailableError, UserError
 
 CONFIG_FILE = "config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 @dataclass(frozen=True)
@@ -196,6 +198,7 @@ def write_hf_files(
     max_shard_size: int | str = "5GB",
     *,
     tokenizer_dir: Optional[PathLike] = None,
+    chat_template: Optional[str] = None,
 ) -> None:
     """Write a model's Hugging Face files (config.json, safetensors, tokenizer files) into an existing directory.
 
@@ -210,6 +213,7 @@ def write_hf_files(
         out_dir: an existing, empty directory (the temporary one of ``write_directory``).
         max_shard_size: bytes per safetensors file, as an int or a string like ``"5GB"`` / ``"500MiB"``.
         tokenizer_dir: if given, its tokenizer files are copied in too (see ``copy_tokenizer_files``).
+        chat_template: the chat template the tokenizer was used with, saved with its files.
 
     Raises:
         UserError: a bad ``max_shard_size``.
@@ -253,7 +257,7 @@ def write_hf_files(
         write_json(out_dir / CONFIG_FILE, dict(files.config))
         write_safetensors(out_dir, nbytes, max_bytes, fetch_counted)
         if tokenizer_dir is not None:
-            copy_tokenizer_files(tokenizer_dir, out_dir)
+            copy_tokenizer_files(tokenizer_dir, out_dir, chat_template=chat_template)
     except Exception:
         # A write failed (a full disk): still take part in the gathers the other ranks are waiting in, then raise.
         if sharded and not gather_failed:
@@ -311,15 +315,19 @@ def save_hf_files(
     )
 
 
-def copy_tokenizer_files(src_dir: PathLike, dst_dir: PathLike) -> list[Path]:
+def copy_tokenizer_files(src_dir: PathLike, dst_dir: PathLike, *, chat_template: Optional[str] = None) -> list[Path]:
     """Copy the tokenizer and generation files that exist in ``src_dir`` (see ``TOKENIZER_FILES``).
 
     Args:
         src_dir: e.g. the checkpoint a fine-tune started from.
         dst_dir: an existing directory.
+        chat_template: the chat template the run used: unless the copied files already give it, it is written to
+            ``chat_template.jinja`` (which transformers reads before ``tokenizer_config.json``), and a different
+            ``chat_template`` in the copied ``tokenizer_config.json`` is removed, so ``apply_chat_template`` on
+            the saved tokenizer renders what the model was trained on.
 
     Returns:
-        The copied files, in ``dst_dir``.
+        The copied (and written) files, in ``dst_dir``.
 
     Raises:
         UserError: ``src_dir`` is not a directory.
@@ -332,4 +340,26 @@ def copy_tokenizer_files(src_dir: PathLike, dst_dir: PathLike) -> list[Path]:
         if (src / name).is_file():
             shutil.copyfile(src / name, dst / name)
             copied.append(dst / name)
+    if chat_template is not None and _saved_chat_template(dst) != chat_template:
+        (dst / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
+        if dst / CHAT_TEMPLATE_FILE not in copied:
+            copied.append(dst / CHAT_TEMPLATE_FILE)
+        config_path = dst / "tokenizer_config.json"
+        config = read_json(config_path) if config_path.is_file() else None
+        if isinstance(config, dict) and "chat_template" in config:
+            del config["chat_template"]
+            write_json(config_path, config)
     return copied
+
+
+def _saved_chat_template(folder: Path) -> Optional[str]:
+    """The chat template transformers would read from ``folder``: ``chat_template.jinja``, else
+    ``tokenizer_config.json``'s ``chat_template`` (a string, or the ``default`` of a list of named ones)."""
+    if (folder / CHAT_TEMPLATE_FILE).is_file():
+        return (folder / CHAT_TEMPLATE_FILE).read_text(encoding="utf-8")
+    config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").is_file() else {}
+    template = config.get("chat_template") if isinstance(config, dict) else None
+    if isinstance(template, list):
+        template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"),
+                        None)
+    return template if isinstance(template, str) else None

@@ -12,6 +12,7 @@ Layout of ``output_dir``::
             scheduler.pt           learning-rate scheduler state
             rng_rank{r}.pt         each rank's RNG state (dropout masks continue exactly on the same world size)
         manifest.json              written last: every other file's size and SHA-256 (``manifest.py``)
+    latest                         the newest checkpoint that matched its manifest (a link, or a file naming it)
     metrics.jsonl
 
 Every checkpoint is written by ``files.write_directory`` (a temporary name, renamed into place when complete),
@@ -41,6 +42,7 @@ call them), and so is ``choose_resume_checkpoint(collective=True)``; the other f
 from __future__ import annotations
 
 import json
+import logging
 import re
 import warnings
 from contextlib import contextmanager
@@ -65,12 +67,15 @@ from torchtune_ac.checkpoint.files import (
     is_writer_rank,
     process_group_active,
     read_json,
+    read_pointer,
     remove_debris,
     run_on_every_rank,
     write_directory,
+    write_pointer,
 )
-from torchtune_ac.checkpoint.hf import HFModelFiles, write_hf_files
+from torchtune_ac.checkpoint.hf import CONFIG_FILE, HFModelFiles, write_hf_files
 from torchtune_ac.checkpoint.manifest import (
+    MANIFEST_FILE,
     check_against_manifest,
     read_manifest,
     write_manifest,
@@ -80,11 +85,14 @@ from torchtune_ac.errors import UserError
 
 RECIPE_STATE_DIR = "recipe_state"
 TRAINER_STATE_FILE = "trainer_state.json"
+# output_dir/latest: the newest checkpoint that matched its manifest once written (a link, or a file naming it).
+LATEST_POINTER = "latest"
 # Newest checkpoints that keep their recipe state when keep_last_n_checkpoints is null: one to resume from, and
 # one to fall back on if it is damaged.
 RESUMABLE_KEPT = 2
 _CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 _TRAINER_STATE = f"{RECIPE_STATE_DIR}/{TRAINER_STATE_FILE}"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -169,6 +177,34 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted((p for p in root.iterdir() if p.is_dir() and _CHECKPOINT_RE.match(p.name)), key=_checkpoint_step)
 
 
+def resolve_hf_checkpoint(path: str | Path) -> Path:
+    """The Hugging Face checkpoint ``path`` names: ``path`` itself when it holds a config.json, else, for a run's
+    ``output_dir``, the checkpoint its ``latest`` pointer names (for an ``output_dir`` written before pointers
+    existed, its newest checkpoint that matches its manifest).
+
+    Raises:
+        UserError: ``path`` does not exist, or is neither a checkpoint nor an ``output_dir`` holding one (naming
+            what it lacks).
+    """
+    root = Path(path).expanduser()
+    if (root / CONFIG_FILE).is_file():
+        return root
+    if not root.is_dir():
+        raise UserError(f"checkpoint {root}: no such directory")
+    name = read_pointer(root / LATEST_POINTER)
+    if name is not None:
+        target = root / name
+        if not _CHECKPOINT_RE.match(name) or not (target / CONFIG_FILE).is_file():
+            raise UserError(f"checkpoint {root}: {root / LATEST_POINTER} names {name}, which is not a checkpoint "
+                            "here; name a step_* folder instead")
+        return target
+    for checkpoint in reversed(list_checkpoints(root)):
+        if (checkpoint / CONFIG_FILE).is_file() and check_against_manifest(checkpoint, hashes=False) is None:
+            return checkpoint
+    raise UserError(f"checkpoint {root}: neither a Hugging Face checkpoint (no {CONFIG_FILE}) nor a run's output_dir "
+                    f"with a checkpoint (no {LATEST_POINTER}, no complete step_* folder)")
+
+
 def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool, collective: bool = False) -> ResumeChoice:
     """The newest checkpoint in ``output_dir`` whose recipe state matches its manifest.
 
@@ -238,6 +274,7 @@ def save_checkpoint(
     shape: RunShape,
     keep_last_n: Optional[int] = None,
     tokenizer_dir: Optional[str | Path] = None,
+    chat_template: Optional[str] = None,
 ) -> Path:
     """Write a complete checkpoint for ``progress.step`` (all ranks must call this), then prune older ones.
 
@@ -253,6 +290,8 @@ def save_checkpoint(
         hf_files: the model's Hugging Face tensors and config.json (``torchtune_ac.models.hf_model_files``).
         keep_last_n: keep this many newest checkpoints whole and delete the others; None keeps every
             checkpoint's Hugging Face files and the recipe state of the newest ``RESUMABLE_KEPT``.
+        tokenizer_dir: the tokenizer files to copy into the checkpoint.
+        chat_template: the chat template the run's tokenizer used (None: none), saved with the tokenizer files.
 
     Returns:
         The checkpoint directory.
@@ -269,7 +308,8 @@ def save_checkpoint(
 
     def write(tmp: Path) -> None:
         run_on_every_rank(
-            lambda: write_hf_files(hf_files, tmp, tokenizer_dir=tokenizer_dir), where=tmp
+            lambda: write_hf_files(hf_files, tmp, tokenizer_dir=tokenizer_dir, chat_template=chat_template),
+            where=tmp,
         )
         run_on_every_rank(
             lambda: _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizers=optimizers,
@@ -296,10 +336,12 @@ def save_checkpoint(
 
 
 def _prune(root: Path, final: Path, keep_last_n: Optional[int]) -> None:
-    """Rank 0: check ``final`` against its manifest, then prune the older checkpoints (see the module docstring)."""
+    """Rank 0: check ``final`` against its manifest, point ``latest`` at it, then prune the older checkpoints (see
+    the module docstring)."""
     problem = check_against_manifest(final, hashes=False, require=_TRAINER_STATE)
     if problem is not None:
         raise RuntimeError(f"the checkpoint just written does not match its manifest ({problem}); nothing pruned")
+    _point_latest(root, final)
     newest_first = list(reversed(list_checkpoints(root)))
     for checkpoint in newest_first:
         if _checkpoint_step(checkpoint) > _checkpoint_step(final):
@@ -312,6 +354,21 @@ def _prune(root: Path, final: Path, keep_last_n: Optional[int]) -> None:
         elif i >= keep_state and (checkpoint / RECIPE_STATE_DIR).exists():
             write_manifest_without(checkpoint, f"{RECIPE_STATE_DIR}/")
             discard_directory(checkpoint / RECIPE_STATE_DIR, root)
+
+
+def _point_latest(root: Path, final: Path) -> None:
+    """Point ``root/latest`` at ``final``.
+
+    A folder there is a copy made through the link (``shutil.copytree``, ``cp -rL``): a stale duplicate of a
+    checkpoint (it has a manifest), replaced; any other folder is not ours, and is left alone with a warning.
+    """
+    latest = root / LATEST_POINTER
+    if latest.is_dir() and not latest.is_symlink():
+        if not (latest / MANIFEST_FILE).is_file():
+            log.warning("%s is a folder this run did not write; left alone, so it does not name %s", latest, final)
+            return
+        discard_directory(latest, root)
+    write_pointer(latest, final.name)
 
 
 def _save_recipe_state(

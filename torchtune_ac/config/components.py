@@ -13,7 +13,8 @@ is a positive list, checked twice:
 Everything else in torch (``torch.load``, ``torch.onnx.export``, ``torch.utils.collect_env.run``, ...) and in
 torchtune_ac (``save_hf``, ...) is refused. More can be allowed only by the person running the command
 (``--allow-component PREFIX`` or ``TUNE_ALLOWED_COMPONENTS=a,b``), never by the config file itself, which is
-exactly what is not trusted; an allowed prefix admits objects defined under it (or allowed by default).
+exactly what is not trusted; an allowed prefix admits objects defined under it (or allowed by default), and the
+exact path allowed admits the object it names. A refusal suggests the exact path, the narrowest grant.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ def check_component_path(path: str, key: str, extra_allowed: Sequence[str] = ())
     if any(part.startswith("_") for part in parts):
         raise UserError(f"{key}._component_={path}: private names (starting with _) cannot be instantiated")
     if not any(_matches(path, prefix) for prefix in DEFAULT_IMPORTABLE_PREFIXES):
-        parent = ".".join(parts[:-1])
-        raise UserError(f"{key}._component_={path}: not allowed; {DEFAULT_ALLOWED_DESCRIPTION}; {_how_to_allow(parent)}")
+        # The path itself, not its module: `torch.load`'s would be `torch`, which allows all of torch.
+        raise UserError(f"{key}._component_={path}: not allowed; {DEFAULT_ALLOWED_DESCRIPTION}; {_how_to_allow(path)}")
 
 
 def _is_default_component(obj: Any) -> bool:
@@ -82,8 +83,10 @@ def _is_default_component(obj: Any) -> bool:
 
 
 def _check_found_object(obj: Any, path: str, key: str, extra_allowed: Sequence[str]) -> None:
-    """Refuse the object ``path`` led to unless it is a default component or defined under a user prefix."""
-    if _is_default_component(obj):
+    """Refuse the object ``path`` led to unless it is a default component, defined under a user prefix, or named
+    by exactly the path the user allowed (``--allow-component torch.load``: torch.load lives in torch.serialization).
+    """
+    if _is_default_component(obj) or path in _user_allowed(extra_allowed):
         return
     module = getattr(obj, "__module__", None)
     if isinstance(module, str) and any(_matches(module, prefix) for prefix in _user_allowed(extra_allowed)):

@@ -176,12 +176,23 @@ def parse_overrides(overrides: Sequence[str]) -> list[str]:
             detail = " ".join(str(err).split("\n")[0].split())
             detail = detail.removeprefix(f"Error parsing override '{override}'").split(" expecting ")[0].strip()
             raise UserError(
-                f"malformed override {override!r}: {detail or 'cannot parse'} (grammar: key=value, +new.key=value, ~key, key=[1,2])"
+                f"malformed override {override!r}: {detail or 'cannot parse'} ({_override_hint(override)})"
             ) from None
         if parsed.key_or_group == "hydra" or parsed.key_or_group.startswith(("hydra.", "hydra/")):
             raise UserError(f"override {override!r}: Hydra's own settings cannot be changed here")
         rewritten.append(f"++{override}" if parsed.type is OverrideType.CHANGE else override)
     return rewritten
+
+
+def _override_hint(override: str) -> str:
+    """How to write ``override`` so that it parses: quoted, when its value holds what Hydra's grammar leaves to
+    quoted strings (any non-ASCII character, such as ``ä`` in a path); else the grammar."""
+    key, sep, value = override.partition("=")
+    if sep and not value.isascii() and value[:1] not in ("'", '"'):
+        if "'" in value:
+            return f"a value with non-ASCII characters must be quoted: {key}=\"{value}\""
+        return f"a value with non-ASCII characters must be quoted: {key}='{value}', in a shell \"{key}='{value}'\""
+    return "grammar: key=value, +new.key=value, ~key, key=[1,2]"
 
 
 def _first_line(err: BaseException) -> str:

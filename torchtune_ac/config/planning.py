@@ -80,8 +80,19 @@ class PlanTable:
     chosen: Optional[int]  # index into estimates; None when nothing fits or there is no budget
     notes: tuple[str, ...] = ()  # what this estimate leaves out of the config, printed before the assumptions
 
+    @property
+    def unit(self) -> tuple[str, int]:
+        """The unit the estimates are shown in, and its bytes: GiB, or MiB when every total is below 1 GiB."""
+        return ("GiB", GiB) if max(e.total for e in self.estimates) >= GiB else ("MiB", 2**20)
+
+    def bar_labels(self) -> list[str]:
+        """What ``draw_plan`` writes above each bar: its total in the table's unit, and its extra recompute."""
+        unit, scale = self.unit
+        digits = 2 if unit == "GiB" else 0
+        return [f"{e.total / scale:.{digits}f} {unit}\n{e.extra_flops:+.0%}" for e in self.estimates]
+
     def lines(self) -> list[str]:
-        unit, scale = ("GiB", GiB) if max(e.total for e in self.estimates) >= GiB else ("MiB", 2**20)
+        unit, scale = self.unit
         header = (f"{'setting':<17} {'activations':>11} {'parameters':>10} {'gradients':>9} {'optimizer':>9} "
                   f"{'transient':>9} {'total':>7} {'recompute':>9} {'saved/fwd':>9}")
         if self.budget_gib is not None:
@@ -159,20 +170,23 @@ def draw_plan(table: PlanTable, path: Path) -> Path:
     parts = [("parameters", "parameters", "tab:gray"), ("optimizer state", "optimizer", "tab:brown"),
              ("gradients", "gradients", "tab:orange"), ("activations", "activations", "tab:blue"),
              ("transient", "transient", "tab:green")]
+    # Small models in MiB, as the table shows them: in GiB to one decimal they all read "0.4".
+    unit, scale = table.unit
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(names)), 4.8))
     bottom = [0.0] * len(names)
     for label, attr, color in parts:
-        heights = [getattr(e, attr) / GiB for e in table.estimates]
+        heights = [getattr(e, attr) / scale for e in table.estimates]
         ax.bar(names, heights, bottom=bottom, label=label, color=color)
         bottom = [b + h for b, h in zip(bottom, heights)]
-    for i, e in enumerate(table.estimates):
-        ax.annotate(f"{e.total / GiB:.1f}\n{e.extra_flops:+.0%}", (i, bottom[i]), ha="center", va="bottom", fontsize=8)
-    if table.budget_gib is not None:
-        ax.axhline(table.budget_gib, color="tab:red", linestyle="--", label=f"budget {table.budget_gib:g} GiB")
-    ax.set_ylabel("GiB per process at the step's peak")
+    for i, text in enumerate(table.bar_labels()):
+        ax.annotate(text, (i, bottom[i]), ha="center", va="bottom", fontsize=8)
+    budget = None if table.budget_gib is None else table.budget_gib * GiB / scale
+    if budget is not None:
+        ax.axhline(budget, color="tab:red", linestyle="--", label=f"budget {table.budget_gib:g} GiB")
+    ax.set_ylabel(f"{unit} per process at the step's peak")
     ax.set_title(table.title, fontsize=7, wrap=True)
     ax.legend(fontsize=8)
-    ax.set_ylim(0, max(bottom + [table.budget_gib or 0]) * 1.2)
+    ax.set_ylim(0, max(bottom + [budget or 0]) * 1.2)
     fig.tight_layout()
     try:
         fig.savefig(path, dpi=110, format="png")

@@ -20,7 +20,6 @@ checked once by the schema (``validation.py``) and the memory switches' combinat
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -30,14 +29,19 @@ import torch
 from torchtune_ac.checkpoint import (
     RunShape,
     check_resume_shape,
+    check_writable_directory,
     choose_resume_checkpoint,
     list_checkpoints,
+    read_lock,
     read_trainer_state,
 )
 from torchtune_ac.config.components import Component
 from torchtune_ac.config.meta_model import build_meta_model, count_parameters
 from torchtune_ac.config.planning import planning_inputs, unmodelled_settings
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
+from torchtune_ac.data import uses_chat_template
+from torchtune_ac.data.hf_sources import describe_hub_source
+from torchtune_ac.data.sources import TEXT_SUFFIXES, is_hub_name
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.memory.plan import MemoryPlan, resolve_memory_plan
 from torchtune_ac.models import check_checkpoint_matches
@@ -73,6 +77,27 @@ def check_tokenizer_fits(tokenizer: Component, vocab_size: Optional[int]) -> Non
             f"(ids 0 to {vocab_size - 1:,}): such an id would index past the embedding table; use the tokenizer "
             "that belongs to the model's checkpoint, or a model whose vocab_size covers it"
         )
+
+
+def check_chat_template(tokenizer: Component, dataset: Component) -> None:
+    """Refuse chat data with a tokenizer that has no chat template (a dataset rendered with a chat template needs
+    a tokenizer that has one, or a ``tokenizer.chat_template`` naming one, or the run would stop only once the
+    model is built).
+
+    Raises:
+        UserError: the dataset renders chat and the tokenizer has no template (naming the tokenizer folder and how
+            to name a template).
+    """
+    if not uses_chat_template(dataset.target(), dataset.kwargs):
+        return
+    try:
+        built = tokenizer.instantiate()
+    except UnavailableError:
+        return  # not on this machine: check_tokenizer_fits says so
+    try:
+        built.require_chat_template()
+    except UserError as err:
+        raise UserError(f"{dataset.key}: {err}") from None
 
 
 def check_optimizer_builds(optimizer: Component, lr_scheduler: Optional[Component]) -> None:
@@ -126,18 +151,20 @@ def _check_output_dir(cfg: FullFinetuneConfig, strict: bool) -> None:
         base = Path(cfg.checkpoint_dir).expanduser().resolve()
         if out == base or base in out.parents:
             raise UserError(f"output_dir {out}: must not be inside checkpoint_dir {base} (it is never modified)")
-    existing = out
-    while not existing.exists():
-        existing = existing.parent
-    if not existing.is_dir():
-        raise UserError(f"output_dir {out}: not writable ({existing} is a file, not a directory)")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise UnavailableError(f"output_dir {out}: not writable ({existing} does not allow writing)")
+    check_writable_directory(out, "output_dir")
     if not cfg.resume_from_checkpoint and (list_checkpoints(out) or (out / METRICS_FILE).exists()):
         raise UserError(
             f"output_dir {out}: holds checkpoints or metrics of an earlier run; pass resume_from_checkpoint=true "
             "to continue it, or choose another output_dir"
         )
+    if not strict:  # tune validate (a run checks once it holds the lock itself)
+        try:
+            holder = read_lock(out)
+        except UserError as err:
+            raise UnavailableError(str(err)) from None
+        if holder is not None:
+            now = "a run started now takes it over" if holder.is_stale_here() else "a run started now is refused"
+            raise UnavailableError(f"output_dir {out}: locked by a run ({holder.describe()}): {now}")
 
 
 def _resolve_plan(cfg: FullFinetuneConfig, model: torch.nn.Module, world_size: Optional[int], strict: bool,
@@ -192,6 +219,9 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
     if cfg.checkpoint_dir is not None:
         soft(lambda: check_checkpoint_matches(model, cfg.checkpoint_dir))
     soft(lambda: check_tokenizer_fits(cfg.tokenizer, report.plan.vocab_size))
+    soft(lambda: check_chat_template(cfg.tokenizer, cfg.dataset))
+    if cfg.dataset_val is not None:
+        soft(lambda: check_chat_template(cfg.tokenizer, cfg.dataset_val))
     check_optimizer_builds(cfg.optimizer, cfg.lr_scheduler)
     soft(lambda: _check_output_dir(cfg, strict))
     resume_note = ""
@@ -226,6 +256,15 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
                 raise UserError(f"{key}={getattr(cfg, key)}: only used with dataset_val; set dataset_val (a dataset "
                                 f"component, like dataset) or remove {key}")
 
+    hub_source = None
+    source = cfg.dataset.kwargs.get("source")
+    if not strict and isinstance(source, str) and is_hub_name(source, TEXT_SUFFIXES):
+        # tune validate: the data is read when the run starts; say whether it will be downloaded or read from the
+        # cache, and whether offline mode leaves it nothing to read.
+        hub_source, warning = describe_hub_source(source)
+        if warning is not None:
+            report.warnings.append(warning)
+
     if world_size == 1 and cfg.fsdp != FSDPConfig():
         report.warnings.append("fsdp.*: these settings apply only when the run has more than one process (FSDP2)")
 
@@ -241,5 +280,6 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
         ),
         ("checkpoint_dir", cfg.checkpoint_dir or "none (random initialisation from seed)"),
         ("output_dir", cfg.output_dir + resume_note),
+        *([("dataset source", hub_source)] if hub_source is not None else []),
     ]
     return report

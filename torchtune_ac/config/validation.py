@@ -19,9 +19,10 @@ import dataclasses
 import difflib
 import enum
 import math
+import re
 import types
 import typing
-from typing import Any, Iterator, Mapping, Optional, Sequence, TypeVar
+from typing import Any, Collection, Iterator, Mapping, Optional, Sequence, TypeVar
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -32,17 +33,44 @@ T = TypeVar("T")
 _MISSING = object()
 
 
-class ConfigError(UserError):
-    """One or more problems in a config; ``problems`` lists them, the message shows them all."""
+COMMAND_LINE = "command line"
 
-    def __init__(self, source: str, problems: Sequence[str]) -> None:
+
+class ConfigError(UserError):
+    """One or more problems in a config; ``problems`` lists them, the message shows them all.
+
+    Each problem is introduced by where its value came from: ``source`` (the YAML file), or the command line for
+    the problems whose index is in ``from_command_line``.
+    """
+
+    def __init__(self, source: str, problems: Sequence[str], from_command_line: Collection[int] = ()) -> None:
         self.problems = list(problems)
+        origins = {COMMAND_LINE if i in from_command_line else source for i in range(len(self.problems))}
+        header = origins.pop() if len(origins) == 1 else source
         if len(self.problems) == 1:
-            message = f"{source}: {self.problems[0]}"
+            message = f"{header}: {self.problems[0]}"
         else:
-            lines = "\n".join(f"  - {p}" for p in self.problems)
-            message = f"{source}: {len(self.problems)} problems:\n{lines}"
+            mark = [f"{COMMAND_LINE}: " if header != COMMAND_LINE and i in from_command_line else ""
+                    for i in range(len(self.problems))]
+            lines = "\n".join(f"  - {m}{p}" for m, p in zip(mark, self.problems))
+            message = f"{header}: {len(self.problems)} problems:\n{lines}"
         super().__init__(message)
+
+
+_PROBLEM_KEY = re.compile(r"[A-Za-z_][\w.\[\]]*")
+
+
+def _set_on_command_line(problem: str, overrides: Sequence[str]) -> bool:
+    """Whether ``problem`` (which starts with the dotted key it is about) is about a key an override set."""
+    match = _PROBLEM_KEY.match(problem)
+    if match is None:
+        return False
+    key = match.group(0)
+    for override in overrides:
+        name = override.lstrip("+~").split("=", 1)[0].split("@", 1)[0]
+        if key == name or key.startswith((f"{name}.", f"{name}[")):
+            return True
+    return False
 
 
 def _show(value: Any) -> str:
@@ -208,7 +236,7 @@ class _Checker:
 
 
 def validate_config(cfg: DictConfig | Mapping[str, Any], schema: type[T], *, source: str,
-                    extra_allowed_components: Sequence[str] = ()) -> T:
+                    extra_allowed_components: Sequence[str] = (), overrides: Sequence[str] = ()) -> T:
     """Check ``cfg`` against the dataclass ``schema`` and build the typed config.
 
     Args:
@@ -216,6 +244,8 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], schema: type[T], *, sou
         schema: the recipe's dataclass.
         source: what to call the config in messages (usually its file path).
         extra_allowed_components: module prefixes the user explicitly allowed for ``_component_``.
+        overrides: the command-line overrides applied to ``cfg``: a problem with a key they set is introduced by
+            "command line", not by ``source``.
 
     Returns:
         An instance of ``schema``.
@@ -232,7 +262,8 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], schema: type[T], *, sou
     checker = _Checker(extra_allowed_components)
     result = checker.check_dataclass(plain, schema, "")
     if checker.problems:
-        raise ConfigError(source, checker.problems)
+        from_command_line = [i for i, p in enumerate(checker.problems) if _set_on_command_line(p, overrides)]
+        raise ConfigError(source, checker.problems, from_command_line)
     return result
 
 

@@ -1,7 +1,14 @@
 """Data: tokenizer, datasets (instruct / chat / text), packing, collation and sharded batching."""
 
+from torchtune_ac.data.chat_templates import CHAT_TEMPLATES
 from torchtune_ac.data.collate import collate_batch
-from torchtune_ac.data.datasets import chat_dataset, format_alpaca_prompt, instruct_dataset, text_dataset
+from torchtune_ac.data.datasets import (
+    chat_dataset,
+    format_alpaca_prompt,
+    instruct_dataset,
+    text_dataset,
+    uses_chat_template,
+)
 from torchtune_ac.data.embedded import EMBEDDED_DIR, EMBEDDED_INSTRUCT_PATH, EMBEDDED_TOKENIZER_DIR
 from torchtune_ac.data.packing import pack_samples
 from torchtune_ac.data.sampler import ShardedBatchSampler, ShardedDataLoader, build_dataloader
@@ -9,6 +16,7 @@ from torchtune_ac.data.samples import IGNORE_INDEX, TokenizedDataset, build_samp
 from torchtune_ac.data.tokenizer import Tokenizer, load_tokenizer
 
 __all__ = [
+    "CHAT_TEMPLATES",
     "EMBEDDED_DIR",
     "EMBEDDED_INSTRUCT_PATH",
     "EMBEDDED_TOKENIZER_DIR",
@@ -26,4 +34,5 @@ __all__ = [
     "load_tokenizer",
     "pack_samples",
     "text_dataset",
+    "uses_chat_template",
 ]

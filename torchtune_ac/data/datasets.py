@@ -5,23 +5,21 @@ Each builder is a YAML component, ``dataset: {_component_: torchtune_ac.data.ins
 the recipe with the tokenizer as its first argument. Records are tokenized when the dataset is built; every
 sample starts with BOS and ends with EOS (unless truncated to ``max_seq_len``), and its labels are shifted and
 masked as described in ``samples.py``. Records with nothing left to train on (for example a response cut off by
-``max_seq_len``) are dropped with a warning; if every record is dropped, that is an error.
+``max_seq_len``) are dropped; what truncation and dropping cost is reported once at start-up (``build_dataloader``);
+if every record is dropped, that is an error saying why.
 """
 
 from __future__ import annotations
 
-import logging
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 
 from torchtune_ac.component_marker import config_component
 from torchtune_ac.data.embedded import EMBEDDED_INSTRUCT_PATH
 from torchtune_ac.data.packing import pack_samples
-from torchtune_ac.data.samples import TokenizedDataset, build_sample
+from torchtune_ac.data.samples import DataReport, TokenizedDataset, build_sample
 from torchtune_ac.data.sources import JSON_SUFFIXES, TEXT_SUFFIXES, Record, describe_json_type, load_records
 from torchtune_ac.data.tokenizer import Tokenizer
 from torchtune_ac.errors import UserError
-
-logger = logging.getLogger(__name__)
 
 INSTRUCT_COLUMNS = ("instruction", "input", "output")
 INSTRUCT_TEMPLATES = ("alpaca", "chat")
@@ -163,7 +161,9 @@ def chat_dataset(
         messages = read_messages(record, conversation_column, sharegpt=conversation_style == "sharegpt")
         return encode_chat_record(tokenizer, messages, record, train_on_input)
 
-    return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed)
+    return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed,
+                         untrained_reason="no assistant turn (only assistant turns are trained on, unless "
+                         "train_on_input: true)")
 
 
 @config_component
@@ -207,6 +207,13 @@ def text_dataset(
         return tokens, [True] * len(tokens)
 
     return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed)
+
+
+def uses_chat_template(builder: Callable[..., Any], arguments: Mapping[str, Any]) -> bool:
+    """Whether the dataset ``builder`` called with ``arguments`` renders records with the tokenizer's chat template
+    (``chat_dataset``, and ``instruct_dataset`` with ``template: chat``): start-up checks ask, before the data is read.
+    """
+    return builder is chat_dataset or (builder is instruct_dataset and arguments.get("template") == "chat")
 
 
 def resolve_max_seq_len(max_seq_len: Optional[int], tokenizer: Tokenizer, packed: bool) -> Optional[int]:
@@ -320,22 +327,27 @@ def build_dataset(
     *,
     max_seq_len: Optional[int],
     packed: bool,
+    untrained_reason: str = "nothing to train on",
 ) -> TokenizedDataset:
     """Turn ``(tokens, trainable)`` pairs into samples, drop the untrainable, and pack if asked.
 
+    What truncation cost (samples cut, targets lost) and what was dropped is counted, and kept as the dataset's
+    ``report`` line for the start-up log.
+
+    Args:
+        untrained_reason: what a record with no target at all lacks, for messages (``no assistant turn``).
+
     Raises:
-        UserError: if no record has anything to train on.
+        UserError: if no record has anything to train on (saying how many lack a target and how many lost every
+            target to ``max_seq_len``).
     """
-    counts = {"records": 0, "dropped": 0}
+    report = DataReport(source, max_seq_len)
 
     def iterate_samples() -> Iterator[dict[str, Any]]:
         for tokens, trainable in encoded:
-            counts["records"] += 1
-            sample = build_sample(tokens, trainable, max_seq_len=max_seq_len)
-            if sample is None:
-                counts["dropped"] += 1
+            if report.count(trainable) == 0:
                 continue
-            yield sample
+            yield build_sample(tokens, trainable, max_seq_len=max_seq_len)
 
     if packed:
         dataset = pack_samples(iterate_samples(), max_seq_len=max_seq_len, pad_id=tokenizer.pad_id)
@@ -344,18 +356,12 @@ def build_dataset(
         for sample in iterate_samples():
             dataset.append(sample)
     if len(dataset) == 0:
-        hint = (
-            f"max_seq_len={max_seq_len} may cut off every response"
-            if max_seq_len is not None
-            else "do the records have a response or an assistant turn?"
-        )
-        raise UserError(f"{source}: none of the {counts['records']} records has a token to train on ({hint})")
-    if counts["dropped"]:
-        logger.warning(
-            "%s: dropped %d of %d records with no token to train on (max_seq_len=%s)",
-            source,
-            counts["dropped"],
-            counts["records"],
-            max_seq_len,
-        )
+        reasons = []
+        if report.untrained:
+            reasons.append(f"{report.untrained} have {untrained_reason}")
+        if report.cut_off:
+            reasons.append(f"{report.cut_off} lost every target to max_seq_len={max_seq_len} (raise it)")
+        raise UserError(f"{source}: none of the {report.records} records has a token to train on: "
+                        + "; ".join(reasons))
+    dataset.report = report.describe(untrained_reason)
     return dataset

@@ -10,13 +10,16 @@ sources is used. Every record keeps where it came from: ``data.parquet row 17`` 
 
 from __future__ import annotations
 
+import contextlib
 import csv
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 from torchtune_ac.data.sources import Record
 from torchtune_ac.errors import UserError
 
+# Seconds to wait for the Hub's answer to the one request that tells whether it can be reached.
+_HUB_PROBE_TIMEOUT_S = 5.0
 # File extension -> the `datasets` builder that reads it.
 HF_FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 # Written by Dataset.save_to_disk / DatasetDict.save_to_disk.
@@ -137,20 +140,94 @@ def read_hf_folder(source: str, path: Path, split: str) -> list[Record]:
 def read_hub_dataset(name: str, split: str) -> list[Record]:
     """Download (or reuse from the cache) the Hub dataset ``name`` and read its ``split``.
 
+    Unless offline mode is on (``HF_HUB_OFFLINE=1``), the Hub is asked once, with no retry, whether it can be
+    reached: if not, a cached copy is read in offline mode, and without one the run stops at once. (Left to
+    itself, ``datasets`` retries every request with back-off: 30 s and a screenful of retry lines before the
+    same conclusion.)
+
     Raises:
-        UserError: one line when the Hub cannot be reached (offline), the dataset does not exist, or its data
-            cannot be read.
+        UserError: one line when the Hub cannot be reached (or offline mode is on) and the dataset is not in the
+            cache, the dataset does not exist, or its data cannot be read.
     """
     datasets = _datasets()
+    offline = bool(datasets.config.HF_HUB_OFFLINE)
+    fix = "download it first (the cache is then read offline too) or point source at local files"
+    if not offline:
+        problem = _hub_unreachable()
+        if problem is not None:
+            if _cached_hub_dataset(name) is None:
+                raise UserError(f"dataset source {name}: not a local file or folder, not in the datasets cache "
+                                f"({datasets.config.HF_DATASETS_CACHE}), and the Hugging Face Hub cannot be reached "
+                                f"({problem}); {fix}")
+            offline = True
     try:
-        loaded = datasets.load_dataset(name, split=split)
+        with _hub_offline(offline):
+            loaded = datasets.load_dataset(name, split=split)
     except datasets.exceptions.DatasetNotFoundError:
         raise UserError(f"dataset source {name}: no such local file or folder, nor dataset on the Hugging Face "
                         "Hub") from None
     except ConnectionError:
-        raise UserError(f"dataset source {name}: not a local file or folder, and reading it from the Hub needs "
-                        "network access to the Hugging Face Hub; download it first or point source at local files"
-                        ) from None
+        raise UserError(f"dataset source {name}: not a local file or folder, and not in the datasets cache "
+                        f"({datasets.config.HF_DATASETS_CACHE}) while HF_HUB_OFFLINE is set; {fix}") from None
     except _read_errors() as err:
         raise UserError(f"dataset source {name}: {_first_line(err)}") from None
     return _records(loaded, lambda index: f"{name} [{split}] row {index}", name)
+
+
+def describe_hub_source(name: str) -> tuple[str, Optional[str]]:
+    """What a run will do with the Hub dataset ``name`` (``tune validate``'s summary line), and a warning when it
+    cannot work here: offline mode is on and the dataset is not cached. Reads nothing from the network.
+    """
+    datasets = _datasets()
+    cached = _cached_hub_dataset(name)
+    offline = bool(datasets.config.HF_HUB_OFFLINE)
+    where = (f"in the datasets cache ({cached})" if cached is not None
+             else f"not in the datasets cache ({datasets.config.HF_DATASETS_CACHE})")
+    if offline:
+        summary = f"{name}: a Hugging Face Hub dataset, {where}; HF_HUB_OFFLINE is set: the run reads the cache only"
+        warning = None if cached is not None else (f"dataset source {name}: HF_HUB_OFFLINE is set and the dataset is "
+                                                   "not in the datasets cache: the run will stop")
+        return summary, warning
+    action = "read from the cache" if cached is not None else "downloaded"
+    return f"{name}: a Hugging Face Hub dataset, {where}; {action} when the run starts", None
+
+
+def _hub_unreachable() -> Optional[str]:
+    """Why the Hugging Face Hub cannot be reached from here, asking it once (no retries), or None if it can."""
+    from huggingface_hub import constants
+    from huggingface_hub.utils import get_session
+
+    try:
+        get_session().head(constants.ENDPOINT, timeout=_HUB_PROBE_TIMEOUT_S)
+    except Exception as err:  # noqa: BLE001 - whatever the HTTP library raises, the Hub is not reachable
+        return f"{constants.ENDPOINT}: {_first_line(err)}"
+    return None
+
+
+def _cached_hub_dataset(name: str) -> Optional[Path]:
+    """The folder of ``datasets``' cache that holds a copy of the Hub dataset ``name``, or None (its layout:
+    ``<cache>/<org>___<name>/<config>/<version>/<hash>/``)."""
+    from datasets.naming import camelcase_to_snakecase
+
+    datasets = _datasets()
+    org, _, short = name.partition("/")
+    root = Path(datasets.config.HF_DATASETS_CACHE) / f"{org}___{camelcase_to_snakecase(short)}"
+    return root if root.is_dir() and any(p.is_dir() for p in root.glob("*/*/*")) else None
+
+
+@contextlib.contextmanager
+def _hub_offline(offline: bool) -> Iterator[None]:
+    """Offline mode for ``datasets`` and ``huggingface_hub`` while the body runs (both read the flag at import from
+    ``HF_HUB_OFFLINE``, and again on each request from their module attribute)."""
+    if not offline:
+        yield
+        return
+    from huggingface_hub import constants
+
+    datasets = _datasets()
+    saved = constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE
+    constants.HF_HUB_OFFLINE = datasets.config.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        constants.HF_HUB_OFFLINE, datasets.config.HF_HUB_OFFLINE = saved

@@ -10,6 +10,7 @@ share a sample within a step. ``perm`` is ``torch.randperm`` seeded with ``seed 
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Iterator
 
 import torch
@@ -18,6 +19,8 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from torchtune_ac.data.collate import collate_batch
 from torchtune_ac.data.samples import IGNORE_INDEX
 from torchtune_ac.errors import UserError
+
+logger = logging.getLogger(__name__)
 
 
 class ShardedBatchSampler(Sampler[list[int]]):
@@ -165,6 +168,8 @@ def build_dataloader(
 
     Raises:
         UserError: see :class:`ShardedBatchSampler`.
+
+    Rank 0 logs, once, what building the dataset cut or dropped (its ``report``, see ``samples.DataReport``).
     """
     sampler = ShardedBatchSampler(
         len(dataset),
@@ -175,6 +180,9 @@ def build_dataloader(
         seed=seed,
         drop_last=drop_last,
     )
+    report = getattr(dataset, "report", None)
+    if report and rank == 0:
+        logger.warning(report)
     collate = functools.partial(collate_batch, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)
     # A generator of its own: otherwise each iter() draws a seed from the global RNG, which would shift
     # dropout masks after a mid-epoch resume (the global RNG state is restored before iteration starts).

@@ -9,6 +9,7 @@ The loss is therefore a plain ``cross_entropy(logits.flatten(0, 1), labels.flatt
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 from typing import Optional
 
 from torch.utils.data import Dataset
@@ -42,6 +43,52 @@ def build_sample(
     return {"tokens": list(tokens), "labels": labels}
 
 
+@dataclass
+class DataReport:
+    """What building a dataset cost: samples cut to ``max_seq_len`` and the targets lost with their tails, and
+    records dropped with nothing left to train on. Counted while the records are tokenized."""
+
+    source: str
+    max_seq_len: Optional[int]
+    records: int = 0
+    targets: int = 0  # target tokens before truncation
+    truncated: int = 0  # samples longer than max_seq_len
+    lost_targets: int = 0  # target tokens past max_seq_len
+    untrained: int = 0  # records with no target at all (a conversation with no assistant turn)
+    cut_off: int = 0  # records whose every target lay past max_seq_len
+
+    def count(self, trainable: list[bool]) -> int:
+        """Count one record (``trainable`` as ``build_sample`` takes it); returns how many targets it keeps."""
+        self.records += 1
+        targets = sum(trainable[1:])  # the label of position i is token i + 1
+        kept = targets if self.max_seq_len is None else sum(trainable[1:self.max_seq_len + 1])
+        self.targets += targets
+        if self.max_seq_len is not None and len(trainable) > self.max_seq_len:
+            self.truncated += 1
+            self.lost_targets += targets - kept
+        if targets == 0:
+            self.untrained += 1
+        elif kept == 0:
+            self.cut_off += 1
+        return kept
+
+    def describe(self, untrained_reason: str) -> Optional[str]:
+        """One line on what was cut or dropped (None when nothing was); ``untrained_reason`` says what a record
+        with no target lacks (``no assistant turn``)."""
+        parts = []
+        if self.truncated:
+            parts.append(
+                f"{self.truncated:,} of {self.records:,} samples are longer than max_seq_len={self.max_seq_len} and "
+                f"were truncated, losing {self.lost_targets:,} of {self.targets:,} target tokens (a truncated "
+                "response is trained without its end and EOS)"
+            )
+        if self.cut_off:
+            parts.append(f"{self.cut_off:,} records lost every target to truncation and were dropped")
+        if self.untrained:
+            parts.append(f"{self.untrained:,} records have {untrained_reason} and were dropped")
+        return f"data {self.source}: " + "; ".join(parts) if parts else None
+
+
 class TokenizedDataset(Dataset):
     """Samples with the same keys, each key's values concatenated in one ``array('i')`` plus offsets.
 
@@ -52,6 +99,8 @@ class TokenizedDataset(Dataset):
         self.keys = keys
         self._values = {key: array("i") for key in keys}
         self._offsets = array("q", [0])
+        # What building it cut or dropped, once, for the start-up log (``build_dataloader`` writes it on rank 0).
+        self.report: Optional[str] = None
 
     def append(self, sample: dict[str, list[int]]) -> None:
         """Add one sample; all its keys must have lists of the same length."""

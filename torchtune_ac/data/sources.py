@@ -105,11 +105,18 @@ def load_records(source: str, *, suffixes: tuple[str, ...] = JSON_SUFFIXES, spli
         from torchtune_ac.data.hf_sources import read_hf_folder
 
         return read_hf_folder(source, path, split)
-    if not path.exists() and suffix not in HF_SUFFIXES + suffixes and _HUB_NAME.match(source):
+    if is_hub_name(source, suffixes):
         from torchtune_ac.data.hf_sources import read_hub_dataset
 
         return read_hub_dataset(source, split)
     return read_records(source, suffixes=suffixes + HF_SUFFIXES)
+
+
+def is_hub_name(source: str, suffixes: tuple[str, ...] = JSON_SUFFIXES) -> bool:
+    """Whether ``load_records`` reads ``source`` as a Hugging Face Hub dataset: ``org/name``, and no such local path.
+    """
+    path = Path(source).expanduser()
+    return not path.exists() and path.suffix.lower() not in HF_SUFFIXES + suffixes and bool(_HUB_NAME.match(source))
 
 
 def read_records(source: str, *, suffixes: tuple[str, ...] = JSON_SUFFIXES) -> list[Record]:

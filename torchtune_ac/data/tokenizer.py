@@ -4,7 +4,9 @@ Nothing here touches the network: the ``tokenizers`` library reads ``tokenizer.j
 and chat template come from the JSON files next to it.
 
 Chat rendering: the conversation is rendered to one string with the chat template (Hugging Face's Jinja
-semantics, via ``transformers``), tokenized as a whole, and each token is marked trainable when its characters
+semantics, via ``transformers``): the config's ``chat_template`` (a built-in name or a Jinja template, see
+``chat_templates.py``), else the tokenizer's own. A tokenizer with neither is refused for chat data, never given a
+default. The conversation is tokenized as a whole, and each token is marked trainable when its characters
 overlap an assistant turn. An assistant turn's characters are found by rendering the conversation up to the turn
 with the generation prompt, then through the turn: the difference is the reply plus its end-of-turn marker. This
 needs a template whose rendering of a prefix of a conversation is a prefix of the full rendering ("prefix
@@ -20,15 +22,8 @@ from typing import Any, Optional
 from tokenizers import Tokenizer as BackendTokenizer
 
 from torchtune_ac.component_marker import config_component
+from torchtune_ac.data.chat_templates import CHAT_TEMPLATES, resolve_chat_template_setting
 from torchtune_ac.errors import UnavailableError, UserError
-
-# Used when no chat template ships with the tokenizer: "role: content" paragraphs, e.g.
-#   "user: What is 2 + 3?\n\nassistant: 5\n\n"
-# and the generation prompt "assistant: ".
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\n\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
-)
 
 # In this order, as transformers reads them: special_tokens_map.json overrides tokenizer_config.json.
 SPECIAL_TOKEN_FILES = ("special_tokens_map.json", "tokenizer_config.json")
@@ -58,7 +53,7 @@ class Tokenizer:
         eos_id: int,
         pad_id: int,
         special_tokens: dict[str, str],
-        chat_template: str,
+        chat_template: Optional[str],
         chat_template_source: str,
         max_seq_len: Optional[int] = None,
     ) -> None:
@@ -72,6 +67,25 @@ class Tokenizer:
         self._chat_template = chat_template
         self._chat_template_source = chat_template_source
         self._renderer: Any = None
+
+    @property
+    def chat_template(self) -> Optional[str]:
+        """The chat template conversations are rendered with, or None when there is none."""
+        return self._chat_template
+
+    def require_chat_template(self) -> str:
+        """The chat template.
+
+        Raises:
+            UserError: there is none (naming the folder, the files looked at and how to name one).
+        """
+        if self._chat_template is None:
+            raise UserError(
+                f"tokenizer {self.path.parent} has no chat template (no chat_template in tokenizer_config.json, no "
+                f"chat_template.jinja), and chat data needs one: set tokenizer.chat_template to a built-in template "
+                f"({', '.join(CHAT_TEMPLATES)}) or a Jinja template"
+            )
+        return self._chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -111,16 +125,17 @@ class Tokenizer:
             The rendered string.
 
         Raises:
-            UserError: if the template fails on these messages (naming where the template came from).
+            UserError: there is no chat template, or it fails on these messages (naming where it came from).
         """
         from jinja2 import TemplateError
 
+        template = self.require_chat_template()
         if self._renderer is None:
             self._renderer = self._build_renderer()
         try:
             return self._renderer.apply_chat_template(
                 messages,
-                chat_template=self._chat_template,
+                chat_template=template,
                 add_generation_prompt=add_generation_prompt,
                 tokenize=False,
             )
@@ -187,30 +202,34 @@ class Tokenizer:
 
 
 @config_component
-def load_tokenizer(path: str, max_seq_len: Optional[int] = None) -> Tokenizer:
+def load_tokenizer(path: str, max_seq_len: Optional[int] = None, chat_template: Optional[str] = None) -> Tokenizer:
     """Load a tokenizer from a folder holding ``tokenizer.json`` (or from that file itself).
 
     Special tokens come from the first of these that names them: ``special_tokens_map.json`` and
     ``tokenizer_config.json`` (``bos_token``/``eos_token``/``pad_token``, a string or ``{"content": ...}``; the map
     wins where both name a token, as in transformers), then
     ``generation_config.json`` and ``config.json`` (``bos_token_id``/``eos_token_id``/``pad_token_id``; the first
-    id of a list). The pad id falls back to the EOS id. The chat template comes from ``tokenizer_config.json``'s
-    ``chat_template``, else a ``chat_template.jinja`` file, else :data:`FALLBACK_CHAT_TEMPLATE`.
+    id of a list). The pad id falls back to the EOS id. The chat template is ``chat_template`` when given, else the
+    folder's ``chat_template.jinja``, else ``tokenizer_config.json``'s ``chat_template`` (transformers' order), else
+    none: chat data is then refused (see ``Tokenizer.require_chat_template``).
 
     Args:
         path: Folder or ``tokenizer.json`` path. Sibling JSON files are read from the same folder.
         max_seq_len: Default truncation length for datasets built with this tokenizer.
+        chat_template: A built-in template's name (``chatml``, ``llama3``, ``plain``; see ``chat_templates.py``) or
+            a Jinja template; it replaces the tokenizer's own.
 
     Returns:
         The tokenizer.
 
     Raises:
         UnavailableError: the path, or the folder's tokenizer.json, does not exist.
-        UserError: unreadable or invalid JSON, a special token not in the vocabulary, no EOS token anywhere, or
-            ``max_seq_len <= 0``.
+        UserError: unreadable or invalid JSON, a special token not in the vocabulary, no EOS token anywhere,
+            ``max_seq_len <= 0``, or a ``chat_template`` that is neither a built-in name nor valid Jinja.
     """
     if max_seq_len is not None and max_seq_len <= 0:
         raise UserError(f"tokenizer max_seq_len={max_seq_len}: must be a positive integer or null")
+    setting = resolve_chat_template_setting(chat_template) if chat_template is not None else None
     location = Path(path).expanduser()
     if location.is_dir():
         folder, file = location, location / "tokenizer.json"
@@ -236,7 +255,7 @@ def load_tokenizer(path: str, max_seq_len: Optional[int] = None) -> Tokenizer:
             f"{folder}: no end-of-text token found (looked for eos_token in {', '.join(SPECIAL_TOKEN_FILES)} "
             f"and eos_token_id in {', '.join(SPECIAL_ID_FILES)})"
         )
-    template, template_source = resolve_chat_template(folder, configs["tokenizer_config.json"])
+    template, template_source = setting or resolve_chat_template(folder, configs["tokenizer_config.json"])
     return Tokenizer(
         backend,
         path=file,
@@ -324,14 +343,19 @@ def resolve_special_tokens(
     return tokens, ids
 
 
-def resolve_chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> tuple[str, str]:
-    """The chat template and a description of where it came from.
+def resolve_chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> tuple[Optional[str], str]:
+    """The tokenizer's own chat template (None when it has none) and a description of where it came from.
 
-    ``chat_template`` may be a string or Hugging Face's list of ``{"name", "template"}`` (the ``default`` one is used).
+    A ``chat_template.jinja`` file wins over ``tokenizer_config.json``'s ``chat_template``, as in transformers.
+    ``chat_template`` may be a string or Hugging Face's list of ``{"name", "template"}`` (the ``default`` one is
+    used).
 
     Raises:
         UserError: if ``chat_template`` has another shape or a list without a ``default`` entry.
     """
+    jinja_path = folder / "chat_template.jinja"
+    if jinja_path.is_file():
+        return read_text_file(jinja_path), str(jinja_path)
     config_path = folder / "tokenizer_config.json"
     template = tokenizer_config.get("chat_template")
     if isinstance(template, list):
@@ -345,7 +369,4 @@ def resolve_chat_template(folder: Path, tokenizer_config: dict[str, Any]) -> tup
         return template, str(config_path)
     if template is not None:
         raise UserError(f"{config_path}: chat_template must be a string or a list of named templates")
-    jinja_path = folder / "chat_template.jinja"
-    if jinja_path.is_file():
-        return read_text_file(jinja_path), str(jinja_path)
-    return FALLBACK_CHAT_TEMPLATE, "the built-in fallback template"
+    return None, "nowhere"

@@ -225,6 +225,12 @@ def _check_keys(
             f"enable_activation_checkpointing=false contradicts ac_mode={mode.value}: "
             "set enable_activation_checkpointing: true (or remove it), or set ac_mode: none"
         )
+    if enable is True and mode is ACMode.AUTO:
+        problems.append(
+            "enable_activation_checkpointing=true contradicts ac_mode=auto, which may choose no activation "
+            "checkpointing: remove enable_activation_checkpointing (on the command line: "
+            "enable_activation_checkpointing=null), or set ac_mode: full or selective"
+        )
     if enable is True and mode is ACMode.NONE and ac_mode is not None:
         problems.append(
             "enable_activation_checkpointing=true contradicts ac_mode=none: "

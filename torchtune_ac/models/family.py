@@ -45,8 +45,10 @@ class HFAdapter(Protocol):
     def args_from_hf_config(self, config: Mapping[str, Any], **overrides: Any) -> Any:
         """The model's arguments from a parsed config.json. Raises ``UserError`` listing every problem."""
 
-    def hf_config_from_args(self, args: Any, dtype: torch.dtype, **token_ids: Any) -> dict[str, Any]:
-        """A config.json (as a dict) that transformers loads, for ``args`` and weights of ``dtype``."""
+    def hf_config_from_args(self, args: Any, dtype: torch.dtype, *, base_config: Optional[Mapping[str, Any]] = None,
+                            **token_ids: Any) -> dict[str, Any]:
+        """A config.json (as a dict) that transformers loads, for ``args`` and weights of ``dtype``; the keys of
+        ``base_config`` (the config.json the model came from) that it does not write itself are kept."""
 
     def architecture(self, args: Any) -> dict[str, Any]:
         """The config.json keys and values that give weights their meaning (shapes, head layout, RoPE, norm,

@@ -55,6 +55,9 @@ _LAYER_NAME = re.compile(r"layers\.(\d+)\.(.+)")
 _DERIVED_HF_SUFFIX = ".rotary_emb.inv_freq"
 _HF_DEFAULT_ROPE_THETA = 10000.0
 _REQUIRED = object()
+# Keys of an input config.json that state, in another spelling, what ``hf_config_from_args`` writes itself
+# (transformers 5's rope form, the older name of ``dtype``): kept, they could contradict it.
+_RESTATED_KEYS = ("rope_parameters", "torch_dtype")
 
 
 @dataclass(frozen=True)
@@ -231,6 +234,7 @@ class LlamaStyleHFAdapter:
         args: LlamaArgs,
         dtype: torch.dtype,
         *,
+        base_config: Optional[Mapping[str, Any]] = None,
         bos_token_id: Optional[int] = None,
         eos_token_id: Optional[int | list[int]] = None,
         pad_token_id: Optional[int] = None,
@@ -244,21 +248,27 @@ class LlamaStyleHFAdapter:
         Args:
             args: the model arguments.
             dtype: dtype of the saved weights, recorded as ``dtype``.
-            bos_token_id, eos_token_id, pad_token_id: special token ids, when known (else null).
+            base_config: the config.json the model was loaded from: every key this method does not write itself
+                is kept (``initializer_range``, ``use_cache``, ``max_window_layers``, ``pad_token_id``, ...),
+                except older spellings of what it writes (``rope_parameters``, ``torch_dtype``).
+            bos_token_id, eos_token_id, pad_token_id: special token ids, when known: each replaces the base
+                config's value unless that value already says the same (an equal id, or a list of end ids that
+                holds this one); None keeps the base config's value (else null).
         """
-        config = {
+        config = {key: value for key, value in (base_config or {}).items() if key not in _RESTATED_KEYS}
+        config.update({
             "architectures": [self.architecture_name],
             "model_type": self.model_type,
             **self.architecture(args),
             self.activation_key: args.activation,
             "max_position_embeddings": args.max_seq_len,
             "attention_dropout": args.attn_dropout,
-            "bos_token_id": bos_token_id,
-            "eos_token_id": eos_token_id,
-            "pad_token_id": pad_token_id,
             "dtype": str(dtype).removeprefix("torch."),
             **self.extra_config,
-        }
+        })
+        for key, ours in (("bos_token_id", bos_token_id), ("eos_token_id", eos_token_id),
+                          ("pad_token_id", pad_token_id)):
+            config[key] = _merge_token_id(config.get(key), ours)
         return config
 
     def read_family_keys(self, config: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
@@ -286,6 +296,14 @@ class LlamaStyleHFAdapter:
             "tie_word_embeddings": args.tie_embeddings,
             **self.family_architecture(args),
         }
+
+
+def _merge_token_id(base: Any, ours: Any) -> Any:
+    """The token id(s) to write: ``ours`` unless it is None or ``base`` already says it (equal, or a list holding
+    it: the several end-of-turn ids of an instruct model's config)."""
+    if ours is None or base == ours or (isinstance(base, list) and not isinstance(ours, list) and ours in base):
+        return base
+    return ours
 
 
 def read_value(

@@ -9,7 +9,7 @@ nothing else in ``models/`` imports ``checkpoint`` (``tests/unit/test_architectu
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 from torch import nn
@@ -159,12 +159,15 @@ def _hf_tensors(model: nn.Module, family: ModelFamily) -> tuple[dict[str, torch.
             {hf.to_hf_name(alias): hf.to_hf_name(source) for alias, source in tied.items()})
 
 
-def hf_model_files(model: nn.Module, **token_ids: Any) -> HFModelFiles:
+def hf_model_files(model: nn.Module, *, base_config: Optional[Mapping[str, Any]] = None,
+                   **token_ids: Any) -> HFModelFiles:
     """What a Hugging Face checkpoint of ``model`` holds: its tensors by Hugging Face name, and its config.json
     (weights' dtype from the model), ready for ``torchtune_ac.checkpoint``'s writers.
 
     Args:
         model: a model of a known family (plain or with DTensor parameters).
+        base_config: the config.json the model was loaded from (``read_hf_config``): config.json keeps every key of
+            it that training did not change (``pad_token_id``, ``initializer_range``, ``use_cache``, ...).
         **token_ids: ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` for config.json.
 
     Raises:
@@ -174,7 +177,8 @@ def hf_model_files(model: nn.Module, **token_ids: Any) -> HFModelFiles:
     family = require_family(model, "saving a Hugging Face checkpoint")
     tensors, _ = _hf_tensors(model, family)
     dtype = next(iter(tensors.values())).dtype
-    return HFModelFiles(tensors, family.hf.hf_config_from_args(family.args_of(model), dtype, **token_ids))
+    return HFModelFiles(tensors, family.hf.hf_config_from_args(family.args_of(model), dtype, base_config=base_config,
+                                                               **token_ids))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -255,6 +259,7 @@ def save_hf(
     eos_token_id: Optional[int | list[int]] = None,
     pad_token_id: Optional[int] = None,
     tokenizer_dir: Optional[PathLike] = None,
+    base_config: Optional[Mapping[str, Any]] = None,
 ) -> PathLike:
     """Save a model of a known family as a Hugging Face checkpoint that ``AutoModelForCausalLM`` loads.
 
@@ -272,6 +277,8 @@ def save_hf(
         overwrite: replace an existing non-empty ``out_dir`` (only after the new one is complete).
         bos_token_id, eos_token_id, pad_token_id: recorded in config.json when given.
         tokenizer_dir: if given, its tokenizer files are copied in too (see ``copy_tokenizer_files``).
+        base_config: the parsed config.json the model was loaded from (``read_hf_config``): config.json keeps
+            every key of it that training did not change.
 
     Returns:
         ``out_dir`` as a Path.
@@ -280,7 +287,8 @@ def save_hf(
         UserError: ``out_dir`` is not empty and ``overwrite`` is false (on every rank), a model of no known
             family, or a bad ``max_shard_size``.
     """
-    files = hf_model_files(model, bos_token_id=bos_token_id, eos_token_id=eos_token_id, pad_token_id=pad_token_id)
+    files = hf_model_files(model, base_config=base_config, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
+                           pad_token_id=pad_token_id)
     return save_hf_files(files, out_dir, max_shard_size, overwrite=overwrite, tokenizer_dir=tokenizer_dir)
 
 

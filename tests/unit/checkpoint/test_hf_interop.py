@@ -247,6 +247,33 @@ def test_copy_tokenizer_files_copies_only_known_files(tmp_path):
     assert (dst / "tokenizer.json").read_text() == '{"a": 1}'
 
 
+@pytest.mark.parametrize(
+    "config_template, written",
+    [
+        (None, True),  # the tokenizer had none: the config named one
+        ("{{ 'other' }}", True),  # the config replaced the tokenizer's own
+        ("{{ 'used' }}", False),  # the tokenizer's own: copied as it is
+        ([{"name": "default", "template": "{{ 'used' }}"}, {"name": "tool_use", "template": "x"}], False),
+    ],
+)
+def test_copy_tokenizer_files_saves_the_chat_template_used(tmp_path, config_template, written):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    config = {"eos_token": "e"} if config_template is None else {"eos_token": "e", "chat_template": config_template}
+    (src / "tokenizer_config.json").write_text(json.dumps(config))
+
+    copy_tokenizer_files(src, dst, chat_template="{{ 'used' }}")
+
+    saved = json.loads((dst / "tokenizer_config.json").read_text())
+    assert (dst / "chat_template.jinja").exists() is written
+    if written:
+        assert (dst / "chat_template.jinja").read_text() == "{{ 'used' }}"
+        assert saved == {"eos_token": "e"}  # nothing left that says otherwise
+    else:
+        assert saved == config
+
+
 def test_copy_tokenizer_files_missing_source(tmp_path):
     with pytest.raises(UserError, match="nowhere"):
         copy_tokenizer_files(tmp_path / "nowhere", tmp_path)

@@ -98,6 +98,20 @@ def test_load_errors_name_the_problem(tmp_path, text, overrides, expected):
 
 
 @pytest.mark.parametrize(
+    "override, quoted",
+    [("output_dir=/tmp/ä", "output_dir='/tmp/ä'"), ("output_dir=/data/naïve's run", "output_dir=\"/data/naïve's run\"")],
+)
+def test_an_unquoted_non_ascii_value_is_refused_with_how_to_quote_it(config_file, override, quoted):
+    """Hydra only said "token recognition error at: 'ä'"."""
+    with pytest.raises(UserError) as info:
+        load_config(str(config_file), [override])
+    first = next(c for c in override if not c.isascii())
+    assert f"token recognition error at: '{first}'" in str(info.value)
+    assert f"a value with non-ASCII characters must be quoted: {quoted}" in str(info.value)
+    assert load_config(str(config_file), [quoted]).output_dir == override.split("=", 1)[1]
+
+
+@pytest.mark.parametrize(
     "name, expected",
     [
         ("llama3/8B_ful", "did you mean llama3/8B_full?"),

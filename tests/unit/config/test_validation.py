@@ -3,7 +3,13 @@
 import pytest
 
 from torchtune_ac.config import ConfigError, DType, FullFinetuneConfig, validate_config
-from torchtune_ac.config.components import ALLOWED_ENV_VAR, Component, check_component_path, parse_component
+from torchtune_ac.config.components import (
+    ALLOWED_ENV_VAR,
+    Component,
+    check_component_path,
+    import_component,
+    parse_component,
+)
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode
 
@@ -95,6 +101,26 @@ def test_all_problems_are_collected_into_one_error():
 
 
 @pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # Was "c.yaml: batch_size=0: ...": the value came from the command line, not the file.
+        (["batch_size=0"], "command line: batch_size=0: must be >= 1"),
+        (["++optimizer.lr=abc", "batch_size=0"], "command line: 2 problems:\n  - optimizer.lr='abc': "),
+        ([], "c.yaml: batch_size=0: must be >= 1"),
+        (["seed=x"], "c.yaml: 2 problems:\n  - batch_size=0: must be >= 1\n  - command line: seed='x': expected an "
+                     "integer"),
+    ],
+)
+def test_problems_name_the_command_line_for_the_values_it_set(overrides, message):
+    values = {"batch_size": 0, **({"seed": "x"} if "seed=x" in overrides else {})}
+    if "++optimizer.lr=abc" in overrides:
+        values["optimizer"] = {"_component_": "torch.optim.AdamW", "lr": "abc"}
+    with pytest.raises(ConfigError) as info:
+        validate_config(base_config(**values), FullFinetuneConfig, source="c.yaml", overrides=overrides)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
     "path",
     [
         "os.system",
@@ -121,8 +147,24 @@ def test_refusal_says_how_to_allow(monkeypatch):
     monkeypatch.delenv(ALLOWED_ENV_VAR, raising=False)
     with pytest.raises(UserError) as info:
         check_component_path("mypkg.models.build", "model")
-    assert "--allow-component mypkg" in str(info.value)
-    assert f"{ALLOWED_ENV_VAR}=mypkg" in str(info.value)
+    assert str(info.value).endswith(f"to allow it, pass --allow-component mypkg.models.build or set "
+                                    f"{ALLOWED_ENV_VAR}=mypkg.models.build")
+
+
+def test_the_hint_for_torch_load_allows_torch_load_and_nothing_more(monkeypatch):
+    """The hint was --allow-component torch, which allows all of torch."""
+    monkeypatch.delenv(ALLOWED_ENV_VAR, raising=False)
+    with pytest.raises(UserError) as info:
+        check_component_path("torch.load", "model")
+    assert str(info.value).endswith(
+        f"to allow it, pass --allow-component torch.load or set {ALLOWED_ENV_VAR}=torch.load")
+    # What the hint says works, for torch.load (defined in torch.serialization) and only for it.
+    import torch
+
+    check_component_path("torch.load", "model", extra_allowed=["torch.load"])
+    assert import_component("torch.load", "model", extra_allowed=["torch.load"]) is torch.load
+    with pytest.raises(UserError, match="torch.save: not allowed"):
+        check_component_path("torch.save", "model", extra_allowed=["torch.load"])
 
 
 def test_explicit_allow_by_flag_and_env(monkeypatch):

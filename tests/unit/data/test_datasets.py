@@ -8,6 +8,7 @@ import pytest
 from torchtune_ac.data import (
     EMBEDDED_TOKENIZER_DIR,
     IGNORE_INDEX,
+    build_dataloader,
     chat_dataset,
     format_alpaca_prompt,
     instruct_dataset,
@@ -107,16 +108,47 @@ def test_tokenizer_max_seq_len_is_the_default(tmp_path):
     assert len(text_dataset(tok, source=source, max_seq_len=20)[0]["tokens"]) == 20
 
 
-def test_records_with_nothing_to_train_are_dropped(tmp_path, tokenizer, caplog):
+def test_records_with_nothing_to_train_are_dropped(tmp_path, tokenizer):
     short = {"instruction": "x", "output": "y"}
     long = {"instruction": "A much longer instruction " * 5, "output": "z"}
     source = write_jsonl(tmp_path / "d.jsonl", [short, long, short])
     limit = len(instruct_dataset(tokenizer, source=source)[0]["tokens"])
     ds = instruct_dataset(tokenizer, source=source, max_seq_len=limit)
     assert len(ds) == 2
-    assert "dropped 1 of 3 records" in caplog.text
-    with pytest.raises(UserError, match=r"none of the 1 records has a token to train on \(max_seq_len=5"):
+    assert "1 records lost every target to truncation and were dropped" in ds.report
+    with pytest.raises(UserError, match=r"none of the 1 records has a token to train on: 1 lost every target to "
+                                        r"max_seq_len=5 \(raise it\)$"):
         instruct_dataset(tokenizer, source=write_jsonl(tmp_path / "e.jsonl", [long]), max_seq_len=5)
+
+
+def test_truncation_is_counted_once_with_the_targets_it_lost(tmp_path, tokenizer):
+    """Over-long samples used to be cut silently: responses without their end and EOS, and no count."""
+    records = [{"instruction": "Say it.", "output": "word " * n} for n in (1, 30, 2, 40)]
+    source = write_jsonl(tmp_path / "d.jsonl", records)
+    full = instruct_dataset(tokenizer, source=source)
+    assert full.report is None  # nothing cut, nothing to say
+    limit = len(full[2]["tokens"]) + 1  # the two short samples fit, the long ones keep part of their responses
+    targets = [sum(label != M for label in sample["labels"]) for sample in full]
+    kept = [sum(label != M for label in sample["labels"][:limit]) for sample in full]
+    cut = [len(sample["tokens"]) > limit for sample in full]
+    assert cut == [False, True, False, True]  # the test's premise
+    ds = instruct_dataset(tokenizer, source=source, max_seq_len=limit)
+    assert ds.report == (
+        f"data {source}: 2 of 4 samples are longer than max_seq_len={limit} and were truncated, losing "
+        f"{sum(targets) - sum(kept)} of {sum(targets)} target tokens (a truncated response is trained without its "
+        "end and EOS)"
+    )
+    assert sum(sum(label != M for label in sample["labels"]) for sample in ds) == sum(kept)
+
+
+def test_the_dataloader_reports_once_on_rank_zero(tmp_path, tokenizer, caplog):
+    records = [{"instruction": "Say it.", "output": "word " * n} for n in (1, 30, 1, 30)]
+    source = write_jsonl(tmp_path / "d.jsonl", records)
+    short = len(instruct_dataset(tokenizer, source=source)[0]["tokens"])
+    ds = instruct_dataset(tokenizer, source=source, max_seq_len=short)
+    for rank in range(2):
+        build_dataloader(ds, batch_size=1, pad_id=0, rank=rank, world_size=2)
+    assert [r.getMessage() for r in caplog.records] == [ds.report]
 
 
 CHAT = [
@@ -278,10 +310,12 @@ def test_chat_errors(tmp_path, tokenizer, record, message):
     assert message.replace("{dir}", str(tmp_path)) in str(info.value)
 
 
-def test_chat_without_assistant_turn_has_nothing_to_train(tmp_path, tokenizer):
-    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT[:2]}])
-    with pytest.raises(UserError, match=r"none of the 1 records has a token to train on \(do the records have a"):
-        chat_dataset(tokenizer, source=source)
+def test_chat_without_assistant_turn_says_so_not_max_seq_len(tmp_path, tokenizer):
+    source = write_jsonl(tmp_path / "c.jsonl", [{"messages": CHAT[:2]}, {"messages": CHAT[:1]}])
+    with pytest.raises(UserError) as refused:
+        chat_dataset(tokenizer, source=source, max_seq_len=256)
+    assert str(refused.value) == (f"{source}: none of the 2 records has a token to train on: 2 have no assistant turn "
+                                  "(only assistant turns are trained on, unless train_on_input: true)")
 
 
 def test_text_errors_name_the_column(tmp_path, tokenizer):

@@ -186,20 +186,82 @@ def test_source_errors_are_one_line(tmp_path, setup, split, message):
     assert "\n" not in str(info.value)
 
 
+def run_child(code: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+
+
+def read_hub_in_child(name: str, cache: Path, **env: str) -> subprocess.CompletedProcess:
+    """``load_records(name)`` in a child process (the Hub settings are read at import) with ``cache`` as the
+    datasets cache: prints the records, or the UserError's message."""
+    code = (
+        "from torchtune_ac.data.sources import load_records\n"
+        "from torchtune_ac.errors import UserError\n"
+        f"try:\n    print([r.value for r in load_records({name!r})])\nexcept UserError as e:\n    print(e)\n"
+    )
+    base = {k: v for k, v in os.environ.items() if k != "HF_HUB_OFFLINE"}
+    return run_child(code, {**base, "HF_DATASETS_CACHE": str(cache), **env})
+
+
+# A Hub that refuses connections at once: what "no network" looks like to the HTTP client, on any machine.
+UNREACHABLE = {"HF_ENDPOINT": "http://127.0.0.1:9"}
+
+
 def test_hub_name_offline_is_one_line_and_writes_nothing_in_home(tmp_path):
     """In a child process with HF_HUB_OFFLINE=1 and HOME pointing at an empty folder."""
     home = tmp_path / "home"
     home.mkdir()
-    env = {**os.environ, "HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    code = (
-        "from torchtune_ac.data.sources import load_records\n"
-        "from torchtune_ac.errors import UserError\n"
-        "try:\n    load_records('tatsu-lab/alpaca')\nexcept UserError as e:\n    print(e)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120,
-                            cwd=tmp_path)
+    result = read_hub_in_child("tatsu-lab/alpaca", tmp_path / "cache", HOME=str(home), HF_HUB_OFFLINE="1")
     assert result.stdout.strip() == (
-        "dataset source tatsu-lab/alpaca: not a local file or folder, and reading it from the Hub needs network "
-        "access to the Hugging Face Hub; download it first or point source at local files"
+        f"dataset source tatsu-lab/alpaca: not a local file or folder, and not in the datasets cache "
+        f"({tmp_path / 'cache'}) while HF_HUB_OFFLINE is set; download it first (the cache is then read offline too) "
+        "or point source at local files"
     ), result.stderr
     assert list(home.iterdir()) == []
+
+
+def test_hub_name_without_network_fails_at_once_without_retries(tmp_path):
+    """Reported: 30 s and 22 duplicated retry lines before the one-line error."""
+    result = read_hub_in_child("tatsu-lab/alpaca", tmp_path / "cache", **UNREACHABLE)
+    assert result.stdout.strip().startswith(
+        f"dataset source tatsu-lab/alpaca: not a local file or folder, not in the datasets cache ({tmp_path / 'cache'}),"
+        " and the Hugging Face Hub cannot be reached (http://127.0.0.1:9: "), result.stdout
+    assert "Retrying" not in result.stderr and "127.0.0.1" not in result.stderr, result.stderr
+
+
+def cache_as_hub_dataset(cache: Path, name: str, rows: list, tmp_path: Path) -> None:
+    """Put ``rows`` into ``cache`` where ``datasets`` keeps a downloaded Hub dataset ``name`` (org/short)."""
+    datasets.load_dataset("json", data_files=write_jsonl(tmp_path / "rows.jsonl", rows), split="train",
+                          cache_dir=str(cache))
+    built = next(p for p in cache.glob("json/*/*/*") if p.is_dir())
+    org, short = name.split("/")
+    copy = cache / f"{org}___{short}" / "default" / "0.0.0" / built.name
+    copy.mkdir(parents=True)
+    (copy / "dataset_info.json").write_bytes((built / "dataset_info.json").read_bytes())
+    (copy / f"{short}-train.arrow").write_bytes((built / "json-train.arrow").read_bytes())
+
+
+def test_a_cached_hub_dataset_is_read_without_network_and_without_retries(tmp_path):
+    cache = tmp_path / "cache"
+    cache_as_hub_dataset(cache, "someorg/tiny_set", ROWS, tmp_path)
+    result = read_hub_in_child("someorg/tiny_set", cache, **UNREACHABLE)
+    assert result.stdout.strip() == repr(ROWS), result.stdout + result.stderr
+    assert "Retrying" not in result.stderr, result.stderr
+
+
+def test_validate_says_what_a_run_will_do_with_a_hub_dataset(tmp_path, monkeypatch):
+    from torchtune_ac.data.hf_sources import describe_hub_source
+
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    assert describe_hub_source("someorg/tiny_set") == (
+        f"someorg/tiny_set: a Hugging Face Hub dataset, not in the datasets cache ({cache}); downloaded when the run "
+        "starts", None)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    assert describe_hub_source("someorg/tiny_set")[1] == (
+        "dataset source someorg/tiny_set: HF_HUB_OFFLINE is set and the dataset is not in the datasets cache: the run "
+        "will stop")
+    cache_as_hub_dataset(cache, "someorg/tiny_set", ROWS, tmp_path)
+    summary, warning = describe_hub_source("someorg/tiny_set")
+    assert summary.startswith(f"someorg/tiny_set: a Hugging Face Hub dataset, in the datasets cache ({cache}")
+    assert summary.endswith("HF_HUB_OFFLINE is set: the run reads the cache only") and warning is None

@@ -245,18 +245,71 @@ def test_chat_ending_with_user_turn_does_not_train_the_eos(tokenizer):
     assert trained_text(tokenizer, tokens, trainable) == "5<|eot_id|>"
 
 
-def test_fallback_template_without_chat_template(tmp_path):
-    tok = load_tokenizer(
-        str(
-            make_tokenizer_dir(
-                tmp_path, tokenizer_config__json={"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
-            )
-        )
+def no_template_dir(tmp_path: Path) -> Path:
+    return make_tokenizer_dir(
+        tmp_path, tokenizer_config__json={"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>"}
     )
-    assert tok.render_chat(CONVERSATION[1:3]) == "user: What is 2 + 3?\n\nassistant: 5\n\n"
-    tokens, trainable = tok.encode_chat(CONVERSATION[1:3], train_on_input=False)
-    assert tokens[0] == tok.bos_id
-    assert trained_text(tok, tokens, trainable) == "5\n\n<|end_of_text|>"
+
+
+def test_chat_without_a_chat_template_is_refused_not_given_a_fallback(tmp_path):
+    """Many base models ship no template: rendering chat with an undocumented default trained silently on it."""
+    tok = load_tokenizer(str(no_template_dir(tmp_path)))
+    assert tok.chat_template is None
+    with pytest.raises(UserError) as refused:
+        tok.encode_chat(CONVERSATION[1:3], train_on_input=False)
+    assert str(refused.value) == (
+        f"tokenizer {tmp_path} has no chat template (no chat_template in tokenizer_config.json, no "
+        "chat_template.jinja), and chat data needs one: set tokenizer.chat_template to a built-in template "
+        "(chatml, llama3, plain) or a Jinja template"
+    )
+
+
+@pytest.mark.parametrize(
+    "name, rendered, end_of_turn",
+    [
+        ("plain", "<|begin_of_text|>user: What is 2 + 3?\n\nassistant: 5\n\n", "\n\n"),
+        ("chatml", "<|begin_of_text|><|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n5<|im_end|>\n",
+         "<|im_end|>\n"),
+        ("llama3", "<|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 3?<|eot_id|>"
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n5<|eot_id|>", "<|eot_id|>"),
+    ],
+)
+def test_a_built_in_chat_template_named_in_the_config(tmp_path, name, rendered, end_of_turn):
+    tok = load_tokenizer(str(no_template_dir(tmp_path)), chat_template=name)
+    assert tok.render_chat(CONVERSATION[1:3]) == rendered
+    # Prefix stable: both replies, with their end-of-turn marker, are the targets, and BOS is there once.
+    tokens, trainable = tok.encode_chat(CONVERSATION, train_on_input=False)
+    assert tokens.count(tok.bos_id) == 1 and tokens[0] == tok.bos_id
+    assert trained_text(tok, tokens, trainable) == f"5{end_of_turn}8{end_of_turn}<|end_of_text|>"
+
+
+def test_a_jinja_chat_template_in_the_config_replaces_the_tokenizers_own(tmp_path):
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    tok = load_tokenizer(EMBEDDED_TOKENIZER_DIR, chat_template=template)
+    assert tok.chat_template == template
+    assert tok.render_chat(CONVERSATION[1:3]) == "<user>What is 2 + 3?<assistant>5"
+
+
+@pytest.mark.parametrize(
+    "value, message",
+    [
+        ("chatm",
+         r"chat_template='chatm': not a built-in template \(chatml, llama3, plain\) \(did you mean chatml\?\)"),
+        ("{% for m in messages %}{{ m }}", r"not a valid Jinja template \(line 1: Unexpected end of template"),
+    ],
+)
+def test_a_bad_chat_template_setting_is_one_line(value, message):
+    with pytest.raises(UserError, match=message):
+        load_tokenizer(EMBEDDED_TOKENIZER_DIR, chat_template=value)
+
+
+def test_chat_template_jinja_wins_over_tokenizer_config_as_in_transformers(tmp_path):
+    folder = make_tokenizer_dir(
+        tmp_path,
+        tokenizer_config__json={"eos_token": "<|end_of_text|>", "chat_template": "{{ 'from the config' }}"},
+        chat_template__jinja="{{ 'from the file' }}",
+    )
+    assert load_tokenizer(str(folder)).render_chat(CONVERSATION[1:3]) == "from the file"
 
 
 def test_chat_template_jinja_file_is_used(tmp_path):

@@ -169,6 +169,9 @@ def test_the_memory_plan_resolves_auto_through_the_planner():
     [
         ({"ac_mode": "auto", "ac_option": 2}, "ac_option=2: only allowed with ac_mode: selective (ac_mode is auto)"),
         ({"ac_mode": "auto", "enable_activation_checkpointing": False}, "contradicts ac_mode=auto"),
+        # Was silently "auto -> none" (a tiny/full YAML, which has the switch on, plus ac_mode=auto).
+        ({"ac_mode": "auto", "enable_activation_checkpointing": True},
+         "enable_activation_checkpointing=true contradicts ac_mode=auto, which may choose no activation checkpointing"),
         ({"ac_mode": "full", "ac_memory_budget_gib": 20}, "ac_memory_budget_gib=20: only used by ac_mode: auto"),
         ({"ac_mode": "auto", "ac_memory_budget_gib": 0}, "ac_memory_budget_gib=0: must be a positive number"),
         ({"ac_mode": "auto", "ac_memory_budget_gib": True}, "ac_memory_budget_gib=true: must be a positive number"),

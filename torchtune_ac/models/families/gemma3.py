@@ -93,6 +93,16 @@ class Gemma3HFAdapter(LlamaStyleHFAdapter):
     def args_from_hf_config(self, config: Mapping[str, Any], **overrides: Any) -> LlamaArgs:
         return super().args_from_hf_config(self._text_config(config), **overrides)
 
+    def hf_config_from_args(self, args: LlamaArgs, dtype: Any, *, base_config: Optional[Mapping[str, Any]] = None,
+                            **token_ids: Any) -> dict[str, Any]:
+        # The checkpoint written is text-only (gemma3_text): of a multimodal base config, only the text tower's keys
+        # are kept (not its vision tower or image tokens).
+        if base_config is not None and base_config.get("model_type") == "gemma3" and isinstance(
+                base_config.get("text_config"), Mapping):
+            base_config = {"tie_word_embeddings": base_config.get("tie_word_embeddings", True),
+                           **base_config["text_config"]}
+        return super().hf_config_from_args(args, dtype, base_config=base_config, **token_ids)
+
     def _text_config(self, config: Mapping[str, Any]) -> dict[str, Any]:
         """The text model's config.json in the published (transformers 4) form: a multimodal checkpoint's
         ``text_config``, transformers' defaults for missing keys, and transformers 5's per-layer-type
