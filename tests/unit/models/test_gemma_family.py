@@ -63,5 +63,5 @@ def test_unsupported_gemma_configs_name_the_key(change, message):
 
 
 def test_a_gemma_model_needs_its_offset_norms():
-    with pytest.raises(ValueError, match="norm_offset=0.0, but gemma has norms scaling by norm_offset"):
+    with pytest.raises(ValueError, match=r"norm_offset=0.0, but gemma has norm_offset=1.0 \(norms scaling by"):
         GEMMA.build(dataclasses.replace(gemma.GEMMA_2B, norm_offset=0.0))
