@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from transformers import (
     Gemma3ForCausalLM,
+    GemmaConfig,
+    GemmaForCausalLM,
     Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
@@ -38,10 +40,11 @@ HF_CLASSES = {
     # Every part of Gemma 3's attention pattern: a sliding layer (a 6-token window, shorter than the rows tested)
     # with its own RoPE base, then a global layer with linear RoPE scaling; its own attention scale.
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3_TINY),
+    "gemma": (GemmaConfig, GemmaForCausalLM, {"head_dim": 16}),
 }
 FAMILY_NAMES = sorted(HF_CLASSES)
 # Families whose norms scale by (1 + weight).
-OFFSET_NORMS = ("gemma3",)
+OFFSET_NORMS = ("gemma", "gemma3")
 TINY_SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
 

@@ -35,6 +35,13 @@ _REPLACED = {torchtune: ours for family in FAMILIES for torchtune, ours in famil
 MODEL_BUILDERS = {torchtune: f"torchtune_ac.models.{ours.ours}" for torchtune, ours in _REPLACED.items()}
 # Why a builder maps to another name than its own size (printed as a "changed" note).
 MODEL_NOTES = {torchtune: ours.note for torchtune, ours in _REPLACED.items() if ours.note}
+# torchtune model package -> the family of its architecture: its other full-model builders (llama2_13b,
+# qwen2_5_3b, ...) become from_hf_config over their checkpoint, whose config.json gives the shapes.
+MODEL_PACKAGES = {package: family.name for family in FAMILIES for package in family.torchtune_packages}
+FROM_HF_CONFIG = "torchtune_ac.models.from_hf_config"
+# Builders of those packages that are not a full model of the package's architecture: adapters, reward and
+# classifier heads, tokenizers, mixtures of experts (Qwen3's).
+_NOT_A_FULL_MODEL = re.compile(r"^q?lora_|reward|classifier|tokenizer|moe")
 
 LOAD_TOKENIZER = "torchtune_ac.data.load_tokenizer"
 INSTRUCT_DATASET = "torchtune_ac.data.instruct_dataset"
@@ -274,15 +281,24 @@ class _Migrator:
     def migrate_model(self) -> None:
         model = self.take("model")
         path = model.get(COMPONENT_KEY) if isinstance(model, Mapping) else None
-        if path not in MODEL_BUILDERS:
+        family = _architecture_of(path)
+        if path in MODEL_BUILDERS:
+            ours = MODEL_BUILDERS[path]
+            if path in MODEL_NOTES:
+                self.changed("model._component_", MODEL_NOTES[path])
+        elif family is not None:
+            ours = FROM_HF_CONFIG
+            self.changed("model._component_", f"{path.rsplit('.', 1)[-1]} is a {family} model with no builder of "
+                         "its own here: from_hf_config builds the one checkpoint_dir's config.json describes")
+        else:
             supported = ", ".join(sorted(p.rsplit(".", 1)[-1] for p in MODEL_BUILDERS))
-            raise UserError(f"model._component_={path}: no equivalent in torchtune_ac; supported: {supported}")
-        self.out["model"] = {COMPONENT_KEY: MODEL_BUILDERS[path]}
-        if path in MODEL_NOTES:
-            self.changed("model._component_", MODEL_NOTES[path])
+            packages = ", ".join(sorted(p.rsplit(".", 1)[-1] for p in MODEL_PACKAGES))
+            raise UserError(f"model._component_={path}: no equivalent in torchtune_ac; supported: {supported}, and "
+                            f"any other full model of {packages} (as from_hf_config)")
+        self.out["model"] = {COMPONENT_KEY: ours}
         for name in model:
             if name != COMPONENT_KEY:
-                self.dropped(f"model.{name}", f"not an argument of {MODEL_BUILDERS[path]}")
+                self.dropped(f"model.{name}", f"not an argument of {ours}")
 
     def migrate_tokenizer(self) -> None:
         tokenizer = self.take("tokenizer")
@@ -648,6 +664,16 @@ def _show(value: Any) -> str:
 
 def _is_zero(value: Any) -> bool:
     return (isinstance(value, int) and not isinstance(value, bool) and value == 0) or value == "0"
+
+
+def _architecture_of(path: Optional[str]) -> Optional[str]:
+    """The family of a torchtune full-model builder in one of the packages the families declare, or None."""
+    if not isinstance(path, str) or "." not in path:
+        return None
+    package, name = path.rsplit(".", 1)
+    if package not in MODEL_PACKAGES or _NOT_A_FULL_MODEL.search(name):
+        return None
+    return MODEL_PACKAGES[package]
 
 
 def _same_path(a: Any, b: Any) -> Optional[bool]:

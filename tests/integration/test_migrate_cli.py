@@ -12,7 +12,7 @@ import torch
 import yaml
 
 from torchtune_ac.cli import main
-from torchtune_ac.models import MISTRAL
+from torchtune_ac.models import MISTRAL, QWEN2, LlamaArgs
 from torchtune_ac.models.families.mistral import MISTRAL_7B
 from torchtune_ac.registry import builtin_config_path
 
@@ -240,7 +240,20 @@ OTHER_FAMILIES = [
      {"_component_": "torchtune.models.mistral.mistral_tokenizer", "path": "{tmp}/Mistral-7B-v0.3/tokenizer.model",
       "max_seq_len": None},
      "{tmp}/Mistral-7B-v0.3", "from_hf_config"),
+    # No Qwen2.5 3B builder here: any size of a supported architecture becomes from_hf_config.
+    ("torchtune.models.qwen2_5.qwen2_5_3b",
+     {"_component_": "torchtune.models.qwen2_5.qwen2_5_tokenizer", "path": "{tmp}/Qwen2.5-3B/vocab.json",
+      "merges_file": "{tmp}/Qwen2.5-3B/merges.txt", "max_seq_len": None},
+     "{tmp}/Qwen2.5-3B", "from_hf_config"),
 ]
+# The config.json the test writes into a {tmp} checkpoint folder, and the parameter count validate then prints.
+CHECKPOINT_CONFIGS = {
+    "torchtune.models.mistral.mistral_7b": (MISTRAL, MISTRAL_7B, "7,248,023,552"),
+    "torchtune.models.qwen2_5.qwen2_5_3b": (QWEN2, LlamaArgs(
+        vocab_size=151_936, dim=2048, n_layers=36, n_heads=16, n_kv_heads=2, intermediate_dim=11_008,
+        max_seq_len=32_768, norm_eps=1e-6, rope_theta=1e6, tie_embeddings=True, model_type="qwen2", qkv_bias=True),
+        "3,085,938,688"),
+}
 
 
 @pytest.mark.parametrize("builder, tokenizer, checkpoint_dir, ours", OTHER_FAMILIES)
@@ -249,7 +262,8 @@ def test_other_families_migrate_and_validate(tmp_path, capsys, builder, tokenize
         checkpoint_dir = checkpoint_dir.format(tmp=tmp_path)
         tokenizer = {**tokenizer, "path": tokenizer["path"].format(tmp=tmp_path)}
         Path(checkpoint_dir).mkdir()
-        config_json = MISTRAL.hf.hf_config_from_args(MISTRAL_7B, torch.bfloat16)
+        family, args, _ = CHECKPOINT_CONFIGS[builder]
+        config_json = family.hf.hf_config_from_args(args, torch.bfloat16)
         (Path(checkpoint_dir) / "config.json").write_text(json.dumps(config_json))
     config = {
         "output_dir": "/tmp/torchtune/full",
@@ -273,3 +287,5 @@ def test_other_families_migrate_and_validate(tmp_path, capsys, builder, tokenize
     assert migrated["model"] == {"_component_": f"torchtune_ac.models.{ours}"}
     assert migrated["tokenizer"]["path"] == "${checkpoint_dir}"
     assert main(["validate", "--config", str(out)]) == 0, capsys.readouterr().err
+    if builder in CHECKPOINT_CONFIGS:
+        assert f"from_hf_config: {CHECKPOINT_CONFIGS[builder][2]} parameters" in capsys.readouterr().out

@@ -86,8 +86,9 @@ def test_model_builders(torchtune_builder, ours):
 
 @pytest.mark.parametrize(
     "builder",
-    ["torchtune.models.llama3_2_vision.llama3_2_vision_11b", "torchtune.models.gemma.gemma_2b",
-     "torchtune.models.qwen2_5.qwen2_5_3b", "torchtune.models.llama3.lora_llama3_8b", "mymodels.build"],
+    ["torchtune.models.llama3_2_vision.llama3_2_vision_11b", "torchtune.models.gemma2.gemma2_2b",
+     "torchtune.models.phi3.phi3_mini", "torchtune.models.llama3.lora_llama3_8b", "mymodels.build",
+     "torchtune.models.llama2.llama2_reward_7b", "torchtune.models.qwen3.qwen3_moe_30b_a3b_base"],
 )
 def test_model_without_equivalent_is_refused_listing_what_is_supported(builder):
     with pytest.raises(UserError) as info:
@@ -96,6 +97,25 @@ def test_model_without_equivalent_is_refused_listing_what_is_supported(builder):
     assert message.startswith(f"model._component_={builder}: no equivalent in torchtune_ac; supported: ")
     assert "llama3_2_1b" in message and "qwen2_5_0_5b" in message and "mistral_7b" in message
     assert "\n" not in message
+
+
+# torchtune 0.6.1's full fine-tuning configs of a supported architecture whose builder has no twin here.
+OTHER_SIZES = [
+    ("torchtune.models.llama2.llama2_13b", "llama"),
+    ("torchtune.models.code_llama2.code_llama2_7b", "llama"),
+    ("torchtune.models.qwen2.qwen2_0_5b", "qwen2"),
+    ("torchtune.models.qwen2.qwen2_1_5b", "qwen2"),
+    ("torchtune.models.qwen2.qwen2_7b", "qwen2"),
+    ("torchtune.models.qwen2_5.qwen2_5_3b", "qwen2"),
+]
+
+
+@pytest.mark.parametrize("torchtune_builder, family", OTHER_SIZES)
+def test_other_full_models_of_a_supported_architecture_become_from_hf_config(torchtune_builder, family):
+    migration = migrate_torchtune_config(torchtune_config(model={"_component_": torchtune_builder}))
+    assert migration.config["model"] == {"_component_": "torchtune_ac.models.from_hf_config"}
+    notes = notes_by_key(migration)
+    assert f"is a {family} model with no builder of its own here: from_hf_config builds" in notes["model._component_"]
 
 
 # (flag, ac_mode, ac_option) -> our keys, and the keys of the notes explaining the difference.

@@ -149,7 +149,9 @@ def load_hf_tensors_(
             continue
         found, want = stored[name], tuple(target.shape)
         if found.shape != want:
-            problems.append(f"{found.file.name}: {stored_as[name]} has shape {list(found.shape)}, expected {list(want)}")
+            problems.append(
+                f"{found.file.name}: {stored_as[name]} has shape {list(found.shape)}, expected {list(want)}"
+            )
         if not found.is_floating:
             problems.append(f"{found.file.name}: {stored_as[name]} has dtype {found.dtype}, expected a floating point "
                             "type")

@@ -69,6 +69,7 @@ def decoder_family(
     *,
     block: BlockClass = TransformerBlock,
     torchtune_builders: Optional[Mapping[str, TorchtuneBuilder]] = None,
+    torchtune_packages: tuple[str, ...] = (),
 ) -> ModelFamily:
     """The ``ModelFamily`` of a family built on the Llama decoder: its arguments are ``model.args``, its blocks
     ``model.layers``, and it initialises itself with ``init_weights()``.
@@ -80,6 +81,7 @@ def decoder_family(
         published: builder name -> (published arguments, docstring).
         block: its block class, where it differs in structure from ``TransformerBlock``.
         torchtune_builders: the torchtune builders its builders replace (``tune migrate``).
+        torchtune_packages: the torchtune model packages of its architecture (``tune migrate``).
 
     Raises:
         ValueError: published arguments that are not of this family.
@@ -104,6 +106,7 @@ def decoder_family(
         blocks=_blocks,
         init_weights=_init_weights,
         torchtune_builders=dict(torchtune_builders or {}),
+        torchtune_packages=torchtune_packages,
     )
 
 

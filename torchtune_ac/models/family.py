@@ -94,6 +94,9 @@ class ModelFamily:
         init_weights: initialise every parameter in place (called under a seeded RNG).
         torchtune_builders: torchtune builder (``torchtune.models.llama3.llama3_8b``) -> ours, for
             ``tune migrate``.
+        torchtune_packages: torchtune model packages (``torchtune.models.qwen2_5``) whose every full-model builder
+            is of this family's architecture: ``tune migrate`` makes those absent from ``torchtune_builders``
+            ``from_hf_config`` over their checkpoint (whose config.json gives the shapes).
     """
 
     name: str
@@ -105,6 +108,7 @@ class ModelFamily:
     blocks: Callable[[nn.Module], nn.ModuleList]
     init_weights: Callable[[nn.Module], None]
     torchtune_builders: Mapping[str, TorchtuneBuilder] = field(default_factory=dict)
+    torchtune_packages: tuple[str, ...] = ()
 
     def owns(self, model: nn.Module) -> bool:
         """Whether ``model`` is of this family (wrapping by ``fully_shard``, a subclass of the model's class, is

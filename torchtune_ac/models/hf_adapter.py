@@ -138,7 +138,7 @@ class LlamaStyleHFAdapter:
                 having = "has" if fixed else "has no"
                 advice = f": build them with {name}=True" if fixed else ""
                 raise ValueError(f"{name}={value}, but {self.model_type} {having} {meaning}{advice}")
-            raise ValueError(f"{name}={value!r}, but {self.model_type} has {meaning} {name}={fixed!r}")
+            raise ValueError(f"{name}={value!r}, but {self.model_type} has {name}={fixed!r} ({meaning})")
 
     # ---------------------------------------------------------------------------------------------- names
 

@@ -217,7 +217,9 @@ def load_hf_weights_(model: nn.Module, checkpoint_dir: PathLike) -> None:
                      copies=tied)
 
 
-def load_hf(checkpoint_dir: PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> nn.Module:
+def load_hf(
+    checkpoint_dir: PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> nn.Module:
     """Build a model from a Hugging Face checkpoint directory, of whichever family its config.json names.
 
     The model is built on the meta device, allocated on ``device`` in ``dtype``, then filled by

@@ -11,7 +11,16 @@ from models_testlib import TINY
 from torchtune_ac.config.components import parse_component
 from torchtune_ac.errors import UserError
 import torchtune_ac.models as models
-from torchtune_ac.models import FAMILIES, LLAMA, QWEN2, Llama, family_for_hf_config, family_of, from_hf_config, transformer_blocks
+from torchtune_ac.models import (
+    FAMILIES,
+    LLAMA,
+    QWEN2,
+    Llama,
+    family_for_hf_config,
+    family_of,
+    from_hf_config,
+    transformer_blocks,
+)
 from torchtune_ac.models.families import init_weights_, model_from_hf_config, retie_parameters
 from torchtune_ac.models.family import architecture_mismatches
 

@@ -46,7 +46,8 @@ PUBLISHED_TEXT_CONFIGS = {
 
 def multimodal(text_config: dict) -> dict:
     return {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 256,
-            "image_token_index": 262144, "text_config": text_config, "vision_config": {"model_type": "siglip_vision_model"}}
+            "image_token_index": 262144, "text_config": text_config,
+            "vision_config": {"model_type": "siglip_vision_model"}}
 
 
 @pytest.mark.parametrize("name", sorted(PARAMETER_COUNTS))

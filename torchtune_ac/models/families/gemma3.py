@@ -194,6 +194,7 @@ FAMILY = decoder_family(
         "torchtune.models.gemma3.gemma3_27b": TorchtuneBuilder(
             "gemma3_27b", "torchtune's gemma3_27b has head_dim 256; the published model, and ours, 128"),
     },
+    torchtune_packages=("torchtune.models.gemma3",),
 )
 # The builders are names of this module too (``torchtune_ac.models.families.gemma3.gemma3_4b``).
 globals().update(FAMILY.builders)

@@ -73,6 +73,8 @@ FAMILY = decoder_family(
         # torchtune defines Llama 3.3 70B as its Llama 3.1 70B builder (same architecture, new weights).
         "torchtune.models.llama3_3.llama3_3_70b": TorchtuneBuilder("llama3_1_70b"),
     },
+    torchtune_packages=tuple(f"torchtune.models.{package}" for package in (
+        "llama2", "code_llama2", "llama3", "llama3_1", "llama3_2", "llama3_3")),
 )
 # The builders are names of this module too (``torchtune_ac.models.families.llama.llama3_8b``).
 globals().update(FAMILY.builders)

@@ -47,6 +47,7 @@ FAMILY = decoder_family(
             "(v0.1 with its 4096-token sliding window, v0.2 or v0.3)",
         ),
     },
+    torchtune_packages=("torchtune.models.mistral",),
 )
 # The builders are names of this module too (``torchtune_ac.models.families.mistral.mistral_7b``).
 globals().update(FAMILY.builders)

@@ -52,6 +52,7 @@ FAMILY = decoder_family(
         "torchtune.models.qwen2_5.qwen2_5_7b_base": TorchtuneBuilder("qwen2_5_7b"),
         "torchtune.models.qwen2_5.qwen2_5_7b_instruct": TorchtuneBuilder("qwen2_5_7b"),
     },
+    torchtune_packages=("torchtune.models.qwen2", "torchtune.models.qwen2_5"),
 )
 # The builders are names of this module too (``torchtune_ac.models.families.qwen2.qwen2_5_7b``).
 globals().update(FAMILY.builders)

@@ -77,6 +77,7 @@ FAMILY = decoder_family(
            for size in ("0_6b", "1_7b", "4b", "8b", "14b") for kind in ("base", "instruct")},
         "torchtune.models.qwen3.qwen3_32b": TorchtuneBuilder("qwen3_32b"),
     },
+    torchtune_packages=("torchtune.models.qwen3",),
 )
 # The builders are names of this module too (``torchtune_ac.models.families.qwen3.qwen3_8b``).
 globals().update(FAMILY.builders)
