@@ -18,6 +18,7 @@ too, when the tokenizer has one.
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -100,19 +101,30 @@ def _generate(request: GenerateRequest, checkpoint: Path, device: Any, torch: An
     return tokenizer.decode(output[0, len(input_ids):], skip_special_tokens=True)
 
 
+# Loggers that warn while transformers loads a model and have nothing to say about this one: loading imports every
+# quantizer, and torchao (an optional extra) warns about its own kernels and registrations at import.
+_IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
 @contextlib.contextmanager
 def _transformers_quiet(transformers: Any) -> Iterator[None]:
-    """transformers' notes on generation settings and its loading bars, which would mix with the answer on a
-    terminal, off while the body runs."""
+    """transformers' notes on generation settings, its loading bars and import-time warnings, which would mix with
+    the answer on a terminal, off while the body runs."""
     verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
+    loggers = [logging.getLogger(name) for name in _IMPORT_TIME_LOGGERS]
+    levels = [logger.level for logger in loggers]
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
         transformers.logging.set_verbosity(verbosity)
         if bars:
             transformers.logging.enable_progress_bar()
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 def _encode(tokenizer: Any, request: GenerateRequest, checkpoint: Path) -> list[int]:

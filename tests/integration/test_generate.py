@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from finetune_runs import check_success, final_checkpoint, run_tune_in_process, tune_run_argv
+from finetune_runs import check_success, final_checkpoint, run_tune_in_process, run_tune_subprocess, tune_run_argv
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from torchtune_ac.checkpoint import LATEST_POINTER, list_checkpoints, resolve_hf_checkpoint
@@ -84,6 +84,15 @@ def test_generate_equals_transformers_greedy_on_the_embedded_checkpoint(capsys, 
     code, out, err = tune_generate(capsys, "--checkpoint", str(embedded_checkpoint), "--prompt", PROMPT,
                                    "--max-new-tokens", str(NEW_TOKENS))
     assert (code, out) == (0, expected + "\n"), err
+
+
+def test_generate_prints_only_the_generated_text(embedded_checkpoint):
+    """The real console path: the text on stdout, nothing on stderr (no loading bars, no library warnings)."""
+    tokenizer = AutoTokenizer.from_pretrained(embedded_checkpoint)
+    result = run_tune_subprocess(["generate", "--checkpoint", str(embedded_checkpoint), "--prompt", PROMPT,
+                                  "--max-new-tokens", str(NEW_TOKENS)])
+    expected = transformers_greedy(embedded_checkpoint, bos_and(tokenizer, PROMPT))
+    assert (result.returncode, result.stdout, result.stderr) == (0, expected + "\n", "")
 
 
 def test_generate_follows_latest_and_lays_out_alpaca_and_chat_prompts(capsys, run_dir):
