@@ -16,7 +16,7 @@ import tempfile
 
 import pytest
 
-pytest.register_assert_rewrite("hf_families")
+pytest.register_assert_rewrite("hf_families", "numerics")
 
 _ENV_DIRS = {
     "HF_HOME": "hf_home",
