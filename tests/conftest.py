@@ -2,7 +2,8 @@
 
 Hugging Face and W&B caches and settings go to a temporary folder, set in ``pytest_configure`` before any test
 module imports ``datasets`` (which reads its cache location at import), and inherited by every ``tune``
-subprocess. No test reaches the Hub: ``HF_HUB_OFFLINE=1``.
+subprocess. No test reaches the Hub: ``HF_HUB_OFFLINE=1``. A run that picks PyTorch's kernels
+(``ATEN_CPU_CAPABILITY``, as ``scripts/test.sh --numerics`` does) gets a fresh inductor cache there too.
 
 This folder is on ``sys.path`` (pytest puts a conftest's folder there), so unit and integration tests share
 ``hf_families`` (tiny random checkpoints made with transformers' own classes) and ``tracker_readers``. So is
@@ -21,7 +22,7 @@ import pytest
 
 SCRIPTS = str(Path(__file__).resolve().parent.parent / "scripts")
 sys.path.insert(0, SCRIPTS)
-pytest.register_assert_rewrite("hf_families")
+pytest.register_assert_rewrite("hf_families", "numerics")
 
 _ENV_DIRS = {
     "HF_HOME": "hf_home",
@@ -43,6 +44,10 @@ def pytest_configure(config) -> None:
     os.environ["WANDB_MODE"] = "offline"
     # Subprocesses that measure memory import scripts/_measure too.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SCRIPTS, os.environ.get("PYTHONPATH")]))
+    if "ATEN_CPU_CAPABILITY" in os.environ and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        # Inductor's on-disk cache is not keyed by the capability: a kernel cached by a vectorised run fails to
+        # compile under ATEN_CPU_CAPABILITY=default ("'at::vec' has not been declared"). Compile afresh.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "torchinductor")
 
 
 def pytest_unconfigure(config) -> None:

@@ -137,12 +137,6 @@ def load_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return load_file(checkpoint / "model.safetensors")
 
 
-def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest absolute difference over all tensors of two checkpoints with the same names."""
-    assert sorted(a) == sorted(b), f"different tensor names: {sorted(set(a) ^ set(b))}"
-    return max(float((a[name] - b[name]).abs().max()) for name in a)
-
-
 def hash_tree(root: Path) -> dict[str, str]:
     """``relative path -> sha256`` of every file under ``root`` (empty if it does not exist)."""
     if not root.exists():

@@ -21,6 +21,7 @@ from finetune_runs import (
     run_tune_in_process,
     tune_run_argv,
 )
+from numerics import assert_close, llama_terms
 
 from torchtune_ac.checkpoint import list_checkpoints
 from torchtune_ac.models import load_hf
@@ -100,7 +101,8 @@ def test_checkpoint_loads_in_transformers_with_the_same_logits(
         expected = ours(tokens)
         got = hf(tokens).logits
         before = base(tokens)
-    assert (got - expected).abs().max().item() <= 1e-4
+    # transformers adds in other orders (other attention kernels, RoPE and norm formulas): within rounding.
+    assert_close(got, expected, terms=llama_terms(ours.args, 24, 0, backward=False), what="logits")
     # The fine-tuned weights really were saved (not the base model's).
     assert (expected - before).abs().max().item() > 1e-2
 
@@ -171,6 +173,7 @@ def test_activation_checkpointing_gives_identical_losses_and_weights(
 ) -> None:
     log = _run_ac(tmp_path / mode, (*AC_MODES[mode], *DROPOUT), caplog)
     assert AC_PLAN_LINES[mode] in log
+    # Bit for bit: one process, the same ops replayed in the same order (the recompute only repeats them).
     assert read_losses(tmp_path / mode) == read_losses(no_ac_run)
     ours, reference = load_weights(final_checkpoint(tmp_path / mode)), load_weights(final_checkpoint(no_ac_run))
     assert all(torch.equal(ours[name], reference[name]) for name in reference)

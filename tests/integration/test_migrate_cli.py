@@ -17,7 +17,6 @@ from torchtune_ac.models.families.mistral import MISTRAL_7B
 from torchtune_ac.registry import builtin_config_path
 
 
-
 def torchtune_yaml(builder: str, model_dir: str, *, distributed: bool, meta_checkpoint: bool = False,
                    loss: str = "torchtune.modules.loss.CEWithChunkedOutputLoss") -> str:
     """A torchtune 0.6 full fine-tuning config, laid out as its shipped llama3*/*_full*.yaml are."""

@@ -72,6 +72,7 @@ def clone_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def assert_same_state(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    """Bit for bit: for states copied (saved, loaded, drawn from the same seed), never computed two ways."""
     assert actual.keys() == expected.keys()
     for name, tensor in expected.items():
         assert torch.equal(actual[name], tensor), name

@@ -76,6 +76,7 @@ def _full_state(model: Llama, optimizer: torch.optim.Optimizer) -> dict:
 
 
 def _assert_same_state(ours: dict, expected: dict) -> None:
+    """Bit for bit: a checkpoint gives back the bytes it saved; resharding copies them, it computes nothing."""
     assert sorted(ours["model"]) == sorted(expected["model"])
     for name, value in expected["model"].items():
         assert torch.equal(ours["model"][name], value), name

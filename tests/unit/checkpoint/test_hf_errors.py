@@ -8,9 +8,9 @@ import torch
 from models_testlib import TINY, assert_same_state, build_random_llama, clone_state, save_random_checkpoint
 from safetensors.torch import load_file, save_file
 
+from torchtune_ac.checkpoint import INDEX_FILE, WEIGHTS_FILE
 from torchtune_ac.errors import UserError
 from torchtune_ac.models import Llama, load_hf, load_hf_weights_
-from torchtune_ac.checkpoint import INDEX_FILE, WEIGHTS_FILE
 
 TIED = dataclasses.replace(TINY, tie_embeddings=True)
 

@@ -24,9 +24,9 @@ from torchtune_ac.checkpoint import (
     choose_resume_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    safetensors_io,
     save_checkpoint,
 )
-from torchtune_ac.checkpoint import safetensors_io
 from torchtune_ac.checkpoint.manifest import check_against_manifest, write_manifest_without
 from torchtune_ac.errors import UserError
 from torchtune_ac.models import Llama, LlamaArgs, hf_model_files
@@ -107,7 +107,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one_with_the_fi
     restored, restored_optimizer = _trained(seed=2)
     load_checkpoint(choice.checkpoint, model=restored, optimizers=[restored_optimizer], scheduler=None)
     for name, value in first.state_dict().items():
-        assert torch.equal(restored.state_dict()[name], value), name
+        assert torch.equal(restored.state_dict()[name], value), name  # loaded bytes: bit for bit
 
     # The next save (a resumed run at step 2) replaces the damaged one, which is then pruned like any other.
     _save(tmp_path, second, second_optimizer, 2)
@@ -201,7 +201,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_costs_no_earlier_checkpoint(t
     for checkpoint in list_checkpoints(tmp_path):
         assert check_against_manifest(checkpoint, hashes=True) is None
         after = load_file(checkpoint / "model.safetensors")
-        assert all(torch.equal(after[name], before[checkpoint.name][name]) for name in after)
+        assert all(torch.equal(after[name], before[checkpoint.name][name]) for name in after)  # the saved bytes
 
 
 def test_a_bug_while_saving_is_not_passed_off_as_a_full_disk(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import pytest
 import torch
 from gloo_testlib import WORLD_SIZE, run_on_gloo_ranks
 from models_testlib import TINY, save_random_checkpoint
+from numerics import assert_close, llama_terms
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
@@ -75,11 +76,14 @@ def check_sharded_load(rank: int, case: str, ckpt: str) -> None:
         expected = reference.state_dict()
         assert full.keys() == expected.keys()
         for name, tensor in expected.items():
-            assert torch.equal(full[name], tensor), name
+            assert torch.equal(full[name], tensor), name  # loading copies bytes: no arithmetic
         with torch.no_grad():
-            assert torch.allclose(sharded_logits, reference(tokens), atol=1e-5, rtol=0)
+            # The same weights, gathered into FSDP2's buffers: a matmul may block them otherwise, so within rounding.
+            assert_close(sharded_logits, reference(tokens), terms=llama_terms(args, 24, 0, backward=False),
+                         what="logits")
 
 
+@pytest.mark.numerics
 @pytest.mark.distributed
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_fsdp2_sharded_load_matches_single_process(tmp_path, case):
@@ -126,7 +130,7 @@ def test_fsdp2_sharded_save_writes_one_file_at_a_time_and_equals_the_source(tmp_
     saved, source = load_hf(out).state_dict(), load_hf(ckpt).state_dict()
     assert saved.keys() == source.keys()
     for name, tensor in source.items():
-        assert torch.equal(saved[name], tensor), name
+        assert torch.equal(saved[name], tensor), name  # gathered and written bytes: no arithmetic
     assert json.loads((out / CONFIG_FILE).read_text()) == json.loads(
         (ckpt / CONFIG_FILE).read_text()
     )

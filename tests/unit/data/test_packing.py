@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from numerics import assert_close, llama_terms
 
 from torchtune_ac.data import (
     EMBEDDED_TOKENIZER_DIR,
@@ -102,6 +103,7 @@ def run_loss_sum(model: Llama, tokens: list[int], labels: list[int], document_id
     return F.cross_entropy(logits.flatten(0, 1), torch.tensor(labels), ignore_index=M, reduction="sum")
 
 
+@pytest.mark.numerics
 def test_packed_loss_equals_sum_over_separate_documents(tokenizer):
     torch.manual_seed(0)
     args = LlamaArgs(vocab_size=tokenizer.vocab_size, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=64)
@@ -116,5 +118,6 @@ def test_packed_loss_equals_sum_over_separate_documents(tokenizer):
         separate = sum(run_loss_sum(model, singles[i]["tokens"], singles[i]["labels"]) for i in range(n_docs))
         together = run_loss_sum(model, row["tokens"], row["labels"], row["document_ids"])
         leaking = run_loss_sum(model, row["tokens"], row["labels"])  # no document_ids: documents see each other
-    torch.testing.assert_close(together, separate, rtol=1e-5, atol=1e-4)
+    # One row of 200 tokens against each document alone: other matmul blocks and another order of the sum.
+    assert_close(together, separate, terms=llama_terms(args, 200, 200, backward=False), what="summed loss")
     assert (leaking - separate).abs() > 1e-2

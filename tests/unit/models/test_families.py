@@ -8,9 +8,9 @@ import pytest
 import torch
 from models_testlib import TINY
 
+import torchtune_ac.models as models
 from torchtune_ac.config.components import parse_component
 from torchtune_ac.errors import UserError
-import torchtune_ac.models as models
 from torchtune_ac.models import (
     FAMILIES,
     LLAMA,

@@ -59,7 +59,7 @@ def test_a_non_finite_loss_stops_before_its_backward_naming_the_micro_batch(monk
     assert f"the loss of micro-batch 2 of {ACCUMULATION} is {value} (rank 0)" in str(err)
     assert len(calls) == 2  # the third micro-batch never ran
     after = _weights(model)
-    assert all(torch.equal(after[name], before[name]) for name in before)
+    assert all(torch.equal(after[name], before[name]) for name in before)  # untouched: no step, no arithmetic
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step_after_backward", "step_in_backward"])
@@ -73,7 +73,7 @@ def test_a_non_finite_gradient_norm_stops_the_step(in_backward):
     assert err.what == "gradient norm" and err.micro_batch is None and err.stepped == in_backward
     assert f"every one of the {ACCUMULATION} micro-batch loss(es) was finite" in str(err)
     after = _weights(model)
-    unchanged = all(torch.equal(after[name], before[name]) for name in before)
+    unchanged = all(torch.equal(after[name], before[name]) for name in before)  # bit for bit unless stepped
     # After backward, nothing was stepped; in backward the hooks stepped already (the recipe saves nothing then).
     assert unchanged != in_backward
 

@@ -2,8 +2,8 @@
 
 import pytest
 
-from torchtune_ac.errors import UserError
 from torchtune_ac.checkpoint import create_output_dir
+from torchtune_ac.errors import UserError
 
 
 def test_creates_missing_parents(tmp_path):
