@@ -86,10 +86,11 @@ def _assert_same_run(output_dir: Path, reference: Path, *, exact: bool) -> None:
         assert a["lr"] == b["lr"] and a["target_tokens"] == b["target_tokens"], (a, b)  # Python arithmetic, ints
     weights, expected_weights = load_weights(final_checkpoint(output_dir)), load_weights(final_checkpoint(reference))
     if exact:
-        assert [r["loss"] for r in ours] == [r["loss"] for r in expected]
+        assert [(r["loss"], r["grad_norm"]) for r in ours] == [(r["loss"], r["grad_norm"]) for r in expected]
         assert all(torch.equal(weights[name], expected_weights[name]) for name in expected_weights)
         return
-    assert_steps_alike([r["loss"] for r in ours], [r["loss"] for r in expected], terms=TERMS, what="loss")
+    for name in ("loss", "grad_norm"):
+        assert_steps_alike([r[name] for r in ours], [r[name] for r in expected], terms=TERMS, what=name)
     assert_weights_trained_alike(weights, expected_weights, lrs=[r["lr"] for r in expected], terms=TERMS)
 
 
