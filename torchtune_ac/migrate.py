@@ -23,7 +23,7 @@ from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.config.validation import torchtune_marker
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode
-from torchtune_ac.memory.plan import MemoryConfig
+from torchtune_ac.memory.plan import FSDPConfig, MemoryConfig
 
 COMPONENT_KEY = "_component_"
 
@@ -93,6 +93,9 @@ METRIC_LOGGERS = "torchtune.training.metric_logging."
 SAME_KEYS = tuple(f.name for f in dataclasses.fields(FullFinetuneConfig) if f.metadata.get("torchtune") == "same")
 MEMORY_KEYS = tuple(f.name for f in dataclasses.fields(MemoryConfig))
 AC_KEYS = tuple(f.name for f in dataclasses.fields(ACConfig))
+# torchtune's top-level fsdp_* keys -> ours under fsdp (the fields of the fsdp group name torchtune's key).
+FSDP_KEYS = {f.metadata["torchtune"]: f.name for f in dataclasses.fields(FSDPConfig)
+             if f.metadata.get("torchtune") not in (None, "same")}
 # The modes torchtune's recipes knew (auto is ours).
 TORCHTUNE_AC_MODES = tuple(mode.value for mode in ACMode if mode is not ACMode.AUTO)
 
@@ -117,7 +120,7 @@ _NOT_CARRIED_OVER = {
     "run_val_every_n_steps": "validation during training is not supported",
     "batch_size_val": "validation during training is not supported",
 }
-_SCHEMA_KEYS = {f.name for f in dataclasses.fields(FullFinetuneConfig)} | set(MEMORY_KEYS) | set(AC_KEYS)
+_SCHEMA_KEYS = {f.name for f in dataclasses.fields(FullFinetuneConfig)} | set(MEMORY_KEYS) | set(AC_KEYS) | set(FSDP_KEYS)
 UNSUPPORTED_KEYS = {key: why for key, why in _NOT_CARRIED_OVER.items() if key not in _SCHEMA_KEYS}
 # The values of those keys with which dropping them loses nothing (mostly "off").
 HARMLESS_VALUES = {
@@ -540,9 +543,11 @@ class _Migrator:
             self.changed(key, message)
 
     def migrate_fsdp(self) -> None:
-        reshard = self.take("fsdp_reshard_after_forward")
-        if reshard is not None:
-            self.out["fsdp"] = {"reshard_after_forward": reshard}
+        defaults = FSDPConfig()
+        for torchtune_key, key in FSDP_KEYS.items():
+            value = self.take(torchtune_key)
+            if value is not None and value != getattr(defaults, key):
+                self.out.setdefault("fsdp", {})[key] = value
 
     def migrate_metric_logger(self) -> None:
         logger = self.take("metric_logger")

@@ -16,10 +16,12 @@ import torch
 
 from torchtune_ac.config.components import Component
 from torchtune_ac.config.meta_model import build_meta_model
+from torchtune_ac.config.schema import Device
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.activation_checkpointing import ACConfig
-from torchtune_ac.memory.plan import PlanningInputs, resolve_memory_plan
+from torchtune_ac.memory.plan import MemoryPlan, PlanningInputs, resolve_memory_plan
 from torchtune_ac.memory.planner import GiB, MemoryEstimate, Workload, describe_setting, estimate_memory
+from torchtune_ac.memory.switch import OptimizerSpec
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 
@@ -36,6 +38,7 @@ class TrainingWorkload(Protocol):
     model: Component
     optimizer: Component
     checkpoint_dir: Optional[str]
+    device: Device
     batch_size: int
     max_seq_len: Optional[int]
     gradient_accumulation_steps: int
@@ -44,6 +47,18 @@ class TrainingWorkload(Protocol):
     fsdp: FSDPConfig
     ac: ACConfig
     memory: Any  # MemoryConfig: the other memory switches' keys
+
+
+def resolve_config_plan(cfg: TrainingWorkload, model: torch.nn.Module, ac: ACConfig,
+                        planning: Optional[PlanningInputs] = None) -> MemoryPlan:
+    """The memory plan of ``cfg``'s switches for ``model``, with ``ac`` as its AC keys (see ``resolve_memory_plan``).
+
+    Raises:
+        UserError: as ``resolve_memory_plan``.
+    """
+    return resolve_memory_plan(ac, cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm, planning=planning,
+                               fsdp=cfg.fsdp, optimizer=OptimizerSpec(cfg.optimizer.path, dict(cfg.optimizer.kwargs)),
+                               dtype=cfg.dtype.torch, device=cfg.device.value)
 
 
 def planning_inputs(cfg: TrainingWorkload, world_size: int, device: torch.device) -> PlanningInputs:
@@ -116,7 +131,7 @@ def plan_table(cfg: TrainingWorkload, *, world_size: int, budget_gib: Optional[f
     """
     model = build_meta_model(cfg.model, cfg.checkpoint_dir)
     # The switches besides AC, resolved as a run resolves them (every AC setting gets a row of its own).
-    plan = resolve_memory_plan(ACConfig(), cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm)
+    plan = resolve_config_plan(cfg, model, ACConfig())
     inputs = planning_inputs(cfg, world_size, torch.device("cpu"))
     workload = inputs.workload.with_settings(plan.settings, clip_grad_norm=cfg.clip_grad_norm)
     estimates = estimate_memory(inputs.build_model, inputs.make_optimizer, workload)

@@ -124,6 +124,7 @@ class MemoryEstimate:
     peak_phase: str
     flops: float  # floating-point operations of the step (matrix multiplies and attention)
     host: int = 0  # bytes the switches keep in the host's memory instead (not in ``total``)
+    host_parts: Mapping[str, int] = field(default_factory=dict)  # ``host`` by category
 
     @property
     def total(self) -> int:
@@ -314,6 +315,11 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def _shapes(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+    """The shapes of ``tensors``, one per distinct storage (a tied weight once)."""
+    return tuple({t.untyped_storage()._cdata: tuple(t.shape) for t in tensors}.values())
+
+
 @dataclass(frozen=True)
 class _Simulation:
     """What one simulated step at one depth measured."""
@@ -327,6 +333,8 @@ class _Simulation:
     peaks: dict[str, _Peak]
     block_parameters: int  # the largest block's parameters
     root_parameters: int  # parameters outside the blocks
+    root_shapes: tuple[tuple[int, ...], ...]  # each parameter outside the blocks (a tied weight once)
+    block_shapes: tuple[tuple[int, ...], ...]  # each parameter of one block
 
 
 def _simulate(
@@ -350,6 +358,8 @@ def _simulate(
         # Registered before an optimizer in backward registers its own: a gradient is seen before it is freed.
         hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params]
         switches = workload.switch_settings()
+        for switch, setting in switches:
+            make_optimizer = switch.planner_optimizer(setting, make_optimizer)
         stepper = next((s for s in (switch.build_stepper(setting, make_optimizer, model) for switch, setting in switches)
                         if s is not None), None) or OptimizerStepper(make_optimizer(model.parameters()))
         objective = next((o for o in (switch.objective(setting) for switch, setting in switches) if o is not None),
@@ -388,6 +398,8 @@ def _simulate(
             saved_activations=saved[0], flops=tracker.flops, peaks=tracker.peaks,
             block_parameters=max(_nbytes(list(block.parameters())) for block in blocks),
             root_parameters=_nbytes([p for p in params if id(p) not in in_blocks]),
+            root_shapes=_shapes([p for p in params if id(p) not in in_blocks]),
+            block_shapes=_shapes(list(blocks[0].parameters())),
         )
 
 
@@ -442,36 +454,52 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
     phase = max(PHASES, key=lambda p: peaks[p][0])
     _, other, grads, acts = peaks[phase]
     parameters = at_depth(lambda s: s.parameters)
+    switches = workload.switch_settings()
+    sharded = n > 1 or any(switch.shard_options(setting) for switch, setting in switches)
+    gathered = 0
     fsdp_extra = 0.0
-    if n > 1:
+    if sharded:
         root = shallow.root_parameters
-        gathered = parameters - root if not workload.fsdp.reshard_after_forward else 2 * shallow.block_parameters
+        blocks = parameters - root if not workload.fsdp.reshard_after_forward else 2 * shallow.block_parameters
+        gathered = root + blocks
         reduce_factor = workload.fsdp.reduce_dtype.torch.itemsize / workload.dtype.torch.itemsize
         # Gathered parameters beyond the resident shards, and the reduce-scatter input of the largest group.
-        fsdp_extra = (root + gathered) * (n - 1) / n + max(shallow.block_parameters, root) * reduce_factor
-    # What the simulation cannot show, as each switch declares it.
-    sizes = ModelSizes(parameters=math.ceil(parameters), root_parameters=shallow.root_parameters,
-                       largest_block=shallow.block_parameters, optimizer_state=math.ceil(at_depth(lambda s: s.optimizer)),
-                       world_size=n)
-    device: dict[str, float] = {}
-    host = 0
-    for switch, setting in workload.switch_settings():
+        fsdp_extra = gathered * (n - 1) / n + max(shallow.block_parameters, root) * reduce_factor
+    device = {
+        "parameters": parameters / n,
+        "optimizer": at_depth(lambda s: s.optimizer) / n,
+        "gradients": grads,
+        "activations": acts,
+        "transient": other + fsdp_extra + shallow.batch,
+    }
+    # What the simulation cannot show, as each switch declares it, in the switches' order: each sees the estimate
+    # with the earlier ones' costs.
+    shapes = shallow.root_shapes + shallow.block_shapes * depth
+    host: dict[str, float] = {}
+    for switch, setting in switches:
+        sizes = ModelSizes(parameters=math.ceil(parameters), root_parameters=shallow.root_parameters,
+                           largest_block=shallow.block_parameters,
+                           optimizer_state=math.ceil(at_depth(lambda s: s.optimizer)), world_size=n, shapes=shapes,
+                           dtype=workload.dtype.torch, sharded=sharded, gathered_parameters=gathered,
+                           so_far={category: math.ceil(nbytes) for category, nbytes in device.items()})
         cost = switch.planner_cost(setting, sizes)
         for category, nbytes in cost.device.items():
-            device[category] = device.get(category, 0) + nbytes
-        host += sum(cost.host.values())
+            device[category] += nbytes
+        for category, nbytes in cost.host.items():
+            host[category] = host.get(category, 0) + nbytes
     return MemoryEstimate(
         plan=plan,
-        parameters=math.ceil(parameters / n + device.get("parameters", 0)),
-        optimizer=math.ceil(at_depth(lambda s: s.optimizer) / n + device.get("optimizer", 0)),
-        gradients=math.ceil(grads + device.get("gradients", 0)),
-        activations=math.ceil(acts + device.get("activations", 0)),
-        transient=math.ceil(other + fsdp_extra + shallow.batch + device.get("transient", 0)),
+        parameters=math.ceil(device["parameters"]),
+        optimizer=math.ceil(device["optimizer"]),
+        gradients=math.ceil(device["gradients"]),
+        activations=math.ceil(device["activations"]),
+        transient=math.ceil(device["transient"]),
         saved_activations=math.ceil(at_depth(lambda s: s.saved_activations)),
         extra_flops=0.0,
         peak_phase=phase,
         flops=at_depth(lambda s: s.flops),
-        host=host,
+        host=math.ceil(sum(host.values())),
+        host_parts={category: math.ceil(nbytes) for category, nbytes in host.items()},
     )
 
 

@@ -83,8 +83,54 @@ def test_a_new_switch_is_one_module_and_the_planner_counts_its_declared_cost(tmp
         on, = estimate_memory(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p),
                               workload.with_settings({"park": True}), plans)
         assert off.host == 0 and off.optimizer > 0
-        assert on.host == off.optimizer and on.optimizer == 0
+        assert on.host == off.optimizer and on.optimizer == 0 and on.host_parts == {"optimizer": off.optimizer}
         assert on.total == off.total - off.optimizer
     finally:
         discover_switches.cache_clear()
         sys.modules.pop("torchtune_ac.memory.switches.park", None)
+
+
+WATCH_SWITCH = textwrap.dedent('''
+    from dataclasses import dataclass
+    from torchtune_ac.memory.switch import SwitchDefaults
+
+    @dataclass(frozen=True)
+    class WatchConfig:
+        pass
+
+    class Watch(SwitchDefaults):
+        name, label, order, off, config_class = "watch", "watching", 31, None, WatchConfig
+        seen = []
+
+        def resolve(self, config, ctx):
+            return None
+
+        def describe(self, setting, vocab_size):
+            return ""
+
+        def planner_cost(self, setting, sizes):
+            self.seen.append((dict(sizes.so_far), sizes.shapes, sizes.dtype))
+            return super().planner_cost(setting, sizes)
+
+    SWITCH = Watch()
+''')
+
+
+def test_planner_costs_come_in_order_each_seeing_the_estimate_so_far_and_the_parameter_shapes(tmp_path, monkeypatch):
+    (tmp_path / "park.py").write_text(NEW_SWITCH)
+    (tmp_path / "watch.py").write_text(WATCH_SWITCH)
+    monkeypatch.setattr(switches_package, "__path__", [*switches_package.__path__, str(tmp_path)])
+    discover_switches.cache_clear()
+    try:
+        watch = next(s for s in discover_switches() if s.name == "watch")
+        plans = [ACConfig(ac_mode=ACMode.FULL).resolve(ARGS.n_layers)]
+        estimate, = estimate_memory(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p),
+                                    Workload(batch_size=1, seq_len=16, settings=(("park", True),)), plans)
+        so_far, shapes, dtype = watch.seen[-1]  # the full-AC estimate (the first is the no-AC baseline)
+        assert so_far["optimizer"] == 0 and so_far["parameters"] == estimate.parameters  # after park moved it
+        model = Llama(ARGS)
+        assert sorted(shapes) == sorted(tuple(p.shape) for p in model.parameters()) and dtype == torch.float32
+    finally:
+        discover_switches.cache_clear()
+        for name in ("park", "watch"):
+            sys.modules.pop(f"torchtune_ac.memory.switches.{name}", None)
