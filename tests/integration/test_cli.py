@@ -119,7 +119,12 @@ def test_validate_prints_the_resolved_plan(capsys):
          ["optimizer step            in backward: each parameter stepped as its gradient is ready",
           "loss                      4 chunks (vocabulary 512): targets only, each chunk's gradients computed "
           "as it goes (nothing recomputed in backward), never the whole logits"]),
-        ("llama3/8B_full", [], ["loss                      8 chunks (vocabulary 128,256)"]),
+        ("llama3/8B_full", [], ["loss                      8 chunks (vocabulary 128,256)",
+                                "optimizer state           bf16 (torch.optim.AdamW: 2 states in bf16): 4.00 bytes"]),
+        ("tiny/full", ["optimizer._component_=torchao.optim.AdamW8bit"],
+         ["optimizer state           8-bit (torchao.optim.AdamW8bit: 2 states in 8 bits with an fp32 scale per 256 "
+          "elements; tensors under 4,096 elements in fp32): 2.11 bytes per parameter, 0.26x fp32 AdamW's 8; its first "
+          "step compiles (tens of seconds on a CPU)"]),
         ("mistral/7B_full", ["loss_chunks=1"], ["loss                      whole logits (vocabulary 32,768)"]),
     ],
 )
