@@ -272,6 +272,13 @@ def test_lr_scheduler_and_training_keys():
     assert "seed" not in notes_by_key(migration)
 
 
+@pytest.mark.parametrize("value, expected", [(True, {"cpu_offload": True}), (False, None)])
+def test_fsdp_cpu_offload_becomes_fsdp_cpu_offload(value, expected):
+    migration = migrate_torchtune_config(torchtune_config(fsdp_cpu_offload=value))
+    assert migration.config.get("fsdp") == expected
+    assert "fsdp_cpu_offload" not in notes_by_key(migration)
+
+
 @pytest.mark.parametrize(
     "key, value, expected",
     [

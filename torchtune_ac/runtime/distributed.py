@@ -91,8 +91,7 @@ def init_distributed(device: str) -> DistributedContext:
     if world_size > 1 and not dist.is_initialized():
         if resolved.type == "cuda":
             torch.cuda.set_device(resolved)
-        dist.init_process_group(backend="nccl" if resolved.type == "cuda" else "gloo", device_id=resolved
-                                if resolved.type == "cuda" else None)
+        dist.init_process_group(backend=_backend(resolved), device_id=resolved if resolved.type == "cuda" else None)
     return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank, device=resolved)
 
 
@@ -147,8 +146,14 @@ def join_world_of_one(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     # An in-memory store: one rank has no one to meet, so no address or port is needed.
-    dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
-                            world_size=1, device_id=device if device.type == "cuda" else None)
+    dist.init_process_group(backend=_backend(device), store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+
+
+def _backend(device: torch.device) -> str:
+    """NCCL for CUDA tensors, with gloo beside it for CPU tensors: a model whose shards FSDP2 keeps in host memory
+    (CPU offload) reduces its gradient norm there. On a CPU, gloo."""
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
 
 def parameter_device(options: Mapping[str, Any], device: torch.device) -> torch.device:
