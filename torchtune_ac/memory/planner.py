@@ -203,6 +203,7 @@ class _LiveStorages(TorchDispatchMode):
         self.activations: set[int] = set()
         self.phase = PHASES[0]
         self.peaks = {phase: _Peak() for phase in PHASES}
+        self.block_input = 0  # bytes of a block's input (the hidden state of one micro-batch)
         self.flops = 0
         self._live = self._grad = self._root_grad = self._act = self._opt = 0
 
@@ -335,6 +336,7 @@ class _Simulation:
     root_parameters: int  # parameters outside the blocks
     root_shapes: tuple[tuple[int, ...], ...]  # each parameter outside the blocks (a tied weight once)
     block_shapes: tuple[tuple[int, ...], ...]  # each parameter of one block
+    block_input: int  # bytes of a block's input, one micro-batch's hidden state
 
 
 def _simulate(
@@ -400,6 +402,7 @@ def _simulate(
             root_parameters=_nbytes([p for p in params if id(p) not in in_blocks]),
             root_shapes=_shapes([p for p in params if id(p) not in in_blocks]),
             block_shapes=_shapes(list(blocks[0].parameters())),
+            block_input=tracker.block_input,
         )
 
 
@@ -410,6 +413,7 @@ def _phase_hooks(blocks: nn.ModuleList, tracker: _LiveStorages) -> list[Any]:
     def first_input(module: nn.Module, args: tuple) -> None:
         tracker.enter("forward")
         x = args[0]
+        tracker.block_input = x.untyped_storage().nbytes()
         if x.requires_grad:
             x.register_hook(lambda grad: tracker.enter("rest of backward"))
 
@@ -481,6 +485,7 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
                            largest_block=shallow.block_parameters,
                            optimizer_state=math.ceil(at_depth(lambda s: s.optimizer)), world_size=n, shapes=shapes,
                            dtype=workload.dtype.torch, sharded=sharded, gathered_parameters=gathered,
+                           checkpointed_blocks=len(plan.checkpointed_blocks), block_input=shallow.block_input,
                            so_far={category: math.ceil(nbytes) for category, nbytes in device.items()})
         cost = switch.planner_cost(setting, sizes)
         for category, nbytes in cost.device.items():

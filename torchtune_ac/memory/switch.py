@@ -108,6 +108,8 @@ class ModelSizes:
         sharded: FSDP2 shards the model (several processes, or a switch's ``shard_options`` on one).
         gathered_parameters: what FSDP2 holds gathered at once beyond nothing (the root and the running and
             prefetched blocks; every block without ``fsdp.reshard_after_forward``), unsharded; 0 when not sharded.
+        checkpointed_blocks: the blocks the AC plan checkpoints (each keeps only its input for backward).
+        block_input: bytes of one block's input for one micro-batch (per process).
         so_far: per process, on the device, by category (``parameters``, ``optimizer``, ``gradients``,
             ``activations``, ``transient``): the simulated estimate with the switches before this one applied.
     """
@@ -121,6 +123,8 @@ class ModelSizes:
     dtype: torch.dtype = torch.float32
     sharded: bool = False
     gathered_parameters: int = 0
+    checkpointed_blocks: int = 0
+    block_input: int = 0
     so_far: Mapping[str, int] = field(default_factory=dict)
 
 

@@ -117,14 +117,15 @@ WATCH_SWITCH = textwrap.dedent('''
             return ""
 
         def planner_cost(self, setting, sizes):
-            self.seen.append((dict(sizes.so_far), sizes.shapes, sizes.dtype))
+            self.seen.append((dict(sizes.so_far), sizes.shapes, sizes.dtype, sizes.checkpointed_blocks,
+                              sizes.block_input))
             return super().planner_cost(setting, sizes)
 
     SWITCH = Watch()
 ''')
 
 
-def test_planner_costs_come_in_order_each_seeing_the_estimate_so_far_and_the_parameter_shapes(tmp_path, monkeypatch):
+def test_planner_costs_come_in_order_each_seeing_the_estimate_so_far_and_the_model_s_sizes(tmp_path, monkeypatch):
     (tmp_path / "park.py").write_text(NEW_SWITCH)
     (tmp_path / "watch.py").write_text(WATCH_SWITCH)
     monkeypatch.setattr(switches_package, "__path__", [*switches_package.__path__, str(tmp_path)])
@@ -134,10 +135,11 @@ def test_planner_costs_come_in_order_each_seeing_the_estimate_so_far_and_the_par
         plans = [ACConfig(ac_mode=ACMode.FULL).resolve(ARGS.n_layers)]
         estimate, = estimate_memory(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p),
                                     Workload(batch_size=1, seq_len=16, settings=(("park", True),)), plans)
-        so_far, shapes, dtype = watch.seen[-1]  # the full-AC estimate (the first is the no-AC baseline)
+        so_far, shapes, dtype, checkpointed, block_input = watch.seen[-1]  # full AC (the first: no AC, the baseline)
         assert so_far["optimizer"] == 0 and so_far["parameters"] == estimate.parameters  # after park moved it
         model = Llama(ARGS)
         assert sorted(shapes) == sorted(tuple(p.shape) for p in model.parameters()) and dtype == torch.float32
+        assert checkpointed == ARGS.n_layers and block_input == 1 * 16 * ARGS.dim * 4  # batch x seq x dim, fp32
     finally:
         discover_switches.cache_clear()
         for name in ("park", "watch"):
