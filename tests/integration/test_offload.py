@@ -17,6 +17,10 @@ NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="device=auto is C
 REFUSED = {
     "cpu_offload, device=cpu": (["fsdp.cpu_offload=true"], ["fsdp.cpu_offload=true with device=cpu"]),
     "cpu_offload, device=auto": (["fsdp.cpu_offload=true", "device=auto"], ["fsdp.cpu_offload=true:", "no CUDA here"]),
+    "activation offloading, device=cpu": (["enable_activation_offloading=true"],
+                                          ["enable_activation_offloading=true with device=cpu"]),
+    "activation offloading, device=auto": (["enable_activation_offloading=true", "device=auto"],
+                                           ["enable_activation_offloading=true:", "no CUDA here"]),
 }
 
 
@@ -52,3 +56,11 @@ def test_cpu_offload_on_one_process_trains_as_without_it(extra: tuple[str, ...],
     assert len(offloaded) == len(plain) == 5
     for ours, expected in zip(offloaded, plain):
         assert abs(ours - expected) <= LOSS_RTOL * abs(expected), (offloaded, plain)
+
+
+@pytest.mark.cuda
+def test_activation_offloading_trains_as_without_it(tmp_path: Path) -> None:
+    # The same kernels on the same values (the activations come back unchanged): the same losses.
+    plain = _cuda_losses(tmp_path / "plain")
+    offloaded = _cuda_losses(tmp_path / "offloaded", "enable_activation_offloading=true")
+    assert len(offloaded) == 5 and offloaded == plain

@@ -272,6 +272,13 @@ def test_lr_scheduler_and_training_keys():
     assert "seed" not in notes_by_key(migration)
 
 
+@pytest.mark.parametrize("value, expected", [(True, True), (False, None)])
+def test_enable_activation_offloading_is_carried_over(value, expected):
+    migration = migrate_torchtune_config(torchtune_config(enable_activation_offloading=value))
+    assert migration.config.get("enable_activation_offloading") == expected
+    assert "enable_activation_offloading" not in notes_by_key(migration)
+
+
 @pytest.mark.parametrize("value, expected", [(True, {"cpu_offload": True}), (False, None)])
 def test_fsdp_cpu_offload_becomes_fsdp_cpu_offload(value, expected):
     migration = migrate_torchtune_config(torchtune_config(fsdp_cpu_offload=value))
@@ -282,10 +289,6 @@ def test_fsdp_cpu_offload_becomes_fsdp_cpu_offload(value, expected):
 @pytest.mark.parametrize(
     "key, value, expected",
     [
-        ("enable_activation_offloading", False, "not implemented; ac_mode full or selective saves activation memory "
-         "instead (nothing lost with false)"),
-        ("enable_activation_offloading", True, "not implemented; ac_mode full or selective saves activation memory "
-         "instead"),
         ("profiler", {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False},
          "the torch profiler is not built into the recipe (nothing lost with enabled: false)"),
         ("custom_sharded_layers", ["tok_embeddings", "output"], "extra groups are not configurable"),

@@ -26,10 +26,12 @@ ARGS = LlamaArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, int
 
 
 def test_the_switches_are_found_in_order_and_their_keys_make_memory_config_and_fsdp_config():
-    assert [s.name for s in SWITCHES] == ["ac", "optimizer_state", "optimizer_in_bwd", "loss_chunks", "cpu_offload"]
+    assert [s.name for s in SWITCHES] == ["ac", "optimizer_state", "optimizer_in_bwd", "loss_chunks",
+                                          "enable_activation_offloading", "cpu_offload"]
     top = {f.name for s in SWITCHES if s.config_class is not ACConfig and s.group is None
            for f in dataclasses.fields(s.config_class)}
-    assert {f.name for f in dataclasses.fields(MemoryConfig)} == top == {"optimizer_in_bwd", "loss_chunks"}
+    assert {f.name for f in dataclasses.fields(MemoryConfig)} == top == {"optimizer_in_bwd", "loss_chunks",
+                                                                          "enable_activation_offloading"}
     assert MemoryConfig().loss_chunks is None and MemoryConfig().optimizer_in_bwd is False
     # A switch whose group is fsdp adds its keys to FSDP2's own settings: fsdp.cpu_offload.
     own = {f.name for f in dataclasses.fields(distributed.FSDPConfig)}
@@ -47,7 +49,7 @@ def test_the_plan_builds_the_stepper_and_objective_its_switches_declare(in_bwd, 
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode.FULL), MemoryConfig(optimizer_in_bwd=in_bwd, loss_chunks=chunks),
                                model, clip_grad_norm=None)
     assert [label for label, _ in plan.describe()] == ["activation checkpointing", "optimizer state", "optimizer step",
-                                                       "loss", "CPU offload"]
+                                                       "loss", "activation offloading", "CPU offload"]
     assert isinstance(plan.build_stepper(lambda p: torch.optim.SGD(p, lr=0.1), model), stepper_type)
     assert plan.objective() == objective
     assert plan.resume_record() == ({"optimizer_in_bwd": True} if in_bwd else {})
@@ -83,8 +85,8 @@ def test_a_new_switch_is_one_module_and_the_planner_counts_its_declared_cost(tmp
     discover_switches.cache_clear()
     try:
         found = discover_switches()
-        assert [s.name for s in found] == ["ac", "optimizer_state", "optimizer_in_bwd", "loss_chunks", "park",
-                                           "cpu_offload"]
+        assert [s.name for s in found] == ["ac", "optimizer_state", "optimizer_in_bwd", "loss_chunks",
+                                           "enable_activation_offloading", "park", "cpu_offload"]
         workload = Workload(batch_size=1, seq_len=16)
         plans = [ACConfig(ac_mode=ACMode.FULL).resolve(ARGS.n_layers)]
         off, = estimate_memory(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p), workload, plans)
