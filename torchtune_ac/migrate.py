@@ -62,6 +62,16 @@ COSINE_SCHEDULE = "torchtune_ac.training.cosine_schedule_with_warmup"
 TENSORBOARD_LOGGER = "torchtune_ac.training.metric_logging.TensorBoardLogger"
 WANDB_LOGGER = "torchtune_ac.training.metric_logging.WandBLogger"
 ADAMW = "torch.optim.AdamW"
+# Low-bit AdamW of torchtune configs -> torchao's (the ao extra): bitsandbytes' (paged) 8-bit AdamW and torchao's
+# own under its older prototype path.
+LOW_BIT_OPTIMIZERS = {
+    "bitsandbytes.optim.PagedAdamW8bit": "torchao.optim.AdamW8bit",
+    "bitsandbytes.optim.AdamW8bit": "torchao.optim.AdamW8bit",
+    "torchao.prototype.low_bit_optim.AdamW8bit": "torchao.optim.AdamW8bit",
+    "torchao.prototype.low_bit_optim.AdamW4bit": "torchao.optim.AdamW4bit",
+    "torchao.optim.AdamW8bit": "torchao.optim.AdamW8bit",
+    "torchao.optim.AdamW4bit": "torchao.optim.AdamW4bit",
+}
 
 TT_DATASETS = "torchtune.datasets."
 # torchtune dataset builder -> (our builder, torchtune's defaults that differ from ours or that ours lacks).
@@ -102,15 +112,13 @@ TORCHTUNE_AC_MODES = tuple(mode.value for mode in ACMode if mode is not ACMode.A
 # Top-level torchtune keys with no counterpart here, and why (a key the schema or a memory switch takes is
 # carried over instead, so adding the switch removes it from here without an edit).
 _NOT_CARRIED_OVER = {
-    "enable_activation_offloading": "activation offloading to CPU is not implemented; ac_mode full or selective "
-    "saves activation memory instead",
-    "activation_offloading_use_streams": "activation offloading is not implemented",
+    "activation_offloading_use_streams": "activation offloading (enable_activation_offloading) always copies on a "
+    "side stream",
     "profiler": "the torch profiler is not built into the recipe",
     "log_peak_memory_stats": "peak memory is always recorded (peak_memory_gib in metrics.jsonl)",
     "log_level": "the recipe logs at INFO on rank 0",
     "custom_sharded_layers": "FSDP2 here shards each transformer block, then the root (embeddings and output "
     "layer together); extra groups are not configurable",
-    "fsdp_cpu_offload": "FSDP CPU offload is not supported",
     "tensor_parallel_dim": "tensor parallelism is not supported (FSDP2 data parallelism only)",
     "tensor_parallel_plan": "tensor parallelism is not supported (FSDP2 data parallelism only)",
     "enable_async_checkpointing": "checkpoints are written synchronously",
@@ -124,12 +132,10 @@ _SCHEMA_KEYS = {f.name for f in dataclasses.fields(FullFinetuneConfig)} | set(ME
 UNSUPPORTED_KEYS = {key: why for key, why in _NOT_CARRIED_OVER.items() if key not in _SCHEMA_KEYS}
 # The values of those keys with which dropping them loses nothing (mostly "off").
 HARMLESS_VALUES = {
-    "enable_activation_offloading": (False, None),
     "profiler": (None,),  # or {enabled: false}
-    "activation_offloading_use_streams": (False, True, None),  # only matters with offloading on
+    "activation_offloading_use_streams": (True, None),
     "log_peak_memory_stats": (True, False, None),
     "custom_sharded_layers": (None, []),
-    "fsdp_cpu_offload": (False, None),
     "tensor_parallel_dim": (1, None),
     "enable_async_checkpointing": (False, None),
     "cudnn_deterministic_mode": (False, None),
@@ -479,6 +485,17 @@ class _Migrator:
             raise UserError("optimizer._component_: missing")
         if path.startswith("torch.optim."):
             self.out["optimizer"] = dict(optimizer)
+            return
+        if path in LOW_BIT_OPTIMIZERS:
+            target = LOW_BIT_OPTIMIZERS[path]
+            low_bit_args = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+            self.out["optimizer"] = {COMPONENT_KEY: target, **{k: v for k, v in optimizer.items() if k in low_bit_args}}
+            lost = sorted(k for k in optimizer if k != COMPONENT_KEY and k not in low_bit_args)
+            if target != path:
+                paged = " (not paged: fsdp.cpu_offload: true keeps the state in host memory)" if "Paged" in path else ""
+                self.changed("optimizer._component_", f"{path} becomes {target}, the same state precision{paged}; "
+                             "it needs the ao extra (pip install 'torchtune_ac[ao]')"
+                             + (f"; dropped: {', '.join(lost)}" if lost else ""))
             return
         adamw_args = ("lr", "betas", "eps", "weight_decay", "amsgrad", "fused", "foreach")
         node = {COMPONENT_KEY: ADAMW, **{k: v for k, v in optimizer.items() if k in adamw_args}}

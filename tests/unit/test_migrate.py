@@ -251,10 +251,25 @@ def test_meta_checkpointer_reads_the_folder_above_original():
 
 def test_optimizer_outside_torch_optim_becomes_adamw():
     migration = migrate_torchtune_config(torchtune_config(
-        optimizer={"_component_": "bitsandbytes.optim.PagedAdamW8bit", "lr": 1e-5, "optim_bits": 8}))
+        optimizer={"_component_": "bitsandbytes.optim.Lion8bit", "lr": 1e-5, "optim_bits": 8}))
     assert migration.config["optimizer"] == {"_component_": "torch.optim.AdamW", "lr": 1e-5}
     note = notes_by_key(migration)["optimizer._component_"]
     assert "(dropped: optim_bits)" in note and "--allow-component bitsandbytes" in note
+
+
+@pytest.mark.parametrize("path, ours", [("bitsandbytes.optim.PagedAdamW8bit", "torchao.optim.AdamW8bit"),
+                                        ("torchao.prototype.low_bit_optim.AdamW4bit", "torchao.optim.AdamW4bit"),
+                                        ("torchao.optim.AdamW8bit", "torchao.optim.AdamW8bit")])
+def test_8_and_4_bit_adamw_become_torchaos(path, ours):
+    migration = migrate_torchtune_config(torchtune_config(
+        optimizer={"_component_": path, "lr": 1e-5, "optim_bits": 8}))
+    assert migration.config["optimizer"] == {"_component_": ours, "lr": 1e-5}
+    note = notes_by_key(migration).get("optimizer._component_")
+    if path == ours:
+        assert note is None
+    else:
+        assert f"{path} becomes {ours}, the same state precision" in note and "torchtune_ac[ao]" in note
+        assert ("not paged" in note) == ("Paged" in path) and "dropped: optim_bits" in note
 
 
 def test_lr_scheduler_and_training_keys():
