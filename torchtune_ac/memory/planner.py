@@ -486,6 +486,7 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
                            optimizer_state=math.ceil(at_depth(lambda s: s.optimizer)), world_size=n, shapes=shapes,
                            dtype=workload.dtype.torch, sharded=sharded, gathered_parameters=gathered,
                            checkpointed_blocks=len(plan.checkpointed_blocks), block_input=shallow.block_input,
+                           max_gradients=math.ceil(max(peak[2] for peak in peaks.values())),
                            so_far={category: math.ceil(nbytes) for category, nbytes in device.items()})
         cost = switch.planner_cost(setting, sizes)
         for category, nbytes in cost.device.items():

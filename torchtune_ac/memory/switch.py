@@ -110,6 +110,8 @@ class ModelSizes:
             prefetched blocks; every block without ``fsdp.reshard_after_forward``), unsharded; 0 when not sharded.
         checkpointed_blocks: the blocks the AC plan checkpoints (each keeps only its input for backward).
         block_input: bytes of one block's input for one micro-batch (per process).
+        max_gradients: the most gradient bytes alive at one phase's peak (per process): all of them at the optimizer
+            step after backward, a few with the step in backward.
         so_far: per process, on the device, by category (``parameters``, ``optimizer``, ``gradients``,
             ``activations``, ``transient``): the simulated estimate with the switches before this one applied.
     """
@@ -125,6 +127,7 @@ class ModelSizes:
     gathered_parameters: int = 0
     checkpointed_blocks: int = 0
     block_input: int = 0
+    max_gradients: int = 0
     so_far: Mapping[str, int] = field(default_factory=dict)
 
 

@@ -74,7 +74,8 @@ class CPUOffloadSwitch(SwitchDefaults):
                 # The gathered copies are whole on the device: the estimate counted the resident shard's share.
                 "transient": sizes.gathered_parameters // sizes.world_size,
             },
-            host={"parameters": shard, "optimizer": so_far["optimizer"], "gradients": shard},
+            # Gradients as many as the step has at once (all of them before an optimizer step after backward).
+            host={"parameters": shard, "optimizer": so_far["optimizer"], "gradients": sizes.max_gradients},
         )
 
     def alternatives(self, setting: bool) -> list[Alternative]:
