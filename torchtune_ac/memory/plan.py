@@ -33,8 +33,8 @@ from torchtune_ac.runtime import distributed
 from torchtune_ac.training.objective import Objective
 from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper, Stepper
 
-# ac_mode: auto without a budget, on CUDA: the device's memory minus this share (the CUDA context, the
-# collectives' buffers and the caching allocator's fragmentation are not in the estimate).
+# ac_mode: auto without a budget, on CUDA: the device's memory minus this share (the caching allocator's
+# fragmentation is not in the estimate; the context and what is reserved at the start are, as the fixed cost).
 CUDA_BUDGET_MARGIN = 0.10
 
 SWITCHES: tuple[MemorySwitch, ...] = discover_switches()
@@ -122,8 +122,9 @@ class MemoryPlan:
                 continue
             value = switch.describe(setting, self.vocab_size)
             if switch is AC_SWITCH and self.estimate is not None:
-                value = (f"auto -> {value} (the least recompute that fits: estimated {self.estimate.total / GiB:.2f} "
-                         f"GiB of {self.budget_gib:g} GiB per process)")
+                value = (f"auto -> {value} (the least recompute that fits: estimated {self.estimate.device / GiB:.2f} "
+                         f"GiB of {self.budget_gib:g} GiB per process, {self.estimate.fixed / GiB:.2f} of them the "
+                         "process's own)")
             lines.append((switch.label, value))
         return lines
 
@@ -192,12 +193,14 @@ class PlanningInputs:
         make_optimizer: the config's optimizer, called with parameters.
         workload: one process's step (its switch settings are filled in here).
         device: where the run trains (on CUDA, an unset budget is the device's memory minus a margin).
+        fixed_bytes: the process's own cost on that device, measured when the run starts (what fits includes it).
     """
 
     build_model: Callable[[], nn.Module]
     make_optimizer: Callable[[Any], torch.optim.Optimizer]
     workload: Workload
     device: torch.device
+    fixed_bytes: int = 0
 
 
 def budget_gib(ac: ACConfig, device: torch.device) -> float:
@@ -265,6 +268,6 @@ def resolve_memory_plan(
     budget = budget_gib(ac, planning.device)
     workload = planning.workload.with_settings(settings, clip_grad_norm=clip_grad_norm)
     estimate = choose_plan(planning.build_model, planning.make_optimizer, workload, budget,
-                           len(transformer_blocks(model)))
+                           len(transformer_blocks(model)), planning.fixed_bytes, planning.device)
     return MemoryPlan(ac=estimate.plan, settings=settings, vocab_size=vocab_size, budget_gib=budget,
                       estimate=estimate)

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.memory.activation_checkpointing import (
     OP_OPTION,
     ACConfig,
@@ -52,7 +52,7 @@ from torchtune_ac.memory.activation_checkpointing import (
     apply_ac_plan,
     resolve_ac_plan,
 )
-from torchtune_ac.memory.switch import MemorySwitch, ModelSizes, discover_switches
+from torchtune_ac.memory.switch import Alternative, MemorySwitch, ModelSizes, discover_switches
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
@@ -125,10 +125,18 @@ class MemoryEstimate:
     flops: float  # floating-point operations of the step (matrix multiplies and attention)
     host: int = 0  # bytes the switches keep in the host's memory instead (not in ``total``)
     host_parts: Mapping[str, int] = field(default_factory=dict)  # ``host`` by category
+    fixed: int = 0  # the process's own cost on the device, before any tensor of the step (see ``device``)
 
     @property
     def total(self) -> int:
+        """The step's tensors at its peak: the five parts."""
         return self.parameters + self.optimizer + self.gradients + self.activations + self.transient
+
+    @property
+    def device(self) -> int:
+        """What the process needs on its device: the step's tensors and the process's fixed cost (on a CPU, the
+        resident set of its imports; on CUDA, the context and the allocator's reserve), measured when it starts."""
+        return self.total + self.fixed
 
     @property
     def step_peak(self) -> int:
@@ -545,17 +553,58 @@ def estimate_memory(
             for estimate in (_estimate_plan(build_model, make_optimizer, plan, workload, cache) for plan in plans)]
 
 
+def _alternatives(switch: MemorySwitch, setting: Any, device: torch.device) -> list[Alternative]:
+    """The switch's alternatives that can run on ``device`` (a CUDA-only switch suggests nothing for a CPU run)."""
+    usable = []
+    for alternative in switch.alternatives(setting):
+        try:
+            switch.check_device(alternative.setting, device)
+        except UnavailableError:
+            continue
+        usable.append(alternative)
+    return usable
+
+
+def switch_ablation(
+    build_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    workload: Workload,
+    plan: ACPlan,
+    device: torch.device,
+    fixed: int = 0,
+) -> list[tuple[str, MemoryEstimate]]:
+    """The estimate of ``plan`` as ``workload`` has its switches, then with each switch's first alternative that runs
+    on ``device`` added to the ones before, in the switches' order (torchtune's ablation, from the planner):
+    ``(label, estimate)`` rows, the first labelled ``as configured``. ``fixed`` is the process's fixed cost
+    (``MemoryEstimate.fixed``)."""
+    rows = [("as configured", dataclasses.replace(_estimate_plan(build_model, make_optimizer, plan, workload, {}),
+                                                  fixed=fixed))]
+    for switch, setting in workload.switch_settings():
+        alternatives = _alternatives(switch, setting, device)
+        if not alternatives:
+            continue
+        alternative = alternatives[0]
+        workload = workload.with_settings({switch.name: alternative.setting}, **alternative.workload_changes)
+        estimate = _estimate_plan(build_model, make_optimizer, plan, workload, {})
+        rows.append((f"+ {alternative.label}", dataclasses.replace(estimate, fixed=fixed)))
+    return rows
+
+
 def choose_plan(
     build_model: Callable[[], nn.Module],
     make_optimizer: Callable[[Any], torch.optim.Optimizer],
     workload: Workload,
     budget_gib: float,
     n_layers: int,
+    fixed: int = 0,
+    device: torch.device = torch.device("cpu"),
 ) -> MemoryEstimate:
     """``ac_mode: auto``: the plan with the least recompute whose estimate fits ``budget_gib`` per process.
 
     Plans are tried in ``candidate_plans`` order (none, per-op, every k-th block, full) and the first that fits
-    wins, so no more plans are simulated than needed.
+    wins, so no more plans are simulated than needed. What fits is the step's estimate and the process's fixed
+    cost ``fixed`` (bytes, measured when the run starts: see ``MemoryEstimate.device``). ``device`` is where the
+    run trains: only the switches' alternatives that run there are suggested.
 
     Raises:
         UserError: no plan fits; one line saying how many GiB are missing even with full AC, and what each knob
@@ -567,8 +616,8 @@ def choose_plan(
     plans = candidate_plans(n_layers)
     estimate = None
     for plan in plans:
-        estimate = _estimate_plan(build_model, make_optimizer, plan, workload, cache)
-        if estimate.total <= budget:
+        estimate = dataclasses.replace(_estimate_plan(build_model, make_optimizer, plan, workload, cache), fixed=fixed)
+        if estimate.device <= budget:
             return estimate
     full = plans[-1]
     knobs = []
@@ -579,18 +628,19 @@ def choose_plan(
         alternatives.append((f"max_seq_len={workload.seq_len // 2}", {"seq_len": workload.seq_len // 2}))
     alternatives.append((f"{2 * workload.world_size} processes", {"world_size": 2 * workload.world_size}))
     for switch, setting in workload.switch_settings():
-        for alternative in switch.alternatives(setting):
+        for alternative in _alternatives(switch, setting, device):
             alternatives.append((alternative.label, {"settings": {switch.name: alternative.setting},
                                                      **alternative.workload_changes}))
     for label, change in alternatives:
         change = dict(change)
         changed = workload.with_settings(change.pop("settings", {}), **change)
-        total = _estimate_plan(build_model, make_optimizer, full, changed, {}).total
+        total = _estimate_plan(build_model, make_optimizer, full, changed, {}).total + fixed
         knobs.append(f"{label} {total / GiB:.2f} GiB")
+    own = f" ({fixed / GiB:.2f} of them the process's own)" if fixed else ""
     raise UserError(
         f"ac_mode=auto: no plan fits ac_memory_budget_gib={budget_gib:g}: even full AC needs an estimated "
-        f"{estimate.total / GiB:.2f} GiB per process, {(estimate.total - budget) / GiB:.2f} GiB too many; with full "
-        f"AC, {', '.join(knobs)} (see tune plan)"
+        f"{estimate.device / GiB:.2f} GiB per process{own}, {(estimate.device - budget) / GiB:.2f} GiB too many; "
+        f"with full AC, {', '.join(knobs)} (see tune plan)"
     )
 
 

@@ -67,7 +67,11 @@ def test_offload_shards_a_single_process_and_is_suggested_when_nothing_fits():
     assert _plan(False).shard_options() == {}
     workload = Workload(batch_size=1, seq_len=16).with_settings(_plan(False).settings)
     with pytest.raises(UserError, match=r"fsdp\.cpu_offload=true [0-9.]+ GiB"):
+        choose_plan(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p), workload, 1e-6, ARGS.n_layers,
+                    device=torch.device("cuda"))
+    with pytest.raises(UserError) as on_a_cpu:  # a CUDA feature is not suggested for a CPU run
         choose_plan(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p), workload, 1e-6, ARGS.n_layers)
+    assert "cpu_offload" not in str(on_a_cpu.value)
 
 
 def test_offload_is_refused_on_a_cpu():
