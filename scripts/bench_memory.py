@@ -6,6 +6,7 @@ weights with stochastic rounding.
     .venv/bin/python scripts/bench_memory.py                 # llama_small_32k, batch 4 x 1024, fp32 (~10 min)
     .venv/bin/python scripts/bench_memory.py --seq-len 256 --repeats 1      # a quick look
     .venv/bin/python scripts/bench_memory.py --optimizers    # the optimizers (an hour or more on 2 cores)
+    .venv/bin/python scripts/bench_memory.py --ablation      # the switches added one by one (~10 min)
 
 For every setting and round, a fresh model (same seed) and AdamW run one warm-up step (which allocates the
 optimizer state), then one measured step of ``train_step`` (forward, loss, backward, optimizer step), with:
@@ -26,6 +27,11 @@ allocated (a quantized tensor's codes, scales and table), the step's peak and ti
 which compiles torchao's update), each against fp32 AdamW; and the loss after ``--loss-steps`` steps of a real
 ``tune run`` of ``llama_small`` on the embedded data (the mean of the last 10 logged), against fp32 AdamW's.
 Targets: 8-bit state <= 0.27x fp32 AdamW's, 4-bit <= 0.15x; the loss within 2 %.
+
+With ``--ablation``, torchtune's ablation measured on a CPU: each switch that runs on a CPU added to the ones
+before (the chunked loss, full AC, the step in backward, 8-bit AdamW), each row in a fresh process that runs two
+steps as the recipe does (glibc set as ``runtime/process_memory.py`` sets it), its peak resident set against the
+planner's estimate of it (the step and the process's fixed cost, measured as the run measures it).
 """
 
 from __future__ import annotations
@@ -76,6 +82,14 @@ OPTIMIZERS = {
     "bf16 weights, stochastic rounding": ("torchao.optim._AdamW", {"bf16_stochastic_round": True}, "bf16"),
 }
 STATE_TARGETS = {"8-bit AdamW": 0.27, "4-bit AdamW": 0.15}
+# --ablation: (label, AC mode, loss chunks, optimizer in backward, optimizer component), each row adding one.
+ABLATION = [
+    ("fp32 AdamW, no AC, whole logits", "none", 1, False, "torch.optim.AdamW"),
+    ("+ chunked loss (8 chunks)", "none", 8, False, "torch.optim.AdamW"),
+    ("+ full AC", "full", 8, False, "torch.optim.AdamW"),
+    ("+ optimizer step in backward", "full", 8, True, "torch.optim.AdamW"),
+    ("+ 8-bit AdamW (torchao)", "full", 8, True, "torchao.optim.AdamW8bit"),
+]
 LOSS_TARGET = 0.02
 # Steps per epoch of the loss runs: the embedded data packs into 603 rows of 256 tokens, 150 batches of 4.
 LOSS_STEPS_PER_EPOCH = 100
@@ -114,13 +128,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--out-png", type=Path, default=None,
                         help="default: docs/images/bench_memory.png (bench_memory_optimizers.png)")
     parser.add_argument("--optimizers", action="store_true", help="measure the optimizers instead of the switches")
+    parser.add_argument("--ablation", action="store_true", help="measure the switches added one by one, and plan them")
     parser.add_argument("--lr", type=float, default=3e-4, help="--optimizers: the learning rate of every optimizer")
     parser.add_argument("--loss-steps", type=int, default=200, help="--optimizers: steps of each training run")
     parser.add_argument("--loss-model", default="llama_small", help="--optimizers: the model the runs train")
     parser.add_argument("--loss-seq-len", type=int, default=256, help="--optimizers: packed rows of this length")
     parser.add_argument("--loss-batch-size", type=int, default=4)
     args = parser.parse_args(argv)
-    name = "bench_memory_optimizers" if args.optimizers else "bench_memory"
+    name = ("bench_memory_optimizers" if args.optimizers else "bench_memory_ablation" if args.ablation
+            else "bench_memory")
     args.out_json = args.out_json or REPO / "bench_results" / f"{name}.json"
     args.out_png = args.out_png or REPO / "docs" / "images" / f"{name}.png"
     return args
@@ -438,8 +454,104 @@ def plot_optimizers(report: dict, path: Path) -> None:
     save_figure(fig, path, dpi=110)
 
 
+def _ablation_plan(args: argparse.Namespace, row: tuple):
+    from torchtune_ac.memory.switch import OptimizerSpec
+
+    _, ac, chunks, in_backward, optimizer = row
+    component = Component(key="model", path=f"torchtune_ac.models.{args.model}")
+    plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(ac)), MemoryConfig(loss_chunks=chunks, optimizer_in_bwd=in_backward),
+                               build_meta_model(component), clip_grad_norm=None, optimizer=OptimizerSpec(optimizer),
+                               device="cpu")
+    return component, Component(key="optimizer", path=optimizer, kwargs={"lr": args.lr}), plan
+
+
+def ablation_worker(args: argparse.Namespace, index: int) -> dict:
+    """One ablation row in this (fresh) process: the resident set before the model, two steps as the recipe runs
+    them, and the process's peak resident set."""
+    import resource
+
+    from torchtune_ac.runtime.process_memory import fixed_bytes, follow_live_tensors
+
+    follow_live_tensors()
+    component, optimizer, plan = _ablation_plan(args, ABLATION[index])
+    fixed = fixed_bytes(torch.device("cpu"))
+    ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    model = build_training_model(component, ctx=ctx, dtype=DType.FP32, memory=plan, fsdp=FSDPConfig(),
+                                 compile_blocks=False, checkpoint_dir=None, seed=args.seed)
+    stepper = plan.build_stepper(optimizer.instantiate, model)
+    batch = make_batch(args, model.args.vocab_size)
+    for _ in range(2):
+        train_step(model, stepper, [batch], ctx=ctx, objective=plan.objective())
+    return {"fixed": fixed, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "state": state_bytes_of(stepper.optimizers_to_checkpoint())}
+
+
+def run_ablation(args: argparse.Namespace) -> dict:
+    from torchtune_ac.memory.planner import Workload, estimate_memory
+
+    rows = []
+    env = {**os.environ, "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    for index, row in enumerate(tqdm(ABLATION, desc="bench_memory --ablation", file=sys.stderr)):
+        result = subprocess.run([sys.executable, __file__, "--ablation-worker", str(index), *sys.argv[1:]],
+                                capture_output=True, text=True, env=env)
+        if result.returncode != 0:
+            raise RuntimeError(f"{row[0]}: {result.stderr[-3000:]}")
+        measured = json.loads(result.stdout.strip().splitlines()[-1])
+        component, optimizer, plan = _ablation_plan(args, row)
+        workload = Workload(args.batch_size, args.seq_len).with_settings(plan.settings)
+        estimate, = estimate_memory(component.instantiate, optimizer.instantiate, workload, [plan.ac])
+        device = estimate.total + measured["fixed"]
+        rows.append({"switches": row[0], "planned_gib": device / 2**30, "planned_step_gib": estimate.total / 2**30,
+                     "fixed_gib": measured["fixed"] / 2**30, "measured_gib": measured["peak"] / 2**30,
+                     "ratio": device / measured["peak"], "optimizer_state_mib": measured["state"] / MiB,
+                     "planned_optimizer_mib": estimate.optimizer / MiB})
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in build_meta_model(
+            Component(key="model", path=f"torchtune_ac.models.{args.model}")).parameters())
+    return {"model": args.model, "parameters": n_params, "batch_size": args.batch_size, "seq_len": args.seq_len,
+            "dtype": "fp32", "torch": torch.__version__, "threads": torch.get_num_threads(), **machine(),
+            "date": time.strftime("%Y-%m-%d"), "rows": rows}
+
+
+def format_ablation_table(report: dict) -> str:
+    lines = [f"{report['model']} ({report['parameters']:,} parameters), batch {report['batch_size']} x "
+             f"{report['seq_len']}, fp32, 1 process; on {report['cpu']} ({report['cpu_count']} cores); GiB",
+             f"{'switches':<34} {'planned':>8} {'(process)':>9} {'measured':>8} {'planned/measured':>16} "
+             f"{'state MiB':>9}"]
+    for r in report["rows"]:
+        lines.append(f"{r['switches']:<34} {r['planned_gib']:>8.2f} {r['fixed_gib']:>9.2f} {r['measured_gib']:>8.2f} "
+                     f"{r['ratio']:>16.2f} {r['optimizer_state_mib']:>9.0f}")
+    return "\n".join(lines)
+
+
+def plot_ablation(report: dict, path: Path) -> None:
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(8.5, 4.4))
+    labels = [r["switches"].replace(", ", ",\n").replace("+ ", "+\n", 1) for r in report["rows"]]
+    xs = range(len(labels))
+    ax.bar([x - 0.2 for x in xs], [r["measured_gib"] for r in report["rows"]], 0.4, label="measured peak RSS",
+           color="tab:blue")
+    ax.bar([x + 0.2 for x in xs], [r["planned_gib"] for r in report["rows"]], 0.4, label="tune plan's device estimate",
+           color="tab:gray")
+    ax.set_xticks(list(xs))
+    ax.set_xticklabels(labels, fontsize=7)
+    ax.set_ylabel("GiB")
+    ax.set_title(f"{report['model']}, batch {report['batch_size']} x {report['seq_len']}, fp32, CPU: each switch "
+                 "added to the ones before", fontsize=9)
+    ax.legend(fontsize=8)
+    save_figure(fig, path, dpi=110)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--ablation-worker"]:
+        print(json.dumps(ablation_worker(parse_args(argv[2:]), int(argv[1]))))
+        return
     args = parse_args(argv)
+    if args.ablation:
+        report = run_ablation(args)
+        write_report(report, format_ablation_table(report), args.out_json, plot_ablation, args.out_png)
+        return
     if args.optimizers:
         report = run_optimizer_benchmark(args)
         write_report(report, format_optimizer_table(report), args.out_json, plot_optimizers, args.out_png)
