@@ -139,7 +139,8 @@ class FullFinetuneRecipe:
                 except NonFiniteError as err:
                     raise messages.diverged(err, self.progress, self.last_checkpoint,
                                             announce=ctx.is_rank_zero) from None
-                lr = training.stepper.optimizer.param_groups[0]["lr"]
+                # A float now: torchao's optimizers keep the learning rate in a tensor the scheduler updates in place.
+                lr = float(training.stepper.optimizer.param_groups[0]["lr"])
                 if self.scheduler is not None:
                     self.scheduler.step()
                 elapsed = time.perf_counter() - step_start

@@ -11,9 +11,9 @@ run with the same PyTorch).
 import argparse
 import hashlib
 
+from torchtune_ac.checkpoint import WEIGHTS_FILE
 from torchtune_ac.embedded import ensure_embedded_checkpoint
 from torchtune_ac.models import load_hf
-from torchtune_ac.checkpoint import WEIGHTS_FILE
 
 
 def main() -> None:

@@ -50,6 +50,18 @@ def pytest_configure(config) -> None:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(root, "torchinductor")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Tests marked ``cuda`` need a CUDA device: skipped on a machine without one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 def pytest_unconfigure(config) -> None:
     for root in _root:
         shutil.rmtree(root, ignore_errors=True)

@@ -24,7 +24,7 @@ from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.config.validation import torchtune_marker
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode
-from torchtune_ac.memory.plan import MemoryConfig
+from torchtune_ac.memory.plan import FSDPConfig, MemoryConfig
 from torchtune_ac.models.families import FAMILIES
 
 COMPONENT_KEY = "_component_"
@@ -51,6 +51,16 @@ COSINE_SCHEDULE = "torchtune_ac.training.cosine_schedule_with_warmup"
 TENSORBOARD_LOGGER = "torchtune_ac.training.metric_logging.TensorBoardLogger"
 WANDB_LOGGER = "torchtune_ac.training.metric_logging.WandBLogger"
 ADAMW = "torch.optim.AdamW"
+# Low-bit AdamW of torchtune configs -> torchao's (the ao extra): bitsandbytes' (paged) 8-bit AdamW and torchao's
+# own under its older prototype path.
+LOW_BIT_OPTIMIZERS = {
+    "bitsandbytes.optim.PagedAdamW8bit": "torchao.optim.AdamW8bit",
+    "bitsandbytes.optim.AdamW8bit": "torchao.optim.AdamW8bit",
+    "torchao.prototype.low_bit_optim.AdamW8bit": "torchao.optim.AdamW8bit",
+    "torchao.prototype.low_bit_optim.AdamW4bit": "torchao.optim.AdamW4bit",
+    "torchao.optim.AdamW8bit": "torchao.optim.AdamW8bit",
+    "torchao.optim.AdamW4bit": "torchao.optim.AdamW4bit",
+}
 
 TT_DATASETS = "torchtune.datasets."
 # torchtune dataset builder -> (our builder, torchtune's defaults that differ from ours or that ours lacks).
@@ -82,37 +92,36 @@ METRIC_LOGGERS = "torchtune.training.metric_logging."
 SAME_KEYS = tuple(f.name for f in dataclasses.fields(FullFinetuneConfig) if f.metadata.get("torchtune") == "same")
 MEMORY_KEYS = tuple(f.name for f in dataclasses.fields(MemoryConfig))
 AC_KEYS = tuple(f.name for f in dataclasses.fields(ACConfig))
+# torchtune's top-level fsdp_* keys -> ours under fsdp (the fields of the fsdp group name torchtune's key).
+FSDP_KEYS = {f.metadata["torchtune"]: f.name for f in dataclasses.fields(FSDPConfig)
+             if f.metadata.get("torchtune") not in (None, "same")}
 # The modes torchtune's recipes knew (auto is ours).
 TORCHTUNE_AC_MODES = tuple(mode.value for mode in ACMode if mode is not ACMode.AUTO)
 
 # Top-level torchtune keys with no counterpart here, and why (a key the schema or a memory switch takes is
 # carried over instead, so adding the switch removes it from here without an edit).
 _NOT_CARRIED_OVER = {
-    "enable_activation_offloading": "activation offloading to CPU is not implemented; ac_mode full or selective "
-    "saves activation memory instead",
-    "activation_offloading_use_streams": "activation offloading is not implemented",
+    "activation_offloading_use_streams": "activation offloading (enable_activation_offloading) always copies on a "
+    "side stream",
     "profiler": "the torch profiler is not built into the recipe",
     "log_peak_memory_stats": "peak memory is always recorded (peak_memory_gib in metrics.jsonl)",
     "log_level": "the recipe logs at INFO on rank 0",
     "custom_sharded_layers": "FSDP2 here shards each transformer block, then the root (embeddings and output "
     "layer together); extra groups are not configurable",
-    "fsdp_cpu_offload": "FSDP CPU offload is not supported",
     "tensor_parallel_dim": "tensor parallelism is not supported (FSDP2 data parallelism only)",
     "tensor_parallel_plan": "tensor parallelism is not supported (FSDP2 data parallelism only)",
     "enable_async_checkpointing": "checkpoints are written synchronously",
     "cudnn_deterministic_mode": "not configurable",
     "collate_fn": "batches are padded, or packed rows when dataset.packed is true; the collate function is fixed",
 }
-_SCHEMA_KEYS = {f.name for f in dataclasses.fields(FullFinetuneConfig)} | set(MEMORY_KEYS) | set(AC_KEYS)
+_SCHEMA_KEYS = {f.name for f in dataclasses.fields(FullFinetuneConfig)} | set(MEMORY_KEYS) | set(AC_KEYS) | set(FSDP_KEYS)
 UNSUPPORTED_KEYS = {key: why for key, why in _NOT_CARRIED_OVER.items() if key not in _SCHEMA_KEYS}
 # The values of those keys with which dropping them loses nothing (mostly "off").
 HARMLESS_VALUES = {
-    "enable_activation_offloading": (False, None),
     "profiler": (None,),  # or {enabled: false}
-    "activation_offloading_use_streams": (False, True, None),  # only matters with offloading on
+    "activation_offloading_use_streams": (True, None),
     "log_peak_memory_stats": (True, False, None),
     "custom_sharded_layers": (None, []),
-    "fsdp_cpu_offload": (False, None),
     "tensor_parallel_dim": (1, None),
     "enable_async_checkpointing": (False, None),
     "cudnn_deterministic_mode": (False, None),
@@ -473,6 +482,17 @@ class _Migrator:
         if path.startswith("torch.optim."):
             self.out["optimizer"] = dict(optimizer)
             return
+        if path in LOW_BIT_OPTIMIZERS:
+            target = LOW_BIT_OPTIMIZERS[path]
+            low_bit_args = ("lr", "betas", "eps", "weight_decay", "amsgrad")
+            self.out["optimizer"] = {COMPONENT_KEY: target, **{k: v for k, v in optimizer.items() if k in low_bit_args}}
+            lost = sorted(k for k in optimizer if k != COMPONENT_KEY and k not in low_bit_args)
+            if target != path:
+                paged = " (not paged: fsdp.cpu_offload: true keeps the state in host memory)" if "Paged" in path else ""
+                self.changed("optimizer._component_", f"{path} becomes {target}, the same state precision{paged}; "
+                             "it needs the ao extra (pip install 'torchtune_ac[ao]')"
+                             + (f"; dropped: {', '.join(lost)}" if lost else ""))
+            return
         adamw_args = ("lr", "betas", "eps", "weight_decay", "amsgrad", "fused", "foreach")
         node = {COMPONENT_KEY: ADAMW, **{k: v for k, v in optimizer.items() if k in adamw_args}}
         lost = sorted(k for k in optimizer if k != COMPONENT_KEY and k not in adamw_args)
@@ -536,9 +556,11 @@ class _Migrator:
             self.changed(key, message)
 
     def migrate_fsdp(self) -> None:
-        reshard = self.take("fsdp_reshard_after_forward")
-        if reshard is not None:
-            self.out["fsdp"] = {"reshard_after_forward": reshard}
+        defaults = FSDPConfig()
+        for torchtune_key, key in FSDP_KEYS.items():
+            value = self.take(torchtune_key)
+            if value is not None and value != getattr(defaults, key):
+                self.out.setdefault("fsdp", {})[key] = value
 
     def migrate_metric_logger(self) -> None:
         logger = self.take("metric_logger")

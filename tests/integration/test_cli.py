@@ -120,7 +120,12 @@ def test_validate_prints_the_resolved_plan(capsys):
          ["optimizer step            in backward: each parameter stepped as its gradient is ready",
           "loss                      4 chunks (vocabulary 512): targets only, each chunk's gradients computed "
           "as it goes (nothing recomputed in backward), never the whole logits"]),
-        ("llama3/8B_full", [], ["loss                      8 chunks (vocabulary 128,256)"]),
+        ("llama3/8B_full", [], ["loss                      8 chunks (vocabulary 128,256)",
+                                "optimizer state           bf16 (torch.optim.AdamW: 2 states in bf16): 4.00 bytes"]),
+        ("tiny/full", ["optimizer._component_=torchao.optim.AdamW8bit"],
+         ["optimizer state           8-bit (torchao.optim.AdamW8bit: 2 states in 8 bits with an fp32 scale per 256 "
+          "elements; tensors under 4,096 elements in fp32): 2.11 bytes per parameter, 0.26x fp32 AdamW's 8; its first "
+          "step compiles (tens of seconds on a CPU)"]),
         ("mistral/7B_full", ["loss_chunks=1"], ["loss                      whole logits (vocabulary 32,768)"]),
     ],
 )
@@ -135,15 +140,32 @@ def test_plan_answers_for_llama3_8b_on_4_processes_without_weights(capsys):
     assert main(["plan", "--config", "llama3/8B_full", "--nproc", "4", "--budget-gib", "24"]) == 0
     out = capsys.readouterr().out
     assert "8,030,261,248 parameters; 4 process(es), batch 2 x 2048 tokens per process" in out
-    row = re.compile(r"^(none|per-op|every \S+ block|full) +((?:[\d.]+ +){6})([+\-][\d.]+%) +([\d.]+) +(yes|no)")
+    # The five parts, the step, the process's fixed cost, device (what fits compares), host.
+    row = re.compile(r"^(none|per-op|every \S+ block|full) +((?:[\d.]+ +){9})([+\-][\d.]+%) +([\d.]+) +(yes|no)")
     rows = [m.groups() for m in map(row.match, out.splitlines()) if m]
     assert [r[0] for r in rows] == ["none", "per-op", "every 4th block", "every 2nd block", "full"]
-    totals = {r[0]: float(r[1].split()[-1]) for r in rows}
+    for r in rows:
+        *parts, step, process, device, host = map(float, r[1].split())
+        assert abs(sum(parts) - step) <= 0.03 and abs(step + process - device) <= 0.02 and process > 0 and host == 0
+    totals = {r[0]: float(r[1].split()[-2]) for r in rows}
     fits = {r[0]: r[4] == "yes" for r in rows}
     assert totals["none"] > totals["full"]  # no AC needs more than full AC
     assert fits == {name: total <= 24 for name, total in totals.items()}
     picked = next(line for line in out.splitlines() if "<- ac_mode: auto picks this" in line)
     assert picked.startswith(next(name for name in totals if fits[name]))
+
+
+def test_plan_shows_what_fits_llama3_8b_on_a_24_gb_card_and_what_it_needs_on_the_host(capsys):
+    assert main(["plan", "--config", "llama3/8B_full_single_device", "--budget-gib", "22"]) == 0
+    out = capsys.readouterr().out
+    ablation = out.split("each memory switch added to the ones above")[1].splitlines()
+    row = re.compile(r"^(as configured|\+ .+?) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(yes|no)$")
+    rows = {m[1]: tuple(map(float, m.groups()[1:5])) + (m[6] == "yes",) for m in map(row.match, ablation) if m}
+    assert list(rows)[0] == "as configured" and rows["as configured"][2] > 22 and not rows["as configured"][4]
+    fitting = {label: values for label, values in rows.items() if values[4]}
+    assert fitting, out  # a row that fits 22 GiB on the device...
+    optimizer, step, device, host, _ = fitting["+ fsdp.cpu_offload=true"]
+    assert device <= 22 and host > 30  # ...and what it needs on the host: parameters, gradients, optimizer state
 
 
 def test_plan_draws_the_estimates(tmp_path, capsys):

@@ -161,7 +161,7 @@ def test_migrated_config_validates(tmp_path, capsys, name):
     validated = capsys.readouterr().out
     assert "is valid for recipe full_finetune" in validated
     assert "full: all" in validated  # enable_activation_checkpointing: true carried over
-    for key in ("profiler", "enable_activation_offloading", "log_peak_memory_stats", "checkpointer.checkpoint_files",
+    for key in ("profiler", "log_peak_memory_stats", "checkpointer.checkpoint_files",
                 "seed", "metric_logger"):
         assert f": {key}: " in report
     if "single_device" in name:

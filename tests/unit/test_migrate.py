@@ -271,10 +271,25 @@ def test_meta_checkpointer_reads_the_folder_above_original():
 
 def test_optimizer_outside_torch_optim_becomes_adamw():
     migration = migrate_torchtune_config(torchtune_config(
-        optimizer={"_component_": "bitsandbytes.optim.PagedAdamW8bit", "lr": 1e-5, "optim_bits": 8}))
+        optimizer={"_component_": "bitsandbytes.optim.Lion8bit", "lr": 1e-5, "optim_bits": 8}))
     assert migration.config["optimizer"] == {"_component_": "torch.optim.AdamW", "lr": 1e-5}
     note = notes_by_key(migration)["optimizer._component_"]
     assert "(dropped: optim_bits)" in note and "--allow-component bitsandbytes" in note
+
+
+@pytest.mark.parametrize("path, ours", [("bitsandbytes.optim.PagedAdamW8bit", "torchao.optim.AdamW8bit"),
+                                        ("torchao.prototype.low_bit_optim.AdamW4bit", "torchao.optim.AdamW4bit"),
+                                        ("torchao.optim.AdamW8bit", "torchao.optim.AdamW8bit")])
+def test_8_and_4_bit_adamw_become_torchaos(path, ours):
+    migration = migrate_torchtune_config(torchtune_config(
+        optimizer={"_component_": path, "lr": 1e-5, "optim_bits": 8}))
+    assert migration.config["optimizer"] == {"_component_": ours, "lr": 1e-5}
+    note = notes_by_key(migration).get("optimizer._component_")
+    if path == ours:
+        assert note is None
+    else:
+        assert f"{path} becomes {ours}, the same state precision" in note and "torchtune_ac[ao]" in note
+        assert ("not paged" in note) == ("Paged" in path) and "dropped: optim_bits" in note
 
 
 def test_lr_scheduler_and_training_keys():
@@ -292,13 +307,23 @@ def test_lr_scheduler_and_training_keys():
     assert "seed" not in notes_by_key(migration)
 
 
+@pytest.mark.parametrize("value, expected", [(True, True), (False, None)])
+def test_enable_activation_offloading_is_carried_over(value, expected):
+    migration = migrate_torchtune_config(torchtune_config(enable_activation_offloading=value))
+    assert migration.config.get("enable_activation_offloading") == expected
+    assert "enable_activation_offloading" not in notes_by_key(migration)
+
+
+@pytest.mark.parametrize("value, expected", [(True, {"cpu_offload": True}), (False, None)])
+def test_fsdp_cpu_offload_becomes_fsdp_cpu_offload(value, expected):
+    migration = migrate_torchtune_config(torchtune_config(fsdp_cpu_offload=value))
+    assert migration.config.get("fsdp") == expected
+    assert "fsdp_cpu_offload" not in notes_by_key(migration)
+
+
 @pytest.mark.parametrize(
     "key, value, expected",
     [
-        ("enable_activation_offloading", False, "not implemented; ac_mode full or selective saves activation memory "
-         "instead (nothing lost with false)"),
-        ("enable_activation_offloading", True, "not implemented; ac_mode full or selective saves activation memory "
-         "instead"),
         ("profiler", {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False},
          "the torch profiler is not built into the recipe (nothing lost with enabled: false)"),
         ("custom_sharded_layers", ["tok_embeddings", "output"], "extra groups are not configurable"),

@@ -10,6 +10,9 @@ is a positive list, checked twice:
    with ``@config_component`` (model builders, tokenizer, datasets, LR schedules) or a class from
    ``torch.optim`` / ``torch.nn`` that is an optimizer, an LR scheduler or an ``nn.Module``.
 
+Besides, a few components of optional packages are allowed by their exact path (``OPTIONAL_COMPONENTS``): torchao's
+low-bit AdamW optimizers. A missing package is a user error naming the extra that installs it.
+
 Everything else in torch (``torch.load``, ``torch.onnx.export``, ``torch.utils.collect_env.run``, ...) and in
 torchtune_ac (``save_hf``, ...) is refused. More can be allowed only by the person running the command
 (``--allow-component PREFIX`` or ``TUNE_ALLOWED_COMPONENTS=a,b``), never by the config file itself, which is
@@ -19,14 +22,17 @@ exact path allowed admits the object it names. A refusal suggests the exact path
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
 import inspect
+import logging
 import os
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
 from torchtune_ac.component_marker import is_config_component
 from torchtune_ac.errors import UserError
@@ -35,9 +41,17 @@ COMPONENT_KEY = "_component_"
 ALLOWED_ENV_VAR = "TUNE_ALLOWED_COMPONENTS"
 # Where default components may be imported from (step 1 above).
 DEFAULT_IMPORTABLE_PREFIXES = ("torchtune_ac", "torch.optim", "torch.nn")
+# Optimizers of optional packages allowed by their exact path -> the extra (pyproject.toml) that installs them.
+OPTIONAL_COMPONENTS = {
+    "torchao.optim.AdamW8bit": "ao",
+    "torchao.optim.AdamW4bit": "ao",
+    # AdamW whose bf16_stochastic_round=True rounds bf16 weights stochastically; torchao names it privately.
+    "torchao.optim._AdamW": "ao",
+}
 DEFAULT_ALLOWED_DESCRIPTION = (
-    "by default a component is a torchtune_ac builder (models, tokenizer, datasets, LR schedules) or a "
-    "torch.optim / torch.nn class (optimizer, LR scheduler, module)"
+    "by default a component is a torchtune_ac builder (models, tokenizer, datasets, LR schedules), a "
+    "torch.optim / torch.nn class (optimizer, LR scheduler, module), or one of torchao's low-bit AdamW ("
+    + ", ".join(OPTIONAL_COMPONENTS) + ")"
 )
 
 
@@ -63,7 +77,7 @@ def check_component_path(path: str, key: str, extra_allowed: Sequence[str] = ())
     parts = path.split(".")
     if len(parts) < 2 or not all(part.isidentifier() for part in parts):
         raise UserError(f"{key}._component_={path!r}: expected a dotted path such as torch.optim.AdamW")
-    if any(_matches(path, prefix) for prefix in _user_allowed(extra_allowed)):
+    if path in OPTIONAL_COMPONENTS or any(_matches(path, prefix) for prefix in _user_allowed(extra_allowed)):
         return
     if any(part.startswith("_") for part in parts):
         raise UserError(f"{key}._component_={path}: private names (starting with _) cannot be instantiated")
@@ -82,11 +96,20 @@ def _is_default_component(obj: Any) -> bool:
     return issubclass(obj, (torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler, torch.nn.Module))
 
 
+def _is_optional_optimizer(obj: Any, path: str) -> bool:
+    """``obj`` is the optimizer class ``OPTIONAL_COMPONENTS`` names by ``path``, defined in that package."""
+    if path not in OPTIONAL_COMPONENTS or not inspect.isclass(obj):
+        return False
+    import torch
+
+    return _matches(obj.__module__, path.split(".")[0]) and issubclass(obj, torch.optim.Optimizer)
+
+
 def _check_found_object(obj: Any, path: str, key: str, extra_allowed: Sequence[str]) -> None:
     """Refuse the object ``path`` led to unless it is a default component, defined under a user prefix, or named
     by exactly the path the user allowed (``--allow-component torch.load``: torch.load lives in torch.serialization).
     """
-    if _is_default_component(obj) or path in _user_allowed(extra_allowed):
+    if _is_default_component(obj) or _is_optional_optimizer(obj, path) or path in _user_allowed(extra_allowed):
         return
     module = getattr(obj, "__module__", None)
     if isinstance(module, str) and any(_matches(module, prefix) for prefix in _user_allowed(extra_allowed)):
@@ -110,10 +133,14 @@ def import_component(path: str, key: str, extra_allowed: Sequence[str] = ()) -> 
     for split in range(len(parts) - 1, 0, -1):
         module_path = ".".join(parts[:split])
         try:
-            obj: Any = importlib.import_module(module_path)
+            with _quiet_import(path):
+                obj: Any = importlib.import_module(module_path)
         except ModuleNotFoundError as err:
             if err.name is None or not module_path.startswith(err.name):
                 raise  # the module exists but one of its own imports is missing: not the user's mistake
+            if path in OPTIONAL_COMPONENTS and err.name == parts[0]:
+                raise UserError(f"{key}._component_={path}: needs the {parts[0]} package, which is not installed: "
+                                f"pip install 'torchtune_ac[{OPTIONAL_COMPONENTS[path]}]'") from None
             continue
         for attr in parts[split:]:
             if not hasattr(obj, attr):
@@ -131,6 +158,26 @@ def import_component(path: str, key: str, extra_allowed: Sequence[str] = ()) -> 
             raise UserError(f"{key}._component_={path}: is not callable")
         return obj
     raise UserError(f"{key}._component_={path}: no module named {parts[0]}")
+
+
+@contextlib.contextmanager
+def _quiet_import(path: str) -> Iterator[None]:
+    """Importing torchao logs a warning for each of its CUDA kernels' libraries this machine cannot load, and torch
+    a deprecation for one of its enums: noise about parts an optimizer does not use. Quiet for that import only."""
+    if path not in OPTIONAL_COMPONENTS:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
 
 
 _YAML_SCALARS = (bool, int, float, str, type(None))

@@ -8,6 +8,8 @@ answer for it by defining ``plan`` (see ``torchtune_ac/registry.py``'s ``Planned
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Protocol
@@ -16,17 +18,28 @@ import torch
 
 from torchtune_ac.config.components import Component
 from torchtune_ac.config.meta_model import build_meta_model
+from torchtune_ac.config.schema import Device
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.activation_checkpointing import ACConfig
-from torchtune_ac.memory.plan import PlanningInputs, resolve_memory_plan
-from torchtune_ac.memory.planner import GiB, MemoryEstimate, Workload, describe_setting, estimate_memory
+from torchtune_ac.memory.plan import MemoryPlan, PlanningInputs, resolve_memory_plan
+from torchtune_ac.memory.planner import (
+    GiB,
+    MemoryEstimate,
+    Workload,
+    describe_setting,
+    estimate_memory,
+    switch_ablation,
+)
+from torchtune_ac.memory.switch import OptimizerSpec
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.runtime.process_memory import ASSUMED_CUDA_FIXED_BYTES, fixed_bytes
 
 ASSUMPTIONS = (
     "every row is max_seq_len tokens and every position a target (the loss's worst case); parameters compute in "
-    "their storage dtype; allocator caching and fragmentation are not included (on CUDA compare with "
-    "max_memory_allocated; on CPU set MALLOC_MMAP_THRESHOLD_=131072 for RSS to follow the tensors)"
+    "their storage dtype; the caching allocator's fragmentation is not included (on CUDA, device compares with "
+    "max_memory_reserved plus the context; on a CPU, with the peak resident set of a run, which maps each tensor "
+    "on its own so that its resident memory follows its tensors)"
 )
 
 
@@ -36,6 +49,7 @@ class TrainingWorkload(Protocol):
     model: Component
     optimizer: Component
     checkpoint_dir: Optional[str]
+    device: Device
     batch_size: int
     max_seq_len: Optional[int]
     gradient_accumulation_steps: int
@@ -46,8 +60,39 @@ class TrainingWorkload(Protocol):
     memory: Any  # MemoryConfig: the other memory switches' keys
 
 
+def resolve_config_plan(cfg: TrainingWorkload, model: torch.nn.Module, ac: ACConfig,
+                        planning: Optional[PlanningInputs] = None) -> MemoryPlan:
+    """The memory plan of ``cfg``'s switches for ``model``, with ``ac`` as its AC keys (see ``resolve_memory_plan``).
+
+    Raises:
+        UserError: as ``resolve_memory_plan``.
+    """
+    return resolve_memory_plan(ac, cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm, planning=planning,
+                               fsdp=cfg.fsdp, optimizer=OptimizerSpec(cfg.optimizer.path, dict(cfg.optimizer.kwargs)),
+                               dtype=cfg.dtype.torch, device=cfg.device.value)
+
+
+def planned_device(device: Device) -> torch.device:
+    """The device a run with ``device`` trains on, as far as planning goes: ``auto`` is CUDA where this machine has
+    it; ``cuda`` is CUDA whether or not this machine has it (a plan for another machine)."""
+    kind = device.value if device is not Device.AUTO else ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(kind)
+
+
+def process_fixed_bytes(device: Device) -> tuple[int, str]:
+    """The fixed cost of a process of a run on ``device`` (see ``MemoryEstimate.device``), as this machine can
+    tell: measured in this process when this machine has that device, else assumed; and which of the two, in
+    words."""
+    if planned_device(device).type == "cpu":
+        return fixed_bytes(torch.device("cpu")), "measured: this process's resident set before the model"
+    if torch.cuda.is_available():
+        return fixed_bytes(torch.device("cuda", torch.cuda.current_device())), "measured: the CUDA device memory in use"
+    return ASSUMED_CUDA_FIXED_BYTES, "assumed for a CUDA context (no GPU here to measure it)"
+
+
 def planning_inputs(cfg: TrainingWorkload, world_size: int, device: torch.device) -> PlanningInputs:
-    """The planner's inputs for ``cfg`` on ``world_size`` processes.
+    """The planner's inputs for ``cfg`` on ``world_size`` processes, with the fixed cost of this process as it
+    starts (``process_fixed_bytes``).
 
     Raises:
         UserError: ``max_seq_len`` is not set (the activations are sized by it).
@@ -67,79 +112,102 @@ def planning_inputs(cfg: TrainingWorkload, world_size: int, device: torch.device
         make_optimizer=cfg.optimizer.instantiate,
         workload=workload,
         device=device,
+        fixed_bytes=process_fixed_bytes(cfg.device)[0],
     )
 
 
 @dataclass(frozen=True)
 class PlanTable:
-    """``tune plan``'s answer: one estimate per AC setting, the budget, and the row ``ac_mode: auto`` picks."""
+    """``tune plan``'s answer: one estimate per AC setting, the budget, the row ``ac_mode: auto`` picks, and the
+    switches' ablation: the full-AC estimate with each memory switch added to the ones before."""
 
     title: str
     estimates: list[MemoryEstimate]
     budget_gib: Optional[float]
     chosen: Optional[int]  # index into estimates; None when nothing fits or there is no budget
     notes: tuple[str, ...] = ()  # what this estimate leaves out of the config, printed before the assumptions
+    ablation: tuple[tuple[str, MemoryEstimate], ...] = ()
+    fixed_how: str = ""  # how the process's fixed cost was obtained (measured, or assumed)
+
+    def _fits(self, estimate: MemoryEstimate) -> str:
+        if self.budget_gib is None:
+            return ""
+        return "  yes" if estimate.device <= self.budget_gib * GiB else "  no"
 
     @property
     def unit(self) -> tuple[str, int]:
-        """The unit the estimates are shown in, and its bytes: GiB, or MiB when every total is below 1 GiB."""
-        return ("GiB", GiB) if max(e.total for e in self.estimates) >= GiB else ("MiB", 2**20)
+        """The unit the estimates are shown in, and its bytes: GiB, or MiB when every device total is below 1 GiB."""
+        return ("GiB", GiB) if max(e.device for e in self.estimates) >= GiB else ("MiB", 2**20)
 
     def bar_labels(self) -> list[str]:
-        """What ``draw_plan`` writes above each bar: its total in the table's unit, and its extra recompute."""
+        """What ``draw_plan`` writes above each bar: its device total in the table's unit, and its extra recompute."""
         unit, scale = self.unit
         digits = 2 if unit == "GiB" else 0
-        return [f"{e.total / scale:.{digits}f} {unit}\n{e.extra_flops:+.0%}" for e in self.estimates]
+        return [f"{e.device / scale:.{digits}f} {unit}\n{e.extra_flops:+.0%}" for e in self.estimates]
 
     def lines(self) -> list[str]:
         unit, scale = self.unit
+        fits = "  fits" if self.budget_gib is not None else ""
         header = (f"{'setting':<17} {'activations':>11} {'parameters':>10} {'gradients':>9} {'optimizer':>9} "
-                  f"{'transient':>9} {'total':>7} {'recompute':>9} {'saved/fwd':>9}")
-        if self.budget_gib is not None:
-            header += "  fits"
-        out = [self.title, f"estimated {unit} per process at the peak of one step (the five parts add up to the total)",
-               header]
+                  f"{'transient':>9} {'step':>7} {'process':>7} {'device':>7} {'host':>7} {'recompute':>9} "
+                  f"{'saved/fwd':>9}{fits}")
+        out = [self.title,
+               f"estimated {unit} per process at the peak of one step: the five parts add up to the step; device is "
+               "the step and the process's own (fixed) cost; host is what the switches keep in host memory", header]
         for i, e in enumerate(self.estimates):
             row = (f"{describe_setting(e.plan):<17} {e.activations / scale:>11.2f} {e.parameters / scale:>10.2f} "
                    f"{e.gradients / scale:>9.2f} {e.optimizer / scale:>9.2f} {e.transient / scale:>9.2f} "
-                   f"{e.total / scale:>7.2f} {e.extra_flops:>+9.1%} {e.saved_activations / scale:>9.2f}")
-            if self.budget_gib is not None:
-                row += "  yes" if e.total <= self.budget_gib * GiB else "  no"
-                if i == self.chosen:
-                    row += "   <- ac_mode: auto picks this (the least recompute that fits)"
+                   f"{e.total / scale:>7.2f} {e.fixed / scale:>7.2f} {e.device / scale:>7.2f} {e.host / scale:>7.2f} "
+                   f"{e.extra_flops:>+9.1%} {e.saved_activations / scale:>9.2f}{self._fits(e)}")
+            if i == self.chosen:
+                row += "   <- ac_mode: auto picks this (the least recompute that fits)"
             out.append(row)
         if self.budget_gib is not None and self.chosen is None:
             out.append(f"nothing fits {self.budget_gib:g} GiB: lower batch_size or max_seq_len, add processes, or turn on "
-                       "another memory switch (ac_mode: auto lists what each would bring)")
+                       "another memory switch (below)")
         out.append("activations: saved for backward and alive at the peak; transient: backward temporaries, a block's "
                    "recompute, the loss's gradients, FSDP2's gathered parameters and reduce buffers; recompute: extra "
-                   "matrix-multiply and attention FLOPs of the step; saved/fwd: what one forward keeps for backward.")
+                   "matrix-multiply and attention FLOPs of the step; saved/fwd: what one forward keeps for backward; "
+                   f"process: {self.fixed_how}.")
+        if len(self.ablation) > 1:
+            width = max(len(label) for label, _ in self.ablation)
+            out += ["", f"with full AC, each memory switch added to the ones above ({unit} per process):",
+                    f"{'switches':<{width}} {'optimizer':>9} {'step':>7} {'device':>7} {'host':>7}{fits}"]
+            for label, e in self.ablation:
+                out.append(f"{label:<{width}} {e.optimizer / scale:>9.2f} {e.total / scale:>7.2f} "
+                           f"{e.device / scale:>7.2f} {e.host / scale:>7.2f}{self._fits(e)}")
         out.extend(f"Note: {note}" for note in self.notes)
         out.append(f"Assumptions: {ASSUMPTIONS}.")
         return out
 
 
 def plan_table(cfg: TrainingWorkload, *, world_size: int, budget_gib: Optional[float]) -> PlanTable:
-    """Estimate every AC setting for ``cfg`` on ``world_size`` processes, with its memory switches as configured.
+    """Estimate every AC setting for ``cfg`` on ``world_size`` processes, with its memory switches as configured,
+    and the full-AC estimate with each switch added in turn (``switch_ablation``).
 
     Raises:
         UserError: the config's memory switches are refused, or ``max_seq_len`` is unset.
     """
     model = build_meta_model(cfg.model, cfg.checkpoint_dir)
     # The switches besides AC, resolved as a run resolves them (every AC setting gets a row of its own).
-    plan = resolve_memory_plan(ACConfig(), cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm)
+    plan = resolve_config_plan(cfg, model, ACConfig())
+    fixed, fixed_how = process_fixed_bytes(cfg.device)
     inputs = planning_inputs(cfg, world_size, torch.device("cpu"))
     workload = inputs.workload.with_settings(plan.settings, clip_grad_norm=cfg.clip_grad_norm)
-    estimates = estimate_memory(inputs.build_model, inputs.make_optimizer, workload)
+    estimates = [dataclasses.replace(e, fixed=fixed)
+                 for e in estimate_memory(inputs.build_model, inputs.make_optimizer, workload)]
+    ablation = switch_ablation(inputs.build_model, inputs.make_optimizer, workload, estimates[-1].plan,
+                               planned_device(cfg.device), fixed)
     chosen = None
     if budget_gib is not None:
-        chosen = next((i for i, e in enumerate(estimates) if e.total <= budget_gib * GiB), None)
+        chosen = next((i for i, e in enumerate(estimates) if e.device <= budget_gib * GiB), None)
     n_params = sum(p.numel() for p in model.parameters())
-    switches = "; ".join(f"{label}: {value.split(':')[0]}" for label, value in plan.describe(ac=False))
+    switches = "; ".join(f"{label}: {re.split(r'[:(]', value)[0].strip()}" for label, value in plan.describe(ac=False))
     title = (f"{cfg.model.path}: {n_params:,} parameters; {world_size} process(es), batch {cfg.batch_size} x "
              f"{cfg.max_seq_len} tokens per process x {cfg.gradient_accumulation_steps} accumulation step(s), "
              f"{cfg.dtype.value}, {cfg.optimizer.path.rsplit('.', 1)[-1]}; {switches}")
-    return PlanTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size))
+    return PlanTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size), tuple(ablation),
+                     fixed_how)
 
 
 def unmodelled_settings(cfg: TrainingWorkload, world_size: int) -> tuple[str, ...]:
@@ -153,8 +221,8 @@ def unmodelled_settings(cfg: TrainingWorkload, world_size: int) -> tuple[str, ..
 
 
 def draw_plan(table: PlanTable, path: Path) -> Path:
-    """A stacked bar per setting (parameters, optimizer state, gradients, activations, transient), with the
-    budget as a line, written as a PNG.
+    """A stacked bar per setting (parameters, optimizer state, gradients, activations, transient, the process's
+    fixed cost), with the budget as a line, written as a PNG.
 
     Raises:
         UserError: matplotlib is missing (``pip install 'torchtune_ac[plot]'``), or the file cannot be written.
@@ -169,7 +237,7 @@ def draw_plan(table: PlanTable, path: Path) -> Path:
     names = [describe_setting(e.plan).replace(" block", "\nblock") for e in table.estimates]
     parts = [("parameters", "parameters", "tab:gray"), ("optimizer state", "optimizer", "tab:brown"),
              ("gradients", "gradients", "tab:orange"), ("activations", "activations", "tab:blue"),
-             ("transient", "transient", "tab:green")]
+             ("transient", "transient", "tab:green"), ("process (fixed)", "fixed", "tab:purple")]
     # Small models in MiB, as the table shows them: in GiB to one decimal they all read "0.4".
     unit, scale = table.unit
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(names)), 4.8))

@@ -37,13 +37,13 @@ from torchtune_ac.checkpoint import (
 )
 from torchtune_ac.config.components import Component
 from torchtune_ac.config.meta_model import build_meta_model, count_parameters
-from torchtune_ac.config.planning import planning_inputs, unmodelled_settings
+from torchtune_ac.config.planning import planning_inputs, resolve_config_plan, unmodelled_settings
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.data import uses_chat_template
 from torchtune_ac.data.hf_sources import describe_hub_source
 from torchtune_ac.data.sources import TEXT_SUFFIXES, is_hub_name
 from torchtune_ac.errors import UnavailableError, UserError
-from torchtune_ac.memory.plan import MemoryPlan, resolve_memory_plan
+from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models import check_checkpoint_matches
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.observability.metrics import METRICS_FILE
@@ -185,7 +185,16 @@ def _resolve_plan(cfg: FullFinetuneConfig, model: torch.nn.Module, world_size: O
             report.warnings.append("ac_mode=auto: planned for 1 process (the launch's world size is not known here)")
         planning = planning_inputs(cfg, world_size or 1, device)
         report.warnings.extend(f"ac_mode=auto: {note}" for note in unmodelled_settings(cfg, world_size or 1))
-    return resolve_memory_plan(cfg.ac, cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm, planning=planning)
+    return resolve_config_plan(cfg, model, cfg.ac, planning)
+
+
+def _check_plan_device(cfg: FullFinetuneConfig, plan: MemoryPlan) -> None:
+    """The switches against the device this machine gives the run (a device it lacks is reported on its own)."""
+    try:
+        device = resolve_device(cfg.device.value)
+    except UnavailableError:
+        return
+    plan.check_device(device)
 
 
 def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size: Optional[int] = 1) -> PreflightReport:
@@ -216,6 +225,7 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
     report.n_parameters = count_parameters(model)
     soft(lambda: resolve_device(cfg.device.value))
     report.plan = _resolve_plan(cfg, model, world_size, strict, report)
+    soft(lambda: _check_plan_device(cfg, report.plan))
     if cfg.checkpoint_dir is not None:
         soft(lambda: check_checkpoint_matches(model, cfg.checkpoint_dir))
     soft(lambda: check_tokenizer_fits(cfg.tokenizer, report.plan.vocab_size))
@@ -265,7 +275,7 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
         if warning is not None:
             report.warnings.append(warning)
 
-    if world_size == 1 and cfg.fsdp != FSDPConfig():
+    if world_size == 1 and cfg.fsdp != FSDPConfig() and not report.plan.shard_options():
         report.warnings.append("fsdp.*: these settings apply only when the run has more than one process (FSDP2)")
 
     per_step = cfg.batch_size * cfg.gradient_accumulation_steps

@@ -5,7 +5,7 @@ carry over. Nothing downstream reads raw config keys: recipes receive these data
 settings on whole (``cfg.ac``, ``cfg.memory``, ``cfg.fsdp``).
 
 Groups of settings belong to the subsystem that uses them (``ACConfig`` to activation checkpointing,
-``FSDPConfig`` to sharding); this module composes them. A group marked ``flatten`` keeps its keys at the top
+``FSDPConfig`` to sharding, extended with the memory switches' ``fsdp.*`` keys); this module composes them. A group marked ``flatten`` keeps its keys at the top
 level of the YAML (``ac_mode: full``, not ``ac: {mode: full}``), as torchtune names them.
 """
 
@@ -17,8 +17,7 @@ from typing import Optional
 
 from torchtune_ac.config.components import Component
 from torchtune_ac.memory.activation_checkpointing import ACConfig
-from torchtune_ac.memory.plan import MemoryConfig
-from torchtune_ac.runtime.distributed import FSDPConfig
+from torchtune_ac.memory.plan import FSDPConfig, MemoryConfig
 from torchtune_ac.runtime.dtypes import DType
 
 __all__ = ["Device", "DType", "FSDPConfig", "FullFinetuneConfig"]
@@ -73,7 +72,7 @@ class FullFinetuneConfig:
     # enable_activation_checkpointing, ac_mode, ac_option (top-level keys); the bound of ac_option (at most the
     # model's layer count) is checked once the model is built.
     ac: ACConfig = field(default_factory=ACConfig, metadata={"flatten": True})
-    # optimizer_in_bwd, loss_chunks (top-level keys); see memory/plan.py.
+    # The memory switches' top-level keys (optimizer_in_bwd, loss_chunks, ...); see memory/plan.py.
     memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"flatten": True})
     save_every_n_steps: Optional[int] = field(default=None, metadata={**_min(1), **SAME})
     # Keep the newest N checkpoints whole, delete older ones once a new one is verified; null: keep every
@@ -82,4 +81,5 @@ class FullFinetuneConfig:
     log_every_n_steps: int = field(default=1, metadata={**_min(1), **SAME})
     # Experiment tracker besides metrics.jsonl (always written): torchtune_ac.training.metric_logging.*, or null.
     metric_logger: Optional[Component] = None
+    # FSDP2's settings and the memory switches' fsdp.* keys; a field's metadata names torchtune's key for it.
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)

@@ -3,9 +3,11 @@
 ``tune validate`` prints (``describe``) and the memory planner estimates.
 
 The switches are declared in ``memory/switches/`` (one module each, see ``memory/switch.py``); this module
-iterates over them and names none. Their keys sit at the top level of the YAML: activation checkpointing's are
-``ACConfig`` (the schema's ``ac`` group, validated as one by the AC module's rules); every other switch's are
-fields of ``MemoryConfig``, which is made from the switches' own config classes.
+iterates over them and names none. Activation checkpointing's keys are ``ACConfig`` (the schema's ``ac`` group,
+validated as one by the AC module's rules); every other switch's keys are fields of a class made here from the
+switches' own config classes: ``MemoryConfig`` for the top-level keys, ``FSDPConfig`` (FSDP2's own settings,
+``runtime.distributed.FSDPConfig``, and the switches' ``fsdp.*`` keys) for those of a switch whose ``group`` is
+``fsdp``.
 
 ``ac_mode: auto`` is resolved here too, last, once the other switches are known: the memory planner
 (``memory/planner.py``) estimates the plans from the least recompute to the most, and the first whose estimate
@@ -25,13 +27,14 @@ from torch import nn
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.activation_checkpointing import ACConfig, ACPlan
 from torchtune_ac.memory.planner import GiB, MemoryEstimate, Workload, choose_plan
-from torchtune_ac.memory.switch import MemorySwitch, SwitchContext, discover_switches
+from torchtune_ac.memory.switch import MakeOptimizer, MemorySwitch, OptimizerSpec, SwitchContext, discover_switches
 from torchtune_ac.models.families import family_of, transformer_blocks
+from torchtune_ac.runtime import distributed
 from torchtune_ac.training.objective import Objective
 from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper, Stepper
 
-# ac_mode: auto without a budget, on CUDA: the device's memory minus this share (the CUDA context, the
-# collectives' buffers and the caching allocator's fragmentation are not in the estimate).
+# ac_mode: auto without a budget, on CUDA: the device's memory minus this share (the caching allocator's
+# fragmentation is not in the estimate; the context and what is reserved at the start are, as the fixed cost).
 CUDA_BUDGET_MARGIN = 0.10
 
 SWITCHES: tuple[MemorySwitch, ...] = discover_switches()
@@ -39,32 +42,43 @@ AC_SWITCH = next(switch for switch in SWITCHES if switch.config_class is ACConfi
 OTHER_SWITCHES = tuple(switch for switch in SWITCHES if switch is not AC_SWITCH)
 
 
-def _memory_config_class() -> type:
+def _keys_config_class(name: str, group: Optional[str], base: Optional[type], doc: str) -> type:
+    """A frozen dataclass of the keys of every switch besides AC whose ``group`` is ``group`` (after ``base``'s)."""
     fields = []
     for switch in OTHER_SWITCHES:
+        if switch.group != group:
+            continue
         hints = typing.get_type_hints(switch.config_class)
         for f in dataclasses.fields(switch.config_class):
             fields.append((f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata)))
-    names = [name for name, _, _ in fields]
+    names = [n for n, _, _ in fields] + ([f.name for f in dataclasses.fields(base)] if base is not None else [])
     if len(set(names)) != len(names):
-        raise RuntimeError(f"two memory switches declare the same config key: {sorted(names)}")
-    cls = dataclasses.make_dataclass(
-        "MemoryConfig", fields, frozen=True,
-        namespace={"__doc__": "The memory switches' config keys besides activation checkpointing (top-level "
-                              "keys), one field per key that a switch in memory/switches/ declares."},
-    )
+        raise RuntimeError(f"two memory switches (or a switch and {name}) declare the same config key: {sorted(names)}")
+    cls = dataclasses.make_dataclass(name, fields, bases=(base,) if base is not None else (), frozen=True,
+                                     namespace={"__doc__": doc})
     cls.__module__ = __name__
     return cls
 
 
-MemoryConfig = _memory_config_class()
+MemoryConfig = _keys_config_class(
+    "MemoryConfig", None, None,
+    "The memory switches' config keys besides activation checkpointing (top-level keys), one field per key that a "
+    "switch in memory/switches/ declares.")
+FSDPConfig = _keys_config_class(
+    "FSDPConfig", "fsdp", distributed.FSDPConfig,
+    "The fsdp.* keys: FSDP2's own settings (runtime.distributed.FSDPConfig) and those of the memory switches whose "
+    "group is fsdp.")
 
 
-def switch_config(switch: MemorySwitch, ac: ACConfig, memory: Any) -> Any:
-    """The switch's own config value: ``ac`` for activation checkpointing, else its keys read from ``memory``."""
+def switch_config(switch: MemorySwitch, ac: ACConfig, memory: Any, fsdp: Any = None) -> Any:
+    """The switch's own config value: ``ac`` for activation checkpointing, else its keys read from ``memory`` (or
+    from ``fsdp`` for a switch whose keys are ``fsdp.*``; None: their defaults)."""
     if switch is AC_SWITCH:
         return ac
-    return switch.config_class(**{f.name: getattr(memory, f.name) for f in dataclasses.fields(switch.config_class)})
+    source = fsdp if switch.group == "fsdp" else memory
+    if source is None:
+        return switch.config_class()
+    return switch.config_class(**{f.name: getattr(source, f.name) for f in dataclasses.fields(switch.config_class)})
 
 
 @dataclass(frozen=True)
@@ -108,20 +122,40 @@ class MemoryPlan:
                 continue
             value = switch.describe(setting, self.vocab_size)
             if switch is AC_SWITCH and self.estimate is not None:
-                value = (f"auto -> {value} (the least recompute that fits: estimated {self.estimate.total / GiB:.2f} "
-                         f"GiB of {self.budget_gib:g} GiB per process)")
+                value = (f"auto -> {value} (the least recompute that fits: estimated {self.estimate.device / GiB:.2f} "
+                         f"GiB of {self.budget_gib:g} GiB per process, {self.estimate.fixed / GiB:.2f} of them the "
+                         "process's own)")
             lines.append((switch.label, value))
         return lines
+
+    def check_device(self, device: torch.device) -> None:
+        """Raise ``UnavailableError`` when a switch's setting cannot run on ``device`` (the run's, as resolved)."""
+        for switch, setting in self.switch_settings():
+            switch.check_device(setting, device)
 
     def apply_to_model(self, model: nn.Module) -> None:
         """Apply every switch that changes the model (before it is sharded)."""
         for switch, setting in self.switch_settings():
             switch.apply_to_model(model, setting)
 
+    def shard_options(self) -> dict[str, Any]:
+        """The switches' keyword arguments for ``fully_shard``; any means a single process shards its model too."""
+        options: dict[str, Any] = {}
+        for switch, setting in self.switch_settings():
+            options.update(switch.shard_options(setting))
+        return options
+
+    def wrap_optimizer(self, make_optimizer: MakeOptimizer) -> MakeOptimizer:
+        """The factory the run builds its optimizers with, as the switches wrap it."""
+        for switch, setting in self.switch_settings():
+            make_optimizer = switch.wrap_optimizer(setting, make_optimizer)
+        return make_optimizer
+
     def build_stepper(self, make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
                       model: nn.Module) -> Stepper:
         """Who steps the model's parameters: the one switch that says so, else the optimizer after backward.
         Build it after ``fully_shard``."""
+        make_optimizer = self.wrap_optimizer(make_optimizer)
         for switch, setting in self.switch_settings():
             stepper = switch.build_stepper(setting, make_optimizer, model)
             if stepper is not None:
@@ -159,12 +193,14 @@ class PlanningInputs:
         make_optimizer: the config's optimizer, called with parameters.
         workload: one process's step (its switch settings are filled in here).
         device: where the run trains (on CUDA, an unset budget is the device's memory minus a margin).
+        fixed_bytes: the process's own cost on that device, measured when the run starts (what fits includes it).
     """
 
     build_model: Callable[[], nn.Module]
     make_optimizer: Callable[[Any], torch.optim.Optimizer]
     workload: Workload
     device: torch.device
+    fixed_bytes: int = 0
 
 
 def budget_gib(ac: ACConfig, device: torch.device) -> float:
@@ -192,15 +228,23 @@ def resolve_memory_plan(
     *,
     clip_grad_norm: Optional[float],
     planning: Optional[PlanningInputs] = None,
+    fsdp: Any = None,
+    optimizer: Optional[OptimizerSpec] = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "auto",
 ) -> MemoryPlan:
     """Resolve the memory switches for ``model`` (built, or on the meta device).
 
     Args:
         ac: the activation-checkpointing keys.
-        memory: the other switches' keys (a ``MemoryConfig``).
+        memory: the other switches' top-level keys (a ``MemoryConfig``).
         model: the model the run trains.
         clip_grad_norm: the config's value (clipping needs the total norm before any parameter is stepped).
         planning: what ``ac_mode: auto`` needs to estimate memory (required with auto only).
+        fsdp: the ``fsdp.*`` keys (an ``FSDPConfig``; None: their defaults).
+        optimizer: the config's optimizer (None: a plan for AC and the step alone, as tests build them).
+        dtype: the parameters' storage dtype.
+        device: the config's ``device`` value (``auto``, ``cpu``, ``cuda``).
 
     Returns:
         The plan.
@@ -213,8 +257,9 @@ def resolve_memory_plan(
     vocab_size = vocab_size_of(model)
     settings: dict[str, Any] = {}
     for switch in SWITCHES:
-        ctx = SwitchContext(model=model, vocab_size=vocab_size, clip_grad_norm=clip_grad_norm, settings=dict(settings))
-        settings[switch.name] = switch.resolve(switch_config(switch, ac, memory), ctx)
+        ctx = SwitchContext(model=model, vocab_size=vocab_size, clip_grad_norm=clip_grad_norm, settings=dict(settings),
+                            optimizer=optimizer, dtype=dtype, device=device)
+        settings[switch.name] = switch.resolve(switch_config(switch, ac, memory, fsdp), ctx)
     ac_plan = settings.pop(AC_SWITCH.name)
     if ac_plan is not None:
         return MemoryPlan(ac=ac_plan, settings=settings, vocab_size=vocab_size)
@@ -223,6 +268,6 @@ def resolve_memory_plan(
     budget = budget_gib(ac, planning.device)
     workload = planning.workload.with_settings(settings, clip_grad_norm=clip_grad_norm)
     estimate = choose_plan(planning.build_model, planning.make_optimizer, workload, budget,
-                           len(transformer_blocks(model)))
+                           len(transformer_blocks(model)), planning.fixed_bytes, planning.device)
     return MemoryPlan(ac=estimate.plan, settings=settings, vocab_size=vocab_size, budget_gib=budget,
                       estimate=estimate)

@@ -43,7 +43,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.memory.activation_checkpointing import (
     OP_OPTION,
     ACConfig,
@@ -52,7 +52,7 @@ from torchtune_ac.memory.activation_checkpointing import (
     apply_ac_plan,
     resolve_ac_plan,
 )
-from torchtune_ac.memory.switch import MemorySwitch, ModelSizes, discover_switches
+from torchtune_ac.memory.switch import Alternative, MemorySwitch, ModelSizes, discover_switches
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
@@ -124,10 +124,19 @@ class MemoryEstimate:
     peak_phase: str
     flops: float  # floating-point operations of the step (matrix multiplies and attention)
     host: int = 0  # bytes the switches keep in the host's memory instead (not in ``total``)
+    host_parts: Mapping[str, int] = field(default_factory=dict)  # ``host`` by category
+    fixed: int = 0  # the process's own cost on the device, before any tensor of the step (see ``device``)
 
     @property
     def total(self) -> int:
+        """The step's tensors at its peak: the five parts."""
         return self.parameters + self.optimizer + self.gradients + self.activations + self.transient
+
+    @property
+    def device(self) -> int:
+        """What the process needs on its device: the step's tensors and the process's fixed cost (on a CPU, the
+        resident set of its imports; on CUDA, the context and the allocator's reserve), measured when it starts."""
+        return self.total + self.fixed
 
     @property
     def step_peak(self) -> int:
@@ -202,6 +211,7 @@ class _LiveStorages(TorchDispatchMode):
         self.activations: set[int] = set()
         self.phase = PHASES[0]
         self.peaks = {phase: _Peak() for phase in PHASES}
+        self.block_input = 0  # bytes of a block's input (the hidden state of one micro-batch)
         self.flops = 0
         self._live = self._grad = self._root_grad = self._act = self._opt = 0
 
@@ -314,6 +324,11 @@ def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
     return sum(storages.values())
 
 
+def _shapes(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
+    """The shapes of ``tensors``, one per distinct storage (a tied weight once)."""
+    return tuple({t.untyped_storage()._cdata: tuple(t.shape) for t in tensors}.values())
+
+
 @dataclass(frozen=True)
 class _Simulation:
     """What one simulated step at one depth measured."""
@@ -327,6 +342,9 @@ class _Simulation:
     peaks: dict[str, _Peak]
     block_parameters: int  # the largest block's parameters
     root_parameters: int  # parameters outside the blocks
+    root_shapes: tuple[tuple[int, ...], ...]  # each parameter outside the blocks (a tied weight once)
+    block_shapes: tuple[tuple[int, ...], ...]  # each parameter of one block
+    block_input: int  # bytes of a block's input, one micro-batch's hidden state
 
 
 def _simulate(
@@ -350,6 +368,8 @@ def _simulate(
         # Registered before an optimizer in backward registers its own: a gradient is seen before it is freed.
         hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params]
         switches = workload.switch_settings()
+        for switch, setting in switches:
+            make_optimizer = switch.planner_optimizer(setting, make_optimizer)
         stepper = next((s for s in (switch.build_stepper(setting, make_optimizer, model) for switch, setting in switches)
                         if s is not None), None) or OptimizerStepper(make_optimizer(model.parameters()))
         objective = next((o for o in (switch.objective(setting) for switch, setting in switches) if o is not None),
@@ -388,6 +408,9 @@ def _simulate(
             saved_activations=saved[0], flops=tracker.flops, peaks=tracker.peaks,
             block_parameters=max(_nbytes(list(block.parameters())) for block in blocks),
             root_parameters=_nbytes([p for p in params if id(p) not in in_blocks]),
+            root_shapes=_shapes([p for p in params if id(p) not in in_blocks]),
+            block_shapes=_shapes(list(blocks[0].parameters())),
+            block_input=tracker.block_input,
         )
 
 
@@ -398,6 +421,7 @@ def _phase_hooks(blocks: nn.ModuleList, tracker: _LiveStorages) -> list[Any]:
     def first_input(module: nn.Module, args: tuple) -> None:
         tracker.enter("forward")
         x = args[0]
+        tracker.block_input = x.untyped_storage().nbytes()
         if x.requires_grad:
             x.register_hook(lambda grad: tracker.enter("rest of backward"))
 
@@ -442,36 +466,54 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
     phase = max(PHASES, key=lambda p: peaks[p][0])
     _, other, grads, acts = peaks[phase]
     parameters = at_depth(lambda s: s.parameters)
+    switches = workload.switch_settings()
+    sharded = n > 1 or any(switch.shard_options(setting) for switch, setting in switches)
+    gathered = 0
     fsdp_extra = 0.0
-    if n > 1:
+    if sharded:
         root = shallow.root_parameters
-        gathered = parameters - root if not workload.fsdp.reshard_after_forward else 2 * shallow.block_parameters
+        blocks = parameters - root if not workload.fsdp.reshard_after_forward else 2 * shallow.block_parameters
+        gathered = root + blocks
         reduce_factor = workload.fsdp.reduce_dtype.torch.itemsize / workload.dtype.torch.itemsize
         # Gathered parameters beyond the resident shards, and the reduce-scatter input of the largest group.
-        fsdp_extra = (root + gathered) * (n - 1) / n + max(shallow.block_parameters, root) * reduce_factor
-    # What the simulation cannot show, as each switch declares it.
-    sizes = ModelSizes(parameters=math.ceil(parameters), root_parameters=shallow.root_parameters,
-                       largest_block=shallow.block_parameters, optimizer_state=math.ceil(at_depth(lambda s: s.optimizer)),
-                       world_size=n)
-    device: dict[str, float] = {}
-    host = 0
-    for switch, setting in workload.switch_settings():
+        fsdp_extra = gathered * (n - 1) / n + max(shallow.block_parameters, root) * reduce_factor
+    device = {
+        "parameters": parameters / n,
+        "optimizer": at_depth(lambda s: s.optimizer) / n,
+        "gradients": grads,
+        "activations": acts,
+        "transient": other + fsdp_extra + shallow.batch,
+    }
+    # What the simulation cannot show, as each switch declares it, in the switches' order: each sees the estimate
+    # with the earlier ones' costs.
+    shapes = shallow.root_shapes + shallow.block_shapes * depth
+    host: dict[str, float] = {}
+    for switch, setting in switches:
+        sizes = ModelSizes(parameters=math.ceil(parameters), root_parameters=shallow.root_parameters,
+                           largest_block=shallow.block_parameters,
+                           optimizer_state=math.ceil(at_depth(lambda s: s.optimizer)), world_size=n, shapes=shapes,
+                           dtype=workload.dtype.torch, sharded=sharded, gathered_parameters=gathered,
+                           checkpointed_blocks=len(plan.checkpointed_blocks), block_input=shallow.block_input,
+                           max_gradients=math.ceil(max(peak[2] for peak in peaks.values())),
+                           so_far={category: math.ceil(nbytes) for category, nbytes in device.items()})
         cost = switch.planner_cost(setting, sizes)
         for category, nbytes in cost.device.items():
-            device[category] = device.get(category, 0) + nbytes
-        host += sum(cost.host.values())
+            device[category] += nbytes
+        for category, nbytes in cost.host.items():
+            host[category] = host.get(category, 0) + nbytes
     return MemoryEstimate(
         plan=plan,
-        parameters=math.ceil(parameters / n + device.get("parameters", 0)),
-        optimizer=math.ceil(at_depth(lambda s: s.optimizer) / n + device.get("optimizer", 0)),
-        gradients=math.ceil(grads + device.get("gradients", 0)),
-        activations=math.ceil(acts + device.get("activations", 0)),
-        transient=math.ceil(other + fsdp_extra + shallow.batch + device.get("transient", 0)),
+        parameters=math.ceil(device["parameters"]),
+        optimizer=math.ceil(device["optimizer"]),
+        gradients=math.ceil(device["gradients"]),
+        activations=math.ceil(device["activations"]),
+        transient=math.ceil(device["transient"]),
         saved_activations=math.ceil(at_depth(lambda s: s.saved_activations)),
         extra_flops=0.0,
         peak_phase=phase,
         flops=at_depth(lambda s: s.flops),
-        host=host,
+        host=math.ceil(sum(host.values())),
+        host_parts={category: math.ceil(nbytes) for category, nbytes in host.items()},
     )
 
 
@@ -511,17 +553,58 @@ def estimate_memory(
             for estimate in (_estimate_plan(build_model, make_optimizer, plan, workload, cache) for plan in plans)]
 
 
+def _alternatives(switch: MemorySwitch, setting: Any, device: torch.device) -> list[Alternative]:
+    """The switch's alternatives that can run on ``device`` (a CUDA-only switch suggests nothing for a CPU run)."""
+    usable = []
+    for alternative in switch.alternatives(setting):
+        try:
+            switch.check_device(alternative.setting, device)
+        except UnavailableError:
+            continue
+        usable.append(alternative)
+    return usable
+
+
+def switch_ablation(
+    build_model: Callable[[], nn.Module],
+    make_optimizer: Callable[[Any], torch.optim.Optimizer],
+    workload: Workload,
+    plan: ACPlan,
+    device: torch.device,
+    fixed: int = 0,
+) -> list[tuple[str, MemoryEstimate]]:
+    """The estimate of ``plan`` as ``workload`` has its switches, then with each switch's first alternative that runs
+    on ``device`` added to the ones before, in the switches' order (torchtune's ablation, from the planner):
+    ``(label, estimate)`` rows, the first labelled ``as configured``. ``fixed`` is the process's fixed cost
+    (``MemoryEstimate.fixed``)."""
+    rows = [("as configured", dataclasses.replace(_estimate_plan(build_model, make_optimizer, plan, workload, {}),
+                                                  fixed=fixed))]
+    for switch, setting in workload.switch_settings():
+        alternatives = _alternatives(switch, setting, device)
+        if not alternatives:
+            continue
+        alternative = alternatives[0]
+        workload = workload.with_settings({switch.name: alternative.setting}, **alternative.workload_changes)
+        estimate = _estimate_plan(build_model, make_optimizer, plan, workload, {})
+        rows.append((f"+ {alternative.label}", dataclasses.replace(estimate, fixed=fixed)))
+    return rows
+
+
 def choose_plan(
     build_model: Callable[[], nn.Module],
     make_optimizer: Callable[[Any], torch.optim.Optimizer],
     workload: Workload,
     budget_gib: float,
     n_layers: int,
+    fixed: int = 0,
+    device: torch.device = torch.device("cpu"),
 ) -> MemoryEstimate:
     """``ac_mode: auto``: the plan with the least recompute whose estimate fits ``budget_gib`` per process.
 
     Plans are tried in ``candidate_plans`` order (none, per-op, every k-th block, full) and the first that fits
-    wins, so no more plans are simulated than needed.
+    wins, so no more plans are simulated than needed. What fits is the step's estimate and the process's fixed
+    cost ``fixed`` (bytes, measured when the run starts: see ``MemoryEstimate.device``). ``device`` is where the
+    run trains: only the switches' alternatives that run there are suggested.
 
     Raises:
         UserError: no plan fits; one line saying how many GiB are missing even with full AC, and what each knob
@@ -533,8 +616,8 @@ def choose_plan(
     plans = candidate_plans(n_layers)
     estimate = None
     for plan in plans:
-        estimate = _estimate_plan(build_model, make_optimizer, plan, workload, cache)
-        if estimate.total <= budget:
+        estimate = dataclasses.replace(_estimate_plan(build_model, make_optimizer, plan, workload, cache), fixed=fixed)
+        if estimate.device <= budget:
             return estimate
     full = plans[-1]
     knobs = []
@@ -545,18 +628,19 @@ def choose_plan(
         alternatives.append((f"max_seq_len={workload.seq_len // 2}", {"seq_len": workload.seq_len // 2}))
     alternatives.append((f"{2 * workload.world_size} processes", {"world_size": 2 * workload.world_size}))
     for switch, setting in workload.switch_settings():
-        for alternative in switch.alternatives(setting):
+        for alternative in _alternatives(switch, setting, device):
             alternatives.append((alternative.label, {"settings": {switch.name: alternative.setting},
                                                      **alternative.workload_changes}))
     for label, change in alternatives:
         change = dict(change)
         changed = workload.with_settings(change.pop("settings", {}), **change)
-        total = _estimate_plan(build_model, make_optimizer, full, changed, {}).total
+        total = _estimate_plan(build_model, make_optimizer, full, changed, {}).total + fixed
         knobs.append(f"{label} {total / GiB:.2f} GiB")
+    own = f" ({fixed / GiB:.2f} of them the process's own)" if fixed else ""
     raise UserError(
         f"ac_mode=auto: no plan fits ac_memory_budget_gib={budget_gib:g}: even full AC needs an estimated "
-        f"{estimate.total / GiB:.2f} GiB per process, {(estimate.total - budget) / GiB:.2f} GiB too many; with full "
-        f"AC, {', '.join(knobs)} (see tune plan)"
+        f"{estimate.device / GiB:.2f} GiB per process{own}, {(estimate.device - budget) / GiB:.2f} GiB too many; "
+        f"with full AC, {', '.join(knobs)} (see tune plan)"
     )
 
 

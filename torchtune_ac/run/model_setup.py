@@ -2,8 +2,9 @@
 
     build on the meta device -> cast to the storage dtype -> the memory switches that change the model
     (activation checkpointing) -> compile (optional)
-    -> FSDP2 per block, then root (N > 1) -> allocate on the device -> load Hugging Face weights (each rank
-    reads only its own shard) or initialise from the seed.
+    -> FSDP2 per block, then root (N > 1, or one process when a memory switch works through FSDP2: CPU offload)
+    -> allocate on the device -> load Hugging Face weights (each rank reads only its own shard) or initialise
+    from the seed.
 
 AC comes first so that compile traces each checkpointed forward (per-op policy included) and the FSDP hooks
 wrap the checkpointed blocks; nothing is materialised before sharding, so no rank ever holds the full model.
@@ -24,7 +25,13 @@ from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models import load_hf_weights_
 from torchtune_ac.models.families import init_weights_, retie_parameters, transformer_blocks
 from torchtune_ac.models.llama import TransformerBlock
-from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, shard_model
+from torchtune_ac.runtime.distributed import (
+    DistributedContext,
+    FSDPConfig,
+    join_world_of_one,
+    parameter_device,
+    shard_model,
+)
 from torchtune_ac.runtime.dtypes import DType
 
 
@@ -48,7 +55,7 @@ def build_training_model(
         dtype: storage dtype of parameters.
         memory: the memory plan: every switch that changes the model (activation checkpointing) is applied
             before compile and sharding.
-        fsdp: FSDP2 settings (used when world size > 1).
+        fsdp: FSDP2 settings (used when the model is sharded).
         compile_blocks: ``torch.compile`` each block in place (state_dict keys unchanged).
         checkpoint_dir: the run's Hugging Face checkpoint: the weights when ``load_weights``, and the config.json
             of ``from_hf_config``; None to initialise from ``seed``.
@@ -57,7 +64,8 @@ def build_training_model(
         seed: seed for initialisation when there is no checkpoint.
 
     Returns:
-        The model on ``ctx.device`` in training mode.
+        The model in training mode, computing on ``ctx.device`` (its parameters kept on the CPU when a switch
+        offloads them there).
     """
     built = build_meta_model(model, checkpoint_dir).to(dtype.torch)
     blocks = transformer_blocks(built)
@@ -67,15 +75,18 @@ def build_training_model(
             silence_compiled_policy_warning()
         for block in blocks:
             block.compile()
-    if ctx.is_distributed:
-        shard_model(built, fsdp)
-    built.to_empty(device=ctx.device)
-    if not ctx.is_distributed:
+    options = memory.shard_options()
+    sharded = ctx.is_distributed or bool(options)
+    if sharded:
+        join_world_of_one(ctx.device)  # a single process shards on a world of one
+        shard_model(built, fsdp, options)
+    built.to_empty(device=parameter_device(options, ctx.device))
+    if not sharded:
         retie_parameters(built)  # FSDP keeps ties through to_empty; a plain module does not
     if load_weights and checkpoint_dir is not None:
         load_hf_weights_(built, checkpoint_dir)
     elif load_weights:
-        initialize_weights_(built, model, dtype=dtype.torch, seed=seed, sharded=ctx.is_distributed)
+        initialize_weights_(built, model, dtype=dtype.torch, seed=seed, sharded=sharded)
     built.train()
     return built
 

@@ -39,6 +39,7 @@ from torchtune_ac.observability.metric_logging import plain_config
 from torchtune_ac.run.messages import finished_epochs_not_extended, resharded
 from torchtune_ac.run.model_setup import build_training_model
 from torchtune_ac.runtime.distributed import DistributedContext, barrier, init_distributed
+from torchtune_ac.runtime.process_memory import follow_live_tensors
 from torchtune_ac.runtime.rank_agreement import check_same_config
 from torchtune_ac.training.objective import Objective
 from torchtune_ac.training.step import Stepper
@@ -63,12 +64,16 @@ class RunContext:
 
 def start_run(cfg: FullFinetuneConfig) -> RunContext:
     """Join the process group, run the start-up checks (their warnings are logged), and make sure every rank has
-    the same config and sees the same ``output_dir`` before anything is written.
+    the same config and sees the same ``output_dir`` before anything is written. On a CPU, the allocator is set
+    to give freed tensors back to the system (``follow_live_tensors``).
 
     Raises:
         UserError: a check failed, the ranks' configs differ, or ``output_dir`` is not shared.
     """
     ctx = init_distributed(cfg.device.value)
+    if ctx.device.type == "cpu":
+        # Resident memory then follows live tensors, as the planner's estimate (and ac_mode: auto's budget) does.
+        follow_live_tensors()
     logging.basicConfig(level=logging.INFO if ctx.is_rank_zero else logging.WARNING, format="%(message)s")
     report = preflight_full_finetune(cfg, strict=True, world_size=ctx.world_size)
     for warning in report.warnings:

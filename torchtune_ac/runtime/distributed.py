@@ -12,13 +12,13 @@ import ctypes.util
 import os
 import signal
 import sys
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from torchtune_ac.errors import UnavailableError
 from torchtune_ac.models.families import transformer_blocks
@@ -31,8 +31,9 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 class FSDPConfig:
     """FSDP2 settings (the ``fsdp.*`` config keys), used when the run has more than one process."""
 
-    # Free each block's gathered parameters after its forward (saves memory, re-gathers in backward).
-    reshard_after_forward: bool = True
+    # Free each block's gathered parameters after its forward (saves memory, re-gathers in backward). The
+    # metadata names torchtune's key for it (tune migrate reads it).
+    reshard_after_forward: bool = field(default=True, metadata={"torchtune": "fsdp_reshard_after_forward"})
     # Mixed precision: dtype of the gathered parameters used in forward/backward (null: same as `dtype`).
     param_dtype: Optional[DType] = None
     # dtype of the gradient reduce-scatter (fp32 keeps reductions exact when param_dtype is bf16).
@@ -90,8 +91,7 @@ def init_distributed(device: str) -> DistributedContext:
     if world_size > 1 and not dist.is_initialized():
         if resolved.type == "cuda":
             torch.cuda.set_device(resolved)
-        dist.init_process_group(backend="nccl" if resolved.type == "cuda" else "gloo", device_id=resolved
-                                if resolved.type == "cuda" else None)
+        dist.init_process_group(backend=_backend(resolved), device_id=resolved if resolved.type == "cuda" else None)
     return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank, device=resolved)
 
 
@@ -137,7 +137,32 @@ def all_reduce_sum(value: torch.Tensor, ctx: DistributedContext) -> torch.Tensor
     return value
 
 
-def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig()) -> None:
+def join_world_of_one(device: torch.device) -> None:
+    """Make this single process the one rank of a process group, so that FSDP2 can shard its model (a memory
+    switch that works through ``fully_shard``, such as CPU offload, applies to one process too). Does nothing
+    when a process group exists. ``destroy_distributed`` tears it down as any other."""
+    if dist.is_initialized():
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # An in-memory store: one rank has no one to meet, so no address or port is needed.
+    dist.init_process_group(backend=_backend(device), store=dist.HashStore(), rank=0, world_size=1,
+                            device_id=device if device.type == "cuda" else None)
+
+
+def _backend(device: torch.device) -> str:
+    """NCCL for CUDA tensors, with gloo beside it for CPU tensors: a model whose shards FSDP2 keeps in host memory
+    (CPU offload) reduces its gradient norm there. On a CPU, gloo."""
+    return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+
+
+def parameter_device(options: Mapping[str, Any], device: torch.device) -> torch.device:
+    """Where a sharded model's parameters are allocated: the CPU when ``options`` (``fully_shard`` arguments) keep
+    the shards there (``CPUOffloadPolicy``: FSDP2 copies each to ``device`` when it gathers it), else ``device``."""
+    return torch.device("cpu") if isinstance(options.get("offload_policy"), CPUOffloadPolicy) else device
+
+
+def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig(), options: Mapping[str, Any] = {}) -> None:
     """Apply FSDP2 (``fully_shard``) to each transformer block of ``model``, then to the root, in place.
 
     Call after activation checkpointing (and compile) are applied and before weights are loaded; parameters
@@ -147,13 +172,14 @@ def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig()) -> None:
         model: a model of a known family, or one with a ``layers`` ``nn.ModuleList`` of blocks.
         fsdp: resharding after forward, and the mixed-precision dtypes of gathered parameters and of the
             gradient reduce-scatter.
+        options: more ``fully_shard`` keyword arguments, as the memory switches give them (``offload_policy``).
     """
     mp_policy = MixedPrecisionPolicy(
         param_dtype=fsdp.param_dtype.torch if fsdp.param_dtype is not None else None,
         reduce_dtype=fsdp.reduce_dtype.torch,
     )
     for block in transformer_blocks(model):
-        fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=mp_policy)
+        fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=mp_policy, **options)
     # The root holds embeddings, final norm and output; its parameters are used last in forward, so
     # resharding them after forward would only re-gather them at once for backward.
-    fully_shard(model, reshard_after_forward=False, mp_policy=mp_policy)
+    fully_shard(model, reshard_after_forward=False, mp_policy=mp_policy, **options)

@@ -1,5 +1,7 @@
 """Schema validation: every problem is reported, each naming the key, the value and what is allowed."""
 
+import sys
+
 import pytest
 
 from torchtune_ac.config import ConfigError, DType, FullFinetuneConfig, validate_config
@@ -267,11 +269,32 @@ def test_paths_outside_the_default_components_are_refused_before_import(path, mo
         "torchtune_ac.data.load_tokenizer",
         "torchtune_ac.data.chat_dataset",
         "torchtune_ac.training.cosine_schedule_with_warmup",
+        # torchao's low-bit AdamW, by their exact paths (the last is private in torchao)
+        "torchao.optim.AdamW8bit",
+        "torchao.optim.AdamW4bit",
+        "torchao.optim._AdamW",
     ],
 )
 def test_default_components_are_allowed(path, monkeypatch):
     monkeypatch.delenv(ALLOWED_ENV_VAR, raising=False)
     assert callable(parse_component({"_component_": path}, "model").target())
+
+
+@pytest.mark.parametrize("path", ["torchao.optim.AdamWFp8", "torchao.optim.CPUOffloadOptimizer", "torchao.quantization.quantize_"])
+def test_other_torchao_objects_need_allowing(path, monkeypatch):
+    monkeypatch.delenv(ALLOWED_ENV_VAR, raising=False)
+    with pytest.raises(UserError, match=f"optimizer._component_={path}: not allowed"):
+        check_component_path(path, "optimizer")
+
+
+def test_a_missing_optional_package_is_a_user_error_naming_its_extra(monkeypatch):
+    monkeypatch.delenv(ALLOWED_ENV_VAR, raising=False)
+    for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "torchao", None)  # what `import torchao` meets when it is not installed
+    problems = problems_of(base_config(optimizer={"_component_": "torchao.optim.AdamW8bit", "lr": 1e-5}))
+    assert problems == ["optimizer._component_=torchao.optim.AdamW8bit: needs the torchao package, which is not "
+                        "installed: pip install 'torchtune_ac[ao]'"]
 
 
 def test_an_allowed_prefix_admits_what_it_defines_not_what_it_imported(monkeypatch):

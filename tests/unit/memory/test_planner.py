@@ -24,7 +24,9 @@ from torchtune_ac.memory.planner import (
     choose_plan,
     describe_setting,
     estimate_memory,
+    switch_ablation,
 )
+from torchtune_ac.memory.switch import OptimizerSpec
 from torchtune_ac.training import setup_activation_checkpointing
 from torchtune_ac.training.objective import cross_entropy_sum
 
@@ -152,6 +154,37 @@ def test_when_nothing_fits_the_error_says_how_much_is_missing_and_what_would_hel
     assert f"even full AC needs an estimated {full:.2f} GiB per process, {full * 0.5:.2f} GiB too many" in message
     for knob in ("batch_size=1", "max_seq_len=256", "2 processes", "optimizer_in_bwd=true", "loss_chunks=8"):
         assert knob in message
+
+
+def test_what_fits_includes_the_process_s_fixed_cost(small_estimates):
+    total = {describe_setting(e.plan): e.total for e in small_estimates}
+    budget = total["none"] * 1.0001
+    assert describe_setting(choose_plan(SMALL.instantiate, adamw, WORKLOAD, budget / GiB, 8).plan) == "none"
+    # The same budget with a process that holds the difference to the full-AC step already: only full AC fits.
+    fixed = int(budget - total["full"] * 1.0001)
+    chosen = choose_plan(SMALL.instantiate, adamw, WORKLOAD, budget / GiB, 8, fixed)
+    assert describe_setting(chosen.plan) == "full" and chosen.fixed == fixed and chosen.device == chosen.total + fixed
+    with pytest.raises(UserError, match=r"GiB per process \([0-9.]+ of them the process's own\), "):
+        choose_plan(SMALL.instantiate, adamw, WORKLOAD, budget / GiB, 8, int(budget))
+
+
+def test_the_ablation_adds_each_switch_to_the_ones_before_and_cuda_only_ones_only_on_cuda():
+    with torch.device("meta"):
+        model = SMALL.instantiate()
+    plan = resolve_memory_plan(ACConfig(ac_mode=ACMode.FULL), MemoryConfig(), model, clip_grad_norm=1.0,
+                               optimizer=OptimizerSpec("torch.optim.AdamW"), device="auto")
+    workload = WORKLOAD.with_settings(plan.settings, clip_grad_norm=1.0)
+    labels = {}
+    for device in ("cpu", "cuda"):
+        rows = switch_ablation(SMALL.instantiate, adamw, workload, plan.ac, torch.device(device), fixed=5)
+        labels[device] = [label for label, _ in rows]
+        assert all(e.fixed == 5 for _, e in rows)
+    cpu = ["as configured", "+ optimizer._component_=torchao.optim.AdamW8bit (the ao extra)",
+           "+ optimizer_in_bwd=true (with clip_grad_norm: null)", "+ loss_chunks=8"]
+    assert labels["cpu"] == cpu
+    assert labels["cuda"] == cpu + ["+ enable_activation_offloading=true", "+ fsdp.cpu_offload=true"]
+    *_, (_, offloaded) = rows
+    assert offloaded.parameters == offloaded.optimizer == 0 and offloaded.host > 0  # everything added by then
 
 
 def test_the_memory_plan_resolves_auto_through_the_planner():
