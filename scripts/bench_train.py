@@ -18,6 +18,16 @@ so that machine drift (other processes, thermals) hits both equally. Reports med
 the ratio ours / HF; the target is a ratio >= 1 for every setting. Two cross-checks for a shared machine are
 reported next to it: the same ratio from each side's fastest step, and from median process CPU time per step.
 Writes a JSON file and a bar chart.
+
+With ``--device cuda`` (``scripts/gpu_check.sh`` runs it) it measures the recipe's step alone on the GPU, in bf16
+with ``compile`` by default, for each AC setting: tokens/s, MFU (the model's FLOPs per second, counted as
+``6 x parameters x tokens`` plus attention's ``12 x layers x dim x seq_len x tokens``, recompute not counted, over
+the device's dense bf16 peak), and the peak allocated and reserved memory against the planner's estimate (the
+step's estimate plus the process's fixed cost measured before the model, as ``tune plan`` counts it). Targets: MFU
+>= 40 % on a 1B-class model; the estimate within 15 % of the reserved peak.
+
+    python scripts/bench_train.py --device cuda --model llama3_2_1b --batch-size 4 --seq-len 2048 \
+        --out-json bench_results/gpu_bench_train.json
 """
 
 from __future__ import annotations
@@ -79,7 +89,19 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-json", type=Path, default=REPO / "bench_results" / "bench_train.json")
     parser.add_argument("--out-png", type=Path, default=REPO / "docs" / "images" / "bench_train.png")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: the recipe's step alone on the GPU, with MFU and memory against the plan")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: fp32 on cpu, bf16 on cuda")
+    parser.add_argument("--compile", choices=("true", "false"), default=None,
+                        help="compile each block (default: false on cpu, true on cuda)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's dense bf16 peak (default: from its name, e.g. 989 for an H100 SXM)")
     args = parser.parse_args(argv)
+    args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    args.compile = (args.compile or ("true" if args.device == "cuda" else "false")) == "true"
+    if args.device == "cpu" and (args.dtype != "fp32" or args.compile):
+        parser.error("--dtype bf16 and --compile true are measured with --device cuda only (the CPU comparison with "
+                     "Hugging Face runs fp32, eager)")
     args.settings = [s.strip().lower() for s in args.settings.split(",")]
     unknown = [s for s in args.settings if s not in SETTINGS]
     if unknown or len(set(args.settings)) != len(args.settings):
@@ -292,8 +314,112 @@ def plot(report: dict, path: Path) -> None:
     save_figure(fig, path)
 
 
+# Dense bf16 peak FLOP/s by device name (NVIDIA's data sheets, without sparsity).
+BF16_PEAK_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0,
+                    "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "RTX 4090": 165.0, "A10": 125.0}
+PLAN_TARGET = 0.15
+MFU_TARGET = 0.40
+
+
+def device_peak_tflops(name: str, given: Optional[float]) -> float:
+    if given is not None:
+        return given
+    for key, value in BF16_PEAK_TFLOPS.items():
+        if key in name:
+            return value
+    raise SystemExit(f"bench_train: no known bf16 peak for {name!r}; pass --peak-tflops")
+
+
+def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
+    """Training FLOPs per token: 6 per parameter (forward and backward), and attention's scores and weighted
+    sum (``12 x layers x dim x seq_len``, causal masking not subtracted, as PaLM's MFU counts it)."""
+    args = model.args
+    n_params = sum(p.numel() for p in model.parameters())
+    return 6 * n_params + 12 * args.n_layers * args.dim * seq_len
+
+
+def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
+    """The recipe's build and step on one GPU for one AC setting: throughput, MFU and memory against the plan."""
+    from torchtune_ac.memory.planner import Workload, estimate_memory
+    from torchtune_ac.runtime.process_memory import fixed_bytes
+
+    device = torch.device("cuda")
+    dtype = DType.BF16 if args.dtype == "bf16" else DType.FP32
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    fixed = fixed_bytes(device)
+    ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=device)
+    component = Component(key="model", path=f"torchtune_ac.models.{args.model}")
+    plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting)), MemoryConfig(), build_meta_model(component),
+                               clip_grad_norm=None, dtype=dtype.torch, device="cuda")
+    model = build_training_model(component, ctx=ctx, dtype=dtype, memory=plan, fsdp=FSDPConfig(),
+                                 compile_blocks=args.compile, checkpoint_dir=None, seed=args.seed)
+    make_optimizer = Component(key="optimizer", path="torch.optim.AdamW",
+                               kwargs={**ADAMW_KWARGS, "fused": True}).instantiate
+    stepper = plan.build_stepper(make_optimizer, model)
+    batches = make_batches(args.warmup + args.steps, args.batch_size, args.seq_len, model.args.vocab_size, args.seed)
+    micro = [[{"tokens": t.to(device), "labels": shift_labels(t).to(device)}] for t in batches]
+    times, losses = [], []
+    for i, batch in enumerate(micro):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        losses.append(train_step(model, stepper, batch, ctx=ctx, objective=plan.objective()).loss)
+        torch.cuda.synchronize()
+        if i >= args.warmup:
+            times.append(time.perf_counter() - start)
+    allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
+    flops_per_token = model_flops_per_token(model, args.seq_len)
+    del model, stepper, micro
+
+    workload = Workload(args.batch_size, args.seq_len, dtype=dtype).with_settings(plan.settings)
+    (estimate,) = estimate_memory(component.instantiate, make_optimizer, workload, [plan.ac])
+    tokens = args.batch_size * args.seq_len
+    median = statistics.median(times)
+    peak = device_peak_tflops(torch.cuda.get_device_name(), args.peak_tflops) * 1e12
+    planned = estimate.total + fixed
+    return {"setting": setting, "plan": str(plan.ac), "median_step_time_s": median, "step_times_s": times,
+            "tokens_per_second": tokens / median, "mfu": flops_per_token * tokens / median / peak,
+            "losses": losses, "peak_allocated_gib": allocated / 2**30, "peak_reserved_gib": reserved / 2**30,
+            "fixed_gib": fixed / 2**30, "planned_step_gib": estimate.total / 2**30, "planned_gib": planned / 2**30,
+            "planned_over_reserved": planned / (reserved + fixed),
+            "planned_over_allocated": planned / (allocated + fixed)}
+
+
+def run_cuda_benchmark(args: argparse.Namespace) -> dict:
+    results = [run_cuda_setting(args, setting) for setting in tqdm(args.settings, desc="bench_train cuda",
+                                                                   file=sys.stderr)]
+    props = torch.cuda.get_device_properties(0)
+    return {"config": {"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
+                       "dtype": args.dtype, "compile": args.compile, "device": torch.cuda.get_device_name(),
+                       "device_memory_gib": props.total_memory / 2**30, "cuda": torch.version.cuda,
+                       "peak_tflops": device_peak_tflops(torch.cuda.get_device_name(), args.peak_tflops),
+                       "steps": args.steps, "warmup_steps": args.warmup, "torch": torch.__version__,
+                       "optimizer": {"name": "torch.optim.AdamW", **ADAMW_KWARGS, "fused": True},
+                       "targets": {"mfu": MFU_TARGET, "plan_within": PLAN_TARGET}},
+            "results": results}
+
+
+def format_cuda_table(report: dict) -> str:
+    cfg = report["config"]
+    lines = [f"{cfg['model']} on {cfg['device']}, batch {cfg['batch_size']} x {cfg['seq_len']}, {cfg['dtype']}, "
+             f"compile {cfg['compile']}",
+             f"{'AC':5} {'s/step':>7} {'tok/s':>9} {'MFU':>6} {'alloc GiB':>9} {'resv GiB':>9} {'fixed':>6} "
+             f"{'plan GiB':>8} {'plan/(resv+fixed)':>17}"]
+    for r in report["results"]:
+        lines.append(f"{r['setting']:5} {r['median_step_time_s']:7.3f} {r['tokens_per_second']:9.0f} "
+                     f"{r['mfu']:6.1%} {r['peak_allocated_gib']:9.2f} {r['peak_reserved_gib']:9.2f} "
+                     f"{r['fixed_gib']:6.2f} {r['planned_gib']:8.2f} {r['planned_over_reserved']:17.2f}")
+    return "\n".join(lines)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("bench_train --device cuda: no CUDA device")
+        report = run_cuda_benchmark(args)
+        write_report(report, format_cuda_table(report), args.out_json)
+        return
     report = run_benchmark(args)
     write_report(report, format_table(report), args.out_json, plot, args.out_png)
 
