@@ -6,8 +6,8 @@ device, torch and CUDA versions named.
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -39,4 +39,8 @@ def main(xml_path: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("xml", help="pytest's --junitxml output")
+    parser.add_argument("out", help="the JSON report to write")
+    args = parser.parse_args()
+    main(args.xml, args.out)
