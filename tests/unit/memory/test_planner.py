@@ -180,7 +180,7 @@ def test_the_ablation_adds_each_switch_to_the_ones_before_and_cuda_only_ones_onl
         labels[device] = [label for label, _ in rows]
         assert all(e.fixed == 5 for _, e in rows)
     cpu = ["as configured", "+ optimizer._component_=torchao.optim.AdamW8bit (the ao extra)",
-           "+ optimizer_in_bwd=true (with clip_grad_norm: null)", "+ loss_chunks=8"]
+           "+ optimizer_in_bwd=true (with clip_grad_norm: null, gradient_accumulation_steps: 1)", "+ loss_chunks=8"]
     assert labels["cpu"] == cpu
     assert labels["cuda"] == cpu + ["+ enable_activation_offloading=true", "+ fsdp.cpu_offload=true"]
     *_, (_, offloaded) = rows

@@ -56,7 +56,10 @@ class OptimizerInBackwardSwitch(SwitchDefaults):
     def alternatives(self, setting: bool) -> list[Alternative]:
         if setting:
             return []
-        return [Alternative("optimizer_in_bwd=true (with clip_grad_norm: null)", True, {"clip_grad_norm": None})]
+        # Gradients accumulated over micro-batches must live until the last one, so the step in backward frees
+        # them only without accumulation (torchtune requires that outright).
+        return [Alternative("optimizer_in_bwd=true (with clip_grad_norm: null, gradient_accumulation_steps: 1)", True,
+                            {"clip_grad_norm": None, "gradient_accumulation_steps": 1})]
 
     def resume_record(self, setting: bool) -> dict:
         # Recorded only when on, so runs from before the switch existed still resume.
