@@ -228,7 +228,8 @@ def run(cfg: FullFinetuneConfig) -> None:
     """Run the recipe; cleanup always runs (after a success, every rank shuts down together)."""
     recipe = FullFinetuneRecipe(cfg)
     # SIGTERM / Ctrl-C from here on: stop after the current step, with a checkpoint; output_dir is this run's alone
-    with recipe.stop, hold_output_dir(cfg.output_dir, init_distributed(cfg.device.value)):
+    with (recipe.stop,
+          hold_output_dir(cfg.output_dir, init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s))):
         try:
             recipe.setup()
             with logging_redirect_tqdm():

@@ -38,7 +38,12 @@ from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.observability.metric_logging import plain_config
 from torchtune_ac.run.messages import finished_epochs_not_extended, resharded
 from torchtune_ac.run.model_setup import build_training_model
-from torchtune_ac.runtime.distributed import DistributedContext, barrier, init_distributed
+from torchtune_ac.runtime.distributed import (
+    DistributedContext,
+    barrier,
+    init_distributed,
+    set_float32_matmul_precision,
+)
 from torchtune_ac.runtime.process_memory import follow_live_tensors
 from torchtune_ac.runtime.rank_agreement import check_same_config
 from torchtune_ac.training.objective import Objective
@@ -63,14 +68,16 @@ class RunContext:
 
 
 def start_run(cfg: FullFinetuneConfig) -> RunContext:
-    """Join the process group, run the start-up checks (their warnings are logged), and make sure every rank has
-    the same config and sees the same ``output_dir`` before anything is written. On a CPU, the allocator is set
-    to give freed tensors back to the system (``follow_live_tensors``).
+    """Join the process group (its collectives bounded by ``distributed_timeout_s``), run the start-up checks
+    (their warnings are logged), and make sure every rank has the same config and sees the same ``output_dir``
+    before anything is written. On CUDA, float32 matmuls run in TF32 unless ``allow_tf32`` is false; on a CPU,
+    the allocator is set to give freed tensors back to the system (``follow_live_tensors``).
 
     Raises:
         UserError: a check failed, the ranks' configs differ, or ``output_dir`` is not shared.
     """
-    ctx = init_distributed(cfg.device.value)
+    ctx = init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s)
+    set_float32_matmul_precision(ctx.device, allow_tf32=cfg.allow_tf32)
     if ctx.device.type == "cpu":
         # Resident memory then follows live tensors, as the planner's estimate (and ac_mode: auto's budget) does.
         follow_live_tensors()
