@@ -272,7 +272,7 @@ class ACConfig:
         ac_mode: the mode, or None when absent (then the switch decides: true means full).
         ac_option: the stride k or ``"op"`` (selective only), else None.
         ac_memory_budget_gib: with ``ac_mode: auto``, the memory per process the plan must fit in (GiB); None:
-            the device's memory minus a margin (CUDA only).
+            the device's free memory less a margin (CUDA only).
     """
 
     enable_activation_checkpointing: Optional[bool] = None
