@@ -13,7 +13,7 @@ order (``recipes/full_finetune.py``); another recipe composes the same ones.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -32,6 +32,7 @@ from torchtune_ac.checkpoint import (
 from torchtune_ac.config.preflight import PreflightReport, preflight_full_finetune, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.data import build_dataloader
+from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
 from torchtune_ac.data.sampler import evaluation_batches
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.plan import MemoryPlan
@@ -158,15 +159,26 @@ class RunData:
     total_steps: int
 
 
+def batch_padding(cfg: FullFinetuneConfig) -> dict[str, Any]:
+    """How batches are padded: compiled blocks get lengths that repeat (multiples of ``COMPILED_LENGTH_MULTIPLE``,
+    at most ``max_seq_len``), so that they are not recompiled for each new length; eager ones, the longest
+    sample's."""
+    if not cfg.compile:
+        return {"pad_to_multiple_of": 1}
+    return {"pad_to_multiple_of": COMPILED_LENGTH_MULTIPLE, "max_length": cfg.max_seq_len}
+
+
 def build_data(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext) -> RunData:
-    """The dataset, this rank's loader, and the run's length in optimizer steps.
+    """The dataset, this rank's loader (batches in pinned memory for a CUDA run, so that their copy to the GPU is
+    asynchronous; padded as ``batch_padding`` says), and the run's length in optimizer steps.
 
     Raises:
         UserError: the dataset has fewer batches per process than one optimizer step needs.
     """
     dataset = cfg.dataset.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
     loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.rank, world_size=ctx.world_size,
-                              shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id)
+                              shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id,
+                              **batch_padding(cfg), pin_memory=ctx.device.type == "cuda")
     batches_per_epoch = len(loader)
     steps_per_epoch = batches_per_epoch // cfg.gradient_accumulation_steps
     if cfg.max_steps_per_epoch is not None:
@@ -189,6 +201,7 @@ class ValidationData:
         every_n_steps: validate every this many optimizer steps; None: at the end of each epoch.
         pad_id: the tokenizer's padding id.
         ctx: this rank's place in the run.
+        padding: how batches are padded (``batch_padding``).
     """
 
     dataset: Any
@@ -196,11 +209,12 @@ class ValidationData:
     every_n_steps: Optional[int]
     pad_id: int
     ctx: DistributedContext
+    padding: dict[str, Any] = field(default_factory=dict)
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's batches of one pass (every sample once over all ranks; see ``evaluation_batches``)."""
         return evaluation_batches(self.dataset, batch_size=self.batch_size, pad_id=self.pad_id,
-                                  rank=self.ctx.rank, world_size=self.ctx.world_size)
+                                  rank=self.ctx.rank, world_size=self.ctx.world_size, **self.padding)
 
     def due(self, step: int, *, epoch_done: bool) -> bool:
         """Whether the step just finished is one to validate after."""
@@ -217,7 +231,7 @@ def build_validation(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedCo
     log.info("validation: %d samples, every %s", len(dataset),
              f"{cfg.run_val_every_n_steps} steps" if cfg.run_val_every_n_steps else "epoch")
     return ValidationData(dataset, cfg.batch_size_val or cfg.batch_size, cfg.run_val_every_n_steps,
-                          tokenizer.pad_id, ctx)
+                          tokenizer.pad_id, ctx, batch_padding(cfg))
 
 
 def build_scheduler(cfg: FullFinetuneConfig, stepper: Stepper, total_steps: int) -> Optional[Any]:
