@@ -43,7 +43,7 @@ from torchtune_ac.runtime.distributed import (
     DistributedContext,
     barrier,
     init_distributed,
-    set_float32_matmul_precision,
+    set_tf32,
 )
 from torchtune_ac.runtime.process_memory import follow_live_tensors
 from torchtune_ac.runtime.rank_agreement import check_same_config
@@ -78,7 +78,7 @@ def start_run(cfg: FullFinetuneConfig) -> RunContext:
         UserError: a check failed, the ranks' configs differ, or ``output_dir`` is not shared.
     """
     ctx = init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s)
-    set_float32_matmul_precision(ctx.device, allow_tf32=cfg.allow_tf32)
+    set_tf32(ctx.device, allow_tf32=cfg.allow_tf32)
     if ctx.device.type == "cpu":
         # Resident memory then follows live tensors, as the planner's estimate (and ac_mode: auto's budget) does.
         follow_live_tensors()

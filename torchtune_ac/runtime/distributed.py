@@ -124,7 +124,7 @@ def init_distributed(device: str, *, timeout_s: int = DEFAULT_TIMEOUT_S) -> Dist
     return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank, device=resolved)
 
 
-def set_float32_matmul_precision(device: torch.device, *, allow_tf32: bool) -> None:
+def set_tf32(device: torch.device, *, allow_tf32: bool) -> None:
     """On CUDA, let float32 matrix multiplies and cuDNN convolutions run in TF32 (``allow_tf32``), or not.
 
     torch's default is full float32 matmuls, which run several times slower than TF32 on Ampere and newer GPUs;

@@ -84,7 +84,7 @@ def test_a_local_rank_without_a_visible_gpu_is_one_line_naming_it(monkeypatch, v
 
 @pytest.fixture
 def tf32_flags():
-    """TF32 flags set to what ``set_float32_matmul_precision`` must change, restored afterwards (torch's
+    """TF32 flags set to what ``set_tf32`` must change, restored afterwards (torch's
     switches are properties, which monkeypatch cannot restore)."""
     saved = tf32()
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
