@@ -714,3 +714,28 @@ torch.save({{"support": attention.VARLEN_SUPPORT, "saved_ops": len(SAVED_OPS), "
     torch.testing.assert_close(out["logits"], logits.detach(), rtol=0, atol=0)
     for name, p in model.named_parameters():
         torch.testing.assert_close(out["grads"][name], p.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_flash_varlen_and_the_per_document_fallback_agree(monkeypatch, fresh_announcements):
+    """The real kernels (CUDA only; skipped here): one layer's packed attention in bf16 through ``varlen_attn``
+    (Flash Attention) and through the per-document SDPA path that a torch lacking it takes, from the same bf16
+    inputs. Both accumulate in fp32 and round the output to bf16, so they differ by bf16 rounding. Full heads
+    (no GQA) so that torch 2.11, whose ``varlen_attn`` has no ``enable_gqa=``, takes the varlen path too."""
+    if attention.VARLEN_SUPPORT.lacks(gqa=False):
+        pytest.skip(f"this torch lacks {attention.VARLEN_SUPPORT.lacks(gqa=False)}")
+    device = torch.device("cuda")
+    ids = PACKED_IDS.to(device)
+    b, s = ids.shape
+    generator = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(b, 4, s, 64, generator=generator, device=device, dtype=torch.bfloat16) for _ in "qkv")
+    runs = document_runs(ids)
+    assert runs.varlen_device
+    with CountOps({VARLEN}) as counter:
+        flash = causal_attention(q, k, v, dropout_p=0.0, runs=runs)
+    assert counter.count == 1
+    monkeypatch.setattr(attention, "VARLEN_SUPPORT", attention.detect_varlen_support(None))
+    with CountOps({VARLEN}) as counter:
+        per_document = causal_attention(q, k, v, dropout_p=0.0, runs=runs)
+    assert counter.count == 0
+    assert_close(per_document.float(), flash.float(), terms=attention_terms(64, s), dtype=torch.bfloat16)
