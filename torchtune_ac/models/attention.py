@@ -60,7 +60,7 @@ class VarlenSupport:
     Attributes:
         present: ``torch.nn.attention.varlen`` exists (torch 2.9 or newer).
         window_size: it takes ``window_size=``, the only way this module asks it for causal (and sliding-window)
-            attention (torch 2.11 or newer; before, ``is_causal=``).
+            attention (added in early 2026; before, ``is_causal=``).
         enable_gqa: it takes ``enable_gqa=``, grouped K/V as they are (torch 2.12 or newer).
     """
 
