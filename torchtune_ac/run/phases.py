@@ -39,12 +39,7 @@ from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.observability.metric_logging import plain_config
 from torchtune_ac.run.messages import finished_epochs_not_extended, resharded
 from torchtune_ac.run.model_setup import build_training_model
-from torchtune_ac.runtime.distributed import (
-    DistributedContext,
-    barrier,
-    init_distributed,
-    set_tf32,
-)
+from torchtune_ac.runtime.distributed import DistributedContext, barrier, init_distributed, set_tf32
 from torchtune_ac.runtime.process_memory import follow_live_tensors
 from torchtune_ac.runtime.rank_agreement import check_same_config
 from torchtune_ac.training.objective import Objective
