@@ -29,7 +29,7 @@ from torchtune_ac.config.preflight import preflight_full_finetune, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.models import hf_model_files
 from torchtune_ac.observability.metric_logging import RunLog, open_run_log
-from torchtune_ac.observability.metrics import peak_memory_gib
+from torchtune_ac.observability.metrics import MemoryPeaks
 from torchtune_ac.observability.progress import ProgressReporter
 from torchtune_ac.run import messages
 from torchtune_ac.run.phases import (
@@ -123,6 +123,7 @@ class FullFinetuneRecipe:
                                     enabled=ctx.is_rank_zero)
         started = time.perf_counter()
         first_step, last_loss = self.progress.step, float("nan")
+        peaks = MemoryPeaks(ctx.device)  # each logged line: the peaks since the line before
         if (stop := self.stop.agreed(ctx)) is not None:  # a signal during set-up: nothing new to save
             raise self.stopped(stop, saved=False)
         for epoch in range(self.progress.epoch, cfg.epochs):
@@ -164,7 +165,7 @@ class FullFinetuneRecipe:
                             "lr": lr,
                             "grad_norm": result.grad_norm,
                             "tokens_per_second": tokens_per_second,
-                            "peak_memory_gib": peak_memory_gib(ctx.device),
+                            **peaks.since_last(),
                             "tokens": result.input_tokens,
                             "target_tokens": result.target_tokens,
                             "step_time_s": elapsed,
@@ -190,7 +191,7 @@ class FullFinetuneRecipe:
             print(f"nothing to do: the run in {cfg.output_dir} already finished {self.progress.step} step(s)"
                   if steps == 0 else
                   f"done: {steps} step(s) in {time.perf_counter() - started:.1f} s, final loss {last_loss:.4f}, "
-                  f"peak memory {peak_memory_gib(ctx.device):.2f} GiB; checkpoints in {cfg.output_dir}", flush=True)
+                  f"peak memory {peaks.run_peak_gib():.2f} GiB; checkpoints in {cfg.output_dir}", flush=True)
 
     def save(self) -> None:
         path = save_checkpoint(
@@ -228,7 +229,8 @@ def run(cfg: FullFinetuneConfig) -> None:
     """Run the recipe; cleanup always runs (after a success, every rank shuts down together)."""
     recipe = FullFinetuneRecipe(cfg)
     # SIGTERM / Ctrl-C from here on: stop after the current step, with a checkpoint; output_dir is this run's alone
-    with recipe.stop, hold_output_dir(cfg.output_dir, init_distributed(cfg.device.value)):
+    with (recipe.stop,
+          hold_output_dir(cfg.output_dir, init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s))):
         try:
             recipe.setup()
             with logging_redirect_tqdm():

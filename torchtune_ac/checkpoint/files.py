@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
@@ -38,6 +39,17 @@ T = TypeVar("T")
 def process_group_active() -> bool:
     """Whether this process is one rank of an initialised default process group."""
     return dist.is_available() and dist.is_initialized()
+
+
+def host_barrier() -> None:
+    """Wait on the host until every rank of the default process group gets here, over its CPU backend (gloo).
+
+    The other ranks wait here while rank 0 alone writes, fsyncs and prunes; ``dist.barrier()`` on a group bound to
+    a GPU would wait on NCCL, whose watchdog counts that time. A sum of a CPU tensor goes to gloo (beside NCCL on
+    CUDA, see ``torchtune_ac.runtime.distributed``), as the object collectives here do. Bounded by the group's
+    timeout (``distributed_timeout_s``).
+    """
+    dist.all_reduce(torch.zeros(1))
 
 
 def is_writer_rank() -> bool:
@@ -164,7 +176,7 @@ def write_directory(
     try:
         write(tmp)
         if collective:
-            dist.barrier()  # every rank has written its files
+            host_barrier()  # every rank has written its files
             run_on_every_rank(finish, where=out_dir.parent)  # a failure of rank 0's rename reaches every rank
         else:
             finish()

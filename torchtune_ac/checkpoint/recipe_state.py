@@ -64,6 +64,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtune_ac.checkpoint.files import (
     CollectiveStepFailed,
     discard_directory,
+    host_barrier,
     is_writer_rank,
     process_group_active,
     read_json,
@@ -260,7 +261,7 @@ def _has_recipe_state(checkpoint: Path) -> bool:
 
 def _barrier() -> None:
     if process_group_active():
-        dist.barrier()
+        host_barrier()
 
 
 def save_checkpoint(

@@ -18,6 +18,7 @@ from typing import Optional
 from torchtune_ac.config.components import Component
 from torchtune_ac.memory.activation_checkpointing import ACConfig
 from torchtune_ac.memory.plan import FSDPConfig, MemoryConfig
+from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S
 from torchtune_ac.runtime.dtypes import DType
 
 __all__ = ["Device", "DType", "FSDPConfig", "FullFinetuneConfig"]
@@ -69,6 +70,11 @@ class FullFinetuneConfig:
     device: Device = Device.AUTO
     dtype: DType = DType.FP32
     compile: bool = field(default=False, metadata=SAME)
+    # On CUDA, float32 matrix multiplies and convolutions run in TF32 (10-bit mantissa inputs, float32 sums).
+    allow_tf32: bool = True
+    # How long a rank waits in one collective before the run fails: the others wait while rank 0 alone writes,
+    # fsyncs and prunes a checkpoint (NCCL's own default is 10 minutes).
+    distributed_timeout_s: int = field(default=DEFAULT_TIMEOUT_S, metadata=_min(1))
     # enable_activation_checkpointing, ac_mode, ac_option (top-level keys); the bound of ac_option (at most the
     # model's layer count) is checked once the model is built.
     ac: ACConfig = field(default_factory=ACConfig, metadata={"flatten": True})

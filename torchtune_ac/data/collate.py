@@ -6,9 +6,13 @@ import torch
 
 from torchtune_ac.data.samples import IGNORE_INDEX
 
+# Under ``compile: true``, batch lengths are rounded up to a multiple of this, so that a few shapes repeat instead
+# of a new one each step (each new shape costs a recompilation, and compiled kernels like lengths that divide).
+COMPILED_LENGTH_MULTIPLE = 64
+
 
 def collate_batch(
-    samples: list[dict[str, list[int]]], *, pad_id: int, pad_to_multiple_of: int = 1
+    samples: list[dict[str, list[int]]], *, pad_id: int, pad_to_multiple_of: int = 1, max_length: int | None = None
 ) -> dict[str, torch.Tensor]:
     """Right-pad samples to a common length and stack them.
 
@@ -16,6 +20,7 @@ def collate_batch(
         samples: Dicts with ``tokens`` and ``labels`` (and ``document_ids`` for packed samples, in all or none).
         pad_id: Token id for padding.
         pad_to_multiple_of: Round the batch length up to a multiple of this.
+        max_length: ...but not beyond this (the run's ``max_seq_len``), unless a sample is longer.
 
     Returns:
         ``tokens`` and ``labels`` as ``LongTensor[b, s]`` (labels padded with ``IGNORE_INDEX``), plus
@@ -33,6 +38,8 @@ def collate_batch(
         raise ValueError("some samples have document_ids and some do not")
     longest = max(len(sample["tokens"]) for sample in samples)
     length = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    if max_length is not None:
+        length = max(longest, min(length, max_length))
     batch = {
         "tokens": torch.full((len(samples), length), pad_id, dtype=torch.long),
         "labels": torch.full((len(samples), length), IGNORE_INDEX, dtype=torch.long),

@@ -149,6 +149,8 @@ def build_dataloader(
     seed: int = 0,
     drop_last: bool = True,
     pad_to_multiple_of: int = 1,
+    max_length: int | None = None,
+    pin_memory: bool = False,
 ) -> ShardedDataLoader:
     """Batches of this rank's shard, collated with :func:`collate_batch`, read in the main process.
 
@@ -161,7 +163,10 @@ def build_dataloader(
         shuffle: Permute the dataset each epoch.
         seed: Base seed of the permutation.
         drop_last: Leave out samples that do not fill a last global batch.
-        pad_to_multiple_of: Round each batch's length up to a multiple of this.
+        pad_to_multiple_of: Round each batch's length up to a multiple of this...
+        max_length: ...but not beyond this.
+        pin_memory: Put each batch in page-locked host memory (for a CUDA run: its copy to the GPU is then
+            asynchronous, as ``non_blocking=True`` asks).
 
     Returns:
         The loader; call ``set_epoch`` before each epoch and ``skip_steps`` to resume mid-epoch.
@@ -183,16 +188,19 @@ def build_dataloader(
     report = getattr(dataset, "report", None)
     if report and rank == 0:
         logger.warning(report)
-    collate = functools.partial(collate_batch, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of)
+    collate = functools.partial(collate_batch, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of,
+                                max_length=max_length)
     # A generator of its own: otherwise each iter() draws a seed from the global RNG, which would shift
     # dropout masks after a mid-epoch resume (the global RNG state is restored before iteration starts).
     return ShardedDataLoader(
-        dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0, generator=torch.Generator()
+        dataset, batch_sampler=sampler, collate_fn=collate, num_workers=0, generator=torch.Generator(),
+        pin_memory=pin_memory,
     )
 
 
 def evaluation_batches(
-    dataset: Dataset, *, batch_size: int, pad_id: int, rank: int = 0, world_size: int = 1
+    dataset: Dataset, *, batch_size: int, pad_id: int, rank: int = 0, world_size: int = 1,
+    pad_to_multiple_of: int = 1, max_length: int | None = None,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's batches of one pass over ``dataset`` in order, for an evaluation: every sample exactly once
     over all ranks.
@@ -200,7 +208,8 @@ def evaluation_batches(
     Every rank yields the same number of ``batch_size`` batches (a sharded model's forward is a collective, so
     ranks must run equally many). Rank ``r``'s batch ``t`` holds the samples at positions
     ``t*B + r*batch_size ...`` with ``B = batch_size * world_size``; positions past the end are filled with the
-    first sample with every label ignored, so they count towards no loss and no target.
+    first sample with every label ignored, so they count towards no loss and no target. Batches are padded as
+    ``collate_batch`` says (``pad_to_multiple_of``, ``max_length``).
 
     Raises:
         UserError: the dataset is empty, or ``batch_size`` is not positive.
@@ -219,4 +228,4 @@ def evaluation_batches(
                 filler = dict(dataset[0])
                 filler["labels"] = [IGNORE_INDEX] * len(filler["labels"])
                 samples.append(filler)
-        yield collate_batch(samples, pad_id=pad_id)
+        yield collate_batch(samples, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, max_length=max_length)

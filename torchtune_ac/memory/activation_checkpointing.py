@@ -35,11 +35,11 @@ from enum import Enum
 from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
-import torch.nn.attention.varlen  # noqa: F401  (registers torch.ops.torch_attn._varlen_attn)
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from torchtune_ac.errors import UserError
+from torchtune_ac.models.attention import VARLEN_OPS
 from torchtune_ac.models.families import transformer_blocks
 
 OP_OPTION = "op"
@@ -82,8 +82,9 @@ def _resolve_aten_ops(names: tuple[str, ...]) -> frozenset:
 # Ops whose outputs per-op AC keeps: every matrix multiply (nn.Linear lowers to mm on 2-D views, addmm with a
 # bias, bmm in the math attention path used e.g. with attention dropout on CPU), every fused SDPA kernel
 # (CPU flash, CUDA flash / memory-efficient / cuDNN; packed batches call them once per document) and
-# variable-length Flash Attention (packed batches on CUDA). ``aten.scaled_dot_product_attention`` itself is a
-# composite op that never reaches the policy: it dispatches to one of these kernels or to bmm + softmax.
+# variable-length Flash Attention (packed batches on CUDA, where torch has it: ``VARLEN_OPS``).
+# ``aten.scaled_dot_product_attention`` itself is a composite op that never reaches the policy: it dispatches to
+# one of these kernels or to bmm + softmax.
 # Everything else (norms, rotary, SiLU, element-wise products, dropout) is cheap to recompute.
 SAVED_OPS = _resolve_aten_ops(
     (
@@ -95,7 +96,7 @@ SAVED_OPS = _resolve_aten_ops(
         "_scaled_dot_product_efficient_attention.default",
         "_scaled_dot_product_cudnn_attention.default",
     )
-) | {torch.ops.torch_attn._varlen_attn.default}
+) | VARLEN_OPS
 
 
 def save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -271,7 +272,7 @@ class ACConfig:
         ac_mode: the mode, or None when absent (then the switch decides: true means full).
         ac_option: the stride k or ``"op"`` (selective only), else None.
         ac_memory_budget_gib: with ``ac_mode: auto``, the memory per process the plan must fit in (GiB); None:
-            the device's memory minus a margin (CUDA only).
+            the device's free memory less a margin (CUDA only).
     """
 
     enable_activation_checkpointing: Optional[bool] = None

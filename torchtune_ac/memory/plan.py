@@ -33,8 +33,8 @@ from torchtune_ac.runtime import distributed
 from torchtune_ac.training.objective import Objective
 from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper, Stepper
 
-# ac_mode: auto without a budget, on CUDA: the device's memory minus this share (the caching allocator's
-# fragmentation is not in the estimate; the context and what is reserved at the start are, as the fixed cost).
+# ac_mode: auto without a budget, on CUDA: this share of the device is left out of the budget, for what the
+# estimate does not hold (the caching allocator's fragmentation, buffers NCCL allocates at its first collectives).
 CUDA_BUDGET_MARGIN = 0.10
 
 SWITCHES: tuple[MemorySwitch, ...] = discover_switches()
@@ -192,7 +192,7 @@ class PlanningInputs:
         build_model: builds the model on the current default device (the planner calls it under fake tensors).
         make_optimizer: the config's optimizer, called with parameters.
         workload: one process's step (its switch settings are filled in here).
-        device: where the run trains (on CUDA, an unset budget is the device's memory minus a margin).
+        device: where the run trains (on CUDA, an unset budget is the device's free memory less a margin).
         fixed_bytes: the process's own cost on that device, measured when the run starts (what fits includes it).
     """
 
@@ -203,9 +203,15 @@ class PlanningInputs:
     fixed_bytes: int = 0
 
 
-def budget_gib(ac: ACConfig, device: torch.device) -> float:
-    """The memory per process an auto plan must fit in: ``ac_memory_budget_gib``, else (CUDA) the device's memory
-    minus ``CUDA_BUDGET_MARGIN``.
+def budget_gib(ac: ACConfig, device: torch.device, fixed_bytes: int = 0) -> float:
+    """The memory per process an auto plan must fit in: ``ac_memory_budget_gib``, else (CUDA) what the device has
+    for this process: the memory free now (``torch.cuda.mem_get_info``: the CUDA context, the communicators'
+    buffers, the caching allocator's reserve and other processes' memory are not in it), plus what the estimate
+    already counts as held (``fixed_bytes``, the process's fixed cost: counted once, in the estimate), less
+    ``CUDA_BUDGET_MARGIN`` of the device.
+
+    Args:
+        fixed_bytes: the fixed cost the estimates compared with this budget include (``PlanningInputs``).
 
     Raises:
         UserError: no budget on a CPU (there is no device memory to read).
@@ -215,10 +221,10 @@ def budget_gib(ac: ACConfig, device: torch.device) -> float:
     if device.type != "cuda":
         raise UserError(
             f"ac_mode=auto on {device.type}: set ac_memory_budget_gib, the memory per process the run must fit in "
-            "(on CUDA it defaults to the device's memory minus 10 %)"
+            "(on CUDA it defaults to the device's free memory, less 10 % of the device)"
         )
-    total = torch.cuda.get_device_properties(device).total_memory
-    return total * (1 - CUDA_BUDGET_MARGIN) / GiB
+    free, total = torch.cuda.mem_get_info(device)
+    return (free + fixed_bytes - CUDA_BUDGET_MARGIN * total) / GiB
 
 
 def resolve_memory_plan(
@@ -265,7 +271,7 @@ def resolve_memory_plan(
         return MemoryPlan(ac=ac_plan, settings=settings, vocab_size=vocab_size)
     if planning is None:
         raise ValueError("ac_mode=auto needs PlanningInputs to estimate the plans' memory")
-    budget = budget_gib(ac, planning.device)
+    budget = budget_gib(ac, planning.device, planning.fixed_bytes)
     workload = planning.workload.with_settings(settings, clip_grad_norm=clip_grad_norm)
     estimate = choose_plan(planning.build_model, planning.make_optimizer, workload, budget,
                            len(transformer_blocks(model)), planning.fixed_bytes, planning.device)

@@ -11,7 +11,8 @@ handed to the kernel as they are (``enable_gqa``), never copied per query head.
 * no ``document_ids``: one causal ``scaled_dot_product_attention`` call over the whole batch;
 * packed, CUDA, fp16/bf16, no attention dropout: one ``torch.nn.attention.varlen.varlen_attn`` call (Flash
   Attention over all documents of the batch at once, from the same offsets);
-* packed otherwise (CPU; CUDA with fp32 or attention dropout, which ``varlen_attn`` does not do): one causal
+* packed otherwise (CPU; CUDA with fp32 or attention dropout, which ``varlen_attn`` does not do; a torch whose
+  ``varlen_attn`` lacks what the call needs, announced once, see ``VarlenSupport``): one causal
   ``scaled_dot_product_attention`` call per document. Splitting the flattened batch with ``split`` keeps the
   backward to a single concatenation of the per-document gradients.
 
@@ -30,17 +31,70 @@ path, which is traced whole, stay compiled.
 
 from __future__ import annotations
 
+import functools
+import inspect
+import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.varlen import varlen_attn
+
+try:
+    from torch.nn.attention.varlen import varlen_attn  # torch 2.9 or newer
+except ImportError:
+    varlen_attn = None
+
+log = logging.getLogger(__name__)
 
 # Flash Attention (behind ``varlen_attn``) takes half-precision inputs only, has no dropout, and needs an
 # Ampere or newer GPU.
 _VARLEN_DTYPES = (torch.float16, torch.bfloat16)
 _VARLEN_MIN_CAPABILITY = (8, 0)
+
+
+@dataclass(frozen=True)
+class VarlenSupport:
+    """What this torch's ``varlen_attn`` can do, read from its signature (``detect_varlen_support``).
+
+    Attributes:
+        present: ``torch.nn.attention.varlen`` exists (torch 2.9 or newer).
+        window_size: it takes ``window_size=``, the only way this module asks it for causal (and sliding-window)
+            attention (added in early 2026; before, ``is_causal=``).
+        enable_gqa: it takes ``enable_gqa=``, grouped K/V as they are (torch 2.12 or newer).
+    """
+
+    present: bool
+    window_size: bool
+    enable_gqa: bool
+
+    def lacks(self, *, gqa: bool) -> tuple[str, ...]:
+        """What a call for causal attention (grouped K/V when ``gqa``) needs and this torch lacks; () if nothing."""
+        if not self.present:
+            return ("torch.nn.attention.varlen",)
+        missing = () if self.window_size else ("varlen_attn(window_size=)",)
+        return missing + (("varlen_attn(enable_gqa=)",) if gqa and not self.enable_gqa else ())
+
+
+def detect_varlen_support(function: Optional[Callable[..., Any]]) -> VarlenSupport:
+    """Read ``function``'s (``varlen_attn``'s, or None where torch has none) keyword arguments."""
+    if function is None:
+        return VarlenSupport(present=False, window_size=False, enable_gqa=False)
+    parameters = inspect.signature(function).parameters
+    return VarlenSupport(present=True, window_size="window_size" in parameters, enable_gqa="enable_gqa" in parameters)
+
+
+VARLEN_SUPPORT = detect_varlen_support(varlen_attn)
+# The op behind ``varlen_attn`` (for per-op AC's policy), where torch has it.
+VARLEN_OPS = frozenset({torch.ops.torch_attn._varlen_attn.default}) if VARLEN_SUPPORT.present else frozenset()
+
+
+@torch.compiler.disable
+@functools.lru_cache(maxsize=None)
+def _announce_per_document_fallback(missing: tuple[str, ...]) -> None:
+    """Say once per process (per missing set) that packed batches on this GPU take the slower, exact path."""
+    log.warning("torch %s lacks %s: packed batches use one attention call per document (the same result, slower; "
+                "torch 2.12 or newer has all of varlen_attn)", torch.__version__, " and ".join(missing))
 
 
 @dataclass(frozen=True, eq=False)
@@ -124,7 +178,10 @@ def causal_attention(
         out = _causal_sdpa(q, k, v, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window)
         return out.transpose(1, 2)  # [b, s, n_heads, hd]
     if runs.varlen_device and dropout_p == 0.0 and q.dtype in _VARLEN_DTYPES:
-        return _varlen_document_attention(q, k, v, runs, gqa, scale, window)
+        missing = VARLEN_SUPPORT.lacks(gqa=gqa)
+        if not missing:
+            return _varlen_document_attention(q, k, v, runs, gqa, scale, window)
+        _announce_per_document_fallback(missing)
     return _per_document_attention(q, k, v, runs=runs, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window)
 
 

@@ -13,7 +13,7 @@ order (``recipes/full_finetune.py``); another recipe composes the same ones.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -32,13 +32,14 @@ from torchtune_ac.checkpoint import (
 from torchtune_ac.config.preflight import PreflightReport, preflight_full_finetune, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.data import build_dataloader
+from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
 from torchtune_ac.data.sampler import evaluation_batches
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.observability.metric_logging import plain_config
 from torchtune_ac.run.messages import finished_epochs_not_extended, resharded
 from torchtune_ac.run.model_setup import build_training_model
-from torchtune_ac.runtime.distributed import DistributedContext, barrier, init_distributed
+from torchtune_ac.runtime.distributed import DistributedContext, barrier, init_distributed, set_tf32
 from torchtune_ac.runtime.process_memory import follow_live_tensors
 from torchtune_ac.runtime.rank_agreement import check_same_config
 from torchtune_ac.training.objective import Objective
@@ -63,14 +64,16 @@ class RunContext:
 
 
 def start_run(cfg: FullFinetuneConfig) -> RunContext:
-    """Join the process group, run the start-up checks (their warnings are logged), and make sure every rank has
-    the same config and sees the same ``output_dir`` before anything is written. On a CPU, the allocator is set
-    to give freed tensors back to the system (``follow_live_tensors``).
+    """Join the process group (its collectives bounded by ``distributed_timeout_s``), run the start-up checks
+    (their warnings are logged), and make sure every rank has the same config and sees the same ``output_dir``
+    before anything is written. On CUDA, float32 matmuls run in TF32 unless ``allow_tf32`` is false; on a CPU,
+    the allocator is set to give freed tensors back to the system (``follow_live_tensors``).
 
     Raises:
         UserError: a check failed, the ranks' configs differ, or ``output_dir`` is not shared.
     """
-    ctx = init_distributed(cfg.device.value)
+    ctx = init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s)
+    set_tf32(ctx.device, allow_tf32=cfg.allow_tf32)
     if ctx.device.type == "cpu":
         # Resident memory then follows live tensors, as the planner's estimate (and ac_mode: auto's budget) does.
         follow_live_tensors()
@@ -151,15 +154,26 @@ class RunData:
     total_steps: int
 
 
+def batch_padding(cfg: FullFinetuneConfig) -> dict[str, Any]:
+    """How batches are padded: compiled blocks get lengths that repeat (multiples of ``COMPILED_LENGTH_MULTIPLE``,
+    at most ``max_seq_len``), so that they are not recompiled for each new length; eager ones, the longest
+    sample's."""
+    if not cfg.compile:
+        return {"pad_to_multiple_of": 1}
+    return {"pad_to_multiple_of": COMPILED_LENGTH_MULTIPLE, "max_length": cfg.max_seq_len}
+
+
 def build_data(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext) -> RunData:
-    """The dataset, this rank's loader, and the run's length in optimizer steps.
+    """The dataset, this rank's loader (batches in pinned memory for a CUDA run, so that their copy to the GPU is
+    asynchronous; padded as ``batch_padding`` says), and the run's length in optimizer steps.
 
     Raises:
         UserError: the dataset has fewer batches per process than one optimizer step needs.
     """
     dataset = cfg.dataset.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
     loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.rank, world_size=ctx.world_size,
-                              shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id)
+                              shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id,
+                              **batch_padding(cfg), pin_memory=ctx.device.type == "cuda")
     batches_per_epoch = len(loader)
     steps_per_epoch = batches_per_epoch // cfg.gradient_accumulation_steps
     if cfg.max_steps_per_epoch is not None:
@@ -182,6 +196,7 @@ class ValidationData:
         every_n_steps: validate every this many optimizer steps; None: at the end of each epoch.
         pad_id: the tokenizer's padding id.
         ctx: this rank's place in the run.
+        padding: how batches are padded (``batch_padding``).
     """
 
     dataset: Any
@@ -189,11 +204,12 @@ class ValidationData:
     every_n_steps: Optional[int]
     pad_id: int
     ctx: DistributedContext
+    padding: dict[str, Any] = field(default_factory=dict)
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's batches of one pass (every sample once over all ranks; see ``evaluation_batches``)."""
         return evaluation_batches(self.dataset, batch_size=self.batch_size, pad_id=self.pad_id,
-                                  rank=self.ctx.rank, world_size=self.ctx.world_size)
+                                  rank=self.ctx.rank, world_size=self.ctx.world_size, **self.padding)
 
     def due(self, step: int, *, epoch_done: bool) -> bool:
         """Whether the step just finished is one to validate after."""
@@ -210,7 +226,7 @@ def build_validation(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedCo
     log.info("validation: %d samples, every %s", len(dataset),
              f"{cfg.run_val_every_n_steps} steps" if cfg.run_val_every_n_steps else "epoch")
     return ValidationData(dataset, cfg.batch_size_val or cfg.batch_size, cfg.run_val_every_n_steps,
-                          tokenizer.pad_id, ctx)
+                          tokenizer.pad_id, ctx, batch_padding(cfg))
 
 
 def build_scheduler(cfg: FullFinetuneConfig, stepper: Stepper, total_steps: int) -> Optional[Any]:

@@ -2,7 +2,14 @@
 
 A single process is a world of size 1: the same functions run, they just skip the collectives. Under
 PyTorch's elastic launcher (``tune run --nproc_per_node N``) the process group is initialised from the
-environment it sets: NCCL on CUDA, gloo on CPU.
+environment it sets: on CUDA NCCL for CUDA tensors with gloo beside it for CPU tensors, on CPU gloo.
+
+Host-side collectives run on gloo, never NCCL: torch sends object collectives (``broadcast_object_list``,
+``all_gather_object``, which the checkpoint code, the output lock and the config agreement use) to a group's CPU
+backend when it has one, and ``barrier``/``host_barrier`` here (and the checkpoint package's) reduce a CPU
+tensor, since ``dist.barrier()`` on a group bound to a GPU runs on NCCL. While rank 0 alone writes, fsyncs and
+prunes a checkpoint, the others wait there, where NCCL's watchdog does not look; every wait is bounded by the
+group's ``timeout`` (``distributed_timeout_s``).
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import os
 import signal
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any, Mapping, Optional
 
 import torch
@@ -58,29 +66,49 @@ class DistributedContext:
         return self.world_size > 1
 
 
+# ``distributed_timeout_s``'s default: room for rank 0 to write, fsync and prune a large checkpoint while the
+# other ranks wait (NCCL's own default, 10 minutes, is not).
+DEFAULT_TIMEOUT_S = 1800
+
+
 def resolve_device(device: str, local_rank: int = 0) -> torch.device:
-    """``auto`` -> CUDA when present, else CPU; ``cuda`` -> this process's GPU.
+    """``auto`` -> CUDA when present, else CPU; ``cuda`` -> this process's GPU (``cuda:<local_rank>``).
 
     Raises:
-        UnavailableError: ``cuda`` was asked for on a machine without CUDA.
+        UnavailableError: ``cuda`` was asked for on a machine without CUDA, or ``local_rank`` is not one of the
+            GPUs this process sees (more processes per node than visible GPUs: under Slurm, often a
+            ``CUDA_VISIBLE_DEVICES`` that gives each task one GPU while ``LOCAL_RANK`` counts the node's tasks).
     """
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
             raise UnavailableError("device=cuda: CUDA is not available on this machine (use device=cpu or device=auto)")
+        count = torch.cuda.device_count()
+        if local_rank >= count:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            raise UnavailableError(
+                f"LOCAL_RANK={local_rank}: this process sees {count} GPU(s) (CUDA_VISIBLE_DEVICES="
+                f"{'unset' if visible is None else repr(visible)}), so there is no GPU {local_rank} for it; start at "
+                "most as many processes per node as it has visible GPUs (--nproc_per_node), and let every process "
+                "see all of the node's GPUs"
+            )
         return torch.device("cuda", local_rank)
     return torch.device(device)
 
 
-def init_distributed(device: str) -> DistributedContext:
+def init_distributed(device: str, *, timeout_s: int = DEFAULT_TIMEOUT_S) -> DistributedContext:
     """Initialise the process group if this process was started by the elastic launcher.
 
     Args:
         device: ``auto``, ``cpu`` or ``cuda`` (the config's ``device``).
+        timeout_s: how long a collective may wait before it fails (``distributed_timeout_s``), for NCCL and gloo.
 
     Returns:
         The context; world size 1 (and no process group) when not launched with several processes.
+
+    Raises:
+        UnavailableError: the device cannot be had (see ``resolve_device``).
     """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -91,8 +119,22 @@ def init_distributed(device: str) -> DistributedContext:
     if world_size > 1 and not dist.is_initialized():
         if resolved.type == "cuda":
             torch.cuda.set_device(resolved)
-        dist.init_process_group(backend=_backend(resolved), device_id=resolved if resolved.type == "cuda" else None)
+        dist.init_process_group(backend=_backend(resolved), timeout=timedelta(seconds=timeout_s),
+                                device_id=resolved if resolved.type == "cuda" else None)
     return DistributedContext(rank=rank, world_size=world_size, local_rank=local_rank, device=resolved)
+
+
+def set_tf32(device: torch.device, *, allow_tf32: bool) -> None:
+    """On CUDA, let float32 matrix multiplies and cuDNN convolutions run in TF32 (``allow_tf32``), or not.
+
+    torch's default is full float32 matmuls, which run several times slower than TF32 on Ampere and newer GPUs;
+    TF32 rounds the inputs to a 10-bit mantissa and sums in float32. Nothing is set on a CPU, where these
+    switches do nothing and ``allow_tf32`` is left as torch has it.
+    """
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    torch.backends.cudnn.allow_tf32 = allow_tf32
 
 
 def _exit_with_launcher() -> None:
@@ -120,13 +162,24 @@ def destroy_distributed(*, synchronize: bool = False) -> None:
     """
     if dist.is_available() and dist.is_initialized():
         if synchronize:
-            dist.barrier()
+            host_barrier()
         dist.destroy_process_group()
 
 
 def barrier(ctx: DistributedContext) -> None:
+    """Wait until every rank gets here (``host_barrier``); nothing in a world of one."""
     if ctx.is_distributed:
-        dist.barrier()
+        host_barrier()
+
+
+def host_barrier() -> None:
+    """Wait on the host until every rank of the default process group gets here, over gloo.
+
+    A sum of a CPU tensor, which the group hands to its CPU backend (gloo, beside NCCL on CUDA): ``dist.barrier()``
+    on a group bound to a GPU would run on NCCL, whose watchdog then counts rank 0's checkpoint writing against
+    the others. Bounded by the group's timeout.
+    """
+    dist.all_reduce(torch.zeros(1))
 
 
 def all_reduce_sum(value: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
@@ -151,8 +204,8 @@ def join_world_of_one(device: torch.device) -> None:
 
 
 def _backend(device: torch.device) -> str:
-    """NCCL for CUDA tensors, with gloo beside it for CPU tensors: a model whose shards FSDP2 keeps in host memory
-    (CPU offload) reduces its gradient norm there. On a CPU, gloo."""
+    """NCCL for CUDA tensors, with gloo beside it for CPU tensors: the host-side collectives (objects, barriers)
+    and, for a model whose shards FSDP2 keeps in host memory (CPU offload), its gradient norm. On a CPU, gloo."""
     return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
 

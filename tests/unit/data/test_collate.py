@@ -25,6 +25,18 @@ def test_collate_pads_right(multiple, expected_tokens, expected_labels):
     assert batch["labels"].tolist() == expected_labels
 
 
+@pytest.mark.parametrize("multiple, max_length, length", [
+    (4, None, 4), (4, 3, 3),  # rounded up, but not past max_length
+    (4, 2, 3),  # a sample longer than max_length is not cut
+    (64, 40, 40), (64, 100, 64),
+])
+def test_collate_rounds_up_to_the_multiple_but_not_past_max_length(multiple, max_length, length):
+    samples = [{"tokens": [5, 6, 7], "labels": [6, 7, M]}, {"tokens": [8], "labels": [M]}]
+    batch = collate_batch(samples, pad_id=0, pad_to_multiple_of=multiple, max_length=max_length)
+    assert batch["tokens"].shape == batch["labels"].shape == (2, length)
+    assert batch["labels"][:, 3:].eq(M).all() and batch["tokens"][:, 3:].eq(0).all()
+
+
 def test_collate_keeps_document_ids_and_gives_padding_its_own():
     samples = [
         {"tokens": [1, 2, 3], "labels": [2, 3, M], "document_ids": [0, 0, 1]},

@@ -221,3 +221,22 @@ def test_auto_needs_a_budget_on_cpu_and_cannot_be_applied_directly():
         budget_gib(ACConfig(ac_mode=ACMode.AUTO), torch.device("cpu"))
     with pytest.raises(ACConfigError, match="chosen by the memory planner"):
         setup_activation_checkpointing(SMALL.instantiate(), ac_mode="auto")
+
+
+def test_the_default_cuda_budget_is_the_free_memory_with_the_fixed_cost_counted_once(monkeypatch):
+    """CUDA stood in for: 30 of 80 GiB free when the run starts. Whatever the estimate counts as the process's
+    fixed cost (nothing; a context; everything in use, other processes included), what is left for the step is
+    the free memory less 10 % of the device; a given budget is taken as it is."""
+    free, total = 30 * GiB, 80 * GiB
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, total))
+    cuda = torch.device("cuda", 0)
+    auto = ACConfig(ac_mode=ACMode.AUTO)
+    for fixed in (0, GiB // 2, total - free):
+        assert budget_gib(auto, cuda, fixed) * GiB - fixed == pytest.approx(free - 0.1 * total, abs=1)
+    assert budget_gib(ACConfig(ac_mode=ACMode.AUTO, ac_memory_budget_gib=12), cuda, 5 * GiB) == 12
+    with torch.device("meta"):
+        model = SMALL.instantiate()
+    inputs = PlanningInputs(SMALL.instantiate, adamw, WORKLOAD, cuda, fixed_bytes=total - free)
+    plan = resolve_memory_plan(auto, MemoryConfig(), model, clip_grad_norm=None, planning=inputs)
+    assert plan.budget_gib == pytest.approx(0.9 * total / GiB)
+    assert plan.estimate.device == plan.estimate.total + total - free  # the fixed cost, once, in the estimate

@@ -5,6 +5,10 @@ every activation-checkpointing mode, and compiled."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -580,3 +584,158 @@ def test_compiled_sliding_window_blocks_match_eager():
     assert_same(forward_backward(model, tokens, None), forward_backward(eager, tokens, None))
     assert graphs == [graphs[0]] * len(graphs)
     torch._dynamo.reset()
+
+
+# ---- torch versions whose varlen_attn lacks what the call needs: detected, and the per-document path instead ----
+
+
+def varlen_of_torch_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None,
+                         scale=None):
+    """``varlen_attn``'s signature before sliding windows (``is_causal=``, no ``window_size=``)."""
+    raise AssertionError("a signature, never called")
+
+
+def varlen_of_torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                         window_size=(-1, -1)):
+    """``varlen_attn``'s signature with sliding windows but without ``enable_gqa=``."""
+    raise AssertionError("a signature, never called")
+
+
+@pytest.mark.parametrize("function, support, lacks_for_gqa", [
+    (None, attention.VarlenSupport(False, False, False), ("torch.nn.attention.varlen",)),
+    (varlen_of_torch_2_10, attention.VarlenSupport(True, False, False),
+     ("varlen_attn(window_size=)", "varlen_attn(enable_gqa=)")),
+    (varlen_of_torch_2_11, attention.VarlenSupport(True, True, False), ("varlen_attn(enable_gqa=)",)),
+    (varlen_attn, attention.VarlenSupport(True, True, True), ()),
+])
+def test_what_varlen_attn_can_do_is_read_from_its_signature(function, support, lacks_for_gqa):
+    assert attention.detect_varlen_support(function) == support
+    assert support.lacks(gqa=True) == lacks_for_gqa
+    assert support.lacks(gqa=False) == tuple(m for m in lacks_for_gqa if m != "varlen_attn(enable_gqa=)")
+
+
+@pytest.fixture
+def fresh_announcements():
+    attention._announce_per_document_fallback.__wrapped__.cache_clear()
+    yield
+    attention._announce_per_document_fallback.__wrapped__.cache_clear()
+
+
+@pytest.mark.parametrize("function", [None, varlen_of_torch_2_10, varlen_of_torch_2_11])
+def test_a_torch_without_what_varlen_needs_takes_the_per_document_path_with_the_same_result(
+        varlen_on_cpu, monkeypatch, caplog, fresh_announcements, function):
+    """On a GPU batch (simulated: ``with_varlen_device``, torch's varlen ops given CPU kernels), the path follows
+    the detected support: with all of ``varlen_attn`` one varlen call per layer; on a torch that lacks it (the
+    support detected from an older signature, or from none) no varlen call, the per-document path, the same
+    logits and gradients within rounding (the two add in other orders), and one warning over several steps.
+    Flash Attention itself (the real kernels) needs a GPU: there the same choice is made by the same detection."""
+    with_varlen_device(monkeypatch)
+    tokens = tokens_for(PACKED_IDS)
+    with CountOps({VARLEN}) as counter:
+        expected = forward_backward(build(), tokens, PACKED_IDS)
+    assert counter.count == 2
+    monkeypatch.setattr(attention, "VARLEN_SUPPORT", attention.detect_varlen_support(function))
+    model = build()
+    with caplog.at_level("WARNING", logger=attention.__name__), CountOps({VARLEN}) as counter:
+        actual = forward_backward(model, tokens, PACKED_IDS)
+        forward_backward(model, tokens, PACKED_IDS)
+    assert counter.count == 0
+    assert_same(actual, expected)
+    warnings = [r.getMessage() for r in caplog.records if r.name == attention.__name__]
+    assert len(warnings) == 1 and "one attention call per document" in warnings[0]
+
+
+def test_without_enable_gqa_only_grouped_kv_takes_the_per_document_path(varlen_on_cpu, monkeypatch,
+                                                                        fresh_announcements):
+    with_varlen_device(monkeypatch)
+    monkeypatch.setattr(attention, "VARLEN_SUPPORT", attention.detect_varlen_support(varlen_of_torch_2_11))
+    tokens = tokens_for(PACKED_IDS)
+    calls = {}
+    for name, n_kv_heads in [("gqa", 2), ("mha", 4)]:
+        torch.manual_seed(0)
+        model = Llama(LlamaArgs(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads,
+                                intermediate_dim=64, max_seq_len=64))
+        with CountOps({VARLEN}) as counter:
+            model(tokens, PACKED_IDS)
+        calls[name] = counter.count
+    assert calls == {"gqa": 0, "mha": 2}
+
+
+HIDE_VARLEN = """
+import importlib.abc, sys
+
+class HideVarlen(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "torch.nn.attention.varlen":
+            raise ModuleNotFoundError(f"No module named {name!r}")
+
+sys.meta_path.insert(0, HideVarlen())
+"""
+
+
+def test_the_package_imports_and_trains_on_a_torch_without_torch_nn_attention_varlen(tmp_path):
+    """A torch older than 2.9 has no ``torch.nn.attention.varlen``: hidden from a fresh interpreter, the package
+    still imports, per-op AC keeps every other op, and a packed forward and backward of a GQA model under it
+    gives the logits and gradients of this process bit for bit (the same CPU kernels in the same order: the
+    varlen path is never taken on a CPU)."""
+    script = tmp_path / "run.py"
+    script.write_text(HIDE_VARLEN + f"""
+import torch
+from torchtune_ac.memory.activation_checkpointing import SAVED_OPS, setup_activation_checkpointing
+from torchtune_ac.models import attention
+from torchtune_ac.models.llama import Llama, LlamaArgs
+
+assert "torch.nn.attention.varlen" not in sys.modules
+torch.manual_seed(0)
+model = Llama(LlamaArgs(vocab_size={VOCAB}, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=64,
+                        max_seq_len=64))
+model.init_weights(std=0.2)
+setup_activation_checkpointing(model, ac_mode="selective", ac_option="op")
+ids = torch.tensor({PACKED_IDS.tolist()})
+tokens = torch.randint(0, {VOCAB}, ids.shape, generator=torch.Generator().manual_seed(1))
+logits = model(tokens, ids)
+logits.square().mean().backward()
+torch.save({{"support": attention.VARLEN_SUPPORT, "saved_ops": len(SAVED_OPS), "logits": logits.detach(),
+            "grads": {{n: p.grad for n, p in model.named_parameters()}}}}, {str(tmp_path / "out.pt")!r})
+""")
+    root = Path(attention.__file__).resolve().parents[2]
+    subprocess.run([sys.executable, str(script)], check=True, cwd=tmp_path,
+                   env={**os.environ, "PYTHONPATH": str(root)})
+    out = torch.load(tmp_path / "out.pt", weights_only=False)
+    assert out["support"] == attention.VarlenSupport(False, False, False)
+    assert out["saved_ops"] == 7  # the aten matmuls and SDPA kernels, no varlen op
+    torch.manual_seed(0)
+    model = Llama(LlamaArgs(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=64,
+                            max_seq_len=64))
+    model.init_weights(std=0.2)
+    setup_activation_checkpointing(model, ac_mode="selective", ac_option="op")
+    logits = model(tokens_for(PACKED_IDS), PACKED_IDS)
+    logits.square().mean().backward()
+    torch.testing.assert_close(out["logits"], logits.detach(), rtol=0, atol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(out["grads"][name], p.grad, rtol=0, atol=0, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_flash_varlen_and_the_per_document_fallback_agree(monkeypatch, fresh_announcements):
+    """The real kernels (CUDA only; skipped here): one layer's packed attention in bf16 through ``varlen_attn``
+    (Flash Attention) and through the per-document SDPA path that a torch lacking it takes, from the same bf16
+    inputs. Both accumulate in fp32 and round the output to bf16, so they differ by bf16 rounding. Full heads
+    (no GQA) so that torch 2.11, whose ``varlen_attn`` has no ``enable_gqa=``, takes the varlen path too."""
+    if attention.VARLEN_SUPPORT.lacks(gqa=False):
+        pytest.skip(f"this torch lacks {attention.VARLEN_SUPPORT.lacks(gqa=False)}")
+    device = torch.device("cuda")
+    ids = PACKED_IDS.to(device)
+    b, s = ids.shape
+    generator = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(b, 4, s, 64, generator=generator, device=device, dtype=torch.bfloat16) for _ in "qkv")
+    runs = document_runs(ids)
+    assert runs.varlen_device
+    with CountOps({VARLEN}) as counter:
+        flash = causal_attention(q, k, v, dropout_p=0.0, runs=runs)
+    assert counter.count == 1
+    monkeypatch.setattr(attention, "VARLEN_SUPPORT", attention.detect_varlen_support(None))
+    with CountOps({VARLEN}) as counter:
+        per_document = causal_attention(q, k, v, dropout_p=0.0, runs=runs)
+    assert counter.count == 0
+    assert_close(per_document.float(), flash.float(), terms=attention_terms(64, s), dtype=torch.bfloat16)

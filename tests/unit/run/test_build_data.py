@@ -1,0 +1,86 @@
+"""The run's data loader: batches padded to lengths that repeat under ``compile: true`` (the padding ignored by the
+loss), and pinned in host memory for a CUDA run."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from numerics import assert_close
+
+from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.config.validation import validate_config
+from torchtune_ac.data import IGNORE_INDEX
+from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
+from torchtune_ac.data.embedded import EMBEDDED_TOKENIZER_DIR
+from torchtune_ac.data.tokenizer import load_tokenizer
+from torchtune_ac.models import llama_tiny
+from torchtune_ac.run.phases import build_data
+from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.training.objective import count_target_tokens, cross_entropy_sum
+
+MAX_SEQ_LEN = 200  # not a multiple of 64: the longest batches are cut there, not rounded past it
+CPU = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+CUDA = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cuda", 0))
+
+
+def config(**overrides) -> FullFinetuneConfig:
+    return validate_config(
+        {
+            "output_dir": "/tmp/out",
+            "model": {"_component_": "torchtune_ac.models.llama_tiny"},
+            "tokenizer": {"_component_": "torchtune_ac.data.load_tokenizer", "path": str(EMBEDDED_TOKENIZER_DIR)},
+            "dataset": {"_component_": "torchtune_ac.data.instruct_dataset"},
+            "optimizer": {"_component_": "torch.optim.AdamW", "lr": 1e-3},
+            "max_seq_len": MAX_SEQ_LEN,
+            "batch_size": 4,
+            **overrides,
+        },
+        FullFinetuneConfig,
+        source="c.yaml",
+    )
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(EMBEDDED_TOKENIZER_DIR)
+
+
+def batches(cfg, tokenizer, ctx=CPU, n=30):
+    data = build_data(cfg, tokenizer, ctx)
+    data.loader.set_epoch(0)
+    return list(itertools.islice(data.loader, n))
+
+
+def test_compiled_runs_get_batch_lengths_that_repeat(tokenizer):
+    eager = {b["tokens"].shape[1] for b in batches(config(compile=False), tokenizer)}
+    compiled = {b["tokens"].shape[1] for b in batches(config(compile=True), tokenizer)}
+    assert len(eager) > len(compiled)  # eager: the longest sample of each batch, a new length most steps
+    assert all(length % COMPILED_LENGTH_MULTIPLE == 0 or length == MAX_SEQ_LEN for length in compiled), compiled
+
+
+def test_the_padding_of_compiled_runs_is_ignored_by_the_loss(tokenizer):
+    """The same batches, padded to the longest sample and to the compiled length: the padding's labels are
+    ignored, so the loss and the target count are those of the unpadded batch (within rounding: the causal
+    attention rows of real tokens see no padding, but the kernels add over other lengths)."""
+    torch.manual_seed(0)
+    model = llama_tiny().eval()
+    for eager, compiled in zip(batches(config(), tokenizer, n=4), batches(config(compile=True), tokenizer, n=4)):
+        length = eager["tokens"].shape[1]
+        assert torch.equal(compiled["tokens"][:, :length], eager["tokens"])
+        assert (compiled["labels"][:, length:] == IGNORE_INDEX).all()
+        assert torch.equal(count_target_tokens(compiled["labels"]), count_target_tokens(eager["labels"]))
+        with torch.no_grad():
+            loss = cross_entropy_sum(model(compiled["tokens"]), compiled["labels"])
+            expected = cross_entropy_sum(model(eager["tokens"]), eager["labels"])
+        targets = int(count_target_tokens(eager["labels"]))
+        terms = 2 * model.args.n_layers * (model.args.dim + model.args.intermediate_dim + 2 * length) + targets
+        assert_close(loss, expected, terms=terms, what="summed loss")
+
+
+@pytest.mark.parametrize("ctx, pinned", [(CUDA, True), (CPU, False)])
+def test_a_cuda_run_pins_its_batches(tokenizer, ctx, pinned):
+    """Pinned host memory makes the batch's ``non_blocking`` copy to the GPU asynchronous; only the loader's
+    setting is checked here (pinning needs a GPU)."""
+    assert build_data(config(), tokenizer, ctx).loader.pin_memory is pinned
