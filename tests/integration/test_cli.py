@@ -176,7 +176,8 @@ def test_plan_draws_the_estimates(tmp_path, capsys):
 
 
 def test_plan_png_labels_a_small_model_in_mib(tmp_path, monkeypatch):
-    """Labelled in GiB to one decimal, every bar of a small model read 0.4 or 0.0."""
+    """Labelled in GiB to one decimal, every bar of a small model read 0.4 or 0.0. Each bar is the device total
+    (the step and the process's fixed cost), as tall as its stacked parts."""
     from matplotlib.axes import Axes
 
     from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
@@ -195,7 +196,7 @@ def test_plan_png_labels_a_small_model_in_mib(tmp_path, monkeypatch):
     assert drawn == table.bar_labels() and ylabels == ["MiB per process at the step's peak"]
     for label, estimate in zip(drawn, table.estimates):
         mib, unit = label.split("\n")[0].split()
-        assert unit == "MiB" and int(mib) == round(estimate.total / 2**20) and int(mib) >= 10
+        assert unit == "MiB" and int(mib) == round(estimate.device / 2**20) and int(mib) >= 10
 
 
 def test_plan_says_what_it_does_not_model(tmp_path, capsys):
