@@ -366,8 +366,13 @@ class Llama(nn.Module):
         tokens: torch.Tensor,
         document_ids: Optional[torch.Tensor] = None,
         head: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+        document_lengths: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits ``[b, s, vocab]`` of ``tokens[b, s]``, or ``head(hidden, output_weight)`` when a head is given.
+
+        ``document_lengths`` (with ``document_ids``): the packed documents' lengths, row after row, a CPU tensor
+        counted where the batch was built (``collate_batch``); without it they are read back from
+        ``document_ids``, a host synchronisation on a GPU (``attention.document_runs``).
 
         ``head`` replaces the output projection: it receives the final norm's output ``[b, s, dim]`` and the
         projection's weight ``[vocab, dim]`` (the embedding, when tied), e.g. to compute a loss chunk by chunk
@@ -380,7 +385,7 @@ class Llama(nn.Module):
             runs = None
         else:
             positions = positions_from_document_ids(document_ids)
-            runs = document_runs(document_ids)  # once per forward, shared by every layer
+            runs = document_runs(document_ids, document_lengths)  # once per forward, shared by every layer
         h = self.tok_embeddings(tokens)  # [b, s, dim]
         if self.args.scale_embeddings:
             # sqrt(dim) rounded to the embedding's dtype first, as Gemma's checkpoints were trained with.

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
 from torchtune_ac.runtime.non_finite import FiniteChecks
-from torchtune_ac.training.objective import CrossEntropy, Objective
+from torchtune_ac.training.objective import HOST_KEYS, CrossEntropy, Objective
 
 CROSS_ENTROPY = CrossEntropy()
 # check_norm(norm, stepped): sees the step's total gradient norm; ``stepped`` when the parameters already took it.
@@ -102,7 +102,9 @@ class StepResult:
 
 
 def move_batch(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    """``batch`` on ``device``, without waiting for it; the values the host counted (``objective.HOST_KEYS``) stay
+    on the host, where reading them costs nothing."""
+    return {key: value if key in HOST_KEYS else value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
 def micro_batch_loss(model: nn.Module, batch: Mapping[str, torch.Tensor],
