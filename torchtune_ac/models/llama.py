@@ -163,12 +163,12 @@ class LlamaArgs:
 def compute_rope_inv_freq(
     head_dim: int, theta: float, scaling: Optional[RopeScaling | LinearRopeScaling]
 ) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding, shape ``[head_dim // 2]``, float32.
+    """Inverse frequencies of the rotary embedding, shape ``[head_dim // 2]``, float32, on the CPU.
 
     With a ``RopeScaling``, long wavelengths are divided by ``factor``, short ones are kept, and the band
     in between is interpolated smoothly (Llama 3.1); with a ``LinearRopeScaling`` every one is divided.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling is None:
         return inv_freq
     if isinstance(scaling, LinearRopeScaling):
@@ -335,6 +335,36 @@ class Llama(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
+        # RoPE inverse frequencies ``[head_dim // 2]`` float32, on the model's device: a forward reads them without
+        # a copy from the host. Not persistent (no checkpoint holds them), and recomputed from the arguments
+        # whenever the module's tensors are moved, cast or re-allocated (``_apply``), so ``to(dtype)`` never
+        # rounds them and ``to_empty`` after a meta-device build never leaves them uninitialised.
+        self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
+        if args.sliding_rope_theta is not None:
+            self.register_buffer("sliding_rope_inv_freq", torch.empty(0), persistent=False)
+        self._reset_rope_frequencies()
+
+    def _rope_frequencies(self) -> dict[str, torch.Tensor]:
+        """Each RoPE buffer's values, computed on the CPU in float32 (the same bits on any device)."""
+        args = self.args
+        frequencies = {"rope_inv_freq": compute_rope_inv_freq(args.resolved_head_dim, args.rope_theta, args.rope_scaling)}
+        if args.sliding_rope_theta is not None:
+            frequencies["sliding_rope_inv_freq"] = compute_rope_inv_freq(
+                args.resolved_head_dim, args.sliding_rope_theta, None)
+        return frequencies
+
+    def _reset_rope_frequencies(self) -> None:
+        for name, values in self._rope_frequencies().items():
+            device = getattr(self, name).device
+            # On the meta device only the shape matters (a model built there holds no values).
+            setattr(self, name, values.to(device) if device.type != "meta" else torch.empty_like(values, device="meta"))
+
+    def _apply(self, fn, recurse: bool = True):
+        # ``to``, ``to_empty``, ``cuda``, ``half`` all go through here: move the buffers, then put back their
+        # float32 values (``to(bfloat16)`` would round them; ``to_empty`` would leave them unset).
+        super()._apply(fn, recurse)
+        self._reset_rope_frequencies()
+        return self
 
     def tie_weights(self) -> None:
         """Share the output projection with the embedding when ``args.tie_embeddings`` (again after
@@ -348,15 +378,10 @@ class Llama(nn.Module):
         """cos/sin tables ``[b, 1, s, head_dim]`` for integer ``positions[b, s]``, of the sliding-window layers'
         RoPE when ``sliding`` (``args.sliding_rope_theta``, where it is set).
 
-        Computed per call from the arguments (a few hundred flops), so the model holds no buffers that
-        would need re-initialising after being built on the meta device.
+        The frequencies are the model's buffers, on its device: nothing is copied from the host per call.
         """
-        args = self.args
-        theta, scaling = args.rope_theta, args.rope_scaling
-        if sliding and args.sliding_rope_theta is not None:
-            theta, scaling = args.sliding_rope_theta, None
-        inv_freq = compute_rope_inv_freq(args.resolved_head_dim, theta, scaling)
-        inv_freq = inv_freq.to(positions.device)
+        sliding = sliding and self.args.sliding_rope_theta is not None
+        inv_freq = self.sliding_rope_inv_freq if sliding else self.rope_inv_freq  # [hd/2], float32
         freqs = positions.float().unsqueeze(-1) * inv_freq  # [b, s, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, hd]
         return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
