@@ -436,3 +436,24 @@ class Llama(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
+
+    @torch.no_grad()
+    def init_parameter_(self, name: str, tensor: torch.Tensor, generator: torch.Generator,
+                        std: float = 0.02) -> None:
+        """Fill ``tensor`` (the full shape of parameter ``name``, anywhere) as ``init_weights`` initialises that
+        parameter, drawing from ``generator``: a builder that materialises one parameter at a time (each from a
+        generator of its own) gets the same values on any device and for any sharding.
+
+        Raises:
+            ValueError: ``name`` is no parameter of a kind ``init_weights`` knows.
+        """
+        owner_name, _, attr = name.rpartition(".")
+        owner = self.get_submodule(owner_name)
+        if isinstance(owner, RMSNorm) and attr == "weight":
+            tensor.fill_(1.0 - owner.offset)
+        elif isinstance(owner, (nn.Linear, nn.Embedding)) and attr == "weight":
+            tensor.normal_(mean=0.0, std=std, generator=generator)
+        elif isinstance(owner, nn.Linear) and attr == "bias":
+            tensor.zero_()
+        else:
+            raise ValueError(f"no initialisation rule for parameter {name} of {type(owner).__name__}")
