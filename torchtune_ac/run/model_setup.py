@@ -88,6 +88,7 @@ def build_training_model(
         join_world_of_one(ctx.device)  # a single process shards on a world of one
         shard_model(built, fsdp, options)
     built.to_empty(device=parameter_device(options, ctx.device))
+    place_buffers_(built, ctx.device)
     if not sharded:
         retie_parameters(built)  # FSDP keeps ties through to_empty; a plain module does not
     if load_weights and checkpoint_dir is not None:
@@ -96,6 +97,16 @@ def build_training_model(
         initialize_weights_(built, model, dtype=dtype.torch, seed=seed, sharded=sharded)
     built.train()
     return built
+
+
+def place_buffers_(built: nn.Module, device: torch.device) -> None:
+    """Put ``built``'s buffers (RoPE's frequencies) on the device that computes, where ``to_empty`` put them beside
+    parameters kept on the host (CPU offload: FSDP2 manages the parameters, not the buffers, and a forward on
+    the GPU must find them there)."""
+    for module in built.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.device != device:
+                setattr(module, name, buffer.to(device))
 
 
 @torch.no_grad()

@@ -11,6 +11,7 @@ from models_testlib import TINY
 
 from torchtune_ac.models import Llama
 from torchtune_ac.models.llama import compute_rope_inv_freq
+from torchtune_ac.run.model_setup import place_buffers_
 
 SLIDING = dataclasses.replace(TINY, sliding_window=4, layer_types=("sliding_attention", "full_attention"),
                               sliding_rope_theta=10.0)
@@ -54,3 +55,13 @@ def test_a_model_built_on_meta_computes_what_a_model_built_on_the_cpu_does():
     model.load_state_dict(reference.state_dict())
     tokens = torch.randint(0, SLIDING.vocab_size, (2, 12))
     assert torch.equal(model(tokens), reference(tokens))  # the same ops on the same values
+
+
+def test_buffers_go_to_the_computing_device_when_the_parameters_stay_on_the_host():
+    """``fsdp.cpu_offload`` allocates the parameters on the CPU and computes on the GPU: the run puts the buffers
+    on the GPU (``place_buffers_``). Shown here with the meta device standing in for the GPU; the offloaded run
+    itself needs CUDA."""
+    model = Llama(SLIDING)
+    place_buffers_(model, torch.device("meta"))
+    assert {b.device.type for b in model.buffers()} == {"meta"}
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
