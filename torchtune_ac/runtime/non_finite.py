@@ -14,8 +14,8 @@ optimizer step (each read drains a GPU's queue of work, so the step reads once, 
   backward, before anything can be read: the run still stops at the end of that step, and the stepped state is
   never saved (``NonFiniteError.stepped``).
 
-A non-finite loss now reaches backward (its gradients are NaN too) rather than stopping the micro-batches after
-it: reading each micro-batch's loss before its backward would cost one synchronisation per micro-batch.
+A non-finite loss goes through its backward (its gradients are not finite either) and the micro-batches after it
+still run: stopping before that backward would take a read of each micro-batch's loss, one synchronisation each.
 
 The recipe turns ``NonFiniteError`` into a stop that saves nothing, so the newest checkpoint stays the last good one.
 """
