@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 from gloo_testlib import WORLD_SIZE, run_on_gloo_ranks
+from hf_families import FAMILY_NAMES, HF_CLASSES, TINY_SHAPE
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,6 +20,7 @@ from torchtune_ac.config.components import parse_component
 from torchtune_ac.memory.activation_checkpointing import ACConfig
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models import LLAMA
+from torchtune_ac.models.families import family_of, init_weights_, model_from_hf_config
 from torchtune_ac.models.families.llama import LLAMA_TINY
 from torchtune_ac.run.model_setup import build_training_model, parameter_seed
 from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
@@ -109,3 +111,22 @@ def test_each_parameter_is_drawn_from_a_cpu_generator_of_its_own() -> None:
             expected = torch.empty(param.shape).normal_(0.0, 0.02, generator=generator)
         assert torch.equal(param.detach(), expected), name
     assert parameter_seed(SEED, "layers.0.attn.q_proj.weight") != parameter_seed(SEED, "layers.1.attn.q_proj.weight")
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_every_family_initialises_each_parameter_as_init_weights_does(family: str) -> None:
+    """The rule for one parameter (the family's ``init_parameter``) is ``init_weights``'s, for every parameter of
+    a tiny model of every family: what ``init_weights`` leaves constant (norms, biases) bit for bit, and the random
+    matrices as normal(0, 0.02), drawn from the generator given."""
+    config_class, _, settings = HF_CLASSES[family]
+    model = model_from_hf_config(config_class(**TINY_SHAPE, **settings).to_dict())
+    torch.manual_seed(0)
+    init_weights_(model)
+    for name, param in model.named_parameters():
+        drawn = torch.empty(param.shape)
+        family_of(model).init_parameter(model, name, drawn, torch.Generator().manual_seed(7))
+        if torch.all(param == param.flatten()[0]):
+            assert torch.equal(drawn, param.detach()), name
+        else:
+            torch.manual_seed(7)
+            assert torch.equal(drawn, torch.empty(param.shape).normal_(0.0, 0.02)), name
