@@ -24,7 +24,11 @@ def collate_batch(
 
     Returns:
         ``tokens`` and ``labels`` as ``LongTensor[b, s]`` (labels padded with ``IGNORE_INDEX``), plus
-        ``document_ids[b, s]`` when the samples have them (padding gets an id of its own per row).
+        ``document_ids[b, s]`` when the samples have them (padding gets an id of its own per row). Counted here,
+        on the host, so that the step never reads them back from the device (``training.objective.HOST_KEYS``):
+        ``target_count``, the number of labels that are not ``IGNORE_INDEX`` (a 0-d ``LongTensor``), and with
+        ``document_ids``, ``document_lengths``, the lengths of the documents row after row
+        (``LongTensor[n_documents]``).
 
     Raises:
         ValueError: for an empty batch, ``pad_to_multiple_of < 1``, or samples that disagree on ``document_ids``.
@@ -53,4 +57,16 @@ def collate_batch(
         if "document_ids" in batch:
             batch["document_ids"][row, :n] = torch.tensor(sample["document_ids"], dtype=torch.long)
             batch["document_ids"][row, n:] = sample["document_ids"][-1] + 1
+    batch["target_count"] = (batch["labels"] != IGNORE_INDEX).sum()
+    if "document_ids" in batch:
+        batch["document_lengths"] = document_lengths(batch["document_ids"])
     return batch
+
+
+def document_lengths(document_ids: torch.Tensor) -> torch.Tensor:
+    """The lengths of the documents of ``document_ids[b, s]``, row after row: each row starts a document, and so
+    does every change of id (the documents ``models.attention.document_runs`` finds, counted on the CPU)."""
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[:, 1:] = document_ids[:, 1:] != document_ids[:, :-1]
+    offsets = torch.cat([starts.flatten().nonzero().flatten(), torch.tensor([document_ids.numel()])])
+    return offsets.diff()

@@ -8,7 +8,9 @@ logits (see the README's "Fitting a bigger model" for the measurements behind th
 
 The whole-logits objective (``training/objective.py``) projects every position to the vocabulary
 (``[b, s, vocab]``). ``ChunkedCrossEntropy``, passed to the model as its output head, gives the same sum:
-positions whose label is ``IGNORE_INDEX`` are dropped first, and the rest is projected and scored a chunk at a time. Each chunk's
+positions whose label is ``IGNORE_INDEX`` are dropped first (the targets are gathered by a sort, in a number the
+host counted when it built the batch: no boolean mask, whose size only the device knows), and the rest is
+projected and scored a chunk at a time. Each chunk's
   float32 logits live only while that chunk is processed: its gradients with respect to the hidden states and
   to the output weight are computed right away (the weight's accumulated in place), so backward keeps only
   the targets' hidden-state gradients and the weight's gradient, and has nothing to recompute.
@@ -22,13 +24,19 @@ by chunk in the forward pass gives the same values with neither cost.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtune_ac.training.objective import IGNORE_INDEX, CrossEntropy, count_target_tokens
+from torchtune_ac.training.objective import (
+    IGNORE_INDEX,
+    CrossEntropy,
+    count_target_tokens,
+    host_target_count,
+    run_model,
+)
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -85,10 +93,14 @@ class ChunkedCrossEntropy:
     Attributes:
         labels: ``[b, s]`` targets, ``IGNORE_INDEX`` where there is none.
         n_chunks: how many pieces the target positions are split into (fewer when there are fewer targets).
+        n_targets: how many labels are not ``IGNORE_INDEX``, counted on the host (the batch's ``target_count``):
+            the targets are then gathered with shapes known in advance, so nothing waits for the device. None:
+            counted from ``labels`` here, a host synchronisation when they are on a GPU.
     """
 
     labels: torch.Tensor
     n_chunks: int
+    n_targets: Optional[int] = None
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The summed float32 cross-entropy (a 0-d tensor).
@@ -97,9 +109,14 @@ class ChunkedCrossEntropy:
             hidden: ``[b, s, dim]``, the final norm's output.
             weight: ``[vocab, dim]``, the output projection (tied to the embedding or not).
         """
-        keep = self.labels.flatten() != IGNORE_INDEX
-        targets = self.labels.flatten()[keep]  # [n]
-        hidden = hidden.flatten(0, 1)[keep]  # [n, dim]: ignored positions never reach the projection
+        labels = self.labels.flatten()  # [b * s]
+        ignored = labels == IGNORE_INDEX
+        n_targets = self.n_targets if self.n_targets is not None else int(ignored.numel() - ignored.sum())
+        # The target positions first, in order (a stable sort of a 0/1 key), then the first n_targets of them: a
+        # gather of a size known on the host, where a boolean mask's size would have to be read from the device.
+        order = torch.argsort(ignored.to(torch.uint8), stable=True)[:n_targets]  # [n]
+        targets = labels.index_select(0, order)  # [n]
+        hidden = hidden.flatten(0, 1).index_select(0, order)  # [n, dim]: ignored positions never reach the projection
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, self.n_chunks)
 
 
@@ -114,7 +131,8 @@ class ChunkedCrossEntropyObjective:
         return count_target_tokens(batch["labels"])
 
     def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return model(batch["tokens"], batch.get("document_ids"), head=ChunkedCrossEntropy(batch["labels"], self.n_chunks))
+        head = ChunkedCrossEntropy(batch["labels"], self.n_chunks, host_target_count(batch))
+        return run_model(model, batch, head=head)
 
 
 def loss_objective(n_chunks: int) -> "ChunkedCrossEntropyObjective | CrossEntropy":

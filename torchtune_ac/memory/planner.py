@@ -385,7 +385,9 @@ def _simulate(
         micro_batches = []
         for _ in range(min(workload.gradient_accumulation_steps, 2)):  # gradients live across the second
             tokens = torch.randint(0, vocab, (workload.batch_size, workload.seq_len))
-            micro_batches.append({"tokens": tokens, "labels": torch.randint(0, vocab, tokens.shape)})
+            # Every position a target (the loss's worst case), counted on the host as the collate code does.
+            micro_batches.append({"tokens": tokens, "labels": torch.randint(0, vocab, tokens.shape),
+                                  "target_count": torch.tensor(tokens.numel())})
         states = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         inputs = [t for batch in micro_batches for t in batch.values()]
         tracker.known = {t.untyped_storage()._cdata for t in [*params, *states, *inputs, *model.buffers()]}

@@ -130,21 +130,43 @@ def document_starts(document_ids: torch.Tensor) -> torch.Tensor:
     return starts
 
 
-def document_runs(document_ids: torch.Tensor) -> DocumentRuns:
-    """The documents of ``document_ids[b, s]`` (one host synchronisation on CUDA: the lengths are Python ints).
+def document_runs(document_ids: torch.Tensor, lengths: Optional[torch.Tensor] = None) -> DocumentRuns:
+    """The documents of ``document_ids[b, s]``.
+
+    Args:
+        document_ids: ``[b, s]`` document ids, on the batch's device.
+        lengths: the documents' lengths, row after row, as the collate code counted them on the host (a CPU
+            int64 tensor, ``collate_batch``'s ``document_lengths``): nothing is read back from the device. None:
+            found from ``document_ids``, which on a GPU costs host synchronisations (their lengths must be
+            Python ints).
 
     Returns:
         Their lengths and offsets over the flattened batch.
+
+    Raises:
+        ValueError: ``lengths`` that do not add up to the batch's ``b * s`` tokens, or are not on the CPU.
     """
-    starts = document_starts(document_ids).flatten()  # [b * s]
-    end = torch.full((1,), starts.numel(), dtype=torch.long, device=starts.device)
-    offsets = torch.cat([starts.nonzero().flatten(), end])  # [n_documents + 1]
-    lengths = tuple(offsets.diff().tolist())
     device = document_ids.device
+    if lengths is None:
+        starts = document_starts(document_ids).flatten()  # [b * s]
+        end = torch.full((1,), starts.numel(), dtype=torch.long, device=device)
+        offsets = torch.cat([starts.nonzero().flatten(), end])  # [n_documents + 1]
+        host_lengths = tuple(offsets.diff().tolist())
+        cu_seqlens = offsets.to(torch.int32)
+    else:
+        if lengths.device.type != "cpu":
+            raise ValueError(f"document lengths must be on the CPU (reading them from {lengths.device} would wait "
+                             "for it), found them there")
+        host_lengths = tuple(lengths.tolist())
+        if sum(host_lengths) != document_ids.numel():
+            raise ValueError(f"document lengths add up to {sum(host_lengths)} tokens, the batch has "
+                             f"{document_ids.numel()}")
+        # [n_documents + 1], copied to the device without waiting for it.
+        cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(device, non_blocking=True)
     return DocumentRuns(
-        lengths=lengths,
-        cu_seqlens=offsets.to(torch.int32),
-        max_length=max(lengths),
+        lengths=host_lengths,
+        cu_seqlens=cu_seqlens,
+        max_length=max(host_lengths),
         varlen_device=device.type == "cuda" and torch.cuda.get_device_capability(device) >= _VARLEN_MIN_CAPABILITY,
     )
 

@@ -20,6 +20,7 @@ call in ``with torch.device("meta"):`` to get shapes without allocating memory.
 import dataclasses
 from typing import Callable, Mapping, Optional
 
+import torch
 from torch import nn
 
 from torchtune_ac.component_marker import config_component
@@ -105,6 +106,7 @@ def decoder_family(
         build=build,
         blocks=_blocks,
         init_weights=_init_weights,
+        init_parameter=_init_parameter,
         torchtune_builders=dict(torchtune_builders or {}),
         torchtune_packages=torchtune_packages,
     )
@@ -120,3 +122,7 @@ def _blocks(model: nn.Module) -> nn.ModuleList:
 
 def _init_weights(model: nn.Module) -> None:
     model.init_weights()
+
+
+def _init_parameter(model: nn.Module, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+    model.init_parameter_(name, tensor, generator)

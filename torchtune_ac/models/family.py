@@ -92,6 +92,9 @@ class ModelFamily:
             q/k/v biases).
         blocks: the model's transformer blocks, in order: activation checkpointing and FSDP2 act on them.
         init_weights: initialise every parameter in place (called under a seeded RNG).
+        init_parameter: ``(model, name, tensor, generator)``: fill ``tensor``, the full shape of parameter ``name``,
+            as ``init_weights`` initialises it, drawing from ``generator`` (how a sharded model is initialised one
+            parameter at a time, the same for any world size and device).
         torchtune_builders: torchtune builder (``torchtune.models.llama3.llama3_8b``) -> ours, for
             ``tune migrate``.
         torchtune_packages: torchtune model packages (``torchtune.models.qwen2_5``) whose every full-model builder
@@ -107,6 +110,7 @@ class ModelFamily:
     build: Callable[[Any], nn.Module]
     blocks: Callable[[nn.Module], nn.ModuleList]
     init_weights: Callable[[nn.Module], None]
+    init_parameter: Callable[[nn.Module, str, torch.Tensor, torch.Generator], None]
     torchtune_builders: Mapping[str, TorchtuneBuilder] = field(default_factory=dict)
     torchtune_packages: tuple[str, ...] = ()
 

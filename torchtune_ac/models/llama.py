@@ -163,12 +163,12 @@ class LlamaArgs:
 def compute_rope_inv_freq(
     head_dim: int, theta: float, scaling: Optional[RopeScaling | LinearRopeScaling]
 ) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding, shape ``[head_dim // 2]``, float32.
+    """Inverse frequencies of the rotary embedding, shape ``[head_dim // 2]``, float32, on the CPU.
 
     With a ``RopeScaling``, long wavelengths are divided by ``factor``, short ones are kept, and the band
     in between is interpolated smoothly (Llama 3.1); with a ``LinearRopeScaling`` every one is divided.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling is None:
         return inv_freq
     if isinstance(scaling, LinearRopeScaling):
@@ -335,6 +335,36 @@ class Llama(nn.Module):
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
+        # RoPE inverse frequencies ``[head_dim // 2]`` float32, on the model's device: a forward reads them without
+        # a copy from the host. Not persistent (no checkpoint holds them), and recomputed from the arguments
+        # whenever the module's tensors are moved, cast or re-allocated (``_apply``), so ``to(dtype)`` never
+        # rounds them and ``to_empty`` after a meta-device build never leaves them uninitialised.
+        self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
+        if args.sliding_rope_theta is not None:
+            self.register_buffer("sliding_rope_inv_freq", torch.empty(0), persistent=False)
+        self._reset_rope_frequencies()
+
+    def _rope_frequencies(self) -> dict[str, torch.Tensor]:
+        """Each RoPE buffer's values, computed on the CPU in float32 (the same bits on any device)."""
+        args = self.args
+        frequencies = {"rope_inv_freq": compute_rope_inv_freq(args.resolved_head_dim, args.rope_theta, args.rope_scaling)}
+        if args.sliding_rope_theta is not None:
+            frequencies["sliding_rope_inv_freq"] = compute_rope_inv_freq(
+                args.resolved_head_dim, args.sliding_rope_theta, None)
+        return frequencies
+
+    def _reset_rope_frequencies(self) -> None:
+        for name, values in self._rope_frequencies().items():
+            device = getattr(self, name).device
+            # On the meta device only the shape matters (a model built there holds no values).
+            setattr(self, name, values.to(device) if device.type != "meta" else torch.empty_like(values, device="meta"))
+
+    def _apply(self, fn, recurse: bool = True):
+        # ``to``, ``to_empty``, ``cuda``, ``half`` all go through here: move the buffers, then put back their
+        # float32 values (``to(bfloat16)`` would round them; ``to_empty`` would leave them unset).
+        super()._apply(fn, recurse)
+        self._reset_rope_frequencies()
+        return self
 
     def tie_weights(self) -> None:
         """Share the output projection with the embedding when ``args.tie_embeddings`` (again after
@@ -348,15 +378,10 @@ class Llama(nn.Module):
         """cos/sin tables ``[b, 1, s, head_dim]`` for integer ``positions[b, s]``, of the sliding-window layers'
         RoPE when ``sliding`` (``args.sliding_rope_theta``, where it is set).
 
-        Computed per call from the arguments (a few hundred flops), so the model holds no buffers that
-        would need re-initialising after being built on the meta device.
+        The frequencies are the model's buffers, on its device: nothing is copied from the host per call.
         """
-        args = self.args
-        theta, scaling = args.rope_theta, args.rope_scaling
-        if sliding and args.sliding_rope_theta is not None:
-            theta, scaling = args.sliding_rope_theta, None
-        inv_freq = compute_rope_inv_freq(args.resolved_head_dim, theta, scaling)
-        inv_freq = inv_freq.to(positions.device)
+        sliding = sliding and self.args.sliding_rope_theta is not None
+        inv_freq = self.sliding_rope_inv_freq if sliding else self.rope_inv_freq  # [hd/2], float32
         freqs = positions.float().unsqueeze(-1) * inv_freq  # [b, s, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, hd]
         return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
@@ -366,8 +391,13 @@ class Llama(nn.Module):
         tokens: torch.Tensor,
         document_ids: Optional[torch.Tensor] = None,
         head: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
+        document_lengths: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits ``[b, s, vocab]`` of ``tokens[b, s]``, or ``head(hidden, output_weight)`` when a head is given.
+
+        ``document_lengths`` (with ``document_ids``): the packed documents' lengths, row after row, a CPU tensor
+        counted where the batch was built (``collate_batch``); without it they are read back from
+        ``document_ids``, a host synchronisation on a GPU (``attention.document_runs``).
 
         ``head`` replaces the output projection: it receives the final norm's output ``[b, s, dim]`` and the
         projection's weight ``[vocab, dim]`` (the embedding, when tied), e.g. to compute a loss chunk by chunk
@@ -380,7 +410,7 @@ class Llama(nn.Module):
             runs = None
         else:
             positions = positions_from_document_ids(document_ids)
-            runs = document_runs(document_ids)  # once per forward, shared by every layer
+            runs = document_runs(document_ids, document_lengths)  # once per forward, shared by every layer
         h = self.tok_embeddings(tokens)  # [b, s, dim]
         if self.args.scale_embeddings:
             # sqrt(dim) rounded to the embedding's dtype first, as Gemma's checkpoints were trained with.
@@ -406,3 +436,24 @@ class Llama(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
+
+    @torch.no_grad()
+    def init_parameter_(self, name: str, tensor: torch.Tensor, generator: torch.Generator,
+                        std: float = 0.02) -> None:
+        """Fill ``tensor`` (the full shape of parameter ``name``, anywhere) as ``init_weights`` initialises that
+        parameter, drawing from ``generator``: a builder that materialises one parameter at a time (each from a
+        generator of its own) gets the same values on any device and for any sharding.
+
+        Raises:
+            ValueError: ``name`` is no parameter of a kind ``init_weights`` knows.
+        """
+        owner_name, _, attr = name.rpartition(".")
+        owner = self.get_submodule(owner_name)
+        if isinstance(owner, RMSNorm) and attr == "weight":
+            tensor.fill_(1.0 - owner.offset)
+        elif isinstance(owner, (nn.Linear, nn.Embedding)) and attr == "weight":
+            tensor.normal_(mean=0.0, std=std, generator=generator)
+        elif isinstance(owner, nn.Linear) and attr == "bias":
+            tensor.zero_()
+        else:
+            raise ValueError(f"no initialisation rule for parameter {name} of {type(owner).__name__}")

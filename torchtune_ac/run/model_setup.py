@@ -4,15 +4,17 @@
     (activation checkpointing) -> compile (optional)
     -> FSDP2 per block, then root (N > 1, or one process when a memory switch works through FSDP2: CPU offload)
     -> allocate on the device -> load Hugging Face weights (each rank reads only its own shard) or initialise
-    from the seed.
+    from the seed (one parameter at a time, each from a CPU generator of its own; each rank keeps its shard).
 
 AC comes first so that compile traces each checkpointed forward (per-op policy included) and the FSDP hooks
-wrap the checkpointed blocks; nothing is materialised before sharding, so no rank ever holds the full model.
+wrap the checkpointed blocks; nothing is materialised before sharding, so no rank ever holds the full model,
+and the initial weights are the same for any world size and device.
 The model's family (``torchtune_ac.models.families``) says which modules are its blocks and how it initialises.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Optional
 
 import torch
@@ -23,7 +25,12 @@ from torchtune_ac.config.meta_model import ModelBuilder, build_meta_model
 from torchtune_ac.memory.activation_checkpointing import silence_compiled_policy_warning
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models import load_hf_weights_
-from torchtune_ac.models.families import init_weights_, retie_parameters, transformer_blocks
+from torchtune_ac.models.families import (
+    init_weights_,
+    parameter_initializer,
+    retie_parameters,
+    transformer_blocks,
+)
 from torchtune_ac.models.llama import TransformerBlock
 from torchtune_ac.runtime.distributed import (
     DistributedContext,
@@ -81,6 +88,7 @@ def build_training_model(
         join_world_of_one(ctx.device)  # a single process shards on a world of one
         shard_model(built, fsdp, options)
     built.to_empty(device=parameter_device(options, ctx.device))
+    place_buffers_(built, ctx.device)
     if not sharded:
         retie_parameters(built)  # FSDP keeps ties through to_empty; a plain module does not
     if load_weights and checkpoint_dir is not None:
@@ -91,28 +99,59 @@ def build_training_model(
     return built
 
 
+def place_buffers_(built: nn.Module, device: torch.device) -> None:
+    """Put ``built``'s buffers (RoPE's frequencies) on the device that computes, where ``to_empty`` put them beside
+    parameters kept on the host (CPU offload: FSDP2 manages the parameters, not the buffers, and a forward on
+    the GPU must find them there)."""
+    for module in built.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if buffer.device != device:
+                setattr(module, name, buffer.to(device))
+
+
 @torch.no_grad()
 def initialize_weights_(built: nn.Module, model: ModelBuilder, *, dtype: torch.dtype, seed: int, sharded: bool) -> None:
-    """Initialise ``built`` from ``seed`` through its family: the same weights whatever the world size.
+    """Initialise ``built`` (allocated on its device, sharded or not) from ``seed``: the same weights for any world
+    size and any device.
 
-    A sharded model cannot initialise itself: DTensor random ops are not sharding-aware on CPU, so every rank
-    would draw its shard from the same RNG state and every shard would hold the same values. Each rank instead
-    initialises a full copy on CPU and keeps its own region of every parameter. That copy costs the model's size
-    in host memory once; start large models from a checkpoint.
+    One parameter at a time, each full tensor is drawn on the CPU from a generator of its own, seeded from
+    ``seed`` and the parameter's name (``parameter_seed``), and only this rank's region of it is copied to the
+    device. Neither the device's generator nor the order of the draws depends on where the model runs or how it
+    is sharded, and no rank ever holds more than one full parameter on the host (the largest, e.g. the
+    embedding).
+
+    A custom model (of no known family) without ``init_parameter_(name, tensor, generator)`` initialises itself
+    with ``init_weights()`` under the seeded global RNG: when sharded, from a full copy on the CPU (the model's
+    size in host memory; give it ``init_parameter_`` or start from a checkpoint).
 
     Raises:
-        UserError: a custom model with no ``init_weights()``.
+        UserError: a custom model with neither ``init_parameter_()`` nor ``init_weights()``.
     """
+    init_parameter = parameter_initializer(built)
+    if init_parameter is not None:
+        for name, param in built.named_parameters():  # a tied parameter once
+            full = torch.empty(param.shape, dtype=param.dtype, device="cpu")
+            init_parameter(name, full, torch.Generator(device="cpu").manual_seed(parameter_seed(seed, name)))
+            local, region = local_region(param)
+            local.copy_(full[region])
+            del full  # before the next parameter's: one full parameter at a time
+        return
+    torch.manual_seed(seed)
     if not sharded:
-        torch.manual_seed(seed)
         init_weights_(built)
         return
-    full = build_meta_model(model).to(dtype)
-    full.to_empty(device="cpu")
-    retie_parameters(full)
-    torch.manual_seed(seed)
-    init_weights_(full)
-    full_params = dict(full.named_parameters())
+    full_model = build_meta_model(model).to(dtype)
+    full_model.to_empty(device="cpu")
+    retie_parameters(full_model)
+    init_weights_(full_model)
+    full_params = dict(full_model.named_parameters())
     for name, param in built.named_parameters():
         local, region = local_region(param)
         local.copy_(full_params[name][region])
+
+
+def parameter_seed(seed: int, name: str) -> int:
+    """The seed of parameter ``name``'s generator: a stable hash of the run's seed and the name (the same in every
+    process, unlike Python's ``hash``)."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)

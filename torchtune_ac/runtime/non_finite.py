@@ -1,16 +1,21 @@
 """Stop a step whose loss or gradient norm is not finite, before the optimizer takes it in.
 
 A loss that turns NaN or infinite at hour 20 would otherwise be stepped into the weights, and the next
-checkpoint would save them. Checked, on every rank together (each check is one all-reduce, so every rank raises
-at the same point and none waits in a collective for another):
+checkpoint would save them. Checked on every rank together, with one all-reduce and one read of the device per
+optimizer step (each read drains a GPU's queue of work, so the step reads once, and nothing else waits):
 
-- each micro-batch's loss, after its forward and before its backward: a non-finite loss never reaches a
-  gradient, in either optimizer mode, and the error names the micro-batch and the ranks that saw it;
-- the step's total gradient norm (every micro-batch's loss finite, but a gradient overflowed): after backward
-  and clipping, before ``optimizer.step()``, so the weights are untouched. With the optimizer step in backward
-  the parameters are stepped inside backward, before the total norm exists: the run still stops at the end of
-  that step and the stepped state is never saved (checking each parameter's gradient in its hook would cost a
-  host synchronisation per parameter on GPUs).
+- each micro-batch's loss, written into this rank's slot of a device tensor after its forward, costs nothing
+  then (``record_loss``);
+- after the last backward, and before ``optimizer.step()`` (``read``): every rank's micro-batch losses (one
+  all-reduce of the slots), the step's summed loss, the gradient norm and the token counts come to the host in
+  one read. A non-finite loss raises, naming the first micro-batch whose loss it was and the ranks that saw it;
+  else a non-finite gradient norm (a gradient overflowed) raises. Either way the optimizer never steps, so the
+  weights are untouched. With the optimizer step in backward the parameters are stepped inside the last
+  backward, before anything can be read: the run still stops at the end of that step, and the stepped state is
+  never saved (``NonFiniteError.stepped``).
+
+A non-finite loss goes through its backward (its gradients are not finite either) and the micro-batches after it
+still run: stopping before that backward would take a read of each micro-batch's loss, one synchronisation each.
 
 The recipe turns ``NonFiniteError`` into a stop that saves nothing, so the newest checkpoint stays the last good one.
 """
@@ -18,6 +23,7 @@ The recipe turns ``NonFiniteError`` into a stop that saves nothing, so the newes
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -52,35 +58,57 @@ class NonFiniteError(Exception):
                 f"(rank{'s' if len(self.ranks) > 1 else ''} {ranks})")
 
 
-class FiniteChecks:
-    """The checks of one optimizer step (see the module docstring); every rank calls them at the same points."""
+@dataclass(frozen=True)
+class StepValues:
+    """What the one read of a step brought to the host (global values: summed over micro-batches and ranks)."""
 
-    def __init__(self, ctx: DistributedContext, micro_batches: int) -> None:
+    loss_sum: float
+    grad_norm: float
+    target_tokens: int
+    input_tokens: int
+
+
+class FiniteChecks:
+    """The checks of one optimizer step (see the module docstring); every rank calls them at the same points.
+
+    Args:
+        ctx: rank and world size.
+        micro_batches: micro-batches in the step.
+        device: where the losses are (the model's device).
+    """
+
+    def __init__(self, ctx: DistributedContext, micro_batches: int, device: torch.device) -> None:
         self.ctx = ctx
         self.micro_batches = micro_batches
+        self.losses = torch.zeros(micro_batches, ctx.world_size, device=device)  # [micro-batch, rank]
 
-    def check_loss(self, index: int, micro_loss: torch.Tensor) -> None:
-        """Before micro-batch ``index``'s backward: every rank's summed loss, in its own slot of one all-reduce.
+    def record_loss(self, index: int, micro_loss: torch.Tensor) -> None:
+        """Keep micro-batch ``index``'s summed loss in this rank's slot (on the device: nothing is read)."""
+        self.losses[index, self.ctx.rank].copy_(micro_loss.detach())
 
-        Raises:
-            NonFiniteError: on every rank, when some rank's loss is not finite.
-        """
-        slots = torch.zeros(self.ctx.world_size, device=micro_loss.device)
-        slots[self.ctx.rank] = micro_loss.detach().float()
-        values = all_reduce_sum(slots, self.ctx).tolist()
-        bad = [rank for rank, value in enumerate(values) if not math.isfinite(value)]
-        if bad:
-            raise NonFiniteError("loss", values[bad[0]], micro_batch=index, micro_batches=self.micro_batches,
-                                 ranks=bad)
+    def read(self, loss_sum: torch.Tensor, norm: torch.Tensor, counts: torch.Tensor, *,
+             stepped: bool = False) -> StepValues:
+        """The step's one host synchronisation: all ranks' losses, ``loss_sum`` (this rank's summed loss, summed
+        here over ranks), the global gradient ``norm`` and the global ``counts`` (targets, inputs), read at once.
 
-    def check_grad_norm(self, norm: torch.Tensor | float, *, stepped: bool = False) -> None:
-        """After clipping measured the (global) gradient norm, before the optimizer steps; or, with ``stepped``,
-        after the hooks of the optimizer in backward did.
+        Args:
+            stepped: the parameters were already stepped (in backward), so the error says so.
 
         Raises:
-            NonFiniteError: the norm is not finite.
+            NonFiniteError: on every rank, when some rank's micro-batch loss is not finite (the first such
+                micro-batch is named), else when the gradient norm is not finite.
         """
-        value = float(norm)
-        if not math.isfinite(value):
-            raise NonFiniteError("gradient norm", value, micro_batch=None, micro_batches=self.micro_batches,
+        reduced = all_reduce_sum(torch.cat([self.losses.flatten(), loss_sum.detach().float().view(1)]), self.ctx)
+        values = torch.cat([reduced.double(), norm.detach().double().view(1), counts.double()]).tolist()
+        n = self.micro_batches * self.ctx.world_size
+        losses, (total, norm_value, targets, inputs) = values[:n], values[n:]
+        for index in range(self.micro_batches):
+            row = losses[index * self.ctx.world_size:(index + 1) * self.ctx.world_size]
+            bad = [rank for rank, value in enumerate(row) if not math.isfinite(value)]
+            if bad:
+                raise NonFiniteError("loss", row[bad[0]], micro_batch=index, micro_batches=self.micro_batches,
+                                     ranks=bad, stepped=stepped)
+        if not math.isfinite(norm_value):
+            raise NonFiniteError("gradient norm", norm_value, micro_batch=None, micro_batches=self.micro_batches,
                                  ranks=range(self.ctx.world_size), stepped=stepped)
+        return StepValues(loss_sum=total, grad_norm=norm_value, target_tokens=int(targets), input_tokens=int(inputs))

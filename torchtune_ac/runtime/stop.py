@@ -83,10 +83,11 @@ class StopSignals:
 
     def agreed(self, ctx: DistributedContext) -> Optional[str]:
         """The name of a stop signal some rank received (``SIGTERM`` wins over ``SIGINT``), or None. Every rank
-        calls this at the same point of each step: it is one all-reduce of one number."""
+        calls this at the same point of each step: it is one all-reduce of one number, on the host (gloo, beside
+        NCCL on CUDA: ``runtime.distributed``), so the host never waits for a GPU's queue to read it."""
         value = int(self.received or 0)
         if ctx.is_distributed:
-            flag = torch.tensor([value], dtype=torch.int32, device=ctx.device)
+            flag = torch.tensor([value], dtype=torch.int32)  # on the CPU
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             value = int(flag.item())
         return signal.Signals(value).name if value else None

@@ -12,14 +12,20 @@ switch, ``torchtune_ac/memory/chunked_loss.py``) gives the same values without t
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Mapping, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 IGNORE_INDEX = -100
+# The keys of a batch that the collate code (``data.collate_batch``) counted on the host, and that stay there when
+# the batch moves to the device (``step.move_batch``): reading them costs no host synchronisation.
+#   target_count: 0-d, the labels that are not ``IGNORE_INDEX`` (the chunked loss needs the number on the host)
+#   document_lengths: [n_documents], a packed batch's documents, row after row (its attention needs them there)
+HOST_KEYS = frozenset({"target_count", "document_lengths"})
 
 
 class Objective(Protocol):
@@ -49,6 +55,21 @@ def count_target_tokens(labels: torch.Tensor) -> torch.Tensor:
     return (labels != IGNORE_INDEX).sum()
 
 
+def host_target_count(batch: Mapping[str, torch.Tensor]) -> Optional[int]:
+    """The batch's number of targets from its host-side ``target_count``, or None when it carries none."""
+    count = batch.get("target_count")
+    return None if count is None else int(count)
+
+
+def run_model(model: nn.Module, batch: Mapping[str, torch.Tensor], **kwargs: Any) -> torch.Tensor:
+    """``model(tokens, document_ids, **kwargs)`` for ``batch``, with its host-side ``document_lengths`` when it is
+    packed and the model's ``forward`` takes them (the built-in decoder does: see ``Llama.forward``)."""
+    lengths = batch.get("document_lengths")
+    if lengths is not None and "document_lengths" in inspect.signature(model.forward).parameters:
+        kwargs["document_lengths"] = lengths
+    return model(batch["tokens"], batch.get("document_ids"), **kwargs)
+
+
 @dataclass(frozen=True)
 class CrossEntropy:
     """Next-token cross-entropy over every labelled position, from the model's whole logits.
@@ -59,4 +80,4 @@ class CrossEntropy:
         return count_target_tokens(batch["labels"])
 
     def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return cross_entropy_sum(model(batch["tokens"], batch.get("document_ids")), batch["labels"])
+        return cross_entropy_sum(run_model(model, batch), batch["labels"])

@@ -13,7 +13,8 @@ Two things vary, and each is a value passed in, never a type tested here:
   backward; the optimizer-in-backward switch's stepper has stepped every parameter by then, in backward.
 
 ``train_step`` stops a step whose loss or gradient norm is not finite before the optimizer takes it in
-(``runtime/non_finite.py``).
+(``runtime/non_finite.py``), and synchronises the host with the device once per optimizer step, for that check
+and the values it reports together.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
-from torchtune_ac.runtime.non_finite import FiniteChecks
-from torchtune_ac.training.objective import CrossEntropy, Objective
+from torchtune_ac.runtime.non_finite import FiniteChecks, StepValues
+from torchtune_ac.training.objective import HOST_KEYS, CrossEntropy, Objective
 
 CROSS_ENTROPY = CrossEntropy()
 # check_norm(norm, stepped): sees the step's total gradient norm; ``stepped`` when the parameters already took it.
@@ -102,7 +103,9 @@ class StepResult:
 
 
 def move_batch(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+    """``batch`` on ``device``, without waiting for it; the values the host counted (``objective.HOST_KEYS``) stay
+    on the host, where reading them costs nothing."""
+    return {key: value if key in HOST_KEYS else value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
 def micro_batch_loss(model: nn.Module, batch: Mapping[str, torch.Tensor],
@@ -116,15 +119,16 @@ def accumulate_gradients(
     stepper: Stepper,
     micro_batches: Sequence[Mapping[str, torch.Tensor]],
     *,
-    scale: float,
+    scale: float | torch.Tensor,
     objective: Objective = CROSS_ENTROPY,
     after_forward: Optional[Callable[[int], None]] = None,
-    check_loss: Optional[Callable[[int, torch.Tensor], None]] = None,
+    record_loss: Optional[Callable[[int, torch.Tensor], None]] = None,
 ) -> torch.Tensor:
-    """Forward and backward every micro-batch, each summed loss scaled by ``scale``. No host synchronisation:
-    the memory planner runs this under fake tensors, and ``after_forward(i)`` (called between micro-batch
-    ``i``'s forward and backward) lets it see what a forward keeps. ``check_loss(i, loss)``, if given, sees
-    micro-batch ``i``'s loss before its backward (and may raise).
+    """Forward and backward every micro-batch, each summed loss scaled by ``scale`` (a number, or a 0-d tensor on
+    the device). No host synchronisation: the memory planner runs this under fake tensors, and
+    ``after_forward(i)`` (called between micro-batch ``i``'s forward and backward) lets it see what a forward
+    keeps. ``record_loss(i, loss)``, if given, sees micro-batch ``i``'s loss before its backward (to keep it on the
+    device: reading it there would cost a synchronisation per micro-batch).
 
     Returns:
         The summed (unscaled) loss of all micro-batches, detached.
@@ -135,8 +139,8 @@ def accumulate_gradients(
         micro_loss = micro_batch_loss(model, batch, objective)
         if after_forward is not None:
             after_forward(i)
-        if check_loss is not None:
-            check_loss(i, micro_loss)
+        if record_loss is not None:
+            record_loss(i, micro_loss)
         (micro_loss * scale).backward()
         loss_sum += micro_loss.detach()
         del micro_loss
@@ -154,10 +158,16 @@ def train_step(
 ) -> StepResult:
     """Forward/backward every micro-batch, and let the stepper step the parameters.
 
+    The host waits for the device once (``FiniteChecks.read``): after the last backward, before the optimizer
+    steps, every value the step reports and checks is read at once. The global target count that scales every
+    micro-batch's loss stays on the device (an all-reduce before the first forward); the host-side values of a
+    batch (``objective.HOST_KEYS``) are read on the host.
+
     Args:
         model: the (possibly FSDP-sharded, possibly checkpointed) model.
         stepper: who steps the parameters (gradients are freed after the step).
-        micro_batches: dicts with ``tokens`` and ``labels`` ``[b, s]`` (and optionally ``document_ids``), on the device.
+        micro_batches: dicts with ``tokens`` and ``labels`` ``[b, s]`` (and optionally ``document_ids``), on the
+            device, and the host-side values ``collate_batch`` counted (``move_batch`` keeps them on the host).
         ctx: rank / world size.
         objective: what each micro-batch's summed loss is.
         clip_grad_norm: max total gradient norm, or None to only measure it.
@@ -166,23 +176,30 @@ def train_step(
         The global mean loss, the gradient norm before clipping, and token counts.
 
     Raises:
-        NonFiniteError: on every rank, a micro-batch's loss (before its backward) or the gradient norm (before
-            the optimizer step, or after it where the parameters were stepped in backward) is NaN or infinite.
+        NonFiniteError: on every rank, a micro-batch's loss or the gradient norm is NaN or infinite (checked
+            before the optimizer step, or after it where the parameters were stepped in backward).
     """
+    device = micro_batches[0]["tokens"].device
     local_targets = sum(objective.targets(batch) for batch in micro_batches)
     local_inputs = sum(batch["tokens"].numel() for batch in micro_batches)
-    counts = all_reduce_sum(torch.stack([local_targets.cpu(), torch.tensor(local_inputs)]).to(ctx.device), ctx)
-    global_targets = max(int(counts[0]), 1)
-    scale = ctx.world_size / global_targets
+    # [targets, inputs], summed over ranks on the device: a fill, not a copy from the host (which would wait).
+    counts = all_reduce_sum(torch.stack([local_targets, torch.full((), local_inputs, device=device)]), ctx)
+    # world_size / targets in float64, rounded once to float32 (what multiplying by a Python float does).
+    scale = (ctx.world_size / counts[0].clamp(min=1).double()).float()
 
-    checks = FiniteChecks(ctx, len(micro_batches))
+    checks = FiniteChecks(ctx, len(micro_batches), device)
     loss_sum = accumulate_gradients(model, stepper, micro_batches, scale=scale, objective=objective,
-                                    check_loss=checks.check_loss)
-    norm = stepper.update(model, clip_grad_norm, check_norm=checks.check_grad_norm)
-    total_loss = all_reduce_sum(loss_sum, ctx)
+                                    record_loss=checks.record_loss)
+    read: list[StepValues] = []
+
+    def check_norm(norm: torch.Tensor, *, stepped: bool = False) -> None:
+        read.append(checks.read(loss_sum, norm, counts, stepped=stepped))
+
+    norm = stepper.update(model, clip_grad_norm, check_norm=check_norm)
+    values = read[0] if read else checks.read(loss_sum, norm, counts, stepped=True)
     return StepResult(
-        loss=float(total_loss) / global_targets,
-        grad_norm=float(norm),
-        input_tokens=int(counts[1]),
-        target_tokens=int(counts[0]),
+        loss=values.loss_sum / max(values.target_tokens, 1),
+        grad_norm=values.grad_norm,
+        input_tokens=values.input_tokens,
+        target_tokens=values.target_tokens,
     )

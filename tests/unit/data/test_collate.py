@@ -19,7 +19,7 @@ M = IGNORE_INDEX
 def test_collate_pads_right(multiple, expected_tokens, expected_labels):
     samples = [{"tokens": [5, 6, 7], "labels": [6, 7, M]}, {"tokens": [8], "labels": [M]}]
     batch = collate_batch(samples, pad_id=0, pad_to_multiple_of=multiple)
-    assert set(batch) == {"tokens", "labels"}
+    assert set(batch) == {"tokens", "labels", "target_count"}
     assert batch["tokens"].dtype == torch.long and batch["labels"].dtype == torch.long
     assert batch["tokens"].tolist() == expected_tokens
     assert batch["labels"].tolist() == expected_labels
@@ -45,6 +45,18 @@ def test_collate_keeps_document_ids_and_gives_padding_its_own():
     batch = collate_batch(samples, pad_id=9, pad_to_multiple_of=4)
     assert batch["document_ids"].tolist() == [[0, 0, 1, 2], [0, 0, 1, 1]]
     assert batch["tokens"].tolist() == [[1, 2, 3, 9], [4, 5, 9, 9]]
+
+
+def test_collate_counts_on_the_host_what_the_step_would_otherwise_read_from_the_device():
+    samples = [
+        {"tokens": [1, 2, 3], "labels": [2, 3, M], "document_ids": [0, 0, 1]},
+        {"tokens": [4, 5], "labels": [5, M], "document_ids": [0, 0]},
+    ]
+    batch = collate_batch(samples, pad_id=9, pad_to_multiple_of=4)
+    assert batch["target_count"].item() == 3
+    # Row 0: documents 0 and 1 and its padding; row 1: document 0 and its padding.
+    assert batch["document_lengths"].tolist() == [2, 1, 1, 2, 2]
+    assert batch["target_count"].device.type == batch["document_lengths"].device.type == "cpu"
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 from torch.nn.attention.varlen import varlen_attn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from torchtune_ac.data.collate import document_lengths
 from torchtune_ac.memory.activation_checkpointing import setup_activation_checkpointing
 from torchtune_ac.models import attention, llama
 from torchtune_ac.models.attention import causal_attention, document_runs
@@ -107,6 +108,16 @@ def test_document_runs_are_the_contiguous_runs_row_after_row(ids, lengths):
     assert runs.max_length == max(lengths)
     assert runs.varlen_device is False  # CPU
     assert [end - start for _, start, end in document_spans(torch.tensor(ids))] == list(lengths)
+    # The collate code's count, on the host, gives the same runs without reading the ids back from the device.
+    counted = document_lengths(torch.tensor(ids))
+    from_host = document_runs(torch.tensor(ids), counted)
+    assert from_host.lengths == lengths and from_host.max_length == runs.max_length
+    assert from_host.cu_seqlens.dtype == torch.int32 and torch.equal(from_host.cu_seqlens, runs.cu_seqlens)
+
+
+def test_host_document_lengths_must_cover_the_batch():
+    with pytest.raises(ValueError, match="add up to 5 tokens, the batch has 6"):
+        document_runs(torch.tensor([[0, 0, 0, 1, 1, 2]]), torch.tensor([3, 2]))
 
 
 # (n_heads, n_kv_heads, document lengths per row)
@@ -332,8 +343,8 @@ def with_varlen_device(monkeypatch, fp32: bool = True) -> None:
     """Make ``Llama.forward`` treat the batch as if it were on a GPU that runs ``varlen_attn``; with ``fp32``,
     let fp32 take that path too (Flash Attention itself takes fp16/bf16 only), so that the model's results can
     be compared with the oracle to fp32 precision."""
-    monkeypatch.setattr(llama, "document_runs", lambda ids: dataclasses.replace(document_runs(ids),
-                                                                                 varlen_device=True))
+    monkeypatch.setattr(llama, "document_runs", lambda ids, lengths=None: dataclasses.replace(
+        document_runs(ids, lengths), varlen_device=True))
     if fp32:
         monkeypatch.setattr(attention, "_VARLEN_DTYPES", (torch.float32,))
 

@@ -1,6 +1,6 @@
-"""A non-finite loss stops the step before its backward, naming the micro-batch; a non-finite gradient norm stops it
-before the optimizer step (with the optimizer in backward: after its hooks, flagged as such). Injected by wrapping
-the loss of one micro-batch, and by a gradient hook."""
+"""A non-finite loss or gradient norm stops the step before the optimizer step (with the optimizer in backward:
+after its hooks, flagged as such), naming for a loss the micro-batch and the ranks; all of it read from the device
+once per step. Injected by wrapping the loss of one micro-batch, and by a gradient hook."""
 
 from __future__ import annotations
 
@@ -40,26 +40,28 @@ def _weights(model: Llama) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step_after_backward", "step_in_backward"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
-def test_a_non_finite_loss_stops_before_its_backward_naming_the_micro_batch(monkeypatch, in_backward, value):
+def test_a_non_finite_loss_stops_the_step_naming_the_micro_batch(monkeypatch, in_backward, value):
     model, optimizer, batches = _setup(in_backward)
     before = _weights(model)
     calls = []
     real_loss = step_module.micro_batch_loss
 
-    def loss_of(model, batch, loss_chunks=1):
+    def loss_of(model, batch, objective):
         calls.append(1)
-        loss = real_loss(model, batch, loss_chunks)
+        loss = real_loss(model, batch, objective)
         return loss * value if len(calls) == 2 else loss  # the second micro-batch goes bad
 
     monkeypatch.setattr(step_module, "micro_batch_loss", loss_of)
     with pytest.raises(NonFiniteError) as caught:
         train_step(model, optimizer, batches, ctx=CTX)
     err = caught.value
-    assert (err.what, err.micro_batch, err.ranks, err.stepped) == ("loss", 1, [0], False)
+    assert (err.what, err.micro_batch, err.ranks, err.stepped) == ("loss", 1, [0], in_backward)
     assert f"the loss of micro-batch 2 of {ACCUMULATION} is {value} (rank 0)" in str(err)
-    assert len(calls) == 2  # the third micro-batch never ran
+    assert len(calls) == ACCUMULATION  # read once, after the last backward
     after = _weights(model)
-    assert all(torch.equal(after[name], before[name]) for name in before)  # untouched: no step, no arithmetic
+    unchanged = all(torch.equal(after[name], before[name]) for name in before)  # bit for bit unless stepped
+    # After backward, no optimizer step took it in; in backward the hooks stepped (the recipe saves nothing then).
+    assert unchanged != in_backward
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step_after_backward", "step_in_backward"])

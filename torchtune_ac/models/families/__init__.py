@@ -10,10 +10,12 @@ Everything here is pure: a model's family is found by the ``model_type`` its arg
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pkgutil
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
+import torch
 from torch import nn
 
 from torchtune_ac.errors import UserError
@@ -156,6 +158,17 @@ def init_weights_(model: nn.Module) -> None:
             f"{type(model).__name__} has no init_weights() and is of no known family: "
             "set checkpoint_dir to start from its weights"
         )
+
+
+def parameter_initializer(model: nn.Module) -> Optional[Callable[[str, torch.Tensor, torch.Generator], None]]:
+    """How ``model`` initialises one parameter at a time: ``init(name, tensor, generator)`` fills ``tensor``, the
+    full shape of parameter ``name``, drawing from ``generator``. Through its family; a custom model through its
+    ``init_parameter_(name, tensor, generator)`` method; None for a custom model without one."""
+    family = family_of(model)
+    if family is not None:
+        return functools.partial(family.init_parameter, model)
+    method = getattr(model, "init_parameter_", None)
+    return method if callable(method) else None
 
 
 def retie_parameters(model: nn.Module) -> None:
