@@ -151,12 +151,13 @@ def describe_sharding(cfg: FullFinetuneConfig, world_size: Optional[int], plan: 
     reduce += " (dtype)" if cfg.fsdp.reduce_dtype is None else ""
     replicas = cfg.fsdp.replicate_degree
     if world_size is None:
-        layout = "over every process" if replicas == 1 else f"HSDP: {replicas} replicas, each sharded over world size / {replicas}"
+        layout = ("sharded over every process" if replicas == 1
+                  else f"HSDP: {replicas} replicas, each sharded over world size / {replicas}")
     elif replicas == 1:
-        layout = f"over {world_size} process(es)"
+        layout = f"sharded over {world_size} process(es)"
     else:
         layout = f"HSDP: {replicas} replicas x {cfg.fsdp.shard_degree(world_size)} shards"
-    return f"sharded {layout}; gradients reduced in {reduce}"
+    return f"{layout}; gradients reduced in {reduce}"
 
 
 def _check_output_dir(cfg: FullFinetuneConfig, strict: bool) -> None:

@@ -16,11 +16,14 @@ import pytest
 import torch
 import torch.distributed as dist
 from gloo_testlib import run_on_gloo_ranks
+from numerics import assert_close
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from torchtune_ac.checkpoint import local_region
 from torchtune_ac.errors import UserError
+from torchtune_ac.memory.optimizer_in_backward import OptimizerInBackward
 from torchtune_ac.models.families.llama import LLAMA_TINY
 from torchtune_ac.models.llama import Llama
 from torchtune_ac.runtime import distributed
@@ -137,6 +140,31 @@ def _check_hsdp(rank: int) -> None:
         assert isinstance(param, DTensor) and param.device_mesh == mesh, name
         assert param.placements == (Replicate(), Shard(0)), (name, param.placements)
     assert dist.get_world_size(mesh.get_group("shard")) == 2
+    _check_in_backward_norm(model)
+
+
+def _check_in_backward_norm(model: nn.Module) -> None:
+    """The step in backward sums its shards' squared norms over a row, not over every rank: a replica holds the
+    same shard, and counting it twice would make the norm sqrt(2) too large. The reference is the gradients'
+    DTensor norm after a plain backward of the same batch (the in-backward step, at lr 0, changes nothing)."""
+    model.to_empty(device=CPU)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            full = torch.randn(param.shape, generator=generator) * 0.02
+            local, region = local_region(param)
+            local.copy_(full[region])
+    tokens = torch.randint(0, SMALL.vocab_size, (2, 16), generator=generator)
+    in_backward = OptimizerInBackward(model.named_parameters(), lambda params: torch.optim.SGD(params, lr=0.0))
+    in_backward.begin_micro_batch(final=True)
+    model(tokens).float().square().mean().backward()
+    measured = in_backward.total_norm(CPU)
+    in_backward.remove_hooks()
+    model(tokens).float().square().mean().backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=float("inf")).full_tensor()
+    # The same gradients (the same ops replayed), their squares summed in another order: within the rounding of a
+    # sum over every gradient entry.
+    assert_close(measured, expected, terms=sum(p.numel() for p in model.parameters()), what="total gradient norm")
 
 
 @pytest.mark.distributed
