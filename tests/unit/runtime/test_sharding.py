@@ -170,3 +170,17 @@ def _check_in_backward_norm(model: nn.Module) -> None:
 @pytest.mark.distributed
 def test_hsdp_shards_within_a_row_and_replicates_across(tmp_path: Path) -> None:
     run_on_gloo_ranks(_check_hsdp, store_dir=tmp_path, world_size=4)
+
+
+def test_the_output_layer_runs_its_forward_on_the_head_path_too() -> None:
+    """A chunked loss replaces the output projection by a head; the head must still run inside the output layer's
+    forward, or FSDP2 never sees the [norm, output] group finish its forward (torch 2.11 then leaves the group
+    waiting, and the next step's forward uses the sharded weight; torch 2.13 completes it from the root)."""
+    model = Llama(SMALL)
+    ran = []
+    model.output.register_forward_hook(lambda module, args, out: ran.append(out))
+    tokens = torch.randint(0, SMALL.vocab_size, (1, 8))
+    loss = model(tokens, head=lambda hidden, weight: (hidden @ weight.T).sum())
+    assert len(ran) == 1 and ran[0] is loss
+    logits = model(tokens)
+    assert len(ran) == 2 and ran[1] is logits and logits.shape == (1, 8, SMALL.vocab_size)
