@@ -53,7 +53,7 @@ from torchtune_ac.memory.activation_checkpointing import (
     resolve_ac_plan,
 )
 from torchtune_ac.memory.switch import Alternative, MemorySwitch, ModelSizes, discover_switches
-from torchtune_ac.models.families import family_of, transformer_blocks
+from torchtune_ac.models.families import family_of, shard_groups, transformer_blocks
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper, accumulate_gradients
@@ -348,6 +348,9 @@ class _Simulation:
     peaks: dict[str, _Peak]
     block_parameters: int  # the largest block's parameters
     root_parameters: int  # parameters outside the blocks
+    # The largest FSDP2 group outside the blocks: one of the family's shard groups (embeddings; final norm and
+    # output), or the root with what they leave (all of root_parameters for a model without groups).
+    largest_outer_group: int
     root_shapes: tuple[tuple[int, ...], ...]  # each parameter outside the blocks (a tied weight once)
     block_shapes: tuple[tuple[int, ...], ...]  # each parameter of one block
     block_input: int  # bytes of a block's input, one micro-batch's hidden state
@@ -414,10 +417,23 @@ def _simulate(
             saved_activations=saved[0], flops=tracker.flops, peaks=tracker.peaks,
             block_parameters=max(_nbytes(list(block.parameters())) for block in blocks),
             root_parameters=_nbytes([p for p in params if id(p) not in in_blocks]),
+            largest_outer_group=_largest_outer_group(model, in_blocks),
             root_shapes=_shapes([p for p in params if id(p) not in in_blocks]),
             block_shapes=_shapes(list(blocks[0].parameters())),
             block_input=tracker.block_input,
         )
+
+
+def _largest_outer_group(model: nn.Module, in_blocks: set[int]) -> int:
+    """Bytes of the largest FSDP2 group outside the blocks, as ``shard_model`` groups them."""
+    grouped: set[int] = set()
+    sizes = []
+    for group in shard_groups(model):
+        params = [p for module in group for p in module.parameters()]
+        grouped.update(id(p) for p in params)
+        sizes.append(_nbytes(params))
+    rest = [p for p in model.parameters() if id(p) not in in_blocks and id(p) not in grouped]
+    return max([*sizes, _nbytes(rest)])
 
 
 def _phase_hooks(blocks: nn.ModuleList, tracker: _LiveStorages) -> list[Any]:
@@ -481,8 +497,10 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         blocks = parameters - root if not workload.fsdp.reshard_after_forward else 2 * shallow.block_parameters
         gathered = root + blocks
         reduce_factor = workload.fsdp.resolved_reduce_dtype(workload.dtype).torch.itemsize / workload.dtype.torch.itemsize
-        # Gathered parameters beyond the resident shards, and the reduce-scatter input of the largest group.
-        fsdp_extra = gathered * (n - 1) / n + max(shallow.block_parameters, root) * reduce_factor
+        # Gathered parameters beyond the resident shards (the groups outside the blocks counted gathered throughout),
+        # and the reduce-scatter input of the largest group.
+        largest_group = max(shallow.block_parameters, shallow.largest_outer_group)
+        fsdp_extra = gathered * (n - 1) / n + largest_group * reduce_factor
     device = {
         "parameters": parameters / n,
         "optimizer": at_depth(lambda s: s.optimizer) / n,

@@ -1,12 +1,19 @@
 """``tune plan`` with HSDP: parameters, gradients and optimizer state are divided by the shard degree (``--nproc``
-over ``fsdp.replicate_degree``), not the world size; a world that is not whole rows of replicas is refused."""
+over ``fsdp.replicate_degree``), not the world size; a world that is not whole rows of replicas is refused; the
+reduce buffer is the largest FSDP2 group's; ``tune validate`` shows the sharding as resolved."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+import torch
 
 from torchtune_ac.cli import load_recipe, load_recipe_config, main, resolve_recipe_path
 from torchtune_ac.config.planning import plan_table
+from torchtune_ac.memory.planner import _largest_outer_group
+from torchtune_ac.models.families.llama import LLAMA_TINY
+from torchtune_ac.models.llama import Llama
 
 
 def _table(world_size: int, *overrides: str):
@@ -65,3 +72,16 @@ def test_validate_shows_the_resolved_sharding(overrides, expected, capsys):
     assert main(["validate", "--config", "tiny/full", *overrides]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if line.strip().startswith("fsdp "))
     assert line.rstrip().endswith(expected)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_planner_sizes_the_reduce_buffer_by_the_largest_group_outside_the_blocks(tied):
+    """The embeddings and [norm, output] are reduced as groups of their own: the largest reduce-scatter outside the
+    blocks is the larger of the two, not both together (a tied pair stays one group, with the root)."""
+    with torch.device("meta"):
+        model = Llama(dataclasses.replace(LLAMA_TINY, n_layers=1, tie_embeddings=tied))
+    in_blocks = {id(p) for p in model.layers.parameters()}
+    embedding = model.tok_embeddings.weight.nbytes
+    norm = model.norm.weight.nbytes
+    expected = embedding + norm if tied else max(embedding, norm + model.output.weight.nbytes)
+    assert _largest_outer_group(model, in_blocks) == expected
