@@ -25,7 +25,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 
 from torchtune_ac.checkpoint import Progress, create_output_dir, hold_output_dir, read_hf_config, save_checkpoint
 from torchtune_ac.config.planning import PlanTable, plan_table
-from torchtune_ac.config.preflight import preflight_full_finetune, run_shape
+from torchtune_ac.config.preflight import describe_sharding, preflight_full_finetune, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.models import hf_model_files
 from torchtune_ac.observability.metric_logging import RunLog, open_run_log
@@ -109,6 +109,7 @@ class FullFinetuneRecipe:
             "process",
             f"model {cfg.model.path}: {run.report.n_parameters:,} parameters, {run.plan.ac.n_layers} layers",
             *(f"{label}: {value}" for label, value in run.plan.describe()),
+            f"fsdp: {describe_sharding(cfg, ctx.world_size, run.plan)}",
             f"global batch {global_batch} samples ({cfg.batch_size} x {cfg.gradient_accumulation_steps} accumulation"
             f" x {ctx.world_size} processes); {self.data.samples} samples, {self.data.steps_per_epoch} steps per epoch,"
             f" {cfg.epochs} epoch(s)",

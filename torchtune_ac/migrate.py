@@ -106,8 +106,9 @@ _NOT_CARRIED_OVER = {
     "profiler": "the torch profiler is not built into the recipe",
     "log_peak_memory_stats": "peak memory is always recorded (peak_memory_gib in metrics.jsonl)",
     "log_level": "the recipe logs at INFO on rank 0",
-    "custom_sharded_layers": "FSDP2 here shards each transformer block, then the root (embeddings and output "
-    "layer together); extra groups are not configurable",
+    "custom_sharded_layers": "FSDP2 here shards each transformer block, the embeddings and [final norm, output] "
+    "(the root holds them when tied), then the root; extra groups are not configurable",
+    "data_parallel_shard_dim": "the shard degree is the world size / fsdp.replicate_degree",
     "tensor_parallel_dim": "tensor parallelism is not supported (FSDP2 data parallelism only)",
     "tensor_parallel_plan": "tensor parallelism is not supported (FSDP2 data parallelism only)",
     "enable_async_checkpointing": "checkpoints are written synchronously",
@@ -123,6 +124,7 @@ HARMLESS_VALUES = {
     "log_peak_memory_stats": (True, False, None),
     "custom_sharded_layers": (None, []),
     "tensor_parallel_dim": (1, None),
+    "data_parallel_shard_dim": (-1, None),
     "enable_async_checkpointing": (False, None),
     "cudnn_deterministic_mode": (False, None),
     "collate_fn": (None, "torchtune.data.padded_collate_sft"),

@@ -393,3 +393,14 @@ def test_validation_keys_are_carried_over():
     assert "dataset_val" not in {n.key for n in migration.notes if not n.carried}
     assert list(config).index("dataset_val") == list(config).index("max_seq_len" if "max_seq_len" in config
                                                                    else "dataset") + 1
+
+
+@pytest.mark.parametrize("value, expected", [(2, {"replicate_degree": 2}), (1, None)])
+def test_data_parallel_replicate_dim_becomes_fsdp_replicate_degree(value, expected):
+    """torchtune's HSDP replicate dimension is ours under fsdp (from the fsdp group's schema metadata)."""
+    migration = migrate_torchtune_config(torchtune_config(data_parallel_replicate_dim=value,
+                                                          data_parallel_shard_dim=-1))
+    assert migration.config.get("fsdp") == expected
+    notes = notes_by_key(migration)
+    assert "data_parallel_replicate_dim" not in notes
+    assert "world size / fsdp.replicate_degree" in notes["data_parallel_shard_dim"]

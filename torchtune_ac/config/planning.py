@@ -95,10 +95,12 @@ def planning_inputs(cfg: TrainingWorkload, world_size: int, device: torch.device
     starts (``process_fixed_bytes``).
 
     Raises:
-        UserError: ``max_seq_len`` is not set (the activations are sized by it).
+        UserError: ``max_seq_len`` is not set (the activations are sized by it), or ``world_size`` is not a multiple
+            of ``fsdp.replicate_degree``.
     """
     if cfg.max_seq_len is None:
         raise UserError("max_seq_len: must be set to estimate memory (ac_mode: auto, tune plan): it sizes the activations")
+    cfg.fsdp.shard_degree(world_size)  # a world of whole HSDP rows, or a one-line error naming the key
     workload = Workload(
         batch_size=cfg.batch_size,
         seq_len=cfg.max_seq_len,
@@ -203,11 +205,19 @@ def plan_table(cfg: TrainingWorkload, *, world_size: int, budget_gib: Optional[f
         chosen = next((i for i, e in enumerate(estimates) if e.device <= budget_gib * GiB), None)
     n_params = sum(p.numel() for p in model.parameters())
     switches = "; ".join(f"{label}: {re.split(r'[:(]', value)[0].strip()}" for label, value in plan.describe(ac=False))
-    title = (f"{cfg.model.path}: {n_params:,} parameters; {world_size} process(es), batch {cfg.batch_size} x "
+    title = (f"{cfg.model.path}: {n_params:,} parameters; {describe_processes(cfg.fsdp, world_size)}, batch {cfg.batch_size} x "
              f"{cfg.max_seq_len} tokens per process x {cfg.gradient_accumulation_steps} accumulation step(s), "
              f"{cfg.dtype.value}, {cfg.optimizer.path.rsplit('.', 1)[-1]}; {switches}")
     return PlanTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size), tuple(ablation),
                      fixed_how)
+
+
+def describe_processes(fsdp: FSDPConfig, world_size: int) -> str:
+    """``4 process(es)``, or with HSDP ``4 process(es) (2 replicas x 2 shards)``: what FSDP2 shards over."""
+    if fsdp.replicate_degree == 1:
+        return f"{world_size} process(es)"
+    return (f"{world_size} process(es) ({fsdp.replicate_degree} replicas x {fsdp.shard_degree(world_size)} shards, "
+            "HSDP)")
 
 
 def unmodelled_settings(cfg: TrainingWorkload, world_size: int) -> tuple[str, ...]:

@@ -143,6 +143,23 @@ def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module, 
     return RunShape(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, architecture, data)
 
 
+def describe_sharding(cfg: FullFinetuneConfig, world_size: Optional[int], plan: MemoryPlan) -> str:
+    """How FSDP2 shards the run's model and reduces its gradients, as resolved (``tune validate``, the run's log)."""
+    if world_size == 1 and not plan.shard_options():
+        return "not sharded (1 process)"
+    reduce = cfg.fsdp.resolved_reduce_dtype(cfg.dtype).value
+    reduce += " (dtype)" if cfg.fsdp.reduce_dtype is None else ""
+    replicas = cfg.fsdp.replicate_degree
+    if world_size is None:
+        layout = ("sharded over every process" if replicas == 1
+                  else f"HSDP: {replicas} replicas, each sharded over world size / {replicas}")
+    elif replicas == 1:
+        layout = f"sharded over {world_size} process(es)"
+    else:
+        layout = f"HSDP: {replicas} replicas x {cfg.fsdp.shard_degree(world_size)} shards"
+    return f"{layout}; gradients reduced in {reduce}"
+
+
 def _check_output_dir(cfg: FullFinetuneConfig, strict: bool) -> None:
     out = Path(cfg.output_dir).expanduser().resolve()
     if out.exists() and not out.is_dir():
@@ -220,6 +237,8 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
                 raise
             report.warnings.append(str(err))
 
+    if world_size is not None:
+        cfg.fsdp.shard_degree(world_size)  # whole HSDP rows, before anything is built
     model = build_meta_model(cfg.model, cfg.checkpoint_dir)
     n_layers = len(transformer_blocks(model))
     report.n_parameters = count_parameters(model)
@@ -283,6 +302,7 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
         ("model", f"{cfg.model.path}: {report.n_parameters:,} parameters, {n_layers} layers"),
         *report.plan.describe(),
         ("dtype / device", f"{cfg.dtype.value} / {cfg.device.value}"),
+        ("fsdp", describe_sharding(cfg, world_size, report.plan)),
         (
             "batch",
             f"{cfg.batch_size} per process x {cfg.gradient_accumulation_steps} accumulation step(s)"

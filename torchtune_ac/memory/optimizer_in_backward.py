@@ -54,6 +54,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
             optimizer.register_load_state_dict_post_hook(self._share_groups_of(index))
         self._final_micro_batch = True
         self._squared_norm: Optional[torch.Tensor] = None
+        # The processes whose shards make up a whole gradient (not the replicas of HSDP, which hold the same shard).
+        self._shard_group: Optional[dist.ProcessGroup] = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(opt)) for (_, p), opt in zip(params, self.optimizers)]
 
     def _share_groups_of(self, index: int) -> Callable[[torch.optim.Optimizer], None]:
@@ -68,6 +70,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 return  # let the gradient accumulate; the last micro-batch steps
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
+            if isinstance(grad, DTensor) and self._shard_group is None:
+                self._shard_group = shard_group(grad)
             # A float32 reduction, not a float32 copy of the gradient (that would double its memory).
             squared = torch.linalg.vector_norm(local.detach(), dtype=torch.float32).square()
             self._squared_norm = squared if self._squared_norm is None else self._squared_norm + squared
@@ -84,7 +88,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
 
     def total_norm(self, device: torch.device) -> torch.Tensor:
         """The total gradient norm of the step the hooks just took, a 0-d tensor (all ranks call this: the
-        squared norms of each rank's shards are summed over ranks). No host synchronisation.
+        squared norms of each rank's shards are summed over the ranks that shard a parameter, once per shard
+        under HSDP). No host synchronisation.
 
         Raises:
             RuntimeError: no hook ran (a backward without ``begin_micro_batch(final=True)`` before it).
@@ -92,8 +97,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         if self._squared_norm is None:
             raise RuntimeError("no parameter was stepped in backward: call begin_micro_batch(final=True) first")
         squared = self._squared_norm.to(device)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(squared, op=dist.ReduceOp.SUM)
+        if self._shard_group is not None:
+            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self._shard_group)
         self._squared_norm = None
         return squared.sqrt()
 
@@ -120,6 +125,19 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+
+def shard_group(tensor: DTensor) -> dist.ProcessGroup:
+    """The process group over which ``tensor``'s local pieces differ: its mesh's one sharded dimension (FSDP2
+    shards on one; with HSDP the other dimension holds replicas).
+
+    Raises:
+        ValueError: a tensor sharded over no mesh dimension, or over several.
+    """
+    dims = [dim for dim, placement in enumerate(tensor.placements) if placement.is_shard()]
+    if len(dims) != 1:
+        raise ValueError(f"expected a DTensor sharded over one mesh dimension, got placements {tensor.placements}")
+    return tensor.device_mesh.get_group(dims[0])
 
 
 class InBackwardStepper:

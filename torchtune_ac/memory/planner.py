@@ -53,7 +53,7 @@ from torchtune_ac.memory.activation_checkpointing import (
     resolve_ac_plan,
 )
 from torchtune_ac.memory.switch import Alternative, MemorySwitch, ModelSizes, discover_switches
-from torchtune_ac.models.families import family_of, transformer_blocks
+from torchtune_ac.models.families import family_of, shard_groups, transformer_blocks
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper, accumulate_gradients
@@ -73,7 +73,8 @@ class Workload:
         seq_len: tokens per sample (the config's ``max_seq_len``).
         gradient_accumulation_steps: micro-batches per step (gradients live across them).
         dtype: storage dtype of parameters and optimizer state.
-        world_size: processes (FSDP2 shards parameters, gradients and optimizer state over them).
+        world_size: processes (FSDP2 shards parameters, gradients and optimizer state over ``shard_degree`` of
+            them: all, or a row of ``fsdp.replicate_degree`` rows with HSDP).
         fsdp: FSDP2 settings (used when ``world_size`` > 1).
         clip_grad_norm: the config's value.
         settings: the memory switches' settings besides AC, as ``(name, setting)`` pairs (see
@@ -88,6 +89,11 @@ class Workload:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     clip_grad_norm: Optional[float] = None
     settings: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def shard_degree(self) -> int:
+        """Processes each parameter is sharded over (``world_size / fsdp.replicate_degree``)."""
+        return self.fsdp.shard_degree(self.world_size)
 
     def with_settings(self, settings: Mapping[str, Any], **changes: Any) -> "Workload":
         """This workload with the switches' ``settings`` (merged over its own) and other fields changed."""
@@ -197,9 +203,9 @@ class _LiveStorages(TorchDispatchMode):
     sharded gradients and broken down by kind.
     """
 
-    def __init__(self, world_size: int, root_parameters: set[int]) -> None:
+    def __init__(self, shard_degree: int, root_parameters: set[int]) -> None:
         super().__init__()
-        self.world_size = world_size
+        self.shard_degree = shard_degree  # processes a parameter is sharded over
         self.root_parameters = root_parameters  # ids of the parameters outside the blocks
         self.known: set[int] = set()
         self.live: dict[int, int] = {}
@@ -236,8 +242,8 @@ class _LiveStorages(TorchDispatchMode):
         # Under FSDP2 a block's gradients are reduce-scattered as its backward ends; the root's (embedding,
         # output) only at the end of backward: until the optimizer step they are whole on every process.
         sharded = self._grad if self.phase == "optimizer step" else self._grad - self._root_grad
-        grads = self._grad - sharded * (1 - 1 / self.world_size)
-        value = self._live - self._grad + grads - self._opt * (1 - 1 / self.world_size)
+        grads = self._grad - sharded * (1 - 1 / self.shard_degree)
+        value = self._live - self._grad + grads - self._opt * (1 - 1 / self.shard_degree)
         # In a forward, what is live is (mostly) being saved for backward: count it as activations.
         acts = self._live - self._grad if self.phase == "forward" else self._act
         peak = self.peaks[self.phase]
@@ -342,6 +348,9 @@ class _Simulation:
     peaks: dict[str, _Peak]
     block_parameters: int  # the largest block's parameters
     root_parameters: int  # parameters outside the blocks
+    # The largest FSDP2 group outside the blocks: one of the family's shard groups (embeddings; final norm and
+    # output), or the root with what they leave (all of root_parameters for a model without groups).
+    largest_outer_group: int
     root_shapes: tuple[tuple[int, ...], ...]  # each parameter outside the blocks (a tied weight once)
     block_shapes: tuple[tuple[int, ...], ...]  # each parameter of one block
     block_input: int  # bytes of a block's input, one micro-batch's hidden state
@@ -364,7 +373,7 @@ def _simulate(
         apply_ac_plan(model, _plan(mode, option, len(blocks)))
         params = list(model.parameters())
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
-        tracker = _LiveStorages(workload.world_size, {id(p) for p in params if id(p) not in in_blocks})
+        tracker = _LiveStorages(workload.shard_degree, {id(p) for p in params if id(p) not in in_blocks})
         # Registered before an optimizer in backward registers its own: a gradient is seen before it is freed.
         hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params]
         switches = workload.switch_settings()
@@ -410,10 +419,23 @@ def _simulate(
             saved_activations=saved[0], flops=tracker.flops, peaks=tracker.peaks,
             block_parameters=max(_nbytes(list(block.parameters())) for block in blocks),
             root_parameters=_nbytes([p for p in params if id(p) not in in_blocks]),
+            largest_outer_group=_largest_outer_group(model, in_blocks),
             root_shapes=_shapes([p for p in params if id(p) not in in_blocks]),
             block_shapes=_shapes(list(blocks[0].parameters())),
             block_input=tracker.block_input,
         )
+
+
+def _largest_outer_group(model: nn.Module, in_blocks: set[int]) -> int:
+    """Bytes of the largest FSDP2 group outside the blocks, as ``shard_model`` groups them."""
+    grouped: set[int] = set()
+    sizes = []
+    for group in shard_groups(model):
+        params = [p for module in group for p in module.parameters()]
+        grouped.update(id(p) for p in params)
+        sizes.append(_nbytes(params))
+    rest = [p for p in model.parameters() if id(p) not in in_blocks and id(p) not in grouped]
+    return max([*sizes, _nbytes(rest)])
 
 
 def _phase_hooks(blocks: nn.ModuleList, tracker: _LiveStorages) -> list[Any]:
@@ -456,7 +478,7 @@ def _extrapolate(a: float, b: float, depth_a: int, depth_b: int, depth: int) -> 
 def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], workload: Workload) -> MemoryEstimate:
     """The estimate at ``plan.n_layers`` blocks from one simulation at that depth (``deep`` None) or two
     shallower ones, with FSDP2's share added (``extra_flops`` is left at 0: see ``estimate_memory``)."""
-    n, depth = workload.world_size, plan.n_layers
+    n, depth = workload.shard_degree, plan.n_layers
 
     def at_depth(get: Callable[[_Simulation], float]) -> float:
         if deep is None:
@@ -469,16 +491,18 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
     _, other, grads, acts = peaks[phase]
     parameters = at_depth(lambda s: s.parameters)
     switches = workload.switch_settings()
-    sharded = n > 1 or any(switch.shard_options(setting) for switch, setting in switches)
+    sharded = workload.world_size > 1 or any(switch.shard_options(setting) for switch, setting in switches)
     gathered = 0
     fsdp_extra = 0.0
     if sharded:
         root = shallow.root_parameters
         blocks = parameters - root if not workload.fsdp.reshard_after_forward else 2 * shallow.block_parameters
         gathered = root + blocks
-        reduce_factor = workload.fsdp.reduce_dtype.torch.itemsize / workload.dtype.torch.itemsize
-        # Gathered parameters beyond the resident shards, and the reduce-scatter input of the largest group.
-        fsdp_extra = gathered * (n - 1) / n + max(shallow.block_parameters, root) * reduce_factor
+        reduce_factor = workload.fsdp.resolved_reduce_dtype(workload.dtype).torch.itemsize / workload.dtype.torch.itemsize
+        # Gathered parameters beyond the resident shards (the groups outside the blocks counted gathered throughout),
+        # and the reduce-scatter input of the largest group.
+        largest_group = max(shallow.block_parameters, shallow.largest_outer_group)
+        fsdp_extra = gathered * (n - 1) / n + largest_group * reduce_factor
     device = {
         "parameters": parameters / n,
         "optimizer": at_depth(lambda s: s.optimizer) / n,

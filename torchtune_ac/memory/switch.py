@@ -102,7 +102,8 @@ class ModelSizes:
         root_parameters: those outside the transformer blocks (embeddings, final norm, output).
         largest_block: one transformer block's.
         optimizer_state: the optimizer state as simulated (the stand-in's, where ``planner_optimizer`` gave one).
-        world_size: processes.
+        world_size: processes each parameter is sharded over (FSDP2's shard degree: every process, or one row of
+            HSDP's ``fsdp.replicate_degree`` rows); 1 when not sharded.
         shapes: every parameter's shape (a tied weight once), at the model's whole depth.
         dtype: the parameters' storage dtype.
         sharded: FSDP2 shards the model (several processes, or a switch's ``shard_options`` on one).

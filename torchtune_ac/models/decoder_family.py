@@ -73,7 +73,8 @@ def decoder_family(
     torchtune_packages: tuple[str, ...] = (),
 ) -> ModelFamily:
     """The ``ModelFamily`` of a family built on the Llama decoder: its arguments are ``model.args``, its blocks
-    ``model.layers``, and it initialises itself with ``init_weights()``.
+    ``model.layers``, its shard groups the embeddings and ``[norm, output]`` (none when the two share their
+    weight), and it initialises itself with ``init_weights()``.
 
     Args:
         module: the family module (``__name__``), where its builders are defined.
@@ -105,6 +106,7 @@ def decoder_family(
         args_of=_args_of,
         build=build,
         blocks=_blocks,
+        shard_groups=_shard_groups,
         init_weights=_init_weights,
         init_parameter=_init_parameter,
         torchtune_builders=dict(torchtune_builders or {}),
@@ -118,6 +120,14 @@ def _args_of(model: nn.Module) -> LlamaArgs:
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
     return model.layers
+
+
+def _shard_groups(model: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
+    # torchtitan's grouping: the embedding is gathered just before the first block, and [norm, output] just
+    # before the head. A tied output is the embedding's weight, used first and last: it stays with the root.
+    if model.args.tie_embeddings:
+        return ()
+    return (model.tok_embeddings,), (model.norm, model.output)
 
 
 def _init_weights(model: nn.Module) -> None:

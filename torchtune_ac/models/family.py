@@ -8,7 +8,8 @@ A family declares:
 - its named builders, and the torchtune builders they replace (``tune migrate`` reads them);
 - a pure Hugging Face adapter (``HFAdapter``): parameter names both ways and ``config.json`` to and from the
   model's arguments, with no file or network access;
-- which modules are its transformer blocks (activation checkpointing and FSDP2 act on them);
+- which modules are its transformer blocks (activation checkpointing and FSDP2 act on them), and which of its
+  other modules FSDP2 shards as groups of their own (the embeddings; the final norm with the output layer);
 - how its weights are initialised.
 
 Generic code asks ``family_of(model)`` (``torchtune_ac.models.families``) and goes through the answer; it
@@ -91,6 +92,11 @@ class ModelFamily:
             ``ValueError`` for arguments of another family, or that contradict the family (Qwen2 without its
             q/k/v biases).
         blocks: the model's transformer blocks, in order: activation checkpointing and FSDP2 act on them.
+        shard_groups: the modules outside the blocks that FSDP2 shards as groups of their own, each group a tuple
+            of modules whose parameters are gathered together, in the order forward runs them (the embeddings
+            before the blocks; the final norm and the output layer after). Every module of a group must run in
+            every forward, and a tied parameter belongs to one group only: modules sharing a weight are in the
+            same group, or in none (what no group holds stays with the root). Empty: the root holds it all.
         init_weights: initialise every parameter in place (called under a seeded RNG).
         init_parameter: ``(model, name, tensor, generator)``: fill ``tensor``, the full shape of parameter ``name``,
             as ``init_weights`` initialises it, drawing from ``generator`` (how a sharded model is initialised one
@@ -111,6 +117,7 @@ class ModelFamily:
     blocks: Callable[[nn.Module], nn.ModuleList]
     init_weights: Callable[[nn.Module], None]
     init_parameter: Callable[[nn.Module, str, torch.Tensor, torch.Generator], None]
+    shard_groups: Callable[[nn.Module], tuple[tuple[nn.Module, ...], ...]] = lambda model: ()
     torchtune_builders: Mapping[str, TorchtuneBuilder] = field(default_factory=dict)
     torchtune_packages: tuple[str, ...] = ()
 

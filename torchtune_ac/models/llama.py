@@ -314,6 +314,18 @@ class BlockClass(Protocol):
     def __call__(self, args: LlamaArgs, window: Optional[int]) -> nn.Module: ...
 
 
+class OutputProjection(nn.Linear):
+    """The output layer: ``x @ weight.T``, or ``head(x, weight)`` when a head replaces the projection.
+
+    The head is applied inside this module's forward so that whatever wraps the module's calls (FSDP2 gathering
+    the weight of a group holding the final norm and this layer) sees the layer run on either path.
+    """
+
+    def forward(self, x: torch.Tensor,
+                head: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+        return super().forward(x) if head is None else head(x, self.weight)
+
+
 class Llama(nn.Module):
     """Token embedding -> ``layers`` (``nn.ModuleList`` of blocks) -> final norm -> output.
 
@@ -333,7 +345,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(block(args, args.window_of(layer)) for layer in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output = OutputProjection(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         # RoPE inverse frequencies ``[head_dim // 2]`` float32, on the model's device: a forward reads them without
         # a copy from the host. Not persistent (no checkpoint holds them), and recomputed from the arguments
@@ -421,9 +433,7 @@ class Llama(nn.Module):
         for index, layer in enumerate(self.layers):
             cos, sin = sliding if self.args.window_of(index) is not None else full
             h = layer(h, cos, sin, runs)
-        if head is not None:
-            return head(self.norm(h), self.output.weight)
-        return self.output(self.norm(h))  # [b, s, vocab]
+        return self.output(self.norm(h), head)  # [b, s, vocab], or the head's result
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02) -> None:

@@ -2,7 +2,8 @@
 
     build on the meta device -> cast to the storage dtype -> the memory switches that change the model
     (activation checkpointing) -> compile (optional)
-    -> FSDP2 per block, then root (N > 1, or one process when a memory switch works through FSDP2: CPU offload)
+    -> FSDP2 per block, then the family's other groups, then root, over a mesh of the run's device (N > 1, or
+       one process when a memory switch works through FSDP2: CPU offload)
     -> allocate on the device -> load Hugging Face weights (each rank reads only its own shard) or initialise
     from the seed (one parameter at a time, each from a CPU generator of its own; each rank keeps its shard).
 
@@ -86,7 +87,7 @@ def build_training_model(
     sharded = ctx.is_distributed or bool(options)
     if sharded:
         join_world_of_one(ctx.device)  # a single process shards on a world of one
-        shard_model(built, fsdp, options)
+        shard_model(built, fsdp, options, device=ctx.device, dtype=dtype)
     built.to_empty(device=parameter_device(options, ctx.device))
     place_buffers_(built, ctx.device)
     if not sharded:

@@ -26,10 +26,11 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-from torchtune_ac.errors import UnavailableError
-from torchtune_ac.models.families import transformer_blocks
+from torchtune_ac.errors import UnavailableError, UserError
+from torchtune_ac.models.families import shard_groups, transformer_blocks
 from torchtune_ac.runtime.dtypes import DType
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -44,8 +45,34 @@ class FSDPConfig:
     reshard_after_forward: bool = field(default=True, metadata={"torchtune": "fsdp_reshard_after_forward"})
     # Mixed precision: dtype of the gathered parameters used in forward/backward (null: same as `dtype`).
     param_dtype: Optional[DType] = None
-    # dtype of the gradient reduce-scatter (fp32 keeps reductions exact when param_dtype is bf16).
-    reduce_dtype: DType = DType.FP32
+    # dtype of the gradient reduce-scatter (null: the storage dtype `dtype`, so bf16 gradients are not upcast to
+    # fp32 for the collective and cast back; fp32 sums in fp32 at twice the bytes).
+    reduce_dtype: Optional[DType] = None
+    # HSDP: processes are a (replicate, shard) grid; parameters are sharded over the shard_degree processes of a
+    # row (world size / replicate_degree) and replicated over the rows (1: plain FSDP over every process).
+    replicate_degree: int = field(default=1, metadata={"minimum": 1, "torchtune": "data_parallel_replicate_dim"})
+
+    def resolved_reduce_dtype(self, dtype: DType) -> DType:
+        """The reduce-scatter's dtype for parameters stored in ``dtype``."""
+        return self.reduce_dtype if self.reduce_dtype is not None else dtype
+
+    def shard_degree(self, world_size: int) -> int:
+        """Processes each parameter is sharded over: ``world_size / replicate_degree``.
+
+        Raises:
+            UserError: ``world_size`` is not a multiple of ``replicate_degree``.
+        """
+        check_replicate_degree(self.replicate_degree, world_size)
+        return world_size // self.replicate_degree
+
+
+def check_replicate_degree(replicate_degree: int, world_size: int) -> None:
+    """Raise ``UserError`` unless ``world_size`` processes form whole rows of ``replicate_degree``."""
+    if world_size % replicate_degree:
+        raise UserError(
+            f"fsdp.replicate_degree={replicate_degree}: the world size ({world_size} process(es)) must be a multiple "
+            "of it (each replica shards the model over world size / replicate_degree processes)"
+        )
 
 
 @dataclass(frozen=True)
@@ -209,30 +236,76 @@ def _backend(device: torch.device) -> str:
     return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
 
+def build_device_mesh(device_type: str, world_size: int, replicate_degree: int = 1) -> DeviceMesh:
+    """The device mesh FSDP2 shards over, of ``device_type`` (the run's device, not whichever accelerator the
+    machine has: ``device: cpu`` on a GPU host must shard over gloo on the CPU).
+
+    Args:
+        device_type: ``cpu`` or ``cuda``.
+        world_size: processes in the default process group (1: a world of one).
+        replicate_degree: 1 for a 1-D mesh ``("shard",)`` over every process; more for HSDP's 2-D mesh
+            ``("replicate", "shard")`` of ``replicate_degree`` rows of ``world_size / replicate_degree`` processes
+            (consecutive ranks share a row, so with one node per row the shard collectives stay inside a node).
+
+    Raises:
+        UserError: ``world_size`` is not a multiple of ``replicate_degree``.
+    """
+    check_replicate_degree(replicate_degree, world_size)
+    if replicate_degree == 1:
+        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree),
+                            mesh_dim_names=("replicate", "shard"))
+
+
+def mixed_precision_policy(fsdp: FSDPConfig, dtype: DType) -> MixedPrecisionPolicy:
+    """FSDP2's mixed precision for parameters stored in ``dtype``: gathered in ``fsdp.param_dtype`` (null: as
+    stored), gradients reduced in ``fsdp.reduce_dtype`` (null: as stored)."""
+    return MixedPrecisionPolicy(
+        param_dtype=fsdp.param_dtype.torch if fsdp.param_dtype is not None else None,
+        reduce_dtype=fsdp.resolved_reduce_dtype(dtype).torch,
+    )
+
+
 def parameter_device(options: Mapping[str, Any], device: torch.device) -> torch.device:
     """Where a sharded model's parameters are allocated: the CPU when ``options`` (``fully_shard`` arguments) keep
     the shards there (``CPUOffloadPolicy``: FSDP2 copies each to ``device`` when it gathers it), else ``device``."""
     return torch.device("cpu") if isinstance(options.get("offload_policy"), CPUOffloadPolicy) else device
 
 
-def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig(), options: Mapping[str, Any] = {}) -> None:
-    """Apply FSDP2 (``fully_shard``) to each transformer block of ``model``, then to the root, in place.
+def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig(), options: Mapping[str, Any] = {}, *,
+                device: torch.device, dtype: DType) -> DeviceMesh:
+    """Apply FSDP2 (``fully_shard``) to each transformer block of ``model``, then to the family's other shard
+    groups (the embeddings; the final norm with the output layer), then to the root, in place, over a device mesh
+    of ``device``'s type.
 
-    Call after activation checkpointing (and compile) are applied and before weights are loaded; parameters
-    become DTensors sharded on dim 0 across the default process group.
+    Call after activation checkpointing (and compile) are applied and before weights are loaded, with the default
+    process group initialised; parameters become DTensors sharded on dim 0 over the mesh's ``shard`` dimension
+    (and replicated over its ``replicate`` dimension with ``fsdp.replicate_degree`` > 1: HSDP).
 
     Args:
         model: a model of a known family, or one with a ``layers`` ``nn.ModuleList`` of blocks.
-        fsdp: resharding after forward, and the mixed-precision dtypes of gathered parameters and of the
-            gradient reduce-scatter.
+        fsdp: resharding after forward, the mixed-precision dtypes of gathered parameters and of the gradient
+            reduce-scatter, and the replicate degree.
         options: more ``fully_shard`` keyword arguments, as the memory switches give them (``offload_policy``).
+        device: the device the run computes on (its type is the mesh's).
+        dtype: the parameters' storage dtype (the reduce dtype's default).
+
+    Returns:
+        The mesh the model is sharded over.
+
+    Raises:
+        UserError: the world size is not a multiple of ``fsdp.replicate_degree``.
     """
-    mp_policy = MixedPrecisionPolicy(
-        param_dtype=fsdp.param_dtype.torch if fsdp.param_dtype is not None else None,
-        reduce_dtype=fsdp.reduce_dtype.torch,
-    )
+    mesh = build_device_mesh(device.type, dist.get_world_size(), fsdp.replicate_degree)
+    common = dict(mesh=mesh, mp_policy=mixed_precision_policy(fsdp, dtype), **options)
     for block in transformer_blocks(model):
-        fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward, mp_policy=mp_policy, **options)
-    # The root holds embeddings, final norm and output; its parameters are used last in forward, so
-    # resharding them after forward would only re-gather them at once for backward.
-    fully_shard(model, reshard_after_forward=False, mp_policy=mp_policy, **options)
+        fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward, **common)
+    groups = shard_groups(model)
+    for index, group in enumerate(groups):
+        # The last group runs last in forward and first in backward: resharding it would only re-gather it.
+        last = index == len(groups) - 1
+        fully_shard(list(group), reshard_after_forward=fsdp.reshard_after_forward and not last, **common)
+    # The root holds what no group does (a tied embedding and output, a custom model's embeddings and head): used
+    # first and last in forward, resharding it after forward would only re-gather it at once for backward.
+    fully_shard(model, reshard_after_forward=False, **common)
+    return mesh

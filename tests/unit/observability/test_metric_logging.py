@@ -109,6 +109,6 @@ def test_plain_config_is_what_the_yaml_said():
         source="c.yaml",
     )
     plain = plain_config(cfg)
-    assert plain["dtype"] == "bf16" and plain["fsdp"]["reduce_dtype"] == "fp32"
+    assert plain["dtype"] == "bf16" and plain["fsdp"]["reduce_dtype"] is None
     assert plain["optimizer"] == {"_component_": "torch.optim.AdamW", "lr": 1e-3}
     assert plain["metric_logger"] == {"_component_": "torchtune_ac.training.metric_logging.WandBLogger", "project": "x"}

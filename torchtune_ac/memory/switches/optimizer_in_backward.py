@@ -47,7 +47,7 @@ class OptimizerInBackwardSwitch(SwitchDefaults):
         return build_optimizer(make_optimizer, model, in_backward=True) if setting else None
 
     def planner_cost(self, setting: bool, sizes: ModelSizes) -> SwitchCost:
-        if setting and sizes.world_size > 1:
+        if setting and sizes.sharded:
             # Under FSDP2 the root's gradients are reduced, and so stepped, only at the end of backward: they are
             # whole on every process until then.
             return SwitchCost(device={"transient": sizes.root_parameters})

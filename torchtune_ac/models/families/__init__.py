@@ -142,6 +142,13 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
     )
 
 
+def shard_groups(model: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
+    """The modules outside the blocks that FSDP2 shards as groups of their own, in forward order (see
+    ``ModelFamily.shard_groups``); none for a model of no known family (its root holds them)."""
+    family = family_of(model)
+    return family.shard_groups(model) if family is not None else ()
+
+
 def init_weights_(model: nn.Module) -> None:
     """Initialise every parameter of ``model`` in place, through its family (custom models: ``init_weights()``).
 
