@@ -21,6 +21,7 @@ from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan
 from torchtune_ac.models import save_hf
 from torchtune_ac.models.llama import Llama, LlamaArgs
 from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, shard_model
+from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.step import train_step
 
 ARGS = LlamaArgs(vocab_size=1024, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, intermediate_dim=512, max_seq_len=128)
@@ -56,7 +57,7 @@ def sharded_model() -> Llama:
     model = Llama(ARGS)
     model.init_weights()
     model.to(CUDA)
-    shard_model(model, FSDPConfig())
+    shard_model(model, FSDPConfig(), device=CUDA, dtype=DType.FP32)
     return model
 
 
