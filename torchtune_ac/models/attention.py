@@ -12,7 +12,8 @@ handed to the kernel as they are (``enable_gqa``), never copied per query head.
 * packed, CUDA, fp16/bf16, no attention dropout: one ``torch.nn.attention.varlen.varlen_attn`` call (Flash
   Attention over all documents of the batch at once, from the same offsets);
 * packed otherwise (CPU; CUDA with fp32 or attention dropout, which ``varlen_attn`` does not do; a torch whose
-  ``varlen_attn`` lacks what the call needs, announced once, see ``VarlenSupport``): one causal
+  ``varlen_attn`` lacks what the call needs, announced once, see ``VarlenSupport``; grouped K/V on a torch whose
+  ``varlen_attn`` has no ``enable_gqa=`` are copied per query head and still take the varlen call): one causal
   ``scaled_dot_product_attention`` call per document. Splitting the flattened batch with ``split`` keeps the
   backward to a single concatenation of the per-document gradients.
 
@@ -69,11 +70,11 @@ class VarlenSupport:
     enable_gqa: bool
 
     def lacks(self, *, gqa: bool) -> tuple[str, ...]:
-        """What a call for causal attention (grouped K/V when ``gqa``) needs and this torch lacks; () if nothing."""
+        """What a call for causal attention needs and this torch lacks; () if nothing. Grouped K/V (``gqa``) need
+        nothing more: without ``enable_gqa=`` they are copied per query head for the call (``_varlen_kv``)."""
         if not self.present:
             return ("torch.nn.attention.varlen",)
-        missing = () if self.window_size else ("varlen_attn(window_size=)",)
-        return missing + (("varlen_attn(enable_gqa=)",) if gqa and not self.enable_gqa else ())
+        return () if self.window_size else ("varlen_attn(window_size=)",)
 
 
 def detect_varlen_support(function: Optional[Callable[..., Any]]) -> VarlenSupport:
@@ -246,6 +247,7 @@ def _varlen_document_attention(
     window: Optional[int],
 ) -> torch.Tensor:
     b, n_heads, s, hd = q.shape
+    k, v, gqa_kwargs = _varlen_kv(k, v, n_heads, gqa)
     out = varlen_attn(
         _as_tokens(q),
         _as_tokens(k),
@@ -257,9 +259,23 @@ def _varlen_document_attention(
         scale=scale,
         # (-1, 0): causal; (W - 1, 0): causal within the W tokens ending at the query.
         window_size=(-1, 0) if window is None else (window - 1, 0),
-        enable_gqa=gqa,
+        **gqa_kwargs,
     )  # [b * s, n_heads, hd]
     return out.view(b, s, n_heads, hd)
+
+
+def _varlen_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int, gqa: bool
+               ) -> tuple[torch.Tensor, torch.Tensor, dict[str, bool]]:
+    """K/V as ``varlen_attn`` takes them, and its grouped-K/V keyword: as they are with ``enable_gqa=True`` where
+    this torch has it; on a torch without it (before 2.12), each K/V head copied for the query heads that share it
+    (``repeat_interleave``, the grouping SDPA uses). The copy costs a block's K/V times the group size for the
+    call, far less than leaving Flash Attention for one call per document."""
+    if not gqa:
+        return k, v, ({"enable_gqa": False} if VARLEN_SUPPORT.enable_gqa else {})
+    if VARLEN_SUPPORT.enable_gqa:
+        return k, v, {"enable_gqa": True}
+    group = n_heads // k.shape[1]
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
 
 
 @torch.compiler.disable

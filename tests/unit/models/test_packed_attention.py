@@ -614,15 +614,13 @@ def varlen_of_torch_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *,
 
 @pytest.mark.parametrize("function, support, lacks_for_gqa", [
     (None, attention.VarlenSupport(False, False, False), ("torch.nn.attention.varlen",)),
-    (varlen_of_torch_2_10, attention.VarlenSupport(True, False, False),
-     ("varlen_attn(window_size=)", "varlen_attn(enable_gqa=)")),
-    (varlen_of_torch_2_11, attention.VarlenSupport(True, True, False), ("varlen_attn(enable_gqa=)",)),
+    (varlen_of_torch_2_10, attention.VarlenSupport(True, False, False), ("varlen_attn(window_size=)",)),
+    (varlen_of_torch_2_11, attention.VarlenSupport(True, True, False), ()),
     (varlen_attn, attention.VarlenSupport(True, True, True), ()),
 ])
 def test_what_varlen_attn_can_do_is_read_from_its_signature(function, support, lacks_for_gqa):
     assert attention.detect_varlen_support(function) == support
-    assert support.lacks(gqa=True) == lacks_for_gqa
-    assert support.lacks(gqa=False) == tuple(m for m in lacks_for_gqa if m != "varlen_attn(enable_gqa=)")
+    assert support.lacks(gqa=True) == support.lacks(gqa=False) == lacks_for_gqa  # grouped K/V: copied if need be
 
 
 @pytest.fixture
@@ -632,7 +630,7 @@ def fresh_announcements():
     attention._announce_per_document_fallback.__wrapped__.cache_clear()
 
 
-@pytest.mark.parametrize("function", [None, varlen_of_torch_2_10, varlen_of_torch_2_11])
+@pytest.mark.parametrize("function", [None, varlen_of_torch_2_10])
 def test_a_torch_without_what_varlen_needs_takes_the_per_document_path_with_the_same_result(
         varlen_on_cpu, monkeypatch, caplog, fresh_announcements, function):
     """On a GPU batch (simulated: ``with_varlen_device``, torch's varlen ops given CPU kernels), the path follows
@@ -656,20 +654,27 @@ def test_a_torch_without_what_varlen_needs_takes_the_per_document_path_with_the_
     assert len(warnings) == 1 and "one attention call per document" in warnings[0]
 
 
-def test_without_enable_gqa_only_grouped_kv_takes_the_per_document_path(varlen_on_cpu, monkeypatch,
-                                                                        fresh_announcements):
+def test_without_enable_gqa_grouped_kv_are_copied_per_head_and_still_take_varlen(varlen_on_cpu, monkeypatch,
+                                                                              caplog, fresh_announcements):
+    """torch 2.11's ``varlen_attn`` has ``window_size=`` but no ``enable_gqa=``: a grouped-query model (Llama 3,
+    Qwen, Mistral) still makes one varlen call per layer, with K/V copied per query head, and no call is given
+    ``enable_gqa``; its logits and gradients are those of the grouped call within rounding (the same products,
+    the copies' gradients summed back per K/V head), and nothing is announced."""
     with_varlen_device(monkeypatch)
-    monkeypatch.setattr(attention, "VARLEN_SUPPORT", attention.detect_varlen_support(varlen_of_torch_2_11))
     tokens = tokens_for(PACKED_IDS)
-    calls = {}
-    for name, n_kv_heads in [("gqa", 2), ("mha", 4)]:
-        torch.manual_seed(0)
-        model = Llama(LlamaArgs(vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, n_kv_heads=n_kv_heads,
-                                intermediate_dim=64, max_seq_len=64))
-        with CountOps({VARLEN}) as counter:
-            model(tokens, PACKED_IDS)
-        calls[name] = counter.count
-    assert calls == {"gqa": 0, "mha": 2}
+    expected = forward_backward(build(), tokens, PACKED_IDS)
+    monkeypatch.setattr(attention, "VARLEN_SUPPORT", attention.detect_varlen_support(varlen_of_torch_2_11))
+    seen = []
+    real = attention.varlen_attn
+    monkeypatch.setattr(attention, "varlen_attn", lambda *a, **k: seen.append((a[1].shape, sorted(k))) or real(*a, **k))
+    model = build()
+    with caplog.at_level("WARNING", logger=attention.__name__), CountOps({VARLEN}) as counter:
+        actual = forward_backward(model, tokens, PACKED_IDS)
+    assert counter.count == model.args.n_layers  # one call per layer
+    assert {shape[1] for shape, _ in seen} == {model.args.n_heads}  # K as many heads as Q
+    assert all("enable_gqa" not in keys for _, keys in seen)
+    assert_same(actual, expected)
+    assert not [r for r in caplog.records if r.name == attention.__name__]
 
 
 HIDE_VARLEN = """
