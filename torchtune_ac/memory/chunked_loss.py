@@ -126,6 +126,7 @@ class ChunkedCrossEntropyObjective:
     as the model's output head: the same sums as the whole logits, ``n_chunks`` chunks of targets at a time."""
 
     n_chunks: int
+    metric_names = ()
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return count_target_tokens(batch["labels"])
