@@ -7,8 +7,10 @@
 
 A record is one of two formats, told apart by the type of its ``chosen`` column:
 
-- strings: ``prompt``, ``chosen`` and ``rejected`` are text. The prompt is tokenized with BOS, each answer with EOS,
-  and a sequence is the prompt's tokens followed by the answer's (no template).
+- strings: ``prompt``, ``chosen`` and ``rejected`` are text. With ``template: plain`` (the default) the prompt is
+  tokenized with BOS, each answer with EOS, and a sequence is the prompt's tokens followed by the answer's; with
+  ``template: chat`` the prompt is a user turn and each answer an assistant turn, as message lists are rendered
+  (torchtune's ``stack_exchange_paired_dataset`` does this).
 - message lists: ``chosen`` and ``rejected`` are conversations (``{"role", "content"}``, or ``{"from", "value"}``
   with ``conversation_style: sharegpt``) that end with the assistant's answer and share every message before it,
   the prompt (Anthropic HH-style and UltraFeedback-binarized data). A ``prompt`` column holding a message list is
@@ -55,6 +57,7 @@ from torchtune_ac.errors import UserError
 
 PREFERENCE_COLUMNS = ("prompt", "chosen", "rejected")
 ANSWERS = ("chosen", "rejected")
+TEXT_TEMPLATES = ("plain", "chat")
 
 
 @dataclass(frozen=True)
@@ -276,7 +279,7 @@ def encode_chat_pair(tokenizer: Tokenizer, prompt: list[dict[str, str]], chosen:
     return EncodedPair(prompt_tokens, *answers)
 
 
-def read_pair(record: Record, columns: dict[str, str], *, sharegpt: bool,
+def read_pair(record: Record, columns: dict[str, str], *, sharegpt: bool, template: str,
               tokenizer: Tokenizer) -> EncodedPair:
     """Check one record and tokenize its pair (see the module docstring for the formats and refusals).
 
@@ -297,6 +300,9 @@ def read_pair(record: Record, columns: dict[str, str], *, sharegpt: bool,
     if texts["chosen"] == texts["rejected"]:
         raise UserError(f"{record.location}: chosen and rejected are the same answer; a pair needs two different "
                         "answers")
+    if template == "chat":
+        answers = [{"role": "assistant", "content": texts[name]} for name in ANSWERS]
+        return encode_chat_pair(tokenizer, [{"role": "user", "content": texts["prompt"]}], *answers, record.location)
     return encode_text_pair(tokenizer, texts["prompt"], texts["chosen"], texts["rejected"])
 
 
@@ -342,6 +348,7 @@ def preference_dataset(
     source: str,
     column_map: Optional[dict[str, str]] = None,
     conversation_style: str = "openai",
+    template: str = "plain",
     max_seq_len: Optional[int] = None,
     max_prompt_len: Optional[int] = None,
     split: str = "train",
@@ -354,6 +361,7 @@ def preference_dataset(
             (``org/name``).
         column_map: Maps ``prompt``, ``chosen`` and ``rejected`` to the file's column names.
         conversation_style: message lists as ``openai`` (role/content) or ``sharegpt`` (from/value).
+        template: string pairs as they are (``plain``), or as a user turn and an assistant turn (``chat``).
         max_seq_len: The longest sequence (prompt and answer); defaults to ``tokenizer.max_seq_len``.
         max_prompt_len: Truncation cuts a prompt down to no fewer tokens than this; defaults to half of
             ``max_seq_len``.
@@ -363,17 +371,19 @@ def preference_dataset(
         The pairs, each a chosen and a rejected sequence.
 
     Raises:
-        UserError: for a bad file, record, column, ``column_map``, ``conversation_style``, ``max_seq_len`` or
-            ``max_prompt_len``, and when no pair is left.
+        UserError: for a bad file, record, column, ``column_map``, ``conversation_style``, ``template``,
+            ``max_seq_len`` or ``max_prompt_len``, and when no pair is left.
     """
     if conversation_style not in CONVERSATION_STYLES:
         raise UserError(f"conversation_style={conversation_style!r}: must be one of {', '.join(CONVERSATION_STYLES)}")
+    if template not in TEXT_TEMPLATES:
+        raise UserError(f"template={template!r}: must be one of {', '.join(TEXT_TEMPLATES)}")
     columns = resolve_column_map(column_map, PREFERENCE_COLUMNS)
     max_seq_len = resolve_max_seq_len(max_seq_len, tokenizer, packed=False)
     max_prompt_len = resolve_max_prompt_len(max_prompt_len, max_seq_len)
     records = load_records(source, suffixes=JSON_SUFFIXES, split=split)
     read = lambda record: read_pair(record, columns, sharegpt=conversation_style == "sharegpt",  # noqa: E731
-                                    tokenizer=tokenizer)
+                                    template=template, tokenizer=tokenizer)
     return build_preference_dataset(source, map(read, records), max_seq_len=max_seq_len,
                                     max_prompt_len=max_prompt_len)
 

@@ -67,18 +67,21 @@ def test_message_lists_take_the_shared_prefix_as_the_prompt(tmp_path, tokenizer)
         assert sample[f"{name}_labels"] == [M] * (len(prompt) - 1) + answer + [M]
 
 
-def test_explicit_prompt_messages_and_sharegpt_give_the_same_pair(tmp_path, tokenizer):
+def test_every_chat_form_gives_the_same_pair(tmp_path, tokenizer):
     hh = {"chosen": [user("q"), assistant("good")], "rejected": [user("q"), assistant("bad")]}
     explicit = {"prompt": [user("q")], "chosen": [assistant("good")], "rejected": [assistant("bad")]}
     # UltraFeedback-binarized: a prompt string beside message lists repeats the first user turn; it is not read.
     ultrafeedback = {"prompt": "q", **hh}
     sharegpt = {"chosen": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "good"}],
                 "rejected": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "bad"}]}
+    # Strings rendered as a user and an assistant turn (torchtune's stack_exchange_paired_dataset).
+    strings = {"prompt": "q", "chosen": "good", "rejected": "bad"}
     expected = preference_dataset(tokenizer, source=write_jsonl(tmp_path / "hh.jsonl", [hh]))[0]
-    for name, record, style in (("explicit", explicit, "openai"), ("uf", ultrafeedback, "openai"),
-                                ("sharegpt", sharegpt, "sharegpt")):
+    for name, record, options in (("explicit", explicit, {}), ("uf", ultrafeedback, {}),
+                                  ("sharegpt", sharegpt, {"conversation_style": "sharegpt"}),
+                                  ("strings", strings, {"template": "chat"})):
         source = write_jsonl(tmp_path / f"{name}.jsonl", [record])
-        assert preference_dataset(tokenizer, source=source, conversation_style=style)[0] == expected, name
+        assert preference_dataset(tokenizer, source=source, **options)[0] == expected, name
 
 
 def test_column_map_renames_every_column(tmp_path, tokenizer):
@@ -178,6 +181,7 @@ def test_bad_records_are_refused_in_one_line_naming_the_row(tmp_path, tokenizer,
     [
         ({"column_map": {"answer": "x"}}, "column_map key 'answer' is not a column of this dataset"),
         ({"conversation_style": "chatml"}, "conversation_style='chatml': must be one of openai, sharegpt"),
+        ({"template": "alpaca"}, "template='alpaca': must be one of plain, chat"),
         ({"max_seq_len": 16, "max_prompt_len": 16}, "max_prompt_len=16: must be below max_seq_len=16"),
         ({"max_prompt_len": 0}, "max_prompt_len=0: must be a positive integer"),
     ],
