@@ -156,7 +156,9 @@ class FullFinetuneRecipe:
                     val_loss = evaluate(training.model, self.validation.batches(), ctx=ctx,
                                         objective=training.objective)
                     log.info("step %d: validation loss %.4f", self.progress.step, val_loss)
-                logged = self.progress.step % cfg.log_every_n_steps == 0 or val_loss is not None
+                # Every log_every_n_steps-th step, each validated one, and the run's last, whatever the period.
+                logged = (self.progress.step % cfg.log_every_n_steps == 0 or val_loss is not None
+                          or self.progress.step == data.total_steps)
                 if self.metrics is not None and logged:
                     self.metrics.write(
                         {
