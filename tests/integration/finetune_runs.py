@@ -138,15 +138,15 @@ def load_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def hash_tree(root: Path) -> dict[str, str]:
-    """``relative path -> sha256`` of every file under ``root`` (empty if it does not exist)."""
+    """``relative path -> sha256`` of every file under ``root``, and ``"folder"`` for every folder (empty if it does
+    not exist), so that a folder left behind, even an empty one, shows too."""
     if not root.exists():
         return {}
     if root.is_file():
         return {".": hashlib.sha256(root.read_bytes()).hexdigest()}
     return {
-        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "folder"
         for path in sorted(root.rglob("*"))
-        if path.is_file()
     }
 
 

@@ -68,6 +68,11 @@ CASES = {
     "output_dir_under_a_file": BadInput(
         lambda i: [f"output_dir={i.data / 'a_file' / 'run'}"], ("output_dir", "a_file", "not writable")
     ),
+    # Refused after the lock was taken: output_dir's missing parents go with it (a/b were left for a/b/c).
+    "output_dir_with_missing_parents": BadInput(
+        lambda i: [f"output_dir={i.root / 'a' / 'b' / 'c'}", f"dataset.source={i.data / 'no_output.jsonl'}"],
+        ("no_output.jsonl:1:", "missing column 'output'"),
+    ),
     "output_dir_under_an_executable_file": BadInput(
         lambda i: [f"output_dir={i.data / 'a_script' / 'run'}"], ("output_dir", "a_script", "not a directory")
     ),
