@@ -296,6 +296,21 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_one_and_with_none_left
     assert hash_tree(out) == before
 
 
+def test_a_newest_checkpoint_whose_recipe_state_was_deleted_is_refused_and_left_as_it_is(tmp_path, reference):
+    """It used to be skipped: the run resumed from step 9 and replaced step 12 at its first save."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    shutil.rmtree(out / "step_0000012" / RECIPE_STATE_DIR)
+    before = hash_tree(out)
+    result = run_tune_in_process(_argv(out, "resume_from_checkpoint=true"))
+    assert result.returncode == 2, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    for part in (f"{out / 'step_0000012'} has no recipe state", "a resume from step_0000009 would replace",
+                 f"move step_0000012 out of {out}", f"checkpoint_dir={out / 'step_0000012'}"):
+        assert part in line, (part, line)
+    assert hash_tree(out) == before
+
+
 def test_a_full_disk_during_a_save_is_one_line_and_the_earlier_checkpoints_resume(tmp_path, reference, monkeypatch):
     out = tmp_path / "run"
     real, saves = safetensors_io.save_file, []

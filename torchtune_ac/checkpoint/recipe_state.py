@@ -22,8 +22,8 @@ ever read. Each step of a save is agreed on by every rank (``files.run_on_every_
 
 Resume takes the newest checkpoint whose recipe state matches its manifest (sizes, then every file's SHA-256,
 the ranks sharing the reading); one that does not is skipped, with a warning naming the bad file, for the
-previous one. A newest checkpoint without recipe state (not written by a run, or its recipe state deleted) is
-refused rather than superseded.
+previous one. A newest checkpoint without its ``recipe_state/`` folder (not written by a run, or the folder
+deleted) is refused rather than superseded, and left as it is.
 
 Keeping checkpoints: once a new checkpoint is renamed into place and matches its manifest, older ones are pruned.
 With ``keep_last_n_checkpoints: N`` the newest N checkpoints are kept whole and older ones deleted; with null
@@ -220,19 +220,13 @@ def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool, collective
 
     Raises:
         UserError: there are checkpoints with recipe state, and none of them matches its manifest (naming each
-            checkpoint's first bad file); or the newest checkpoint has no recipe state (see below).
+            checkpoint's first bad file); or the newest checkpoint has no ``recipe_state/`` folder (never had one,
+            or it was deleted): it is refused, not skipped, since a resume from an older one would replace it.
     """
     checkpoints = list_checkpoints(output_dir)
     candidates = [c for c in reversed(checkpoints) if _has_recipe_state(c)]
-    if checkpoints and not _has_recipe_state(checkpoints[-1]):
-        # A run keeps the recipe state of its newest checkpoint: this one came from elsewhere, or lost it. Resuming
-        # from an older one (or from step 0) would delete it at the first save, as a superseded checkpoint.
-        start = candidates[0].name if candidates else "step 0"
-        raise UserError(
-            f"resume_from_checkpoint=true: {checkpoints[-1]} has no recipe state ({RECIPE_STATE_DIR}/) to continue "
-            f"from, and a resume from {start} would replace or delete it when it saves; move it out of "
-            f"{output_dir}, or start a new run in another output_dir"
-        )
+    if checkpoints and not (checkpoints[-1] / RECIPE_STATE_DIR).is_dir():
+        raise _newest_without_recipe_state(Path(output_dir), checkpoints[-1], candidates)
     skipped = []
     for candidate in candidates:
         problem = check_against_manifest(candidate, hashes=hashes, collective=collective, require=_TRAINER_STATE)
@@ -248,6 +242,27 @@ def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool, collective
         raise UserError(f"resume_from_checkpoint=true: no checkpoint in {output_dir} can be resumed: "
                         + "; ".join(skipped))
     return ResumeChoice(None)
+
+
+def _newest_without_recipe_state(output_dir: Path, newest: Path, candidates: list[Path]) -> UserError:
+    """The refusal of a newest checkpoint without its ``recipe_state/`` folder (see ``choose_resume_checkpoint``).
+
+    A run keeps the recipe state of its newest checkpoint: this one came from elsewhere, or its recipe state was
+    deleted. Resuming from an older one (or from step 0) would replace or delete it at the first save, as a
+    superseded checkpoint; so nothing is touched, and the line says how to go on either way.
+    """
+    missing = "was deleted: its manifest lists it" if _has_recipe_state(newest) else "is missing"
+    older = [c for c in candidates if c != newest]
+    start = older[0].name if older else "step 0"
+    ways = [f"to resume from {start}, move {newest.name} out of {output_dir}"]
+    if (newest / CONFIG_FILE).is_file():
+        ways.append(f"to train on from its weights, start a new run with checkpoint_dir={newest} and another "
+                    "output_dir")
+    return UserError(
+        f"resume_from_checkpoint=true: {newest} has no recipe state to continue from ({RECIPE_STATE_DIR}/ "
+        f"{missing}), and a resume from {start} would replace or delete it when it saves; nothing was changed: "
+        + "; ".join(ways)
+    )
 
 
 def _has_recipe_state(checkpoint: Path) -> bool:

@@ -150,19 +150,27 @@ def test_a_newest_checkpoint_without_recipe_state_is_refused_not_replaced(tmp_pa
         with pytest.raises(UserError) as caught:
             choose_resume_checkpoint(tmp_path, hashes=hashes)
         assert str(caught.value).startswith(
-            f"resume_from_checkpoint=true: {tmp_path / 'step_0000002'} has no recipe state (recipe_state/) to "
-            "continue from, and a resume from step_0000001 would replace or delete it"
+            f"resume_from_checkpoint=true: {tmp_path / 'step_0000002'} has no recipe state to continue from "
+            "(recipe_state/ is missing), and a resume from step_0000001 would replace or delete it"
         ), caught.value
 
 
-def test_a_newest_checkpoint_whose_recipe_state_folder_is_gone_is_damaged_and_skipped(tmp_path):
+def test_a_newest_checkpoint_whose_recipe_state_folder_was_deleted_is_refused_not_skipped(tmp_path):
+    """It used to be skipped as damaged, and the resume from step 1 then replaced it at its first save."""
     model, optimizer = _trained()
     for step in (1, 2):
         _save(tmp_path, model, optimizer, step)
-    shutil.rmtree(tmp_path / "step_0000002" / RECIPE_STATE_DIR)  # the manifest still lists it
-    choice = choose_resume_checkpoint(tmp_path, hashes=True)
-    assert choice.checkpoint == tmp_path / "step_0000001"
-    assert len(choice.skipped) == 1 and "missing (the manifest lists it)" in choice.skipped[0]
+    newest = tmp_path / "step_0000002"
+    shutil.rmtree(newest / RECIPE_STATE_DIR)  # the manifest still lists it
+    for hashes in (False, True):
+        with pytest.raises(UserError) as caught:
+            choose_resume_checkpoint(tmp_path, hashes=hashes)
+        assert str(caught.value) == (
+            f"resume_from_checkpoint=true: {newest} has no recipe state to continue from (recipe_state/ was deleted: "
+            "its manifest lists it), and a resume from step_0000001 would replace or delete it when it saves; nothing "
+            f"was changed: to resume from step_0000001, move step_0000002 out of {tmp_path}; to train on from its "
+            f"weights, start a new run with checkpoint_dir={newest} and another output_dir"
+        )
 
 
 def test_no_checkpoint_at_all_means_starting_at_step_0(tmp_path):
