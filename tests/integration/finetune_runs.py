@@ -175,7 +175,7 @@ def assert_only_complete_checkpoints(output_dir: Path, world_size: int) -> int:
     # A run killed between renaming a checkpoint into place and checking it leaves latest on the one before.
     assert resolve_hf_checkpoint(output_dir) in checkpoints[-2:], f"{output_dir / LATEST_POINTER}: not a checkpoint"
     state_dir = newest / RECIPE_STATE_DIR
-    expected = [TRAINER_STATE_FILE, ".metadata", "scheduler.pt", *(f"rng_rank{r}.pt" for r in range(world_size))]
+    expected = [TRAINER_STATE_FILE, ".metadata", *(f"rng_rank{r}.pt" for r in range(world_size))]
     for name in expected:
         assert (state_dir / name).is_file(), f"newest checkpoint {newest} lacks {RECIPE_STATE_DIR}/{name}"
     assert list(state_dir.glob("*.distcp")), f"{state_dir}: no DCP shards"

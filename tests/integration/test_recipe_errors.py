@@ -104,6 +104,12 @@ CASES = {
         ("cannot continue exactly", "seed was 0, now 7", '"train_on_input": true'),
         earlier_run=True,
     ),
+    # Its hyper-parameters may change on resume (the config's are used), not its class: the state is AdamW's.
+    "resume_with_another_optimizer": BadInput(
+        lambda i: ["resume_from_checkpoint=true", "optimizer._component_=torch.optim.SGD"],
+        ('optimizer._component_ was "torch.optim.AdamW", now "torch.optim.SGD"', "checkpoint_dir="),
+        earlier_run=True,
+    ),
     # The earlier run finished its one epoch after 5 steps; a longer epoch was "nothing to do", exit 0.
     "resume_with_more_steps_per_epoch": BadInput(
         lambda i: ["resume_from_checkpoint=true", "max_steps_per_epoch=8"],

@@ -11,6 +11,7 @@ processes, also with the step in backward; and a checkpoint of 2 processes resum
 
 from __future__ import annotations
 
+import logging
 import shutil
 import subprocess
 import time
@@ -161,6 +162,27 @@ def test_a_longer_resumed_run_takes_its_first_step_at_the_new_schedules_rate(tmp
     assert sorted(resumed) == list(range(1, 13))
     assert resumed[7] > 0
     assert [resumed[step] for step in range(7, 13)] == [expected[step] for step in range(7, 13)]
+
+
+def test_a_resume_takes_the_learning_rate_and_schedule_of_its_config_and_says_what_changed(tmp_path, caplog):
+    # The case: steps 4-6 trained at the checkpoint's 3e-3, and the cosine schedule kept its base rate.
+    caplog.set_level(logging.INFO)
+    resume = "resume_from_checkpoint=true"
+    for schedule in (("lr_scheduler=null",), ("lr_scheduler.num_warmup_steps=1",)):
+        out, reference = tmp_path / f"resumed{len(caplog.records)}", tmp_path / f"reference{len(caplog.records)}"
+        changed = ("optimizer.lr=1e-5", "optimizer.weight_decay=0.1", "epochs=2")
+        check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3", *schedule)))
+        caplog.clear()
+        check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3", *schedule, *changed, resume)))
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume with other settings")]
+        assert line == ("resume with other settings: optimizer.lr: 0.003 in step_0000003, 1e-05 now; "
+                        "optimizer.weight_decay: 0.01 in step_0000003, 0.1 now (the optimizer state carries over; the "
+                        "hyper-parameters and the schedule are this config's)")
+        check_success(run_tune_in_process(tune_run_argv(reference, "max_steps_per_epoch=3", *schedule, *changed)))
+        resumed = {row["step"]: row["lr"] for row in read_metrics(out)}
+        expected = {row["step"]: row["lr"] for row in read_metrics(reference)}
+        assert [resumed[step] for step in (4, 5, 6)] == [expected[step] for step in (4, 5, 6)]
+        assert resumed[4] != resumed[3] and resumed[4] <= 1e-5
 
 
 @pytest.mark.slow

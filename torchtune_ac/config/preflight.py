@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -129,8 +129,10 @@ def model_architecture(model: torch.nn.Module) -> dict:
 
 
 def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module, plan: MemoryPlan) -> RunShape:
-    """What a resume of this run must keep (see ``RunShape``), with what the memory switches say of theirs."""
+    """What a resume of this run must keep (see ``RunShape``), with what the memory switches say of theirs, and
+    the optimizer's class (another one cannot take its state)."""
     data = {
+        "optimizer._component_": cfg.optimizer.path,
         "seed": cfg.seed,
         "shuffle": cfg.shuffle,
         "max_seq_len": cfg.max_seq_len,
@@ -141,6 +143,14 @@ def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module, 
     # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
     data, architecture = json.loads(json.dumps([data, model_architecture(model)]))
     return RunShape(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, architecture, data)
+
+
+def run_hyperparameters(cfg: FullFinetuneConfig) -> dict[str, Any]:
+    """The optimizer and schedule settings a checkpoint records (``TrainerState.hyperparameters``), as JSON values;
+    a resume takes its own config's and says what changed."""
+    sections = {"optimizer": cfg.optimizer.as_config(),
+                "lr_scheduler": cfg.lr_scheduler.as_config() if cfg.lr_scheduler is not None else None}
+    return json.loads(json.dumps(sections))
 
 
 def describe_sharding(cfg: FullFinetuneConfig, world_size: Optional[int], plan: MemoryPlan) -> str:
@@ -259,7 +269,7 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
         choice = choose_resume_checkpoint(Path(cfg.output_dir).expanduser(), hashes=False)
         report.warnings.extend(choice.skipped)
         if choice.checkpoint is not None:
-            _, saved = read_trainer_state(choice.checkpoint)
+            saved = read_trainer_state(choice.checkpoint).shape
             current = run_shape(cfg, saved.world_size if world_size is None else world_size, model, report.plan)
             check_resume_shape(choice.checkpoint, saved, current)
             resume_note = f" (resuming from {choice.checkpoint.name})"

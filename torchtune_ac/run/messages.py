@@ -3,12 +3,14 @@ saved and how to go on."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from torchtune_ac.checkpoint import Progress
 from torchtune_ac.errors import EXIT_NON_FINITE, EXIT_STOPPED, RunStopped, UserError
 from torchtune_ac.runtime.non_finite import NonFiniteError
+from torchtune_ac.runtime.rank_agreement import flatten_config
 
 RESUME_HINT = "run the same command with resume_from_checkpoint=true"
 
@@ -66,6 +68,29 @@ def finished_epochs_not_extended(checkpoint: Path, saved: Progress, steps_per_ep
         "changed); finished epochs are not extended: raise epochs to train more, or start a new run in another "
         "output_dir"
     )
+
+
+def hyperparameter_changes(saved: dict[str, Any], current: dict[str, Any], checkpoint: str) -> list[str]:
+    """Each optimizer or schedule setting (``TrainerState.hyperparameters``) that differs between ``checkpoint``
+    and this config, as ``optimizer.lr: 0.003 in step_0000003, 1e-05 now`` (an unset argument shows as
+    ``(default)``; a section set on one side only, whole)."""
+    changes = []
+    for section in dict.fromkeys([*current, *saved]):
+        was, now = saved.get(section), current.get(section)
+        if isinstance(was, dict) and isinstance(now, dict):
+            was_flat, now_flat = flatten_config(was, f"{section}."), flatten_config(now, f"{section}.")
+            pairs = [(key, was_flat.get(key, "(default)"), now_flat.get(key, "(default)"))
+                     for key in sorted(set(was_flat) | set(now_flat))]
+        else:
+            pairs = [(section, json.dumps(was, sort_keys=True), json.dumps(now, sort_keys=True))]
+        changes += [f"{key}: {old} in {checkpoint}, {new} now" for key, old, new in pairs if old != new]
+    return changes
+
+
+def hyperparameters_changed(changes: list[str]) -> str:
+    """The line a resume logs when its optimizer or schedule settings are not the checkpoint's."""
+    return ("resume with other settings: " + "; ".join(changes) + " (the optimizer state carries over; the "
+            "hyper-parameters and the schedule are this config's)")
 
 
 def resharded(saved_world_size: int, world_size: int) -> str:

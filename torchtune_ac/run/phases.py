@@ -6,7 +6,7 @@ order (``recipes/full_finetune.py``); another recipe composes the same ones.
     build_model      build -> memory switches -> shard -> load, and who steps the parameters  -> TrainingModel
     build_data       the data loader, its steps per epoch and the run's length                -> RunData
     build_validation the held-out data of the validation loss, and when to compute it     -> ValidationData
-    restore          a resume's progress, model, optimizer and scheduler state                -> Progress
+    restore          a resume's progress, model and optimizer state; this config's hyper-parameters -> Progress
     SavePolicy       when a step ends with a checkpoint
 """
 
@@ -29,7 +29,7 @@ from torchtune_ac.checkpoint import (
     load_checkpoint,
     read_trainer_state,
 )
-from torchtune_ac.config.preflight import PreflightReport, preflight_full_finetune, run_shape
+from torchtune_ac.config.preflight import PreflightReport, preflight_full_finetune, run_hyperparameters, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.data import build_dataloader
 from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
@@ -37,7 +37,12 @@ from torchtune_ac.data.sampler import evaluation_batches
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.observability.metric_logging import plain_config
-from torchtune_ac.run.messages import finished_epochs_not_extended, resharded
+from torchtune_ac.run.messages import (
+    finished_epochs_not_extended,
+    hyperparameter_changes,
+    hyperparameters_changed,
+    resharded,
+)
 from torchtune_ac.run.model_setup import build_training_model
 from torchtune_ac.runtime.distributed import DistributedContext, barrier, init_distributed, set_tf32
 from torchtune_ac.runtime.process_memory import follow_live_tensors
@@ -238,7 +243,8 @@ def build_scheduler(cfg: FullFinetuneConfig, stepper: Stepper, total_steps: int)
 
 def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training: TrainingModel,
             scheduler: Optional[Any], data: RunData) -> Progress:
-    """Load a resume's state (model, optimizers, scheduler) after checking it belongs to this run.
+    """Load a resume's state (model, optimizer state, the schedule's position) after checking it belongs to this
+    run; say which optimizer or schedule settings differ from the checkpoint's (this config's are used).
 
     Returns:
         The progress saved with ``checkpoint``.
@@ -247,27 +253,31 @@ def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training
         UserError: the checkpoint's run differs in what a resume must keep, or its finished epochs would be
             made longer by this config.
     """
-    saved_progress, saved_shape = read_trainer_state(checkpoint)
-    check_resume_shape(checkpoint, saved_shape, run_shape(cfg, run.ctx.world_size, training.model, run.plan))
-    if saved_progress.epoch >= cfg.epochs and saved_progress.step < data.total_steps:
-        raise finished_epochs_not_extended(checkpoint, saved_progress, data.steps_per_epoch, data.total_steps)
-    load_checkpoint(checkpoint, model=training.model, optimizers=training.stepper.optimizers_to_checkpoint(),
-                    scheduler=scheduler)
+    saved = read_trainer_state(checkpoint)
+    progress = saved.progress
+    check_resume_shape(checkpoint, saved.shape, run_shape(cfg, run.ctx.world_size, training.model, run.plan))
+    if progress.epoch >= cfg.epochs and progress.step < data.total_steps:
+        raise finished_epochs_not_extended(checkpoint, progress, data.steps_per_epoch, data.total_steps)
+    # The optimizer state comes from the checkpoint; its hyper-parameters and the schedule are this config's.
+    load_checkpoint(checkpoint, model=training.model, optimizers=training.stepper.optimizers_to_checkpoint())
     if scheduler is not None:
-        resume_schedule(scheduler, saved_progress.step)
-    log.info("resumed from %s at step %d", checkpoint, saved_progress.step)
-    if saved_shape.world_size != run.ctx.world_size:
-        log.info(resharded(saved_shape.world_size, run.ctx.world_size))
-    return saved_progress
+        resume_schedule(scheduler, progress.step)
+    log.info("resumed from %s at step %d", checkpoint, progress.step)
+    changes = hyperparameter_changes(saved.hyperparameters, run_hyperparameters(cfg), checkpoint.name)
+    if changes:
+        log.info(hyperparameters_changed(changes))
+    if saved.shape.world_size != run.ctx.world_size:
+        log.info(resharded(saved.shape.world_size, run.ctx.world_size))
+    return progress
 
 
 def resume_schedule(scheduler: Any, step: int) -> None:
     """Set every learning rate to what this run's schedule gives at ``step`` (the steps already taken).
 
-    A checkpoint holds the learning rates the saved run's schedule reached. When the run's length changed since
-    (``epochs`` raised to train more, ``max_steps_per_epoch`` changed), those belong to the old schedule: the
-    last step of a finished run has decayed to 0. The scheduler was built for the new length, so stepping it to
-    ``step`` again gives the new schedule's rates, before the first resumed step uses them.
+    A checkpoint holds no schedule: the scheduler was built from this run's config (its keys, the optimizer's
+    ``lr`` as base rate, and the run's length, which may have changed since: ``epochs`` raised to train more,
+    ``max_steps_per_epoch`` changed), so stepping it to ``step`` gives this config's rates before the first
+    resumed step uses them. An unchanged config gives the saved run's rates exactly.
     """
     scheduler.last_epoch = step - 1
     scheduler.step()

@@ -88,12 +88,12 @@ def _assert_same_state(ours: dict, expected: dict) -> None:
 
 def _save(output_dir: Path, model: Llama, optimizer: torch.optim.Optimizer, step: int) -> Path:
     return save_checkpoint(output_dir, model=model, hf_files=hf_model_files(model),
-                           optimizers=optimizers_to_checkpoint(optimizer), scheduler=None,
-                           progress=Progress(step, 0, step), shape=SHAPE)
+                           optimizers=optimizers_to_checkpoint(optimizer), progress=Progress(step, 0, step),
+                           shape=SHAPE, hyperparameters={})
 
 
 def _load(path: Path, model: Llama, optimizer: torch.optim.Optimizer) -> None:
-    load_checkpoint(path, model=model, optimizers=optimizers_to_checkpoint(optimizer), scheduler=None)
+    load_checkpoint(path, model=model, optimizers=optimizers_to_checkpoint(optimizer))
 
 
 def _resharded_on_two_ranks(rank: int, root: Path) -> None:
