@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import pyarrow
+import pyarrow.parquet
 import pytest
 import torch
 from finetune_runs import (
@@ -386,11 +388,25 @@ def _dead_ends(embedded: Path, tmp_path: Path) -> dict[str, tuple[list[str], tup
             ("config.json: describes a different model than `model`", "num_hidden_layers")),
         "optimizer_argument_the_class_rejects": (
             ["optimizer.betas=[0.9]"], ("optimizer (torch.optim.AdamW): IndexError", "betas=[0.9]")),
+        # `datasets` read the parquet file alone, and trained on its 2 records without a word.
+        "folder_of_data_files_in_two_formats": (
+            [f"dataset.source={_two_formats(tmp_path)}"],
+            ("holds data files in 2 formats (1 json, 1 parquet)", "the 1 parquet file(s) would be read and a.jsonl "
+             "left out")),
     }
 
 
+def _two_formats(tmp_path: Path) -> Path:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    rows = [{"instruction": "Say hi.", "output": "hi"}] * 2
+    (folder / "a.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows * 50))
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), folder / "b.parquet")
+    return folder
+
+
 @pytest.mark.parametrize("name", ["tokenizer_beyond_the_vocabulary", "checkpoint_of_another_shape",
-                                  "optimizer_argument_the_class_rejects"])
+                                  "optimizer_argument_the_class_rejects", "folder_of_data_files_in_two_formats"])
 def test_dead_ends_are_one_line_errors_in_validate_and_in_run(name, tmp_path, embedded_checkpoint):
     overrides, parts = _dead_ends(embedded_checkpoint, tmp_path)[name]
     out = tmp_path / "out"

@@ -41,7 +41,7 @@ from torchtune_ac.config.planning import planning_inputs, resolve_config_plan, u
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.data import uses_chat_template
 from torchtune_ac.data.hf_sources import describe_hub_source
-from torchtune_ac.data.sources import TEXT_SUFFIXES, is_hub_name
+from torchtune_ac.data.sources import TEXT_SUFFIXES, check_folder_formats, is_hub_name
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models import check_checkpoint_matches
@@ -262,6 +262,9 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
     if cfg.dataset_val is not None:
         soft(lambda: check_chat_template(cfg.tokenizer, cfg.dataset_val))
     check_optimizer_builds(cfg.optimizer, cfg.lr_scheduler)
+    for dataset in (cfg.dataset, cfg.dataset_val):
+        if dataset is not None:
+            check_folder_formats(dataset.kwargs.get("source"))
     soft(lambda: _check_output_dir(cfg, strict))
     resume_note = ""
     if cfg.resume_from_checkpoint:
