@@ -23,7 +23,14 @@ from typing import Optional
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from torchtune_ac.checkpoint import Progress, create_output_dir, hold_output_dir, read_hf_config, save_checkpoint
+from torchtune_ac.checkpoint import (
+    Progress,
+    TrainerState,
+    create_output_dir,
+    hold_output_dir,
+    read_hf_config,
+    save_checkpoint,
+)
 from torchtune_ac.config.planning import PlanTable, plan_table
 from torchtune_ac.config.preflight import describe_sharding, preflight_full_finetune, run_hyperparameters, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
@@ -205,9 +212,12 @@ class FullFinetuneRecipe:
                 eos_token_id=self.tokenizer.eos_id,
             ),
             optimizers=self.training.stepper.optimizers_to_checkpoint(),
-            progress=self.progress,
-            shape=run_shape(self.cfg, self.run.ctx.world_size, self.training.model, self.run.plan),
-            hyperparameters=run_hyperparameters(self.cfg),
+            state=TrainerState(
+                self.progress,
+                run_shape(self.cfg, self.run.ctx.world_size, self.training.model, self.run.plan),
+                run_hyperparameters(self.cfg),
+                self.data.identity,
+            ),
             keep_last_n=self.cfg.keep_last_n_checkpoints,
             tokenizer_dir=Path(self.tokenizer.path).parent,
             chat_template=self.tokenizer.chat_template,

@@ -25,6 +25,7 @@ from finetune_runs import (
     assert_only_complete_checkpoints,
     check_success,
     final_checkpoint,
+    hash_tree,
     kill_tree,
     load_weights,
     logged_steps,
@@ -36,6 +37,7 @@ from finetune_runs import (
 )
 
 from torchtune_ac.checkpoint import list_checkpoints
+from torchtune_ac.data import EMBEDDED_INSTRUCT_PATH
 from torchtune_ac.observability.metrics import read_metrics
 
 KILL_TIMEOUT_S = 240
@@ -183,6 +185,33 @@ def test_a_resume_takes_the_learning_rate_and_schedule_of_its_config_and_says_wh
         expected = {row["step"]: row["lr"] for row in read_metrics(reference)}
         assert [resumed[step] for step in (4, 5, 6)] == [expected[step] for step in (4, 5, 6)]
         assert resumed[4] != resumed[3] and resumed[4] <= 1e-5
+
+
+def test_a_resume_checks_its_data_by_content_not_by_path(tmp_path):
+    # It was the wrong way round: a file cut to a third resumed without a word, the same file renamed was refused.
+    data, moved = tmp_path / "a.jsonl", tmp_path / "moved" / "b.jsonl"
+    lines = Path(EMBEDDED_INSTRUCT_PATH).read_text().splitlines(keepends=True)
+    data.write_text("".join(lines))
+    out, reference = tmp_path / "resumed", tmp_path / "reference"
+    check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3", f"dataset.source={data}")))
+    moved.parent.mkdir()
+    data.rename(moved)
+    resume = (f"dataset.source={moved}", "epochs=2", "resume_from_checkpoint=true")
+    check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3", *resume)))
+    check_success(run_tune_in_process(tune_run_argv(reference, "max_steps_per_epoch=3", "epochs=2")))
+    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(reference)]
+
+    for changed in ("".join(lines[:1000]), "".join(lines[1000:1120]) + "".join(lines[120:3000])):
+        moved.write_text(changed)  # cut to a third; 120 records replaced by others, as many in all
+        before = hash_tree(out)
+        result = run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3", *resume[:1], "epochs=3",
+                                                   "resume_from_checkpoint=true"))
+        assert result.returncode == 2, result.stderr
+        (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+        assert line.startswith(f"tune: error: resume from {out / 'step_0000006'}: the training data changed since "
+                               f"that checkpoint ({moved}: "), line
+        assert line.endswith(f"start a new run with checkpoint_dir={out / 'step_0000006'} and another output_dir")
+        assert hash_tree(out) == before
 
 
 @pytest.mark.slow

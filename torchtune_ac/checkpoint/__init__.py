@@ -6,6 +6,7 @@ All the file-system code and collectives of checkpointing live here, and no mode
 translates a model through its family and calls these (``load_hf``, ``save_hf``, ``hf_model_files``).
 """
 
+from torchtune_ac.checkpoint.data_identity import describe_data_change, identify_data
 from torchtune_ac.checkpoint.files import (
     check_shared_directory,
     check_writable_directory,
@@ -68,7 +69,9 @@ __all__ = [
     "choose_resume_checkpoint",
     "copy_tokenizer_files",
     "create_output_dir",
+    "describe_data_change",
     "hold_output_dir",
+    "identify_data",
     "list_checkpoints",
     "load_checkpoint",
     "load_hf_tensors_",

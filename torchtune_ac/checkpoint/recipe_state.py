@@ -9,7 +9,8 @@ Layout of ``output_dir``::
             .metadata, *.distcp    model + optimizer, torch.distributed.checkpoint (sharded when FSDP; loads into
                                    another number of processes)
             trainer_state.json     step, epoch, position in the epoch, run shape (world size, batch sizes, model),
-                                   the optimizer and schedule settings it ran with
+                                   the optimizer and schedule settings it ran with, what identifies its data
+                                   (each file's size and SHA-256, the sample count: ``data_identity.py``)
             rng_rank{r}.pt         each rank's RNG state (dropout masks continue exactly on the same world size)
         manifest.json              written last: every other file's size and SHA-256 (``manifest.py``)
     latest                         the newest checkpoint that matched its manifest (a link, or a file naming it)
@@ -143,11 +144,13 @@ class TrainerState:
         shape: what a resume must keep (``RunShape``).
         hyperparameters: the ``optimizer`` and ``lr_scheduler`` config sections the run trained with (plain JSON
             values, the scheduler None without one); a resume takes its own config's, and says what changed.
+        data: what identifies the training data (``data_identity.identify_data``); a resume refuses other data.
     """
 
     progress: Progress
     shape: RunShape
     hyperparameters: dict[str, Any]
+    data: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -305,14 +308,12 @@ def save_checkpoint(
     model: nn.Module,
     hf_files: HFModelFiles,
     optimizers: Sequence[torch.optim.Optimizer],
-    progress: Progress,
-    shape: RunShape,
-    hyperparameters: dict[str, Any],
+    state: TrainerState,
     keep_last_n: Optional[int] = None,
     tokenizer_dir: Optional[str | Path] = None,
     chat_template: Optional[str] = None,
 ) -> Path:
-    """Write a complete checkpoint for ``progress.step`` (all ranks must call this), then prune older ones.
+    """Write a complete checkpoint for ``state.progress.step`` (all ranks must call this), then prune older ones.
 
     The Hugging Face files are written by rank 0 (a sharded model gathered one output shard at a time, so no
     rank holds the whole model), the recipe state by every rank (DCP: each rank its own shard), then the manifest
@@ -324,7 +325,7 @@ def save_checkpoint(
     Args:
         model: the model, whose parameters the recipe state holds.
         hf_files: the model's Hugging Face tensors and config.json (``torchtune_ac.models.hf_model_files``).
-        hyperparameters: the optimizer and schedule settings of the run (see ``TrainerState``).
+        state: where the run stands and what a resume checks (``trainer_state.json``).
         keep_last_n: keep this many newest checkpoints whole and delete the others; None keeps every
             checkpoint's Hugging Face files and the recipe state of the newest ``RESUMABLE_KEPT``.
         tokenizer_dir: the tokenizer files to copy into the checkpoint.
@@ -338,7 +339,7 @@ def save_checkpoint(
             rank; the partial checkpoint is removed and nothing older is touched.
     """
     root = Path(output_dir)
-    final = root / checkpoint_name(progress.step)
+    final = root / checkpoint_name(state.progress.step)
     if is_writer_rank():
         remove_debris(root)  # what a run killed while saving or pruning left behind
     _barrier()
@@ -350,7 +351,7 @@ def save_checkpoint(
         )
         run_on_every_rank(
             lambda: _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizers=optimizers,
-                                       state=TrainerState(progress, shape, hyperparameters)),
+                                       state=state),
             where=tmp,
         )
         run_on_every_rank(lambda: write_manifest(tmp, collective=True), where=tmp)  # last
@@ -426,7 +427,7 @@ def _save_recipe_state(
     torch.save(rng, state_dir / f"rng_rank{rank}.pt")
     if is_writer_rank():
         record = {"progress": asdict(state.progress), "shape": asdict(state.shape),
-                  "hyperparameters": state.hyperparameters}
+                  "hyperparameters": state.hyperparameters, "data": state.data}
         (state_dir / TRAINER_STATE_FILE).write_text(json.dumps(record, indent=2))
 
 
@@ -439,7 +440,8 @@ def read_trainer_state(checkpoint: Path) -> TrainerState:
     path = checkpoint / RECIPE_STATE_DIR / TRAINER_STATE_FILE
     data = read_json(path)
     try:
-        return TrainerState(Progress(**data["progress"]), RunShape(**data["shape"]), data["hyperparameters"])
+        return TrainerState(Progress(**data["progress"]), RunShape(**data["shape"]), data["hyperparameters"],
+                            data["data"])
     except (KeyError, TypeError) as err:
         raise UserError(f"{path}: not a trainer state this version reads ({type(err).__name__}: {err}); a newer or "
                         "older torchtune_ac wrote it: train on from its weights with checkpoint_dir="

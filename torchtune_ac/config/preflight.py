@@ -136,7 +136,8 @@ def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module, 
         "seed": cfg.seed,
         "shuffle": cfg.shuffle,
         "max_seq_len": cfg.max_seq_len,
-        "dataset": cfg.dataset.as_config(),
+        # Not its source: the files are identified by their content (TrainerState.data), wherever they lie.
+        "dataset": {key: value for key, value in cfg.dataset.as_config().items() if key != "source"},
         "tokenizer": cfg.tokenizer.as_config(),
     }
     data.update(plan.resume_record())

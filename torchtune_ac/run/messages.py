@@ -93,6 +93,15 @@ def hyperparameters_changed(changes: list[str]) -> str:
             "hyper-parameters and the schedule are this config's)")
 
 
+def data_changed(checkpoint: Path, changes: list[str]) -> UserError:
+    """A resume refused because the data is not what ``checkpoint`` trained on."""
+    return UserError(
+        f"resume from {checkpoint}: the training data changed since that checkpoint (" + "; ".join(changes)
+        + "), so the run cannot continue exactly; to train on from its weights with this data, start a new run "
+        f"with checkpoint_dir={checkpoint} and another output_dir"
+    )
+
+
 def resharded(saved_world_size: int, world_size: int) -> str:
     return (f"resharded from {saved_world_size} process(es) to {world_size}: model, optimizer, scheduler and data "
             "order carry over; dropout masks do not (each rank's RNG state is its own)")

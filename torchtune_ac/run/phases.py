@@ -22,6 +22,8 @@ from torch import nn
 
 from torchtune_ac.checkpoint import (
     Progress,
+    describe_data_change,
+    identify_data,
     ResumeChoice,
     check_resume_shape,
     check_shared_directory,
@@ -38,6 +40,7 @@ from torchtune_ac.errors import UserError
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.observability.metric_logging import plain_config
 from torchtune_ac.run.messages import (
+    data_changed,
     finished_epochs_not_extended,
     hyperparameter_changes,
     hyperparameters_changed,
@@ -151,12 +154,15 @@ class RunData:
         samples: samples in the dataset.
         steps_per_epoch: optimizer steps per epoch (after ``max_steps_per_epoch``).
         total_steps: optimizer steps of the whole run.
+        identity: what identifies the data (each file's size and SHA-256, the sample count), which a checkpoint
+            records and a resume checks (``checkpoint.identify_data``).
     """
 
     loader: Any
     samples: int
     steps_per_epoch: int
     total_steps: int
+    identity: dict[str, Any]
 
 
 def batch_padding(cfg: FullFinetuneConfig) -> dict[str, Any]:
@@ -170,7 +176,8 @@ def batch_padding(cfg: FullFinetuneConfig) -> dict[str, Any]:
 
 def build_data(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext) -> RunData:
     """The dataset, this rank's loader (batches in pinned memory for a CUDA run, so that their copy to the GPU is
-    asynchronous; padded as ``batch_padding`` says), and the run's length in optimizer steps.
+    asynchronous; padded as ``batch_padding`` says), the run's length in optimizer steps, and what identifies the
+    data (its files hashed once, the ranks sharing the reading).
 
     Raises:
         UserError: the dataset has fewer batches per process than one optimizer step needs.
@@ -188,7 +195,10 @@ def build_data(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext)
             f"dataset: {len(dataset)} samples make {batches_per_epoch} batch(es) per process per epoch, fewer than "
             f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (reduce batch_size or accumulation)"
         )
-    return RunData(loader, len(dataset), steps_per_epoch, steps_per_epoch * cfg.epochs)
+    files = dataset.source_files
+    identity = identify_data(dataset.source, files and files.root, files and files.names, len(dataset),
+                             collective=ctx.is_distributed)
+    return RunData(loader, len(dataset), steps_per_epoch, steps_per_epoch * cfg.epochs, identity)
 
 
 @dataclass
@@ -250,12 +260,15 @@ def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training
         The progress saved with ``checkpoint``.
 
     Raises:
-        UserError: the checkpoint's run differs in what a resume must keep, or its finished epochs would be
-            made longer by this config.
+        UserError: the checkpoint's run differs in what a resume must keep (its data included), or its finished
+            epochs would be made longer by this config.
     """
     saved = read_trainer_state(checkpoint)
     progress = saved.progress
     check_resume_shape(checkpoint, saved.shape, run_shape(cfg, run.ctx.world_size, training.model, run.plan))
+    data_changes = describe_data_change(saved.data, data.identity, checkpoint.name)
+    if data_changes:
+        raise data_changed(checkpoint, data_changes)
     if progress.epoch >= cfg.epochs and progress.step < data.total_steps:
         raise finished_epochs_not_extended(checkpoint, progress, data.steps_per_epoch, data.total_steps)
     # The optimizer state comes from the checkpoint; its hyper-parameters and the schedule are this config's.

@@ -20,6 +20,7 @@ from torchtune_ac.checkpoint import (
     RECIPE_STATE_DIR,
     Progress,
     RunShape,
+    TrainerState,
     check_resume_shape,
     choose_resume_checkpoint,
     list_checkpoints,
@@ -37,6 +38,10 @@ SHAPE = RunShape(world_size=1, batch_size=4, gradient_accumulation_steps=1, mode
                  data={"seed": 0})
 
 
+def _state(step: int) -> TrainerState:
+    return TrainerState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={})
+
+
 def _trained(seed: int = 0) -> tuple[Llama, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = Llama(TINY)
@@ -50,7 +55,7 @@ def _trained(seed: int = 0) -> tuple[Llama, torch.optim.Optimizer]:
 
 def _save(output_dir: Path, model: Llama, optimizer: torch.optim.Optimizer, step: int, **kwargs) -> Path:
     return save_checkpoint(output_dir, model=model, hf_files=hf_model_files(model), optimizers=[optimizer],
-                           progress=Progress(step, 0, step), shape=SHAPE, hyperparameters={}, **kwargs)
+                           state=_state(step), **kwargs)
 
 
 def _resumable(output_dir: Path) -> list[str]:
@@ -132,8 +137,7 @@ def test_a_resume_loads_the_optimizer_state_and_keeps_the_hyperparameters_it_was
     """The checkpoint's learning rate and betas used to replace the new config's (a new lr was ignored)."""
     model, saved = _stepped(3e-3, (0.9, 0.999), in_backward)
     path = save_checkpoint(tmp_path, model=model, hf_files=hf_model_files(model),
-                           optimizers=saved.optimizers_to_checkpoint(), progress=Progress(1, 0, 1), shape=SHAPE,
-                           hyperparameters={})
+                           optimizers=saved.optimizers_to_checkpoint(), state=_state(1))
     restored_model, restored = _stepped(1e-5, (0.8, 0.95), in_backward)  # other settings, other moments
     load_checkpoint(path, model=restored_model, optimizers=restored.optimizers_to_checkpoint())
     for ours, theirs in zip(restored.optimizers_to_checkpoint(), saved.optimizers_to_checkpoint(), strict=True):
