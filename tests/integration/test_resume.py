@@ -215,6 +215,28 @@ def test_a_resume_checks_its_data_by_content_not_by_path(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.distributed
+def test_on_two_processes_a_new_learning_rate_is_said_once_and_changed_data_refused_once(tmp_path):
+    data, out = tmp_path / "a.jsonl", tmp_path / "run"
+    lines = Path(EMBEDDED_INSTRUCT_PATH).read_text().splitlines(keepends=True)
+    data.write_text("".join(lines))
+    run = ("max_steps_per_epoch=2", "batch_size=2", "lr_scheduler=null", f"dataset.source={data}")
+    check_success(run_tune_subprocess(tune_run_argv(out, *run, nproc=2)))
+    result = run_tune_subprocess(tune_run_argv(out, *run, "epochs=2", "optimizer.lr=1e-5", "resume_from_checkpoint=true",
+                                               nproc=2))
+    check_success(result)
+    assert result.stderr.count("resume with other settings: optimizer.lr: 0.003 in step_0000002, 1e-05 now") == 1
+    assert [r["lr"] for r in read_metrics(out)] == [0.003, 0.003, 1e-5, 1e-5]
+
+    data.write_text("".join(lines[:1000]))
+    result = run_tune_subprocess(tune_run_argv(out, *run, "epochs=3", "resume_from_checkpoint=true", nproc=2))
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tune: error: ")]
+    assert len(errors) == 1 and "the training data changed since that checkpoint" in errors[0], result.stderr
+    assert "[rank" not in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.slow
 def test_killed_single_process_run_with_8_bit_adamw_resumes_exactly(tmp_path: Path) -> None:
     printed = _check_kill_and_resume(tmp_path, 1, *EIGHT_BIT, schedule=SHORT)
     # The resume's compile (at the state's first load) is announced, once, instead of passing in silence.
