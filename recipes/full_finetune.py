@@ -45,7 +45,9 @@ from torchtune_ac.run.phases import (
     build_model,
     build_scheduler,
     build_validation,
+    check_disk_space,
     choose_resume,
+    estimate_checkpoint_size,
     restore,
     start_run,
 )
@@ -91,6 +93,7 @@ class FullFinetuneRecipe:
         self.run = run = start_run(cfg)
         resume_from = choose_resume(cfg).checkpoint
         self.tokenizer = cfg.tokenizer.instantiate()
+        self.tokenizer_dir = Path(self.tokenizer.path).parent  # its files go into every checkpoint
         # The saved config.json keeps every key of the one the run started from that training did not change.
         self.base_config = read_hf_config(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
         self.training = build_model(cfg, run, load_weights=resume_from is None)  # a resume loads its own
@@ -103,6 +106,8 @@ class FullFinetuneRecipe:
             self.last_checkpoint = resume_from
         elif cfg.resume_from_checkpoint:
             log.info(messages.no_checkpoint_yet(cfg.output_dir))
+        check_disk_space(cfg, run.ctx, estimate_checkpoint_size(cfg, self.training.model, self.tokenizer_dir),
+                         self.save_policy.saves(self.progress.step, self.data))
         if run.ctx.is_rank_zero:
             create_output_dir(cfg.output_dir)
             tracker = cfg.metric_logger.instantiate() if cfg.metric_logger is not None else None
@@ -219,7 +224,7 @@ class FullFinetuneRecipe:
                 self.data.identity,
             ),
             keep_last_n=self.cfg.keep_last_n_checkpoints,
-            tokenizer_dir=Path(self.tokenizer.path).parent,
+            tokenizer_dir=self.tokenizer_dir,
             chat_template=self.tokenizer.chat_template,
         )
         self.last_checkpoint = path

@@ -342,6 +342,36 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_earlier_checkpoints_resum
     _assert_same_run(out, reference, exact=True)
 
 
+def _checkpoint_bytes(checkpoint: Path) -> int:
+    return sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+
+
+def test_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_the_first_step_and_a_tight_one_warned(
+        tmp_path, reference, monkeypatch, caplog):
+    caplog.set_level(logging.INFO)
+    size = _checkpoint_bytes(reference / "step_0000012")  # model, recipe state, tokenizer: 25 MiB
+    out = tmp_path / "a" / "run"
+    for free, keep, warned in ((size // 2, None, None), (3 * size, 2, None), (int(2.5 * size), 2, "=2 keeps 2"),
+                               (int(2.5 * size), None, ": null keeps the Hugging Face files")):
+        caplog.clear()
+        shutil.rmtree(tmp_path / "a", ignore_errors=True)
+        with monkeypatch.context() as patch:
+            patch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * size, 0, free))
+            result = run_tune_in_process(_argv(out, f"keep_last_n_checkpoints={'null' if keep is None else keep}"))
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "free" in r.getMessage()]
+        if free < size:  # refused before anything was written
+            assert result.returncode == 2, result.stderr
+            (line,) = _ours(result.stderr)
+            assert line.startswith(f"tune: error: output_dir {out}: {free / 2**20:.1f} MiB free on its file system, "
+                                   "less than one checkpoint of this run (about "), line
+            estimate = float(line.split("(about ")[1].split(" MiB")[0]) * 2**20
+            assert 0.97 * size < estimate < size, (estimate, size)  # the manifest and RNG files are not counted
+            assert not (tmp_path / "a").exists()
+            continue
+        check_success(result)
+        assert (warnings == []) if warned is None else (len(warnings) == 1 and warned in warnings[0]), warnings
+
+
 def test_a_run_that_crashed_before_its_first_checkpoint_resumes_from_step_0(tmp_path, reference, monkeypatch, caplog):
     caplog.set_level(logging.INFO)
     out = tmp_path / "run"

@@ -8,6 +8,7 @@ translates a model through its family and calls these (``load_hf``, ``save_hf``,
 
 from torchtune_ac.checkpoint.data_identity import describe_data_change, identify_data
 from torchtune_ac.checkpoint.files import (
+    agreed_free_bytes,
     check_shared_directory,
     check_writable_directory,
     read_json,
@@ -63,6 +64,7 @@ __all__ = [
     "ResumeChoice",
     "RunShape",
     "TrainerState",
+    "agreed_free_bytes",
     "check_resume_shape",
     "check_shared_directory",
     "check_writable_directory",

@@ -102,6 +102,33 @@ def data_changed(checkpoint: Path, changes: list[str]) -> UserError:
     )
 
 
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def disk_too_small(output_dir: str, free: int, checkpoint: int) -> UserError:
+    """A run refused before its first step: its output_dir's file system cannot hold one checkpoint."""
+    return UserError(
+        f"output_dir {output_dir}: {_size(free)} free on its file system, less than one checkpoint of this run "
+        f"(about {_size(checkpoint)}: the model in Hugging Face format, and the model and optimizer state a resume "
+        "needs); make room, or choose an output_dir on another disk"
+    )
+
+
+def disk_may_fill(output_dir: str, free: int, needed: int, saves: int, size: Any, keep: Optional[int]) -> str:
+    """The warning of a run whose kept checkpoints will not all fit (``size``: a ``phases.CheckpointSize``)."""
+    if keep is None:
+        kept = (f"keep_last_n_checkpoints: null keeps the Hugging Face files ({_size(size.hf_bytes)}) of each of its "
+                f"{saves} checkpoints and the recipe state ({_size(size.recipe_bytes)}) of the newest two")
+        fix = "make room, or set keep_last_n_checkpoints"
+    else:
+        kept = (f"keep_last_n_checkpoints={keep} keeps {keep} checkpoint(s) of about {_size(size.total)}, and one more "
+                "while the next is written")
+        fix = "make room" + (", or lower keep_last_n_checkpoints" if keep > 1 else "")
+    return (f"output_dir {output_dir}: {_size(free)} free on its file system, and this run's checkpoints need about "
+            f"{_size(needed)}: {kept}; a later save may stop the run with a full disk: {fix}")
+
+
 def resharded(saved_world_size: int, world_size: int) -> str:
     return (f"resharded from {saved_world_size} process(es) to {world_size}: model, optimizer, scheduler and data "
             "order carry over; dropout masks do not (each rank's RNG state is its own)")

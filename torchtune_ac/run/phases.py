@@ -8,6 +8,7 @@ order (``recipes/full_finetune.py``); another recipe composes the same ones.
     build_validation the held-out data of the validation loss, and when to compute it     -> ValidationData
     restore          a resume's progress, model and optimizer state; this config's hyper-parameters -> Progress
     SavePolicy       when a step ends with a checkpoint
+    check_disk_space before the first step: room for one checkpoint (refused), for those kept (warned)
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ import torch
 from torch import nn
 
 from torchtune_ac.checkpoint import (
+    RESUMABLE_KEPT,
+    TOKENIZER_FILES,
     Progress,
+    agreed_free_bytes,
     describe_data_change,
     identify_data,
     ResumeChoice,
@@ -39,8 +43,11 @@ from torchtune_ac.data.sampler import evaluation_batches
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.observability.metric_logging import plain_config
+from torchtune_ac.memory.optimizer_state import layout_of, state_bytes
 from torchtune_ac.run.messages import (
     data_changed,
+    disk_may_fill,
+    disk_too_small,
     finished_epochs_not_extended,
     hyperparameter_changes,
     hyperparameters_changed,
@@ -305,3 +312,63 @@ class SavePolicy:
 
     def should_save(self, step: int, *, epoch_done: bool, stopping: bool) -> bool:
         return epoch_done or stopping or bool(self.every_n_steps and step % self.every_n_steps == 0)
+
+    def saves(self, after_step: int, data: RunData) -> int:
+        """The checkpoints a run writes from ``after_step`` to its end (no stop signal)."""
+        return sum(self.should_save(step, epoch_done=step % data.steps_per_epoch == 0, stopping=False)
+                   for step in range(after_step + 1, data.total_steps + 1))
+
+
+@dataclass(frozen=True)
+class CheckpointSize:
+    """What one checkpoint of the run takes on disk, estimated from the model and the optimizer's state layout.
+
+    Attributes:
+        hf_bytes: the model in Hugging Face format (its parameters in their dtype) and the tokenizer files.
+        recipe_bytes: the recipe state: the model again, and the optimizer state (``memory.optimizer_state``'s
+            layout; none counted for an optimizer whose layout is not known here).
+    """
+
+    hf_bytes: int
+    recipe_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.hf_bytes + self.recipe_bytes
+
+
+def estimate_checkpoint_size(cfg: FullFinetuneConfig, model: nn.Module, tokenizer_dir: Path) -> CheckpointSize:
+    """One checkpoint's size on disk (see ``CheckpointSize``); the parameters' global shapes, sharded or not."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    model_bytes = sum(p.numel() * p.dtype.itemsize for p in params)
+    layout = layout_of(cfg.optimizer.path, cfg.optimizer.kwargs)
+    optimizer_bytes = 0 if layout is None else state_bytes(layout, [tuple(p.shape) for p in params], params[0].dtype)
+    tokenizer_bytes = sum((tokenizer_dir / name).stat().st_size for name in TOKENIZER_FILES
+                          if (tokenizer_dir / name).is_file())
+    return CheckpointSize(model_bytes + tokenizer_bytes, model_bytes + optimizer_bytes)
+
+
+def check_disk_space(cfg: FullFinetuneConfig, ctx: DistributedContext, size: CheckpointSize, saves: int) -> None:
+    """Before the first step: refuse a run whose ``output_dir`` cannot hold one checkpoint, and warn when it cannot
+    hold what ``keep_last_n_checkpoints`` keeps of the ``saves`` the run will write (every rank calls this; rank 0
+    reads the free space and warns).
+
+    What is kept at most: with ``keep_last_n_checkpoints: N``, N checkpoints and the next one being written
+    (older ones are pruned once it is complete); with null, every checkpoint's Hugging Face files, and the recipe
+    state of the newest ``RESUMABLE_KEPT`` and of the one being written.
+
+    Raises:
+        UserError: the free space is less than one checkpoint (on every rank).
+    """
+    if saves == 0:
+        return
+    free = agreed_free_bytes(cfg.output_dir)
+    if free < size.total:
+        raise disk_too_small(cfg.output_dir, free, size.total)
+    keep = cfg.keep_last_n_checkpoints
+    if keep is None:
+        needed = saves * size.hf_bytes + min(saves, RESUMABLE_KEPT + 1) * size.recipe_bytes
+    else:
+        needed = min(saves, keep + 1) * size.total
+    if free < needed and ctx.is_rank_zero:
+        log.warning(disk_may_fill(cfg.output_dir, free, needed, saves, size, keep))
