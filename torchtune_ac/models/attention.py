@@ -247,11 +247,12 @@ def _varlen_document_attention(
     window: Optional[int],
 ) -> torch.Tensor:
     b, n_heads, s, hd = q.shape
-    k, v, gqa_kwargs = _varlen_kv(k, v, n_heads, gqa)
+    # [b * s, heads, hd]: views of the projections; grouped K/V are copied per query head in this layout, once.
+    k, v, gqa_kwargs = _varlen_kv(_as_tokens(k), _as_tokens(v), n_heads, gqa)
     out = varlen_attn(
         _as_tokens(q),
-        _as_tokens(k),
-        _as_tokens(v),
+        k,
+        v,
         runs.cu_seqlens,
         runs.cu_seqlens,
         runs.max_length,
@@ -266,16 +267,27 @@ def _varlen_document_attention(
 
 def _varlen_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int, gqa: bool
                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, bool]]:
-    """K/V as ``varlen_attn`` takes them, and its grouped-K/V keyword: as they are with ``enable_gqa=True`` where
-    this torch has it; on a torch without it (before 2.12), each K/V head copied for the query heads that share it
-    (``repeat_interleave``, the grouping SDPA uses). The copy costs a block's K/V times the group size for the
-    call, far less than leaving Flash Attention for one call per document."""
+    """K/V ``[tokens, n_kv_heads, hd]`` as ``varlen_attn`` takes them, and its grouped-K/V keyword: as they are
+    with ``enable_gqa=True`` where this torch has it; on a torch without it (before 2.12), each K/V head copied for
+    the query heads that share it (``repeat_interleave``, the grouping SDPA uses). The copies are what
+    ``varlen_kv_copy_bytes`` counts for the planner: the kernel saves them for backward, so a block without AC
+    keeps them until its backward; still far less than leaving Flash Attention for one call per document."""
     if not gqa:
         return k, v, ({"enable_gqa": False} if VARLEN_SUPPORT.enable_gqa else {})
     if VARLEN_SUPPORT.enable_gqa:
         return k, v, {"enable_gqa": True}
     group = n_heads // k.shape[1]
-    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}  # [tokens, n_heads, hd]
+
+
+def varlen_kv_copy_bytes(tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """The bytes the varlen path of one attention call over ``tokens`` packed tokens holds beyond grouped K/V, on
+    this torch: K and V per query head (``_varlen_kv``) where ``varlen_attn`` has no ``enable_gqa=`` and the model
+    groups its K/V heads; 0 where nothing is copied (torch 2.12 or newer, no GQA, a dtype varlen does not take)."""
+    if (n_heads == n_kv_heads or dtype not in _VARLEN_DTYPES or not VARLEN_SUPPORT.present
+            or VARLEN_SUPPORT.enable_gqa):
+        return 0
+    return 2 * tokens * (n_heads - n_kv_heads) * head_dim * dtype.itemsize
 
 
 @torch.compiler.disable
