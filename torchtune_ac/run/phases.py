@@ -25,13 +25,13 @@ from torchtune_ac.checkpoint import (
     RESUMABLE_KEPT,
     TOKENIZER_FILES,
     Progress,
-    agreed_free_bytes,
-    describe_data_change,
-    identify_data,
     ResumeChoice,
+    agreed_free_bytes,
     check_resume_shape,
     check_shared_directory,
     choose_resume_checkpoint,
+    describe_data_change,
+    identify_data,
     load_checkpoint,
     read_trainer_state,
 )
@@ -41,9 +41,9 @@ from torchtune_ac.data import build_dataloader
 from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
 from torchtune_ac.data.sampler import evaluation_batches
 from torchtune_ac.errors import UserError
+from torchtune_ac.memory.optimizer_state import layout_of, state_bytes
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.observability.metric_logging import plain_config
-from torchtune_ac.memory.optimizer_state import layout_of, state_bytes
 from torchtune_ac.run.messages import (
     data_changed,
     disk_may_fill,
