@@ -67,7 +67,7 @@ from torchtune_ac.runtime.distributed import (
 )
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
-from torchtune_ac.training.step import train_step  # noqa: E402
+from torchtune_ac.training.step import move_batch, train_step  # noqa: E402
 
 SETTINGS = ("none", "full")
 SIDES = ("ours", "hf")
@@ -414,12 +414,13 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
     stepper = plan.build_stepper(make_optimizer, model)
     n = args.warmup + args.steps
     if args.packed:
-        micro = [[batch] for batch in packed_batches(n, args.batch_size, args.seq_len, model.args.vocab_size, args.seed)]
+        batches = packed_batches(n, args.batch_size, args.seq_len, model.args.vocab_size, args.seed)
     else:
-        micro = [[{"tokens": t, "labels": shift_labels(t)}]
-                 for t in make_batches(n, args.batch_size, args.seq_len, model.args.vocab_size, args.seed)]
+        batches = [{"tokens": t, "labels": shift_labels(t)}
+                   for t in make_batches(n, args.batch_size, args.seq_len, model.args.vocab_size, args.seed)]
+    micro = [[move_batch(batch, device)] for batch in batches]  # the host-side counts stay on the host
     recompiles = RecompileCounter()
-    logging.getLogger("torch").addHandler(recompiles)
+    logging.getLogger("torch._dynamo").addHandler(recompiles)  # torch._logging stops propagation there
     torch._logging.set_logs(recompiles=True)
     times, losses = [], []
     try:
@@ -433,7 +434,7 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
         syncs = count_host_syncs(lambda: train_step(model, stepper, micro[-1], ctx=ctx, objective=plan.objective()))
     finally:
         torch._logging.set_logs()
-        logging.getLogger("torch").removeHandler(recompiles)
+        logging.getLogger("torch._dynamo").removeHandler(recompiles)
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     flops_per_token = model_flops_per_token(model, args.seq_len)
     del model, stepper, micro

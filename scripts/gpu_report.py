@@ -20,6 +20,8 @@ def read_stage(xml_path: Path) -> list[dict]:
     stage = xml_path.stem.removeprefix("gpu_")
     tests = []
     for case in ET.parse(xml_path).getroot().iter("testcase"):
+        if case.get("name") is None:  # the entry pytest leaves for a session stopped at its time limit
+            continue
         outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
             element = case.find(tag)
@@ -32,15 +34,19 @@ def read_stage(xml_path: Path) -> list[dict]:
     return tests
 
 
-def main(xml_paths: list[Path], out_path: Path) -> None:
+def main(xml_paths: list[Path], out_path: Path, env_path: Path | None = None) -> None:
     tests, missing = [], []
     for path in xml_paths:
         if path.is_file():
             tests += read_stage(path)
         else:
             missing.append(path.name)
-    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-              "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"),
+    machine = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+               "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
+    if env_path is not None:  # reported elsewhere than where the tests ran: the machine as gpu_env.py recorded it
+        env = json.loads(env_path.read_text())
+        machine = {key: env.get(key) for key in ("device", "torch", "cuda")} | {"date": env["date"][:10]}
+    report = {**machine,
               "counts": {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")},
               "missing_stages": missing, "tests": tests}
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -52,6 +58,8 @@ def main(xml_paths: list[Path], out_path: Path) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="the JSON report to write")
+    parser.add_argument("--env", type=Path, default=None,
+                        help="gpu_env.json of the machine the tests ran on (when reporting on another machine)")
     parser.add_argument("xml", type=Path, nargs="+", help="pytest's --junitxml outputs, one per stage")
     args = parser.parse_args()
-    main(args.xml, args.out)
+    main(args.xml, args.out, args.env)

@@ -103,8 +103,11 @@ class DocumentRuns:
     """The documents of a packed batch ``[b, s]``, in order over its ``b * s`` flattened tokens.
 
     Attributes:
-        lengths: number of tokens of each document, row after row (every row starts a new document); they
-            sum to ``b * s``.
+        lengths: ``[n_documents]`` int64 on the CPU, the number of tokens of each document, row after row (every
+            row starts a new document); they sum to ``b * s``. A tensor, not a tuple: Dynamo guards on a tuple's
+            length, so a compiled block given a new number of documents would recompile for every batch (seen
+            on torch 2.11, where the checkpoint around a block lifts every field of its inputs), while a tensor's
+            size becomes dynamic after one recompile.
         cu_seqlens: ``[len(lengths) + 1]`` int32 offsets where each document starts, then ``b * s``, on the
             batch's device (the form variable-length attention takes).
         max_length: the longest document's length.
@@ -114,7 +117,7 @@ class DocumentRuns:
     ``lengths`` there would make every batch's document lengths a guard, recompiling per batch.
     """
 
-    lengths: tuple[int, ...]
+    lengths: torch.Tensor
     cu_seqlens: torch.Tensor
     max_length: int
     varlen_device: bool
@@ -165,7 +168,7 @@ def document_runs(document_ids: torch.Tensor, lengths: Optional[torch.Tensor] = 
         # [n_documents + 1], copied to the device without waiting for it.
         cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(device, non_blocking=True)
     return DocumentRuns(
-        lengths=host_lengths,
+        lengths=torch.tensor(host_lengths, dtype=torch.long),
         cu_seqlens=cu_seqlens,
         max_length=max(host_lengths),
         varlen_device=device.type == "cuda" and torch.cuda.get_device_capability(device) >= _VARLEN_MIN_CAPABILITY,
@@ -305,7 +308,8 @@ def _per_document_attention(
     """One causal ``scaled_dot_product_attention`` call per document (shapes as in ``causal_attention``)."""
     b, n_heads, s, hd = q.shape
     outs = []
-    for q_doc, k_doc, v_doc in zip(*(_as_tokens(x).split(runs.lengths) for x in (q, k, v))):
+    lengths = runs.lengths.tolist()  # on the CPU: no synchronisation
+    for q_doc, k_doc, v_doc in zip(*(_as_tokens(x).split(lengths) for x in (q, k, v))):
         # [length, heads, hd] -> [1, heads, length, hd]
         q_doc, k_doc, v_doc = (x.transpose(0, 1).unsqueeze(0) for x in (q_doc, k_doc, v_doc))
         out = _causal_sdpa(

@@ -269,3 +269,20 @@ def test_packed_grouped_kv_copies_for_varlen_are_counted_only_where_torch_makes_
         assert copied[mode].transient - grouped[mode].transient == copy
     monkeypatch.setattr(attention, "VARLEN_SUPPORT", attention.VarlenSupport(True, True, True))  # torch 2.12+
     assert [e.total for e in estimates(True)] == [e.total for e in grouped.values()]
+
+
+@pytest.mark.parametrize("overrides, varlen", [
+    (("device=cuda", "dtype=bf16", "dataset.packed=true"), True),
+    (("device=cuda", "dtype=bf16", "dataset.packed=false"), False),
+    (("device=cuda", "dtype=fp32", "dataset.packed=true"), False),  # fp32 takes the per-document path
+    (("device=cpu", "dtype=bf16", "dataset.packed=true"), False),
+])
+def test_a_packed_bf16_config_for_a_gpu_is_planned_with_varlen_s_copies(overrides, varlen):
+    """The planner simulates on a CPU's kernels whatever the run's device: whether the run's attention takes
+    varlen_attn follows from the config's device, not from where the simulation runs."""
+    from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
+    from torchtune_ac.config.planning import planning_inputs
+
+    recipe = load_recipe(resolve_recipe_path("full_finetune"))
+    cfg = load_recipe_config(recipe, "tiny/full", list(overrides), [])
+    assert planning_inputs(cfg, 1, torch.device("cpu")).workload.varlen is varlen
