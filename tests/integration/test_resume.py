@@ -11,6 +11,7 @@ processes, also with the step in backward; and a checkpoint of 2 processes resum
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 import subprocess
@@ -37,6 +38,7 @@ from finetune_runs import (
 )
 
 from torchtune_ac.checkpoint import list_checkpoints
+from torchtune_ac.checkpoint.manifest import write_manifest
 from torchtune_ac.data import EMBEDDED_INSTRUCT_PATH
 from torchtune_ac.observability.metrics import read_metrics
 
@@ -185,6 +187,26 @@ def test_a_resume_takes_the_learning_rate_and_schedule_of_its_config_and_says_wh
         expected = {row["step"]: row["lr"] for row in read_metrics(reference)}
         assert [resumed[step] for step in (4, 5, 6)] == [expected[step] for step in (4, 5, 6)]
         assert resumed[4] != resumed[3] and resumed[4] <= 1e-5
+
+
+def test_a_checkpoint_of_an_earlier_version_still_resumes_and_says_its_data_is_unchecked(tmp_path, caplog):
+    """Earlier versions recorded neither the hyper-parameters nor the data in trainer_state.json: a run they left
+    half-way resumes as before, exactly, saying once that the data cannot be checked."""
+    caplog.set_level(logging.INFO)
+    out, reference = tmp_path / "resumed", tmp_path / "reference"
+    check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3")))
+    state_file = out / "step_0000003" / "recipe_state" / "trainer_state.json"
+    record = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({"progress": record["progress"], "shape": record["shape"]}))
+    write_manifest(out / "step_0000003")  # as that version wrote it: the manifest matches the file
+    caplog.clear()
+    check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3", "epochs=2",
+                                                    "resume_from_checkpoint=true")))
+    warnings = [r.getMessage() for r in caplog.records if "records no identity of its data" in r.getMessage()]
+    assert warnings == ["step_0000003 records no identity of its data (an earlier version wrote it): the data "
+                        "cannot be checked against the checkpoint's"]
+    check_success(run_tune_in_process(tune_run_argv(reference, "max_steps_per_epoch=3", "epochs=2")))
+    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(reference)]
 
 
 def test_a_resume_checks_its_data_by_content_not_by_path(tmp_path):

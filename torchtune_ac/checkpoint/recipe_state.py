@@ -143,14 +143,16 @@ class TrainerState:
         progress: where training stood.
         shape: what a resume must keep (``RunShape``).
         hyperparameters: the ``optimizer`` and ``lr_scheduler`` config sections the run trained with (plain JSON
-            values, the scheduler None without one); a resume takes its own config's, and says what changed.
+            values, the scheduler None without one); a resume takes its own config's, and says what changed. None
+            in a checkpoint of an earlier version, which recorded none.
         data: what identifies the training data (``data_identity.identify_data``); a resume refuses other data.
+            None in a checkpoint of an earlier version: the resume says the data cannot be checked.
     """
 
     progress: Progress
     shape: RunShape
-    hyperparameters: dict[str, Any]
-    data: dict[str, Any]
+    hyperparameters: Optional[dict[str, Any]]
+    data: Optional[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -440,8 +442,9 @@ def read_trainer_state(checkpoint: Path) -> TrainerState:
     path = checkpoint / RECIPE_STATE_DIR / TRAINER_STATE_FILE
     data = read_json(path)
     try:
-        return TrainerState(Progress(**data["progress"]), RunShape(**data["shape"]), data["hyperparameters"],
-                            data["data"])
+        # Checkpoints of earlier versions record neither the hyper-parameters nor the data: they still resume.
+        return TrainerState(Progress(**data["progress"]), RunShape(**data["shape"]), data.get("hyperparameters"),
+                            data.get("data"))
     except (KeyError, TypeError) as err:
         raise UserError(f"{path}: not a trainer state this version reads ({type(err).__name__}: {err}); a newer or "
                         "older torchtune_ac wrote it: train on from its weights with checkpoint_dir="

@@ -273,9 +273,13 @@ def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training
     saved = read_trainer_state(checkpoint)
     progress = saved.progress
     check_resume_shape(checkpoint, saved.shape, run_shape(cfg, run.ctx.world_size, training.model, run.plan))
-    data_changes = describe_data_change(saved.data, data.identity, checkpoint.name)
-    if data_changes:
-        raise data_changed(checkpoint, data_changes)
+    if saved.data is None:
+        log.warning("%s records no identity of its data (an earlier version wrote it): the data cannot be checked "
+                    "against the checkpoint's", checkpoint.name)
+    else:
+        data_changes = describe_data_change(saved.data, data.identity, checkpoint.name)
+        if data_changes:
+            raise data_changed(checkpoint, data_changes)
     if progress.epoch >= cfg.epochs and progress.step < data.total_steps:
         raise finished_epochs_not_extended(checkpoint, progress, data.steps_per_epoch, data.total_steps)
     # The optimizer state comes from the checkpoint; its hyper-parameters and the schedule are this config's.
@@ -283,7 +287,8 @@ def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training
     if scheduler is not None:
         resume_schedule(scheduler, progress.step)
     log.info("resumed from %s at step %d", checkpoint, progress.step)
-    changes = hyperparameter_changes(saved.hyperparameters, run_hyperparameters(cfg), checkpoint.name)
+    changes = ([] if saved.hyperparameters is None
+               else hyperparameter_changes(saved.hyperparameters, run_hyperparameters(cfg), checkpoint.name))
     if changes:
         log.info(hyperparameters_changed(changes))
     if saved.shape.world_size != run.ctx.world_size:
