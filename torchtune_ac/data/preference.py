@@ -51,7 +51,14 @@ from torchtune_ac.data.datasets import (
     resolve_max_seq_len,
 )
 from torchtune_ac.data.samples import IGNORE_INDEX, TokenizedDataset
-from torchtune_ac.data.sources import JSON_SUFFIXES, Record, describe_json_type, load_records
+from torchtune_ac.data.sources import (
+    JSON_SUFFIXES,
+    Record,
+    SourceFiles,
+    describe_json_type,
+    load_records,
+    source_files,
+)
 from torchtune_ac.data.tokenizer import Tokenizer
 from torchtune_ac.errors import UserError
 
@@ -172,6 +179,9 @@ class PreferenceDataset(Dataset):
         self._reference: Optional[array] = None  # [2 * len]: chosen, rejected of each pair, float64
         # What building it cut or dropped, once, for the start-up log (``build_dataloader`` writes it on rank 0).
         self.report: Optional[str] = None
+        # Where it was read from, as ``TokenizedDataset`` keeps it (a checkpoint records what identifies the files).
+        self.source: Optional[str] = None
+        self.source_files: Optional[SourceFiles] = None
 
     def append(self, sample: dict[str, list[int]]) -> None:
         """Add one pair (a ``pair_sample``)."""
@@ -384,8 +394,10 @@ def preference_dataset(
     records = load_records(source, suffixes=JSON_SUFFIXES, split=split)
     read = lambda record: read_pair(record, columns, sharegpt=conversation_style == "sharegpt",  # noqa: E731
                                     template=template, tokenizer=tokenizer)
-    return build_preference_dataset(source, map(read, records), max_seq_len=max_seq_len,
-                                    max_prompt_len=max_prompt_len)
+    dataset = build_preference_dataset(source, map(read, records), max_seq_len=max_seq_len,
+                                       max_prompt_len=max_prompt_len)
+    dataset.source, dataset.source_files = source, source_files(source, split)
+    return dataset
 
 
 def resolve_max_prompt_len(max_prompt_len: Optional[int], max_seq_len: Optional[int]) -> int:

@@ -90,6 +90,8 @@ def test_column_map_renames_every_column(tmp_path, tokenizer):
     ds = preference_dataset(tokenizer, source=mapped,
                             column_map={"prompt": "question", "chosen": "good", "rejected": "bad"})
     assert ds[0] == preference_dataset(tokenizer, source=plain)[0]
+    # What a checkpoint identifies the data by (checkpoint/data_identity.py): its source and files.
+    assert (ds.source, ds.source_files.root, ds.source_files.names) == (mapped, tmp_path, ("b.jsonl",))
 
 
 def test_a_parquet_source_reads_like_jsonl(tmp_path, tokenizer):
