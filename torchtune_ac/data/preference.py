@@ -43,6 +43,7 @@ from torch.utils.data import Dataset
 
 from torchtune_ac.component_marker import config_component
 from torchtune_ac.data.collate import collate_batch
+from torchtune_ac.data.embedded import EMBEDDED_PREFERENCE_DIR
 from torchtune_ac.data.datasets import (
     CONVERSATION_STYLES,
     read_messages,
@@ -355,7 +356,7 @@ def read_chat_pair(record: Record, columns: dict[str, str], *, sharegpt: bool,
 def preference_dataset(
     tokenizer: Tokenizer,
     *,
-    source: str,
+    source: str = EMBEDDED_PREFERENCE_DIR,
     column_map: Optional[dict[str, str]] = None,
     conversation_style: str = "openai",
     template: str = "plain",
@@ -368,7 +369,7 @@ def preference_dataset(
     Args:
         tokenizer: From :func:`load_tokenizer`.
         source: ``.json``, ``.jsonl``, ``.parquet``, ``.csv`` or ``.arrow`` file, a folder, or a Hub dataset
-            (``org/name``).
+            (``org/name``); defaults to the embedded synthetic pairs (splits ``train`` and ``validation``).
         column_map: Maps ``prompt``, ``chosen`` and ``rejected`` to the file's column names.
         conversation_style: message lists as ``openai`` (role/content) or ``sharegpt`` (from/value).
         template: string pairs as they are (``plain``), or as a user turn and an assistant turn (``chat``).
