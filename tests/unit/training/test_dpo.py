@@ -307,3 +307,53 @@ def test_under_fsdp2_chunked_logps_backward_matches_the_whole_logits(tmp_path):
     args = dataclasses.replace(TINY, vocab_size=97)
     assert_close(chunked, whole, terms=llama_terms(args, 20, 80, backward=False), what="log-probabilities")
     assert_all_close(chunked_grads, whole_grads, terms=llama_terms(args, 20, 2 * 80), what="gradient")
+
+
+# ------------------------------------------------------------------------------- what the SFT step guarantees too
+
+AC_MODES = [{"ac_mode": "full"}, {"ac_mode": "selective", "ac_option": 2}, {"ac_mode": "selective", "ac_option": "op"}]
+
+
+@pytest.mark.parametrize("n_chunks", [1, 3])
+@pytest.mark.parametrize("ac", AC_MODES, ids=["full", "every_2nd", "per_op"])
+def test_every_ac_mode_gives_the_loss_and_gradients_of_no_ac_bit_for_bit(pairs, ac, n_chunks):
+    from torchtune_ac.training import setup_activation_checkpointing
+
+    dataset, tokenizer = pairs
+    batch = batch_of(dataset, range(6), tokenizer.pad_id)
+    policy = build_random_llama(ARGS, seed=0).train()
+    reference = freeze_reference(build_random_llama(ARGS, seed=5))
+    results = []
+    for options in ({}, ac):
+        model = copy.deepcopy(policy)
+        setup_activation_checkpointing(model, **options)
+        parts = DPOObjective(DPOConfig(), n_chunks=n_chunks, reference=reference)(model, batch)
+        parts.loss.backward()
+        results.append((parts, {name: p.grad for name, p in model.named_parameters()}))
+    (plain, plain_grads), (checkpointed, checkpointed_grads) = results
+    # Bit for bit: the recompute replays the same ops on the same inputs in one process.
+    assert torch.equal(checkpointed.loss, plain.loss) and torch.equal(checkpointed.metrics, plain.metrics)
+    assert all(torch.equal(checkpointed_grads[name], grad) for name, grad in plain_grads.items())
+
+
+def test_the_step_in_backward_trains_as_the_step_after_it(pairs):
+    from torchtune_ac.memory.optimizer_in_backward import build_optimizer
+
+    dataset, tokenizer = pairs
+    batches = [[batch_of(dataset, [0, 4, 2], tokenizer.pad_id)], [batch_of(dataset, [1, 3, 5], tokenizer.pad_id)]]
+    reference = freeze_reference(build_random_llama(ARGS, seed=5))
+    runs = []
+    for in_backward in (False, True):
+        model = build_random_llama(ARGS, seed=0).train()
+        stepper = build_optimizer(lambda params: torch.optim.AdamW(params, lr=1e-2), model, in_backward=in_backward)
+        objective = DPOObjective(DPOConfig(), reference=reference)
+        history = [train_step(model, stepper, micro, ctx=CTX, objective=objective) for micro in batches * 2]
+        runs.append((history, {name: p.detach() for name, p in model.named_parameters()}))
+    (after, after_weights), (inside, inside_weights) = runs
+    n = sum(p.numel() for p in after_weights.values())
+    for a, b in zip(after, inside):
+        # The same forward and backward: the losses and metrics are equal; the norm adds its squares in another
+        # order (per parameter as each is stepped).
+        assert (a.loss, a.extra) == (b.loss, b.extra)
+        assert_close(b.grad_norm, a.grad_norm, terms=n, what="gradient norm")
+    assert all(torch.equal(inside_weights[name], w) for name, w in after_weights.items())
