@@ -61,14 +61,21 @@ _PROBLEM_KEY = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
 
 def _set_on_command_line(problem: str, overrides: Sequence[str]) -> bool:
-    """Whether ``problem`` (which starts with the dotted key it is about) is about a key an override set."""
+    """Whether ``problem`` (which starts with the dotted key it is about) is about a key an override set.
+
+    An unknown key is the command line's too when an override set a key inside it: ``optimzer.lr=1e-4`` (or
+    ``+foo.bar=1``) makes the unknown group ``optimzer`` that the YAML never had.
+    """
     match = _PROBLEM_KEY.match(problem)
     if match is None:
         return False
     key = match.group(0)
+    unknown = problem[match.end():].startswith(": unknown key")
     for override in overrides:
         name = override.lstrip("+~").split("=", 1)[0].split("@", 1)[0]
         if key == name or key.startswith((f"{name}.", f"{name}[")):
+            return True
+        if unknown and name.startswith((f"{key}.", f"{key}[")):
             return True
     return False
 

@@ -123,6 +123,24 @@ def test_problems_name_the_command_line_for_the_values_it_set(overrides, message
 
 
 @pytest.mark.parametrize(
+    "extra, overrides, message",
+    [
+        # Each was "c.yaml: ...: unknown key": an override of a key inside an unknown group made that group.
+        ({"optimzer": {"lr": 1e-4}}, ["optimzer.lr=1e-4"], "command line: optimzer: unknown key (did you mean "
+                                                            "optimizer?)"),
+        ({"foo": {"bar": 1}}, ["+foo.bar=1"], "command line: foo: unknown key"),
+        ({"fsdpp": {"param_dtype": "bf16"}}, ["fsdpp.param_dtype=bf16"], "command line: fsdpp: unknown key"),
+        # The YAML's own unknown group stays the YAML's, whatever else the command line sets.
+        ({"fsdpp": {"param_dtype": "bf16"}}, ["fsdp.param_dtype=bf16"], "c.yaml: fsdpp: unknown key"),
+    ],
+)
+def test_unknown_dotted_keys_set_on_the_command_line_are_blamed_on_it(extra, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        validate_config(base_config(**extra), FullFinetuneConfig, source="c.yaml", overrides=overrides)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
     "path",
     [
         "os.system",
