@@ -321,6 +321,17 @@ BAD_COMMAND_LINES = [
     (["run", "--node_rank", "-1", "full_finetune", "--config", "tiny/full"], "--node_rank"),
     (["run", "--master_port", "70000", "full_finetune", "--config", "tiny/full"], "between 1 and 65535"),
     (["cp", "no/such", "{tmp}/x.yaml"], "not a built-in recipe or config"),
+    # torchtune's names: no hint, or a hint to the wrong config, before.
+    (["run", "full_finetune_single_device", "--config", "tiny/full"],
+     "recipe full_finetune_single_device: not a built-in recipe (full_finetune) and not a .py file (did you mean "
+     "full_finetune? It runs on one device and on many; see `tune ls`)"),
+    (["run", "full_finetune", "--config", "llama3_2/1B_full_single_device"],
+     "config llama3_2/1B_full_single_device: not a file and not a built-in config (did you mean llama3_2/1B_full?"),
+    (["validate", "--config", "llama3/8B_ful"], "(did you mean llama3/8B_full?"),
+    # Typos in dotted keys on the command line: blamed on the YAML file before.
+    (["validate", "--config", "tiny/full", "optimzer.lr=1e-4"],
+     "tune: error: command line: optimzer: unknown key (did you mean optimizer?)"),
+    (["validate", "--config", "tiny/full", "+foo.bar=1"], "tune: error: command line: foo: unknown key"),
 ]
 
 
@@ -589,3 +600,14 @@ def test_a_run_prints_its_result_on_stdout_and_its_logs_on_stderr(tmp_path):
                         rf"{re.escape(str(tmp_path / 'out'))}\n", result.stdout), result.stdout
     assert "saved checkpoint" in result.stderr and "done:" not in result.stderr
 
+
+
+@pytest.mark.parametrize("command", ["run", "validate", "plan"])
+def test_help_shows_overrides_in_the_usage_line(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    usage = out.split("\n\n")[0]
+    assert exit_info.value.code == 0 and usage.startswith(f"usage: tune {command} ")
+    assert usage.endswith(" [overrides ...]"), usage
+    assert "overrides: config keys to change, in Hydra's grammar" in out
