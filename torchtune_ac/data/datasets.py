@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
 from torchtune_ac.component_marker import config_component
 from torchtune_ac.data.embedded import EMBEDDED_INSTRUCT_PATH
 from torchtune_ac.data.packing import pack_samples
-from torchtune_ac.data.samples import DataReport, TokenizedDataset, build_sample
+from torchtune_ac.data.samples import RESPONSE_TRUNCATION, DataReport, TokenizedDataset, build_sample, count_of
 from torchtune_ac.data.sources import JSON_SUFFIXES, TEXT_SUFFIXES, Record, describe_json_type, load_records
 from torchtune_ac.data.tokenizer import Tokenizer
 from torchtune_ac.errors import UserError
@@ -27,6 +27,9 @@ CHAT_ROLES = ("system", "user", "assistant")
 # sharegpt-style messages, {"from": ..., "value": ...}: their roles as ours.
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant"}
 CONVERSATION_STYLES = ("openai", "sharegpt")
+
+# What truncating a plain-text document costs, and how to lose nothing.
+TEXT_TRUNCATION = "the rest of a truncated document is not trained on; packed: true splits long documents across rows"
 
 ALPACA_PROMPT_WITH_INPUT = (
     "Below is a task, together with input that gives it context. Write a response that completes the task.\n\n"
@@ -178,15 +181,19 @@ def text_dataset(
 ) -> TokenizedDataset:
     """Plain documents, every token trained on.
 
-    A ``.txt`` source is split into documents at blank lines; any other source takes each record's ``column``. Documents longer than ``max_seq_len`` are truncated (the rest is not used).
+    A ``.txt`` source is split into documents at blank lines; any other source takes each record's ``column``.
+    Unpacked, a document longer than ``max_seq_len`` is truncated (the rest is not used). Packed, documents are
+    split across rows, every row filled to the last token: a long document goes on in the next row, as a
+    document of its own there (see ``packing.py``), and nothing is lost.
 
     Args:
         tokenizer: From :func:`load_tokenizer`.
         source: ``.txt``, ``.json``, ``.jsonl``, ``.parquet``, ``.csv`` or ``.arrow`` file, a folder, or a Hub
             dataset (``org/name``).
         column: Text column of the records (ignored for ``.txt``).
-        max_seq_len: Truncation length (defaults to ``tokenizer.max_seq_len``); required when ``packed``.
-        packed: Pack samples into sequences of exactly ``max_seq_len``.
+        max_seq_len: Truncation length, or with ``packed`` the row length (defaults to ``tokenizer.max_seq_len``;
+            required when ``packed``).
+        packed: Pack documents into rows of exactly ``max_seq_len``, split across rows.
         split: Split of a folder or Hub dataset.
 
     Returns:
@@ -206,7 +213,8 @@ def text_dataset(
         tokens = tokenizer.encode(text, add_bos=True, add_eos=True)
         return tokens, [True] * len(tokens)
 
-    return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed)
+    return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed,
+                         split_across_rows=True, unit="document", truncation_note=TEXT_TRUNCATION)
 
 
 def uses_chat_template(builder: Callable[..., Any], arguments: Mapping[str, Any]) -> bool:
@@ -328,6 +336,9 @@ def build_dataset(
     max_seq_len: Optional[int],
     packed: bool,
     untrained_reason: str = "nothing to train on",
+    split_across_rows: bool = False,
+    unit: str = "sample",
+    truncation_note: str = RESPONSE_TRUNCATION,
 ) -> TokenizedDataset:
     """Turn ``(tokens, trainable)`` pairs into samples, drop the untrainable, and pack if asked.
 
@@ -336,32 +347,42 @@ def build_dataset(
 
     Args:
         untrained_reason: what a record with no target at all lacks, for messages (``no assistant turn``).
+        split_across_rows: when ``packed``, split samples at row ends rather than truncate them (plain text).
+        unit: what a sample is called in the report (``document``).
+        truncation_note: what truncation costs a sample, for the report.
 
     Raises:
         UserError: if no record has anything to train on (saying how many lack a target and how many lost every
             target to ``max_seq_len``).
     """
-    report = DataReport(source, max_seq_len)
+    split = packed and split_across_rows
+    truncate_at = None if split else max_seq_len  # split samples keep every token
+    report = DataReport(source, truncate_at, unit=unit, truncation_note=truncation_note)
 
     def iterate_samples() -> Iterator[dict[str, Any]]:
         for tokens, trainable in encoded:
             if report.count(trainable) == 0:
                 continue
-            yield build_sample(tokens, trainable, max_seq_len=max_seq_len)
+            yield build_sample(tokens, trainable, max_seq_len=truncate_at)
 
     if packed:
-        dataset = pack_samples(iterate_samples(), max_seq_len=max_seq_len, pad_id=tokenizer.pad_id)
+        dataset = pack_samples(iterate_samples(), max_seq_len=max_seq_len, pad_id=tokenizer.pad_id,
+                               split_across_rows=split)
     else:
         dataset = TokenizedDataset(("tokens", "labels"))
         for sample in iterate_samples():
             dataset.append(sample)
     if len(dataset) == 0:
+        if report.records == 1:  # not "none of the 1 records"
+            why = (f"it has {untrained_reason}" if report.untrained
+                   else f"it lost every target to max_seq_len={max_seq_len} (raise it)")
+            raise UserError(f"{source}: its only record has no token to train on: {why}")
         reasons = []
         if report.untrained:
-            reasons.append(f"{report.untrained} have {untrained_reason}")
+            reasons.append(f"{report.untrained:,} {'has' if report.untrained == 1 else 'have'} {untrained_reason}")
         if report.cut_off:
-            reasons.append(f"{report.cut_off} lost every target to max_seq_len={max_seq_len} (raise it)")
-        raise UserError(f"{source}: none of the {report.records} records has a token to train on: "
+            reasons.append(f"{report.cut_off:,} lost every target to max_seq_len={max_seq_len} (raise it)")
+        raise UserError(f"{source}: none of the {count_of(report.records, 'record')} has a token to train on: "
                         + "; ".join(reasons))
     dataset.report = report.describe(untrained_reason)
     return dataset

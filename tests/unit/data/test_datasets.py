@@ -115,8 +115,11 @@ def test_records_with_nothing_to_train_are_dropped(tmp_path, tokenizer):
     limit = len(instruct_dataset(tokenizer, source=source)[0]["tokens"])
     ds = instruct_dataset(tokenizer, source=source, max_seq_len=limit)
     assert len(ds) == 2
-    assert "1 records lost every target to truncation and were dropped" in ds.report
-    with pytest.raises(UserError, match=r"none of the 1 records has a token to train on: 1 lost every target to "
+    # Was "1 records lost ... and were dropped", and "none of the 1 records has".
+    assert ds.report.endswith(f"1 of 3 samples is longer than max_seq_len={limit} and was truncated, losing 2 of 6 "
+                              "target tokens (a truncated response is trained without its end and EOS); 1 record lost "
+                              "every target to truncation and was dropped")
+    with pytest.raises(UserError, match=r"e.jsonl: its only record has no token to train on: it lost every target to "
                                         r"max_seq_len=5 \(raise it\)$"):
         instruct_dataset(tokenizer, source=write_jsonl(tmp_path / "e.jsonl", [long]), max_seq_len=5)
 
