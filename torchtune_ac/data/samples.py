@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from torch.utils.data import Dataset
 
@@ -87,9 +87,9 @@ class DataReport:
             self.cut_off += 1
         return kept
 
-    def describe(self, untrained_reason: str) -> Optional[str]:
+    def describe(self, untrained_reason: str, extra: Sequence[str] = ()) -> Optional[str]:
         """One line on what was cut or dropped (None when nothing was); ``untrained_reason`` says what a record
-        with no target lacks (``no assistant turn``)."""
+        with no target lacks (``no assistant turn``), and ``extra`` adds what else building the samples says."""
         parts = []
         if self.truncated:
             parts.append(
@@ -104,6 +104,7 @@ class DataReport:
         if self.untrained:
             parts.append(f"{count_of(self.untrained, 'record')} {'has' if self.untrained == 1 else 'have'} "
                          f"{untrained_reason} and {'was' if self.untrained == 1 else 'were'} dropped")
+        parts.extend(extra)
         return f"data {self.source}: " + "; ".join(parts) if parts else None
 
 
