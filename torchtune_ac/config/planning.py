@@ -19,7 +19,7 @@ import torch
 from torchtune_ac.config.components import Component
 from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.config.schema import Device
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.memory.activation_checkpointing import ACConfig
 from torchtune_ac.memory.plan import MemoryPlan, PlanningInputs, resolve_memory_plan
 from torchtune_ac.memory.planner import (
@@ -190,7 +190,13 @@ def plan_table(cfg: TrainingWorkload, *, world_size: int, budget_gib: Optional[f
     Raises:
         UserError: the config's memory switches are refused, or ``max_seq_len`` is unset.
     """
-    model = build_meta_model(cfg.model, cfg.checkpoint_dir)
+    try:
+        model = build_meta_model(cfg.model, cfg.checkpoint_dir)
+    except UnavailableError as err:
+        # from_hf_config and a checkpoint of another machine: there is no architecture to simulate a step of.
+        raise UnavailableError(f"{err}, and model {cfg.model.path} reads the architecture from it: to plan here, copy "
+                               "its config.json alone (no weights) into a folder and set checkpoint_dir to it, or name "
+                               "the model's builder (model._component_=torchtune_ac.models.llama3_8b, ...)") from None
     # The switches besides AC, resolved as a run resolves them (every AC setting gets a row of its own).
     plan = resolve_config_plan(cfg, model, ACConfig())
     fixed, fixed_how = process_fixed_bytes(cfg.device)

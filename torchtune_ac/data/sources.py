@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 
 JSON_SUFFIXES = (".json", ".jsonl")
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
@@ -89,9 +89,10 @@ def read_source_text(source: str, *, suffixes: tuple[str, ...]) -> tuple[Path, s
         UserError: if the file is missing, has another extension, is not gzip where it says so, or is not UTF-8.
     """
     path = Path(source).expanduser()
-    if not path.is_file():
-        reason = "is a folder, not a file" if path.is_dir() else "does not exist"
-        raise UserError(f"dataset source {source} {reason}")
+    if path.is_dir():
+        raise UserError(f"dataset source {source} is a folder, not a file")
+    if not path.is_file():  # perhaps a file of the machine that trains (tune validate warns)
+        raise UnavailableError(f"dataset source {source} does not exist")
     if data_suffix(path) not in suffixes:
         found, allowed = "".join(path.suffixes[-2:]) or "(none)", ", ".join(suffixes)
         raise UserError(f"{source}: unsupported extension {found!r}; this dataset reads {allowed} files (or any of "

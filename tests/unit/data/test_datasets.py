@@ -405,3 +405,23 @@ def test_source_errors(tmp_path, tokenizer, source, message):
     with pytest.raises(UserError) as info:
         instruct_dataset(tokenizer, source=str(tmp_path / source) if source else source)
     assert str(info.value).startswith(message.replace("{dir}", str(tmp_path)))
+
+
+def test_validate_encodes_a_stated_sample_of_a_large_source(tmp_path, tokenizer, monkeypatch):
+    from torchtune_ac.data import datasets
+
+    monkeypatch.setattr(datasets, "CHECKED_RECORDS", 10)
+    records = [{"instruction": f"Say {i}.", "output": str(i)} for i in range(25)]
+    source = write_jsonl(tmp_path / "d.jsonl", records)
+    assert datasets.check_dataset_records(instruct_dataset, tokenizer, {"source": source}, None) == (
+        f"{source}: 25 records read; an evenly spaced sample of 10 encoded (the run encodes them all)", None)
+    # Every 2.5th record is encoded: the 13th (index 12) is, the 14th is not.
+    for index, caught in ((12, True), (13, False)):
+        bad = [dict(r, output=["x"]) if i == index else r for i, r in enumerate(records)]
+        source = write_jsonl(tmp_path / f"bad{index}.jsonl", bad)
+        if caught:
+            with pytest.raises(UserError, match=rf"bad12.jsonl:13: column 'output' must be a string, got array$"):
+                datasets.check_dataset_records(instruct_dataset, tokenizer, {"source": source}, None)
+        else:
+            assert datasets.check_dataset_records(instruct_dataset, tokenizer, {"source": source}, None) is not None
+    assert datasets.check_dataset_records(len, tokenizer, {}, None) is None  # not a builder of this module's
