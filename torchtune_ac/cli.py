@@ -31,6 +31,7 @@ from torchtune_ac.errors import (
     RunStopped,
     UserError,
 )
+from torchtune_ac.observability.third_party_noise import filter_known_noise
 from torchtune_ac.runtime.launcher import (
     LAUNCHER_FLAGS,
     int_at_least,
@@ -204,6 +205,7 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: Sequence[str]) -
 def recipe_main(argv: Optional[Sequence[str]] = None, recipe_file: Optional[str] = None) -> int:
     """Entry point of a recipe run as a script (each process under the elastic launcher)."""
     path = Path(recipe_file or sys.argv[0]).resolve()
+    filter_known_noise()
 
     def _main() -> None:
         parser = _ArgumentParser(prog=f"tune run {path.stem}")
@@ -437,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``tune`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    filter_known_noise()
     if "--debug" in argv:
         argv.remove("--debug")
         os.environ[DEBUG_ENV_VAR] = "1"

@@ -18,7 +18,6 @@ too, when the tokenizer has one.
 from __future__ import annotations
 
 import contextlib
-import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,30 +130,20 @@ def _why_empty(new_ids: list[int], text: str, config: Any, tokenizer: Any) -> Op
     return f"the model generated {len(new_ids)} token(s) of white space only"
 
 
-# Loggers that warn while transformers loads a model and have nothing to say about this one: loading imports every
-# quantizer, and torchao (an optional extra) warns about its own kernels and registrations at import.
-_IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree")
-
-
 @contextlib.contextmanager
 def _transformers_quiet(transformers: Any) -> Iterator[None]:
-    """transformers' notes on generation settings, its loading bars and import-time warnings, which would mix with
-    the answer on a terminal, off while the body runs."""
+    """transformers' notes on generation settings and its loading bars, which would mix with the answer on a
+    terminal, off while the body runs (what torchao says when transformers imports it is filtered by ``tune``
+    itself: ``observability.third_party_noise``)."""
     verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
-    loggers = [logging.getLogger(name) for name in _IMPORT_TIME_LOGGERS]
-    levels = [logger.level for logger in loggers]
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
         transformers.logging.set_verbosity(verbosity)
         if bars:
             transformers.logging.enable_progress_bar()
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 def _encode(tokenizer: Any, request: GenerateRequest, checkpoint: Path) -> list[int]:

@@ -182,3 +182,18 @@ def test_generate_says_on_stderr_why_it_printed_nothing(capsys, tmp_path, embedd
     assert err == ("tune generate: no text generated: the model's first token was the end of sequence "
                    "(<|end_of_text|>, id 1), so it ended its answer at once; try another prompt or layout (--chat, "
                    "--alpaca), or a checkpoint trained longer\n")
+
+
+def test_the_quick_start_check_prints_no_library_noise(run_dir):
+    """scripts/check_run.py printed torchao's "Failed to load ..._C_mxfp8..." lines, two pytree deprecations and
+    transformers' loading bar on stderr (transformers imports torchao when it loads a model)."""
+    import subprocess
+    import sys
+
+    from finetune_runs import subprocess_env
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "check_run.py"
+    result = subprocess.run([sys.executable, str(script), str(run_dir)], capture_output=True, text=True,
+                            env=subprocess_env(), timeout=300)
+    assert result.stdout.splitlines()[-1] in ("OK", "PROBLEM: the loss did not fall or the logits disagree")
+    assert result.stderr == ""
