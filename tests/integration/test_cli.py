@@ -660,3 +660,16 @@ def test_validate_reads_the_data(tmp_path, capsys):
     assert any(line.startswith("  warning                   data ") and "331 of 3,000 samples are longer than "
                "max_seq_len=64" in line for line in lines), lines
     assert f"  warning                   dataset source {tmp_path}/val.jsonl does not exist" in lines
+
+
+def test_plan_shows_an_ac_setting_the_switches_refuse_as_not_applicable(capsys):
+    """enable_activation_offloading with no AC is refused; the table's no-AC row refused the whole command."""
+    assert main(["plan", "--config", "tiny/full", "device=cuda", "enable_activation_offloading=true",
+                 "--budget-gib", "100"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in lines[3:9]}
+    assert rows["none"] == ("none              not applicable: enable_activation_offloading=true with no activation "
+                            "checkpointing: it moves what checkpointed blocks keep for backward from a CUDA device to "
+                            "pinned host memory, and no block is checkpointed")
+    assert rows["per-op"].endswith("yes   <- ac_mode: auto picks this (the least recompute that fits)")
+    assert rows["full"].split()[-1] == "yes"
