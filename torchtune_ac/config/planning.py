@@ -50,6 +50,7 @@ class TrainingWorkload(Protocol):
 
     model: Component
     optimizer: Component
+    dataset: Component
     checkpoint_dir: Optional[str]
     device: Device
     batch_size: int
@@ -110,6 +111,10 @@ def planning_inputs(cfg: TrainingWorkload, world_size: int, device: torch.device
         dtype=cfg.dtype,
         world_size=world_size,
         fsdp=cfg.fsdp,
+        # Packed rows on a GPU in bf16 take varlen_attn (models/attention.py), whose K/V copies the simulation
+        # cannot make on a CPU's kernels.
+        varlen=(bool(cfg.dataset.kwargs.get("packed", False)) and planned_device(cfg.device).type == "cuda"
+                and cfg.dtype is DType.BF16),
     )
     return PlanningInputs(
         build_model=lambda: cfg.model.instantiate_with_defaults(checkpoint_dir=cfg.checkpoint_dir),
