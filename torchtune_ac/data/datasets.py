@@ -94,7 +94,8 @@ def instruct_dataset(
     Args:
         tokenizer: From :func:`load_tokenizer`.
         source: ``.json``, ``.jsonl``, ``.parquet``, ``.csv`` or ``.arrow`` file, a folder, or a Hub dataset
-            (``org/name``); defaults to the embedded synthetic dataset.
+            (``org/name``), or a list of them read one after the other (see ``sources.load_records``); defaults
+            to the embedded synthetic dataset.
         column_map: Maps this dataset's column names to the file's, e.g. ``{"output": "answer"}``. The ``input``
             column may be absent from records (taken as empty) unless ``column_map`` names it; ``input: null``
             means the data has no input column (a column named ``input`` is then not read).
@@ -172,7 +173,8 @@ def chat_dataset(
 
     Args:
         tokenizer: From :func:`load_tokenizer`.
-        source: ``.json``, ``.jsonl``, ``.parquet`` or ``.arrow`` file, a folder, or a Hub dataset (``org/name``).
+        source: ``.json``, ``.jsonl``, ``.parquet`` or ``.arrow`` file, a folder, or a Hub dataset (``org/name``);
+            or a list of them, read one after the other (see ``sources.load_records``).
         conversation_column: Column holding the message list.
         conversation_style: ``openai`` (role/content) or ``sharegpt`` (from/value).
         train_on_input: Train on every token.
@@ -230,7 +232,7 @@ def text_dataset(
     Args:
         tokenizer: From :func:`load_tokenizer`.
         source: ``.txt``, ``.json``, ``.jsonl``, ``.parquet``, ``.csv`` or ``.arrow`` file, a folder, or a Hub
-            dataset (``org/name``).
+            dataset (``org/name``), or a list of them read one after the other (see ``sources.load_records``).
         column: Text column of the records (ignored for ``.txt``).
         max_seq_len: Truncation length, or with ``packed`` the row length (defaults to ``tokenizer.max_seq_len``;
             required when ``packed``).
