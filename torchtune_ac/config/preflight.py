@@ -4,7 +4,9 @@ Builds the model on the meta device (sizes, parameter count), resolves the activ
 and checks the files the run will read and write. Problems with the config itself, and files that exist and
 contradict it, are always errors; what is missing or unavailable on this machine (``UnavailableError``: a file,
 a device, a package) is an error when ``strict`` (about to run) and a warning otherwise (``tune validate`` on a
-machine that is not the training machine).
+machine that is not the training machine). ``tune validate`` also reads the data as the run will
+(``data.datasets.check_dataset_records``), and with ``from_hf_config`` and a checkpoint of another machine, whose
+architecture it cannot read, it checks the rest and says so.
 
 This is where the environment is checked (files, devices, what the components build); the config's types are
 checked once by the schema (``validation.py``) and the memory switches' combinations once by the memory plan
