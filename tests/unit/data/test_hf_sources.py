@@ -302,3 +302,12 @@ def test_validate_says_what_a_run_will_do_with_a_hub_dataset(tmp_path, monkeypat
     summary, warning = describe_hub_source("someorg/tiny_set")
     assert summary.startswith(f"someorg/tiny_set: a Hugging Face Hub dataset, in the datasets cache ({cache}")
     assert summary.endswith("HF_HUB_OFFLINE is set: the run reads the cache only") and warning is None
+
+
+def test_a_csv_that_is_not_utf8_names_its_line(tmp_path, tokenizer):
+    path = tmp_path / "d.csv"
+    path.write_bytes(b"instruction,output\nx,y\n" + "caf\xe9,q\n".encode("latin-1"))
+    with pytest.raises(UserError) as info:
+        instruct_dataset(tokenizer, source=str(path))
+    assert str(info.value) == (f"{path}:3: not UTF-8 text: byte 0xe9 at column 4 (invalid continuation byte); the "
+                               "file must be UTF-8 encoded: convert it, for example with iconv -f LATIN1 -t UTF-8")

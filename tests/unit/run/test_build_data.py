@@ -84,3 +84,28 @@ def test_a_cuda_run_pins_its_batches(tokenizer, ctx, pinned):
     """Pinned host memory makes the batch's ``non_blocking`` copy to the GPU asynchronous; only the loader's
     setting is checked here (pinning needs a GPU)."""
     assert build_data(config(), tokenizer, ctx).loader.pin_memory is pinned
+
+
+def test_packing_is_said_in_samples_to_rows_and_its_fill(tokenizer, caplog):
+    """The log said "N samples" of packed rows, and nothing when packing changed nothing."""
+    plain = build_data(config(), tokenizer, CPU)
+    assert (plain.described, plain.unit) == (f"{plain.samples:,} samples", "sample")
+    packed = build_data(config(dataset={"_component_": "torchtune_ac.data.instruct_dataset", "packed": True}),
+                        tokenizer, CPU)
+    report = packed.loader.dataset.packing
+    tokens = sum(sum(1 for t in row["tokens"] if t != tokenizer.pad_id) for row in packed.loader.dataset)
+    assert (report.samples, report.rows, packed.samples, packed.unit) == (plain.samples, packed.samples,
+                                                                          len(packed.loader.dataset), "row")
+    assert packed.described == (f"packed: {plain.samples:,} samples -> {packed.samples:,} rows of {MAX_SEQ_LEN} "
+                                f"tokens, {100 * tokens / (packed.samples * MAX_SEQ_LEN):.1f} % filled")
+    assert packed.samples < plain.samples / 2
+    assert not [r for r in caplog.records if "packing changed nothing" in r.getMessage()]
+    # At 40 tokens no sample fits beside the one before it: packing makes one row of each.
+    caplog.clear()
+    unchanged = build_data(config(max_seq_len=40, dataset={"_component_": "torchtune_ac.data.instruct_dataset",
+                                                           "packed": True}), tokenizer, CPU)
+    fill = unchanged.loader.dataset.packing.fill
+    said = [r.getMessage() for r in caplog.records if "packing" in r.getMessage()]
+    assert said == [f"data: packing changed nothing: each of the {unchanged.samples:,} rows of max_seq_len=40 tokens "
+                    f"holds one sample (none fit beside the one before it), {100 * fill:.1f} % filled on average; "
+                    "raise max_seq_len, or set packed: false"]
