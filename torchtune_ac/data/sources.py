@@ -33,26 +33,29 @@ _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 @dataclass(frozen=True)
 class SourceFiles:
     """The local files a dataset reads, in reading order: ``names`` (POSIX paths) relative to ``root``, the folder
-    ``source`` names or the folder of the file it names (for a list of sources, the folder that holds them all).
-    What a checkpoint records of its data (each file's size and content hash, see ``checkpoint/data_identity.py``)
-    is computed from these."""
+    ``source`` names or the folder of the file it names (for a list of sources, the folder that holds them all);
+    ``hub``, the Hugging Face Hub datasets a list of sources also reads, by name. What a checkpoint records of its
+    data (each file's size and content hash, see ``checkpoint/data_identity.py``) is computed from these."""
 
     root: Path
     names: tuple[str, ...]
+    hub: tuple[str, ...] = ()
 
 
 def source_files(source: str | list[str], split: str = "train") -> Optional[SourceFiles]:
     """The local files ``load_records`` reads for ``source`` and ``split``: the file itself (compressed or not);
     for a folder, the data files of the split (or every file of a ``save_to_disk`` folder, of the split's folder
-    for a ``DatasetDict``); for a list, each item's files in the list's order; None for a Hugging Face Hub dataset
-    (its files are the ``datasets`` cache's), or a list that holds one."""
+    for a ``DatasetDict``); for a list, each item's files in the list's order, and its Hub datasets in ``hub``;
+    None for a Hugging Face Hub dataset, or a list of them only (their files are the ``datasets`` cache's)."""
     if isinstance(source, list):
         parts = [source_files(one, split) for one in source]
-        if not parts or any(part is None for part in parts):
+        local = [part for part in parts if part is not None]
+        if not local:
             return None
-        root = Path(os.path.commonpath([part.root.absolute() for part in parts]))
+        root = Path(os.path.commonpath([part.root.absolute() for part in local]))
         return SourceFiles(root, tuple((part.root.absolute() / name).relative_to(root).as_posix()
-                                       for part in parts for name in part.names))
+                                       for part in local for name in part.names),
+                           tuple(one for one, part in zip(source, parts) if part is None))
     path = Path(source).expanduser()
     if path.is_file():
         return SourceFiles(path.parent, (path.name,))

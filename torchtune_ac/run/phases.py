@@ -210,7 +210,7 @@ def build_data(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext)
         )
     files = dataset.source_files
     identity = identify_data(dataset.source, files and files.root, files and files.names, len(dataset),
-                             collective=ctx.is_distributed)
+                             collective=ctx.is_distributed, hub=files.hub if files else ())
     unit = "row" if getattr(dataset, "packing", None) is not None else "sample"
     return RunData(loader, len(dataset), steps_per_epoch, steps_per_epoch * cfg.epochs, identity,
                    describe_samples(dataset), unit)
