@@ -34,6 +34,7 @@ from torchtune_ac.checkpoint import (
 from torchtune_ac.config.planning import PlanTable, plan_table
 from torchtune_ac.config.preflight import describe_sharding, preflight_full_finetune, run_hyperparameters, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.data.samples import count_of
 from torchtune_ac.models import hf_model_files
 from torchtune_ac.observability.metric_logging import RunLog, open_run_log
 from torchtune_ac.observability.metrics import MemoryPeaks
@@ -116,15 +117,16 @@ class FullFinetuneRecipe:
                                         resume_after_step=self.progress.step if cfg.resume_from_checkpoint else None)
         ctx = run.ctx
         global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * ctx.world_size
+        unit = self.data.unit
         for line in (
             f"world size {ctx.world_size} on {ctx.device} ({cfg.dtype.value}), {torch.get_num_threads()} thread(s) per "
             "process",
             f"model {cfg.model.path}: {run.report.n_parameters:,} parameters, {run.plan.ac.n_layers} layers",
             *(f"{label}: {value}" for label, value in run.plan.describe()),
             f"fsdp: {describe_sharding(cfg, ctx.world_size, run.plan)}",
-            f"global batch {global_batch} samples ({cfg.batch_size} x {cfg.gradient_accumulation_steps} accumulation"
-            f" x {ctx.world_size} processes); {self.data.samples} samples, {self.data.steps_per_epoch} steps per epoch,"
-            f" {cfg.epochs} epoch(s)",
+            f"global batch {count_of(global_batch, unit)} ({cfg.batch_size} x {cfg.gradient_accumulation_steps} "
+            f"accumulation x {count_of(ctx.world_size, 'process', 'processes')}); {self.data.described}, "
+            f"{count_of(self.data.steps_per_epoch, 'step')} per epoch, {count_of(cfg.epochs, 'epoch')}",
         ):
             log.info(line)
 

@@ -64,6 +64,7 @@ GiB = 2**30
 # Strides of selective AC worth a row, besides none, per-op and full (one row per distinct block count).
 STRIDES = (2, 4)
 PHASES = ("forward", "loss backward", "blocks backward", "rest of backward", "optimizer step")
+BACKWARD_PHASES = ("loss backward", "blocks backward", "rest of backward")
 
 
 @dataclass(frozen=True)
@@ -208,10 +209,14 @@ class _LiveStorages(TorchDispatchMode):
     sharded gradients and broken down by kind.
     """
 
-    def __init__(self, shard_degree: int, root_parameters: set[int]) -> None:
+    def __init__(self, shard_degree: int, root_parameters: set[int], *, sharded: bool = False) -> None:
         super().__init__()
         self.shard_degree = shard_degree  # processes a parameter is sharded over
         self.root_parameters = root_parameters  # ids of the parameters outside the blocks
+        # Under FSDP2 the root's gradients are reduced only when backward ends, so an optimizer stepping in backward
+        # (which frees each gradient at once here) takes them only then: until then they are whole on every process.
+        self.sharded = sharded
+        self._held = 0  # bytes of root gradients freed here in backward that FSDP2 keeps until backward ends
         self.known: set[int] = set()
         self.live: dict[int, int] = {}
         self.grads: set[int] = set()
@@ -228,8 +233,13 @@ class _LiveStorages(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         nbytes = self.live.pop(key, 0)
-        self._live -= nbytes
         # Discarded, not only subtracted: a later storage may be given the same address.
+        if key in self.root_grads and self.sharded and self.phase in BACKWARD_PHASES:
+            self.grads.discard(key)
+            self.root_grads.discard(key)
+            self._held += nbytes  # still counted, whole, until backward ends (``enter``)
+            return
+        self._live -= nbytes
         if key in self.grads:
             self.grads.discard(key)
             self._grad -= nbytes
@@ -256,6 +266,12 @@ class _LiveStorages(TorchDispatchMode):
             self.peaks[self.phase] = _Peak(value, value - grads - acts, grads, acts)
 
     def enter(self, phase: str) -> None:
+        if phase not in BACKWARD_PHASES and self._held:  # backward ended: FSDP2 reduced the root's gradients
+            self._record()
+            self._live -= self._held
+            self._grad -= self._held
+            self._root_grad -= self._held
+            self._held = 0
         self.phase = phase
         self._record()
 
@@ -379,10 +395,12 @@ def _simulate(
         apply_ac_plan(model, _plan(mode, option, len(blocks)))
         params = list(model.parameters())
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
-        tracker = _LiveStorages(workload.shard_degree, {id(p) for p in params if id(p) not in in_blocks})
+        switches = workload.switch_settings()
+        sharded = workload.world_size > 1 or any(switch.shard_options(setting) for switch, setting in switches)
+        tracker = _LiveStorages(workload.shard_degree, {id(p) for p in params if id(p) not in in_blocks},
+                                sharded=sharded)
         # Registered before an optimizer in backward registers its own: a gradient is seen before it is freed.
         hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params]
-        switches = workload.switch_settings()
         for switch, setting in switches:
             make_optimizer = switch.planner_optimizer(setting, make_optimizer)
         stepper = next((s for s in (switch.build_stepper(setting, make_optimizer, model) for switch, setting in switches)

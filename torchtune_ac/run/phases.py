@@ -40,6 +40,7 @@ from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.data import build_dataloader
 from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
 from torchtune_ac.data.sampler import evaluation_batches
+from torchtune_ac.data.samples import count_of, describe_samples
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.optimizer_state import layout_of, state_bytes
 from torchtune_ac.memory.plan import MemoryPlan
@@ -158,11 +159,14 @@ class RunData:
 
     Attributes:
         loader: this rank's batches (``set_epoch``, ``skip_steps``).
-        samples: samples in the dataset.
+        samples: samples in the dataset (rows, when packed).
         steps_per_epoch: optimizer steps per epoch (after ``max_steps_per_epoch``).
         total_steps: optimizer steps of the whole run.
         identity: what identifies the data (each file's size and SHA-256, the sample count), which a checkpoint
             records and a resume checks (``checkpoint.identify_data``).
+        described: what the dataset holds, for the start-up log: ``3,000 samples``, or for a packed one
+            ``packed: 3,000 samples -> 412 rows of 256 tokens, 93.1 % filled``.
+        unit: what one of ``samples`` is: ``sample``, or ``row`` when packed.
     """
 
     loader: Any
@@ -170,6 +174,8 @@ class RunData:
     steps_per_epoch: int
     total_steps: int
     identity: dict[str, Any]
+    described: str = ""
+    unit: str = "sample"
 
 
 def batch_padding(cfg: FullFinetuneConfig) -> dict[str, Any]:
@@ -199,13 +205,15 @@ def build_data(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext)
         steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
     if steps_per_epoch == 0:
         raise UserError(
-            f"dataset: {len(dataset)} samples make {batches_per_epoch} batch(es) per process per epoch, fewer than "
-            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (reduce batch_size or accumulation)"
+            f"dataset: {describe_samples(dataset)} make {batches_per_epoch} batch(es) per process per epoch, fewer "
+            f"than gradient_accumulation_steps={cfg.gradient_accumulation_steps} (reduce batch_size or accumulation)"
         )
     files = dataset.source_files
     identity = identify_data(dataset.source, files and files.root, files and files.names, len(dataset),
-                             collective=ctx.is_distributed)
-    return RunData(loader, len(dataset), steps_per_epoch, steps_per_epoch * cfg.epochs, identity)
+                             collective=ctx.is_distributed, hub=files.hub if files else ())
+    unit = "row" if getattr(dataset, "packing", None) is not None else "sample"
+    return RunData(loader, len(dataset), steps_per_epoch, steps_per_epoch * cfg.epochs, identity,
+                   describe_samples(dataset), unit)
 
 
 @dataclass
@@ -245,8 +253,8 @@ def build_validation(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedCo
     dataset = cfg.dataset_val.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
     if len(dataset) == 0:
         raise UserError("dataset_val: holds no sample")
-    log.info("validation: %d samples, every %s", len(dataset),
-             f"{cfg.run_val_every_n_steps} steps" if cfg.run_val_every_n_steps else "epoch")
+    log.info("validation: %s, every %s", describe_samples(dataset),
+             count_of(cfg.run_val_every_n_steps, "step") if cfg.run_val_every_n_steps else "epoch")
     return ValidationData(dataset, cfg.batch_size_val or cfg.batch_size, cfg.run_val_every_n_steps,
                           tokenizer.pad_id, ctx, batch_padding(cfg))
 

@@ -65,3 +65,20 @@ def test_a_hub_dataset_is_its_name_and_sample_count():
     assert describe_data_change(saved, other, "step_0000003") == [
         "the source was tatsu-lab/alpaca in step_0000003, yahma/alpaca-cleaned now",
         "52,002 samples in step_0000003, 51,760 now"]
+
+
+def test_the_hub_datasets_of_a_list_of_sources_are_recorded_by_name_beside_its_files(tmp_path):
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "a.jsonl").write_bytes(SAVED["a.jsonl"])
+    saved = identify_data("a + tatsu-lab/alpaca", root, ["a.jsonl"], 7, collective=False, hub=["tatsu-lab/alpaca"])
+    assert saved["hub"] == ["tatsu-lab/alpaca"] and [f["name"] for f in saved["files"]] == ["a.jsonl"]
+    assert describe_data_change(saved, saved, "step_0000003") == []
+    other = identify_data("a + yahma/alpaca-cleaned", root, ["a.jsonl"], 7, collective=False,
+                          hub=["yahma/alpaca-cleaned"])
+    assert describe_data_change(saved, other, "step_0000003") == [
+        "the Hub datasets were tatsu-lab/alpaca in step_0000003, yahma/alpaca-cleaned now"]
+    files_only = identify_data("a", root, ["a.jsonl"], 7, collective=False)
+    assert "hub" not in files_only  # what a checkpoint records of local files alone is unchanged
+    assert describe_data_change(saved, files_only, "step_0000003") == [
+        "the Hub datasets were tatsu-lab/alpaca in step_0000003, none now"]
