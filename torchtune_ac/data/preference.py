@@ -36,21 +36,24 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.utils.data import Dataset
 
 from torchtune_ac.component_marker import config_component
 from torchtune_ac.data.collate import collate_batch
-from torchtune_ac.data.embedded import EMBEDDED_PREFERENCE_DIR
 from torchtune_ac.data.datasets import (
     CONVERSATION_STYLES,
+    Sources,
+    TextColumns,
+    describe_source,
     read_messages,
-    read_string_column,
+    register_preparer,
     resolve_column_map,
     resolve_max_seq_len,
 )
+from torchtune_ac.data.embedded import EMBEDDED_PREFERENCE_DIR
 from torchtune_ac.data.samples import IGNORE_INDEX, TokenizedDataset
 from torchtune_ac.data.sources import (
     JSON_SUFFIXES,
@@ -92,8 +95,8 @@ class PreferenceReport:
     answer_tokens_lost: int = 0
     identical_after_cut: int = 0  # pairs whose answers differ only past max_seq_len: dropped
 
-    def describe(self) -> Optional[str]:
-        """One line on what was cut or dropped, or None when nothing was."""
+    def describe(self, extra: Sequence[str] = ()) -> Optional[str]:
+        """One line on what was cut or dropped (and ``extra`` parts), or None when there is nothing to say."""
         parts = []
         if self.prompts_cut:
             parts.append(f"{self.prompts_cut:,} of {self.pairs:,} pairs are longer than max_seq_len={self.max_seq_len}"
@@ -105,6 +108,7 @@ class PreferenceReport:
                          "their end and EOS)")
         if self.identical_after_cut:
             parts.append(f"{self.identical_after_cut:,} pairs differ only past max_seq_len and were dropped")
+        parts += extra
         return f"data {self.source}: " + "; ".join(parts) if parts else None
 
 
@@ -290,21 +294,25 @@ def encode_chat_pair(tokenizer: Tokenizer, prompt: list[dict[str, str]], chosen:
     return EncodedPair(prompt_tokens, *answers)
 
 
-def read_pair(record: Record, columns: dict[str, str], *, sharegpt: bool, template: str,
-              tokenizer: Tokenizer) -> EncodedPair:
+def column_fix(name: str) -> str:
+    """How to point the dataset at another column, for a missing-column error."""
+    return f"map a column of the file to it with column_map: {{{name}: <column>}}"
+
+
+def read_pair(record: Record, columns: dict[str, str], *, sharegpt: bool, template: str, tokenizer: Tokenizer,
+              text: TextColumns) -> EncodedPair:
     """Check one record and tokenize its pair (see the module docstring for the formats and refusals).
 
     Raises:
         UserError: naming the record, for a missing or mistyped column, an empty answer, identical answers, or
             (message lists) answers that do not end with an assistant turn or have different prompts.
     """
-    fix = "map a column of the file to it with column_map: {{{name}: <column>}}"
     chosen_column = columns["chosen"]
     if chosen_column not in record.value:
-        read_string_column(record, chosen_column, fix.format(name="chosen"))  # raises: missing column
+        text.read(record, chosen_column, column_fix("chosen"))  # raises: the missing column, and the record's
     if isinstance(record.value[chosen_column], list):
-        return read_chat_pair(record, columns, sharegpt=sharegpt, tokenizer=tokenizer)
-    texts = {name: read_string_column(record, columns[name], fix.format(name=name)) for name in PREFERENCE_COLUMNS}
+        return read_chat_pair(record, columns, sharegpt=sharegpt, tokenizer=tokenizer, text=text)
+    texts = {name: text.read(record, columns[name], column_fix(name)) for name in PREFERENCE_COLUMNS}
     for name in ANSWERS:
         if not texts[name].strip():
             raise UserError(f"{record.location}: {name} answer ({columns[name]!r}) is empty")
@@ -317,14 +325,14 @@ def read_pair(record: Record, columns: dict[str, str], *, sharegpt: bool, templa
     return encode_text_pair(tokenizer, texts["prompt"], texts["chosen"], texts["rejected"])
 
 
-def read_chat_pair(record: Record, columns: dict[str, str], *, sharegpt: bool,
-                   tokenizer: Tokenizer) -> EncodedPair:
+def read_chat_pair(record: Record, columns: dict[str, str], *, sharegpt: bool, tokenizer: Tokenizer,
+                   text: TextColumns) -> EncodedPair:
     """A record whose ``chosen`` and ``rejected`` are message lists (see ``read_pair``)."""
     conversations = {}
     for name in ANSWERS:
         column = columns[name]
         if column not in record.value:
-            read_string_column(record, column, f"map a column of the file to it with column_map: {{{name}: <column>}}")
+            text.read(record, column, column_fix(name))  # raises: the missing column
         if not isinstance(record.value[column], list):
             raise UserError(f"{record.location}: column {column!r} must be a message list like the chosen column, "
                             f"got {describe_json_type(record.value[column])}")
@@ -356,7 +364,7 @@ def read_chat_pair(record: Record, columns: dict[str, str], *, sharegpt: bool,
 def preference_dataset(
     tokenizer: Tokenizer,
     *,
-    source: str = EMBEDDED_PREFERENCE_DIR,
+    source: Sources = EMBEDDED_PREFERENCE_DIR,
     column_map: Optional[dict[str, str]] = None,
     conversation_style: str = "openai",
     template: str = "plain",
@@ -369,7 +377,8 @@ def preference_dataset(
     Args:
         tokenizer: From :func:`load_tokenizer`.
         source: ``.json``, ``.jsonl``, ``.parquet``, ``.csv`` or ``.arrow`` file, a folder, or a Hub dataset
-            (``org/name``); defaults to the embedded synthetic pairs (splits ``train`` and ``validation``).
+            (``org/name``), or a list of them read one after the other (see ``sources.load_records``); defaults
+            to the embedded synthetic pairs (splits ``train`` and ``validation``).
         column_map: Maps ``prompt``, ``chosen`` and ``rejected`` to the file's column names.
         conversation_style: message lists as ``openai`` (role/content) or ``sharegpt`` (from/value).
         template: string pairs as they are (``plain``), or as a user turn and an assistant turn (``chat``).
@@ -385,6 +394,34 @@ def preference_dataset(
         UserError: for a bad file, record, column, ``column_map``, ``conversation_style``, ``template``,
             ``max_seq_len`` or ``max_prompt_len``, and when no pair is left.
     """
+    return build_preference_dataset(prepare_preference_dataset(
+        tokenizer, source=source, column_map=column_map, conversation_style=conversation_style, template=template,
+        max_seq_len=max_seq_len, max_prompt_len=max_prompt_len, split=split))
+
+
+@dataclass(frozen=True)
+class PreparedPairs:
+    """Preference pairs as ``prepare_preference_dataset`` prepares them, before anything is encoded: every record
+    read and parsed, and how one becomes an ``EncodedPair`` (raising a ``UserError`` naming it when it cannot).
+    ``tune validate`` encodes them as a run would (``datasets.check_dataset_records``)."""
+
+    source: str
+    records: list[Record]
+    encode: Callable[[Record], EncodedPair]
+    max_seq_len: Optional[int]
+    max_prompt_len: int
+    source_files: Optional[SourceFiles]
+    text_columns: TextColumns
+
+    def build(self) -> "PreferenceDataset":
+        return build_preference_dataset(self)
+
+
+def prepare_preference_dataset(
+    tokenizer: Tokenizer, *, source: Sources, column_map: Optional[dict[str, str]], conversation_style: str,
+    template: str, max_seq_len: Optional[int], max_prompt_len: Optional[int], split: str,
+) -> PreparedPairs:
+    """:func:`preference_dataset`'s records and encoding (its arguments, all given)."""
     if conversation_style not in CONVERSATION_STYLES:
         raise UserError(f"conversation_style={conversation_style!r}: must be one of {', '.join(CONVERSATION_STYLES)}")
     if template not in TEXT_TEMPLATES:
@@ -393,12 +430,14 @@ def preference_dataset(
     max_seq_len = resolve_max_seq_len(max_seq_len, tokenizer, packed=False)
     max_prompt_len = resolve_max_prompt_len(max_prompt_len, max_seq_len)
     records = load_records(source, suffixes=JSON_SUFFIXES, split=split)
-    read = lambda record: read_pair(record, columns, sharegpt=conversation_style == "sharegpt",  # noqa: E731
-                                    template=template, tokenizer=tokenizer)
-    dataset = build_preference_dataset(source, map(read, records), max_seq_len=max_seq_len,
-                                       max_prompt_len=max_prompt_len)
-    dataset.source, dataset.source_files = source, source_files(source, split)
-    return dataset
+    text = TextColumns()
+
+    def encode(record: Record) -> EncodedPair:
+        return read_pair(record, columns, sharegpt=conversation_style == "sharegpt", template=template,
+                         tokenizer=tokenizer, text=text)
+
+    return PreparedPairs(describe_source(source), records, encode, max_seq_len, max_prompt_len,
+                         source_files(source, split), text)
 
 
 def resolve_max_prompt_len(max_prompt_len: Optional[int], max_seq_len: Optional[int]) -> int:
@@ -417,24 +456,28 @@ def resolve_max_prompt_len(max_prompt_len: Optional[int], max_seq_len: Optional[
     return max_prompt_len
 
 
-def build_preference_dataset(source: str, pairs: Iterable[EncodedPair], *, max_seq_len: Optional[int],
-                             max_prompt_len: int) -> PreferenceDataset:
-    """Truncate and store ``pairs`` (``EncodedPair``s), counting what truncation cost.
+def build_preference_dataset(prepared: PreparedPairs) -> PreferenceDataset:
+    """Encode, truncate and store the pairs, counting what truncation cost.
 
     Raises:
-        UserError: no pair is left.
+        UserError: a record that cannot be encoded (naming it), or no pair is left.
     """
-    report = PreferenceReport(source, max_seq_len, max_prompt_len)
+    report = PreferenceReport(prepared.source, prepared.max_seq_len, prepared.max_prompt_len)
     dataset = PreferenceDataset()
-    for pair in pairs:
-        pair = truncate_pair(pair, max_seq_len=max_seq_len, max_prompt_len=max_prompt_len, report=report)
+    for record in prepared.records:
+        pair = truncate_pair(prepared.encode(record), max_seq_len=prepared.max_seq_len,
+                             max_prompt_len=prepared.max_prompt_len, report=report)
         if pair.chosen == pair.rejected:
             report.identical_after_cut += 1
             continue
         dataset.append(pair_sample(pair))
     if len(dataset) == 0:
-        raise UserError(f"{source}: none of the {report.pairs} pairs is left: every one differs only past "
-                        f"max_seq_len={max_seq_len} (raise it)")
-    dataset.report = report.describe()
+        raise UserError(f"{prepared.source}: none of the {report.pairs} pairs is left: every one differs only past "
+                        f"max_seq_len={prepared.max_seq_len} (raise it)")
+    converted = prepared.text_columns.describe()
+    dataset.report = report.describe(extra=[converted] if converted else [])
+    dataset.source, dataset.source_files = prepared.source, prepared.source_files
     return dataset
 
+
+register_preparer(preference_dataset, prepare_preference_dataset)

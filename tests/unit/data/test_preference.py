@@ -142,6 +142,15 @@ def test_truncation_is_counted_and_said_once(tmp_path, tokenizer, caplog):
     assert [r.getMessage() for r in caplog.records] == [ds.report]
 
 
+def test_a_number_where_text_is_expected_is_read_as_text_and_said(tmp_path, tokenizer):
+    source = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "What is 2 + 2?", "chosen": 4, "rejected": 5}])
+    ds = preference_dataset(tokenizer, source=source)
+    assert ds[0] == preference_dataset(tokenizer, source=write_jsonl(
+        tmp_path / "q.jsonl", [{"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5"}]))[0]
+    assert ds.report == f"data {source}: 2 numbers where text was expected were read as text (the first at " \
+                        f"{source}:1, column 'chosen')"
+
+
 def test_pairs_that_differ_only_past_max_seq_len_are_dropped_and_counted(tmp_path, tokenizer):
     records = [{"prompt": "p", "chosen": "same start, then yes", "rejected": "same start, then no"},
                {"prompt": "p", "chosen": "a", "rejected": "b"}]
@@ -157,7 +166,7 @@ def test_pairs_that_differ_only_past_max_seq_len_are_dropped_and_counted(tmp_pat
         ({"prompt": "p", "chosen": "  ", "rejected": "x"}, "chosen answer ('chosen') is empty"),
         ({"prompt": "p", "chosen": "x"}, "missing column 'rejected' (the record has: chosen, prompt); map a column"),
         ({"chosen": "x", "rejected": "y"}, "missing column 'prompt'"),
-        ({"prompt": "p", "chosen": 3, "rejected": "y"}, "column 'chosen' must be a string, got number"),
+        ({"prompt": "p", "chosen": True, "rejected": "y"}, "column 'chosen' must be a string, got boolean"),
         ({"chosen": [user("q"), assistant("a")], "rejected": [user("other q"), assistant("b")]},
          "chosen and rejected have different prompts (the messages before the answer differ at message 0"),
         ({"chosen": [user("q"), assistant("a")], "rejected": [user("q"), assistant("")]},
@@ -219,3 +228,23 @@ def test_an_evaluation_pass_fills_its_last_batch_with_pairs_that_count_for_nothi
                                       blank=blank_preference_sample))
     assert [int(b["pair_count"]) for b in batches] == [2, 1]
     assert (batches[1]["labels"][[1, 3]] == M).all()  # the filler's chosen and rejected rows
+
+
+def test_a_list_of_sources_reads_one_after_the_other(tmp_path, tokenizer):
+    a = write_jsonl(tmp_path / "a.jsonl", [{"prompt": "p", "chosen": "yes", "rejected": "no"}])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "q", "chosen": "a", "rejected": "b"}])
+    both = preference_dataset(tokenizer, source=[a, b])
+    assert [both[0], both[1]] == [preference_dataset(tokenizer, source=a)[0], preference_dataset(tokenizer, source=b)[0]]
+    assert both.source == f"{a} + {b}" and both.source_files.names == ("a.jsonl", "b.jsonl")
+
+
+def test_tune_validate_encodes_the_pairs_as_a_run_would(tmp_path, tokenizer):
+    from torchtune_ac.data.datasets import check_dataset_records
+
+    good = [{"prompt": f"p{i}", "chosen": "yes", "rejected": "no"} for i in range(3)]
+    source = write_jsonl(tmp_path / "p.jsonl", good)
+    summary, report = check_dataset_records(preference_dataset, tokenizer, {"source": source}, 64)
+    assert summary == f"{source}: 3 records read and encoded, 3 samples" and report is None
+    bad = write_jsonl(tmp_path / "bad.jsonl", [*good, {"prompt": "p", "chosen": "x", "rejected": "x"}])
+    with pytest.raises(UserError, match=f"^{bad}:4: chosen and rejected are the same answer"):
+        check_dataset_records(preference_dataset, tokenizer, {"source": bad}, 64)
