@@ -205,10 +205,6 @@ class PreferenceDataset(Dataset):
             sample["reference_logps"] = [self._reference[2 * index], self._reference[2 * index + 1]]
         return sample
 
-    @property
-    def has_reference_logps(self) -> bool:
-        return self._reference is not None
-
     def set_reference_logps(self, logps: torch.Tensor) -> None:
         """Keep the reference model's log-probabilities with the pairs.
 
@@ -219,10 +215,6 @@ class PreferenceDataset(Dataset):
             raise ValueError(f"reference log-probabilities of shape {tuple(logps.shape)}, expected ({len(self)}, 2)")
         self._reference = array("d", logps.double().flatten().tolist())
 
-    def lengths(self) -> list[int]:
-        """The longer sequence of each pair (what a batch of it is padded to)."""
-        return [max(len(self._chosen[i]["tokens"]), len(self._rejected[i]["tokens"])) for i in range(len(self))]
-
 
 def collate_preference_batch(samples: Sequence[dict[str, Any]], *, pad_id: int, pad_to_multiple_of: int = 1,
                              max_length: Optional[int] = None) -> dict[str, torch.Tensor]:
@@ -231,15 +223,13 @@ def collate_preference_batch(samples: Sequence[dict[str, Any]], *, pad_id: int, 
 
     Returns:
         What ``collate_batch`` returns for the ``2b`` rows (``tokens``, ``labels``, the host's ``target_count``),
-        plus ``pair_count``, a 0-d host tensor: the pairs with a target (a pair whose labels are all ignored, as
-        ``evaluation_batches`` fills a last batch with, counts for nothing), and ``reference_logps`` ``[2b]``
-        (float32, chosen then rejected) when the samples carry them.
+        plus ``reference_logps`` ``[2b]`` (float32, chosen then rejected) when the samples carry them. A pair whose
+        labels are all ignored (as ``evaluation_batches`` fills a last batch with) counts for nothing
+        (``training.dpo.pair_mask``).
     """
     rows = ([{"tokens": s["chosen_tokens"], "labels": s["chosen_labels"]} for s in samples]
             + [{"tokens": s["rejected_tokens"], "labels": s["rejected_labels"]} for s in samples])
     batch = collate_batch(rows, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, max_length=max_length)
-    batch["pair_count"] = torch.tensor(sum(any(label != IGNORE_INDEX for label in s["chosen_labels"])
-                                           for s in samples))
     if "reference_logps" in samples[0]:
         reference = torch.tensor([[s["reference_logps"][0] for s in samples],
                                   [s["reference_logps"][1] for s in samples]], dtype=torch.float64)

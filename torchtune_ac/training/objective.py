@@ -27,8 +27,7 @@ IGNORE_INDEX = -100
 # the batch moves to the device (``step.move_batch``): reading them costs no host synchronisation.
 #   target_count: 0-d, the labels that are not ``IGNORE_INDEX`` (the chunked loss needs the number on the host)
 #   document_lengths: [n_documents], a packed batch's documents, row after row (its attention needs them there)
-#   pair_count: 0-d, the preference pairs with a target (``data.preference.collate_preference_batch``)
-HOST_KEYS = frozenset({"target_count", "document_lengths", "pair_count"})
+HOST_KEYS = frozenset({"target_count", "document_lengths"})
 
 
 @dataclass(frozen=True)

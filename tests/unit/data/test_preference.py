@@ -214,7 +214,7 @@ def test_a_batch_is_the_chosen_rows_then_the_rejected_rows(tmp_path, tokenizer):
         assert batch["tokens"][row, :len(tokens)].tolist() == tokens
         assert (batch["tokens"][row, len(tokens):] == tokenizer.pad_id).all()
     assert int(batch["target_count"]) == int((batch["labels"] != M).sum())
-    assert int(batch["pair_count"]) == 2 and "reference_logps" not in batch
+    assert "reference_logps" not in batch
 
     ds.set_reference_logps(torch.tensor([[-1.5, -2.5], [-3.25, -4.0]], dtype=torch.float64))
     batch = collate_preference_batch([ds[0], ds[1]], pad_id=tokenizer.pad_id)
@@ -226,8 +226,12 @@ def test_an_evaluation_pass_fills_its_last_batch_with_pairs_that_count_for_nothi
     ds = preference_dataset(tokenizer, source=write_jsonl(tmp_path / "p.jsonl", records))
     batches = list(evaluation_batches(ds, batch_size=2, pad_id=tokenizer.pad_id, collate=collate_preference_batch,
                                       blank=blank_preference_sample))
-    assert [int(b["pair_count"]) for b in batches] == [2, 1]
+    assert [b["tokens"].shape[0] for b in batches] == [4, 4]  # 2 pairs a batch: the last one's second a filler
     assert (batches[1]["labels"][[1, 3]] == M).all()  # the filler's chosen and rejected rows
+    assert (batches[1]["labels"][[0, 2]] != M).any(dim=1).all()
+    from torchtune_ac.training.dpo import pair_mask
+
+    assert pair_mask(batches[1]["labels"]).tolist() == [True, False]
 
 
 def test_a_list_of_sources_reads_one_after_the_other(tmp_path, tokenizer):

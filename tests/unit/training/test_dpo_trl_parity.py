@@ -88,7 +88,7 @@ def run_ours(root, batch, config, n_chunks):
     reference = freeze_reference(load_hf(root / "reference"))
     objective = DPOObjective(config, n_chunks=n_chunks, reference=reference)
     parts = objective(model, batch)
-    pairs = int(batch["pair_count"])
+    pairs = batch["tokens"].shape[0] // 2
     (parts.loss / pairs).backward()
     norm = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters()))
     metrics = dict(zip(DPO_METRICS, (parts.metrics / pairs).tolist()))
