@@ -6,6 +6,7 @@ order (``recipes/full_finetune.py``); another recipe composes the same ones.
     build_model      build -> memory switches -> shard -> load, and who steps the parameters  -> TrainingModel
     build_data       the data loader, its steps per epoch and the run's length                -> RunData
     build_validation the held-out data of the validation loss, and when to compute it     -> ValidationData
+    precompute_reference_logps  a DPO reference's log-probabilities of every pair, kept with the pairs
     restore          a resume's progress, model and optimizer state; this config's hyper-parameters -> Progress
     SavePolicy       when a step ends with a checkpoint
     check_disk_space before the first step: room for one checkpoint (refused), for those kept (warned)
@@ -37,8 +38,9 @@ from torchtune_ac.checkpoint import (
 )
 from torchtune_ac.config.preflight import PreflightReport, preflight_full_finetune, run_hyperparameters, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
-from torchtune_ac.data import build_dataloader
+from torchtune_ac.data import blank_preference_sample, build_dataloader, collate_preference_batch
 from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
+from torchtune_ac.data.preference import PreferenceDataset
 from torchtune_ac.data.sampler import evaluation_batches
 from torchtune_ac.data.samples import count_of, describe_samples
 from torchtune_ac.errors import UserError
@@ -55,11 +57,12 @@ from torchtune_ac.run.messages import (
     resharded,
 )
 from torchtune_ac.run.model_setup import build_training_model
-from torchtune_ac.runtime.distributed import DistributedContext, barrier, init_distributed, set_tf32
+from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum, barrier, init_distributed, set_tf32
 from torchtune_ac.runtime.process_memory import follow_live_tensors
 from torchtune_ac.runtime.rank_agreement import check_same_config
+from torchtune_ac.training.dpo import reference_logps
 from torchtune_ac.training.objective import Objective
-from torchtune_ac.training.step import Stepper
+from torchtune_ac.training.step import Stepper, move_batch
 
 log = logging.getLogger("torchtune_ac.run")
 
@@ -264,6 +267,36 @@ def build_scheduler(cfg: FullFinetuneConfig, stepper: Stepper, total_steps: int)
     if cfg.lr_scheduler is None:
         return None
     return cfg.lr_scheduler.instantiate(stepper.optimizer, num_training_steps=total_steps)
+
+
+def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset, *, batch_size: int,
+                               ctx: DistributedContext, pad_id: int, n_chunks: int = 1,
+                               padding: Optional[dict[str, Any]] = None) -> None:
+    """Run the frozen reference once over ``dataset`` and keep its log-probabilities with the pairs
+    (``dataset.set_reference_logps``; ``dpo.reference: precomputed``): every rank computes its share of the pairs,
+    and one all-reduce gives every rank all of them. Every rank calls this with the same dataset (a sharded forward
+    is a collective).
+
+    Args:
+        reference: the frozen reference model (``assemble.build_reference``).
+        dataset: the pairs (training or validation).
+        batch_size: pairs per process per forward.
+        ctx: this rank's place in the run.
+        pad_id: the tokenizer's padding id.
+        n_chunks: the resolved ``loss_chunks``.
+        padding: how batches are padded (``pad_to_multiple_of``, ``max_length``), as the training batches are.
+    """
+    logps = torch.zeros(len(dataset), 2, dtype=torch.float64, device=ctx.device)  # [pairs, (chosen, rejected)]
+    batches = evaluation_batches(dataset, batch_size=batch_size, pad_id=pad_id, rank=ctx.rank,
+                                 world_size=ctx.world_size, collate=collate_preference_batch, blank=blank_preference_sample,
+                                 **(padding or {}))
+    global_batch = batch_size * ctx.world_size
+    for index, batch in enumerate(batches):
+        first = index * global_batch + ctx.rank * batch_size
+        pairs = reference_logps(reference, move_batch(batch, ctx.device), n_chunks).double()  # [2b]
+        count = max(0, min(batch_size, len(dataset) - first))  # the rest are fillers
+        logps[first:first + count] = torch.stack(pairs.chunk(2), dim=1)[:count]  # [b, 2]
+    dataset.set_reference_logps(all_reduce_sum(logps, ctx).cpu())
 
 
 def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training: TrainingModel,

@@ -18,7 +18,7 @@ rejected (``r``) answer of a pair:
 The loss of a step is the mean over its pairs (``targets`` counts pairs), as TRL's ``DPOTrainer`` averages a batch.
 Chosen and rejected go through the model in one forward: a batch's ``2b`` rows are the chosen sequences, then the
 rejected ones (``collate_preference_batch``). With ``loss_chunks`` above 1 the log-probabilities come from
-``memory/chunked_logps.py``: never the whole logits.
+``sequence_logps.py``: never the whole logits.
 
 Metrics (per pair, averaged like the loss; ``metrics.jsonl``, trackers, progress line):
 ``rewards_chosen`` / ``rewards_rejected`` (``beta * h``), ``rewards_margin`` (their difference), ``rewards_accuracy``
@@ -30,7 +30,8 @@ within rounding, and the accuracy near 0.5.
 
 The reference is a model of the policy's shape, sharded like it, frozen (no gradients, no optimizer state, eval
 mode) and run under ``no_grad`` before the policy's forward. ``reference: precomputed`` runs it once over the data
-before training (``precompute_reference_logps``), keeps two numbers per pair with the data, and frees it.
+before training (``run/phases.py``'s ``precompute_reference_logps``), keeps two numbers per pair with the data,
+and frees it.
 """
 
 from __future__ import annotations
@@ -44,12 +45,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtune_ac.data.preference import PreferenceDataset, blank_preference_sample, collate_preference_batch
-from torchtune_ac.data.sampler import evaluation_batches
-from torchtune_ac.memory.chunked_logps import ChunkedSequenceLogProbs, sequence_logps
-from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
+from torchtune_ac.training.sequence_logps import ChunkedSequenceLogProbs, sequence_logps
 from torchtune_ac.training.objective import IGNORE_INDEX, LossParts, host_target_count, run_model
-from torchtune_ac.training.step import move_batch
 
 log = logging.getLogger("torchtune_ac.dpo")
 
@@ -182,33 +179,3 @@ class DPOObjective:
 def pair_mask(labels: torch.Tensor) -> torch.Tensor:
     """``[b]`` bool: the pairs of a ``[2b, s]`` batch whose chosen row has a target."""
     return (labels[: labels.shape[0] // 2] != IGNORE_INDEX).any(dim=1)
-
-
-def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset, *, batch_size: int,
-                               ctx: DistributedContext, pad_id: int, n_chunks: int = 1,
-                               padding: Optional[Mapping[str, Any]] = None) -> None:
-    """Run the reference once over ``dataset`` and keep its log-probabilities with the pairs
-    (``dataset.set_reference_logps``): every rank computes its share of the pairs, and one all-reduce gives every
-    rank all of them. Every rank calls this with the same dataset (a sharded forward is a collective).
-
-    Args:
-        reference: the frozen reference model.
-        dataset: the pairs (training or validation).
-        batch_size: pairs per process per forward.
-        ctx: this rank's place in the run.
-        pad_id: the tokenizer's padding id.
-        n_chunks: the resolved ``loss_chunks``.
-        padding: how batches are padded (``pad_to_multiple_of``, ``max_length``), as the training batches are.
-    """
-    logps = torch.zeros(len(dataset), 2, dtype=torch.float64, device=ctx.device)  # [pairs, (chosen, rejected)]
-    batches = evaluation_batches(dataset, batch_size=batch_size, pad_id=pad_id, rank=ctx.rank,
-                                 world_size=ctx.world_size, collate=collate_preference_batch,
-                                 blank=blank_preference_sample, **(padding or {}))
-    global_batch = batch_size * ctx.world_size
-    for index, batch in enumerate(batches):
-        batch = move_batch(batch, ctx.device)
-        first = index * global_batch + ctx.rank * batch_size
-        pairs = torch.stack(reference_logps(reference, batch, n_chunks).double().chunk(2), dim=1)  # [b, 2]
-        count = max(0, min(batch_size, len(dataset) - first))  # the rest are fillers
-        logps[first:first + count] = pairs[:count]
-    dataset.set_reference_logps(all_reduce_sum(logps, ctx).cpu())

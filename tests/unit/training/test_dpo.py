@@ -22,7 +22,7 @@ from torchtune_ac.data import (
     load_tokenizer,
     preference_dataset,
 )
-from torchtune_ac.memory.chunked_logps import ChunkedSequenceLogProbs, sequence_logps
+from torchtune_ac.run.phases import precompute_reference_logps
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.training.dpo import (
     DPO_METRICS,
@@ -32,8 +32,8 @@ from torchtune_ac.training.dpo import (
     answer_logps,
     dpo_loss,
     freeze_reference,
-    precompute_reference_logps,
 )
+from torchtune_ac.training.sequence_logps import ChunkedSequenceLogProbs, sequence_logps
 from torchtune_ac.training.evaluation import evaluate_objective
 from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.training.step import OptimizerStepper, train_step

@@ -1,5 +1,5 @@
-"""Sequence log-probabilities without the whole logits: the chunked loss's approach (``chunked_loss.py``) for a
-loss that is not a sum over tokens (DPO, ``training/dpo.py``).
+"""Sequence log-probabilities, from the whole logits or without them: the chunked loss's approach
+(``memory/chunked_loss.py``) for a loss that is not a sum over tokens (DPO, ``training/dpo.py``).
 
 ``loss_chunks`` chooses, as for the token loss: the whole logits for one chunk, else ``ChunkedSequenceLogProbs``
 as the model's output head. The head gathers the target positions first (in a number the host counted when it
