@@ -13,6 +13,14 @@ LR scheduler built on it sets the learning rate of every per-parameter step, and
 set by hand. Its ``step()`` does nothing: the steps happen in backward. Its state is checkpointed through the
 per-parameter optimizers (``optimizers``), which ``torch.distributed.checkpoint`` saves and loads by parameter
 name. ``InBackwardStepper`` is how the train step drives it (``training/step.py``'s ``Stepper``).
+
+As a memory feature (``FEATURE``):
+
+    optimizer_in_bwd: false | true
+
+It cannot clip (the total norm is known only once every parameter has been stepped), so it refuses
+``clip_grad_norm``; the planner simulates it (its stepper runs in the simulated backward) and adds what a
+simulation cannot see: under FSDP2 the root's gradients stay whole until backward ends.
 """
 
 from __future__ import annotations
@@ -24,6 +32,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtune_ac.errors import UserError
+from torchtune_ac.memory.feature import Alternative, Feature, FeatureCost, ModelSizes, ResolveInputs
 from torchtune_ac.training.step import NormCheck, OptimizerStepper
 
 
@@ -189,3 +199,48 @@ def build_optimizer(
     if in_backward:
         return InBackwardStepper(OptimizerInBackward(model.named_parameters(), lambda params: make_optimizer(params)))
     return OptimizerStepper(make_optimizer(model.parameters()))
+
+
+# ----------------------------------------------------------------------------------------------------- the feature
+
+
+def _resolve(inputs: ResolveInputs) -> bool:
+    in_backward = inputs.memory.optimizer_in_bwd
+    if in_backward and inputs.clip_grad_norm is not None:
+        raise UserError(
+            f"optimizer_in_bwd=true with clip_grad_norm={inputs.clip_grad_norm}: in backward each parameter is "
+            "updated as soon as its gradient is ready, before the total norm that clipping scales by is known; "
+            "set clip_grad_norm: null, or optimizer_in_bwd: false"
+        )
+    return in_backward
+
+
+def _describe(setting: bool, vocab_size: Optional[int]) -> str:
+    return ("in backward: each parameter stepped as its gradient is ready, gradients freed at once"
+            if setting else "after backward")
+
+
+def _planner_cost(setting: bool, sizes: ModelSizes) -> FeatureCost:
+    if setting and sizes.sharded:
+        # Under FSDP2 the root's gradients are reduced, and so stepped, only at the end of backward: they are whole
+        # on every process until then.
+        return FeatureCost(device={"transient": sizes.root_parameters})
+    return FeatureCost()
+
+
+def _alternatives(setting: bool) -> list[Alternative]:
+    if setting:
+        return []
+    # Gradients accumulated over micro-batches must live until the last one, so the step in backward frees them
+    # only without accumulation (torchtune requires that outright).
+    return [Alternative("optimizer_in_bwd=true (with clip_grad_norm: null, gradient_accumulation_steps: 1)", True,
+                        {"clip_grad_norm": None, "gradient_accumulation_steps": 1})]
+
+
+def _resume_record(setting: bool) -> dict:
+    # Recorded only when on, so runs from before the feature existed still resume.
+    return {"optimizer_in_bwd": True} if setting else {}
+
+
+FEATURE = Feature(name="optimizer_in_bwd", label="optimizer step", off=False, resolve=_resolve, describe=_describe,
+                  planner_cost=_planner_cost, alternatives=_alternatives, resume_record=_resume_record)

@@ -1,13 +1,10 @@
-"""The set-up phases of a fine-tuning run, each a function that returns a typed value. A recipe calls them in
-order (``recipes/full_finetune.py``); another recipe composes the same ones.
+"""The set-up phases of a training run besides the plan and the model, each a function that returns a typed value.
+A recipe calls them in order (``recipes/full_finetune.py``); another recipe composes the same ones, or its own.
 
-    start_run        join the processes, check the config once, agree on it and on output_dir -> RunContext
-    choose_resume    the checkpoint to continue from (resume_from_checkpoint)                 -> ResumeChoice
-    build_model      build -> memory switches -> shard -> load, and who steps the parameters  -> TrainingModel
-    build_data       the data loader, its steps per epoch and the run's length                -> RunData
-    build_validation the held-out data of the validation loss, and when to compute it     -> ValidationData
-    restore          a resume's progress, model, optimizer and scheduler state                -> Progress
-    SavePolicy       when a step ends with a checkpoint
+    choose_resume     the checkpoint to continue from (resume_from_checkpoint)           -> ResumeChoice
+    build_data        the instruction/chat/text data loader of this rank                 -> RunData
+    build_validation  the held-out data of the validation loss, and when to compute it   -> ValidationData
+    restore           a resume's progress, model, optimizer and scheduler state          -> Progress
 """
 
 from __future__ import annotations
@@ -18,123 +15,37 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 import torch
-from torch import nn
 
 from torchtune_ac.checkpoint import (
     Progress,
     ResumeChoice,
     check_resume_shape,
-    check_shared_directory,
     choose_resume_checkpoint,
     load_checkpoint,
     read_trainer_state,
 )
-from torchtune_ac.config.preflight import PreflightReport, preflight_full_finetune, run_shape
-from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.data import build_dataloader
 from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
 from torchtune_ac.data.sampler import evaluation_batches
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.plan import MemoryPlan
-from torchtune_ac.observability.metric_logging import plain_config
+from torchtune_ac.run.assemble import Training
 from torchtune_ac.run.messages import finished_epochs_not_extended, resharded
-from torchtune_ac.run.model_setup import build_training_model
-from torchtune_ac.runtime.distributed import DistributedContext, barrier, init_distributed, set_tf32
-from torchtune_ac.runtime.process_memory import follow_live_tensors
-from torchtune_ac.runtime.rank_agreement import check_same_config
-from torchtune_ac.training.objective import Objective
-from torchtune_ac.training.step import Stepper
+from torchtune_ac.run.plan import RunPlan, TrainingConfig
+from torchtune_ac.runtime.distributed import DistributedContext
 
 log = logging.getLogger("torchtune_ac.run")
 
 
-@dataclass(frozen=True)
-class RunContext:
-    """One process's view of the run: its rank and device, and the config's checks and memory plan.
-
-    Attributes:
-        ctx: rank, world size and device.
-        report: the start-up checks' findings (summary, warnings, parameter count).
-        plan: the resolved memory plan.
-    """
-
-    ctx: DistributedContext
-    report: PreflightReport
-    plan: MemoryPlan
-
-
-def start_run(cfg: FullFinetuneConfig) -> RunContext:
-    """Join the process group (its collectives bounded by ``distributed_timeout_s``), run the start-up checks
-    (their warnings are logged), and make sure every rank has the same config and sees the same ``output_dir``
-    before anything is written. On CUDA, float32 matmuls run in TF32 unless ``allow_tf32`` is false; on a CPU,
-    the allocator is set to give freed tensors back to the system (``follow_live_tensors``).
-
-    Raises:
-        UserError: a check failed, the ranks' configs differ, or ``output_dir`` is not shared.
-    """
-    ctx = init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s)
-    set_tf32(ctx.device, allow_tf32=cfg.allow_tf32)
-    if ctx.device.type == "cpu":
-        # Resident memory then follows live tensors, as the planner's estimate (and ac_mode: auto's budget) does.
-        follow_live_tensors()
-    logging.basicConfig(level=logging.INFO if ctx.is_rank_zero else logging.WARNING, format="%(message)s")
-    report = preflight_full_finetune(cfg, strict=True, world_size=ctx.world_size)
-    for warning in report.warnings:
-        log.warning(warning)
-    check_same_config(plain_config(cfg), ctx)
-    check_shared_directory(cfg.output_dir, "output_dir")
-    barrier(ctx)  # every rank has checked output_dir before rank 0 writes to it
-    return RunContext(ctx, report, report.plan)
-
-
-def choose_resume(cfg: FullFinetuneConfig) -> ResumeChoice:
-    """The checkpoint a resume continues from (every file's hash checked, the same answer on every rank); no
-    checkpoint when ``resume_from_checkpoint`` is false. Newer checkpoints that were skipped are logged."""
+def choose_resume(cfg: TrainingConfig, ctx: DistributedContext) -> ResumeChoice:
+    """The checkpoint a resume continues from (every file's hash checked, the ranks sharing the hashing and agreeing
+    on the answer); no checkpoint when ``resume_from_checkpoint`` is false. Newer checkpoints that were skipped are
+    logged."""
     if not cfg.resume_from_checkpoint:
         return ResumeChoice(None)
-    choice = choose_resume_checkpoint(cfg.output_dir, hashes=True, collective=True)
+    choice = choose_resume_checkpoint(cfg.output_dir, hashes=True, processes=ctx)
     for skipped in choice.skipped:
         log.warning("resume: %s", skipped)
     return choice
-
-
-@dataclass
-class TrainingModel:
-    """The model to train and what steps it.
-
-    Attributes:
-        model: on the run's device, sharded when there are several processes, in training mode.
-        stepper: who steps the parameters (``stepper.optimizer`` is what an LR scheduler drives).
-        objective: what each micro-batch's loss is.
-    """
-
-    model: nn.Module
-    stepper: Stepper
-    objective: Objective
-
-
-def build_model(cfg: FullFinetuneConfig, run: RunContext, *, load_weights: bool) -> TrainingModel:
-    """Build the model in the one working order, with the memory plan's switches applied, and its stepper.
-
-    Args:
-        cfg: the run's config.
-        run: the run context (device, world size, memory plan).
-        load_weights: fill the weights from ``checkpoint_dir`` or the seed; False when a resume loads them.
-    """
-    torch.manual_seed(cfg.seed)
-    model = build_training_model(
-        cfg.model,
-        ctx=run.ctx,
-        dtype=cfg.dtype,
-        memory=run.plan,
-        fsdp=cfg.fsdp,
-        compile_blocks=cfg.compile,
-        checkpoint_dir=cfg.checkpoint_dir,
-        load_weights=load_weights,
-        seed=cfg.seed,
-    )
-    stepper = run.plan.build_stepper(cfg.optimizer.instantiate, model)
-    return TrainingModel(model, stepper, run.plan.objective())
 
 
 @dataclass
@@ -142,19 +53,15 @@ class RunData:
     """The data of a run.
 
     Attributes:
-        loader: this rank's batches (``set_epoch``, ``skip_steps``).
+        loader: this rank's batches (``set_epoch``, ``skip_steps``; its length: batches per epoch).
         samples: samples in the dataset.
-        steps_per_epoch: optimizer steps per epoch (after ``max_steps_per_epoch``).
-        total_steps: optimizer steps of the whole run.
     """
 
     loader: Any
     samples: int
-    steps_per_epoch: int
-    total_steps: int
 
 
-def batch_padding(cfg: FullFinetuneConfig) -> dict[str, Any]:
+def batch_padding(cfg: TrainingConfig) -> dict[str, Any]:
     """How batches are padded: compiled blocks get lengths that repeat (multiples of ``COMPILED_LENGTH_MULTIPLE``,
     at most ``max_seq_len``), so that they are not recompiled for each new length; eager ones, the longest
     sample's."""
@@ -163,27 +70,14 @@ def batch_padding(cfg: FullFinetuneConfig) -> dict[str, Any]:
     return {"pad_to_multiple_of": COMPILED_LENGTH_MULTIPLE, "max_length": cfg.max_seq_len}
 
 
-def build_data(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext) -> RunData:
-    """The dataset, this rank's loader (batches in pinned memory for a CUDA run, so that their copy to the GPU is
-    asynchronous; padded as ``batch_padding`` says), and the run's length in optimizer steps.
-
-    Raises:
-        UserError: the dataset has fewer batches per process than one optimizer step needs.
-    """
+def build_data(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext) -> RunData:
+    """The dataset and this rank's loader (batches in pinned memory for a CUDA run, so that their copy to the GPU is
+    asynchronous; padded as ``batch_padding`` says). How many steps it makes is the plan's (``resolve_length``)."""
     dataset = cfg.dataset.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
     loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.rank, world_size=ctx.world_size,
                               shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id,
                               **batch_padding(cfg), pin_memory=ctx.device.type == "cuda")
-    batches_per_epoch = len(loader)
-    steps_per_epoch = batches_per_epoch // cfg.gradient_accumulation_steps
-    if cfg.max_steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
-    if steps_per_epoch == 0:
-        raise UserError(
-            f"dataset: {len(dataset)} samples make {batches_per_epoch} batch(es) per process per epoch, fewer than "
-            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (reduce batch_size or accumulation)"
-        )
-    return RunData(loader, len(dataset), steps_per_epoch, steps_per_epoch * cfg.epochs)
+    return RunData(loader, len(dataset))
 
 
 @dataclass
@@ -216,7 +110,7 @@ class ValidationData:
         return step % self.every_n_steps == 0 if self.every_n_steps else epoch_done
 
 
-def build_validation(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext) -> Optional[ValidationData]:
+def build_validation(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext) -> Optional[ValidationData]:
     """The validation data, or None without ``dataset_val``."""
     if cfg.dataset_val is None:
         return None
@@ -229,15 +123,7 @@ def build_validation(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedCo
                           tokenizer.pad_id, ctx, batch_padding(cfg))
 
 
-def build_scheduler(cfg: FullFinetuneConfig, stepper: Stepper, total_steps: int) -> Optional[Any]:
-    """The config's LR scheduler over the stepper's optimizer, for a run of ``total_steps``; None without one."""
-    if cfg.lr_scheduler is None:
-        return None
-    return cfg.lr_scheduler.instantiate(stepper.optimizer, num_training_steps=total_steps)
-
-
-def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training: TrainingModel,
-            scheduler: Optional[Any], data: RunData) -> Progress:
+def restore(plan: RunPlan, ctx: DistributedContext, checkpoint: Path, training: Training) -> Progress:
     """Load a resume's state (model, optimizers, scheduler) after checking it belongs to this run.
 
     Returns:
@@ -248,16 +134,17 @@ def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training
             made longer by this config.
     """
     saved_progress, saved_shape = read_trainer_state(checkpoint)
-    check_resume_shape(checkpoint, saved_shape, run_shape(cfg, run.ctx.world_size, training.model, run.plan))
-    if saved_progress.epoch >= cfg.epochs and saved_progress.step < data.total_steps:
-        raise finished_epochs_not_extended(checkpoint, saved_progress, data.steps_per_epoch, data.total_steps)
+    check_resume_shape(checkpoint, saved_shape, plan.resume_shape())
+    length = plan.length
+    if saved_progress.epoch >= length.epochs and saved_progress.step < length.total_steps:
+        raise finished_epochs_not_extended(checkpoint, saved_progress, length.steps_per_epoch, length.total_steps)
     load_checkpoint(checkpoint, model=training.model, optimizers=training.stepper.optimizers_to_checkpoint(),
-                    scheduler=scheduler)
-    if scheduler is not None:
-        resume_schedule(scheduler, saved_progress.step)
+                    scheduler=training.scheduler, processes=ctx)
+    if training.scheduler is not None:
+        resume_schedule(training.scheduler, saved_progress.step)
     log.info("resumed from %s at step %d", checkpoint, saved_progress.step)
-    if saved_shape.world_size != run.ctx.world_size:
-        log.info(resharded(saved_shape.world_size, run.ctx.world_size))
+    if saved_shape.world_size != ctx.world_size:
+        log.info(resharded(saved_shape.world_size, ctx.world_size))
     return saved_progress
 
 
@@ -271,14 +158,3 @@ def resume_schedule(scheduler: Any, step: int) -> None:
     """
     scheduler.last_epoch = step - 1
     scheduler.step()
-
-
-@dataclass(frozen=True)
-class SavePolicy:
-    """When a step ends with a checkpoint: at the end of every epoch, every ``every_n_steps`` steps (None:
-    never in between), and on a stop signal."""
-
-    every_n_steps: Optional[int]
-
-    def should_save(self, step: int, *, epoch_done: bool, stopping: bool) -> bool:
-        return epoch_done or stopping or bool(self.every_n_steps and step % self.every_n_steps == 0)

@@ -20,7 +20,7 @@ and the values it reports together.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
@@ -94,12 +94,16 @@ class OptimizerStepper:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one optimizer step did (values are global: summed or averaged over all ranks)."""
+    """What one optimizer step did (values are global: summed or averaged over all ranks).
+
+    ``extra``: more values for the step's ``metrics.jsonl`` record, a recipe's own (its objective's parts).
+    """
 
     loss: float
     grad_norm: float
     input_tokens: int
     target_tokens: int
+    extra: Mapping[str, float] = field(default_factory=dict)
 
 
 def move_batch(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:

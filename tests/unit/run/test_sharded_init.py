@@ -17,14 +17,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchtune_ac.config.components import parse_component
-from torchtune_ac.memory.activation_checkpointing import ACConfig
+from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models import LLAMA
 from torchtune_ac.models.families import family_of, init_weights_, model_from_hf_config
 from torchtune_ac.models.families.llama import LLAMA_TINY
-from torchtune_ac.run.model_setup import build_training_model, parameter_seed
+from torchtune_ac.run.assemble import build_training, parameter_seed
 from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.training.ac_config import ACConfig
 
 SEED = 3
 # llama_tiny (512 x 128 embedding, 8 blocks), and the same with tied embeddings.
@@ -36,10 +37,10 @@ MODELS = {
 
 
 def build(node: dict, ctx: DistributedContext) -> torch.nn.Module:
-    return build_training_model(
-        parse_component(node, "model"), ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}), fsdp=FSDPConfig(),
+    return build_training(
+        build_meta_model(parse_component(node, "model")), ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}), fsdp=FSDPConfig(),
         compile_blocks=False, checkpoint_dir=None, seed=SEED,
-    )
+    ).model
 
 
 class HostTensorBytes(TorchDispatchMode):
