@@ -49,7 +49,9 @@ from torchtune_ac.memory.chunked_loss import loss_objective
 from torchtune_ac.memory.feature import Alternative, Feature, ModelSizes
 from torchtune_ac.memory.features import STEP_FEATURES
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer
+from torchtune_ac.models.attention import varlen_kv_copy_bytes
 from torchtune_ac.models.families import family_of, shard_groups, transformer_blocks
+from torchtune_ac.models.llama import Attention
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.activation_checkpointing import OP_OPTION, ACMode, ACPlan, ac_plan, apply_ac_plan
@@ -86,6 +88,9 @@ class Workload:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     clip_grad_norm: Optional[float] = None
     settings: tuple[tuple[str, Any], ...] = ()
+    # Packed rows whose attention takes ``varlen_attn`` (CUDA, bf16): the K/V copies it makes on this torch are
+    # counted (``models.attention.varlen_kv_copy_bytes``), which the simulation, on a CPU's kernels, cannot make.
+    varlen: bool = False
 
     @property
     def shard_degree(self) -> int:
@@ -353,6 +358,7 @@ class _Simulation:
     root_shapes: tuple[tuple[int, ...], ...]  # each parameter outside the blocks (a tied weight once)
     block_shapes: tuple[tuple[int, ...], ...]  # each parameter of one block
     block_input: int  # bytes of a block's input, one micro-batch's hidden state
+    varlen_kv_copy: int = 0  # bytes of one block's K/V copies for varlen_attn, one micro-batch (Workload.varlen)
 
 
 def _simulate(
@@ -420,7 +426,15 @@ def _simulate(
             root_shapes=_shapes([p for p in params if id(p) not in in_blocks]),
             block_shapes=_shapes(list(blocks[0].parameters())),
             block_input=tracker.block_input,
+            varlen_kv_copy=_varlen_kv_copy(blocks[0], workload) if workload.varlen else 0,
         )
+
+
+def _varlen_kv_copy(block: nn.Module, workload: Workload) -> int:
+    """Bytes of the K/V copies one block's attention makes for ``varlen_attn`` on this torch, one micro-batch."""
+    tokens = workload.batch_size * workload.seq_len
+    return sum(varlen_kv_copy_bytes(tokens, m.n_heads, m.n_kv_heads, m.head_dim, workload.dtype.torch)
+               for m in block.modules() if isinstance(m, Attention))
 
 
 def _largest_outer_group(model: nn.Module, in_blocks: set[int]) -> int:
@@ -506,6 +520,12 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         "activations": acts,
         "transient": other + fsdp_extra + shallow.batch,
     }
+    if shallow.varlen_kv_copy:
+        # varlen_attn saves its K/V copies for backward: a block without AC keeps them until its backward; the block
+        # running (or recomputing) holds its own as it goes.
+        if phase != "optimizer step":
+            device["activations"] += shallow.varlen_kv_copy * (depth - len(plan.checkpointed_blocks))
+        device["transient"] += shallow.varlen_kv_copy
     # What the simulation cannot show, as each feature declares it, in the features' order: each sees the estimate
     # with the earlier ones' costs.
     shapes = shallow.root_shapes + shallow.block_shapes * depth

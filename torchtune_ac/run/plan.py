@@ -322,7 +322,11 @@ def planner_inputs(cfg: TrainingConfig, world_size: int, device: torch.device) -
     cfg.fsdp.shard_degree(world_size)  # a world of whole HSDP rows, or a one-line error naming the key
     workload = Workload(batch_size=cfg.batch_size, seq_len=cfg.max_seq_len,
                         gradient_accumulation_steps=cfg.gradient_accumulation_steps, dtype=cfg.dtype,
-                        world_size=world_size, fsdp=cfg.fsdp)
+                        world_size=world_size, fsdp=cfg.fsdp,
+                        # Packed rows on a GPU in bf16 take varlen_attn (models/attention.py), whose K/V copies the
+                        # simulation cannot make on a CPU's kernels.
+                        varlen=(bool(cfg.dataset.kwargs.get("packed", False))
+                                and planned_device(cfg.device).type == "cuda" and cfg.dtype is DType.BF16))
     return PlannerInputs(
         build_model=lambda: cfg.model.instantiate_with_defaults(checkpoint_dir=cfg.checkpoint_dir),
         make_optimizer=cfg.optimizer.instantiate,

@@ -242,3 +242,50 @@ def test_the_default_cuda_budget_is_the_free_memory_with_the_fixed_cost_counted_
     plan = resolve_memory_plan(auto, MemoryConfig(), model, clip_grad_norm=None, planning=inputs)
     assert plan.budget_gib == pytest.approx(0.9 * total / GiB)
     assert plan.estimate.device == plan.estimate.total + total - free  # the fixed cost, once, in the estimate
+
+
+def test_packed_grouped_kv_copies_for_varlen_are_counted_only_where_torch_makes_them(monkeypatch):
+    """On a torch whose ``varlen_attn`` has no ``enable_gqa=`` (2.11), packed bf16 batches on a GPU copy K and V per
+    query head in every layer, and the kernel saves the copies for backward: without AC each block keeps its
+    copies, with full AC only the block recomputing holds them. On a torch with ``enable_gqa=`` nothing is added."""
+    from torchtune_ac.models import attention
+    from torchtune_ac.models.llama import Llama, LlamaArgs
+    from torchtune_ac.runtime.dtypes import DType
+
+    args = LlamaArgs(vocab_size=96, dim=64, n_layers=4, n_heads=8, n_kv_heads=2, intermediate_dim=96, max_seq_len=64)
+    plans = [ACConfig(ac_mode=mode).resolve(args.n_layers) for mode in (ACMode.NONE, ACMode.FULL)]
+
+    def estimates(varlen: bool):
+        workload = Workload(batch_size=2, seq_len=64, dtype=DType.BF16, varlen=varlen)
+        return estimate_memory(lambda: Llama(args), adamw, workload, plans)
+
+    copy = 2 * (2 * 64) * (8 - 2) * (64 // 8) * 2  # K and V, tokens, the heads added, head_dim, bf16 bytes
+    grouped = {estimate.plan.mode: estimate for estimate in estimates(False)}
+    monkeypatch.setattr(attention, "VARLEN_SUPPORT", attention.VarlenSupport(True, True, False))  # torch 2.11's
+    assert attention.varlen_kv_copy_bytes(128, 8, 2, 8, torch.bfloat16) == copy
+    assert attention.varlen_kv_copy_bytes(128, 8, 8, 8, torch.bfloat16) == 0  # no grouping, no copy
+    assert attention.varlen_kv_copy_bytes(128, 8, 2, 8, torch.float32) == 0  # fp32 takes the per-document path
+    copied = {estimate.plan.mode: estimate for estimate in estimates(True)}
+    assert copied[ACMode.NONE].activations - grouped[ACMode.NONE].activations == copy * args.n_layers
+    assert copied[ACMode.FULL].activations == grouped[ACMode.FULL].activations
+    for mode in (ACMode.NONE, ACMode.FULL):
+        assert copied[mode].transient - grouped[mode].transient == copy
+    monkeypatch.setattr(attention, "VARLEN_SUPPORT", attention.VarlenSupport(True, True, True))  # torch 2.12+
+    assert [e.total for e in estimates(True)] == [e.total for e in grouped.values()]
+
+
+@pytest.mark.parametrize("overrides, varlen", [
+    (("device=cuda", "dtype=bf16", "dataset.packed=true"), True),
+    (("device=cuda", "dtype=bf16", "dataset.packed=false"), False),
+    (("device=cuda", "dtype=fp32", "dataset.packed=true"), False),  # fp32 takes the per-document path
+    (("device=cpu", "dtype=bf16", "dataset.packed=true"), False),
+])
+def test_a_packed_bf16_config_for_a_gpu_is_planned_with_varlen_s_copies(overrides, varlen):
+    """The planner simulates on a CPU's kernels whatever the run's device: whether the run's attention takes
+    varlen_attn follows from the config's device, not from where the simulation runs."""
+    from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
+    from torchtune_ac.run.plan import planner_inputs
+
+    recipe = load_recipe(resolve_recipe_path("full_finetune"))
+    cfg = load_recipe_config(recipe, "tiny/full", list(overrides), [])
+    assert planner_inputs(cfg, 1, torch.device("cpu")).workload.varlen is varlen
