@@ -83,7 +83,7 @@ class ModelFacts:
         parameters: distinct parameters (a tied weight once).
         layers: transformer blocks.
         vocab_size: the vocabulary its loss projects to (None for a model of no known family).
-        context: the positions it was trained for (its family's ``max_seq_len``; None when unknown).
+        positions: the positions it was trained for (its family's ``max_seq_len``; None when unknown).
         architecture: what defines its weights, as its family's adapter says (empty for no known family); a resume
             must keep it.
     """
@@ -92,7 +92,7 @@ class ModelFacts:
     parameters: int
     layers: int
     vocab_size: Optional[int]
-    context: Optional[int]
+    positions: Optional[int]
     architecture: Mapping[str, Any] = field(default_factory=dict)
 
 
@@ -390,11 +390,11 @@ def _resolve_memory(cfg: TrainingConfig, model: nn.Module, world_size: Optional[
     return resolve_features(cfg, model, cfg.ac, planning)
 
 
-def _context_note(cfg: TrainingConfig, facts: ModelFacts) -> list[str]:
-    if cfg.max_seq_len is None or facts.context is None or cfg.max_seq_len <= facts.context:
+def _positions_note(cfg: TrainingConfig, facts: ModelFacts) -> list[str]:
+    if cfg.max_seq_len is None or facts.positions is None or cfg.max_seq_len <= facts.positions:
         return []
     # Positions are computed as needed, so nothing fails: longer samples just meet positions never trained.
-    return [f"max_seq_len={cfg.max_seq_len}: samples may be longer than the model's context ({facts.context} "
+    return [f"max_seq_len={cfg.max_seq_len}: samples may be longer than the model's context ({facts.positions} "
             f"positions, {cfg.model.path}); if you extend it on purpose, say so with "
             f"model.max_seq_len={cfg.max_seq_len}"]
 
@@ -431,7 +431,7 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
     notes: list[str] = []
     facts = model_facts(model, cfg.model.path)
     memory = _resolve_memory(cfg, model, world_size, device, notes, auto_choice)
-    notes += _context_note(cfg, facts)
+    notes += _positions_note(cfg, facts)
     if world_size == 1 and cfg.fsdp != FSDPConfig() and not memory.shard_options():
         notes.append("fsdp.*: these settings apply only when the run has more than one process (FSDP2)")
     if device is None:
