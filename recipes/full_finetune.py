@@ -27,7 +27,7 @@ from torchtune_ac.run import messages, preflight as library
 from torchtune_ac.run.assemble import build_training
 from torchtune_ac.run.loop import Batch, Trainer
 from torchtune_ac.run.phases import build_data, build_validation, choose_resume, restore
-from torchtune_ac.run.session import Run, open_run, plan_run
+from torchtune_ac.run.session import Run, log_plan, open_run, plan_run
 from torchtune_ac.training.evaluation import evaluate
 from torchtune_ac.training.step import StepResult, train_step
 
@@ -45,8 +45,10 @@ class FullFinetuneRecipe:
         cfg, run, ctx = self.cfg, self.run, self.run.ctx
         tokenizer = cfg.tokenizer.instantiate()  # this process's one tokenizer
         model = build_meta_model(cfg.model, cfg.checkpoint_dir)  # ...and its one meta build of the model
+        plan = plan_run(run, model, tokenizer=tokenizer)  # rank 0's, checked, before anything heavy
         data = build_data(cfg, tokenizer, ctx)
-        self.plan = plan_run(run, model, tokenizer=tokenizer, samples=data.samples, batches_per_epoch=len(data.loader))
+        self.plan = plan.with_data(data.samples, len(data.loader))
+        log_plan(run, self.plan)
         resume_from = choose_resume(cfg, ctx).checkpoint
         self.training = build_training(
             model, ctx=ctx, dtype=self.plan.dtype, memory=self.plan.memory, fsdp=self.plan.fsdp,

@@ -89,7 +89,7 @@ def build_training(
         fsdp: FSDP2's settings (used when the model is sharded).
         compile_blocks: ``torch.compile`` each block in place (state_dict keys unchanged).
         checkpoint_dir: the Hugging Face checkpoint whose weights are loaded; None to initialise from ``seed``.
-        seed: seeds the initialisation without a checkpoint.
+        seed: seeds the global RNG (dropout) and the initialisation without a checkpoint.
         load_weights: fill the weights; False leaves them for the caller (a resume loads its own).
         make_optimizer: the config's optimizer, called with parameters; None: no stepper.
         make_scheduler: builds the LR schedule over the stepper's optimizer; None: no schedule.
@@ -98,6 +98,9 @@ def build_training(
         The model in training mode, computing on ``ctx.device`` (its parameters kept on the CPU under CPU
         offload), and what trains it.
     """
+    # The global RNG, seeded once here: what a custom model's init_weights and dropout draw from (a resume restores
+    # its own state later).
+    torch.manual_seed(seed)
     options = memory.shard_options()
     sharded = ctx.is_distributed or bool(options)
     # A model of no family of ours initialises itself whole: when sharded, from an untouched copy on the CPU.

@@ -1,9 +1,10 @@
 """The run's plan: what a run decides before it builds anything, resolved once from the config and the process
 context into one frozen value, ``RunPlan``.
 
-    config + world size (+ the data's size, when read) + one meta build of the model
+    config + world size + one meta build of the model
         -> device and dtypes; the model's facts; the memory plan (ac_mode: auto's choice included);
-           the run's length (global batch, steps per epoch, total steps); the save policy; what a resume keeps
+           the run's length (global batch; steps per epoch and total steps once the data is read,
+           ``RunPlan.with_data``); the save policy; what a resume keeps
 
 ``tune validate`` and ``tune plan`` print it, and ``tune run`` logs it and applies it (``assemble.py``). With N
 processes rank 0 resolves it, the planner included, and every rank applies rank 0's (``decided_by_rank_zero``):
@@ -144,31 +145,38 @@ class RunLength:
         """Optimizer steps of the whole run (None when the data was not read)."""
         return None if self.steps_per_epoch is None else self.steps_per_epoch * self.epochs
 
+    def counted(self, samples: int, batches_per_epoch: int) -> "RunLength":
+        """This length once the data is read: the one place steps per epoch are computed.
+
+        Args:
+            samples: samples in the dataset.
+            batches_per_epoch: micro-batches per process per epoch (the loader's length, the same on every rank).
+
+        Raises:
+            UserError: the dataset has fewer batches per process than one optimizer step needs.
+        """
+        steps = batches_per_epoch // self.gradient_accumulation_steps
+        if self.max_steps_per_epoch is not None:
+            steps = min(steps, self.max_steps_per_epoch)
+        if steps == 0:
+            raise UserError(
+                f"dataset: {samples} samples make {batches_per_epoch} batch(es) per process per epoch, fewer than "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} (reduce batch_size or accumulation)"
+            )
+        return dataclasses.replace(self, samples=samples, steps_per_epoch=steps)
+
 
 def resolve_length(cfg: TrainingConfig, world_size: Optional[int], samples: Optional[int] = None,
                    batches_per_epoch: Optional[int] = None) -> RunLength:
-    """The run's length: the one place steps per epoch are computed.
-
-    Args:
-        world_size: processes (None: not known).
-        samples: samples in the dataset, when it was read.
-        batches_per_epoch: micro-batches per process per epoch (the loader's length), when the data was read.
+    """The run's length: its batch and epochs, and, when the data was read (``samples``, ``batches_per_epoch``), its
+    steps (``RunLength.counted``).
 
     Raises:
         UserError: the dataset has fewer batches per process than one optimizer step needs.
     """
-    steps = None
-    if batches_per_epoch is not None:
-        steps = batches_per_epoch // cfg.gradient_accumulation_steps
-        if cfg.max_steps_per_epoch is not None:
-            steps = min(steps, cfg.max_steps_per_epoch)
-        if steps == 0:
-            raise UserError(
-                f"dataset: {samples} samples make {batches_per_epoch} batch(es) per process per epoch, fewer than "
-                f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (reduce batch_size or accumulation)"
-            )
-    return RunLength(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.epochs, cfg.max_steps_per_epoch,
-                     samples, steps)
+    length = RunLength(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.epochs,
+                       cfg.max_steps_per_epoch)
+    return length if batches_per_epoch is None else length.counted(samples, batches_per_epoch)
 
 
 @dataclass(frozen=True)
@@ -225,6 +233,10 @@ class RunPlan:
     checkpoint_dir: Optional[str]
     output_dir: str
     notes: tuple[str, ...] = ()
+
+    def with_data(self, samples: int, batches_per_epoch: int) -> "RunPlan":
+        """This plan once the run has read its data: its steps counted (``RunLength.counted``)."""
+        return dataclasses.replace(self, length=self.length.counted(samples, batches_per_epoch))
 
     @property
     def sharded(self) -> bool:
@@ -400,8 +412,7 @@ def _positions_note(cfg: TrainingConfig, facts: ModelFacts) -> list[str]:
 
 
 def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optional[int],
-                     device: Optional[torch.device] = None, samples: Optional[int] = None,
-                     batches_per_epoch: Optional[int] = None,
+                     device: Optional[torch.device] = None,
                      auto_choice: Optional[tuple[MemoryEstimate, float]] = None) -> RunPlan:
     """Resolve the run's plan (pure but for ``ac_mode: auto``'s measurements of this process: see the module
     docstring).
@@ -412,14 +423,12 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
         world_size: processes the run uses; None when not known (an elastic node range, ``tune validate``).
         device: this process's device when it is the run's (``ac_mode: auto`` reads its budget there); None for
             ``tune validate`` and ``tune plan``, which resolve the config's ``device`` where they can.
-        samples: the dataset's samples, when the run has read it.
-        batches_per_epoch: micro-batches per process per epoch, when the run has read the data.
         auto_choice: with ``ac_mode: auto``, the estimate ``tune plan``'s table picked and its budget in GiB (the
             planner's choice, made already); None: the planner chooses here.
 
     Raises:
         UserError: the config cannot run (a combination of keys, ``ac_mode: auto`` with no plan that fits, a
-            world size that is not whole HSDP rows, a dataset too small for one step).
+            world size that is not whole HSDP rows).
     """
     if world_size is not None:
         cfg.fsdp.shard_degree(world_size)  # whole HSDP rows, before anything is estimated
@@ -451,7 +460,7 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
         compile=cfg.compile,
         model=facts,
         memory=memory,
-        length=resolve_length(cfg, world_size, samples, batches_per_epoch),
+        length=resolve_length(cfg, world_size),
         save=SavePolicy(cfg.save_every_n_steps, cfg.keep_last_n_checkpoints),
         # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
         resume_data=json.loads(json.dumps(resume_data)),

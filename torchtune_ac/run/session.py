@@ -3,7 +3,8 @@
     open_run   join the processes (the one ``init_distributed``), stop signals, output_dir's lock (which creates
                it), the same config and the same output_dir on every rank; cleanup always     -> Run
     plan_run   resolve the run's plan on rank 0 (ac_mode: auto's planner included) and check it against this
-               machine and the files; every rank gets rank 0's plan, and rank 0 logs it        -> RunPlan
+               machine and the files, before anything heavy; every rank gets rank 0's plan     -> RunPlan
+    log_plan   rank 0 logs the plan (once the data is read: ``RunPlan.with_data``)
 
 A recipe opens the run, builds what is its own (its data), plans, assembles (``assemble.py``) and loops
 (``loop.py``), all through the ``Run`` it was given.
@@ -111,16 +112,15 @@ def open_run(cfg: TrainingConfig) -> Iterator[Run]:
         run.close(succeeded=True)
 
 
-def plan_run(run: Run, model: nn.Module, *, tokenizer: Any, samples: Optional[int] = None,
-             batches_per_epoch: Optional[int] = None) -> RunPlan:
-    """The run's plan, resolved and checked once, by rank 0, and applied by every rank (see the module docstring).
+def plan_run(run: Run, model: nn.Module, *, tokenizer: Any) -> RunPlan:
+    """The run's plan, resolved and checked once, by rank 0, before anything heavy, and applied by every rank (see the
+    module docstring); rank 0 logs what it found worth a warning. Its steps are counted once the data is read
+    (``RunPlan.with_data``).
 
     Args:
         run: this process's run.
         model: the model, built once on the meta device.
         tokenizer: the run's tokenizer (checked against the model's vocabulary).
-        samples: the dataset's samples.
-        batches_per_epoch: micro-batches per process per epoch (the loader's length).
 
     Raises:
         UserError: on every rank, the first problem rank 0 found.
@@ -128,16 +128,21 @@ def plan_run(run: Run, model: nn.Module, *, tokenizer: Any, samples: Optional[in
     cfg, ctx = run.cfg, run.ctx
 
     def resolve() -> tuple[RunPlan, list[str]]:
-        plan = resolve_run_plan(cfg, model, world_size=ctx.world_size, device=ctx.device, samples=samples,
-                                batches_per_epoch=batches_per_epoch)
+        plan = resolve_run_plan(cfg, model, world_size=ctx.world_size, device=ctx.device)
         return plan, check_run(cfg, plan, model, strict=True, tokenizer=tokenizer).warnings
 
     plan, warnings = decided_by_rank_zero(ctx, resolve)
     if ctx.is_rank_zero:
         for warning in (*plan.notes, *warnings):
             log.warning(warning)
-        log.info("world size %d on %s (%s), %d thread(s) per process", ctx.world_size, ctx.device,
-                 plan.dtype.value, torch.get_num_threads())
-        for label, value in plan.describe():
-            log.info("%s: %s", label, value)
     return plan
+
+
+def log_plan(run: Run, plan: RunPlan) -> None:
+    """Rank 0 logs the plan as ``tune validate`` prints it, one ``label: value`` line each."""
+    if not run.ctx.is_rank_zero:
+        return
+    log.info("world size %d on %s (%s), %d thread(s) per process", run.ctx.world_size, run.ctx.device,
+             plan.dtype.value, torch.get_num_threads())
+    for label, value in plan.describe():
+        log.info("%s: %s", label, value)

@@ -78,9 +78,9 @@ def _rank_zero_plans_for_both(rank: int, output_dir: str) -> None:
 
     tokenizer = cfg.tokenizer.instantiate()
     model = build_meta_model(cfg.model, cfg.checkpoint_dir)
+    plan = plan_run(Run(cfg, ctx), model, tokenizer=tokenizer)
     data = build_data(cfg, tokenizer, ctx)
-    plan = plan_run(Run(cfg, ctx), model, tokenizer=tokenizer, samples=data.samples,
-                    batches_per_epoch=len(data.loader))
+    plan = plan.with_data(data.samples, len(data.loader))
     training = build_training(model, ctx=ctx, dtype=plan.dtype, memory=plan.memory, fsdp=plan.fsdp,
                               compile_blocks=plan.compile, checkpoint_dir=None, seed=0,
                               make_optimizer=cfg.optimizer.instantiate)
