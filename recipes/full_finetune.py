@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from tqdm.contrib.logging import logging_redirect_tqdm
@@ -26,7 +27,14 @@ from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.run import messages, preflight as library
 from torchtune_ac.run.assemble import build_training
 from torchtune_ac.run.loop import Batch, Trainer
-from torchtune_ac.run.phases import build_data, build_validation, choose_resume, restore
+from torchtune_ac.run.phases import (
+    build_data,
+    build_validation,
+    check_disk_space,
+    choose_resume,
+    estimate_checkpoint_size,
+    restore,
+)
 from torchtune_ac.run.session import Run, log_plan, open_run, plan_run
 from torchtune_ac.training.evaluation import evaluate
 from torchtune_ac.training.step import StepResult, train_step
@@ -47,7 +55,7 @@ class FullFinetuneRecipe:
         model = build_meta_model(cfg.model, cfg.checkpoint_dir)  # ...and its one meta build of the model
         plan = plan_run(run, model, tokenizer=tokenizer)  # rank 0's, checked, before anything heavy
         data = build_data(cfg, tokenizer, ctx)
-        self.plan = plan.with_data(data.samples, len(data.loader))
+        self.plan = plan.with_data(data.samples, len(data.loader), described=data.described, unit=data.unit)
         log_plan(run, self.plan)
         resume_from = choose_resume(cfg, ctx).checkpoint
         self.training = build_training(
@@ -61,10 +69,13 @@ class FullFinetuneRecipe:
         )
         validation = build_validation(cfg, tokenizer, ctx)
         if resume_from is not None:
-            run.progress = restore(self.plan, ctx, resume_from, self.training)
+            run.progress = restore(self.plan, ctx, resume_from, self.training, data)
             run.last_checkpoint = resume_from
         elif cfg.resume_from_checkpoint:
             log.info(messages.no_checkpoint_yet(cfg.output_dir))
+        tokenizer_dir = Path(tokenizer.path).parent  # its files go into every checkpoint
+        check_disk_space(self.plan, ctx, estimate_checkpoint_size(cfg, self.training.model, tokenizer_dir),
+                         self.plan.save.saves(run.progress.step, self.plan.length))
         trainer = Trainer(run, self.plan, self.training, data, step=self.step, tokenizer=tokenizer,
                           validation=validation, evaluate=self.evaluate)
         trainer.open_metrics()

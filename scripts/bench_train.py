@@ -59,6 +59,7 @@ from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
 from torchtune_ac.data.collate import collate_batch  # noqa: E402
 from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
+from torchtune_ac.observability.third_party_noise import filter_known_noise  # noqa: E402
 from torchtune_ac.run.assemble import build_training  # noqa: E402
 from torchtune_ac.runtime.distributed import (
     DistributedContext,  # noqa: E402
@@ -486,6 +487,7 @@ def format_cuda_table(report: dict) -> str:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    filter_known_noise()
     args = parse_args(argv)
     if args.device == "cuda":
         if not torch.cuda.is_available():

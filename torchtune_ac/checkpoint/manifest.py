@@ -84,7 +84,7 @@ def _share(sizes: dict[str, int], rank: int, world_size: int) -> list[str]:
     return mine
 
 
-def _hash_shared(root: Path, sizes: dict[str, int], processes: Optional[DistributedContext]) -> dict[str, str]:
+def hash_files(root: Path, sizes: dict[str, int], processes: Optional[DistributedContext]) -> dict[str, str]:
     """``relative path -> SHA-256`` of ``sizes``' files, each rank hashing its share; every rank gets them all.
 
     A file a rank cannot read gets ``"!" + the reason`` instead of a digest, so every rank still reaches the
@@ -132,7 +132,7 @@ def write_manifest(root: Path, *, processes: Optional[DistributedContext] = None
     sizes = _agreed(listing, processes)
     if isinstance(sizes, str):
         raise OSError(sizes)
-    digests = _hash_shared(root, sizes, processes)
+    digests = hash_files(root, sizes, processes)
     unreadable = [digest[1:] for digest in digests.values() if digest.startswith("!")]
     if unreadable:
         raise OSError(f"cannot hash the checkpoint's files: {unreadable[0]}")
@@ -211,7 +211,7 @@ def check_against_manifest(root: Path, *, hashes: bool, processes: Optional[Dist
     problem, sizes, records = _agreed(_check_sizes(root, require) if leads(processes) else None, processes)
     if problem is not None or not hashes:
         return problem
-    digests = _hash_shared(root, sizes, processes)
+    digests = hash_files(root, sizes, processes)
     for name in sizes:
         if digests[name].startswith("!"):
             return digests[name][1:]

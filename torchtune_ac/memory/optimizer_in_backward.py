@@ -19,8 +19,9 @@ As a memory feature (``FEATURE``):
     optimizer_in_bwd: false | true
 
 It cannot clip (the total norm is known only once every parameter has been stepped), so it refuses
-``clip_grad_norm``; the planner simulates it (its stepper runs in the simulated backward) and adds what a
-simulation cannot see: under FSDP2 the root's gradients stay whole until backward ends.
+``clip_grad_norm``. The planner simulates the step with the optimizer in backward, so it needs no cost declared
+here; under FSDP2 the root's gradients (embeddings, output) are reduced, and so stepped, only when backward ends,
+which the simulation keeps (``planner._LiveStorages``): they stay whole on every process until then.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.feature import Alternative, Feature, FeatureCost, ModelSizes, ResolveInputs
+from torchtune_ac.memory.feature import Alternative, Feature, ResolveInputs
 from torchtune_ac.training.fsdp import offloaded_gradient_wait
 from torchtune_ac.training.step import NormCheck, OptimizerStepper
 
@@ -229,14 +230,6 @@ def _describe(setting: bool, vocab_size: Optional[int]) -> str:
             if setting else "after backward")
 
 
-def _planner_cost(setting: bool, sizes: ModelSizes) -> FeatureCost:
-    if setting and sizes.sharded:
-        # Under FSDP2 the root's gradients are reduced, and so stepped, only at the end of backward: they are whole
-        # on every process until then.
-        return FeatureCost(device={"transient": sizes.root_parameters})
-    return FeatureCost()
-
-
 def _alternatives(setting: bool) -> list[Alternative]:
     if setting:
         return []
@@ -252,4 +245,4 @@ def _resume_record(setting: bool) -> dict:
 
 
 FEATURE = Feature(name="optimizer_in_bwd", label="optimizer step", off=False, resolve=_resolve, describe=_describe,
-                  planner_cost=_planner_cost, alternatives=_alternatives, resume_record=_resume_record)
+                  alternatives=_alternatives, resume_record=_resume_record)

@@ -61,6 +61,7 @@ GiB = 2**30
 # Strides of selective AC worth a row, besides none, per-op and full (one row per distinct block count).
 STRIDES = (2, 4)
 PHASES = ("forward", "loss backward", "blocks backward", "rest of backward", "optimizer step")
+BACKWARD_PHASES = ("loss backward", "blocks backward", "rest of backward")
 
 
 @dataclass(frozen=True)
@@ -207,10 +208,14 @@ class _LiveStorages(TorchDispatchMode):
     sharded gradients and broken down by kind.
     """
 
-    def __init__(self, shard_degree: int, root_parameters: set[int]) -> None:
+    def __init__(self, shard_degree: int, root_parameters: set[int], *, sharded: bool = False) -> None:
         super().__init__()
         self.shard_degree = shard_degree  # processes a parameter is sharded over
         self.root_parameters = root_parameters  # ids of the parameters outside the blocks
+        # Under FSDP2 the root's gradients are reduced only when backward ends, so an optimizer stepping in backward
+        # (which frees each gradient at once here) takes them only then: until then they are whole on every process.
+        self.sharded = sharded
+        self._held = 0  # bytes of root gradients freed here in backward that FSDP2 keeps until backward ends
         self.known: set[int] = set()
         self.live: dict[int, int] = {}
         self.grads: set[int] = set()
@@ -227,8 +232,13 @@ class _LiveStorages(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         nbytes = self.live.pop(key, 0)
-        self._live -= nbytes
         # Discarded, not only subtracted: a later storage may be given the same address.
+        if key in self.root_grads and self.sharded and self.phase in BACKWARD_PHASES:
+            self.grads.discard(key)
+            self.root_grads.discard(key)
+            self._held += nbytes  # still counted, whole, until backward ends (``enter``)
+            return
+        self._live -= nbytes
         if key in self.grads:
             self.grads.discard(key)
             self._grad -= nbytes
@@ -255,6 +265,12 @@ class _LiveStorages(TorchDispatchMode):
             self.peaks[self.phase] = _Peak(value, value - grads - acts, grads, acts)
 
     def enter(self, phase: str) -> None:
+        if phase not in BACKWARD_PHASES and self._held:  # backward ended: FSDP2 reduced the root's gradients
+            self._record()
+            self._live -= self._held
+            self._grad -= self._held
+            self._root_grad -= self._held
+            self._held = 0
         self.phase = phase
         self._record()
 
@@ -378,7 +394,9 @@ def _simulate(
         apply_ac_plan(model, _plan(mode, option, len(blocks)))
         params = list(model.parameters())
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
-        tracker = _LiveStorages(workload.shard_degree, {id(p) for p in params if id(p) not in in_blocks})
+        sharded = workload.world_size > 1 or bool(cpu_offload.shard_options(workload.setting("cpu_offload")))
+        tracker = _LiveStorages(workload.shard_degree, {id(p) for p in params if id(p) not in in_blocks},
+                                sharded=sharded)
         # Registered before an optimizer in backward registers its own: a gradient is seen before it is freed.
         hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params]
         # The run's step with the features' mechanisms, as run/assemble.py applies them (the optimizer the state's

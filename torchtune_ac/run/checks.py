@@ -6,7 +6,9 @@ by resolving the plan (``plan.py``); this module checks what the plan meets here
 will read and write, and what the components build. Problems of the config itself, and files that exist and
 contradict it, are always errors; what is missing or unavailable on this machine (``UnavailableError``: a file, a
 device, a package) is an error when ``strict`` (about to run) and a warning otherwise (``tune validate`` on a
-machine that is not the training machine).
+machine that is not the training machine). ``tune validate`` also reads the data as the run will
+(``data.datasets.check_dataset_records``), and with ``from_hf_config`` and a checkpoint of another machine, whose
+architecture it cannot read (no plan then), it checks the rest and says so.
 
 Two checks catch, before anything heavy, what would otherwise fail at step 1 or later:
 
@@ -35,14 +37,14 @@ from torchtune_ac.checkpoint import (
     read_trainer_state,
 )
 from torchtune_ac.config.components import Component
-from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.data import uses_chat_template
+from torchtune_ac.data.datasets import check_dataset_records
 from torchtune_ac.data.hf_sources import describe_hub_source
-from torchtune_ac.data.sources import TEXT_SUFFIXES, is_hub_name
+from torchtune_ac.data.sources import TEXT_SUFFIXES, check_folder_formats, is_hub_name
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.models import check_checkpoint_matches
 from torchtune_ac.observability.metrics import METRICS_FILE
-from torchtune_ac.run.plan import RunPlan
+from torchtune_ac.run.plan import RunPlan, TrainingConfig
 from torchtune_ac.runtime.distributed import resolve_device
 
 # A schedule built for the stand-in checks only: long enough for any warm-up a real run could ask for.
@@ -102,7 +104,7 @@ def check_optimizer_builds(optimizer: Component, lr_scheduler: Optional[Componen
         lr_scheduler.instantiate(built, num_training_steps=_STAND_IN_TRAINING_STEPS)
 
 
-def check_output_dir(cfg: FullFinetuneConfig, strict: bool) -> None:
+def check_output_dir(cfg: TrainingConfig, strict: bool) -> None:
     """``output_dir`` can be written, is not inside ``checkpoint_dir``, and holds no earlier run unless resuming;
     ``tune validate`` also says whether a run holds its lock.
 
@@ -135,22 +137,24 @@ def check_output_dir(cfg: FullFinetuneConfig, strict: bool) -> None:
 @dataclass
 class Findings:
     """What the checks found: warnings (what is missing on this machine, when not ``strict``), and lines that add
-    to the plan's summary (``tune validate``)."""
+    to the plan's summary (``tune validate``): the checkpoint a resume starts from, a hub dataset's source, and
+    ``(dataset key, summary)`` of each dataset read."""
 
     warnings: list[str] = field(default_factory=list)
     resume_note: str = ""
     dataset_source: Optional[str] = None
+    data: list[tuple[str, str]] = field(default_factory=list)
     tokenizer: Any = None  # the tokenizer, when it could be built here
 
 
-def check_run(cfg: FullFinetuneConfig, plan: RunPlan, model: nn.Module, *, strict: bool,
+def check_run(cfg: TrainingConfig, plan: Optional[RunPlan], model: Optional[nn.Module], *, strict: bool,
               tokenizer: Any = None) -> Findings:
     """Check ``plan`` against this machine and the files (see the module docstring).
 
     Args:
         cfg: the validated config.
-        plan: the resolved plan.
-        model: the model, built once on the meta device.
+        plan: the resolved plan (None: ``tune validate`` without the model's architecture on this machine).
+        model: the model, built once on the meta device (None with ``plan``).
         strict: what is missing on this machine is an error (True: about to run) or a warning.
         tokenizer: the run's tokenizer, when it built it already (otherwise it is built here, once).
 
@@ -170,26 +174,30 @@ def check_run(cfg: FullFinetuneConfig, plan: RunPlan, model: nn.Module, *, stric
             return None
 
     device = soft(lambda: resolve_device(cfg.device.value))
-    if device is not None:
+    if device is not None and plan is not None:
         soft(lambda: plan.memory.check_device(device))
-    if cfg.checkpoint_dir is not None:
+    if cfg.checkpoint_dir is not None and model is not None:
         soft(lambda: check_checkpoint_matches(model, cfg.checkpoint_dir))
     if found.tokenizer is None:
         found.tokenizer = soft(cfg.tokenizer.instantiate)
     if found.tokenizer is not None:
-        check_tokenizer_fits(found.tokenizer, plan.model.vocab_size)
+        check_tokenizer_fits(found.tokenizer, plan.model.vocab_size if plan is not None else None)
         check_chat_template(found.tokenizer, cfg.dataset)
         if cfg.dataset_val is not None:
             check_chat_template(found.tokenizer, cfg.dataset_val)
     check_optimizer_builds(cfg.optimizer, cfg.lr_scheduler)
+    for dataset in (cfg.dataset, cfg.dataset_val):
+        if dataset is not None:
+            check_folder_formats(dataset.kwargs.get("source"))
     soft(lambda: check_output_dir(cfg, strict))
     if cfg.resume_from_checkpoint:
         # Sizes against each checkpoint's manifest here; the run itself also checks every file's SHA-256.
         choice = choose_resume_checkpoint(Path(cfg.output_dir).expanduser(), hashes=False)
         found.warnings.extend(choice.skipped)
         if choice.checkpoint is not None:
-            _, saved = read_trainer_state(choice.checkpoint)
-            check_resume_shape(choice.checkpoint, saved, plan.resume_shape(plan.world_size or saved.world_size))
+            if plan is not None:
+                saved = read_trainer_state(choice.checkpoint).shape
+                check_resume_shape(choice.checkpoint, saved, plan.resume_shape(plan.world_size or saved.world_size))
             found.resume_note = f" (resuming from {choice.checkpoint.name})"
         else:
             found.resume_note = " (resume_from_checkpoint=true, but no checkpoint yet: starts at step 0)"
@@ -203,4 +211,23 @@ def check_run(cfg: FullFinetuneConfig, plan: RunPlan, model: nn.Module, *, stric
         found.dataset_source, warning = describe_hub_source(source)
         if warning is not None:
             found.warnings.append(warning)
+    if not strict and found.tokenizer is not None:  # tune validate reads the data; a run reads it once, to train
+        for dataset in (cfg.dataset, cfg.dataset_val):
+            checked = None if dataset is None else _check_data(cfg, dataset, found.tokenizer, soft)
+            if checked is not None:
+                summary, data_report = checked
+                found.data.append((dataset.key, summary))
+                found.warnings.extend([data_report] if data_report else [])
     return found
+
+
+def _check_data(cfg: TrainingConfig, dataset: Component, tokenizer: Any,
+                soft: Callable[[Callable[[], Any]], Any]) -> Optional[tuple[str, Optional[str]]]:
+    """``tune validate``'s look at ``dataset``'s records (``check_dataset_records``): a summary line and what
+    building the samples would cut or drop; None when there is nothing to read here (a Hub dataset, which is not
+    downloaded to validate; a data file of another machine, which ``soft`` turns into a warning)."""
+    source = dataset.kwargs.get("source")
+    sources = source if isinstance(source, list) else [source]
+    if any(isinstance(one, str) and is_hub_name(one, TEXT_SUFFIXES) for one in sources):
+        return None
+    return soft(lambda: check_dataset_records(dataset.target(), tokenizer, dataset.kwargs, cfg.max_seq_len))

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from torchtune_ac.checkpoint import Progress, read_hf_config, save_checkpoint
+from torchtune_ac.checkpoint import Progress, TrainerState, read_hf_config, save_checkpoint
 from torchtune_ac.errors import RunStopped
 from torchtune_ac.models import hf_model_files
 from torchtune_ac.observability.metric_logging import open_run_log
@@ -55,6 +55,7 @@ class Trainer:
                  evaluate: Optional[Callable[[Iterable[Batch]], float]] = None) -> None:
         self.run, self.plan, self.training, self.data = run, plan, training, data
         self.step, self.tokenizer, self.validation, self.evaluate = step, tokenizer, validation, evaluate
+        self.tokenizer_dir = Path(tokenizer.path).parent  # its files go into every checkpoint
         # The saved config.json keeps every key of the one the run started from that training did not change.
         self.base_config = read_hf_config(plan.checkpoint_dir) if plan.checkpoint_dir is not None else None
 
@@ -108,7 +109,9 @@ class Trainer:
                 if self.validation is not None and self.validation.due(run.progress.step, epoch_done=epoch_done):
                     val_loss = self.evaluate(self.validation.batches())
                     log.info("step %d: validation loss %.4f", run.progress.step, val_loss)
-                logged = run.progress.step % every == 0 or val_loss is not None
+                # Every log_every_n_steps-th step, each validated one, and the run's last, whatever the period.
+                logged = (run.progress.step % every == 0 or val_loss is not None
+                          or run.progress.step == length.total_steps)
                 if run.metrics is not None and logged:
                     run.metrics.write(
                         {
@@ -148,7 +151,8 @@ class Trainer:
 
     def save(self) -> Path:
         """A checkpoint of the current step (every rank takes part): the model as a Hugging Face checkpoint with the
-        tokenizer's files, and the recipe state a resume continues from."""
+        tokenizer's files, and the recipe state a resume continues from (what the run's plan says a resume keeps,
+        the hyper-parameters and the data's identity)."""
         run, model, tokenizer = self.run, self.training.model, self.tokenizer
         path = save_checkpoint(
             run.cfg.output_dir,
@@ -156,11 +160,10 @@ class Trainer:
             hf_files=hf_model_files(model, base_config=self.base_config, bos_token_id=tokenizer.bos_id,
                                     eos_token_id=tokenizer.eos_id),
             optimizers=self.training.stepper.optimizers_to_checkpoint(),
-            scheduler=self.training.scheduler,
-            progress=run.progress,
-            shape=self.plan.resume_shape(),
+            state=TrainerState(run.progress, self.plan.resume_shape(), dict(self.plan.hyperparameters),
+                               self.data.identity),
             keep_last_n=self.plan.save.keep_last_n,
-            tokenizer_dir=Path(tokenizer.path).parent,
+            tokenizer_dir=self.tokenizer_dir,
             chat_template=tokenizer.chat_template,
             processes=run.ctx,
         )

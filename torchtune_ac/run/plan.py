@@ -27,6 +27,7 @@ from torchtune_ac.checkpoint import RunShape
 from torchtune_ac.config.meta_model import count_parameters
 from torchtune_ac.config.components import Component
 from torchtune_ac.config.schema import Device, FSDPConfig
+from torchtune_ac.data.samples import count_of
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.feature import OptimizerSpec
 from torchtune_ac.memory.plan import MemoryConfig, MemoryPlan, PlannerInputs, resolve_memory_plan
@@ -118,8 +119,11 @@ class RunLength:
         gradient_accumulation_steps: micro-batches per step.
         epochs: passes over the data.
         max_steps_per_epoch: the config's cap (None: none).
-        samples: samples in the dataset (None: the data was not read, as ``tune validate`` and ``tune plan`` do).
+        samples: samples in the dataset, rows when packed (None: the data was not read, as ``tune validate`` and
+            ``tune plan`` do).
         steps_per_epoch: optimizer steps per epoch, the cap applied (None with ``samples``).
+        described: what the dataset holds, for the log (``3,000 samples``, or ``packed: ... -> 412 rows ...``).
+        unit: what one of ``samples`` is: ``sample``, or ``row`` when packed.
     """
 
     world_size: Optional[int]
@@ -129,6 +133,8 @@ class RunLength:
     max_steps_per_epoch: Optional[int]
     samples: Optional[int] = None
     steps_per_epoch: Optional[int] = None
+    described: Optional[str] = None
+    unit: str = "sample"
 
     @property
     def per_process(self) -> int:
@@ -145,25 +151,29 @@ class RunLength:
         """Optimizer steps of the whole run (None when the data was not read)."""
         return None if self.steps_per_epoch is None else self.steps_per_epoch * self.epochs
 
-    def counted(self, samples: int, batches_per_epoch: int) -> "RunLength":
+    def counted(self, samples: int, batches_per_epoch: int, *, described: Optional[str] = None,
+                unit: str = "sample") -> "RunLength":
         """This length once the data is read: the one place steps per epoch are computed.
 
         Args:
-            samples: samples in the dataset.
+            samples: samples in the dataset (rows, when packed).
             batches_per_epoch: micro-batches per process per epoch (the loader's length, the same on every rank).
+            described: what the dataset holds, for messages (default: the count of samples).
+            unit: what one of ``samples`` is.
 
         Raises:
             UserError: the dataset has fewer batches per process than one optimizer step needs.
         """
+        described = described if described is not None else count_of(samples, unit)
         steps = batches_per_epoch // self.gradient_accumulation_steps
         if self.max_steps_per_epoch is not None:
             steps = min(steps, self.max_steps_per_epoch)
         if steps == 0:
             raise UserError(
-                f"dataset: {samples} samples make {batches_per_epoch} batch(es) per process per epoch, fewer than "
+                f"dataset: {described} make {batches_per_epoch} batch(es) per process per epoch, fewer than "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps} (reduce batch_size or accumulation)"
             )
-        return dataclasses.replace(self, samples=samples, steps_per_epoch=steps)
+        return dataclasses.replace(self, samples=samples, steps_per_epoch=steps, described=described, unit=unit)
 
 
 def resolve_length(cfg: TrainingConfig, world_size: Optional[int], samples: Optional[int] = None,
@@ -191,6 +201,12 @@ class SavePolicy:
     def should_save(self, step: int, *, epoch_done: bool, stopping: bool) -> bool:
         return epoch_done or stopping or bool(self.every_n_steps and step % self.every_n_steps == 0)
 
+    def saves(self, after_step: int, length: "RunLength") -> int:
+        """The checkpoints a run of ``length`` (its data read) writes from ``after_step`` to its end (no stop
+        signal)."""
+        return sum(self.should_save(step, epoch_done=step % length.steps_per_epoch == 0, stopping=False)
+                   for step in range(after_step + 1, length.total_steps + 1))
+
     def describe(self) -> str:
         when = "at the end of every epoch" + (f", every {self.every_n_steps} steps" if self.every_n_steps else "")
         kept = (f"the newest {self.keep_last_n} kept" if self.keep_last_n is not None
@@ -213,7 +229,10 @@ class RunPlan:
         memory: the memory plan (activation checkpointing, with ac_mode: auto's choice, and the other features).
         length: the run's shape and length.
         save: when checkpoints are written and which are kept.
-        resume_data: what decides the batches, which a resume must keep (``resume_shape``).
+        resume_data: what decides the batches, and the optimizer's class, which a resume must keep
+            (``resume_shape``).
+        hyperparameters: the optimizer's and the schedule's settings, recorded in every checkpoint; a resume takes
+            its own config's and says what changed.
         checkpoint_dir: the Hugging Face checkpoint the run starts from (None: random initialisation).
         output_dir: where the run writes.
         notes: what resolving found worth a warning (one sentence each).
@@ -230,13 +249,16 @@ class RunPlan:
     length: RunLength
     save: SavePolicy
     resume_data: Mapping[str, Any]
+    hyperparameters: Mapping[str, Any]
     checkpoint_dir: Optional[str]
     output_dir: str
     notes: tuple[str, ...] = ()
 
-    def with_data(self, samples: int, batches_per_epoch: int) -> "RunPlan":
+    def with_data(self, samples: int, batches_per_epoch: int, *, described: Optional[str] = None,
+                  unit: str = "sample") -> "RunPlan":
         """This plan once the run has read its data: its steps counted (``RunLength.counted``)."""
-        return dataclasses.replace(self, length=self.length.counted(samples, batches_per_epoch))
+        return dataclasses.replace(
+            self, length=self.length.counted(samples, batches_per_epoch, described=described, unit=unit))
 
     @property
     def sharded(self) -> bool:
@@ -271,13 +293,19 @@ class RunPlan:
     def describe_length(self) -> str:
         """The global batch and the run's steps, as far as they are known."""
         length = self.length
-        batch = (f"global batch {length.global_batch} ({length.per_process} x {length.world_size} process(es))"
-                 if length.global_batch is not None else f"global batch {length.per_process} x the processes")
+        unit = length.unit
+        if length.global_batch is None:
+            batch = f"global batch {count_of(length.per_process, unit)} x the processes"
+        else:
+            batch = (f"global batch {count_of(length.global_batch, unit)} ({length.batch_size} x "
+                     f"{length.gradient_accumulation_steps} accumulation x "
+                     f"{count_of(length.world_size, 'process', 'processes')})")
+        epochs = count_of(length.epochs, "epoch")
         if length.steps_per_epoch is None:
             cap = f" (at most {length.max_steps_per_epoch})" if length.max_steps_per_epoch is not None else ""
-            return f"{batch}; steps per epoch counted when the run reads the data{cap}, {length.epochs} epoch(s)"
-        return (f"{batch}; {length.samples} samples: {length.steps_per_epoch} steps per epoch x {length.epochs} "
-                f"epoch(s) = {length.total_steps} steps")
+            return f"{batch}; steps per epoch counted when the run reads the data{cap}, {epochs}"
+        return (f"{batch}; {length.described}, {count_of(length.steps_per_epoch, 'step')} per epoch, {epochs}: "
+                f"{count_of(length.total_steps, 'step')}")
 
     def describe(self) -> list[tuple[str, str]]:
         """``(label, value)`` lines: ``tune validate`` and ``tune plan`` print them, ``tune run`` logs them."""
@@ -448,9 +476,13 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
             device = resolve_device(cfg.device.value)
         except UserError:  # not on this machine (tune validate says so among its checks)
             device = None
-    resume_data = {"seed": cfg.seed, "shuffle": cfg.shuffle, "max_seq_len": cfg.max_seq_len,
-                   "dataset": cfg.dataset.as_config(), "tokenizer": cfg.tokenizer.as_config(),
-                   **memory.resume_record()}
+    resume_data = {"optimizer._component_": cfg.optimizer.path, "seed": cfg.seed, "shuffle": cfg.shuffle,
+                   "max_seq_len": cfg.max_seq_len,
+                   # Not its source: the files are identified by their content (TrainerState.data), wherever they lie.
+                   "dataset": {key: value for key, value in cfg.dataset.as_config().items() if key != "source"},
+                   "tokenizer": cfg.tokenizer.as_config(), **memory.resume_record()}
+    hyperparameters = {"optimizer": cfg.optimizer.as_config(),
+                       "lr_scheduler": cfg.lr_scheduler.as_config() if cfg.lr_scheduler is not None else None}
     return RunPlan(
         world_size=world_size,
         device=cfg.device.value,
@@ -464,6 +496,7 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
         save=SavePolicy(cfg.save_every_n_steps, cfg.keep_last_n_checkpoints),
         # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
         resume_data=json.loads(json.dumps(resume_data)),
+        hyperparameters=json.loads(json.dumps(hyperparameters)),
         checkpoint_dir=cfg.checkpoint_dir,
         output_dir=cfg.output_dir,
         notes=tuple(notes),

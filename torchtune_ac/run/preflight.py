@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 
 from torchtune_ac.config.meta_model import build_meta_model
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.run.checks import Findings, check_run
 from torchtune_ac.run.memory_table import MemoryTable, memory_table
 from torchtune_ac.run.plan import RunPlan, TrainingConfig, resolve_run_plan
@@ -23,18 +23,40 @@ def preflight(cfg: TrainingConfig, *, strict: bool = True, world_size: Optional[
     Raises:
         UserError: the config cannot run (and, when ``strict``, what is missing here).
     """
-    model = build_meta_model(cfg.model, cfg.checkpoint_dir)  # the one meta build
+    try:
+        model = build_meta_model(cfg.model, cfg.checkpoint_dir)  # the one meta build
+    except UnavailableError as err:
+        if strict:
+            raise
+        # from_hf_config and a checkpoint of another machine: no architecture here, so no plan; the rest is checked.
+        found = check_run(cfg, None, None, strict=strict)
+        found.warnings.insert(0, f"model ({cfg.model.path}): {err}: its size, memory plan and checkpoint are checked "
+                                 "on the machine that has it")
+        return summary(None, found, cfg)
     plan = resolve_run_plan(cfg, model, world_size=world_size)
-    return summary(plan, check_run(cfg, plan, model, strict=strict))
+    return summary(plan, check_run(cfg, plan, model, strict=strict), cfg)
 
 
-def summary(plan: RunPlan, found: Findings) -> list[tuple[str, str]]:
+def summary(plan: Optional[RunPlan], found: Findings, cfg: TrainingConfig) -> list[tuple[str, str]]:
     """The plan's lines, with what the checks add (the checkpoint a resume would start from, a hub dataset's
-    source), then the warnings: the plan's notes and the checks'."""
-    lines = [(label, value + found.resume_note if label == "output_dir" else value) for label, value in plan.describe()]
+    source, what reading the data found), then the warnings: the plan's notes and the checks'. Without a plan
+    (no architecture on this machine), the lines the config alone gives."""
+    if plan is None:
+        lines = [("model", f"{cfg.model.path}: its architecture is read from checkpoint_dir when the run starts (not "
+                           "on this machine: sizes and memory plan not checked)"),
+                 ("dtype / device", f"{cfg.dtype.value} / {cfg.device.value}"),
+                 ("batch", f"{cfg.batch_size} per process x {cfg.gradient_accumulation_steps} accumulation step(s) = "
+                           f"{cfg.batch_size * cfg.gradient_accumulation_steps} samples per step per process"),
+                 ("checkpoint_dir", cfg.checkpoint_dir or "none (random initialisation from seed)"),
+                 ("output_dir", cfg.output_dir)]
+    else:
+        lines = plan.describe()
+    lines = [(label, value + found.resume_note if label == "output_dir" else value) for label, value in lines]
     if found.dataset_source is not None:
         lines.append(("dataset source", found.dataset_source))
-    return lines + [("warning", w) for w in (*plan.notes, *found.warnings)]
+    lines += found.data
+    notes = plan.notes if plan is not None else ()
+    return lines + [("warning", w) for w in (*notes, *found.warnings)]
 
 
 def plan(cfg: TrainingConfig, *, world_size: int, budget_gib: Optional[float]) -> MemoryTable:

@@ -1,6 +1,7 @@
 """The memory planner: its simulation matches what a real step keeps and peaks at, its extrapolation matches a
 whole-depth simulation, and ``ac_mode: auto`` picks the least recompute that fits (or says what is missing)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -242,6 +243,37 @@ def test_the_default_cuda_budget_is_the_free_memory_with_the_fixed_cost_counted_
     plan = resolve_memory_plan(auto, MemoryConfig(), model, clip_grad_norm=None, planning=inputs)
     assert plan.budget_gib == pytest.approx(0.9 * total / GiB)
     assert plan.estimate.device == plan.estimate.total + total - free  # the fixed cost, once, in the estimate
+
+
+def _full_ac_estimate(args, *, in_bwd: bool, world_size: int):
+    from torchtune_ac.models.llama import Llama
+
+    plan = resolve_memory_plan(ACConfig(ac_mode=ACMode.FULL), MemoryConfig(optimizer_in_bwd=in_bwd, loss_chunks=4),
+                               Llama(args), clip_grad_norm=None, optimizer=OptimizerSpec("torch.optim.AdamW"))
+    workload = Workload(batch_size=2, seq_len=64, world_size=world_size).with_settings(plan.settings)
+    estimate, = estimate_memory(lambda: Llama(args), adamw, workload, [plan.ac])
+    return estimate
+
+
+def test_with_the_step_in_backward_fsdp2_keeps_the_root_s_gradients_whole_until_backward_ends():
+    """The switch used to add the root's gradients to the estimate wherever its peak was, at the end of the forward
+    too, before any gradient exists: llama3/8B_full in fp32 on 8 processes went from 25.25 to 26.45 GiB with
+    optimizer_in_bwd=true. The simulation now keeps them, whole, from when they are computed to the end of backward
+    (when FSDP2 reduces them and the optimizer takes them), and counts nothing more: 23.83 GiB."""
+    from torchtune_ac.models import LlamaArgs
+    from torchtune_ac.models.llama import Llama
+
+    large_vocab = LlamaArgs(vocab_size=4096, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_dim=160,
+                            max_seq_len=64)
+    root = sum(p.numel() * p.element_size() for name, p in Llama(large_vocab).named_parameters()
+               if not name.startswith("layers."))
+    sharded = _full_ac_estimate(large_vocab, in_bwd=True, world_size=4)
+    assert (sharded.peak_phase, sharded.gradients) == ("rest of backward", root)  # every block's freed at once
+    alone = _full_ac_estimate(large_vocab, in_bwd=True, world_size=1)  # no FSDP2: each stepped and freed at once
+    assert alone.gradients < root
+    small_vocab = dataclasses.replace(large_vocab, vocab_size=96)
+    assert (_full_ac_estimate(small_vocab, in_bwd=True, world_size=4).total
+            < _full_ac_estimate(small_vocab, in_bwd=False, world_size=4).total)
 
 
 def test_packed_grouped_kv_copies_for_varlen_are_counted_only_where_torch_makes_them(monkeypatch):
