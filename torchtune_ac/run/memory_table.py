@@ -1,5 +1,5 @@
 """``tune plan``'s table: the memory per process of every activation-checkpointing setting for a config, the row
-``ac_mode: auto`` picks, and the memory features added one by one (torchtune's ablation, from the planner), above
+``ac_mode: auto`` picks, and the memory features added one by one (torchtune's ablation, from the planner), then
 the run's plan as ``tune validate`` prints it.
 
 The estimates come from ``torchtune_ac.memory.planner`` (a simulated step under fake tensors), with the planner's
@@ -88,13 +88,14 @@ class MemoryTable:
         return [f"{e.device / scale:.{digits}f} {unit}\n{e.extra_flops:+.0%}" for e in self.applicable()]
 
     def lines(self) -> list[str]:
-        """The run's plan (as ``tune validate`` prints it), then the table."""
-        out = []
+        """The table, then the run's plan as ``tune validate`` prints it."""
+        out = self.table_lines()
         if self.run_plan is not None:
             summary = self.run_plan.describe()
             width = max(len(label) for label, _ in summary)
-            out += [f"  {label:<{width}}  {value}" for label, value in summary] + [""]
-        return out + self.table_lines()
+            out += ["", "the run's plan, as tune validate prints it:"]
+            out += [f"  {label:<{width}}  {value}" for label, value in summary]
+        return out
 
     def table_lines(self) -> list[str]:
         unit, scale = self.unit
