@@ -181,18 +181,18 @@ def test_plan_png_labels_a_small_model_in_mib(tmp_path, monkeypatch):
     from matplotlib.axes import Axes
 
     from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
-    from torchtune_ac.config.planning import draw_plan, plan_table
+    from torchtune_ac.run.memory_table import draw_memory_table, memory_table
 
     recipe = load_recipe(resolve_recipe_path("full_finetune"))
     cfg = load_recipe_config(recipe, "tiny/full", ["max_seq_len=64"], [])
-    table = plan_table(cfg, world_size=1, budget_gib=0.05)
+    table = memory_table(cfg, world_size=1, budget_gib=0.05)
     drawn, ylabels = [], []
     real_annotate, real_ylabel = Axes.annotate, Axes.set_ylabel
     monkeypatch.setattr(Axes, "annotate",
                         lambda ax, text, *a, **k: drawn.append(text) or real_annotate(ax, text, *a, **k))
     monkeypatch.setattr(Axes, "set_ylabel",
                         lambda ax, text, *a, **k: ylabels.append(text) or real_ylabel(ax, text, *a, **k))
-    draw_plan(table, tmp_path / "plan.png")
+    draw_memory_table(table, tmp_path / "plan.png")
     assert drawn == table.bar_labels() and ylabels == ["MiB per process at the step's peak"]
     for label, estimate in zip(drawn, table.estimates):
         mib, unit = label.split("\n")[0].split()

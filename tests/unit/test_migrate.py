@@ -7,8 +7,14 @@ import copy
 
 import pytest
 
+from torchtune_ac.compat.torchtune.migrate import (
+    MODEL_BUILDERS,
+    ac_notes,
+    migrate_ac_keys,
+    migrate_torchtune_config,
+    torchtune_marker,
+)
 from torchtune_ac.errors import UserError
-from torchtune_ac.migrate import MODEL_BUILDERS, ac_notes, migrate_ac_keys, migrate_torchtune_config, torchtune_marker
 
 CKPT = "/models/Llama-3.2-1B-Instruct"
 

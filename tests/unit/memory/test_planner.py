@@ -15,8 +15,8 @@ from _measure import measure_saved_activation_bytes
 
 from torchtune_ac.config.components import Component
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.activation_checkpointing import ACConfig, ACConfigError, ACMode
-from torchtune_ac.memory.plan import MemoryConfig, PlanningInputs, budget_gib, resolve_memory_plan
+from torchtune_ac.memory.feature import OptimizerSpec
+from torchtune_ac.memory.plan import MemoryConfig, PlannerInputs, budget_gib, resolve_memory_plan
 from torchtune_ac.memory.planner import (
     GiB,
     Workload,
@@ -27,8 +27,9 @@ from torchtune_ac.memory.planner import (
     estimate_memory,
     switch_ablation,
 )
-from torchtune_ac.memory.switch import OptimizerSpec
 from torchtune_ac.training import setup_activation_checkpointing
+from torchtune_ac.training.ac_config import ACConfig, ACConfigError
+from torchtune_ac.training.activation_checkpointing import ACMode
 from torchtune_ac.training.objective import cross_entropy_sum
 
 REPO = Path(__file__).resolve().parents[3]
@@ -87,11 +88,12 @@ def test_recompute_flops_follow_the_checkpointed_blocks(small_estimates):
 MEASURE_STEPS = textwrap.dedent("""
     import gc, json, sys, psutil, torch
     from torchtune_ac.config.components import Component
-    from torchtune_ac.memory.activation_checkpointing import resolve_ac_plan
+    from torchtune_ac.training.ac_config import resolve_ac_plan
     from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
     from torchtune_ac.runtime.dtypes import DType
     from _measure import return_freed_memory_to_os, track_peak_rss
-    from torchtune_ac.run.model_setup import build_training_model
+    from torchtune_ac.config.meta_model import build_meta_model
+    from torchtune_ac.run.assemble import build_training
     from torchtune_ac.memory.chunked_loss import loss_objective
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
     from torchtune_ac.memory.plan import MemoryPlan
@@ -102,9 +104,9 @@ MEASURE_STEPS = textwrap.dedent("""
     measured = []
     for mode, chunks in json.loads(sys.argv[1]):
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=None, n_layers=8)
-        model = build_training_model(Component(key="model", path="torchtune_ac.models.llama_small"), ctx=ctx,
-                                     dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(), compile_blocks=False,
-                                     checkpoint_dir=None, seed=0)
+        model = build_training(build_meta_model(Component(key="model", path="torchtune_ac.models.llama_small")), ctx=ctx,
+                               dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(), compile_blocks=False,
+                               checkpoint_dir=None, seed=0).model
         optimizer = build_optimizer(lambda p: torch.optim.AdamW(p, lr=1e-5), model, in_backward=False)
         train_step(model, optimizer, batch, ctx=ctx, objective=loss_objective(chunks))  # allocates the optimizer state
         return_freed_memory_to_os()
@@ -192,7 +194,7 @@ def test_the_memory_plan_resolves_auto_through_the_planner():
     ac = ACConfig.from_config({"ac_mode": "auto", "ac_memory_budget_gib": 100})
     with torch.device("meta"):
         model = SMALL.instantiate()
-    inputs = PlanningInputs(SMALL.instantiate, adamw, WORKLOAD, torch.device("cpu"))
+    inputs = PlannerInputs(SMALL.instantiate, adamw, WORKLOAD, torch.device("cpu"))
     plan = resolve_memory_plan(ac, MemoryConfig(), model, clip_grad_norm=None, planning=inputs)
     assert plan.ac.mode is ACMode.NONE and plan.budget_gib == 100
     assert "auto -> none (the least recompute that fits: estimated" in dict(plan.describe())["activation checkpointing"]
@@ -237,7 +239,7 @@ def test_the_default_cuda_budget_is_the_free_memory_with_the_fixed_cost_counted_
     assert budget_gib(ACConfig(ac_mode=ACMode.AUTO, ac_memory_budget_gib=12), cuda, 5 * GiB) == 12
     with torch.device("meta"):
         model = SMALL.instantiate()
-    inputs = PlanningInputs(SMALL.instantiate, adamw, WORKLOAD, cuda, fixed_bytes=total - free)
+    inputs = PlannerInputs(SMALL.instantiate, adamw, WORKLOAD, cuda, fixed_bytes=total - free)
     plan = resolve_memory_plan(auto, MemoryConfig(), model, clip_grad_norm=None, planning=inputs)
     assert plan.budget_gib == pytest.approx(0.9 * total / GiB)
     assert plan.estimate.device == plan.estimate.total + total - free  # the fixed cost, once, in the estimate
@@ -314,8 +316,8 @@ def test_a_packed_bf16_config_for_a_gpu_is_planned_with_varlen_s_copies(override
     """The planner simulates on a CPU's kernels whatever the run's device: whether the run's attention takes
     varlen_attn follows from the config's device, not from where the simulation runs."""
     from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
-    from torchtune_ac.config.planning import planning_inputs
+    from torchtune_ac.run.plan import planner_inputs
 
     recipe = load_recipe(resolve_recipe_path("full_finetune"))
     cfg = load_recipe_config(recipe, "tiny/full", list(overrides), [])
-    assert planning_inputs(cfg, 1, torch.device("cpu")).workload.varlen is varlen
+    assert planner_inputs(cfg, 1, torch.device("cpu")).workload.varlen is varlen
