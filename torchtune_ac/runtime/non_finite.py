@@ -67,6 +67,7 @@ class StepValues:
     target_tokens: int
     input_tokens: int
     metric_sums: tuple[float, ...] = ()  # the objective's metric sums (``training.objective.LossParts``)
+    targets: int = 0  # what the loss is a mean over: the target tokens, or the objective's own count (DPO: pairs)
 
 
 class FiniteChecks:
@@ -102,7 +103,8 @@ class FiniteChecks:
     def read(self, loss_sum: torch.Tensor, norm: torch.Tensor, counts: torch.Tensor, *,
              stepped: bool = False, metric_sums: Optional[torch.Tensor] = None) -> StepValues:
         """The step's one host synchronisation: all ranks' losses, ``loss_sum`` (this rank's summed loss, summed
-        here over ranks), the global gradient ``norm``, the global ``counts`` (targets, inputs) and
+        here over ranks), the global gradient ``norm``, the global ``counts`` (targets, inputs, and target tokens
+        when the objective counts other targets than tokens) and
         ``metric_sums`` (this rank's, summed here over ranks), read at once.
 
         Args:
@@ -114,7 +116,9 @@ class FiniteChecks:
         """
         values = self.gather(loss_sum, norm, counts, metric_sums).tolist()
         n = self.micro_batches * self.ctx.world_size
-        losses, total, metrics, (norm_value, targets, inputs) = values[:n], values[n], values[n + 1:-3], values[-3:]
+        k = counts.numel()
+        losses, total, metrics = values[:n], values[n], values[n + 1:-(k + 1)]
+        norm_value, targets, inputs, *tokens = values[-(k + 1):]
         for index in range(self.micro_batches):
             row = losses[index * self.ctx.world_size:(index + 1) * self.ctx.world_size]
             bad = [rank for rank, value in enumerate(row) if not math.isfinite(value)]
@@ -124,5 +128,5 @@ class FiniteChecks:
         if not math.isfinite(norm_value):
             raise NonFiniteError("gradient norm", norm_value, micro_batch=None, micro_batches=self.micro_batches,
                                  ranks=range(self.ctx.world_size), stepped=stepped)
-        return StepValues(loss_sum=total, grad_norm=norm_value, target_tokens=int(targets), input_tokens=int(inputs),
-                          metric_sums=tuple(metrics))
+        return StepValues(loss_sum=total, grad_norm=norm_value, target_tokens=int(tokens[0] if tokens else targets),
+                          input_tokens=int(inputs), metric_sums=tuple(metrics), targets=int(targets))

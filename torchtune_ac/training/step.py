@@ -29,7 +29,14 @@ from torch.distributed.tensor import DTensor
 
 from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
 from torchtune_ac.runtime.non_finite import FiniteChecks, StepValues
-from torchtune_ac.training.objective import HOST_KEYS, CrossEntropy, LossParts, Objective, split_loss
+from torchtune_ac.training.objective import (
+    HOST_KEYS,
+    CrossEntropy,
+    LossParts,
+    Objective,
+    count_target_tokens,
+    split_loss,
+)
 
 CROSS_ENTROPY = CrossEntropy()
 # check_norm(norm, stepped): sees the step's total gradient norm; ``stepped`` when the parameters already took it.
@@ -193,8 +200,11 @@ def train_step(
     device = micro_batches[0]["tokens"].device
     local_targets = sum(objective.targets(batch) for batch in micro_batches)
     local_inputs = sum(batch["tokens"].numel() for batch in micro_batches)
-    # [targets, inputs], summed over ranks on the device: a fill, not a copy from the host (which would wait).
-    counts = all_reduce_sum(torch.stack([local_targets, torch.full((), local_inputs, device=device)]), ctx)
+    # The target tokens apart from the targets: the same for the token loss, not for DPO's (whose targets are pairs).
+    local_tokens = sum(count_target_tokens(batch["labels"]) for batch in micro_batches)
+    # [targets, inputs, target tokens], summed over ranks on the device: a fill, not a copy from the host.
+    counts = all_reduce_sum(torch.stack([local_targets, torch.full((), local_inputs, device=device), local_tokens]),
+                            ctx)
     # world_size / targets in float64, rounded once to float32 (what multiplying by a Python float does).
     scale = (ctx.world_size / counts[0].clamp(min=1).double()).float()
 
@@ -209,7 +219,7 @@ def train_step(
 
     norm = stepper.update(model, clip_grad_norm, check_norm=check_norm)
     values = read[0] if read else checks.read(loss_sum, norm, counts, stepped=True, metric_sums=metric_sums)
-    targets = max(values.target_tokens, 1)
+    targets = max(values.targets, 1)
     return StepResult(
         loss=values.loss_sum / targets,
         grad_norm=values.grad_norm,

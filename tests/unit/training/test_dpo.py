@@ -181,7 +181,8 @@ def test_step_zero_every_pair_costs_ln2_with_zero_rewards_and_half_accuracy(pair
     result = train_step(model, stepper, micro, ctx=CTX, objective=objective)
     # The reference is the policy, run through the same ops: the log-ratios are 0 exactly, each pair's loss is
     # float32(ln 2), and the mean of 6 of them rounds 6 additions.
-    assert result.target_tokens == 6
+    answer_tokens = sum(int((batch["labels"] != IGNORE_INDEX).sum()) for batch in micro)
+    assert result.target_tokens == answer_tokens  # the tokens scored; the loss is a mean over the 6 pairs
     assert_close(result.loss, LN2, terms=6, what="step-0 loss")
     assert result.extra["rewards_chosen"] == result.extra["rewards_rejected"] == result.extra["rewards_margin"] == 0
     assert result.extra["rewards_accuracy"] == 0.5  # every pair a tie
