@@ -36,7 +36,7 @@ from torchtune_ac.run.phases import (
     restore,
 )
 from torchtune_ac.run.session import Run, log_plan, open_run, plan_run
-from torchtune_ac.training.evaluation import evaluate
+from torchtune_ac.training.evaluation import Evaluation, evaluate_objective
 from torchtune_ac.training.step import StepResult, train_step
 
 CONFIG_SCHEMA = FullFinetuneConfig
@@ -87,9 +87,9 @@ class FullFinetuneRecipe:
         return train_step(training.model, training.stepper, micro_batches, ctx=self.run.ctx,
                           objective=training.objective, clip_grad_norm=self.cfg.clip_grad_norm)
 
-    def evaluate(self, batches) -> float:
+    def evaluate(self, batches) -> Evaluation:
         """The validation loss: the mean next-token loss per target over the held-out batches."""
-        return evaluate(self.training.model, batches, ctx=self.run.ctx, objective=self.training.objective)
+        return evaluate_objective(self.training.model, batches, ctx=self.run.ctx, objective=self.training.objective)
 
 
 def run(cfg: FullFinetuneConfig) -> None:

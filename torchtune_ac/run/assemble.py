@@ -10,6 +10,9 @@ materialised before sharding, so no rank ever holds the full model, and the init
 world size and device (drawn on the CPU in blocks of rows, each from a generator of its own; each rank draws its
 own rows). The optimizer comes after
 FSDP2: it steps the sharded parameters, and the step in backward hooks them.
+
+``build_reference`` runs the same order for a model that never trains (DPO's reference): no AC, offloading or
+compile, every FSDP2 group resharded after its forward, no optimizer, frozen.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, joi
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.activation_checkpointing import apply_ac_plan, silence_compiled_policy_warning
 from torchtune_ac.training.fsdp import parameter_device, shard_model
+from torchtune_ac.training.dpo import freeze_reference
 from torchtune_ac.training.objective import Objective
 from torchtune_ac.training.step import Stepper
 
@@ -78,6 +82,7 @@ def build_training(
     load_weights: bool = True,
     make_optimizer: Optional[MakeOptimizer] = None,
     make_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
+    frozen: bool = False,
 ) -> Training:
     """Apply the plan to ``model``, in the one order (see the module docstring).
 
@@ -93,6 +98,9 @@ def build_training(
         load_weights: fill the weights; False leaves them for the caller (a resume loads its own).
         make_optimizer: the config's optimizer, called with parameters; None: no stepper.
         make_scheduler: builds the LR schedule over the stepper's optimizer; None: no schedule.
+        frozen: a model that never trains (DPO's reference, ``build_reference``): no activation checkpointing,
+            offloading or compile (nothing is kept for backward), every FSDP2 group resharded after its forward,
+            no gradients, eval mode.
 
     Returns:
         The model in training mode, computing on ``ctx.device`` (its parameters kept on the CPU under CPU
@@ -110,12 +118,13 @@ def build_training(
     blocks = transformer_blocks(model)
 
     # 1. Activation checkpointing: the chosen blocks recompute their activations in backward.
-    apply_ac_plan(model, memory.ac)
+    if not frozen:
+        apply_ac_plan(model, memory.ac)
     # 2. Activation offloading: what those blocks keep for backward waits in pinned host memory.
-    if memory.offloads_activations:
+    if memory.offloads_activations and not frozen:
         apply_activation_offloading(model)
     # 3. Compile each block in place (it traces the checkpointed forward, per-op policy included).
-    if compile_blocks:
+    if compile_blocks and not frozen:
         if memory.ac.policy is not None and all(isinstance(b, TransformerBlock) for b in blocks):
             silence_compiled_policy_warning()
         for block in blocks:
@@ -126,7 +135,7 @@ def build_training(
     #    One process shards too when a feature works through FSDP2 (a world of one).
     if sharded:
         join_world_of_one(ctx.device)
-        shard_model(model, fsdp, options, device=ctx.device, dtype=dtype)
+        shard_model(model, fsdp, options, device=ctx.device, dtype=dtype, frozen=frozen)
     # 5. Materialise: allocate every parameter (this rank's shard) on its device, buffers where the model computes.
     model.to_empty(device=parameter_device(options, ctx.device))
     place_buffers_(model, ctx.device)
@@ -137,6 +146,8 @@ def build_training(
         load_hf_weights_(model, checkpoint_dir)
     elif load_weights:
         initialize_weights_(model, pristine, dtype=dtype.torch, seed=seed, sharded=sharded)
+    if frozen:
+        return Training(freeze_reference(model), None, memory.objective())
     model.train()
 
     # 7. The optimizer, over the sharded parameters; 8. the stepper that steps them (after backward, or in it);
@@ -144,6 +155,22 @@ def build_training(
     stepper = memory.build_stepper(make_optimizer, model) if make_optimizer is not None else None
     scheduler = make_scheduler(stepper.optimizer) if make_scheduler is not None and stepper is not None else None
     return Training(model, stepper, memory.objective(), scheduler)
+
+
+def build_reference(model: nn.Module, *, ctx: DistributedContext, dtype: DType, memory: MemoryPlan,
+                    fsdp: FSDPConfig, checkpoint_dir: Optional[str], seed: int) -> nn.Module:
+    """A frozen reference model (DPO's): ``model`` (a second meta build of the policy's architecture) through the
+    one order, ``frozen``: sharded like the policy (the same groups, CPU offload), every group resharded after its
+    forward (a group left gathered for a backward that never comes would stay gathered for good), loaded from
+    ``checkpoint_dir`` or initialised from ``seed`` as the policy is; no gradients, no optimizer, eval mode.
+
+    Args:
+        memory: the run's memory plan (its ``fully_shard`` options: CPU offload).
+        checkpoint_dir: the reference's weights (``ref_checkpoint_dir``, else the policy's ``checkpoint_dir``);
+            None: the seed's random ones, the policy's own.
+    """
+    return build_training(model, ctx=ctx, dtype=dtype, memory=memory, fsdp=fsdp, compile_blocks=False,
+                          checkpoint_dir=checkpoint_dir, seed=seed, frozen=True).model
 
 
 def place_buffers_(built: nn.Module, device: torch.device) -> None:

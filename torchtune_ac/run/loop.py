@@ -3,7 +3,8 @@ schedule, validation, ``metrics.jsonl`` and the trackers, the progress bar, chec
 says, stop signals (agreed on by every rank after each step) and the stop on a non-finite loss.
 
 What is a recipe's own comes in as functions: its step (``step``: the micro-batches of one optimizer step in, a
-``StepResult`` out) and its validation loss (``evaluate``). SIGTERM or a first Ctrl-C stops the run after the
+``StepResult`` out, whose ``extra`` values are logged beside the loss) and its validation (``evaluate``: the
+held-out batches in, an ``Evaluation`` out, logged as ``val_loss`` and ``val_<metric>``). SIGTERM or a first Ctrl-C stops the run after the
 current step with a checkpoint (exit 143); a non-finite loss or gradient norm stops it before the optimizer takes
 it in, saving nothing (exit 3).
 """
@@ -29,6 +30,7 @@ from torchtune_ac.run.phases import RunData, ValidationData
 from torchtune_ac.run.plan import RunPlan
 from torchtune_ac.run.session import Run
 from torchtune_ac.runtime.non_finite import NonFiniteError
+from torchtune_ac.training.evaluation import Evaluation
 from torchtune_ac.training.step import StepResult, move_batch
 
 log = logging.getLogger("torchtune_ac.run")
@@ -46,13 +48,14 @@ class Trainer:
         step: the recipe's step: one optimizer step's micro-batches (on the device) in, its ``StepResult`` out.
         tokenizer: the run's tokenizer (its files and ids are saved with every checkpoint).
         validation: the held-out data, or None.
-        evaluate: the recipe's validation loss over ``validation``'s batches (required with ``validation``).
+        evaluate: the recipe's validation over ``validation``'s batches: its loss and metrics (required with
+            ``validation``).
     """
 
     def __init__(self, run: Run, plan: RunPlan, training: Training, data: RunData, *,
                  step: Callable[[Sequence[Batch]], StepResult], tokenizer: Any,
                  validation: Optional[ValidationData] = None,
-                 evaluate: Optional[Callable[[Iterable[Batch]], float]] = None) -> None:
+                 evaluate: Optional[Callable[[Iterable[Batch]], Evaluation]] = None) -> None:
         self.run, self.plan, self.training, self.data = run, plan, training, data
         self.step, self.tokenizer, self.validation, self.evaluate = step, tokenizer, validation, evaluate
         self.tokenizer_dir = Path(tokenizer.path).parent  # its files go into every checkpoint
@@ -105,10 +108,13 @@ class Trainer:
                 tokens_per_second = result.input_tokens / elapsed
                 target_tokens_per_second = result.target_tokens / elapsed
                 epoch_done = step_in_epoch + 1 == length.steps_per_epoch
-                val_loss = None
+                val_loss, validated = None, {}
                 if self.validation is not None and self.validation.due(run.progress.step, epoch_done=epoch_done):
-                    val_loss = self.evaluate(self.validation.batches())
-                    log.info("step %d: validation loss %.4f", run.progress.step, val_loss)
+                    evaluation = self.evaluate(self.validation.batches())
+                    val_loss = evaluation.loss
+                    validated = {"val_loss": val_loss, **{f"val_{k}": v for k, v in evaluation.metrics.items()}}
+                    log.info("step %d: validation %s", run.progress.step,
+                             ", ".join(f"{k[4:]} {v:.4f}" for k, v in validated.items()))
                 # Every log_every_n_steps-th step, each validated one, and the run's last, whatever the period.
                 logged = (run.progress.step % every == 0 or val_loss is not None
                           or run.progress.step == length.total_steps)
@@ -126,12 +132,13 @@ class Trainer:
                             "target_tokens": result.target_tokens,
                             "step_time_s": elapsed,
                             "target_tokens_per_second": target_tokens_per_second,
-                            **({"val_loss": val_loss} if val_loss is not None else {}),
+                            **validated,
                             **result.extra,
                         }
                     )
                 progress.update(step=run.progress.step, loss=result.loss, lr=lr, tokens_per_second=tokens_per_second,
-                                target_tokens_per_second=target_tokens_per_second, val_loss=val_loss)
+                                target_tokens_per_second=target_tokens_per_second, val_loss=val_loss,
+                                extra=result.extra)
                 stop = run.stop.agreed(ctx)  # every rank stops after the same step
                 if stop is not None:
                     log.info(messages.stopping(stop, run.progress.step))

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -33,10 +33,10 @@ from torchtune_ac.checkpoint import (
     load_checkpoint,
     read_trainer_state,
 )
-from torchtune_ac.data import blank_preference_sample, build_dataloader, collate_preference_batch
+from torchtune_ac.data import blank_preference_sample, build_dataloader, collate_batch, collate_preference_batch
 from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
 from torchtune_ac.data.preference import PreferenceDataset
-from torchtune_ac.data.sampler import evaluation_batches
+from torchtune_ac.data.sampler import blank_sample, evaluation_batches
 from torchtune_ac.data.samples import count_of, describe_samples
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.optimizer_state import layout_of, state_bytes
@@ -70,6 +70,20 @@ def choose_resume(cfg: TrainingConfig, ctx: DistributedContext) -> ResumeChoice:
     return choice
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How a recipe's samples become batches: ``collate`` makes a batch (called with ``pad_id``,
+    ``pad_to_multiple_of`` and ``max_length``), ``blank`` a copy of a sample that counts for nothing (what fills the
+    last batch of a validation pass)."""
+
+    collate: Callable[..., dict[str, torch.Tensor]] = collate_batch
+    blank: Callable[[dict[str, Any]], dict[str, Any]] = blank_sample
+
+
+SAMPLES = Batching()  # tokens and labels, one row a sample
+PAIRS = Batching(collate_preference_batch, blank_preference_sample)  # preference pairs: chosen rows, rejected rows
+
+
 @dataclass
 class RunData:
     """The data of a run.
@@ -100,13 +114,15 @@ def batch_padding(cfg: TrainingConfig) -> dict[str, Any]:
     return {"pad_to_multiple_of": COMPILED_LENGTH_MULTIPLE, "max_length": cfg.max_seq_len}
 
 
-def build_data(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext) -> RunData:
+def build_data(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext, *,
+               batching: Batching = SAMPLES) -> RunData:
     """The dataset, this rank's loader (batches in pinned memory for a CUDA run, so that their copy to the GPU is
-    asynchronous; padded as ``batch_padding`` says), and what identifies the data (its files hashed once, the ranks
-    sharing the reading). How many steps it makes is the plan's (``RunPlan.with_data``)."""
+    asynchronous; padded as ``batch_padding`` says; made as ``batching`` says: samples, or a recipe's own, such as
+    preference pairs), and what identifies the data (its files hashed once, the ranks sharing the reading). How many
+    steps it makes is the plan's (``RunPlan.with_data``)."""
     dataset = cfg.dataset.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
     loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.rank, world_size=ctx.world_size,
-                              shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id,
+                              shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id, collate=batching.collate,
                               **batch_padding(cfg), pin_memory=ctx.device.type == "cuda")
     files = dataset.source_files
     identity = identify_data(dataset.source, files and files.root, files and files.names, len(dataset),
@@ -126,6 +142,7 @@ class ValidationData:
         pad_id: the tokenizer's padding id.
         ctx: this rank's place in the run.
         padding: how batches are padded (``batch_padding``).
+        batching: how samples become batches.
     """
 
     dataset: Any
@@ -134,19 +151,22 @@ class ValidationData:
     pad_id: int
     ctx: DistributedContext
     padding: dict[str, Any] = field(default_factory=dict)
+    batching: Batching = SAMPLES
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's batches of one pass (every sample once over all ranks; see ``evaluation_batches``)."""
         return evaluation_batches(self.dataset, batch_size=self.batch_size, pad_id=self.pad_id,
-                                  rank=self.ctx.rank, world_size=self.ctx.world_size, **self.padding)
+                                  rank=self.ctx.rank, world_size=self.ctx.world_size, collate=self.batching.collate,
+                                  blank=self.batching.blank, **self.padding)
 
     def due(self, step: int, *, epoch_done: bool) -> bool:
         """Whether the step just finished is one to validate after."""
         return step % self.every_n_steps == 0 if self.every_n_steps else epoch_done
 
 
-def build_validation(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext) -> Optional[ValidationData]:
-    """The validation data, or None without ``dataset_val``."""
+def build_validation(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext, *,
+                     batching: Batching = SAMPLES) -> Optional[ValidationData]:
+    """The validation data, batched as ``batching`` says, or None without ``dataset_val``."""
     if cfg.dataset_val is None:
         return None
     dataset = cfg.dataset_val.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
@@ -155,7 +175,7 @@ def build_validation(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContex
     log.info("validation: %s, every %s", describe_samples(dataset),
              count_of(cfg.run_val_every_n_steps, "step") if cfg.run_val_every_n_steps else "epoch")
     return ValidationData(dataset, cfg.batch_size_val or cfg.batch_size, cfg.run_val_every_n_steps,
-                          tokenizer.pad_id, ctx, batch_padding(cfg))
+                          tokenizer.pad_id, ctx, batch_padding(cfg), batching)
 
 
 def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset, *, batch_size: int,
@@ -177,7 +197,7 @@ def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset,
     """
     logps = torch.zeros(len(dataset), 2, dtype=torch.float64, device=ctx.device)  # [pairs, (chosen, rejected)]
     batches = evaluation_batches(dataset, batch_size=batch_size, pad_id=pad_id, rank=ctx.rank,
-                                 world_size=ctx.world_size, collate=collate_preference_batch, blank=blank_preference_sample,
+                                 world_size=ctx.world_size, collate=PAIRS.collate, blank=PAIRS.blank,
                                  **(padding or {}))
     global_batch = batch_size * ctx.world_size
     for index, batch in enumerate(batches):
