@@ -20,11 +20,13 @@ from typing import Optional
 from torchtune_ac.config.components import Component
 from torchtune_ac.config_key import config_key
 from torchtune_ac.memory.plan import MemoryConfig
+from torchtune_ac.memory.planner import PreferenceStep
 from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S, FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.training.dpo import DPOConfig, ReferenceMode
 
-__all__ = ["Device", "DType", "FSDPConfig", "FullFinetuneConfig"]
+__all__ = ["Device", "DType", "FSDPConfig", "FullDPOConfig", "FullFinetuneConfig"]
 
 
 class Device(str, enum.Enum):
@@ -121,3 +123,31 @@ class FullFinetuneConfig:
         None, doc="An experiment tracker besides metrics.jsonl (always written): "
         "torchtune_ac.observability.metric_logging.TensorBoardLogger or WandBLogger; null: none.")
     fsdp: FSDPConfig = config_key(doc="FSDP2's settings (see its keys).", default_factory=FSDPConfig)
+
+    def preference_step(self) -> Optional[PreferenceStep]:
+        """What the planner simulates besides the token loss: nothing for fine-tuning."""
+        return None
+
+
+@dataclass(frozen=True)
+class FullDPOConfig(FullFinetuneConfig):
+    """Config of the ``full_dpo`` recipe: ``full_finetune``'s keys, preference data, the reference and the loss."""
+
+    dataset: Component = config_key(
+        doc="The preference pairs: torchtune_ac.data.preference_dataset with its source (prompt/chosen/rejected "
+        "strings, or chosen/rejected message lists sharing their prompt).", positional=1,
+        recipe_kwargs=("max_seq_len",))
+    ref_checkpoint_dir: Optional[str] = config_key(
+        None, doc="The Hugging Face checkpoint of the reference model; null: the policy's starting weights "
+        "(checkpoint_dir, or without it the seed's random ones). A resume keeps the reference it started from.",
+        non_empty=True)
+    dpo: DPOConfig = config_key(doc="The DPO loss and its reference (see its keys).", default_factory=DPOConfig)
+
+    @property
+    def reference_checkpoint_dir(self) -> Optional[str]:
+        """Where the reference's weights come from: ``ref_checkpoint_dir``, else ``checkpoint_dir``."""
+        return self.ref_checkpoint_dir if self.ref_checkpoint_dir is not None else self.checkpoint_dir
+
+    def preference_step(self) -> Optional[PreferenceStep]:
+        """Pairs, two rows each, and the reference model when it stays resident."""
+        return PreferenceStep(resident_reference=self.dpo.reference is ReferenceMode.RESIDENT)

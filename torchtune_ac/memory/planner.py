@@ -65,6 +65,20 @@ BACKWARD_PHASES = ("loss backward", "blocks backward", "rest of backward")
 
 
 @dataclass(frozen=True)
+class PreferenceStep:
+    """A preference step (DPO, ``training/dpo.py``): each sample is a pair whose chosen and rejected rows go through
+    the model in one forward (two rows a sample), scored by the DPO objective.
+
+    Attributes:
+        resident_reference: a frozen model of the same shape (sharded like it, no gradients, no optimizer state)
+            stays resident and runs under ``no_grad`` before each forward; False: its log-probabilities come with the
+            batch (``dpo.reference: precomputed``), and no reference model is kept.
+    """
+
+    resident_reference: bool
+
+
+@dataclass(frozen=True)
 class Workload:
     """What one process does in a step.
 
@@ -92,6 +106,13 @@ class Workload:
     # Packed rows whose attention takes ``varlen_attn`` (CUDA, bf16): the K/V copies it makes on this torch are
     # counted (``models.attention.varlen_kv_copy_bytes``), which the simulation, on a CPU's kernels, cannot make.
     varlen: bool = False
+    # A preference step (DPO) instead of the token loss: pairs of rows, and the reference model when resident.
+    preference: Optional[PreferenceStep] = None
+
+    @property
+    def rows(self) -> int:
+        """Rows per micro-batch through the model: the samples, or twice as many for preference pairs."""
+        return self.batch_size * (2 if self.preference is not None else 1)
 
     @property
     def shard_degree(self) -> int:
@@ -117,7 +138,7 @@ class MemoryEstimate:
     """The estimated memory of one process for one AC plan, in bytes.
 
     ``total`` is the peak of the step. At that moment it is made of: ``parameters`` and ``optimizer`` (resident,
-    sharded), the ``gradients`` alive, the saved ``activations`` still alive, and ``transient`` (the rest:
+    sharded; a DPO step's resident ``reference`` model too), the ``gradients`` alive, the saved ``activations`` still alive, and ``transient`` (the rest:
     backward temporaries, a block's recompute, the loss's gradients, FSDP's gathered parameters and reduce
     buffers, the batch). ``saved_activations`` is what one micro-batch's forward keeps for backward (what
     ``scripts/_measure.py`` measures); ``extra_flops`` is the share of
@@ -137,11 +158,12 @@ class MemoryEstimate:
     host: int = 0  # bytes the features keep in the host's memory instead (not in ``total``)
     host_parts: Mapping[str, int] = field(default_factory=dict)  # ``host`` by category
     fixed: int = 0  # the process's own cost on the device, before any tensor of the step (see ``device``)
+    reference: int = 0  # a resident reference model's parameters (DPO, ``PreferenceStep``), sharded as the policy's
 
     @property
     def total(self) -> int:
-        """The step's tensors at its peak: the five parts."""
-        return self.parameters + self.optimizer + self.gradients + self.activations + self.transient
+        """The step's tensors at its peak: the five parts, and a resident reference model."""
+        return self.parameters + self.optimizer + self.gradients + self.activations + self.transient + self.reference
 
     @property
     def device(self) -> int:
@@ -403,7 +425,7 @@ def _simulate(
         # feature can simulate).
         make_optimizer = optimizer_state.planner_optimizer(workload.setting("optimizer_state"), make_optimizer)
         stepper = build_optimizer(make_optimizer, model, in_backward=workload.setting("optimizer_in_bwd"))
-        objective = loss_objective(workload.setting("loss_chunks"))
+        objective, reference = _objective(build_model, workload, n_blocks)
         optimizers = stepper.optimizers_to_checkpoint()
         _allocate_optimizer_state(optimizers)
         hooks += _phase_hooks(blocks, tracker)
@@ -414,13 +436,16 @@ def _simulate(
         vocab = family.hf.architecture(family.args_of(model))["vocab_size"] if family is not None else 2
         micro_batches = []
         for _ in range(min(workload.gradient_accumulation_steps, 2)):  # gradients live across the second
-            tokens = torch.randint(0, vocab, (workload.batch_size, workload.seq_len))
+            tokens = torch.randint(0, vocab, (workload.rows, workload.seq_len))
             # Every position a target (the loss's worst case), counted on the host as the collate code does.
             micro_batches.append({"tokens": tokens, "labels": torch.randint(0, vocab, tokens.shape),
                                   "target_count": torch.tensor(tokens.numel())})
+            if workload.preference is not None and reference is None:  # precomputed: they come with the batch
+                micro_batches[-1]["reference_logps"] = torch.zeros(workload.rows)
         states = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         inputs = [t for batch in micro_batches for t in batch.values()]
-        tracker.known = {t.untyped_storage()._cdata for t in [*params, *states, *inputs, *model.buffers()]}
+        frozen = [*reference.parameters(), *reference.buffers()] if reference is not None else []
+        tracker.known = {t.untyped_storage()._cdata for t in [*params, *states, *inputs, *model.buffers(), *frozen]}
         saved: list[int] = []
 
         def after_forward(i: int) -> None:
@@ -448,9 +473,27 @@ def _simulate(
         )
 
 
+def _objective(build_model: Callable[[], nn.Module], workload: Workload,
+               n_blocks: Optional[int]) -> tuple[Any, Optional[nn.Module]]:
+    """The step's objective, as the recipe builds it: the token loss (chunked as ``loss_chunks`` says), or for a
+    preference step the DPO loss, with a reference model of the simulated depth when it is resident (its
+    parameters, counted apart as ``MemoryEstimate.reference``, are not the step's allocations; its forward is)."""
+    chunks = workload.setting("loss_chunks")
+    if workload.preference is None:
+        return loss_objective(chunks), None
+    from torchtune_ac.training.dpo import DPOConfig, DPOObjective, freeze_reference
+
+    reference = None
+    if workload.preference.resident_reference:
+        reference = freeze_reference(build_model())
+        if n_blocks is not None:
+            del transformer_blocks(reference)[n_blocks:]
+    return DPOObjective(DPOConfig(), n_chunks=chunks, reference=reference), reference
+
+
 def _varlen_kv_copy(block: nn.Module, workload: Workload) -> int:
     """Bytes of the K/V copies one block's attention makes for ``varlen_attn`` on this torch, one micro-batch."""
-    tokens = workload.batch_size * workload.seq_len
+    tokens = workload.rows * workload.seq_len
     return sum(varlen_kv_copy_bytes(tokens, m.n_heads, m.n_kv_heads, m.head_dim, workload.dtype.torch)
                for m in block.modules() if isinstance(m, Attention))
 
@@ -561,8 +604,14 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
             device[category] += nbytes
         for category, nbytes in cost.host.items():
             host[category] = host.get(category, 0) + nbytes
+    # A resident reference: the policy's parameters again, sharded alike; kept in host memory with CPU offload.
+    reference = parameters / n if workload.preference is not None and workload.preference.resident_reference else 0
+    if reference and workload.setting("cpu_offload"):
+        host["reference"] = reference
+        reference = 0
     return MemoryEstimate(
         plan=plan,
+        reference=math.ceil(reference),
         parameters=math.ceil(device["parameters"]),
         optimizer=math.ceil(device["optimizer"]),
         gradients=math.ceil(device["gradients"]),

@@ -100,18 +100,22 @@ class MemoryTable:
     def table_lines(self) -> list[str]:
         unit, scale = self.unit
         fits = "  fits" if self.budget_gib is not None else ""
-        header = (f"{'setting':<17} {'activations':>11} {'parameters':>10} {'gradients':>9} {'optimizer':>9} "
+        # A DPO step's resident reference model: a column of its own, only when there is one.
+        reference = any(e.reference for e in self.estimates)
+        header = (f"{'setting':<17} {'activations':>11} {'parameters':>10} " + (f"{'reference':>9} " if reference else "")
+                  + f"{'gradients':>9} {'optimizer':>9} "
                   f"{'transient':>9} {'step':>7} {'process':>7} {'device':>7} {'host':>7} {'recompute':>9} "
                   f"{'saved/fwd':>9}{fits}")
-        out = [self.title, f"estimated {unit} per process at the peak of one step: the five parts add up to the step; device is "
+        out = [self.title, f"estimated {unit} per process at the peak of one step: the parts add up to the step; device is "
                "the step and the process's own (fixed) cost; host is what the switches keep in host memory", header]
         for i, e in enumerate(self.estimates):
             if i in self.not_applicable:
                 reason = self.not_applicable[i].split("; ")[0]  # the why, without the error's fix for a run
                 out.append(f"{describe_setting(e.plan):<17} not applicable: {reason}")
                 continue
+            reference_cell = f"{e.reference / scale:>9.2f} " if reference else ""
             row = (f"{describe_setting(e.plan):<17} {e.activations / scale:>11.2f} {e.parameters / scale:>10.2f} "
-                   f"{e.gradients / scale:>9.2f} {e.optimizer / scale:>9.2f} {e.transient / scale:>9.2f} "
+                   f"{reference_cell}{e.gradients / scale:>9.2f} {e.optimizer / scale:>9.2f} {e.transient / scale:>9.2f} "
                    f"{e.total / scale:>7.2f} {e.fixed / scale:>7.2f} {e.device / scale:>7.2f} {e.host / scale:>7.2f} "
                    f"{e.extra_flops:>+9.1%} {e.saved_activations / scale:>9.2f}{self._fits(e)}")
             if i == self.chosen:
@@ -120,6 +124,9 @@ class MemoryTable:
         if self.budget_gib is not None and self.chosen is None:
             out.append(f"nothing fits {self.budget_gib:g} GiB: lower batch_size or max_seq_len, add processes, or turn on "
                        "another memory switch (below)")
+        if reference:
+            out.append("reference: the DPO reference model's parameters, resident and sharded as the policy's "
+                       "(dpo.reference: precomputed frees it)")
         out.append("activations: saved for backward and alive at the peak; transient: backward temporaries, a block's "
                    "recompute, the loss's gradients, FSDP2's gathered parameters and reduce buffers; recompute: extra "
                    "matrix-multiply and attention FLOPs of the step; saved/fwd: what one forward keeps for backward; "
@@ -216,7 +223,8 @@ def draw_memory_table(table: MemoryTable, path: Path) -> Path:
     except ImportError:
         raise UserError("--png needs matplotlib: pip install 'torchtune_ac[plot]'") from None
     names = [describe_setting(e.plan).replace(" block", "\nblock") for e in table.applicable()]
-    parts = [("parameters", "parameters", "tab:gray"), ("optimizer state", "optimizer", "tab:brown"),
+    parts = [("parameters", "parameters", "tab:gray"), ("reference model", "reference", "tab:olive"),
+             ("optimizer state", "optimizer", "tab:brown"),
              ("gradients", "gradients", "tab:orange"), ("activations", "activations", "tab:blue"),
              ("transient", "transient", "tab:green"), ("process (fixed)", "fixed", "tab:purple")]
     # Small models in MiB, as the table shows them: in GiB to one decimal they all read "0.4".

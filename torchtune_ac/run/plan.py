@@ -31,7 +31,7 @@ from torchtune_ac.data.samples import count_of
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.feature import OptimizerSpec
 from torchtune_ac.memory.plan import MemoryConfig, MemoryPlan, PlannerInputs, resolve_memory_plan
-from torchtune_ac.memory.planner import MemoryEstimate, Workload
+from torchtune_ac.memory.planner import MemoryEstimate, PreferenceStep, Workload
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.runtime.distributed import resolve_device
 from torchtune_ac.runtime.dtypes import DType
@@ -74,6 +74,9 @@ class TrainingConfig(Protocol):
     log_every_n_steps: int
     metric_logger: Optional[Component]
     fsdp: FSDPConfig
+
+    def preference_step(self) -> Optional[PreferenceStep]:
+        """What the planner simulates instead of the token loss: a preference step (DPO), or None."""
 
 
 @dataclass(frozen=True)
@@ -366,7 +369,8 @@ def planner_inputs(cfg: TrainingConfig, world_size: int, device: torch.device) -
                         # Packed rows on a GPU in bf16 take varlen_attn (models/attention.py), whose K/V copies the
                         # simulation cannot make on a CPU's kernels.
                         varlen=(bool(cfg.dataset.kwargs.get("packed", False))
-                                and planned_device(cfg.device).type == "cuda" and cfg.dtype is DType.BF16))
+                                and planned_device(cfg.device).type == "cuda" and cfg.dtype is DType.BF16),
+                        preference=cfg.preference_step())
     return PlannerInputs(
         build_model=lambda: cfg.model.instantiate_with_defaults(checkpoint_dir=cfg.checkpoint_dir),
         make_optimizer=cfg.optimizer.instantiate,

@@ -38,13 +38,15 @@ from __future__ import annotations
 
 import enum
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtune_ac.config_key import config_key
+from torchtune_ac.errors import UserError
 from torchtune_ac.training.sequence_logps import ChunkedSequenceLogProbs, sequence_logps
 from torchtune_ac.training.objective import IGNORE_INDEX, LossParts, host_target_count, run_model
 
@@ -68,13 +70,35 @@ class ReferenceMode(str, enum.Enum):
 class DPOConfig:
     """The ``dpo.*`` keys (see the module docstring)."""
 
-    # Strength of the pull towards the reference (IPO: its regularisation tau). torchtune's DPOLoss.beta.
-    beta: float = field(default=0.1, metadata={"exclusive_minimum": 0.0, "torchtune": "loss.beta"})
-    # Conservative DPO: the probability that a pair's preference is wrong (sigmoid loss only).
-    label_smoothing: float = field(default=0.0, metadata={"minimum": 0.0, "maximum": 0.5,
-                                                          "torchtune": "loss.label_smoothing"})
-    loss_type: DPOLossType = DPOLossType.SIGMOID
-    reference: ReferenceMode = ReferenceMode.RESIDENT
+    beta: float = config_key(
+        0.1, doc="How strongly the policy is held to the reference: the scale of the log-ratios in the loss (IPO: its "
+        "regularisation tau). torchtune's DPOLoss beta.", exclusive_minimum=0.0, torchtune="loss.beta")
+    label_smoothing: float = config_key(
+        0.0, doc="Conservative DPO: the probability that a pair's preference is flipped (the sigmoid loss only).",
+        minimum=0.0, maximum=0.5, torchtune="loss.label_smoothing")
+    loss_type: DPOLossType = config_key(
+        DPOLossType.SIGMOID, doc="sigmoid (DPO), or ipo (IPO, as TRL computes it: the log-ratios divided by the "
+        "answer's tokens).")
+    reference: ReferenceMode = config_key(
+        ReferenceMode.RESIDENT, doc="resident: the reference model stays, sharded like the policy, and runs before "
+        "every policy forward; precomputed: its log-probabilities are computed in a first pass over the data, kept "
+        "with the pairs, and the model is freed.")
+
+    def __post_init__(self) -> None:
+        if self.label_smoothing and self.loss_type is not DPOLossType.SIGMOID:
+            raise UserError(f"dpo.label_smoothing={self.label_smoothing}: only the sigmoid loss has label smoothing "
+                            f"(dpo.loss_type={self.loss_type.value}); set it to 0")
+
+
+def describe_dpo(config: DPOConfig, ref_checkpoint_dir: Optional[str]) -> str:
+    """One line on the loss and the reference, for ``tune validate`` and the run's log."""
+    loss = f"{config.loss_type.value} loss, beta {config.beta:g}"
+    if config.label_smoothing:
+        loss += f", label smoothing {config.label_smoothing:g} (conservative DPO)"
+    weights = ref_checkpoint_dir if ref_checkpoint_dir is not None else "the starting weights"
+    how = ("resident, sharded like the policy, frozen" if config.reference is ReferenceMode.RESIDENT
+           else "its log-probabilities computed before training, then freed")
+    return f"{loss}; reference: {weights}, {how}"
 
 
 @dataclass(frozen=True)
