@@ -121,6 +121,21 @@ def resolve_recipe_path(recipe: str) -> Path:
                     "`tune ls`)")
 
 
+def recipe_of(args: argparse.Namespace) -> str:
+    """``tune validate`` and ``tune plan``'s recipe: ``--recipe``, else the one the config's launch comment names
+    (``#   tune run full_dpo --config ...``), else ``full_finetune``.
+
+    Raises:
+        UserError: the config is neither a file nor a built-in config.
+    """
+    from torchtune_ac.config import resolve_config_path
+    from torchtune_ac.registry import config_recipe
+
+    if args.recipe is not None:
+        return args.recipe
+    return config_recipe(resolve_config_path(args.config)) or "full_finetune"
+
+
 def load_recipe(path: Path) -> ModuleType:
     """Import the recipe file at ``path`` and check it has the recipe interface.
 
@@ -269,7 +284,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from torchtune_ac.config import resolve_config_path
 
-    path = resolve_recipe_path(args.recipe)
+    path = resolve_recipe_path(recipe_of(args))
     recipe = load_recipe(path)
     cfg = load_recipe_config(recipe, args.config, args.overrides, args.allow_component)
     summary = recipe.preflight(cfg, strict=False, world_size=None)  # validate cannot know how it will be launched
@@ -340,7 +355,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from torchtune_ac.registry import PlannedRecipe
     from torchtune_ac.run.memory_table import draw_memory_table
 
-    path = resolve_recipe_path(args.recipe)
+    path = resolve_recipe_path(recipe_of(args))
     recipe = load_recipe(path)
     if not isinstance(recipe, PlannedRecipe):
         raise UserError(f"tune plan: recipe {path.stem} declares no workload for the memory planner (it defines "
@@ -399,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.set_defaults(handler=cmd_cp)
 
     validate = sub.add_parser("validate", help="check a config without running it")
-    validate.add_argument("--recipe", default="full_finetune", help="recipe whose schema applies (default: full_finetune)")
+    validate.add_argument("--recipe", default=None, help="recipe whose schema applies (default: the one the config's "
+                          "launch comment names, else full_finetune)")
     _add_config_arguments(validate)
     validate.set_defaults(handler=cmd_validate, overrides=[])
     _add_overrides_to_usage(validate)
@@ -407,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="estimate memory per process for every activation checkpointing setting",
                           description="Estimate the memory per process of a training step for every AC setting "
                           "(a step simulated under fake tensors: no weights, no memory), and which one fits a budget.")
-    plan.add_argument("--recipe", default="full_finetune", help="recipe whose schema applies (default: full_finetune)")
+    plan.add_argument("--recipe", default=None, help="recipe whose schema applies (default: the one the config's "
+                      "launch comment names, else full_finetune)")
     plan.add_argument("--nproc", type=int_at_least(1), default=1, help="processes the run will use (FSDP2)")
     plan.add_argument("--budget-gib", dest="budget_gib", type=_positive_float, default=None,
                       help="memory per process to fit in (default: the config's ac_memory_budget_gib)")

@@ -78,7 +78,7 @@ class Recipe:
                             if config_recipe(path) == self.name))
 
 
-RECIPES: tuple[Recipe, ...] = (Recipe("full_finetune"),)
+RECIPES: tuple[Recipe, ...] = (Recipe("full_finetune"), Recipe("full_dpo"))
 
 
 def _shipped_dir(package: str, source_folder: str) -> Path:

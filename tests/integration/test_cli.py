@@ -97,9 +97,12 @@ def test_cp_missing_parent(tmp_path, capsys):
 
 @pytest.mark.parametrize("config", builtin_config_names())
 def test_validate_every_builtin_config(config, capsys):
+    from torchtune_ac.registry import builtin_config_path, config_recipe
+
     assert main(["validate", "--config", config]) == 0
     out = capsys.readouterr().out
-    assert "is valid for recipe full_finetune" in out
+    # The recipe its launch comment names (full_finetune, or full_dpo for *_dpo configs).
+    assert f"is valid for recipe {config_recipe(builtin_config_path(config))}" in out
     assert "parameters" in out and "layers" in out
     assert "activation checkpointing" in out
 
@@ -323,7 +326,7 @@ BAD_COMMAND_LINES = [
     (["cp", "no/such", "{tmp}/x.yaml"], "not a built-in recipe or config"),
     # torchtune's names: no hint, or a hint to the wrong config, before.
     (["run", "full_finetune_single_device", "--config", "tiny/full"],
-     "recipe full_finetune_single_device: not a built-in recipe (full_finetune) and not a .py file (did you mean "
+     "recipe full_finetune_single_device: not a built-in recipe (full_finetune, full_dpo) and not a .py file (did you mean "
      "full_finetune? It runs on one device and on many; see `tune ls`)"),
     (["run", "full_finetune", "--config", "llama3_2/1B_full_single_device"],
      "config llama3_2/1B_full_single_device: not a file and not a built-in config (did you mean llama3_2/1B_full?"),
