@@ -3,7 +3,13 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import os
+import re
+import runpy
+import shlex
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -13,6 +19,7 @@ import pytest
 from torchtune_ac.cli import build_parser
 from torchtune_ac.config.schema import FullDPOConfig, FullFinetuneConfig
 from torchtune_ac.config_key import config_key, config_keys
+from torchtune_ac.errors import UserError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -68,3 +75,242 @@ def test_a_stale_page_is_found(tmp_path):
     (tmp_path / "docs" / "config-reference.md").write_text(gen_docs.render_config_reference())
     (tmp_path / "docs" / "cli-reference.md").write_text("stale\n")
     assert gen_docs.stale_pages(tmp_path) == ["docs/cli-reference.md"]
+
+
+# ---------------------------------------------------------------------------------------------- commands the pages show
+#
+# Every command a page shows in a ```sh block is checked here: a `tune` command is parsed by tune's own parser, names
+# a built-in recipe and config (or a file an earlier command of the page made: `tune cp`, `tune migrate -o`), its
+# config is loaded with its overrides and validated against the recipe's schema as `tune validate` does; a Python
+# script's arguments are parsed by the script's own parser (its work never starts); a shell script exists, is
+# executable and still reads every flag shown. A typo'd config, a removed flag or a misspelt key fails the test.
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+HAND_WRITTEN = [page for page in PAGES if page.relative_to(REPO).as_posix() not in gen_docs.PAGES]
+LANGUAGES = {"sh", "python", "yaml", "text"}
+_COMMAND = re.compile(r"^(\$ )?(tune |\./scripts/|(\S*/)?python3? scripts/|[A-Z_]+=\S+ \./scripts/)")
+
+
+def code_blocks(page: Path) -> list[tuple[str, int, list[str]]]:
+    """(language, first line number, lines) of every fenced block of ``page``."""
+    blocks, current = [], None
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            if current is None:
+                current = (line[3:].strip(), number + 1, [])
+            else:
+                blocks.append(current)
+                current = None
+        elif current is not None:
+            current[2].append(line)
+    assert current is None, f"{page.name}: a code block is not closed"
+    return blocks
+
+
+def shown_commands(page: Path) -> list[tuple[int, list[str]]]:
+    """(line number, argv) of every command in the page's ``sh`` blocks: continuation lines joined, comments and
+    environment assignments dropped; in a block of a session (``$ `` prompts) only the prompted lines."""
+    commands = []
+    for language, first, lines in code_blocks(page):
+        if language != "sh":
+            continue
+        session = any(line.startswith("$ ") for line in lines)
+        joined, start = "", first
+        for offset, line in enumerate(lines):
+            if not joined:
+                start = first + offset
+            joined += line.rstrip("\\").strip() + " " if line.endswith("\\") else line.strip()
+            if line.endswith("\\"):
+                continue
+            text, joined = joined, ""
+            if not text or text.startswith("#") or (session and not text.startswith("$ ")):
+                continue
+            argv = shlex.split(text.removeprefix("$ "), comments=True)
+            while argv and re.fullmatch(r"[A-Z_]+=.*", argv[0]):
+                argv = argv[1:]
+            commands.append((start, argv))
+    return commands
+
+
+def check_tune_command(argv: list[str], made: dict[str, Optional[str]]) -> None:
+    """Parse a shown ``tune`` command and check what it names; record the files it makes in ``made`` (a copy of a
+    built-in config: its name; a migrated config: None)."""
+    from torchtune_ac.cli import load_recipe, load_recipe_config, parse_with_overrides
+    from torchtune_ac.registry import builtin_config_path, config_recipe, find_recipe
+
+    parser = build_parser()
+    args = parse_with_overrides(parser, argv[1:])
+    subparser = next(a for a in parser._actions if a.dest == "command").choices[args.command]
+    check_spelled_out(argv, parser, subparser)
+    if args.command == "cp":
+        assert builtin_config_path(args.source) is not None or find_recipe(args.source) is not None, (
+            f"tune cp {args.source}: no such built-in config or recipe")
+        made[args.destination] = args.source if builtin_config_path(args.source) is not None else None
+    elif args.command == "migrate":
+        made[args.output] = None
+    elif args.command in ("run", "validate", "plan"):
+        config = made.get(args.config, args.config)
+        if config is None:  # made by `tune migrate` from the reader's own file: parsed only
+            return
+        path = builtin_config_path(config)
+        assert path is not None, f"--config {config}: no such built-in config (see `tune ls`)"
+        launch_recipe = config_recipe(path)
+        name = args.recipe if args.command == "run" else (args.recipe or launch_recipe or "full_finetune")
+        recipe = find_recipe(name)
+        assert recipe is not None, f"recipe {name}: not a built-in recipe"
+        assert args.command != "run" or launch_recipe in (None, name), (
+            f"config {config} is {launch_recipe}'s, not {name}'s")
+        load_recipe_config(load_recipe(recipe.path), config, args.overrides, args.allow_component)
+
+
+def check_spelled_out(argv: list[str], *parsers: argparse.ArgumentParser) -> None:
+    """Every flag shown is one the parser declares, in full (argparse would accept an abbreviation, which a longer
+    flag added later makes ambiguous)."""
+    declared = {flag for parser in parsers for flag in parser._option_string_actions}
+    for arg in argv[1:]:
+        if arg.startswith("--") and arg.split("=")[0] not in declared:
+            raise AssertionError(f"{arg.split('=')[0]}: not a flag of {parsers[-1].prog} (its flags: "
+                                 f"{', '.join(sorted(f for f in declared if f.startswith('--')))})")
+
+
+class _Parsed(Exception):
+    """Raised in place of a script's work, once its parser has accepted the arguments."""
+
+    def __init__(self, parser: argparse.ArgumentParser) -> None:
+        super().__init__(parser.prog)
+        self.parser = parser
+
+
+def check_python_script(argv: list[str], monkeypatch) -> None:
+    """Parse a shown ``python scripts/X.py ...`` command with the script's own parser, and stop there."""
+    script = REPO / argv[1]
+    assert script.is_file(), f"{argv[1]}: no such script"
+    original = argparse.ArgumentParser.parse_known_args
+    depth = [0]
+
+    def parse_known_args(self, args=None, namespace=None):
+        depth[0] += 1
+        try:
+            parsed = original(self, args, namespace)
+        finally:
+            depth[0] -= 1
+        if depth[0] == 0:  # the script's own call (parse_args calls this too)
+            raise _Parsed(self)
+        return parsed
+
+    def parse_args(self, args=None, namespace=None):
+        depth[0] += 1
+        try:
+            argparse.ArgumentParser.__dict__["_original_parse_args"](self, args, namespace)
+        finally:
+            depth[0] -= 1
+        raise _Parsed(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(sys, "argv", [str(script), *argv[2:]])
+        patch.setattr(argparse.ArgumentParser, "_original_parse_args", argparse.ArgumentParser.parse_args,
+                      raising=False)
+        patch.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_args)
+        patch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
+        try:
+            runpy.run_path(str(script), run_name="__main__")
+        except _Parsed as parsed:
+            check_spelled_out(argv[1:], parsed.parser)
+            return
+        except SystemExit as err:
+            raise AssertionError(f"{' '.join(argv[1:])}: the script's parser refused it (exit {err.code})") from None
+    raise AssertionError(f"{argv[1]}: parsed no arguments")
+
+
+def check_shell_script(argv: list[str]) -> None:
+    script = REPO / argv[0]
+    assert script.is_file() and os.access(script, os.X_OK), f"{argv[0]}: no such executable script"
+    text = script.read_text()
+    for flag in (arg for arg in argv[1:] if arg.startswith("--")):
+        assert re.search(re.escape(flag.split("=")[0]) + r"(?![\w-])", text), f"{argv[0]}: does not read {flag}"
+
+
+def check_command(argv: list[str], made: dict[str, Optional[str]], monkeypatch) -> None:
+    if argv[0] == "tune":
+        check_tune_command(argv, made)
+    elif argv[0].startswith("./scripts/"):
+        check_shell_script(argv)
+    elif re.fullmatch(r"(\S*/)?python3?", argv[0]) and argv[1:2] and argv[1].startswith("scripts/"):
+        check_python_script(argv, monkeypatch)
+    else:
+        raise AssertionError(f"not a command the docs test knows how to check: {argv[0]}")
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[page.relative_to(REPO).as_posix() for page in PAGES])
+def test_every_command_a_page_shows_is_checked(page, monkeypatch):
+    made: dict[str, Optional[str]] = {}
+    failures = []
+    for line, argv in shown_commands(page):
+        try:
+            check_command(argv, made, monkeypatch)
+        except (AssertionError, UserError) as err:
+            failures.append(f"{page.relative_to(REPO)}:{line}: {' '.join(argv)}\n    {err}")
+    assert not failures, "\n".join(failures)
+
+
+def test_the_pages_show_commands():
+    """The extraction finds what the pages show (a test over nothing would pass)."""
+    readme = [" ".join(argv) for _, argv in shown_commands(REPO / "README.md")]
+    assert readme[:3] == ["./scripts/quickstart.sh", "./scripts/test.sh", "tune ls"]
+    assert "tune run --nproc_per_node 4 full_finetune --config llama3/8B_full checkpoint_dir=/models/Meta-Llama-3-8B" \
+        in readme
+    distributed = [argv for _, argv in shown_commands(REPO / "docs" / "distributed.md")]
+    assert ["tune", "run", "--nnodes", "2", "--nproc_per_node", "8", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+            "host:29500", "full_finetune", "--config", "llama3_1/8B_full", "fsdp.replicate_degree=2"] in distributed
+    assert ["./scripts/gpu_check.sh", "--out", "$OUT"] in distributed
+    memory = [argv for _, argv in shown_commands(REPO / "docs" / "memory.md")]
+    assert memory == [["tune", "plan", "--config", "llama3/8B_full", "--nproc", "4", "--budget-gib", "40", "--png",
+                       "plan.png"]]
+
+
+@pytest.mark.parametrize(("command", "error"), [
+    ("tune run full_finetune --config tiny/ful", "--config tiny/ful: no such built-in config"),
+    ("tune run full_finetun --config tiny/full", "recipe full_finetun: not a built-in recipe"),
+    ("tune run full_finetune --config tiny/dpo", "config tiny/dpo is full_dpo's, not full_finetune's"),
+    ("tune plan --config tiny/full --nprocs 2", "unrecognized arguments: --nprocs"),
+    ("tune run full_finetune --config tiny/full max_step_per_epoch=5", "max_step_per_epoch"),
+    ("tune validate --config mine.yaml", "no such built-in config"),
+    ("tune cp llama3/8B_ful my.yaml", "no such built-in config or recipe"),
+    ("./scripts/test.sh --numeric", "does not read --numeric"),
+    ("./scripts/tests.sh", "no such executable script"),
+    (".venv/bin/python scripts/bench_ac.py --repeats five", "the script's parser refused it"),
+    (".venv/bin/python scripts/bench_ac.py --repeat 5", "--repeat: not a flag of bench_ac.py"),
+    ("tune plan --config tiny/full --budget 40", "--budget: not a flag of tune plan"),
+])
+def test_a_wrong_command_fails_the_check(command, error, monkeypatch, capsys):
+    with pytest.raises((AssertionError, UserError), match=re.escape(error)):
+        check_command(shlex.split(command), {}, monkeypatch)
+
+
+def test_a_copied_or_migrated_config_is_followed():
+    made: dict[str, Optional[str]] = {}
+    check_tune_command(["tune", "cp", "tiny/full", "my.yaml"], made)
+    check_tune_command(["tune", "validate", "--config", "my.yaml", "ac_mode=selective", "ac_option=2"], made)
+    with pytest.raises(UserError, match="ac_optio"):
+        check_tune_command(["tune", "validate", "--config", "my.yaml", "ac_optio=2"], made)
+    check_tune_command(["tune", "migrate", "theirs.yaml", "-o", "ours.yaml"], made)
+    check_tune_command(["tune", "run", "full_finetune", "--config", "ours.yaml"], made)
+    assert made == {"my.yaml": "tiny/full", "ours.yaml": None}
+
+
+@pytest.mark.parametrize("page", HAND_WRITTEN, ids=[page.relative_to(REPO).as_posix() for page in HAND_WRITTEN])
+def test_no_command_hides_from_the_check(page):
+    """Every code block is fenced and names its language, and commands are only in ``sh`` blocks (where the test
+    above reads them)."""
+    for language, first, lines in code_blocks(page):
+        assert language in LANGUAGES, f"{page.name}:{first - 1}: a code block's language is {language!r}"
+        if language != "sh":
+            for offset, line in enumerate(lines):
+                assert not _COMMAND.match(line), f"{page.name}:{first + offset}: a command outside an sh block"
+    in_block, previous = False, ""
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        if line.startswith("```"):
+            in_block = not in_block
+        assert in_block or not (line.startswith("    ") and line.strip() and not previous.strip()), (
+            f"{page.name}:{number}: an indented code block (fence it, with its language)")
+        previous = line
