@@ -314,3 +314,40 @@ def test_no_command_hides_from_the_check(page):
         assert in_block or not (line.startswith("    ") and line.strip() and not previous.strip()), (
             f"{page.name}:{number}: an indented code block (fence it, with its language)")
         previous = line
+
+
+def shown_sessions(page: Path) -> list[tuple[int, list[str], list[str]]]:
+    """(line number, argv, the output lines shown under it) of every ``$ `` command of the page's ``sh`` blocks."""
+    sessions = []
+    for language, first, lines in code_blocks(page):
+        if language != "sh":
+            continue
+        for offset, line in enumerate(lines):
+            if line.startswith("$ "):
+                sessions.append((first + offset, shlex.split(line[2:], comments=True), []))
+            elif sessions and sessions[-1][0] >= first:
+                sessions[-1][2].append(line)
+    return sessions
+
+
+SESSIONS = [(page, line, argv, shown) for page in HAND_WRITTEN for line, argv, shown in shown_sessions(page)]
+
+
+@pytest.mark.slow  # tune plan of Llama 3 8B under fake tensors: about 10 s of CPU
+@pytest.mark.parametrize(("page", "line", "argv", "shown"), SESSIONS,
+                         ids=[f"{page.name}:{line}" for page, line, _, _ in SESSIONS])
+def test_a_shown_session_prints_what_the_page_shows(page, line, argv, shown, tmp_path, monkeypatch, capsys):
+    """A command shown with its output (``$ tune plan ...`` and the lines under it) is run, and prints those lines."""
+    from torchtune_ac.cli import main
+
+    assert argv[0] == "tune" and shown, f"{page.name}:{line}"
+    monkeypatch.chdir(tmp_path)  # what it writes (tune plan --png) stays here
+    assert main(argv[1:]) == 0
+    printed = capsys.readouterr().out.splitlines()
+    missing = [text for text in shown if text not in printed]
+    assert not missing, f"{page.name}:{line}: `{' '.join(argv)}` no longer prints:\n" + "\n".join(missing)
+
+
+def test_the_pages_show_a_session():
+    assert [(page.name, argv[:4], len(shown)) for page, _, argv, shown in SESSIONS] == [
+        ("memory.md", ["tune", "plan", "--config", "llama3/8B_full"], 8)]
