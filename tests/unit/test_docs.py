@@ -351,3 +351,65 @@ def test_a_shown_session_prints_what_the_page_shows(page, line, argv, shown, tmp
 def test_the_pages_show_a_session():
     assert [(page.name, argv[:4], len(shown)) for page, _, argv, shown in SESSIONS] == [
         ("memory.md", ["tune", "plan", "--config", "llama3/8B_full"], 8)]
+
+
+# ---------------------------------------------------------------------------------------------- links
+
+# Pages other branches write, linked from the README and the index before they land: checked once they exist.
+PAGES_OF_OTHER_BRANCHES = {"docs/tensor-parallelism.md", "docs/performance.md"}
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def anchors(page: Path) -> set[str]:
+    return anchors_of_text(page.read_text())
+
+
+def anchors_of_text(text: str) -> set[str]:
+    """GitHub's anchors of the headings: lower case, punctuation but ``-`` and ``_`` dropped, spaces to ``-``."""
+    found, in_block = set(), False
+    for line in text.splitlines():
+        if line.startswith("```"):
+            in_block = not in_block
+        elif not in_block and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            found.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return found
+
+
+def broken_links(page: Path, text: Optional[str] = None) -> list[str]:
+    """The relative links and images of ``page`` (or of ``text`` as if it were there) that lead nowhere."""
+    text = page.read_text() if text is None else text
+    broken, text = [], re.sub(r"```.*?```", "", text, flags=re.S)
+    for target in _LINK.findall(text):
+        if re.match(r"[a-z]+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not path and anchor in anchors_of_text(text):
+            continue
+        if path and file.relative_to(REPO.resolve()).as_posix() in PAGES_OF_OTHER_BRANCHES and not file.exists():
+            continue
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and anchor not in anchors(file):
+            broken.append(f"{target}: no such heading in {file.name}")
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[page.relative_to(REPO).as_posix() for page in PAGES])
+def test_links_and_images_resolve(page):
+    assert broken_links(page) == [], page.name
+
+
+def test_the_link_check_can_fail():
+    text = "# T\n[a](memory.md#no-such-heading) ![c](images/none.png) [b](#t) [d](setup.md#dependencies-and-why)\n"
+    assert broken_links(REPO / "docs" / "probe.md", text) == [
+        "memory.md#no-such-heading: no such heading in memory.md", "images/none.png: no such file"]
+
+
+def test_the_readme_is_short_and_opens_with_the_set_up():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 250
+    assert lines[2:6] == ["```sh", "./scripts/quickstart.sh     # creates/reuses .venv, installs everything, "
+                          "fine-tunes the embedded tiny model", "./scripts/test.sh           # same set-up, then the "
+                          "whole test suite (about 25 minutes on 2 cores)", "```"]
