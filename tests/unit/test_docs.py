@@ -257,8 +257,7 @@ def test_the_pages_show_commands():
     """The extraction finds what the pages show (a test over nothing would pass)."""
     readme = [" ".join(argv) for _, argv in shown_commands(REPO / "README.md")]
     assert readme[:3] == ["./scripts/quickstart.sh", "./scripts/test.sh", "tune ls"]
-    assert "tune run --nproc_per_node 4 full_finetune --config llama3/8B_full checkpoint_dir=/models/Meta-Llama-3-8B" \
-        in readme
+    assert "tune run --nproc_per_node 4 full_finetune --config my.yaml checkpoint_dir=/models/Meta-Llama-3-8B" in readme
     distributed = [argv for _, argv in shown_commands(REPO / "docs" / "distributed.md")]
     assert ["tune", "run", "--nnodes", "2", "--nproc_per_node", "8", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             "host:29500", "full_finetune", "--config", "llama3_1/8B_full", "fsdp.replicate_degree=2"] in distributed
