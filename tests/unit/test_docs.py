@@ -412,3 +412,12 @@ def test_the_readme_is_short_and_opens_with_the_set_up():
     assert lines[2:6] == ["```sh", "./scripts/quickstart.sh     # creates/reuses .venv, installs everything, "
                           "fine-tunes the embedded tiny model", "./scripts/test.sh           # same set-up, then the "
                           "whole test suite (about 25 minutes on 2 cores)", "```"]
+
+
+def test_the_readme_lists_every_exit_status():
+    from torchtune_ac import errors
+
+    text = (REPO / "README.md").read_text()
+    table = text[text.index("## Exit codes"):]
+    shown = {int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.M)}
+    assert shown == {0, 1} | {value for name, value in vars(errors).items() if name.startswith("EXIT_")}
