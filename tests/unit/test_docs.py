@@ -421,3 +421,45 @@ def test_the_readme_lists_every_exit_status():
     table = text[text.index("## Exit codes"):]
     shown = {int(m) for m in re.findall(r"^\| (\d+) \|", table, flags=re.M)}
     assert shown == {0, 1} | {value for name, value in vars(errors).items() if name.startswith("EXIT_")}
+
+
+# The commands a page shows that only read (and tune cp, which writes into the folder it is run in) are run as shown;
+# tune run and tune generate are parsed and their configs validated above (the runs themselves are the integration
+# tests'), and tune migrate's input is the reader's own file.
+RUN_AS_SHOWN = ("ls", "cp", "validate", "plan")
+
+
+def queries(page: Path) -> list[tuple[int, list[str]]]:
+    """The page's commands to run as shown (not those on a config `tune migrate` made from the reader's file, nor
+    those shown with their output, which the session test runs)."""
+    found, migrated = [], set()
+    sessions = {line for line, _, _ in shown_sessions(page)}
+    for line, argv in shown_commands(page):
+        if argv[0] != "tune" or line in sessions:
+            continue
+        if argv[1] == "migrate":
+            migrated.add(argv[argv.index("-o") + 1])
+        config = argv[argv.index("--config") + 1] if "--config" in argv else None
+        if argv[1] in RUN_AS_SHOWN and config not in migrated:
+            found.append((line, argv))
+    return found
+
+
+QUERIES = [page for page in HAND_WRITTEN if queries(page)]
+
+
+@pytest.mark.slow  # tune plan of the 8B configs under fake tensors: about 10 s of CPU each
+@pytest.mark.parametrize("page", QUERIES, ids=[page.relative_to(REPO).as_posix() for page in QUERIES])
+def test_the_queries_a_page_shows_run(page, tmp_path, monkeypatch, capsys):
+    from torchtune_ac.cli import main
+
+    monkeypatch.chdir(tmp_path)  # where tune cp writes, and tune validate reads the copy back
+    for line, argv in queries(page):
+        status = main(argv[1:])
+        err = capsys.readouterr().err
+        assert status == 0, f"{page.name}:{line}: `{' '.join(argv)}` exited {status}:\n{err[-2000:]}"
+
+
+def test_the_queries_are_found():
+    assert [page.name for page in QUERIES] == ["README.md", "preference-tuning.md", "usage.md"]
+    assert [argv[1] for _, argv in queries(REPO / "README.md")] == ["ls", "validate", "cp", "plan"]
