@@ -103,18 +103,22 @@ def _key_rows(schema: type) -> dict[str, str]:
         bounds = _bounds(field)
         kind = f"{kind} ({bounds})" if bounds else kind
         doc = " ".join(key.doc.split()).replace("|", "\\|")
-        rows[key.name] = f"| `{key.name}` | {kind} | {_default_text(key.default)} | {doc} |"
+        torchtune = field.metadata.get("torchtune")
+        torchtune = "" if torchtune is None else "same" if torchtune == "same" else f"`{torchtune}`"
+        rows[key.name] = f"| `{key.name}` | {kind} | {_default_text(key.default)} | {doc} | {torchtune} |"
     return rows
 
 
-_TABLE_HEAD = "| key | type | default | meaning |\n| --- | --- | --- | --- |\n"
+_TABLE_HEAD = "| key | type | default | meaning | torchtune |\n| --- | --- | --- | --- | --- |\n"
 
 _CONFIG_INTRO = """\
 # Config reference
 
 Every key a recipe's config may hold: its type (with its bounds), its default and what it means. Keys are checked
 once at start-up, before anything heavy, and every problem is reported together (exit 2); a misspelt key is
-reported with a suggestion. Top-level names are torchtune's where torchtune has one.
+reported with a suggestion. Top-level names are torchtune's where torchtune has one; the last column names the
+torchtune key a key replaces ("same": the same name and meaning; every other mapping is in
+[coming from torchtune](torchtune.md)).
 
 A `component` is a mapping with `_component_:` (a dotted path, allow-listed: see [security](security.md)) and the
 callable's arguments. Set any key from the command line with Hydra's grammar (`key=value`, `a.b=value`,

@@ -39,7 +39,7 @@ def test_the_config_reference_has_every_key_with_its_doc_and_default():
             assert key.name in rows, key.name
     row = rows["gradient_accumulation_steps"]
     assert row == ("| `gradient_accumulation_steps` | int (>= 1) | `1` | Micro-batches per optimizer step; the global "
-                   "batch is batch_size x this x the processes. |")
+                   "batch is batch_size x this x the processes. | same |")
     assert rows["fsdp.reduce_dtype"].startswith("| `fsdp.reduce_dtype` | `fp32` / `bf16` or null | `null` | ")
     assert rows["output_dir"].startswith("| `output_dir` | str (not empty) | required | ")
 
@@ -55,8 +55,8 @@ def test_a_changed_field_changes_its_row():
     class Changed:
         steps: Optional[int] = config_key(2, doc="How many | steps.", minimum=1)
 
-    assert gen_docs._key_rows(Schema) == {"steps": "| `steps` | int or null (>= 1) | `null` | How many \\| steps. |"}
-    assert gen_docs._key_rows(Changed)["steps"] == "| `steps` | int or null (>= 1) | `2` | How many \\| steps. |"
+    assert gen_docs._key_rows(Schema) == {"steps": "| `steps` | int or null (>= 1) | `null` | How many \\| steps. |  |"}
+    assert gen_docs._key_rows(Changed)["steps"] == "| `steps` | int or null (>= 1) | `2` | How many \\| steps. |  |"
 
 
 def test_the_cli_reference_has_every_subcommand_and_flag():
