@@ -185,13 +185,13 @@ def check_python_script(argv: list[str], monkeypatch) -> None:
     """Parse a shown ``python scripts/X.py ...`` command with the script's own parser, and stop there."""
     script = REPO / argv[1]
     assert script.is_file(), f"{argv[1]}: no such script"
-    original = argparse.ArgumentParser.parse_known_args
+    original_known, original = argparse.ArgumentParser.parse_known_args, argparse.ArgumentParser.parse_args
     depth = [0]
 
     def parse_known_args(self, args=None, namespace=None):
         depth[0] += 1
         try:
-            parsed = original(self, args, namespace)
+            parsed = original_known(self, args, namespace)
         finally:
             depth[0] -= 1
         if depth[0] == 0:  # the script's own call (parse_args calls this too)
@@ -201,15 +201,13 @@ def check_python_script(argv: list[str], monkeypatch) -> None:
     def parse_args(self, args=None, namespace=None):
         depth[0] += 1
         try:
-            argparse.ArgumentParser.__dict__["_original_parse_args"](self, args, namespace)
+            original(self, args, namespace)
         finally:
             depth[0] -= 1
         raise _Parsed(self)
 
     with monkeypatch.context() as patch:
         patch.setattr(sys, "argv", [str(script), *argv[2:]])
-        patch.setattr(argparse.ArgumentParser, "_original_parse_args", argparse.ArgumentParser.parse_args,
-                      raising=False)
         patch.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_args)
         patch.setattr(argparse.ArgumentParser, "parse_args", parse_args)
         try:
