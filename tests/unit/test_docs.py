@@ -132,6 +132,34 @@ def shown_commands(page: Path) -> list[tuple[int, list[str]]]:
     return commands
 
 
+_PLACEHOLDER = re.compile(r"[\[<|]|\.\.\.|\b[A-Z]{1,}\b(?!=)")
+
+
+def inline_commands(page: Path) -> list[tuple[int, list[str]]]:
+    """(line number, argv) of the complete commands a page names in its prose (`` `tune plan --config ...` ``): a
+    ``tune run``, ``validate`` or ``plan`` with its ``--config``, or a script with its arguments; not a grammar with
+    placeholders (``tune run [launcher flags] RECIPE ...``)."""
+    text = page.read_text()
+    prose = re.sub(r"```.*?```", lambda m: "\n" * m.group(0).count("\n"), text, flags=re.S)
+    found = []
+    for match in re.finditer(r"`([^`]+)`", prose):
+        span = " ".join(match.group(1).split())
+        line = prose.count("\n", 0, match.start()) + 1
+        tune = re.match(r"tune (run|validate|plan) ", span) and " --config " in span
+        # a script with an interpreter, ./, or arguments (a bare `scripts/x.py` names the file)
+        script = re.match(r"([A-Z_]+=\S+ )?(\S*python3? )?(\./)?scripts/[\w/]+\.(py|sh)( |$)", span)
+        script = script and (any(script.group(i) for i in (1, 2, 3)) or " " in span)
+        if not (tune or script) or _PLACEHOLDER.search(re.sub(r"^[A-Z_]+=\S+ ", "", span)):
+            continue
+        argv = shlex.split(span)
+        while re.fullmatch(r"[A-Z_]+=.*", argv[0]):
+            argv = argv[1:]
+        if argv[0].startswith("scripts/"):  # named without its interpreter
+            argv = ["./" + argv[0], *argv[1:]] if argv[0].endswith(".sh") else ["python", *argv]
+        found.append((line, argv))
+    return found
+
+
 def check_tune_command(argv: list[str], made: dict[str, Optional[str]]) -> None:
     """Parse a shown ``tune`` command and check what it names; record the files it makes in ``made`` (a copy of a
     built-in config: its name; a migrated config: None)."""
@@ -243,7 +271,7 @@ def check_command(argv: list[str], made: dict[str, Optional[str]], monkeypatch) 
 def test_every_command_a_page_shows_is_checked(page, monkeypatch):
     made: dict[str, Optional[str]] = {}
     failures = []
-    for line, argv in shown_commands(page):
+    for line, argv in shown_commands(page) + inline_commands(page):
         try:
             check_command(argv, made, monkeypatch)
         except (AssertionError, UserError) as err:
@@ -263,6 +291,17 @@ def test_the_pages_show_commands():
     memory = [argv for _, argv in shown_commands(REPO / "docs" / "memory.md")]
     assert memory == [["tune", "plan", "--config", "llama3/8B_full", "--nproc", "4", "--budget-gib", "40", "--png",
                        "plan.png"]]
+
+
+def test_the_commands_named_in_prose_are_found():
+    memory = [" ".join(argv) for _, argv in inline_commands(REPO / "docs" / "memory.md")]
+    assert "tune plan --config llama3_1/70B_full --nproc 8" in memory
+    assert "python scripts/bench_memory.py --optimizers --repeats 1 --seq-len 512" in memory
+    assert "python scripts/bench_memory.py --ablation --model llama_small --batch-size 2 --seq-len 1024" in memory
+    setup = [" ".join(argv) for _, argv in inline_commands(REPO / "docs" / "setup.md")]
+    assert "./scripts/test.sh --numerics" in setup
+    usage = [" ".join(argv) for _, argv in inline_commands(REPO / "docs" / "usage.md")]
+    assert not any("RECIPE" in command for command in usage)
 
 
 @pytest.mark.parametrize(("command", "error"), [
