@@ -40,7 +40,11 @@ def _type_name(tp: Any) -> str:
 
     args = typing.get_args(tp)
     if typing.get_origin(tp) is typing.Union:
-        names = [_type_name(arg) for arg in args if arg is not type(None)]
+        # Sorted: typing caches Union[int, str] and Union[str, int] as one object, so the order of get_args is
+        # whichever the process made first, which depends on what was imported before (the page would differ).
+        order = {"bool": 0, "int": 1, "float": 2, "str": 3}
+        names = sorted((_type_name(arg) for arg in args if arg is not type(None)),
+                       key=lambda name: (order.get(name, len(order)), name))
         return " or ".join(names) + (" or null" if type(None) in args else "")
     if isinstance(tp, type) and issubclass(tp, enum.Enum):
         return " / ".join(f"`{member.value}`" for member in tp)

@@ -10,6 +10,7 @@ import re
 import runpy
 import shlex
 import sys
+import typing
 from pathlib import Path
 from typing import Optional
 
@@ -28,6 +29,12 @@ REPO = Path(__file__).resolve().parents[2]
 def test_generated_page_is_current(page):
     committed = (REPO / page).read_text()
     assert committed == gen_docs.PAGES[page](), f"{page} is stale: regenerate it with `{gen_docs.REGENERATE}`"
+
+
+def test_a_union_s_members_are_named_in_one_order_whichever_the_process_made_first():
+    # typing caches Union[int, str] and Union[str, int] as one object: its get_args order is the first one made.
+    assert gen_docs._type_name(typing.Optional[typing.Union[str, int]]) == "int or str or null"
+    assert gen_docs._type_name(typing.Union[float, bool]) == "bool or float"
 
 
 def test_the_config_reference_has_every_key_with_its_doc_and_default():
