@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.activation_checkpointing import apply_ac_plan, resolve_ac_plan
+from torchtune_ac.memory.activation_offloading import apply_activation_offloading
 from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.models.families import retie_parameters, transformer_blocks
@@ -47,7 +48,7 @@ from torchtune_ac.runtime.distributed import (
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.runtime.tensor_parallel import apply_tensor_parallel, check_sequence_length
 from torchtune_ac.training.objective import IGNORE_INDEX, CrossEntropy
-from torchtune_ac.training.step import train_step
+from torchtune_ac.training.step import OptimizerStepper, train_step
 
 CPU = torch.device("cpu")
 # Tiny models of each family, their flags kept (q/k norms; Gemma 3's offset norms, GeGLU, scaled and tied
@@ -59,6 +60,9 @@ TINY = {
     "gemma3": dataclasses.replace(GEMMA3_1B, vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                   head_dim=None, intermediate_dim=128, max_seq_len=64, sliding_window=8,
                                   query_pre_attn_scalar=16, layer_types=("sliding_attention", "full_attention")),
+    # torchao's 8-bit state quantizes each rank's piece in blocks of 256 elements: with rows of 512 and 256 columns
+    # per rank (dim, heads x head_dim and the MLP width all 512) a rank's blocks are blocks of the whole tensor.
+    "llama_512": dataclasses.replace(LLAMA_TINY, vocab_size=256, dim=512, n_layers=1, intermediate_dim=512),
 }
 FAMILIES = {"llama": LLAMA, "qwen3": QWEN3, "gemma3": GEMMA3}
 ROWS, LENGTH, STEPS = 4, 32, 3
@@ -164,19 +168,21 @@ def test_a_sequence_the_degree_does_not_divide_is_refused() -> None:
 
 @dataclass(frozen=True)
 class Case:
-    """One training run: a family's tiny model and how it is trained."""
+    """One training run: a tiny model (a key of ``TINY``) and how it is trained."""
 
-    family: str
+    model: str
     packed: bool = False
     loss_chunks: int = 1  # > 1: the chunked loss, on the vocabulary shards under TP
     ac_mode: str = "none"
     ac_option: Any = None
     in_backward: bool = False
     compile: bool = False
+    offload: bool = False  # activation offloading (on a CPU its hooks copy within host memory)
+    optimizer: str = "adamw"  # or "adamw8bit": torchao's
 
     @property
     def args(self) -> LlamaArgs:
-        return TINY[self.family]
+        return TINY[self.model]
 
 
 def _batch(case: Case, step: int) -> dict[str, torch.Tensor]:
@@ -204,12 +210,14 @@ def _rows(batch: dict[str, torch.Tensor], first: int, count: int) -> dict[str, t
 def build_model(case: Case, mesh=None) -> nn.Module:
     """The model in the run's order: meta -> AC -> compile -> TP -> FSDP2 -> allocate -> initialise (the same
     weights for any split). ``mesh`` None: one plain process."""
-    family = FAMILIES[case.family]
+    family = next(f for f in FAMILIES.values() if f.hf.model_type == case.args.model_type)
     with torch.device("meta"):
         model = family.build(case.args)
     blocks = transformer_blocks(model)
     apply_ac_plan(model, resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=case.ac_mode,
                                          ac_option=case.ac_option, n_layers=len(blocks)))
+    if case.offload:
+        apply_activation_offloading(model)
     if case.compile:
         for block in blocks:
             # aot_eager: Dynamo and AOTAutograd trace the block with its TP hooks and collectives as inductor's
@@ -229,7 +237,8 @@ def train(case: Case, model: nn.Module, ctx: DistributedContext, dp_rank: int, d
           ) -> tuple[list[float], list[float]]:
     """STEPS steps of AdamW on the global batches, this data-parallel rank taking its rows; the losses and
     gradient norms."""
-    stepper = build_optimizer(lambda params: torch.optim.AdamW(params, lr=1e-2), model, in_backward=case.in_backward)
+    optimizer = torch.optim.AdamW if case.optimizer == "adamw" else _adamw8bit()
+    stepper = build_optimizer(lambda params: optimizer(params, lr=1e-2), model, in_backward=case.in_backward)
     objective = ChunkedCrossEntropyObjective(case.loss_chunks) if case.loss_chunks > 1 else CrossEntropy()
     share = ROWS // dp_degree
     losses, norms = [], []
@@ -278,9 +287,9 @@ def _check_split(model: nn.Module, args: LlamaArgs, mesh) -> None:
 
 TWO_RANK_CASES = (
     # Llama: whole logits (gathered along the vocabulary), no AC; then the chunked loss on vocabulary shards, full
-    # AC, packed, the step in backward.
+    # AC, packed, activation offloading, the step in backward.
     Case("llama"),
-    Case("llama", packed=True, loss_chunks=3, ac_mode="full", in_backward=True),
+    Case("llama", packed=True, loss_chunks=3, ac_mode="full", offload=True, in_backward=True),
     # Qwen3: per-op AC on packed batches, q/k norms on the local heads; compiled blocks (unpacked: a checkpointed
     # block runs packed batches eagerly).
     Case("qwen3", packed=True, loss_chunks=2, ac_mode="selective", ac_option="op"),
@@ -297,6 +306,36 @@ TWO_RANK_CASES = (
 def test_two_ranks_of_tensor_parallelism_train_as_one_process(tmp_path: Path) -> None:
     """TP 2 (FSDP2 over the mesh's shard dimension of 1) against one process, for Llama, Qwen3 and Gemma 3."""
     run_on_gloo_ranks(check_against_one_process, 2, ((1, 2),), TWO_RANK_CASES, store_dir=tmp_path)
+
+
+def _adamw8bit() -> type:
+    import torchao.optim  # only where it is used: importing torchao takes seconds
+
+    return torchao.optim.AdamW8bit
+
+
+def check_low_bit_state(rank: int, world_size: int) -> None:
+    """torchao's 8-bit AdamW on split weights: each rank quantizes its own piece (a DTensor of the weight's
+    placements holding 8-bit state), and with blocks that are the whole tensor's, trains as one process.
+
+    torchao compiles its update per parameter shape (minutes on a CPU, per process): here it runs eagerly, the same
+    arithmetic, by making ``torch.compile`` the identity in this short-lived rank process."""
+    torch.compile = lambda function=None, **options: function
+    case = Case("llama_512", optimizer="adamw8bit")
+    check_against_one_process(rank, world_size, ((1, 2),), (case,))
+    model = build_model(case, build_device_mesh("cpu", world_size, 1, 2))
+    optimizer = _adamw8bit()(model.parameters(), lr=1e-2)
+    train_step(model, OptimizerStepper(optimizer), [_batch(case, 0)], ctx=DistributedContext(rank, world_size, 0, CPU))
+    weight = transformer_blocks(model)[0].attn.o_proj.weight
+    state = optimizer.state[weight]["exp_avg"]
+    assert isinstance(state, DTensor) and state.placements == weight.placements
+    assert type(state.to_local()).__name__ == "OptimState8bit" and state.to_local().shape == weight.to_local().shape
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_low_bit_optimizer_state_on_split_weights(tmp_path: Path) -> None:
+    run_on_gloo_ranks(check_low_bit_state, 2, store_dir=tmp_path)
 
 
 @pytest.mark.distributed

@@ -1,0 +1,293 @@
+"""Benchmark tensor parallelism: per-process activation memory on CPU, tokens per second on GPUs.
+
+    .venv/bin/python scripts/bench_tp.py                             # CPU, gloo: TP 1 vs TP 2, one long sequence
+    .venv/bin/python scripts/bench_tp.py --seq-len 4096 --repeats 1  # shorter
+    torchrun --nproc_per_node 2 scripts/bench_tp.py --device cuda    # 2 GPUs: TP 2 vs FSDP 2 on llama3_2_1b
+
+CPU (the default): a tiny Llama (``--dim``, ``--layers``) at one long sequence, trained with the chunked loss (the
+loss tensor parallelism computes on vocabulary shards), in one process (TP 1) and in two gloo processes splitting
+every layer (TP 2, FSDP2 over a shard dimension of 1). Each layout runs in fresh processes, A/B/B/A over
+``--repeats`` rounds; per process it reports
+
+  * the bytes the forward keeps for backward (every tensor autograd saves, a DTensor counted by its local piece):
+    the activations, which tensor and sequence parallelism split;
+  * the step's peak resident memory above the resident memory before it (activations, gradients, temporaries).
+
+Expect the activations of TP 2 to be about half of TP 1's: each rank keeps its half of the sequence for the norms
+and residuals, its half of the heads and MLP columns, but the whole sequence entering attention and the MLP (the
+gathered input that the column-split projections save for their weight gradients), so somewhat more than half.
+
+GPU (``--device cuda``, under torchrun with 2 processes, one GPU each): ``--model`` (llama3_2_1b) in bf16 from
+random weights, ``--batch-size`` x ``--seq-len`` tokens per data-parallel rank, full AC, compiled blocks, for two
+layouts of the same 2 GPUs, alternating a timed step of each: FSDP 2 (each GPU its own sequences) and TP 2 (both
+GPUs on the same sequences, twice as many per step). Reports tokens/s per GPU and the peak memory of each. Not
+run yet: no machine with 2 GPUs was at hand when this was written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import psutil
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from _benchlib import leave_spawned_rank, write_report  # noqa: E402
+from _measure import return_freed_memory_to_os, track_peak_rss  # noqa: E402
+
+from torchtune_ac import models  # noqa: E402
+from torchtune_ac.memory.activation_checkpointing import apply_ac_plan, resolve_ac_plan  # noqa: E402
+from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective  # noqa: E402
+from torchtune_ac.models.families import family_of, retie_parameters, transformer_blocks  # noqa: E402
+from torchtune_ac.models.families.llama import FAMILY as LLAMA  # noqa: E402
+from torchtune_ac.models.families.llama import LLAMA_TINY  # noqa: E402
+from torchtune_ac.run.model_setup import initialize_weights_  # noqa: E402
+from torchtune_ac.runtime.distributed import (  # noqa: E402
+    DistributedContext,
+    FSDPConfig,
+    build_device_mesh,
+    shard_model,
+)
+from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.runtime.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
+from torchtune_ac.training.step import OptimizerStepper, train_step  # noqa: E402
+
+OUT_JSON = REPO / "bench_results" / "bench_tp.json"
+
+
+def build(meta_model: torch.nn.Module, device: torch.device, dtype: DType, mesh: Any, tp: int, *,
+          ac_mode: str = "none", compile_blocks: bool = False) -> torch.nn.Module:
+    """The run's order: AC -> compile -> TP -> FSDP2 -> allocate -> initialise (mesh None: one plain process)."""
+    model = meta_model.to(dtype.torch)
+    blocks = transformer_blocks(model)
+    apply_ac_plan(model, resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=ac_mode, ac_option=None,
+                                         n_layers=len(blocks)))
+    if compile_blocks:
+        for block in blocks:
+            block.compile()
+    if mesh is not None:
+        if tp > 1:
+            apply_tensor_parallel(model, mesh["tp"])
+        shard_model(model, FSDPConfig(), device=device, dtype=dtype, mesh=mesh)
+    model.to_empty(device=device)
+    if mesh is None:
+        retie_parameters(model)
+    initialize_weights_(model, None, dtype=dtype.torch, seed=0, sharded=mesh is not None)
+    return model
+
+
+def make_batch(vocab_size: int, rows: int, seq_len: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (rows, seq_len), generator=generator)
+    labels = torch.roll(tokens, -1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    return {"tokens": tokens.to(device), "labels": labels.to(device),
+            "target_count": torch.tensor(rows * (seq_len - 1))}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU: activation memory per process
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def cpu_rank(rank: int, world_size: int, store: Optional[str], options: dict, out: str) -> None:
+    """Measure one layout in this process: TP ``world_size`` (1: one plain process)."""
+    if world_size > 1:
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    torch.set_num_threads(1)
+    cpu = torch.device("cpu")
+    args = dataclasses.replace(LLAMA_TINY, dim=options["dim"], n_layers=options["layers"],
+                               intermediate_dim=options["dim"] * 11 // 4, max_seq_len=options["seq_len"])
+    with torch.device("meta"):
+        meta = LLAMA.build(args)
+    mesh = build_device_mesh("cpu", world_size, 1, world_size) if world_size > 1 else None
+    model = build(meta, cpu, DType.FP32, mesh, world_size)
+    ctx = DistributedContext(rank, world_size, 0, cpu)
+    stepper = OptimizerStepper(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    objective = ChunkedCrossEntropyObjective(8)
+    batch = make_batch(args.vocab_size, 1, options["seq_len"], cpu, seed=0)
+    train_step(model, stepper, [batch], ctx=ctx, objective=objective)  # warm-up: optimizer state, caches
+    params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in model.parameters()}
+    activations = _saved_without(model, objective, batch, params)
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    return_freed_memory_to_os()
+    if world_size > 1:
+        dist.barrier()
+    before = psutil.Process().memory_info().rss
+    with track_peak_rss() as peak:
+        train_step(model, stepper, [batch], ctx=ctx, objective=objective)
+    result = {"rank": rank, "activations_bytes": activations, "step_peak_rss_bytes": peak.peak_bytes - before}
+    Path(f"{out}.{rank}").write_text(json.dumps(result))
+    if world_size > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+        leave_spawned_rank()
+
+
+def _saved_without(model: torch.nn.Module, objective: Any, batch: dict, params: set[int]) -> int:
+    """Bytes saved for backward by one forward (the chunked loss included), the parameters not counted."""
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        local = tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+        storage = local.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = objective(model, batch)
+    del loss
+    model.zero_grad(set_to_none=True)
+    return sum(saved.values())
+
+
+def run_cpu_layout(tp: int, options: dict) -> list[dict]:
+    """Run layout ``tp`` in fresh processes; each rank's measurement."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/result"
+        if tp == 1:
+            ctx = mp.get_context("spawn")
+            process = ctx.Process(target=cpu_rank, args=(0, 1, None, options, out))
+            process.start()
+            process.join()
+            if process.exitcode != 0:
+                raise RuntimeError(f"TP 1 measurement failed (exit {process.exitcode})")
+        else:
+            mp.spawn(cpu_rank, args=(tp, f"{tmp}/store", options, out), nprocs=tp, join=True)
+        return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(tp)]
+
+
+def run_cpu(options: dict, repeats: int) -> dict:
+    order = [layout for _ in range(repeats) for layout in ((1, 2) if _ % 2 == 0 else (2, 1))]  # A/B/B/A
+    measured: dict[int, list[list[dict]]] = {1: [], 2: []}
+    for tp in order:
+        measured[tp].append(run_cpu_layout(tp, options))
+    summary = {}
+    for tp, runs in measured.items():
+        summary[f"tp{tp}"] = {
+            "activations_mib_per_process": statistics.median(r["activations_bytes"] for run in runs for r in run) / 2**20,
+            "step_peak_rss_mib_per_process": statistics.median(r["step_peak_rss_bytes"] for run in runs for r in run)
+            / 2**20,
+            "runs": runs,
+        }
+    ratio = summary["tp2"]["activations_mib_per_process"] / summary["tp1"]["activations_mib_per_process"]
+    return {"layouts": summary, "activations_tp2_over_tp1": ratio}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU: tokens per second, TP 2 against FSDP 2 (under torchrun, 2 processes)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def run_cuda(options: dict) -> Optional[dict]:
+    dist.init_process_group("cuda:nccl,cpu:gloo")
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if world_size != 2:
+        raise SystemExit("--device cuda: start 2 processes (torchrun --nproc_per_node 2), one GPU each")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+    torch.cuda.set_device(device)
+    ctx = DistributedContext(rank, world_size, rank, device)
+    builder = getattr(models, options["model"])
+    objective = ChunkedCrossEntropyObjective(8)
+    layouts = {}
+    for name, tp in (("fsdp2", 1), ("tp2", 2)):
+        with torch.device("meta"):
+            meta = builder(max_seq_len=options["seq_len"])
+        mesh = build_device_mesh("cuda", world_size, 1, tp)
+        model = build(meta, device, DType.BF16, mesh, tp, ac_mode="full", compile_blocks=True)
+        stepper = OptimizerStepper(torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True))
+        # FSDP 2: each rank its own rows; TP 2: both ranks the same rows (one data-parallel rank).
+        dp_rank = rank if tp == 1 else 0
+        layouts[name] = {"model": model, "stepper": stepper, "dp_rank": dp_rank, "times": [], "tokens": 0}
+    vocab = family_of(layouts["fsdp2"]["model"]).args_of(layouts["fsdp2"]["model"]).vocab_size
+    for step in range(options["warmup"] + options["steps"]):
+        for name in (("fsdp2", "tp2") if step % 2 == 0 else ("tp2", "fsdp2")):
+            layout = layouts[name]
+            batch = make_batch(vocab, options["batch_size"], options["seq_len"], device, seed=step * 2 + layout["dp_rank"])
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            train_step(layout["model"], layout["stepper"], [batch], ctx=ctx, objective=objective)
+            torch.cuda.synchronize()
+            if step >= options["warmup"]:
+                layout["times"].append(time.perf_counter() - start)
+    report = {"device": torch.cuda.get_device_name(device), "gpus": world_size, **options}
+    for name, layout in layouts.items():
+        step_time = statistics.median(layout["times"])
+        # Distinct tokens trained per step, over both GPUs: FSDP 2 two batches, TP 2 one.
+        tokens = options["batch_size"] * options["seq_len"] * (2 if name == "fsdp2" else 1)
+        report[name] = {"median_step_s": step_time, "tokens_per_s_per_gpu": tokens / step_time / world_size}
+    report["tp2_over_fsdp2"] = report["tp2"]["tokens_per_s_per_gpu"] / report["fsdp2"]["tokens_per_s_per_gpu"]
+    report["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+    dist.destroy_process_group()
+    return report if rank == 0 else None
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--seq-len", type=int, default=None, help="CPU: 8192; GPU: 4096")
+    parser.add_argument("--dim", type=int, default=256, help="CPU: the tiny model's width")
+    parser.add_argument("--layers", type=int, default=2, help="CPU: the tiny model's blocks")
+    parser.add_argument("--repeats", type=int, default=2, help="CPU: rounds of TP 1 and TP 2 (A/B/B/A)")
+    parser.add_argument("--model", default="llama3_2_1b", help="GPU: builder name in torchtune_ac.models")
+    parser.add_argument("--batch-size", type=int, default=2, help="GPU: rows per data-parallel rank")
+    parser.add_argument("--warmup", type=int, default=3, help="GPU: untimed steps of each layout (compile)")
+    parser.add_argument("--steps", type=int, default=10, help="GPU: timed steps of each layout")
+    parser.add_argument("--out-json", type=Path, default=None, help=f"default {OUT_JSON} (GPU: bench_tp_cuda.json)")
+    return parser.parse_args(argv)
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    args = parse_args(argv)
+    if args.device == "cuda":
+        options = {"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len or 4096,
+                   "warmup": args.warmup, "steps": args.steps}
+        report = run_cuda(options)
+        if report is None:
+            return
+        table = "\n".join(f"{name:6s} {report[name]['tokens_per_s_per_gpu']:10.0f} tokens/s per GPU"
+                          for name in ("fsdp2", "tp2")) + f"\nTP 2 / FSDP 2: {report['tp2_over_fsdp2']:.2f}"
+        write_report(report, table, args.out_json or OUT_JSON.with_name("bench_tp_cuda.json"))
+        return
+    options = {"dim": args.dim, "layers": args.layers, "seq_len": args.seq_len or 8192}
+    started = time.time()
+    report = {
+        "command": "scripts/bench_tp.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
+        "load_average_before": os.getloadavg(),
+        "torch": torch.__version__,
+        **options,
+        **run_cpu(options, args.repeats),
+    }
+    report["load_average_after"] = os.getloadavg()
+    report["wall_s"] = time.time() - started
+    layouts = report["layouts"]
+    table = "\n".join(
+        f"TP {tp}: activations {layouts[f'tp{tp}']['activations_mib_per_process']:8.1f} MiB per process, step peak "
+        f"RSS {layouts[f'tp{tp}']['step_peak_rss_mib_per_process']:8.1f} MiB" for tp in (1, 2)
+    ) + f"\nactivations TP 2 / TP 1: {report['activations_tp2_over_tp1']:.3f}"
+    write_report(report, table, args.out_json or OUT_JSON)
+
+
+if __name__ == "__main__":
+    main()
