@@ -6,8 +6,10 @@
 
 CPU (the default): a tiny Llama (``--dim``, ``--layers``) at one long sequence, trained with the chunked loss (the
 loss tensor parallelism computes on vocabulary shards), in one process (TP 1) and in two gloo processes splitting
-every layer (TP 2, FSDP2 over a shard dimension of 1). Each layout runs in fresh processes, A/B/B/A over
-``--repeats`` rounds; per process it reports
+every layer (TP 2, FSDP2 over a shard dimension of 1). With ``--loss``: a vocabulary of 32768 instead, whose logits
+dominate, each layout trained with the whole logits (gathered whole on every rank under TP) and with the chunked
+loss (computed on the vocabulary shards). Each setting runs in fresh processes, A/B/B/A over ``--repeats`` rounds;
+per process it reports
 
   * the bytes the forward keeps for backward (every tensor autograd saves, a DTensor counted by its local piece):
     the activations, which tensor and sequence parallelism split;
@@ -42,6 +44,7 @@ from typing import Any, Optional
 import psutil
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -51,7 +54,7 @@ from _measure import return_freed_memory_to_os, track_peak_rss  # noqa: E402
 
 from torchtune_ac import models  # noqa: E402
 from torchtune_ac.memory.activation_checkpointing import apply_ac_plan, resolve_ac_plan  # noqa: E402
-from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective  # noqa: E402
+from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective, loss_objective  # noqa: E402
 from torchtune_ac.models.families import family_of, retie_parameters, transformer_blocks  # noqa: E402
 from torchtune_ac.models.families.llama import FAMILY as LLAMA  # noqa: E402
 from torchtune_ac.models.families.llama import LLAMA_TINY  # noqa: E402
@@ -111,7 +114,7 @@ def cpu_rank(rank: int, world_size: int, store: Optional[str], options: dict, ou
         dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     torch.set_num_threads(1)
     cpu = torch.device("cpu")
-    args = dataclasses.replace(LLAMA_TINY, dim=options["dim"], n_layers=options["layers"],
+    args = dataclasses.replace(LLAMA_TINY, vocab_size=options["vocab"], dim=options["dim"], n_layers=options["layers"],
                                intermediate_dim=options["dim"] * 11 // 4, max_seq_len=options["seq_len"])
     with torch.device("meta"):
         meta = LLAMA.build(args)
@@ -119,7 +122,7 @@ def cpu_rank(rank: int, world_size: int, store: Optional[str], options: dict, ou
     model = build(meta, cpu, DType.FP32, mesh, world_size)
     ctx = DistributedContext(rank, world_size, 0, cpu)
     stepper = OptimizerStepper(torch.optim.AdamW(model.parameters(), lr=1e-4))
-    objective = ChunkedCrossEntropyObjective(8)
+    objective = loss_objective(options["loss_chunks"])
     batch = make_batch(args.vocab_size, 1, options["seq_len"], cpu, seed=0)
     train_step(model, stepper, [batch], ctx=ctx, objective=objective)  # warm-up: optimizer state, caches
     params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr() for p in model.parameters()}
@@ -146,6 +149,7 @@ def _saved_without(model: torch.nn.Module, objective: Any, batch: dict, params: 
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         local = tensor._local_tensor if hasattr(tensor, "_local_tensor") else tensor
+        local = local.elem if isinstance(local, AsyncCollectiveTensor) else local  # a collective's pending result
         storage = local.untyped_storage()
         if storage.data_ptr() not in params:
             saved[storage.data_ptr()] = storage.nbytes()
@@ -176,21 +180,23 @@ def run_cpu_layout(tp: int, options: dict) -> list[dict]:
         return [json.loads(Path(f"{out}.{rank}").read_text()) for rank in range(tp)]
 
 
-def run_cpu(options: dict, repeats: int) -> dict:
-    order = [layout for _ in range(repeats) for layout in ((1, 2) if _ % 2 == 0 else (2, 1))]  # A/B/B/A
-    measured: dict[int, list[list[dict]]] = {1: [], 2: []}
-    for tp in order:
-        measured[tp].append(run_cpu_layout(tp, options))
-    summary = {}
-    for tp, runs in measured.items():
-        summary[f"tp{tp}"] = {
-            "activations_mib_per_process": statistics.median(r["activations_bytes"] for run in runs for r in run) / 2**20,
-            "step_peak_rss_mib_per_process": statistics.median(r["step_peak_rss_bytes"] for run in runs for r in run)
-            / 2**20,
-            "runs": runs,
-        }
-    ratio = summary["tp2"]["activations_mib_per_process"] / summary["tp1"]["activations_mib_per_process"]
-    return {"layouts": summary, "activations_tp2_over_tp1": ratio}
+def run_cpu(settings: dict[str, tuple[int, dict]], repeats: int) -> dict:
+    """Each setting (name -> (TP degree, options)) in fresh processes, in order then reversed, ``repeats`` rounds;
+    the median per process of each."""
+    names = list(settings)
+    order = [name for round_ in range(repeats) for name in (names if round_ % 2 == 0 else names[::-1])]
+    measured: dict[str, list[list[dict]]] = {name: [] for name in names}
+    for name in order:
+        tp, options = settings[name]
+        measured[name].append(run_cpu_layout(tp, options))
+    return {name: {
+        "tp": settings[name][0],
+        **settings[name][1],
+        "activations_mib_per_process": statistics.median(r["activations_bytes"] for run in runs for r in run) / 2**20,
+        "step_peak_rss_mib_per_process": statistics.median(r["step_peak_rss_bytes"] for run in runs for r in run)
+        / 2**20,
+        "runs": runs,
+    } for name, runs in measured.items()}
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -222,7 +228,8 @@ def run_cuda(options: dict) -> Optional[dict]:
     for step in range(options["warmup"] + options["steps"]):
         for name in (("fsdp2", "tp2") if step % 2 == 0 else ("tp2", "fsdp2")):
             layout = layouts[name]
-            batch = make_batch(vocab, options["batch_size"], options["seq_len"], device, seed=step * 2 + layout["dp_rank"])
+            batch = make_batch(vocab, options["batch_size"], options["seq_len"], device,
+                               seed=step * 2 + layout["dp_rank"])
             torch.cuda.synchronize()
             start = time.perf_counter()
             train_step(layout["model"], layout["stepper"], [batch], ctx=ctx, objective=objective)
@@ -244,10 +251,13 @@ def run_cuda(options: dict) -> Optional[dict]:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--seq-len", type=int, default=None, help="CPU: 8192; GPU: 4096")
+    parser.add_argument("--seq-len", type=int, default=None, help="CPU: 8192 (--loss: 2048); GPU: 4096")
     parser.add_argument("--dim", type=int, default=256, help="CPU: the tiny model's width")
     parser.add_argument("--layers", type=int, default=2, help="CPU: the tiny model's blocks")
-    parser.add_argument("--repeats", type=int, default=2, help="CPU: rounds of TP 1 and TP 2 (A/B/B/A)")
+    parser.add_argument("--repeats", type=int, default=2, help="CPU: rounds of the settings (A/B/B/A)")
+    parser.add_argument("--loss", action="store_true",
+                        help="CPU: the loss instead: whole logits (gathered) and the chunked loss (on vocabulary "
+                             "shards) at TP 1 and TP 2, vocabulary 32768")
     parser.add_argument("--model", default="llama3_2_1b", help="GPU: builder name in torchtune_ac.models")
     parser.add_argument("--batch-size", type=int, default=2, help="GPU: rows per data-parallel rank")
     parser.add_argument("--warmup", type=int, default=3, help="GPU: untimed steps of each layout (compile)")
@@ -268,7 +278,15 @@ def main(argv: Optional[list[str]] = None) -> None:
                           for name in ("fsdp2", "tp2")) + f"\nTP 2 / FSDP 2: {report['tp2_over_fsdp2']:.2f}"
         write_report(report, table, args.out_json or OUT_JSON.with_name("bench_tp_cuda.json"))
         return
-    options = {"dim": args.dim, "layers": args.layers, "seq_len": args.seq_len or 8192}
+    base = {"dim": args.dim, "layers": args.layers, "seq_len": args.seq_len or (2048 if args.loss else 8192)}
+    if args.loss:
+        # The output layer and the loss: a vocabulary large enough that the logits dominate.
+        base["vocab"] = 32768
+        settings = {f"tp{tp}_{kind}": (tp, {**base, "loss_chunks": chunks})
+                    for tp in (1, 2) for kind, chunks in (("whole_logits", 1), ("chunked", 8))}
+    else:
+        base["vocab"] = LLAMA_TINY.vocab_size
+        settings = {f"tp{tp}": (tp, {**base, "loss_chunks": 8}) for tp in (1, 2)}
     started = time.time()
     report = {
         "command": "scripts/bench_tp.py " + " ".join(sys.argv[1:] if argv is None else argv),
@@ -276,17 +294,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "load_average_before": os.getloadavg(),
         "torch": torch.__version__,
-        **options,
-        **run_cpu(options, args.repeats),
+        "settings": run_cpu(settings, args.repeats),
     }
     report["load_average_after"] = os.getloadavg()
     report["wall_s"] = time.time() - started
-    layouts = report["layouts"]
+    measured = report["settings"]
     table = "\n".join(
-        f"TP {tp}: activations {layouts[f'tp{tp}']['activations_mib_per_process']:8.1f} MiB per process, step peak "
-        f"RSS {layouts[f'tp{tp}']['step_peak_rss_mib_per_process']:8.1f} MiB" for tp in (1, 2)
-    ) + f"\nactivations TP 2 / TP 1: {report['activations_tp2_over_tp1']:.3f}"
-    write_report(report, table, args.out_json or OUT_JSON)
+        f"{name:18s} activations {m['activations_mib_per_process']:8.1f} MiB per process, step peak RSS "
+        f"{m['step_peak_rss_mib_per_process']:8.1f} MiB" for name, m in measured.items())
+    if not args.loss:
+        report["activations_tp2_over_tp1"] = (measured["tp2"]["activations_mib_per_process"]
+                                              / measured["tp1"]["activations_mib_per_process"])
+        table += f"\nactivations TP 2 / TP 1: {report['activations_tp2_over_tp1']:.3f}"
+    out = args.out_json or (OUT_JSON.with_name("bench_tp_loss.json") if args.loss else OUT_JSON)
+    write_report(report, table, out)
 
 
 if __name__ == "__main__":
