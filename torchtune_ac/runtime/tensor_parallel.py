@@ -20,7 +20,6 @@ import inspect
 import warnings
 from typing import Any
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -37,7 +36,6 @@ from torchtune_ac.errors import UserError
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.models.tensor_parallel import Split, TensorParallelPlan, tensor_parallel_problem
 
-TP_DIM = "tp"
 SEQUENCE_DIM = 1  # activations are [b, s, dim]
 HEADS_DIM = 2  # q and k before the per-head norms are [b, s, heads, head_dim]
 
@@ -184,15 +182,3 @@ def check_sequence_length(length: int, degree: int) -> None:
     if length % degree:
         raise ValueError(f"a batch of sequence length {length} under tensor_parallel_dim={degree}: the length must be "
                          "a multiple of the degree (pad batches to a multiple of it)")
-
-
-def tensor_parallel_degree(mesh: DeviceMesh | None) -> int:
-    """The size of ``mesh``'s ``tp`` dimension; 1 for no mesh or a mesh without one."""
-    if mesh is None or mesh.mesh_dim_names is None or TP_DIM not in mesh.mesh_dim_names:
-        return 1
-    return mesh[TP_DIM].size()
-
-
-def is_vocab_split(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` (an output projection's) is split along its rows over some mesh dimension."""
-    return isinstance(weight, DTensor) and any(p.is_shard(0) for p in weight.placements)
