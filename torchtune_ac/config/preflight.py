@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -41,7 +41,7 @@ from torchtune_ac.config.planning import planning_inputs, resolve_config_plan, u
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.data import uses_chat_template
 from torchtune_ac.data.hf_sources import describe_hub_source
-from torchtune_ac.data.sources import TEXT_SUFFIXES, is_hub_name
+from torchtune_ac.data.sources import TEXT_SUFFIXES, check_folder_formats, is_hub_name
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models import check_checkpoint_matches
@@ -129,18 +129,29 @@ def model_architecture(model: torch.nn.Module) -> dict:
 
 
 def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module, plan: MemoryPlan) -> RunShape:
-    """What a resume of this run must keep (see ``RunShape``), with what the memory switches say of theirs."""
+    """What a resume of this run must keep (see ``RunShape``), with what the memory switches say of theirs, and
+    the optimizer's class (another one cannot take its state)."""
     data = {
+        "optimizer._component_": cfg.optimizer.path,
         "seed": cfg.seed,
         "shuffle": cfg.shuffle,
         "max_seq_len": cfg.max_seq_len,
-        "dataset": cfg.dataset.as_config(),
+        # Not its source: the files are identified by their content (TrainerState.data), wherever they lie.
+        "dataset": {key: value for key, value in cfg.dataset.as_config().items() if key != "source"},
         "tokenizer": cfg.tokenizer.as_config(),
     }
     data.update(plan.resume_record())
     # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
     data, architecture = json.loads(json.dumps([data, model_architecture(model)]))
     return RunShape(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, architecture, data)
+
+
+def run_hyperparameters(cfg: FullFinetuneConfig) -> dict[str, Any]:
+    """The optimizer and schedule settings a checkpoint records (``TrainerState.hyperparameters``), as JSON values;
+    a resume takes its own config's and says what changed."""
+    sections = {"optimizer": cfg.optimizer.as_config(),
+                "lr_scheduler": cfg.lr_scheduler.as_config() if cfg.lr_scheduler is not None else None}
+    return json.loads(json.dumps(sections))
 
 
 def describe_sharding(cfg: FullFinetuneConfig, world_size: Optional[int], plan: MemoryPlan) -> str:
@@ -252,6 +263,9 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
     if cfg.dataset_val is not None:
         soft(lambda: check_chat_template(cfg.tokenizer, cfg.dataset_val))
     check_optimizer_builds(cfg.optimizer, cfg.lr_scheduler)
+    for dataset in (cfg.dataset, cfg.dataset_val):
+        if dataset is not None:
+            check_folder_formats(dataset.kwargs.get("source"))
     soft(lambda: _check_output_dir(cfg, strict))
     resume_note = ""
     if cfg.resume_from_checkpoint:
@@ -259,7 +273,7 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
         choice = choose_resume_checkpoint(Path(cfg.output_dir).expanduser(), hashes=False)
         report.warnings.extend(choice.skipped)
         if choice.checkpoint is not None:
-            _, saved = read_trainer_state(choice.checkpoint)
+            saved = read_trainer_state(choice.checkpoint).shape
             current = run_shape(cfg, saved.world_size if world_size is None else world_size, model, report.plan)
             check_resume_shape(choice.checkpoint, saved, current)
             resume_note = f" (resuming from {choice.checkpoint.name})"

@@ -17,7 +17,14 @@ from torchtune_ac.component_marker import config_component
 from torchtune_ac.data.embedded import EMBEDDED_INSTRUCT_PATH
 from torchtune_ac.data.packing import pack_samples
 from torchtune_ac.data.samples import DataReport, TokenizedDataset, build_sample
-from torchtune_ac.data.sources import JSON_SUFFIXES, TEXT_SUFFIXES, Record, describe_json_type, load_records
+from torchtune_ac.data.sources import (
+    JSON_SUFFIXES,
+    TEXT_SUFFIXES,
+    Record,
+    describe_json_type,
+    load_records,
+    source_files,
+)
 from torchtune_ac.data.tokenizer import Tokenizer
 from torchtune_ac.errors import UserError
 
@@ -114,7 +121,8 @@ def instruct_dataset(
         response = tokenizer.encode(output, add_eos=True)
         return prompt + response, [train_on_input] * len(prompt) + [True] * len(response)
 
-    return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed)
+    return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed,
+                         split=split)
 
 
 @config_component
@@ -162,7 +170,7 @@ def chat_dataset(
         return encode_chat_record(tokenizer, messages, record, train_on_input)
 
     return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed,
-                         untrained_reason="no assistant turn (only assistant turns are trained on, unless "
+                         split=split, untrained_reason="no assistant turn (only assistant turns are trained on, unless "
                          "train_on_input: true)")
 
 
@@ -206,7 +214,8 @@ def text_dataset(
         tokens = tokenizer.encode(text, add_bos=True, add_eos=True)
         return tokens, [True] * len(tokens)
 
-    return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed)
+    return build_dataset(source, map(tokenize, records), tokenizer, max_seq_len=max_seq_len, packed=packed,
+                         split=split)
 
 
 def uses_chat_template(builder: Callable[..., Any], arguments: Mapping[str, Any]) -> bool:
@@ -327,14 +336,17 @@ def build_dataset(
     *,
     max_seq_len: Optional[int],
     packed: bool,
+    split: str = "train",
     untrained_reason: str = "nothing to train on",
 ) -> TokenizedDataset:
     """Turn ``(tokens, trainable)`` pairs into samples, drop the untrainable, and pack if asked.
 
     What truncation cost (samples cut, targets lost) and what was dropped is counted, and kept as the dataset's
-    ``report`` line for the start-up log.
+    ``report`` line for the start-up log. The dataset also keeps its ``source`` and the files it was read from
+    (``source_files``: a checkpoint records what identifies them).
 
     Args:
+        split: the split ``source`` was read in (its files are the dataset's ``source_files``).
         untrained_reason: what a record with no target at all lacks, for messages (``no assistant turn``).
 
     Raises:
@@ -364,4 +376,5 @@ def build_dataset(
         raise UserError(f"{source}: none of the {report.records} records has a token to train on: "
                         + "; ".join(reasons))
     dataset.report = report.describe(untrained_reason)
+    dataset.source, dataset.source_files = source, source_files(source, split)
     return dataset

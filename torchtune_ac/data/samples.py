@@ -14,6 +14,8 @@ from typing import Optional
 
 from torch.utils.data import Dataset
 
+from torchtune_ac.data.sources import SourceFiles
+
 IGNORE_INDEX = -100
 
 
@@ -101,6 +103,9 @@ class TokenizedDataset(Dataset):
         self._offsets = array("q", [0])
         # What building it cut or dropped, once, for the start-up log (``build_dataloader`` writes it on rank 0).
         self.report: Optional[str] = None
+        # Where it was read from: the source as given, and its local files (None: a Hub dataset; see sources.py).
+        self.source: Optional[str] = None
+        self.source_files: Optional[SourceFiles] = None
 
     def append(self, sample: dict[str, list[int]]) -> None:
         """Add one sample; all its keys must have lists of the same length."""

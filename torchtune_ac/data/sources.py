@@ -12,7 +12,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from torchtune_ac.errors import UserError
 
@@ -22,6 +22,44 @@ TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
 HF_SUFFIXES = (".parquet", ".csv", ".arrow")
 # `org/name`, as on the Hugging Face Hub.
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class SourceFiles:
+    """The local files a dataset reads, in reading order: ``names`` (POSIX paths) relative to ``root``, the folder
+    ``source`` names or the folder of the file it names. What a checkpoint records of its data (each file's size
+    and content hash, see ``checkpoint/data_identity.py``) is computed from these."""
+
+    root: Path
+    names: tuple[str, ...]
+
+
+def source_files(source: str, split: str = "train") -> Optional[SourceFiles]:
+    """The local files ``load_records`` reads for ``source`` and ``split``: the file itself; for a folder, the
+    data files of the split (or every file of a ``save_to_disk`` folder, of the split's folder for a
+    ``DatasetDict``); None for a Hugging Face Hub dataset (its files are the ``datasets`` cache's)."""
+    path = Path(source).expanduser()
+    if path.is_file():
+        return SourceFiles(path.parent, (path.name,))
+    if path.is_dir():
+        from torchtune_ac.data.hf_sources import folder_files
+
+        return SourceFiles(path, tuple(folder_files(path, split)))
+    return None
+
+
+def check_folder_formats(source: Any) -> None:
+    """Refuse ``source`` if it is a folder of data files in more than one format (see
+    ``hf_sources.check_one_format``); anything else passes. Reads the folder's listing only (``tune validate``).
+
+    Raises:
+        UserError: naming the files that would be left out.
+    """
+    if not isinstance(source, str) or not Path(source).expanduser().is_dir():
+        return
+    from torchtune_ac.data.hf_sources import check_one_format
+
+    check_one_format(source, Path(source).expanduser())
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 datasets = pytest.importorskip("datasets")
 
 from torchtune_ac.data import EMBEDDED_TOKENIZER_DIR, chat_dataset, instruct_dataset, load_tokenizer, text_dataset  # noqa: E402
-from torchtune_ac.data.sources import load_records  # noqa: E402
+from torchtune_ac.data.sources import SourceFiles, check_folder_formats, load_records, source_files  # noqa: E402
 from torchtune_ac.errors import UserError  # noqa: E402
 
 ROWS = [
@@ -184,6 +184,43 @@ def test_source_errors_are_one_line(tmp_path, setup, split, message):
         load_records(source, split=split)
     assert message.replace("{dir}", str(tmp_path)) in str(info.value)
     assert "\n" not in str(info.value)
+
+
+def test_a_folder_of_data_files_in_two_formats_is_refused_naming_the_files_left_out(tmp_path):
+    """``datasets`` read such a folder in one format only: 3,000 JSONL records were dropped for 100 in Parquet."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", ROWS)
+    write_jsonl(folder / "c.jsonl", ROWS)
+    datasets.Dataset.from_list(ROWS[:2]).to_parquet(str(folder / "b.parquet"))
+    (folder / "README.md").write_text("# a dataset card is no data file\n")
+    message = (f"dataset source {folder}: holds data files in 2 formats (2 json, 1 parquet), and a folder is read in "
+               "one format only: the 2 json file(s) would be read and b.parquet left out; keep one format in the "
+               "folder (convert the others), or point source at one file")
+    for check in (lambda: load_records(str(folder)), lambda: check_folder_formats(str(folder))):
+        with pytest.raises(UserError) as info:
+            check()
+        assert str(info.value) == message
+    (folder / "b.parquet").unlink()
+    check_folder_formats(str(folder))  # JSON Lines only: read whole
+    assert [r.value for r in load_records(str(folder))] == ROWS + ROWS
+    assert source_files(str(folder)) == SourceFiles(folder, ("a.jsonl", "c.jsonl"))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk", "dataset_dict", "parquet_folder"])
+def test_source_files_are_the_files_a_source_is_read_from(tmp_path, kind):
+    source = Path(write_source(tmp_path, kind, ROWS))
+    files = source_files(str(source), split="train")
+    if kind == "parquet":
+        assert files == SourceFiles(tmp_path, ("d.parquet",))
+    elif kind == "parquet_folder":
+        assert files == SourceFiles(source, ("train-00000-of-00001.parquet",))
+    else:  # every file of the saved dataset (of its train split's folder for a DatasetDict)
+        expected = source / "train" if kind == "dataset_dict" else source
+        assert files.root == source and {n for n in files.names if n.endswith(".arrow")}
+        assert sorted(files.names) == sorted(p.relative_to(source).as_posix() for p in expected.rglob("*")
+                                             if p.is_file())
+    assert source_files("tatsu-lab/alpaca") is None  # a Hub dataset: its files are the cache's
 
 
 def run_child(code: str, env: dict) -> subprocess.CompletedProcess:

@@ -86,6 +86,7 @@ def test_recompute_flops_follow_the_checkpointed_blocks(small_estimates):
 MEASURE_STEPS = textwrap.dedent("""
     import gc, json, sys, psutil, torch
     from torchtune_ac.config.components import Component
+    from torchtune_ac.memory.activation_checkpointing import resolve_ac_plan
     from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
     from torchtune_ac.runtime.dtypes import DType
     from _measure import return_freed_memory_to_os, track_peak_rss
