@@ -22,8 +22,11 @@ gathered input that the column-split projections save for their weight gradients
 GPU (``--device cuda``, under torchrun with 2 processes, one GPU each): ``--model`` (llama3_2_1b) in bf16 from
 random weights, ``--batch-size`` x ``--seq-len`` tokens per data-parallel rank, full AC, compiled blocks, for two
 layouts of the same 2 GPUs, alternating a timed step of each: FSDP 2 (each GPU its own sequences) and TP 2 (both
-GPUs on the same sequences, twice as many per step). Reports tokens/s per GPU and the peak memory of each. Not
-run yet: no machine with 2 GPUs was at hand when this was written.
+GPUs on the same sequences, half as many distinct tokens per step). Reports tokens/s per GPU and each step's peak
+memory above what was allocated before it. Not run yet: no machine with 2 GPUs was at hand when this was written;
+``--throughput`` on a CPU (gloo, a tiny model) runs the same code as a check:
+
+    torchrun --nproc_per_node 2 scripts/bench_tp.py --throughput --model llama_tiny --seq-len 256 --steps 2
 """
 
 from __future__ import annotations
@@ -204,46 +207,62 @@ def run_cpu(settings: dict[str, tuple[int, dict]], repeats: int) -> dict:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run_cuda(options: dict) -> Optional[dict]:
-    dist.init_process_group("cuda:nccl,cpu:gloo")
+def run_throughput(options: dict) -> Optional[dict]:
+    """Tokens/s of FSDP 2 and TP 2 on the same 2 processes, a timed step of each in turn (under torchrun). On CUDA
+    (NCCL, one GPU each) what it is for; on a CPU (gloo) a check that the comparison runs."""
+    cuda = options["device"] == "cuda"
+    dist.init_process_group("cuda:nccl,cpu:gloo" if cuda else "gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     if world_size != 2:
-        raise SystemExit("--device cuda: start 2 processes (torchrun --nproc_per_node 2), one GPU each")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-    torch.cuda.set_device(device)
+        raise SystemExit("--throughput: start 2 processes (torchrun --nproc_per_node 2), one GPU each on CUDA")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+
+    def synchronize() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
     ctx = DistributedContext(rank, world_size, rank, device)
     builder = getattr(models, options["model"])
     objective = ChunkedCrossEntropyObjective(8)
+    dtype = DType.BF16 if cuda else DType.FP32
     layouts = {}
     for name, tp in (("fsdp2", 1), ("tp2", 2)):
         with torch.device("meta"):
             meta = builder(max_seq_len=options["seq_len"])
-        mesh = build_device_mesh("cuda", world_size, 1, tp)
-        model = build(meta, device, DType.BF16, mesh, tp, ac_mode="full", compile_blocks=True)
-        stepper = OptimizerStepper(torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True))
+        mesh = build_device_mesh(device.type, world_size, 1, tp)
+        model = build(meta, device, dtype, mesh, tp, ac_mode="full", compile_blocks=options["compile"])
+        stepper = OptimizerStepper(torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda))
         # FSDP 2: each rank its own rows; TP 2: both ranks the same rows (one data-parallel rank).
         dp_rank = rank if tp == 1 else 0
-        layouts[name] = {"model": model, "stepper": stepper, "dp_rank": dp_rank, "times": [], "tokens": 0}
+        layouts[name] = {"model": model, "stepper": stepper, "dp_rank": dp_rank, "times": [], "step_peak": 0}
     vocab = family_of(layouts["fsdp2"]["model"]).args_of(layouts["fsdp2"]["model"]).vocab_size
     for step in range(options["warmup"] + options["steps"]):
         for name in (("fsdp2", "tp2") if step % 2 == 0 else ("tp2", "fsdp2")):
             layout = layouts[name]
             batch = make_batch(vocab, options["batch_size"], options["seq_len"], device,
                                seed=step * 2 + layout["dp_rank"])
-            torch.cuda.synchronize()
+            synchronize()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+                before = torch.cuda.memory_allocated(device)
             start = time.perf_counter()
             train_step(layout["model"], layout["stepper"], [batch], ctx=ctx, objective=objective)
-            torch.cuda.synchronize()
+            synchronize()
             if step >= options["warmup"]:
                 layout["times"].append(time.perf_counter() - start)
-    report = {"device": torch.cuda.get_device_name(device), "gpus": world_size, **options}
+                if cuda:  # above what was allocated before it: both models' shards and states stay resident
+                    layout["step_peak"] = max(layout["step_peak"], torch.cuda.max_memory_allocated(device) - before)
+    report = {"device": torch.cuda.get_device_name(device) if cuda else platform.machine(), "processes": world_size,
+              **options}
     for name, layout in layouts.items():
         step_time = statistics.median(layout["times"])
-        # Distinct tokens trained per step, over both GPUs: FSDP 2 two batches, TP 2 one.
+        # Distinct tokens trained per step over both processes: FSDP 2 two batches, TP 2 one.
         tokens = options["batch_size"] * options["seq_len"] * (2 if name == "fsdp2" else 1)
-        report[name] = {"median_step_s": step_time, "tokens_per_s_per_gpu": tokens / step_time / world_size}
+        report[name] = {"median_step_s": step_time, "tokens_per_s_per_gpu": tokens / step_time / world_size,
+                        "step_peak_gib": layout["step_peak"] / 2**30}
     report["tp2_over_fsdp2"] = report["tp2"]["tokens_per_s_per_gpu"] / report["fsdp2"]["tokens_per_s_per_gpu"]
-    report["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     dist.destroy_process_group()
     return report if rank == 0 else None
 
@@ -258,25 +277,32 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--loss", action="store_true",
                         help="CPU: the loss instead: whole logits (gathered) and the chunked loss (on vocabulary "
                              "shards) at TP 1 and TP 2, vocabulary 32768")
-    parser.add_argument("--model", default="llama3_2_1b", help="GPU: builder name in torchtune_ac.models")
+    parser.add_argument("--throughput", action="store_true",
+                        help="tokens/s of TP 2 against FSDP 2 under torchrun (the default with --device cuda; on a "
+                             "CPU, a check that it runs: --model llama_tiny --seq-len 256)")
+    parser.add_argument("--no-compile", action="store_true", help="GPU: eager blocks (compiled by default)")
+    parser.add_argument("--model", default="llama3_2_1b", help="throughput: builder name in torchtune_ac.models")
     parser.add_argument("--batch-size", type=int, default=2, help="GPU: rows per data-parallel rank")
     parser.add_argument("--warmup", type=int, default=3, help="GPU: untimed steps of each layout (compile)")
     parser.add_argument("--steps", type=int, default=10, help="GPU: timed steps of each layout")
-    parser.add_argument("--out-json", type=Path, default=None, help=f"default {OUT_JSON} (GPU: bench_tp_cuda.json)")
+    parser.add_argument("--out-json", type=Path, default=None, help=f"default {OUT_JSON} (--loss: bench_tp_loss.json; "
+                        "throughput: bench_tp_<device>_throughput.json)")
     return parser.parse_args(argv)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
-    if args.device == "cuda":
-        options = {"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len or 4096,
-                   "warmup": args.warmup, "steps": args.steps}
-        report = run_cuda(options)
+    if args.throughput or args.device == "cuda":
+        options = {"device": args.device, "model": args.model, "batch_size": args.batch_size,
+                   "seq_len": args.seq_len or 4096, "warmup": args.warmup, "steps": args.steps,
+                   "compile": args.device == "cuda" and not args.no_compile}
+        report = run_throughput(options)
         if report is None:
             return
-        table = "\n".join(f"{name:6s} {report[name]['tokens_per_s_per_gpu']:10.0f} tokens/s per GPU"
-                          for name in ("fsdp2", "tp2")) + f"\nTP 2 / FSDP 2: {report['tp2_over_fsdp2']:.2f}"
-        write_report(report, table, args.out_json or OUT_JSON.with_name("bench_tp_cuda.json"))
+        table = "\n".join(f"{name:6s} {report[name]['tokens_per_s_per_gpu']:10.0f} tokens/s per process, step peak "
+                          f"{report[name]['step_peak_gib']:.2f} GiB" for name in ("fsdp2", "tp2"))
+        table += f"\nTP 2 / FSDP 2: {report['tp2_over_fsdp2']:.2f}"
+        write_report(report, table, args.out_json or OUT_JSON.with_name(f"bench_tp_{args.device}_throughput.json"))
         return
     base = {"dim": args.dim, "layers": args.layers, "seq_len": args.seq_len or (2048 if args.loss else 8192)}
     if args.loss:
