@@ -20,7 +20,14 @@ from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from torchtune_ac.checkpoint import Progress, RunShape, list_checkpoints, load_checkpoint, save_checkpoint
+from torchtune_ac.checkpoint import (
+    Progress,
+    RunShape,
+    TrainerState,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
 from torchtune_ac.models import hf_model_files, save_hf
 from torchtune_ac.models.families import retie_parameters
 from torchtune_ac.models.families.llama import FAMILY as LLAMA
@@ -69,11 +76,11 @@ def _step(model: nn.Module, stepper: OptimizerStepper, ctx: DistributedContext, 
 
 def _save(output_dir: Path, model: nn.Module, stepper: OptimizerStepper, step: int) -> Path:
     return save_checkpoint(output_dir, model=model, hf_files=hf_model_files(model), optimizers=[stepper.optimizer],
-                           scheduler=None, progress=Progress(step, 0, step), shape=SHAPE)
+                           state=TrainerState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={}))
 
 
 def _load(output_dir: Path, model: nn.Module, stepper: OptimizerStepper) -> None:
-    load_checkpoint(list_checkpoints(output_dir)[-1], model=model, optimizers=[stepper.optimizer], scheduler=None)
+    load_checkpoint(list_checkpoints(output_dir)[-1], model=model, optimizers=[stepper.optimizer])
 
 
 def _full_state(model: nn.Module, stepper: OptimizerStepper) -> dict:
