@@ -56,22 +56,19 @@ from _benchlib import leave_spawned_rank, write_report  # noqa: E402
 from _measure import return_freed_memory_to_os, track_peak_rss  # noqa: E402
 
 from torchtune_ac import models  # noqa: E402
-from torchtune_ac.memory.activation_checkpointing import apply_ac_plan, resolve_ac_plan  # noqa: E402
 from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective, loss_objective  # noqa: E402
 from torchtune_ac.models.families import family_of, retie_parameters, transformer_blocks  # noqa: E402
 from torchtune_ac.models.families.llama import FAMILY as LLAMA  # noqa: E402
 from torchtune_ac.models.families.llama import LLAMA_TINY  # noqa: E402
-from torchtune_ac.run.model_setup import initialize_weights_  # noqa: E402
-from torchtune_ac.runtime.distributed import (  # noqa: E402
-    DistributedContext,
-    FSDPConfig,
-    build_device_mesh,
-    shard_model,
-)
+from torchtune_ac.run.assemble import initialize_weights_  # noqa: E402
+from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, build_device_mesh  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
-from torchtune_ac.runtime.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from torchtune_ac.training.ac_config import resolve_ac_plan  # noqa: E402
+from torchtune_ac.training.activation_checkpointing import apply_ac_plan  # noqa: E402
+from torchtune_ac.training.fsdp import shard_model  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 from torchtune_ac.training.step import OptimizerStepper, train_step  # noqa: E402
+from torchtune_ac.training.tensor_parallel import apply_tensor_parallel  # noqa: E402
 
 OUT_JSON = REPO / "bench_results" / "bench_tp.json"
 

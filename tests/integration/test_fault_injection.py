@@ -408,6 +408,7 @@ def _shape_of(embedded: Path, tmp_path: Path, **changes: int) -> Path:
 def _dead_ends(embedded: Path, tmp_path: Path) -> dict[str, tuple[list[str], tuple[str, ...]]]:
     """name -> (overrides, parts of the one line both `tune validate` and `tune run` must give)."""
     small_vocab = _shape_of(embedded, tmp_path, vocab_size=256)
+    two_formats = _two_formats(tmp_path)
     return {
         "tokenizer_beyond_the_vocabulary": (
             ["model._component_=torchtune_ac.models.llama_from_hf_config", f"+model.config={small_vocab}",
@@ -420,9 +421,13 @@ def _dead_ends(embedded: Path, tmp_path: Path) -> dict[str, tuple[list[str], tup
             ["optimizer.betas=[0.9]"], ("optimizer (torch.optim.AdamW): IndexError", "betas=[0.9]")),
         # `datasets` read the parquet file alone, and trained on its 2 records without a word.
         "folder_of_data_files_in_two_formats": (
-            [f"dataset.source={_two_formats(tmp_path)}"],
+            [f"dataset.source={two_formats}"],
             ("holds data files in 2 formats (1 json, 1 parquet)", "the 1 parquet file(s) would be read and a.jsonl "
              "left out")),
+        # The same folder as one item of a list of sources.
+        "list_holding_a_folder_of_two_formats": (
+            [f"dataset.source=[{two_formats / 'a.jsonl'},{two_formats}]"],
+            (f"dataset source {two_formats}: holds data files in 2 formats", "a.jsonl left out")),
     }
 
 
@@ -436,7 +441,8 @@ def _two_formats(tmp_path: Path) -> Path:
 
 
 @pytest.mark.parametrize("name", ["tokenizer_beyond_the_vocabulary", "checkpoint_of_another_shape",
-                                  "optimizer_argument_the_class_rejects", "folder_of_data_files_in_two_formats"])
+                                  "optimizer_argument_the_class_rejects", "folder_of_data_files_in_two_formats",
+                                  "list_holding_a_folder_of_two_formats"])
 def test_dead_ends_are_one_line_errors_in_validate_and_in_run(name, tmp_path, embedded_checkpoint):
     overrides, parts = _dead_ends(embedded_checkpoint, tmp_path)[name]
     out = tmp_path / "out"

@@ -11,6 +11,7 @@ processes, also with the step in backward; and a checkpoint of 2 processes resum
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -234,6 +235,30 @@ def test_a_resume_checks_its_data_by_content_not_by_path(tmp_path):
                                f"that checkpoint ({moved}: "), line
         assert line.endswith(f"start a new run with checkpoint_dir={out / 'step_0000006'} and another output_dir")
         assert hash_tree(out) == before
+
+
+def test_a_resume_from_a_list_of_sources_refuses_when_one_of_its_files_changed(tmp_path):
+    """``source: [a, b]``: the checkpoint records both files; ``b`` rewritten with its records in another order (as
+    many samples, so the count cannot tell) is refused, naming ``b`` alone."""
+    lines = Path(EMBEDDED_INSTRUCT_PATH).read_bytes().splitlines(keepends=True)
+    a, b, out = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "run"
+    a.write_bytes(b"".join(lines[:1500]))
+    b.write_bytes(b"".join(lines[1500:]))
+    run = ("max_steps_per_epoch=2", f"dataset.source=[{a},{b}]")
+    check_success(run_tune_in_process(tune_run_argv(out, *run)))
+    was, now = b.read_bytes(), b"".join(reversed(lines[1500:]))
+    b.write_bytes(now)
+    before = hash_tree(out)
+    result = run_tune_in_process(tune_run_argv(out, *run, "epochs=2", "resume_from_checkpoint=true"))
+    assert result.returncode == 2, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    checkpoint = out / "step_0000002"
+    short = [hashlib.sha256(content).hexdigest()[:12] for content in (was, now)]
+    assert line == (f"tune: error: resume from {checkpoint}: the training data changed since that checkpoint ({b}: "
+                    f"{len(was):,} bytes (sha256 {short[0]}) in step_0000002, {len(now):,} bytes (sha256 {short[1]}) "
+                    "now), so the run cannot continue exactly; to train on from its weights with this data, start a "
+                    f"new run with checkpoint_dir={checkpoint} and another output_dir")
+    assert hash_tree(out) == before
 
 
 @pytest.mark.slow

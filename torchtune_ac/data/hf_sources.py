@@ -15,7 +15,7 @@ import csv
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from torchtune_ac.data.sources import Record
+from torchtune_ac.data.sources import Record, not_utf8
 from torchtune_ac.errors import UserError
 
 # Seconds to wait for the Hub's answer to the one request that tells whether it can be reached.
@@ -75,6 +75,8 @@ def read_hf_file(source: str, path: Path) -> list[Record]:
     try:
         stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
         rows = list(stream)
+    except UnicodeDecodeError:
+        raise _not_utf8(source, path) from None
     except _read_errors() as err:
         raise UserError(f"{source}: cannot read it as {builder}: {_first_line(err)}") from None
     if builder == "csv" and _count_lines(path) == len(rows) + 1:
@@ -87,11 +89,17 @@ def _csv_header(source: str, path: Path) -> list[str]:
     try:
         with path.open(newline="", encoding="utf-8") as file:
             header = next(csv.reader(file), None)
-    except UnicodeDecodeError as e:
-        raise UserError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except UnicodeDecodeError:
+        raise _not_utf8(source, path) from None
     if not header:
         raise UserError(f"{source}: the file holds no records (no header line)")
     return header
+
+
+def _not_utf8(source: str, path: Path) -> UserError:
+    """The error naming the first line of ``path`` that is not UTF-8 (read line by line, not held whole)."""
+    with path.open("rb") as file:
+        return not_utf8(source, file)
 
 
 def _count_lines(path: Path) -> int:

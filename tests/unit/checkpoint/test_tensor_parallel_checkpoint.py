@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -32,12 +33,13 @@ from torchtune_ac.models import hf_model_files, save_hf
 from torchtune_ac.models.families import retie_parameters
 from torchtune_ac.models.families.llama import FAMILY as LLAMA
 from torchtune_ac.models.families.llama import LLAMA_TINY
-from torchtune_ac.run.model_setup import initialize_weights_
-from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, build_device_mesh, shard_model
+from torchtune_ac.run.assemble import initialize_weights_
+from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, build_device_mesh
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.runtime.tensor_parallel import apply_tensor_parallel
+from torchtune_ac.training.fsdp import shard_model
 from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.training.step import OptimizerStepper, train_step
+from torchtune_ac.training.tensor_parallel import apply_tensor_parallel
 
 pytestmark = pytest.mark.distributed
 
@@ -74,13 +76,16 @@ def _step(model: nn.Module, stepper: OptimizerStepper, ctx: DistributedContext, 
     train_step(model, stepper, [{"tokens": tokens[rows], "labels": labels[rows]}], ctx=ctx)
 
 
-def _save(output_dir: Path, model: nn.Module, stepper: OptimizerStepper, step: int) -> Path:
+def _save(output_dir: Path, model: nn.Module, stepper: OptimizerStepper, step: int,
+          ctx: Optional[DistributedContext] = None) -> Path:
     return save_checkpoint(output_dir, model=model, hf_files=hf_model_files(model), optimizers=[stepper.optimizer],
-                           state=TrainerState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={}))
+                           state=TrainerState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={}),
+                           processes=ctx)
 
 
-def _load(output_dir: Path, model: nn.Module, stepper: OptimizerStepper) -> None:
-    load_checkpoint(list_checkpoints(output_dir)[-1], model=model, optimizers=[stepper.optimizer])
+def _load(output_dir: Path, model: nn.Module, stepper: OptimizerStepper,
+          ctx: Optional[DistributedContext] = None) -> None:
+    load_checkpoint(list_checkpoints(output_dir)[-1], model=model, optimizers=[stepper.optimizer], processes=ctx)
 
 
 def _full_state(model: nn.Module, stepper: OptimizerStepper) -> dict:
@@ -102,17 +107,17 @@ def _assert_same_state(ours: dict, expected: dict, what: str) -> None:
 def _on_four_ranks(rank: int, root: Path) -> None:
     ctx = DistributedContext(rank, 4, 0, CPU)
     model, stepper = _model(tp=2, world_size=4)
-    _load(root / "one", model, stepper)  # TP 1 -> FSDP 2 x TP 2
+    _load(root / "one", model, stepper, ctx)  # TP 1 -> FSDP 2 x TP 2
     _assert_same_state(_full_state(model, stepper), torch.load(root / "one_full.pt", weights_only=False),
                        "1 process -> 2 x 2")
     _step(model, stepper, ctx, rank // 2, 2, seed=2)
-    _save(root / "tp", model, stepper, 2)
+    _save(root / "tp", model, stepper, 2, ctx)
     full = _full_state(model, stepper)
     if rank == 0:
         torch.save(full, root / "tp_full.pt")
 
     flat, flat_stepper = _model(tp=1, world_size=4)
-    _load(root / "tp", flat, flat_stepper)  # 2 x 2 -> FSDP 4, no TP
+    _load(root / "tp", flat, flat_stepper, ctx)  # 2 x 2 -> FSDP 4, no TP
     _assert_same_state(_full_state(flat, flat_stepper), full, "2 x 2 -> 4 flat")
 
 

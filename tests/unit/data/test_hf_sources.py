@@ -302,3 +302,38 @@ def test_validate_says_what_a_run_will_do_with_a_hub_dataset(tmp_path, monkeypat
     summary, warning = describe_hub_source("someorg/tiny_set")
     assert summary.startswith(f"someorg/tiny_set: a Hugging Face Hub dataset, in the datasets cache ({cache}")
     assert summary.endswith("HF_HUB_OFFLINE is set: the run reads the cache only") and warning is None
+
+
+def test_a_csv_that_is_not_utf8_names_its_line(tmp_path, tokenizer):
+    path = tmp_path / "d.csv"
+    path.write_bytes(b"instruction,output\nx,y\n" + "caf\xe9,q\n".encode("latin-1"))
+    with pytest.raises(UserError) as info:
+        instruct_dataset(tokenizer, source=str(path))
+    assert str(info.value) == (f"{path}:3: not UTF-8 text: byte 0xe9 at column 4 (invalid continuation byte); the "
+                               "file must be UTF-8 encoded: convert it, for example with iconv -f LATIN1 -t UTF-8")
+
+
+def test_source_files_of_a_list_are_every_item_s_files_in_reading_order(tmp_path):
+    """A list of sources (a file, a compressed file, a folder, a Hub dataset): the identity a checkpoint records
+    must cover each of them, relative to the folder that holds them all."""
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    a = write_jsonl(tmp_path / "x" / "a.jsonl", ROWS)
+    (tmp_path / "y" / "b.jsonl.gz").write_bytes(b"not read here")
+    folder = write_source(tmp_path / "y", "parquet_folder", ROWS)
+    source = [folder, "tatsu-lab/alpaca", str(tmp_path / "y" / "b.jsonl.gz"), a]
+    assert source_files(source) == SourceFiles(
+        tmp_path, ("y/files/train-00000-of-00001.parquet", "y/b.jsonl.gz", "x/a.jsonl"), hub=("tatsu-lab/alpaca",))
+    assert source_files([a]) == SourceFiles(tmp_path / "x", ("a.jsonl",))
+    assert source_files(["tatsu-lab/alpaca", "yahma/alpaca-cleaned"]) is None  # Hub datasets only: by name
+
+
+def test_a_list_holding_a_folder_of_two_formats_is_refused(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", ROWS)
+    datasets.Dataset.from_list(ROWS[:2]).to_parquet(str(folder / "b.parquet"))
+    single = write_jsonl(tmp_path / "c.jsonl", ROWS)
+    with pytest.raises(UserError, match=f"^dataset source {folder}: holds data files in 2 formats"):
+        check_folder_formats([single, str(folder)])
+    check_folder_formats([single, single])  # files are not folders: nothing to check

@@ -24,7 +24,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.activation_checkpointing import apply_ac_plan, resolve_ac_plan
 from torchtune_ac.memory.activation_offloading import apply_activation_offloading
 from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer
@@ -37,18 +36,20 @@ from torchtune_ac.models.families.qwen3 import FAMILY as QWEN3
 from torchtune_ac.models.families.qwen3 import QWEN3_0_6B
 from torchtune_ac.models.llama import LlamaArgs
 from torchtune_ac.models.tensor_parallel import Split, tensor_parallel_problem
-from torchtune_ac.run.model_setup import initialize_weights_
+from torchtune_ac.run.assemble import initialize_weights_
 from torchtune_ac.runtime.distributed import (
     DistributedContext,
     FSDPConfig,
     build_device_mesh,
     check_replicate_degree,
-    shard_model,
 )
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.runtime.tensor_parallel import apply_tensor_parallel, check_sequence_length
+from torchtune_ac.training.ac_config import resolve_ac_plan
+from torchtune_ac.training.activation_checkpointing import apply_ac_plan
+from torchtune_ac.training.fsdp import shard_model
 from torchtune_ac.training.objective import IGNORE_INDEX, CrossEntropy
 from torchtune_ac.training.step import OptimizerStepper, train_step
+from torchtune_ac.training.tensor_parallel import apply_tensor_parallel, check_sequence_length
 
 CPU = torch.device("cpu")
 # Tiny models of each family, their flags kept (q/k norms; Gemma 3's offset norms, GeGLU, scaled and tied
