@@ -93,12 +93,31 @@ def check_replicate_degree(replicate_degree: int, world_size: int, tp_degree: in
 
 @dataclass(frozen=True)
 class DistributedContext:
-    """Who this process is: rank, world size, and the device it computes on."""
+    """Who this process is: rank, world size, the device it computes on, and how many consecutive ranks split each
+    layer among them (``tp_degree``, ``tensor_parallel_dim``): those ranks form one tensor-parallel group, which
+    reads one batch together, so the data is split over ``data_parallel_size`` groups, not over the ranks."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    tp_degree: int = 1
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which share of each global batch this rank reads: its tensor-parallel group's index."""
+        return self.rank // self.tp_degree
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares each global batch is split into: the tensor-parallel groups."""
+        return self.world_size // self.tp_degree
+
+    @property
+    def reads_for_its_group(self) -> bool:
+        """Whether this rank is the first of its tensor-parallel group (the one that speaks for the group's
+        batch where the ranks' results are summed)."""
+        return self.rank % self.tp_degree == 0
 
     @property
     def is_rank_zero(self) -> bool:
