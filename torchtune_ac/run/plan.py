@@ -400,7 +400,7 @@ def planner_inputs(cfg: TrainingConfig, world_size: int, device: torch.device) -
     cfg.fsdp.shard_degree(world_size, cfg.tensor_parallel_dim)  # whole HSDP rows and TP groups, or a one-line error
     workload = Workload(batch_size=cfg.batch_size, seq_len=cfg.max_seq_len,
                         gradient_accumulation_steps=cfg.gradient_accumulation_steps, dtype=cfg.dtype,
-                        world_size=world_size, fsdp=cfg.fsdp,
+                        world_size=world_size, fsdp=cfg.fsdp, tp_degree=cfg.tensor_parallel_dim,
                         # Packed rows on a GPU in bf16 take varlen_attn (models/attention.py), whose K/V copies the
                         # simulation cannot make on a CPU's kernels.
                         varlen=(bool(cfg.dataset.kwargs.get("packed", False))
