@@ -333,7 +333,8 @@ def test_fsdp_cpu_offload_becomes_fsdp_cpu_offload(value, expected):
         ("profiler", {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False},
          "the torch profiler is not built into the recipe (nothing lost with enabled: false)"),
         ("custom_sharded_layers", ["tok_embeddings", "output"], "extra groups are not configurable"),
-        ("tensor_parallel_dim", 2, "tensor parallelism is not supported"),
+        ("tensor_parallel_plan", {"_component_": "my_project.plans.my_tp_plan"},
+         "a custom plan ('my_project.plans.my_tp_plan') is not carried over: each model family declares its own"),
         ("my_own_key", 3, "no such setting in torchtune_ac"),
     ],
 )
@@ -342,6 +343,18 @@ def test_keys_not_carried_over_say_why(key, value, expected):
     (note,) = [n for n in migration.notes if n.key == key]
     assert not note.carried and expected in note.message
     assert str(note) == f"not carried over: {key}: {note.message}"
+
+
+def test_tensor_parallel_dim_is_carried_over_and_a_stock_plan_dropped_with_a_note():
+    migration = migrate_torchtune_config(torchtune_config(
+        tensor_parallel_dim=8, tensor_parallel_plan={"_component_": "torchtune.models.llama3.base_llama_tp_plan"}))
+    assert migration.config["tensor_parallel_dim"] == 8
+    assert list(migration.config)[-1] == "tensor_parallel_dim"  # after fsdp, in the written order
+    (note,) = [n for n in migration.notes if n.key == "tensor_parallel_plan"]
+    assert note.carried and note.message.startswith(
+        "torchtune.models.llama3.base_llama_tp_plan is torchtune's stock plan: dropped, the family's own plan splits "
+        "the same layers")
+    assert "tensor_parallel_dim" not in notes_by_key(migration)
 
 
 def test_output_dir_from_checkpointer_and_missing_parts():

@@ -116,7 +116,9 @@ class RunShape:
 
     ``data`` holds what decides the batches (seed, shuffle, max_seq_len, the dataset and tokenizer settings) and
     the optimizer's class (whose state the checkpoint holds), as plain JSON values. The world size, batch size and accumulation may each change, as long as the global
-    batch (their product) stays the same: the sampler makes each step out of the same samples then.
+    batch (their product) stays the same: the sampler makes each step out of the same samples then. So may
+    ``tensor_parallel_dim``: the processes of one tensor-parallel group read one batch together, so the global batch
+    counts the groups (a checkpoint of an earlier version records none: 1).
     """
 
     world_size: int
@@ -124,15 +126,18 @@ class RunShape:
     gradient_accumulation_steps: int
     model_args: dict[str, Any]
     data: dict[str, Any]
+    tensor_parallel_dim: int = 1
 
     @property
     def global_batch(self) -> int:
-        """Samples per optimizer step, over all ranks."""
-        return self.batch_size * self.gradient_accumulation_steps * self.world_size
+        """Samples per optimizer step, over all ranks (a tensor-parallel group's once)."""
+        return self.batch_size * self.gradient_accumulation_steps * (self.world_size // self.tensor_parallel_dim)
 
     def describe_batch(self) -> str:
+        readers = (f"{self.world_size} process(es)" if self.tensor_parallel_dim == 1 else
+                   f"{self.world_size} process(es) / tensor_parallel_dim {self.tensor_parallel_dim}")
         return (f"{self.global_batch} (batch_size {self.batch_size} x gradient_accumulation_steps "
-                f"{self.gradient_accumulation_steps} x {self.world_size} process(es))")
+                f"{self.gradient_accumulation_steps} x {readers})")
 
 
 @dataclass(frozen=True)
@@ -453,12 +458,12 @@ def check_resume_shape(checkpoint: Path, saved: RunShape, current: RunShape) -> 
     if saved.global_batch != current.global_batch:
         changed = [
             f"{name} was {getattr(saved, name)}, now {getattr(current, name)}"
-            for name in ("batch_size", "gradient_accumulation_steps", "world_size")
+            for name in ("batch_size", "gradient_accumulation_steps", "world_size", "tensor_parallel_dim")
             if getattr(saved, name) != getattr(current, name)
         ]
         problems.append(
             f"the global batch was {saved.describe_batch()}, now {current.describe_batch()} ({', '.join(changed)}): "
-            "keep batch_size x gradient_accumulation_steps x processes equal"
+            "keep batch_size x gradient_accumulation_steps x processes / tensor_parallel_dim equal"
         )
     model_diff = [
         f"{key} {saved.model_args.get(key)} -> {current.model_args.get(key)}"

@@ -19,6 +19,7 @@ from typing import Optional
 
 from torchtune_ac.config.components import Component
 from torchtune_ac.config_key import config_key
+from torchtune_ac.errors import UserError
 from torchtune_ac.memory.plan import MemoryConfig
 from torchtune_ac.memory.planner import PreferenceStep
 from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S, FSDPConfig
@@ -129,6 +130,12 @@ class FullFinetuneConfig:
         None, doc="An experiment tracker besides metrics.jsonl (always written): "
         "torchtune_ac.observability.metric_logging.TensorBoardLogger or WandBLogger; null: none.")
     fsdp: FSDPConfig = config_key(doc="FSDP2's settings (see its keys).", default_factory=FSDPConfig)
+    tensor_parallel_dim: int = config_key(
+        1, doc="Tensor parallelism: each transformer block's attention heads and MLP columns, and the vocabulary of "
+        "the embedding and the output layer, are split over this many consecutive processes (the GPUs of one node), "
+        "the norms and residuals along the sequence between them; FSDP2 shards over the rest (the world size must "
+        "be replicate_degree x shard x this). It must divide the model's heads, key/value heads and MLP width, and "
+        "max_seq_len. 1: none.", minimum=1, torchtune=SAME)
 
     def preference_step(self) -> Optional[PreferenceStep]:
         """What the planner simulates besides the token loss: nothing for fine-tuning."""
@@ -148,6 +155,14 @@ class FullDPOConfig(FullFinetuneConfig):
         "(checkpoint_dir, or without it the seed's random ones). A resume keeps the reference it started from.",
         non_empty=True)
     dpo: DPOConfig = config_key(doc="The DPO loss and its reference (see its keys).", default_factory=DPOConfig)
+
+    def __post_init__(self) -> None:
+        # Not silently wrong: the sequence log-probabilities (training/sequence_logps.py) are summed over whole
+        # vocabulary rows, which a tensor-parallel output layer does not hold; DPO has no plan for that yet.
+        if self.tensor_parallel_dim > 1:
+            raise UserError(f"tensor_parallel_dim={self.tensor_parallel_dim}: the full_dpo recipe does not run under "
+                            "tensor parallelism (its sequence log-probabilities need whole vocabulary rows); use "
+                            "tensor_parallel_dim: 1 (FSDP, fsdp.replicate_degree for HSDP)")
 
     @property
     def reference_checkpoint_dir(self) -> Optional[str]:

@@ -15,6 +15,15 @@ projected and scored a chunk at a time. Each chunk's
   to the output weight are computed right away (the weight's accumulated in place), so backward keeps only
   the targets' hidden-state gradients and the weight's gradient, and has nothing to recompute.
 
+Under tensor parallelism the output weight reaches the head split along the vocabulary (a DTensor of this rank's
+rows, ``training/tensor_parallel.py``), and the loss is computed on the vocabulary shards (loss parallel,
+``_VocabParallelChunkedCrossEntropy``): each rank projects its rows only, so a chunk's float32 logits are
+``[c, vocab / degree]``; per chunk, the softmax's row maxima are reduced over the group (one all-reduce of ``[c]``),
+then its normaliser and the target logit, which one rank holds (one all-reduce of ``[2, c]``). The weight's
+gradient is this rank's rows, exact; the hidden states' gradient is a partial sum over the vocabulary shards, which
+the gather that fed the head reduces and scatters back along the sequence in backward. The logits are never
+gathered: gathering them (or the weight) would put the whole vocabulary on every rank.
+
 Why not recompute each chunk in backward under activation checkpointing: that spends a third more matrix
 multiplies on the output layer (the largest one in CPU-sized models), and autograd sums the chunks' weight
 gradients by holding a second weight-sized gradient while each chunk's is added. Computing the gradients chunk
@@ -28,8 +37,11 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Partial
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.feature import Alternative, Feature, ResolveInputs
@@ -89,6 +101,76 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None
 
 
+class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
+    """``_ChunkedLinearCrossEntropy`` on a vocabulary shard: ``weight`` holds the vocabulary's rows
+    ``[offset, offset + len(weight))``, ``hidden`` and ``targets`` are whole and the same on every rank of
+    ``group``. Returns the whole sum on every rank; the hidden states' gradient is this shard's part of it."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_chunks: int, offset: int,
+                group: dist.ProcessGroup) -> torch.Tensor:
+        # hidden: [n, dim]; weight: [vocab / degree, dim]; targets: [n], ids of the whole vocabulary
+        need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        rows = len(weight)
+        start = 0
+        for h, y in zip(hidden.tensor_split(n_chunks), targets.tensor_split(n_chunks)):
+            if not len(y):
+                continue
+            logits = F.linear(h, weight).float()  # [c, vocab / degree]
+            row_max = logits.max(dim=-1).values  # [c]
+            dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
+            logits.sub_(row_max[:, None])
+            local = y - offset
+            here = (local >= 0) & (local < rows)  # [c]: the targets in this rank's rows
+            local = local.clamp(0, rows - 1)
+            # [2, c]: sum of exp over this shard; the target's (max-shifted) logit where this rank holds it, else 0.
+            sums = torch.stack([logits.exp().sum(dim=-1), logits.gather(1, local[:, None]).squeeze(1) * here])
+            dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+            log_norm = sums[0].log()  # [c], of the max-shifted logits
+            total += (log_norm - sums[1]).sum()
+            if need_hidden or need_weight:
+                grad_logits = logits.sub_(log_norm[:, None]).exp_()  # this shard of the softmax
+                grad_logits[torch.arange(len(y), device=y.device), local] -= here.to(grad_logits.dtype)
+                grad_logits = grad_logits.to(weight.dtype)
+                if need_hidden:
+                    torch.mm(grad_logits, weight, out=grad_hidden[start:start + len(y)])
+                if need_weight:
+                    grad_weight.addmm_(grad_logits.t(), h)
+                del grad_logits
+            del logits
+            start += len(y)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
+        if grad_weight is not None:
+            grad_weight.mul_(grad_total.to(grad_weight.dtype))
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _vocab_parallel_loss(hidden: DTensor, weight: DTensor, targets: torch.Tensor, order: torch.Tensor,
+                         n_chunks: int) -> torch.Tensor:
+    """The chunked loss of a weight split along the vocabulary over a 1-D mesh (tensor parallelism) and hidden
+    states whole on every rank of it (a replicated DTensor)."""
+    mesh = weight.device_mesh
+    if mesh.ndim != 1 or not weight.placements[0].is_shard(0):
+        raise ValueError(f"the chunked loss takes an output weight split along the vocabulary over one mesh "
+                         f"dimension, got placements {weight.placements} over a {mesh.ndim}-D mesh")
+    _, (offset, _) = compute_local_shape_and_global_offset(weight.shape, mesh, weight.placements)
+    # The hidden states' gradient is a partial sum (each rank's vocabulary rows): say so, and the gather that
+    # fed the head reduces it in backward.
+    local_hidden = hidden.to_local(grad_placements=(Partial(),)).flatten(0, 1).index_select(0, order)  # [n, dim]
+    return _VocabParallelChunkedCrossEntropy.apply(local_hidden, weight.to_local(), targets, n_chunks, offset,
+                                                   mesh.get_group())
+
+
 @dataclass(frozen=True)
 class ChunkedCrossEntropy:
     """An output head for the model: the summed cross-entropy of ``labels``, projected chunk by chunk.
@@ -113,8 +195,9 @@ class ChunkedCrossEntropy:
         """The summed float32 cross-entropy (a 0-d tensor).
 
         Args:
-            hidden: ``[b, s, dim]``, the final norm's output.
-            weight: ``[vocab, dim]``, the output projection (tied to the embedding or not).
+            hidden: ``[b, s, dim]``, the final norm's output (a replicated DTensor under tensor parallelism).
+            weight: ``[vocab, dim]``, the output projection (tied to the embedding or not); under tensor
+                parallelism a DTensor split along the vocabulary, and the loss is computed on the shards.
         """
         labels = self.labels.flatten()  # [b * s]
         ignored = labels == IGNORE_INDEX
@@ -123,6 +206,8 @@ class ChunkedCrossEntropy:
         # gather of a size known on the host, where a boolean mask's size would have to be read from the device.
         order = torch.argsort(ignored.to(torch.uint8), stable=True)[:n_targets]  # [n]
         targets = labels.index_select(0, order)  # [n]
+        if isinstance(weight, DTensor):
+            return _vocab_parallel_loss(hidden, weight, targets, order, self.n_chunks)
         hidden = hidden.flatten(0, 1).index_select(0, order)  # [n, dim]: ignored positions never reach the projection
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, self.n_chunks)
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from torchtune_ac.errors import UserError
@@ -70,9 +71,12 @@ class OptimizerInBackward(torch.optim.Optimizer):
             optimizer.register_load_state_dict_post_hook(self._share_groups_of(index))
         self._wait_for_gradient = wait_for_gradient
         self._final_micro_batch = True
-        self._squared_norm: Optional[torch.Tensor] = None
-        # The processes whose shards make up a whole gradient (not the replicas of HSDP, which hold the same shard).
-        self._shard_group: Optional[dist.ProcessGroup] = None
+        # Squared norms of this rank's gradient shards, summed by the mesh dimensions the gradients are split over:
+        # () for plain tensors; FSDP2's shard dimension; with tensor parallelism the shard and tp dimensions (a
+        # norm's weight is split over the first only). Summed over those dimensions' processes, and no others (the
+        # replicas of HSDP hold the same shard, and the tp ranks the same replicated weight).
+        self._squared_norms: dict[tuple[int, ...], torch.Tensor] = {}
+        self._mesh: Optional[DeviceMesh] = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(opt)) for (_, p), opt in zip(params, self.optimizers)]
 
     def _share_groups_of(self, index: int) -> Callable[[torch.optim.Optimizer], None]:
@@ -89,11 +93,13 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 self._wait_for_gradient(param)
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
-            if isinstance(grad, DTensor) and self._shard_group is None:
-                self._shard_group = shard_group(grad)
+            dims = split_dims(grad) if isinstance(grad, DTensor) else ()
+            if dims:
+                self._mesh = grad.device_mesh
             # A float32 reduction, not a float32 copy of the gradient (that would double its memory).
             squared = torch.linalg.vector_norm(local.detach(), dtype=torch.float32).square()
-            self._squared_norm = squared if self._squared_norm is None else self._squared_norm + squared
+            earlier = self._squared_norms.get(dims)
+            self._squared_norms[dims] = squared if earlier is None else earlier + squared
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -103,23 +109,27 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """Say whether the coming backward is the last of this optimizer step (the one that steps)."""
         self._final_micro_batch = final
         if final:
-            self._squared_norm = None
+            self._squared_norms = {}
 
     def total_norm(self, device: torch.device) -> torch.Tensor:
         """The total gradient norm of the step the hooks just took, a 0-d tensor (all ranks call this: the
-        squared norms of each rank's shards are summed over the ranks that shard a parameter, once per shard
-        under HSDP). No host synchronisation.
+        squared norms of each rank's shards are summed over the processes of the mesh dimensions that split them,
+        once per piece: not over HSDP's replicas, nor over the tensor-parallel ranks for a replicated weight). No
+        host synchronisation.
 
         Raises:
             RuntimeError: no hook ran (a backward without ``begin_micro_batch(final=True)`` before it).
         """
-        if self._squared_norm is None:
+        if not self._squared_norms:
             raise RuntimeError("no parameter was stepped in backward: call begin_micro_batch(final=True) first")
-        squared = self._squared_norm.to(device)
-        if self._shard_group is not None:
-            dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self._shard_group)
-        self._squared_norm = None
-        return squared.sqrt()
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for dims in sorted(self._squared_norms):  # the same order on every rank
+            squared = self._squared_norms[dims].to(device)
+            for dim in dims:
+                dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self._mesh.get_group(dim))
+            total += squared
+        self._squared_norms = {}
+        return total.sqrt()
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # noqa: D401
@@ -146,17 +156,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
         self._hooks = []
 
 
-def shard_group(tensor: DTensor) -> dist.ProcessGroup:
-    """The process group over which ``tensor``'s local pieces differ: its mesh's one sharded dimension (FSDP2
-    shards on one; with HSDP the other dimension holds replicas).
-
-    Raises:
-        ValueError: a tensor sharded over no mesh dimension, or over several.
-    """
-    dims = [dim for dim, placement in enumerate(tensor.placements) if placement.is_shard()]
-    if len(dims) != 1:
-        raise ValueError(f"expected a DTensor sharded over one mesh dimension, got placements {tensor.placements}")
-    return tensor.device_mesh.get_group(dims[0])
+def split_dims(tensor: DTensor) -> tuple[int, ...]:
+    """The mesh dimensions over which ``tensor``'s local pieces differ: those it is sharded over (FSDP2's shard
+    dimension; tensor parallelism's too for a split weight), not those holding replicas. (FSDP2 shards a weight
+    that tensor parallelism split on the same dimension with a ``_StridedShard``, which ``is_shard()`` denies.)"""
+    return tuple(dim for dim, placement in enumerate(tensor.placements) if not placement.is_replicate())
 
 
 class InBackwardStepper:

@@ -52,6 +52,7 @@ from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.models.attention import varlen_kv_copy_bytes
 from torchtune_ac.models.families import family_of, shard_groups, transformer_blocks
 from torchtune_ac.models.llama import Attention
+from torchtune_ac.models.tensor_parallel import tensor_parallel_problem
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.activation_checkpointing import OP_OPTION, ACMode, ACPlan, ac_plan, apply_ac_plan
@@ -93,6 +94,7 @@ class Workload:
         clip_grad_norm: the config's value.
         settings: the memory features' settings besides AC, as ``(name, setting)`` pairs (see
             ``memory/features.py``); a feature not named here has its ``off`` setting.
+        tp_degree: processes each layer is split over (``tensor_parallel_dim``); FSDP2 shards over the others.
     """
 
     batch_size: int
@@ -108,6 +110,7 @@ class Workload:
     varlen: bool = False
     # A preference step (DPO) instead of the token loss: pairs of rows, and the reference model when resident.
     preference: Optional[PreferenceStep] = None
+    tp_degree: int = 1
 
     @property
     def rows(self) -> int:
@@ -116,8 +119,8 @@ class Workload:
 
     @property
     def shard_degree(self) -> int:
-        """Processes each parameter is sharded over (``world_size / fsdp.replicate_degree``)."""
-        return self.fsdp.shard_degree(self.world_size)
+        """Processes FSDP2 shards each parameter over (``world_size / (fsdp.replicate_degree x tp_degree)``)."""
+        return self.fsdp.shard_degree(self.world_size, self.tp_degree)
 
     def with_settings(self, settings: Mapping[str, Any], **changes: Any) -> "Workload":
         """This workload with the features' ``settings`` (merged over its own) and other fields changed."""
@@ -396,6 +399,7 @@ class _Simulation:
     root_shapes: tuple[tuple[int, ...], ...]  # each parameter outside the blocks (a tied weight once)
     block_shapes: tuple[tuple[int, ...], ...]  # each parameter of one block
     block_input: int  # bytes of a block's input, one micro-batch's hidden state
+    logits: int  # bytes of one micro-batch's whole logits in float32 ([rows, seq_len, vocab])
     varlen_kv_copy: int = 0  # bytes of one block's K/V copies for varlen_attn, one micro-batch (Workload.varlen)
 
 
@@ -469,6 +473,7 @@ def _simulate(
             root_shapes=_shapes([p for p in params if id(p) not in in_blocks]),
             block_shapes=_shapes(list(blocks[0].parameters())),
             block_input=tracker.block_input,
+            logits=workload.rows * workload.seq_len * vocab * 4,
             varlen_kv_copy=_varlen_kv_copy(blocks[0], workload) if workload.varlen else 0,
         )
 
@@ -574,19 +579,27 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         # and the reduce-scatter input of the largest group.
         largest_group = max(shallow.block_parameters, shallow.largest_outer_group)
         fsdp_extra = gathered * (n - 1) / n + largest_group * reduce_factor
+    # Tensor parallelism splits every parameter (and its gradient and optimizer state) over tp more processes, and
+    # the activations of the split layers: the simulation ran the whole model, so its parts are divided by tp, and
+    # what stays whole on every rank of a group is added back (tensor_parallel_share).
+    tp = workload.tp_degree
     device = {
-        "parameters": parameters / n,
-        "optimizer": at_depth(lambda s: s.optimizer) / n,
-        "gradients": grads,
-        "activations": acts,
-        "transient": other + fsdp_extra + shallow.batch,
+        "parameters": parameters / n / tp,
+        "optimizer": at_depth(lambda s: s.optimizer) / n / tp,
+        "gradients": grads / tp,
+        "activations": acts / tp,
+        "transient": (other + fsdp_extra) / tp + shallow.batch,
     }
+    if tp > 1:
+        for category, nbytes in tensor_parallel_share(plan, shallow, workload, phase).items():
+            device[category] += nbytes
     if shallow.varlen_kv_copy:
         # varlen_attn saves its K/V copies for backward: a block without AC keeps them until its backward; the block
-        # running (or recomputing) holds its own as it goes.
+        # running (or recomputing) holds its own as it goes (a group's rank, its heads' share).
+        copy = shallow.varlen_kv_copy / tp
         if phase != "optimizer step":
-            device["activations"] += shallow.varlen_kv_copy * (depth - len(plan.checkpointed_blocks))
-        device["transient"] += shallow.varlen_kv_copy
+            device["activations"] += copy * (depth - len(plan.checkpointed_blocks))
+        device["transient"] += copy
     # What the simulation cannot show, as each feature declares it, in the features' order: each sees the estimate
     # with the earlier ones' costs.
     shapes = shallow.root_shapes + shallow.block_shapes * depth
@@ -594,8 +607,9 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
     for feature, setting in workload.feature_settings():
         sizes = ModelSizes(parameters=math.ceil(parameters), root_parameters=shallow.root_parameters,
                            largest_block=shallow.block_parameters,
-                           optimizer_state=math.ceil(at_depth(lambda s: s.optimizer)), world_size=n, shapes=shapes,
-                           dtype=workload.dtype.torch, sharded=sharded, gathered_parameters=gathered,
+                           optimizer_state=math.ceil(at_depth(lambda s: s.optimizer)), world_size=n * tp,
+                           shapes=shapes, dtype=workload.dtype.torch, sharded=sharded,
+                           gathered_parameters=math.ceil(gathered / tp),
                            checkpointed_blocks=len(plan.checkpointed_blocks), block_input=shallow.block_input,
                            max_gradients=math.ceil(max(peak[2] for peak in peaks.values())),
                            so_far={category: math.ceil(nbytes) for category, nbytes in device.items()})
@@ -605,7 +619,7 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         for category, nbytes in cost.host.items():
             host[category] = host.get(category, 0) + nbytes
     # A resident reference: the policy's parameters again, sharded alike; kept in host memory with CPU offload.
-    reference = parameters / n if workload.preference is not None and workload.preference.resident_reference else 0
+    reference = parameters / n / tp if workload.preference is not None and workload.preference.resident_reference else 0
     if reference and workload.setting("cpu_offload"):
         host["reference"] = reference
         reference = 0
@@ -624,6 +638,37 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         host=math.ceil(sum(host.values())),
         host_parts={category: math.ceil(nbytes) for category, nbytes in host.items()},
     )
+
+
+def tensor_parallel_share(plan: ACPlan, shallow: _Simulation, workload: Workload, phase: str) -> dict[str, float]:
+    """What tensor parallelism leaves whole on every rank of a group, beyond the 1/tp share of the simulated step.
+
+    Sequence parallelism splits a block's input, its norms and residuals along the sequence, but the attention and
+    the MLP each gather their normed input whole (``[b, s, dim]``): a block without AC keeps both for backward (a
+    checkpointed one keeps only its split input), and the block running or recomputing holds them. The whole
+    logits (``loss_chunks: 1``) are gathered on every rank; the chunked loss computes on vocabulary shards.
+    """
+    tp = workload.tp_degree
+    whole = 1 - 1 / tp
+    gathered_inputs = 2 * shallow.block_input * whole
+    share = {"activations": 0.0, "transient": gathered_inputs}
+    if phase != "optimizer step":
+        share["activations"] = gathered_inputs * (plan.n_layers - len(plan.checkpointed_blocks))
+    if workload.setting("loss_chunks") == 1:
+        share["transient"] += shallow.logits * whole
+    return share
+
+
+def suggested_tensor_parallel_degree(model: nn.Module, world_size: int, gpus_per_node: int = 8) -> Optional[int]:
+    """The largest tensor-parallel degree worth suggesting for ``model`` on ``world_size`` processes: within one
+    node's GPUs (``gpus_per_node``), dividing the world size, and one the model's plan can split (its heads, key/
+    value heads and MLP width); None when there is none above 1 (or the model's family has no plan)."""
+    family = family_of(model)
+    if family is None or family.tensor_parallel_plan is None:
+        return None
+    plan = family.tensor_parallel_plan(family.args_of(model))
+    return next((degree for degree in range(min(gpus_per_node, world_size), 1, -1)
+                 if world_size % degree == 0 and tensor_parallel_problem(plan, degree) is None), None)
 
 
 def _depths(plan: ACPlan) -> tuple[int, Optional[int]]:
@@ -736,6 +781,11 @@ def choose_plan(
     if workload.seq_len > 1:
         alternatives.append((f"max_seq_len={workload.seq_len // 2}", {"seq_len": workload.seq_len // 2}))
     alternatives.append((f"{2 * workload.world_size} processes", {"world_size": 2 * workload.world_size}))
+    if workload.tp_degree == 1:
+        with FakeTensorMode():
+            degree = suggested_tensor_parallel_degree(build_model(), workload.world_size)
+        if degree is not None:
+            alternatives.append((f"tensor_parallel_dim={degree}", {"tp_degree": degree}))
     for feature, setting in workload.feature_settings():
         for alternative in _alternatives(feature, setting, device):
             alternatives.append((alternative.label, {"settings": {feature.name: alternative.setting},

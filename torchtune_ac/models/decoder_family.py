@@ -18,6 +18,7 @@ call in ``with torch.device("meta"):`` to get shapes without allocating memory.
 """
 
 import dataclasses
+import functools
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -28,6 +29,7 @@ from torchtune_ac.errors import UserError
 from torchtune_ac.models.family import ModelFamily, TorchtuneBuilder
 from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter
 from torchtune_ac.models.llama import BlockClass, Llama, LlamaArgs, TransformerBlock
+from torchtune_ac.models.tensor_parallel import Split, TensorParallelPlan
 
 # This module has no ``from __future__ import annotations``: the builders' annotations must be types, which the
 # config system reads to check a YAML value against a builder's parameter.
@@ -69,6 +71,7 @@ def decoder_family(
     published: Mapping[str, tuple[LlamaArgs, str]],
     *,
     block: BlockClass = TransformerBlock,
+    block_splits: Optional[Mapping[str, Split]] = None,
     torchtune_builders: Optional[Mapping[str, TorchtuneBuilder]] = None,
     torchtune_packages: tuple[str, ...] = (),
 ) -> ModelFamily:
@@ -82,6 +85,8 @@ def decoder_family(
         hf: its Hugging Face adapter.
         published: builder name -> (published arguments, docstring).
         block: its block class, where it differs in structure from ``TransformerBlock``.
+        block_splits: how the modules its block adds to ``TransformerBlock``'s run under tensor parallelism
+            (``models/tensor_parallel.py``), beside ``TransformerBlock``'s own (``decoder_tensor_parallel_plan``).
         torchtune_builders: the torchtune builders its builders replace (``tune migrate``).
         torchtune_packages: the torchtune model packages of its architecture (``tune migrate``).
 
@@ -109,6 +114,7 @@ def decoder_family(
         shard_groups=_shard_groups,
         init_weights=_init_weights,
         init_parameter=_init_parameter,
+        tensor_parallel_plan=functools.partial(decoder_tensor_parallel_plan, block_splits=dict(block_splits or {})),
         torchtune_builders=dict(torchtune_builders or {}),
         torchtune_packages=torchtune_packages,
     )
@@ -128,6 +134,37 @@ def _shard_groups(model: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
     if model.args.tie_embeddings:
         return ()
     return (model.tok_embeddings,), (model.norm, model.output)
+
+
+# The decoder's plan: the residual stream, and the norms on it, hold a slice of the sequence; attention and the MLP
+# hold a slice of the heads and columns (see ``models/tensor_parallel.py``).
+_DECODER_ROOT = {"tok_embeddings": Split.VOCAB_EMBEDDING, "norm": Split.SEQUENCE, "output": Split.VOCAB_OUTPUT}
+_DECODER_BLOCK = {
+    "attn_norm": Split.SEQUENCE,
+    "attn": Split.GATHER,
+    "attn.q_proj": Split.COLUMN,
+    "attn.k_proj": Split.COLUMN,
+    "attn.v_proj": Split.COLUMN,
+    "attn.o_proj": Split.ROW,
+    "mlp_norm": Split.SEQUENCE,
+    "mlp": Split.GATHER,
+    "mlp.gate_proj": Split.COLUMN,
+    "mlp.up_proj": Split.COLUMN,
+    "mlp.down_proj": Split.ROW,
+}
+# Qwen3's and Gemma 3's q/k norms scale each head by one weight of head_dim: on this rank's heads.
+_QK_NORMS = {"attn.q_norm": Split.HEADS, "attn.k_norm": Split.HEADS}
+
+
+def decoder_tensor_parallel_plan(args: LlamaArgs, block_splits: Mapping[str, Split] = {}) -> TensorParallelPlan:
+    """The tensor-parallel plan of a model on the Llama decoder: ``TransformerBlock``'s splits, its q/k norms' where
+    it has them, and ``block_splits`` for what a family's block adds (Gemma 3's post-norms)."""
+    block = {**_DECODER_BLOCK, **(_QK_NORMS if args.qk_norm else {}), **block_splits}
+    return TensorParallelPlan(
+        root=_DECODER_ROOT,
+        block=block,
+        divisible={"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads, "intermediate_dim": args.intermediate_dim},
+    )
 
 
 def _init_weights(model: nn.Module) -> None:

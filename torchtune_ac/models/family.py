@@ -10,7 +10,9 @@ A family declares:
   model's arguments, with no file or network access;
 - which modules are its transformer blocks (activation checkpointing and FSDP2 act on them), and which of its
   other modules FSDP2 shards as groups of their own (the embeddings; the final norm with the output layer);
-- how its weights are initialised.
+- how its weights are initialised;
+- its tensor-parallel plan (``models/tensor_parallel.py``): which modules are split across a tensor-parallel
+  group, and how.
 
 Generic code asks ``family_of(model)`` (``torchtune_ac.models.families``) and goes through the answer; it
 never reads a family's attributes (``model.args``, ``model.layers``) itself. Adding a family means writing
@@ -25,6 +27,8 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
+
+from torchtune_ac.models.tensor_parallel import TensorParallelPlan
 
 
 class HFAdapter(Protocol):
@@ -101,6 +105,8 @@ class ModelFamily:
         init_parameter: ``(model, name, tensor, generator)``: fill ``tensor``, the full shape of parameter ``name``,
             as ``init_weights`` initialises it, drawing from ``generator`` (how a sharded model is initialised one
             parameter at a time, the same for any world size and device).
+        tensor_parallel_plan: the plan of a model built from these arguments (``models/tensor_parallel.py``);
+            None: the family cannot be split by tensor parallelism.
         torchtune_builders: torchtune builder (``torchtune.models.llama3.llama3_8b``) -> ours, for
             ``tune migrate``.
         torchtune_packages: torchtune model packages (``torchtune.models.qwen2_5``) whose every full-model builder
@@ -118,6 +124,7 @@ class ModelFamily:
     init_weights: Callable[[nn.Module], None]
     init_parameter: Callable[[nn.Module, str, torch.Tensor, torch.Generator], None]
     shard_groups: Callable[[nn.Module], tuple[tuple[nn.Module, ...], ...]] = lambda model: ()
+    tensor_parallel_plan: Optional[Callable[[Any], TensorParallelPlan]] = None
     torchtune_builders: Mapping[str, TorchtuneBuilder] = field(default_factory=dict)
     torchtune_packages: tuple[str, ...] = ()
 

@@ -246,9 +246,11 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns]
     ) -> torch.Tensor:
         b, s, _ = x.shape
-        q = self.q_proj(x).view(b, s, self.n_heads, self.head_dim)  # [b, s, n_heads, hd]
-        k = self.k_proj(x).view(b, s, self.n_kv_heads, self.head_dim)  # [b, s, n_kv, hd]
-        v = self.v_proj(x).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # [b, n_kv, s, hd]
+        # Heads counted from the projections: under tensor parallelism each rank's projections give its own heads
+        # only (n_heads / degree of them; see models/tensor_parallel.py).
+        q = self.q_proj(x).view(b, s, -1, self.head_dim)  # [b, s, n_heads, hd]
+        k = self.k_proj(x).view(b, s, -1, self.head_dim)  # [b, s, n_kv, hd]
+        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, n_kv, s, hd]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, n_heads, s, hd]
@@ -256,7 +258,7 @@ class Attention(nn.Module):
         out = causal_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, runs=runs, scale=self.scale, window=self.window
         )  # [b, s, n_heads, hd]
-        return self.o_proj(out.reshape(b, s, self.n_heads * self.head_dim))
+        return self.o_proj(out.reshape(b, s, -1))  # [b, s, n_heads * hd] in
 
 
 class MLP(nn.Module):

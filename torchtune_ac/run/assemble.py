@@ -1,6 +1,6 @@
 """The order in which a run applies its plan to the model, in one function: ``build_training``.
 
-    activation checkpointing -> activation offloading -> compile -> [tensor parallelism] -> FSDP2 (CPU offload)
+    activation checkpointing -> activation offloading -> compile -> tensor parallelism -> FSDP2 (CPU offload)
     -> materialise -> load or initialise;  then optimizer -> stepper -> scheduler
 
 Every step is a mechanism of its own module, called here by name (the memory features' are in ``memory/``, AC's and
@@ -42,13 +42,20 @@ from torchtune_ac.models.families import (
     transformer_blocks,
 )
 from torchtune_ac.models.llama import TransformerBlock
-from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, join_world_of_one
+from torchtune_ac.runtime.distributed import (
+    TP_DIM,
+    DistributedContext,
+    FSDPConfig,
+    build_device_mesh,
+    join_world_of_one,
+)
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.activation_checkpointing import apply_ac_plan, silence_compiled_policy_warning
 from torchtune_ac.training.fsdp import parameter_device, shard_model
 from torchtune_ac.training.dpo import freeze_reference
 from torchtune_ac.training.objective import Objective
 from torchtune_ac.training.step import Stepper
+from torchtune_ac.training.tensor_parallel import apply_tensor_parallel
 
 
 @dataclass
@@ -129,19 +136,25 @@ def build_training(
             silence_compiled_policy_warning()
         for block in blocks:
             block.compile()
-    # -- Tensor parallelism goes here, before FSDP2: each block's linear layers split over the mesh's "tp"
-    #    dimension, the data-parallel dimension left to FSDP2. (Not yet: FSDP2 shards over every process.)
-    # 4. FSDP2: each block, the family's other groups, then the root; CPU offload keeps the shards on the host.
+    # 4. Tensor parallelism, before FSDP2: the mesh (replicate, shard, tp) is built once; each block's heads and
+    #    MLP columns, and the vocabulary, split over its "tp" dimension by the family's plan (the plan checked the
+    #    degree). A TP run is always sharded: FSDP2 over the other dimensions, even of size 1, turns the split
+    #    layers' partial gradients of the norms into whole ones.
+    mesh = None
+    if ctx.tp_degree > 1:
+        mesh = build_device_mesh(ctx.device.type, ctx.world_size, fsdp.replicate_degree, ctx.tp_degree)
+        apply_tensor_parallel(model, mesh[TP_DIM])
+    # 5. FSDP2: each block, the family's other groups, then the root; CPU offload keeps the shards on the host.
     #    One process shards too when a feature works through FSDP2 (a world of one).
     if sharded:
         join_world_of_one(ctx.device)
-        shard_model(model, fsdp, options, device=ctx.device, dtype=dtype, frozen=frozen)
-    # 5. Materialise: allocate every parameter (this rank's shard) on its device, buffers where the model computes.
+        shard_model(model, fsdp, options, device=ctx.device, dtype=dtype, frozen=frozen, mesh=mesh)
+    # 6. Materialise: allocate every parameter (this rank's shard) on its device, buffers where the model computes.
     model.to_empty(device=parameter_device(options, ctx.device))
     place_buffers_(model, ctx.device)
     if not sharded:
         retie_parameters(model)  # FSDP keeps ties through to_empty; a plain module does not
-    # 6. Load the checkpoint's weights (each rank reads only its shard), or initialise them from the seed.
+    # 7. Load the checkpoint's weights (each rank reads only its shard), or initialise them from the seed.
     if load_weights and checkpoint_dir is not None:
         load_hf_weights_(model, checkpoint_dir)
     elif load_weights:
@@ -150,8 +163,8 @@ def build_training(
         return Training(freeze_reference(model), None, memory.objective())
     model.train()
 
-    # 7. The optimizer, over the sharded parameters; 8. the stepper that steps them (after backward, or in it);
-    # 9. the learning-rate schedule over the stepper's optimizer.
+    # 8. The optimizer, over the sharded parameters; 9. the stepper that steps them (after backward, or in it);
+    # 10. the learning-rate schedule over the stepper's optimizer.
     stepper = memory.build_stepper(make_optimizer, model) if make_optimizer is not None else None
     scheduler = make_scheduler(stepper.optimizer) if make_scheduler is not None and stepper is not None else None
     return Training(model, stepper, memory.objective(), scheduler)

@@ -26,6 +26,7 @@ from torchtune_ac.memory.planner import (
     candidate_plans,
     describe_setting,
     estimate_memory,
+    suggested_tensor_parallel_degree,
     switch_ablation,
 )
 from torchtune_ac.models.families import transformer_blocks
@@ -66,6 +67,8 @@ class MemoryTable:
     not_applicable: dict[int, str] = dataclasses.field(default_factory=dict)
     # The run's plan, as tune validate prints it (None: ac_mode: auto with nothing chosen, no budget or no fit).
     run_plan: Optional[RunPlan] = None
+    # A tensor-parallel degree to try when nothing fits (None: the run has one already, or the model none).
+    suggested_tp: Optional[int] = None
 
     def _fits(self, estimate: MemoryEstimate) -> str:
         if self.budget_gib is None:
@@ -124,6 +127,10 @@ class MemoryTable:
         if self.budget_gib is not None and self.chosen is None:
             out.append(f"nothing fits {self.budget_gib:g} GiB: lower batch_size or max_seq_len, add processes, or turn on "
                        "another memory switch (below)")
+            if self.suggested_tp is not None:
+                out.append(f"or split each layer over the GPUs of a node: tensor_parallel_dim={self.suggested_tp} "
+                           "divides parameters, gradients and optimizer state by it once more and the activations of "
+                           f"the split layers by it (tune plan ... tensor_parallel_dim={self.suggested_tp})")
         if reference:
             out.append("reference: the DPO reference model's parameters, resident and sharded as the policy's "
                        "(dpo.reference: precomputed frees it)")
@@ -193,19 +200,25 @@ def memory_table(cfg: TrainingConfig, *, world_size: int, budget_gib: Optional[f
     switches = "; ".join(f"{label}: {re.split(r'[:(]', value)[0].strip()}"
                          for label, value in features.describe(ac=False))
     n_params = sum(p.numel() for p in model.parameters())
-    title = (f"{cfg.model.path}: {n_params:,} parameters; {describe_processes(cfg.fsdp, world_size)}, batch "
+    suggested_tp = None
+    if chosen is None and budget_gib is not None and cfg.tensor_parallel_dim == 1:
+        suggested_tp = suggested_tensor_parallel_degree(model, world_size)
+    title = (f"{cfg.model.path}: {n_params:,} parameters; "
+             f"{describe_processes(cfg.fsdp, world_size, cfg.tensor_parallel_dim)}, batch "
              f"{cfg.batch_size} x {cfg.max_seq_len} tokens per process x {cfg.gradient_accumulation_steps} "
              f"accumulation step(s), {cfg.dtype.value}, {cfg.optimizer.path.rsplit('.', 1)[-1]}; {switches}")
     return MemoryTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size), tuple(ablation),
-                       fixed_how, not_applicable, run_plan)
+                       fixed_how, not_applicable, run_plan, suggested_tp)
 
 
-def describe_processes(fsdp: FSDPConfig, world_size: int) -> str:
-    """``4 process(es)``, or with HSDP ``4 process(es) (2 replicas x 2 shards)``: what FSDP2 shards over."""
+def describe_processes(fsdp: FSDPConfig, world_size: int, tp_degree: int = 1) -> str:
+    """``4 process(es)``, with HSDP ``4 process(es) (2 replicas x 2 shards, HSDP)``, with tensor parallelism
+    ``16 process(es) (2 shards x TP 8)``: what FSDP2 shards over, and what each layer is split over."""
+    shards = fsdp.shard_degree(world_size, tp_degree)
+    tp = f" x TP {tp_degree}" if tp_degree > 1 else ""
     if fsdp.replicate_degree == 1:
-        return f"{world_size} process(es)"
-    return (f"{world_size} process(es) ({fsdp.replicate_degree} replicas x {fsdp.shard_degree(world_size)} shards, "
-            "HSDP)")
+        return f"{world_size} process(es)" + (f" ({shards} shards{tp})" if tp else "")
+    return f"{world_size} process(es) ({fsdp.replicate_degree} replicas x {shards} shards{tp}, HSDP)"
 
 
 def draw_memory_table(table: MemoryTable, path: Path) -> Path:

@@ -12,6 +12,7 @@ A recipe calls them in order (``recipes/full_finetune.py``); another recipe comp
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -108,10 +109,12 @@ class RunData:
 def batch_padding(cfg: TrainingConfig) -> dict[str, Any]:
     """How batches are padded: compiled blocks get lengths that repeat (multiples of ``COMPILED_LENGTH_MULTIPLE``,
     at most ``max_seq_len``), so that they are not recompiled for each new length; eager ones, the longest
-    sample's."""
+    sample's. Under tensor parallelism every length is also a multiple of ``tensor_parallel_dim`` (the sequence is
+    split evenly over a group; the plan checked that it divides ``max_seq_len``)."""
     if not cfg.compile:
-        return {"pad_to_multiple_of": 1}
-    return {"pad_to_multiple_of": COMPILED_LENGTH_MULTIPLE, "max_length": cfg.max_seq_len}
+        return {"pad_to_multiple_of": cfg.tensor_parallel_dim}
+    return {"pad_to_multiple_of": math.lcm(COMPILED_LENGTH_MULTIPLE, cfg.tensor_parallel_dim),
+            "max_length": cfg.max_seq_len}
 
 
 def build_data(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext, *,
@@ -121,7 +124,9 @@ def build_data(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext, *,
     preference pairs), and what identifies the data (its files hashed once, the ranks sharing the reading). How many
     steps it makes is the plan's (``RunPlan.with_data``)."""
     dataset = cfg.dataset.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
-    loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.rank, world_size=ctx.world_size,
+    # Each tensor-parallel group reads one share of the global batch, the same on each of its ranks.
+    loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.data_parallel_rank,
+                              world_size=ctx.data_parallel_size,
                               shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id, collate=batching.collate,
                               **batch_padding(cfg), pin_memory=ctx.device.type == "cuda")
     files = dataset.source_files
@@ -156,7 +161,8 @@ class ValidationData:
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's batches of one pass (every sample once over all ranks; see ``evaluation_batches``)."""
         return evaluation_batches(self.dataset, batch_size=self.batch_size, pad_id=self.pad_id,
-                                  rank=self.ctx.rank, world_size=self.ctx.world_size, collate=self.batching.collate,
+                                  rank=self.ctx.data_parallel_rank, world_size=self.ctx.data_parallel_size,
+                                  collate=self.batching.collate,
                                   blank=self.batching.blank, **self.padding)
 
     def due(self, step: int, *, epoch_done: bool) -> bool:
@@ -196,14 +202,15 @@ def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset,
         padding: how batches are padded (``pad_to_multiple_of``, ``max_length``), as the training batches are.
     """
     logps = torch.zeros(len(dataset), 2, dtype=torch.float64, device=ctx.device)  # [pairs, (chosen, rejected)]
-    batches = evaluation_batches(dataset, batch_size=batch_size, pad_id=pad_id, rank=ctx.rank,
-                                 world_size=ctx.world_size, collate=PAIRS.collate, blank=PAIRS.blank,
+    # A tensor-parallel group computes its share together; its first rank alone writes it down.
+    batches = evaluation_batches(dataset, batch_size=batch_size, pad_id=pad_id, rank=ctx.data_parallel_rank,
+                                 world_size=ctx.data_parallel_size, collate=PAIRS.collate, blank=PAIRS.blank,
                                  **(padding or {}))
-    global_batch = batch_size * ctx.world_size
+    global_batch = batch_size * ctx.data_parallel_size
     for index, batch in enumerate(batches):
-        first = index * global_batch + ctx.rank * batch_size
+        first = index * global_batch + ctx.data_parallel_rank * batch_size
         pairs = reference_logps(reference, move_batch(batch, ctx.device), n_chunks).double()  # [2b]
-        count = max(0, min(batch_size, len(dataset) - first))  # the rest are fillers
+        count = max(0, min(batch_size, len(dataset) - first)) if ctx.reads_for_its_group else 0  # the rest: fillers
         logps[first:first + count] = torch.stack(pairs.chunk(2), dim=1)[:count]  # [b, 2]
     dataset.set_reference_logps(all_reduce_sum(logps, ctx).cpu())
 

@@ -37,6 +37,7 @@ from torchtune_ac.runtime.distributed import resolve_device
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.runtime.process_memory import ASSUMED_CUDA_FIXED_BYTES, fixed_bytes
 from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.training.tensor_parallel import check_tensor_parallel_degree
 
 
 class TrainingConfig(Protocol):
@@ -74,6 +75,7 @@ class TrainingConfig(Protocol):
     log_every_n_steps: int
     metric_logger: Optional[Component]
     fsdp: FSDPConfig
+    tensor_parallel_dim: int
 
     def preference_step(self) -> Optional[PreferenceStep]:
         """What the planner simulates instead of the token loss: a preference step (DPO), or None."""
@@ -127,6 +129,8 @@ class RunLength:
         steps_per_epoch: optimizer steps per epoch, the cap applied (None with ``samples``).
         described: what the dataset holds, for the log (``3,000 samples``, or ``packed: ... -> 412 rows ...``).
         unit: what one of ``samples`` is: ``sample``, or ``row`` when packed.
+        tp_degree: processes that read one batch together (``tensor_parallel_dim``): the batch is split over the
+            world size / this.
     """
 
     world_size: Optional[int]
@@ -138,6 +142,12 @@ class RunLength:
     steps_per_epoch: Optional[int] = None
     described: Optional[str] = None
     unit: str = "sample"
+    tp_degree: int = 1
+
+    @property
+    def data_parallel_size(self) -> Optional[int]:
+        """How many shares each global batch is split into (None when the world size is not known)."""
+        return None if self.world_size is None else self.world_size // self.tp_degree
 
     @property
     def per_process(self) -> int:
@@ -146,8 +156,9 @@ class RunLength:
 
     @property
     def global_batch(self) -> Optional[int]:
-        """Samples per optimizer step over every process (None when the world size is not known)."""
-        return None if self.world_size is None else self.per_process * self.world_size
+        """Samples per optimizer step over every process, a tensor-parallel group's counted once (None when the
+        world size is not known)."""
+        return None if self.world_size is None else self.per_process * self.data_parallel_size
 
     @property
     def total_steps(self) -> Optional[int]:
@@ -188,7 +199,7 @@ def resolve_length(cfg: TrainingConfig, world_size: Optional[int], samples: Opti
         UserError: the dataset has fewer batches per process than one optimizer step needs.
     """
     length = RunLength(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.epochs,
-                       cfg.max_steps_per_epoch)
+                       cfg.max_steps_per_epoch, tp_degree=cfg.tensor_parallel_dim)
     return length if batches_per_epoch is None else length.counted(samples, batches_per_epoch)
 
 
@@ -239,6 +250,7 @@ class RunPlan:
         checkpoint_dir: the Hugging Face checkpoint the run starts from (None: random initialisation).
         output_dir: where the run writes.
         notes: what resolving found worth a warning (one sentence each).
+        tp_degree: processes each layer is split over (``tensor_parallel_dim``); 1: no tensor parallelism.
     """
 
     world_size: Optional[int]
@@ -256,6 +268,7 @@ class RunPlan:
     checkpoint_dir: Optional[str]
     output_dir: str
     notes: tuple[str, ...] = ()
+    tp_degree: int = 1
 
     def with_data(self, samples: int, batches_per_epoch: int, *, described: Optional[str] = None,
                   unit: str = "sample") -> "RunPlan":
@@ -265,8 +278,22 @@ class RunPlan:
 
     @property
     def sharded(self) -> bool:
-        """FSDP2 shards the model: several processes, or a memory feature that works through it on one."""
-        return (self.world_size or 1) > 1 or bool(self.memory.shard_options())
+        """FSDP2 shards the model: several processes (tensor parallelism needs several), or a memory feature that
+        works through it on one."""
+        return (self.world_size or 1) > 1 or self.tp_degree > 1 or bool(self.memory.shard_options())
+
+    @property
+    def mesh_shape(self) -> Optional[dict[str, int]]:
+        """The device mesh's dimensions and sizes, as ``build_device_mesh`` makes it (replicate only with HSDP, tp
+        only with tensor parallelism); None when the world size is not known."""
+        if self.world_size is None:
+            return None
+        replicas = self.fsdp.replicate_degree
+        shape = {"replicate": replicas} if replicas > 1 else {}
+        shape["shard"] = self.fsdp.shard_degree(self.world_size, self.tp_degree)
+        if self.tp_degree > 1:
+            shape["tp"] = self.tp_degree
+        return shape
 
     def resume_shape(self, world_size: Optional[int] = None) -> RunShape:
         """What a resume of this run must keep (recorded in every checkpoint), on ``world_size`` processes (default:
@@ -275,22 +302,28 @@ class RunPlan:
         if processes is None:
             raise ValueError("the resume shape needs a world size")
         return RunShape(processes, self.length.batch_size, self.length.gradient_accumulation_steps,
-                        dict(self.model.architecture), dict(self.resume_data))
+                        dict(self.model.architecture), dict(self.resume_data), tensor_parallel_dim=self.tp_degree)
 
     def describe_sharding(self) -> str:
-        """How FSDP2 shards the model and reduces its gradients."""
+        """How FSDP2 (and tensor parallelism) shard the model and reduce its gradients."""
         if self.world_size == 1 and not self.memory.shard_options():
             return "not sharded (1 process)"
         reduce = self.fsdp.resolved_reduce_dtype(self.dtype).value
         reduce += " (dtype)" if self.fsdp.reduce_dtype is None else ""
-        replicas = self.fsdp.replicate_degree
+        replicas, tp = self.fsdp.replicate_degree, self.tp_degree
         if self.world_size is None:
-            layout = ("sharded over every process" if replicas == 1
-                      else f"HSDP: {replicas} replicas, each sharded over world size / {replicas}")
+            rest = "world size" + (f" / {replicas}" if replicas > 1 else "") + (f" / {tp}" if tp > 1 else "")
+            layout = ("sharded over every process" if replicas == 1 and tp == 1
+                      else f"HSDP: {replicas} replicas, each sharded over {rest}" if replicas > 1
+                      else f"sharded over {rest}")
         elif replicas == 1:
-            layout = f"sharded over {self.world_size} process(es)"
+            layout = f"sharded over {self.fsdp.shard_degree(self.world_size, tp)} process(es)"
         else:
-            layout = f"HSDP: {replicas} replicas x {self.fsdp.shard_degree(self.world_size)} shards"
+            layout = f"HSDP: {replicas} replicas x {self.fsdp.shard_degree(self.world_size, tp)} shards"
+        if tp > 1:
+            mesh = self.mesh_shape
+            layout += (f", each layer split over {tp} (tensor parallel)"
+                       + (" on mesh " + " x ".join(f"{name} {size}" for name, size in mesh.items()) if mesh else ""))
         return f"{layout}; gradients reduced in {reduce}"
 
     def describe_length(self) -> str:
@@ -300,9 +333,11 @@ class RunPlan:
         if length.global_batch is None:
             batch = f"global batch {count_of(length.per_process, unit)} x the processes"
         else:
+            readers = (count_of(length.world_size, 'process', 'processes') if length.tp_degree == 1 else
+                       f"{count_of(length.data_parallel_size, 'tensor-parallel group')} of {length.tp_degree} "
+                       "processes")
             batch = (f"global batch {count_of(length.global_batch, unit)} ({length.batch_size} x "
-                     f"{length.gradient_accumulation_steps} accumulation x "
-                     f"{count_of(length.world_size, 'process', 'processes')})")
+                     f"{length.gradient_accumulation_steps} accumulation x {readers})")
         epochs = count_of(length.epochs, "epoch")
         if length.steps_per_epoch is None:
             cap = f" (at most {length.max_steps_per_epoch})" if length.max_steps_per_epoch is not None else ""
@@ -362,10 +397,10 @@ def planner_inputs(cfg: TrainingConfig, world_size: int, device: torch.device) -
     """
     if cfg.max_seq_len is None:
         raise UserError("max_seq_len: must be set to estimate memory (ac_mode: auto, tune plan): it sizes the activations")
-    cfg.fsdp.shard_degree(world_size)  # a world of whole HSDP rows, or a one-line error naming the key
+    cfg.fsdp.shard_degree(world_size, cfg.tensor_parallel_dim)  # whole HSDP rows and TP groups, or a one-line error
     workload = Workload(batch_size=cfg.batch_size, seq_len=cfg.max_seq_len,
                         gradient_accumulation_steps=cfg.gradient_accumulation_steps, dtype=cfg.dtype,
-                        world_size=world_size, fsdp=cfg.fsdp,
+                        world_size=world_size, fsdp=cfg.fsdp, tp_degree=cfg.tensor_parallel_dim,
                         # Packed rows on a GPU in bf16 take varlen_attn (models/attention.py), whose K/V copies the
                         # simulation cannot make on a CPU's kernels.
                         varlen=(bool(cfg.dataset.kwargs.get("packed", False))
@@ -463,7 +498,9 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
             world size that is not whole HSDP rows).
     """
     if world_size is not None:
-        cfg.fsdp.shard_degree(world_size)  # whole HSDP rows, before anything is estimated
+        # whole HSDP rows of whole tensor-parallel groups, before anything is estimated
+        cfg.fsdp.shard_degree(world_size, cfg.tensor_parallel_dim)
+    check_tensor_parallel(cfg, model)
     if cfg.dataset_val is None:
         for key in ("run_val_every_n_steps", "batch_size_val"):
             if getattr(cfg, key) is not None:
@@ -504,4 +541,23 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
         checkpoint_dir=cfg.checkpoint_dir,
         output_dir=cfg.output_dir,
         notes=tuple(notes),
+        tp_degree=cfg.tensor_parallel_dim,
     )
+
+
+def check_tensor_parallel(cfg: TrainingConfig, model: nn.Module) -> None:
+    """Refuse, in one line naming the numbers, a ``tensor_parallel_dim`` the model or the batches cannot be split
+    by: it must divide the model's query heads, key/value heads (fewer key/value heads than the degree are
+    refused, not copied across ranks) and MLP width, and ``max_seq_len`` (each rank of a group takes an equal piece
+    of the sequence between the split layers; batches are padded to a multiple of the degree).
+
+    Raises:
+        UserError: naming the key, the degree and what it does not divide.
+    """
+    degree = cfg.tensor_parallel_dim
+    if degree == 1:
+        return
+    check_tensor_parallel_degree(model, degree)
+    if cfg.max_seq_len is not None and cfg.max_seq_len % degree:
+        raise UserError(f"tensor_parallel_dim={degree}: must divide max_seq_len={cfg.max_seq_len} (each process of a "
+                        "tensor-parallel group takes an equal piece of the sequence)")

@@ -72,11 +72,11 @@ def check_launch(cfg: TrainingConfig, *, world_size: Optional[int], nproc_per_no
     Everything else each rank reports the same, once (rank 0 resolves and checks the plan for all).
 
     Raises:
-        UserError: the world size is not whole HSDP rows, or a CUDA run has more processes per node than the node
+        UserError: the world size is not whole HSDP rows of whole tensor-parallel groups, or a CUDA run has more processes per node than the node
             has visible GPUs (ranks past the last GPU would each fail on their own).
     """
     if world_size is not None:
-        cfg.fsdp.shard_degree(world_size)
+        cfg.fsdp.shard_degree(world_size, cfg.tensor_parallel_dim)
     if cfg.device.value in ("cuda", "auto") and torch.cuda.is_available():
         visible = torch.cuda.device_count()
         if nproc_per_node > visible:

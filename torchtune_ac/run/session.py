@@ -13,6 +13,7 @@ A recipe opens the run, builds what is its own (its data), plans, assembles (``a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,7 +95,9 @@ def open_run(cfg: TrainingConfig) -> Iterator[Run]:
         UserError: the device cannot be had, output_dir is locked or cannot be created, the ranks' configs differ,
             or output_dir is not shared.
     """
-    ctx = init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s)
+    # Each group of tensor_parallel_dim ranks reads one batch (the plan checks that the world size holds whole groups).
+    ctx = dataclasses.replace(init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s),
+                              tp_degree=cfg.tensor_parallel_dim)
     set_tf32(ctx.device, allow_tf32=cfg.allow_tf32)
     if ctx.device.type == "cpu":
         follow_live_tensors()

@@ -63,33 +63,61 @@ class FSDPConfig:
         """The reduce-scatter's dtype for parameters stored in ``dtype``."""
         return self.reduce_dtype if self.reduce_dtype is not None else dtype
 
-    def shard_degree(self, world_size: int) -> int:
-        """Processes each parameter is sharded over: ``world_size / replicate_degree``.
+    def shard_degree(self, world_size: int, tp_degree: int = 1) -> int:
+        """Processes FSDP2 shards each parameter over: ``world_size / (replicate_degree * tp_degree)`` (tensor
+        parallelism splits the parameter over ``tp_degree`` more).
 
         Raises:
-            UserError: ``world_size`` is not a multiple of ``replicate_degree``.
+            UserError: ``world_size`` is not a multiple of ``replicate_degree * tp_degree``.
         """
-        check_replicate_degree(self.replicate_degree, world_size)
-        return world_size // self.replicate_degree
+        check_replicate_degree(self.replicate_degree, world_size, tp_degree)
+        return world_size // (self.replicate_degree * tp_degree)
 
 
-def check_replicate_degree(replicate_degree: int, world_size: int) -> None:
-    """Raise ``UserError`` unless ``world_size`` processes form whole rows of ``replicate_degree``."""
-    if world_size % replicate_degree:
+def check_replicate_degree(replicate_degree: int, world_size: int, tp_degree: int = 1) -> None:
+    """Raise ``UserError`` unless ``world_size`` processes form whole rows of ``replicate_degree`` replicas, each of
+    whole tensor-parallel groups of ``tp_degree`` (the world size a product of the degrees)."""
+    if world_size % (replicate_degree * tp_degree) == 0:
+        return
+    if tp_degree == 1:
         raise UserError(
             f"fsdp.replicate_degree={replicate_degree}: the world size ({world_size} process(es)) must be a multiple "
             "of it (each replica shards the model over world size / replicate_degree processes)"
         )
+    raise UserError(
+        f"tensor_parallel_dim={tp_degree}, fsdp.replicate_degree={replicate_degree}: the world size ({world_size} "
+        f"process(es)) must be a multiple of their product ({replicate_degree * tp_degree}): it is replicate x "
+        "shard x tensor-parallel processes"
+    )
 
 
 @dataclass(frozen=True)
 class DistributedContext:
-    """Who this process is: rank, world size, and the device it computes on."""
+    """Who this process is: rank, world size, the device it computes on, and how many consecutive ranks split each
+    layer among them (``tp_degree``, ``tensor_parallel_dim``): those ranks form one tensor-parallel group, which
+    reads one batch together, so the data is split over ``data_parallel_size`` groups, not over the ranks."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
+    tp_degree: int = 1
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which share of each global batch this rank reads: its tensor-parallel group's index."""
+        return self.rank // self.tp_degree
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many shares each global batch is split into: the tensor-parallel groups."""
+        return self.world_size // self.tp_degree
+
+    @property
+    def reads_for_its_group(self) -> bool:
+        """Whether this rank is the first of its tensor-parallel group (the one that speaks for the group's
+        batch where the ranks' results are summed)."""
+        return self.rank % self.tp_degree == 0
 
     @property
     def is_rank_zero(self) -> bool:
@@ -287,22 +315,44 @@ def _backend(device: torch.device) -> str:
     return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
 
 
-def build_device_mesh(device_type: str, world_size: int, replicate_degree: int = 1) -> DeviceMesh:
-    """The device mesh FSDP2 shards over, of ``device_type`` (the run's device, not whichever accelerator the
-    machine has: ``device: cpu`` on a GPU host must shard over gloo on the CPU).
+TP_DIM = "tp"  # the mesh dimension tensor parallelism splits layers over
+
+
+def build_device_mesh(device_type: str, world_size: int, replicate_degree: int = 1, tp_degree: int = 1) -> DeviceMesh:
+    """The device mesh of a run, of ``device_type`` (the run's device, not whichever accelerator the machine has:
+    ``device: cpu`` on a GPU host must shard over gloo on the CPU).
+
+    Without tensor parallelism: a 1-D mesh ``("shard",)`` over every process, or with ``replicate_degree`` > 1
+    HSDP's 2-D mesh ``("replicate", "shard")``: ``replicate_degree`` rows of ``world_size / replicate_degree``
+    processes (consecutive ranks share a row, so with one node per row the shard collectives stay inside a node).
+    With ``tp_degree`` > 1 a last dimension ``"tp"`` of ``tp_degree`` consecutive ranks (the GPUs of one node, where
+    tensor parallelism's many small collectives are fast): ``("shard", "tp")`` or ``("replicate", "shard", "tp")``.
+    FSDP2 shards over the mesh without its ``tp`` dimension (``data_parallel_mesh``).
 
     Args:
         device_type: ``cpu`` or ``cuda``.
         world_size: processes in the default process group (1: a world of one).
-        replicate_degree: 1 for a 1-D mesh ``("shard",)`` over every process; more for HSDP's 2-D mesh
-            ``("replicate", "shard")`` of ``replicate_degree`` rows of ``world_size / replicate_degree`` processes
-            (consecutive ranks share a row, so with one node per row the shard collectives stay inside a node).
+        replicate_degree: HSDP's replicas (``fsdp.replicate_degree``); 1: plain FSDP.
+        tp_degree: processes each layer is split over (``tensor_parallel_dim``); 1: none.
 
     Raises:
-        UserError: ``world_size`` is not a multiple of ``replicate_degree``.
+        UserError: ``world_size`` is not a multiple of ``replicate_degree * tp_degree``.
     """
-    check_replicate_degree(replicate_degree, world_size)
+    check_replicate_degree(replicate_degree, world_size, tp_degree)
+    shard_degree = world_size // (replicate_degree * tp_degree)
+    shape, names = (replicate_degree, shard_degree), ("replicate", "shard")
     if replicate_degree == 1:
-        return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree),
-                            mesh_dim_names=("replicate", "shard"))
+        shape, names = shape[1:], names[1:]
+    if tp_degree > 1:
+        shape, names = (*shape, tp_degree), (*names, TP_DIM)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The dimensions of ``mesh`` that FSDP2 shards (and HSDP replicates) over: all but ``tp``."""
+    names = mesh.mesh_dim_names or ()
+    if TP_DIM not in names:
+        return mesh
+    rest = tuple(name for name in names if name != TP_DIM)
+    return mesh[rest] if len(rest) > 1 else mesh[rest[0]]
+

@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torchtune_ac.models.families import shard_groups, transformer_blocks
-from torchtune_ac.runtime.distributed import FSDPConfig, build_device_mesh
+from torchtune_ac.runtime.distributed import FSDPConfig, build_device_mesh, data_parallel_mesh
 from torchtune_ac.runtime.dtypes import DType
 
 
@@ -35,7 +35,8 @@ def parameter_device(options: Mapping[str, Any], device: torch.device) -> torch.
 
 
 def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig(), options: Mapping[str, Any] = {}, *,
-                device: torch.device, dtype: DType, frozen: bool = False) -> DeviceMesh:
+                device: torch.device, dtype: DType, frozen: bool = False,
+                mesh: Optional[DeviceMesh] = None) -> DeviceMesh:
     """Apply FSDP2 (``fully_shard``) to each transformer block of ``model``, then to the family's other shard
     groups (the embeddings; the final norm with the output layer), then to the root, in place, over a device mesh
     of ``device``'s type.
@@ -55,15 +56,18 @@ def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig(), options: Mapp
             reshards after its forward. (FSDP2 leaves a group that does not reshard after forward gathered until
             its backward; with no backward, for the rest of the run: on Llama 3 8B, the embedding and the output
             layer whole on every rank.)
+        mesh: the run's mesh (``build_device_mesh``) when it was built before: a tensor-parallel run splits the
+            model over its ``tp`` dimension first, and FSDP2 shards over the others. None: one is built here.
 
     Returns:
-        The mesh the model is sharded over.
+        The mesh the model is sharded over (the run's mesh, ``tp`` included).
 
     Raises:
         UserError: the world size is not a multiple of ``fsdp.replicate_degree``.
     """
-    mesh = build_device_mesh(device.type, dist.get_world_size(), fsdp.replicate_degree)
-    common = dict(mesh=mesh, mp_policy=mixed_precision_policy(fsdp, dtype), **options)
+    if mesh is None:
+        mesh = build_device_mesh(device.type, dist.get_world_size(), fsdp.replicate_degree)
+    common = dict(mesh=data_parallel_mesh(mesh), mp_policy=mixed_precision_policy(fsdp, dtype), **options)
     for block in transformer_blocks(model):
         fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward or frozen, **common)
     groups = shard_groups(model)

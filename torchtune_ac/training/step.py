@@ -185,7 +185,7 @@ def train_step(
         stepper: who steps the parameters (gradients are freed after the step).
         micro_batches: dicts with ``tokens`` and ``labels`` ``[b, s]`` (and optionally ``document_ids``), on the
             device, and the host-side values ``collate_batch`` counted (``move_batch`` keeps them on the host).
-        ctx: rank / world size.
+        ctx: rank / world size / tensor-parallel degree.
         objective: what each micro-batch's summed loss is.
         clip_grad_norm: max total gradient norm, or None to only measure it.
 
@@ -220,10 +220,12 @@ def train_step(
     norm = stepper.update(model, clip_grad_norm, check_norm=check_norm)
     values = read[0] if read else checks.read(loss_sum, norm, counts, stepped=True, metric_sums=metric_sums)
     targets = max(values.targets, 1)
+    # The ranks of a tensor-parallel group read the same batch: the sums counted each of its tokens that many times
+    # (the loss and the metrics too, and their means over the targets are right as they are).
     return StepResult(
         loss=values.loss_sum / targets,
         grad_norm=values.grad_norm,
-        input_tokens=values.input_tokens,
-        target_tokens=values.target_tokens,
+        input_tokens=values.input_tokens // ctx.tp_degree,
+        target_tokens=values.target_tokens // ctx.tp_degree,
         extra={name: total / targets for name, total in zip(objective.metric_names, values.metric_sums)},
     )

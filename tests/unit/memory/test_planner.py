@@ -411,3 +411,49 @@ def test_ac_mode_auto_chooses_with_the_resident_reference():
     assert choose_plan(SMALL.instantiate, adamw, workload(False), budget, 8).plan.mode is ACMode.NONE
     chosen = choose_plan(SMALL.instantiate, adamw, workload(True), budget, 8)
     assert chosen.plan.mode is not ACMode.NONE and chosen.reference == chosen.parameters
+
+
+def test_tensor_parallelism_divides_the_step_per_process_but_what_each_rank_keeps_whole():
+    """TP 2 on 4 processes against FSDP on 2 (FSDP2 shards over 2 in both): parameters and optimizer state halve;
+    the activations halve but for the attention's and the MLP's gathered inputs ([b, s, dim] each, kept by every
+    block without AC); the whole logits (loss_chunks: 1) are gathered on every rank."""
+    from torchtune_ac.models import LlamaArgs
+    from torchtune_ac.models.llama import Llama
+
+    args = LlamaArgs(vocab_size=4096, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_dim=160,
+                     max_seq_len=64)
+    plans = candidate_plans(args.n_layers)
+    none, full = plans[0], plans[-1]
+    fsdp = Workload(batch_size=2, seq_len=64, world_size=2)
+    tp = dataclasses.replace(fsdp, world_size=4, tp_degree=2)
+    alone, split = (estimate_memory(lambda: Llama(args), adamw, workload, [none, full]) for workload in (fsdp, tp))
+    block_input = 2 * 64 * args.dim * 4  # [b, s, dim] in fp32
+    logits = 2 * 64 * args.vocab_size * 4
+    batch = 2 * (2 * 64 * 8) + 8  # tokens, labels (int64) and the target count
+    for ours, theirs in zip(split, alone):
+        assert abs(2 * ours.parameters - theirs.parameters) <= 2
+        assert abs(2 * ours.optimizer - theirs.optimizer) <= 2
+        assert ours.peak_phase == theirs.peak_phase
+        # the running block's two gathered inputs, half of them beyond its share, and half the logits beyond it
+        whole = block_input + logits / 2
+        assert abs(ours.transient - ((theirs.transient - batch) / 2 + batch + whole)) <= 2
+    # without AC every block keeps its gathered inputs; with full AC each keeps only its split input
+    assert abs(split[0].activations - (alone[0].activations / 2 + args.n_layers * block_input)) <= 1
+    assert abs(split[1].activations - alone[1].activations / 2) <= 1
+
+
+@pytest.mark.parametrize("args, world_size, expected", [
+    ("LLAMA_TINY", 8, 2),  # 2 key/value heads
+    ("LLAMA3_1_70B", 16, 8),  # within a node of 8 GPUs
+    ("LLAMA3_1_70B", 4, 4),
+    ("GEMMA3_1B", 8, None),  # 1 key/value head: no degree splits it
+])
+def test_the_suggested_tensor_parallel_degree_is_the_largest_the_model_and_a_node_allow(args, world_size, expected):
+    from torchtune_ac.memory.planner import suggested_tensor_parallel_degree
+    from torchtune_ac.models.families import gemma3, llama
+
+    built = {"LLAMA_TINY": (llama.FAMILY, llama.LLAMA_TINY), "LLAMA3_1_70B": (llama.FAMILY, llama.LLAMA3_1_70B),
+             "GEMMA3_1B": (gemma3.FAMILY, gemma3.GEMMA3_1B)}[args]
+    with torch.device("meta"):
+        model = built[0].build(built[1])
+    assert suggested_tensor_parallel_degree(model, world_size) == expected

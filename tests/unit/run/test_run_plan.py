@@ -137,13 +137,13 @@ def test_the_launcher_checks_only_what_ranks_would_each_report_on_their_own(tmp_
 
 
 def test_the_order_of_application_is_one_function():
-    """``build_training`` applies the plan in the written order: AC, activation offloading, compile, FSDP2,
-    materialise, load or initialise, then the stepper (optimizer) and the scheduler."""
+    """``build_training`` applies the plan in the written order: AC, activation offloading, compile, tensor
+    parallelism, FSDP2, materialise, load or initialise, then the stepper (optimizer) and the scheduler."""
     source = inspect.getsource(assemble.build_training)
     calls = [node for node in ast.walk(ast.parse(source.lstrip())) if isinstance(node, ast.Call)]
     named = sorted((node.lineno, ast.unparse(node.func)) for node in calls)
-    order = ["apply_ac_plan", "apply_activation_offloading", "block.compile", "shard_model", "model.to_empty",
+    order = ["apply_ac_plan", "apply_activation_offloading", "block.compile", "apply_tensor_parallel", "shard_model",
+             "model.to_empty",
              "load_hf_weights_", "initialize_weights_", "memory.build_stepper", "make_scheduler"]
     lines = {name: next(line for line, called in named if called == name) for name in order}
     assert [lines[name] for name in order] == sorted(lines.values())
-    assert "Tensor parallelism goes here" in source

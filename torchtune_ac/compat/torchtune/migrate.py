@@ -124,8 +124,6 @@ _NOT_CARRIED_OVER = {
     "custom_sharded_layers": "FSDP2 here shards each transformer block, the embeddings and [final norm, output] "
     "(the root holds them when tied), then the root; extra groups are not configurable",
     "data_parallel_shard_dim": "the shard degree is the world size / fsdp.replicate_degree",
-    "tensor_parallel_dim": "tensor parallelism is not supported (FSDP2 data parallelism only)",
-    "tensor_parallel_plan": "tensor parallelism is not supported (FSDP2 data parallelism only)",
     "enable_async_checkpointing": "checkpoints are written synchronously",
     "cudnn_deterministic_mode": "not configurable",
     "collate_fn": "batches are padded, or packed rows when dataset.packed is true; the collate function is fixed",
@@ -138,7 +136,6 @@ HARMLESS_VALUES = {
     "activation_offloading_use_streams": (True, None),
     "log_peak_memory_stats": (True, False, None),
     "custom_sharded_layers": (None, []),
-    "tensor_parallel_dim": (1, None),
     "data_parallel_shard_dim": (-1, None),
     "enable_async_checkpointing": (False, None),
     "cudnn_deterministic_mode": (False, None),
@@ -154,8 +151,11 @@ OUTPUT_SECTIONS = (
      "clip_grad_norm", "optimizer", "lr_scheduler", *MEMORY_KEYS),
     ("device", "dtype", "compile"),
     AC_KEYS,
-    ("save_every_n_steps", "log_every_n_steps", "metric_logger", "fsdp"),
+    ("save_every_n_steps", "log_every_n_steps", "metric_logger", "fsdp", "tensor_parallel_dim"),
 )
+# torchtune's own tensor-parallel plans (``tensor_parallel_plan: {_component_: torchtune.models.llama3.base_llama_tp_plan}``
+# and its other families'): each splits the layers our family plans split.
+TORCHTUNE_TP_PLANS = re.compile(r"^torchtune\.models\.[\w.]+\.\w*tp_plan$")
 
 
 @dataclass(frozen=True)
@@ -228,6 +228,7 @@ class _Migrator:
         self.migrate_device_and_dtype()
         self.migrate_activation_checkpointing()
         self.migrate_fsdp()
+        self.migrate_tensor_parallel_plan()
         self.migrate_metric_logger()
         for key in self.tt:
             if key in self.handled:
@@ -656,6 +657,22 @@ class _Migrator:
             value = self.take(torchtune_key)
             if value is not None and value != getattr(defaults, key):
                 self.out.setdefault("fsdp", {})[key] = value
+
+    def migrate_tensor_parallel_plan(self) -> None:
+        """``tensor_parallel_dim`` is carried over as it is (a schema key); the plan is the model family's here."""
+        plan = self.take("tensor_parallel_plan")
+        if plan is None:
+            return
+        path = plan.get(COMPONENT_KEY) if isinstance(plan, Mapping) else plan
+        ours = "each model family declares its own plan here (torchtune_ac/models/tensor_parallel.py), used with " \
+               "tensor_parallel_dim"
+        if isinstance(path, str) and TORCHTUNE_TP_PLANS.match(path):
+            self.changed("tensor_parallel_plan", f"{path} is torchtune's stock plan: dropped, the family's own plan "
+                         "splits the same layers (attention heads, MLP columns, the vocabulary, the norms along the "
+                         f"sequence); {ours}")
+        else:
+            self.dropped("tensor_parallel_plan", f"a custom plan ({_show(path)}) is not carried over: {ours}, and "
+                         "it cannot be replaced")
 
     def migrate_metric_logger(self) -> None:
         logger = self.take("metric_logger")

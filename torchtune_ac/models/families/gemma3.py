@@ -24,6 +24,7 @@ from torchtune_ac.models.decoder_family import decoder_family
 from torchtune_ac.models.family import TorchtuneBuilder
 from torchtune_ac.models.hf_adapter import LLAMA_BLOCK_NAMES, LlamaStyleHFAdapter, Refusal, read_value, refuse_truthy
 from torchtune_ac.models.llama import LinearRopeScaling, LlamaArgs, RMSNorm, TransformerBlock
+from torchtune_ac.models.tensor_parallel import Split
 
 _GLOBAL_EVERY = 6  # transformers' sliding_window_pattern
 
@@ -185,6 +186,9 @@ FAMILY = decoder_family(
         "gemma3_27b": (GEMMA3_27B, "Gemma 3 27B, the text tower (27,009,346,304 parameters, tied embeddings)."),
     },
     block=Gemma3Block,
+    # The post-norms scale the attention's and the MLP's outputs after their rows are summed and scattered along
+    # the sequence, before the residual add: on the sequence shard, as the pre-norms.
+    block_splits={"post_attn_norm": Split.SEQUENCE, "post_mlp_norm": Split.SEQUENCE},
     torchtune_builders={
         # torchtune's unreleased builders; two have shapes no published checkpoint has.
         "torchtune.models.gemma3.gemma3_1b": TorchtuneBuilder("gemma3_1b"),

@@ -1,0 +1,347 @@
+"""Tensor and sequence parallelism: each family's plan (pure data), the degrees it refuses, the mesh
+``(replicate, shard, tp)``, and training on gloo ranks against one process.
+
+The distributed tests train tiny models of each family for 3 steps under tensor parallelism (with FSDP2 over the
+other mesh dimensions) and compare every step's loss and gradient norm with one process training the same model
+from the same weights on the same global batch: equal within the rounding of a step (``numerics.assert_steps_alike``;
+the split sums the same terms in another order). Between them the cases cover every AC mode, the whole-logits and
+the chunked loss (computed on vocabulary shards), packed batches with sliding windows, tied embeddings, an uneven
+vocabulary, the step in backward, clipping, and compile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from gloo_testlib import run_on_gloo_ranks
+from numerics import assert_steps_alike, llama_terms
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from torchtune_ac.errors import UserError
+from torchtune_ac.memory.activation_offloading import apply_activation_offloading
+from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective
+from torchtune_ac.memory.optimizer_in_backward import build_optimizer
+from torchtune_ac.models.families import retie_parameters, transformer_blocks
+from torchtune_ac.models.families.gemma3 import FAMILY as GEMMA3
+from torchtune_ac.models.families.gemma3 import GEMMA3_1B, GEMMA3_27B
+from torchtune_ac.models.families.llama import FAMILY as LLAMA
+from torchtune_ac.models.families.llama import LLAMA3_1_70B, LLAMA_TINY
+from torchtune_ac.models.families.qwen3 import FAMILY as QWEN3
+from torchtune_ac.models.families.qwen3 import QWEN3_0_6B
+from torchtune_ac.models.llama import LlamaArgs
+from torchtune_ac.models.tensor_parallel import Split, tensor_parallel_problem
+from torchtune_ac.run.assemble import initialize_weights_
+from torchtune_ac.runtime.distributed import (
+    DistributedContext,
+    FSDPConfig,
+    build_device_mesh,
+    check_replicate_degree,
+)
+from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.training.ac_config import resolve_ac_plan
+from torchtune_ac.training.activation_checkpointing import apply_ac_plan
+from torchtune_ac.training.fsdp import shard_model
+from torchtune_ac.training.objective import IGNORE_INDEX, CrossEntropy
+from torchtune_ac.training.step import OptimizerStepper, train_step
+from torchtune_ac.training.tensor_parallel import apply_tensor_parallel, check_sequence_length
+
+CPU = torch.device("cpu")
+# Tiny models of each family, their flags kept (q/k norms; Gemma 3's offset norms, GeGLU, scaled and tied
+# embeddings, sliding windows of 8 tokens on layer 0, a global layer 1). Llama's vocabulary is uneven under 2 x 2.
+TINY = {
+    "llama": dataclasses.replace(LLAMA_TINY, vocab_size=250, n_layers=2),
+    "qwen3": dataclasses.replace(QWEN3_0_6B, vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                 head_dim=16, intermediate_dim=128, max_seq_len=64),
+    "gemma3": dataclasses.replace(GEMMA3_1B, vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  head_dim=None, intermediate_dim=128, max_seq_len=64, sliding_window=8,
+                                  query_pre_attn_scalar=16, layer_types=("sliding_attention", "full_attention")),
+    # torchao's 8-bit state quantizes each rank's piece in blocks of 256 elements: with rows of 512 and 256 columns
+    # per rank (dim, heads x head_dim and the MLP width all 512) a rank's blocks are blocks of the whole tensor.
+    "llama_512": dataclasses.replace(LLAMA_TINY, vocab_size=256, dim=512, n_layers=1, intermediate_dim=512),
+}
+FAMILIES = {"llama": LLAMA, "qwen3": QWEN3, "gemma3": GEMMA3}
+ROWS, LENGTH, STEPS = 4, 32, 3
+DOCUMENTS = (10, 15, 7)  # each packed row; Gemma 3's 15-token document is longer than its window
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The plans: pure data
+# ---------------------------------------------------------------------------------------------------------------
+
+DECODER_BLOCK = {
+    "attn_norm": Split.SEQUENCE, "attn": Split.GATHER, "attn.q_proj": Split.COLUMN, "attn.k_proj": Split.COLUMN,
+    "attn.v_proj": Split.COLUMN, "attn.o_proj": Split.ROW, "mlp_norm": Split.SEQUENCE, "mlp": Split.GATHER,
+    "mlp.gate_proj": Split.COLUMN, "mlp.up_proj": Split.COLUMN, "mlp.down_proj": Split.ROW,
+}
+QK_NORMS = {"attn.q_norm": Split.HEADS, "attn.k_norm": Split.HEADS}
+GEMMA3_POST_NORMS = {"post_attn_norm": Split.SEQUENCE, "post_mlp_norm": Split.SEQUENCE}
+
+
+@pytest.mark.parametrize("family, extra", [("llama", {}), ("qwen3", QK_NORMS),
+                                           ("gemma3", {**QK_NORMS, **GEMMA3_POST_NORMS})])
+def test_each_family_declares_its_plan(family, extra) -> None:
+    args = TINY[family]
+    plan = FAMILIES[family].tensor_parallel_plan(args)
+    assert dict(plan.root) == {"tok_embeddings": Split.VOCAB_EMBEDDING, "norm": Split.SEQUENCE,
+                               "output": Split.VOCAB_OUTPUT}
+    assert dict(plan.block) == {**DECODER_BLOCK, **extra}
+    assert dict(plan.divisible) == {"n_heads": args.n_heads, "n_kv_heads": args.n_kv_heads,
+                                    "intermediate_dim": args.intermediate_dim}
+    # Every module the plan names exists in the family's block and root.
+    with torch.device("meta"):
+        model = FAMILIES[family].build(args)
+    for path in plan.block:
+        transformer_blocks(model)[0].get_submodule(path)
+    for path in plan.root:
+        model.get_submodule(path)
+
+
+@pytest.mark.parametrize("args, degree, expected", [
+    (LLAMA_TINY, 2, None),
+    (LLAMA3_1_70B, 8, None),  # 64 heads, 8 key/value heads, 28,672 columns: the 70B config's TP 8
+    (LLAMA_TINY, 4, "tensor_parallel_dim=4: must divide n_kv_heads=2 (fewer than 4: heads are not copied across "
+                    "ranks)"),
+    (LLAMA_TINY, 3, "tensor_parallel_dim=3: must divide n_heads=4, n_kv_heads=2 (fewer than 3: heads are not "
+                    "copied across ranks), intermediate_dim=352"),
+    (GEMMA3_1B, 2, "tensor_parallel_dim=2: must divide n_kv_heads=1 (fewer than 2: heads are not copied across "
+                   "ranks)"),
+    (GEMMA3_27B, 16, None),
+    (QWEN3_0_6B, 16, "tensor_parallel_dim=16: must divide n_kv_heads=8 (fewer than 16: heads are not copied across "
+                     "ranks)"),
+])
+def test_a_degree_that_does_not_divide_heads_or_columns_is_refused_in_one_line(args, degree, expected) -> None:
+    family = next(f for f in FAMILIES.values() if f.hf.model_type == args.model_type)
+    assert tensor_parallel_problem(family.tensor_parallel_plan(args), degree) == expected
+
+
+def test_applying_a_plan_the_degree_cannot_split_is_refused() -> None:
+    """``apply_tensor_parallel`` checks the degree before anything is split (a mesh of 4 is only read for its
+    size here: the refusal comes first)."""
+
+    class Mesh4:
+        def size(self) -> int:
+            return 4
+
+    with torch.device("meta"):
+        model = LLAMA.build(LLAMA_TINY)
+    with pytest.raises(UserError, match=r"^tensor_parallel_dim=4: must divide n_kv_heads=2 "):
+        apply_tensor_parallel(model, Mesh4())
+    assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+@pytest.mark.parametrize("world, replicate, tp, expected", [
+    (8, 1, 2, None), (8, 2, 2, None), (4, 2, 2, None),
+    (6, 1, 4, "tensor_parallel_dim=4, fsdp.replicate_degree=1: the world size (6 process(es)) must be a multiple of "
+              "their product (4): it is replicate x shard x tensor-parallel processes"),
+    (8, 3, 2, "tensor_parallel_dim=2, fsdp.replicate_degree=3: the world size (8 process(es)) must be a multiple of "
+              "their product (6): it is replicate x shard x tensor-parallel processes"),
+])
+def test_the_world_size_must_be_a_product_of_the_degrees(world, replicate, tp, expected) -> None:
+    if expected is None:
+        check_replicate_degree(replicate, world, tp)
+        assert FSDPConfig(replicate_degree=replicate).shard_degree(world, tp) * replicate * tp == world
+        return
+    for call in (lambda: check_replicate_degree(replicate, world, tp),
+                 lambda: build_device_mesh("cpu", world, replicate, tp),
+                 lambda: FSDPConfig(replicate_degree=replicate).shard_degree(world, tp)):
+        with pytest.raises(UserError) as error:
+            call()
+        assert str(error.value) == expected
+
+
+def test_a_sequence_the_degree_does_not_divide_is_refused() -> None:
+    check_sequence_length(32, 2)
+    with pytest.raises(ValueError, match=r"^a batch of sequence length 33 under tensor_parallel_dim=2: the length "
+                                         r"must be a multiple of the degree"):
+        check_sequence_length(33, 2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Training on gloo ranks against one process
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Case:
+    """One training run: a tiny model (a key of ``TINY``) and how it is trained."""
+
+    model: str
+    packed: bool = False
+    loss_chunks: int = 1  # > 1: the chunked loss, on the vocabulary shards under TP
+    ac_mode: str = "none"
+    ac_option: Any = None
+    in_backward: bool = False
+    compile: bool = False
+    offload: bool = False  # activation offloading (on a CPU its hooks copy within host memory)
+    optimizer: str = "adamw"  # or "adamw8bit": torchao's
+
+    @property
+    def args(self) -> LlamaArgs:
+        return TINY[self.model]
+
+
+def _batch(case: Case, step: int) -> dict[str, torch.Tensor]:
+    """Step ``step``'s global batch: ROWS x LENGTH random tokens, packed as DOCUMENTS per row when asked."""
+    generator = torch.Generator().manual_seed(100 + step)
+    tokens = torch.randint(0, case.args.vocab_size, (ROWS, LENGTH), generator=generator)
+    labels = torch.roll(tokens, -1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    batch = {"tokens": tokens, "labels": labels}
+    if case.packed:
+        row = torch.cat([torch.full((n,), i) for i, n in enumerate(DOCUMENTS)])
+        batch["document_ids"] = row.expand(ROWS, LENGTH).clone()
+        batch["document_lengths"] = torch.tensor(DOCUMENTS * ROWS)
+    return batch
+
+
+def _rows(batch: dict[str, torch.Tensor], first: int, count: int) -> dict[str, torch.Tensor]:
+    out = {key: value[first:first + count] for key, value in batch.items() if key != "document_lengths"}
+    if "document_lengths" in batch:
+        per_row = len(DOCUMENTS)
+        out["document_lengths"] = batch["document_lengths"][first * per_row:(first + count) * per_row]
+    return out
+
+
+def build_model(case: Case, mesh=None) -> nn.Module:
+    """The model in the run's order: meta -> AC -> compile -> TP -> FSDP2 -> allocate -> initialise (the same
+    weights for any split). ``mesh`` None: one plain process."""
+    family = next(f for f in FAMILIES.values() if f.hf.model_type == case.args.model_type)
+    with torch.device("meta"):
+        model = family.build(case.args)
+    blocks = transformer_blocks(model)
+    apply_ac_plan(model, resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=case.ac_mode,
+                                         ac_option=case.ac_option, n_layers=len(blocks)))
+    if case.offload:
+        apply_activation_offloading(model)
+    if case.compile:
+        for block in blocks:
+            # aot_eager: Dynamo and AOTAutograd trace the block with its TP hooks and collectives as inductor's
+            # would, in seconds where inductor's CPU code generation takes minutes.
+            block.compile(backend="aot_eager")
+    if mesh is not None:
+        apply_tensor_parallel(model, mesh["tp"])
+        shard_model(model, FSDPConfig(), device=CPU, dtype=DType.FP32, mesh=mesh)
+    model.to_empty(device=CPU)
+    if mesh is None:
+        retie_parameters(model)
+    initialize_weights_(model, None, dtype=torch.float32, seed=7, sharded=mesh is not None)
+    return model
+
+
+def train(case: Case, model: nn.Module, ctx: DistributedContext, dp_rank: int, dp_degree: int
+          ) -> tuple[list[float], list[float]]:
+    """STEPS steps of AdamW on the global batches, this data-parallel rank taking its rows; the losses and
+    gradient norms."""
+    optimizer = torch.optim.AdamW if case.optimizer == "adamw" else _adamw8bit()
+    stepper = build_optimizer(lambda params: optimizer(params, lr=1e-2), model, in_backward=case.in_backward)
+    objective = ChunkedCrossEntropyObjective(case.loss_chunks) if case.loss_chunks > 1 else CrossEntropy()
+    share = ROWS // dp_degree
+    losses, norms = [], []
+    for step in range(STEPS):
+        batch = _rows(_batch(case, step), dp_rank * share, share)
+        result = train_step(model, stepper, [batch], ctx=ctx, objective=objective,
+                            clip_grad_norm=None if case.in_backward else 1.0)
+        losses.append(result.loss)
+        norms.append(result.grad_norm)
+    return losses, norms
+
+
+def check_against_one_process(rank: int, world_size: int, meshes: tuple[tuple[int, int], ...],
+                              cases: tuple[Case, ...]) -> None:
+    """Each case trained on each mesh ``(replicate, shard, tp)`` (given as ``(replicate, tp)``) and by this process
+    alone, compared step by step."""
+    for replicate, tp in meshes:
+        mesh = build_device_mesh("cpu", world_size, replicate, tp)
+        dp_degree = world_size // tp
+        for case in cases:
+            expected = train(case, build_model(case), DistributedContext(0, 1, 0, CPU), 0, 1)
+            model = build_model(case, mesh)
+            _check_split(model, case.args, mesh)
+            # Ranks of one tensor-parallel group are consecutive: they share a data-parallel rank and its rows.
+            losses, norms = train(case, model, DistributedContext(rank, world_size, 0, CPU), rank // tp, dp_degree)
+            terms = llama_terms(case.args, LENGTH, ROWS * LENGTH)
+            what = f"{case} on (replicate, tp) = {(replicate, tp)}"
+            assert_steps_alike(losses, expected[0], terms=terms, what=f"{what}: loss")
+            assert_steps_alike(norms, expected[1], terms=terms, what=f"{what}: gradient norm")
+
+
+def _check_split(model: nn.Module, args: LlamaArgs, mesh) -> None:
+    """The layers hold this rank's heads and columns, split over ``tp``; the norms are replicated over it."""
+    tp = mesh["tp"].size()
+    block = transformer_blocks(model)[0]
+    q, o, norm = block.attn.q_proj.weight, block.attn.o_proj.weight, block.attn_norm.weight
+    assert q.device_mesh.mesh_dim_names == mesh.mesh_dim_names
+    assert q.placements[-1] == Shard(0) and o.placements[-1] == Shard(1) and norm.placements[-1] == Replicate()
+    embedding = model.tok_embeddings.weight
+    assert embedding.placements[-1] == Shard(0)  # along the vocabulary
+    if args.tie_embeddings:
+        assert model.output.weight is embedding
+    # All shards of q_proj over the mesh: a 1/tp of its rows per tp rank (n_heads / tp heads of head_dim).
+    assert q.shape == (args.n_heads * args.resolved_head_dim, args.dim)
+
+
+TWO_RANK_CASES = (
+    # Llama: whole logits (gathered along the vocabulary), no AC; then the chunked loss on vocabulary shards, full
+    # AC, packed, activation offloading, the step in backward.
+    Case("llama"),
+    Case("llama", packed=True, loss_chunks=3, ac_mode="full", offload=True, in_backward=True),
+    # Qwen3: per-op AC on packed batches, q/k norms on the local heads; compiled blocks (unpacked: a checkpointed
+    # block runs packed batches eagerly).
+    Case("qwen3", packed=True, loss_chunks=2, ac_mode="selective", ac_option="op"),
+    Case("qwen3", loss_chunks=2, compile=True),
+    # Gemma 3: sliding windows within packed documents, tied embeddings, the four norms; selective AC of every
+    # block, then none.
+    Case("gemma3", packed=True, loss_chunks=2, ac_mode="selective", ac_option=1),
+    Case("gemma3", packed=True),
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_ranks_of_tensor_parallelism_train_as_one_process(tmp_path: Path) -> None:
+    """TP 2 (FSDP2 over the mesh's shard dimension of 1) against one process, for Llama, Qwen3 and Gemma 3."""
+    run_on_gloo_ranks(check_against_one_process, 2, ((1, 2),), TWO_RANK_CASES, store_dir=tmp_path)
+
+
+def _adamw8bit() -> type:
+    import torchao.optim  # only where it is used: importing torchao takes seconds
+
+    return torchao.optim.AdamW8bit
+
+
+def check_low_bit_state(rank: int, world_size: int) -> None:
+    """torchao's 8-bit AdamW on split weights: each rank quantizes its own piece (a DTensor of the weight's
+    placements holding 8-bit state), and with blocks that are the whole tensor's, trains as one process.
+
+    torchao compiles its update per parameter shape (minutes on a CPU, per process): here it runs eagerly, the same
+    arithmetic, by making ``torch.compile`` the identity in this short-lived rank process."""
+    torch.compile = lambda function=None, **options: function
+    case = Case("llama_512", optimizer="adamw8bit")
+    check_against_one_process(rank, world_size, ((1, 2),), (case,))
+    model = build_model(case, build_device_mesh("cpu", world_size, 1, 2))
+    optimizer = _adamw8bit()(model.parameters(), lr=1e-2)
+    train_step(model, OptimizerStepper(optimizer), [_batch(case, 0)], ctx=DistributedContext(rank, world_size, 0, CPU))
+    weight = transformer_blocks(model)[0].attn.o_proj.weight
+    state = optimizer.state[weight]["exp_avg"]
+    assert isinstance(state, DTensor) and state.placements == weight.placements
+    assert type(state.to_local()).__name__ == "OptimState8bit" and state.to_local().shape == weight.to_local().shape
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_low_bit_optimizer_state_on_split_weights(tmp_path: Path) -> None:
+    run_on_gloo_ranks(check_low_bit_state, 2, store_dir=tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_fsdp_and_hsdp_with_tensor_parallelism_train_as_one_process(tmp_path: Path) -> None:
+    """4 ranks: FSDP2 over 2 x TP 2, then HSDP (2 replicas of 1 shard) x TP 2, the 3-D mesh."""
+    cases = (Case("llama", packed=True, loss_chunks=2), Case("gemma3", in_backward=True))
+    run_on_gloo_ranks(check_against_one_process, 4, ((1, 2), (2, 2)), cases, store_dir=tmp_path, world_size=4)
