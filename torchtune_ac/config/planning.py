@@ -33,13 +33,14 @@ from torchtune_ac.memory.planner import (
 from torchtune_ac.memory.switch import OptimizerSpec
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.runtime.process_memory import ASSUMED_CUDA_FIXED_BYTES, fixed_bytes
+from torchtune_ac.runtime.process_memory import ASSUMED_CUDA_FIXED_BYTES, CPU_STEP_RUNTIME_BYTES, fixed_bytes
 
 ASSUMPTIONS = (
     "every row is max_seq_len tokens and every position a target (the loss's worst case); parameters compute in "
-    "their storage dtype; the caching allocator's fragmentation is not included (on CUDA, device compares with "
-    "max_memory_reserved plus the context; on a CPU, with the peak resident set of a run, which maps each tensor "
-    "on its own so that its resident memory follows its tensors)"
+    "their storage dtype; the caching allocator's fragmentation is not included: on CUDA, device compares with "
+    "max_memory_reserved plus the context; on a CPU, with the peak resident set of a run with ac_mode: auto, which "
+    "has glibc map each tensor on its own so that its resident memory follows its tensors (other CPU runs leave "
+    "glibc as it is, for speed, and peak higher: the pages of freed tensors stay resident)"
 )
 
 
@@ -84,7 +85,10 @@ def process_fixed_bytes(device: Device) -> tuple[int, str]:
     tell: measured in this process when this machine has that device, else assumed; and which of the two, in
     words."""
     if planned_device(device).type == "cpu":
-        return fixed_bytes(torch.device("cpu")), "measured: this process's resident set before the model"
+        return (fixed_bytes(torch.device("cpu")) + CPU_STEP_RUNTIME_BYTES,
+                "measured: this process's resident set before the model, and "
+                f"{CPU_STEP_RUNTIME_BYTES / GiB:.2f} GiB for what a CPU process adds once it steps besides its "
+                "tensors (the kernels' code, the math libraries' buffers, glibc's small allocations)")
     if torch.cuda.is_available():
         return fixed_bytes(torch.device("cuda", torch.cuda.current_device())), "measured: the CUDA device memory in use"
     return ASSUMED_CUDA_FIXED_BYTES, "assumed for a CUDA context (no GPU here to measure it)"

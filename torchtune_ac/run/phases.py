@@ -66,16 +66,18 @@ class RunContext:
 def start_run(cfg: FullFinetuneConfig) -> RunContext:
     """Join the process group (its collectives bounded by ``distributed_timeout_s``), run the start-up checks
     (their warnings are logged), and make sure every rank has the same config and sees the same ``output_dir``
-    before anything is written. On CUDA, float32 matmuls run in TF32 unless ``allow_tf32`` is false; on a CPU,
-    the allocator is set to give freed tensors back to the system (``follow_live_tensors``).
+    before anything is written. On CUDA, float32 matmuls run in TF32 unless ``allow_tf32`` is false. On a CPU with
+    ``ac_mode: auto``, whose budget must hold, the allocator is set to give freed tensors back to the system
+    (``follow_live_tensors``); other runs leave it alone, as it is faster.
 
     Raises:
         UserError: a check failed, the ranks' configs differ, or ``output_dir`` is not shared.
     """
     ctx = init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s)
     set_tf32(ctx.device, allow_tf32=cfg.allow_tf32)
-    if ctx.device.type == "cpu":
-        # Resident memory then follows live tensors, as the planner's estimate (and ac_mode: auto's budget) does.
+    if ctx.device.type == "cpu" and cfg.ac.is_auto:
+        # Resident memory then follows live tensors, as the planner's estimate does, so the budget holds. It costs
+        # every step its page faults (a third of a step on a small model), which only a budget is worth.
         follow_live_tensors()
     logging.basicConfig(level=logging.INFO if ctx.is_rank_zero else logging.WARNING, format="%(message)s")
     report = preflight_full_finetune(cfg, strict=True, world_size=ctx.world_size)
