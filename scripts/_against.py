@@ -22,6 +22,7 @@ container's memory limit sees. The load average is recorded at every turn.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -52,6 +53,7 @@ class Side:
     label: str
     root: Path
     revision: str
+    overrides: tuple[str, ...] = ()
 
 
 def git(*args: str, cwd: Path = REPO) -> str:
@@ -130,14 +132,14 @@ log_every_n_steps: 1
 class Worker:
     """One side's ``tune run`` process, stepping when handed the turn (see ``_step_worker.py``)."""
 
-    def __init__(self, side: Side, config: Path, overrides: Sequence[str], steps: int, scratch: Path) -> None:
+    def __init__(self, side: Side, config: Path, steps: int, scratch: Path) -> None:
         self.side = side
         self.output_dir = scratch / f"run_{side.label}"
         self.log = open(scratch / f"stderr_{side.label}.log", "w+")
         go_read, self._go = os.pipe()
         self._reports, report_write = os.pipe()
         argv = [sys.executable, str(WORKER), str(go_read), str(report_write), "run", "full_finetune", "--config",
-                str(config), f"output_dir={self.output_dir}", f"max_steps_per_epoch={steps}", *overrides]
+                str(config), f"output_dir={self.output_dir}", f"max_steps_per_epoch={steps}", *side.overrides]
         self.process = subprocess.Popen(argv, cwd=scratch, env={**os.environ, "PYTHONPATH": str(side.root)},
                                         stdout=subprocess.DEVNULL, stderr=self.log, pass_fds=(go_read, report_write))
         os.close(go_read)
@@ -178,11 +180,10 @@ class Worker:
         self.peak_rss_gib = usage.ru_maxrss * 1024 / 2**30
 
 
-def run_pair(sides: dict[str, Side], first: str, config: Path, overrides: Sequence[str], steps: int, warmup: int,
-             scratch: Path) -> dict:
+def run_pair(sides: dict[str, Side], first: str, config: Path, steps: int, warmup: int, scratch: Path) -> dict:
     """One process per side, stepping in turns A B B A ... (``first`` takes the first turn and starts first)."""
     order = [first, "B" if first == "A" else "A"]
-    workers = {label: Worker(sides[label], config, overrides, steps, scratch) for label in order}
+    workers = {label: Worker(sides[label], config, steps, scratch) for label in order}
     steps_of = {label: [] for label in SIDES}
     loads = []
     try:
@@ -209,20 +210,32 @@ def run_pair(sides: dict[str, Side], first: str, config: Path, overrides: Sequen
     }
 
 
-def compare(revision: str, *, overrides: Sequence[str], steps: int, warmup: int, rounds: int, seed: int,
-            progress: Callable[[str], None] = lambda text: None) -> dict:
-    """Run the working tree (B) against ``revision`` (A), step by step A B B A; returns the report."""
+def merge_overrides(common: Sequence[str], own: Sequence[str]) -> tuple[str, ...]:
+    """``common`` config overrides with ``own`` replacing those of the same key (``key=value`` each)."""
+    merged = {item.split("=", 1)[0]: item for item in common}
+    merged.update({item.split("=", 1)[0]: item for item in own})
+    return tuple(merged.values())
+
+
+def compare(revision: str, *, overrides: Sequence[str], overrides_a: Sequence[str] = (), steps: int, warmup: int,
+            rounds: int, seed: int, progress: Callable[[str], None] = lambda text: None) -> dict:
+    """Run the working tree (B) against ``revision`` (A), step by step A B B A; returns the report. Both sides
+    take ``overrides``; A's ``overrides_a`` replace those of the same key."""
     with tempfile.TemporaryDirectory(prefix="bench_train_against_") as tmp:
         scratch = Path(tmp)
         config = write_workload(scratch, seed)
-        with revision_checkout(revision, scratch) as a:
-            sides = {"A": a, "B": Side("B", REPO, f"working tree ({describe_working_tree()})")}
+        with revision_checkout(revision, scratch) as checkout:
+            a = dataclasses.replace(checkout, overrides=merge_overrides(overrides, overrides_a))
+            sides = {"A": a, "B": Side("B", REPO, f"working tree ({describe_working_tree()})", tuple(overrides))}
             pairs = []
             for i in range(rounds):
                 first = "A" if i % 2 == 0 else "B"
                 progress(f"pair {i + 1}/{rounds}: {steps} steps each, in turns, {first} first")
-                pairs.append(run_pair(sides, first, config, overrides, steps, warmup, scratch))
-    return summarise(pairs, {label: side.revision for label, side in sides.items()})
+                pairs.append(run_pair(sides, first, config, steps, warmup, scratch))
+    report = summarise(pairs, {label: side.revision for label, side in sides.items()})
+    for label, side in sides.items():
+        report["sides"][label]["overrides"] = list(side.overrides)
+    return report
 
 
 def summarise(pairs: list[dict], revisions: dict[str, str]) -> dict:

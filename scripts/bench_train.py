@@ -104,6 +104,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         help="profile the working tree's step on --against's workload, with its MFU (no --against)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="--against: a config override for both sides (repeatable)")
+    parser.add_argument("--set-a", action="append", default=[], metavar="KEY=VALUE",
+                        help="--against: a config override for the revision's side only, replacing --set's of that "
+                             "key (repeatable; --against HEAD --set-a ac_mode=full compares two settings)")
     parser.add_argument("--model", default="llama_small", help="builder name in torchtune_ac.models")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -453,13 +456,15 @@ def run_against(args: argparse.Namespace) -> None:
     steps, warmup = (10, 2) if args.quick else (25, 3)
     overrides = [f"ac_mode={args.ac}", *args.set]
     started = time.strftime("%Y-%m-%d %H:%M:%S")
-    report = _against.compare(args.against, overrides=overrides, steps=steps, warmup=warmup, rounds=args.rounds,
-                              seed=args.seed, progress=lambda text: print(text, file=sys.stderr, flush=True))
+    report = _against.compare(args.against, overrides=overrides, overrides_a=args.set_a, steps=steps, warmup=warmup,
+                              rounds=args.rounds, seed=args.seed,
+                              progress=lambda text: print(text, file=sys.stderr, flush=True))
     report["config"] = {
         "command": "scripts/bench_train.py " + " ".join(sys.argv[1:]), "date": started,
         "workload": {"model": _against.WORKLOAD_ARGS, "batch_size": _against.BATCH_SIZE,
                      "seq_len": _against.SEQ_LEN, "packed": True, "dtype": "fp32", "optimizer": "torch.optim.AdamW"},
-        "overrides": overrides, "steps_per_run": steps, "untimed_steps_per_run": warmup, "order": "A B B A",
+        "overrides": overrides, "overrides_a": args.set_a, "steps_per_run": steps, "untimed_steps_per_run": warmup,
+        "order": "one step at a time, A B B A A B ...; pairs of processes started A first, then B first",
         "rounds": args.rounds, "torch": torch.__version__, "machine": platform.machine(),
         "cpu": _cpu_name(), "cpus": os.cpu_count(), "uptime": _uptime(),
     }
