@@ -23,10 +23,18 @@ from typing import Optional
 import torch
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from torchtune_ac.checkpoint import Progress, create_output_dir, hold_output_dir, read_hf_config, save_checkpoint
+from torchtune_ac.checkpoint import (
+    Progress,
+    TrainerState,
+    create_output_dir,
+    hold_output_dir,
+    read_hf_config,
+    save_checkpoint,
+)
 from torchtune_ac.config.planning import PlanTable, plan_table
-from torchtune_ac.config.preflight import describe_sharding, preflight_full_finetune, run_shape
+from torchtune_ac.config.preflight import describe_sharding, preflight_full_finetune, run_hyperparameters, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.data.samples import count_of
 from torchtune_ac.models import hf_model_files
 from torchtune_ac.observability.metric_logging import RunLog, open_run_log
 from torchtune_ac.observability.metrics import MemoryPeaks
@@ -38,7 +46,9 @@ from torchtune_ac.run.phases import (
     build_model,
     build_scheduler,
     build_validation,
+    check_disk_space,
     choose_resume,
+    estimate_checkpoint_size,
     restore,
     start_run,
 )
@@ -84,6 +94,7 @@ class FullFinetuneRecipe:
         self.run = run = start_run(cfg)
         resume_from = choose_resume(cfg).checkpoint
         self.tokenizer = cfg.tokenizer.instantiate()
+        self.tokenizer_dir = Path(self.tokenizer.path).parent  # its files go into every checkpoint
         # The saved config.json keeps every key of the one the run started from that training did not change.
         self.base_config = read_hf_config(cfg.checkpoint_dir) if cfg.checkpoint_dir is not None else None
         self.training = build_model(cfg, run, load_weights=resume_from is None)  # a resume loads its own
@@ -96,6 +107,8 @@ class FullFinetuneRecipe:
             self.last_checkpoint = resume_from
         elif cfg.resume_from_checkpoint:
             log.info(messages.no_checkpoint_yet(cfg.output_dir))
+        check_disk_space(cfg, run.ctx, estimate_checkpoint_size(cfg, self.training.model, self.tokenizer_dir),
+                         self.save_policy.saves(self.progress.step, self.data))
         if run.ctx.is_rank_zero:
             create_output_dir(cfg.output_dir)
             tracker = cfg.metric_logger.instantiate() if cfg.metric_logger is not None else None
@@ -104,15 +117,16 @@ class FullFinetuneRecipe:
                                         resume_after_step=self.progress.step if cfg.resume_from_checkpoint else None)
         ctx = run.ctx
         global_batch = cfg.batch_size * cfg.gradient_accumulation_steps * ctx.world_size
+        unit = self.data.unit
         for line in (
             f"world size {ctx.world_size} on {ctx.device} ({cfg.dtype.value}), {torch.get_num_threads()} thread(s) per "
             "process",
             f"model {cfg.model.path}: {run.report.n_parameters:,} parameters, {run.plan.ac.n_layers} layers",
             *(f"{label}: {value}" for label, value in run.plan.describe()),
             f"fsdp: {describe_sharding(cfg, ctx.world_size, run.plan)}",
-            f"global batch {global_batch} samples ({cfg.batch_size} x {cfg.gradient_accumulation_steps} accumulation"
-            f" x {ctx.world_size} processes); {self.data.samples} samples, {self.data.steps_per_epoch} steps per epoch,"
-            f" {cfg.epochs} epoch(s)",
+            f"global batch {count_of(global_batch, unit)} ({cfg.batch_size} x {cfg.gradient_accumulation_steps} "
+            f"accumulation x {count_of(ctx.world_size, 'process', 'processes')}); {self.data.described}, "
+            f"{count_of(self.data.steps_per_epoch, 'step')} per epoch, {count_of(cfg.epochs, 'epoch')}",
         ):
             log.info(line)
 
@@ -156,7 +170,9 @@ class FullFinetuneRecipe:
                     val_loss = evaluate(training.model, self.validation.batches(), ctx=ctx,
                                         objective=training.objective)
                     log.info("step %d: validation loss %.4f", self.progress.step, val_loss)
-                logged = self.progress.step % cfg.log_every_n_steps == 0 or val_loss is not None
+                # Every log_every_n_steps-th step, each validated one, and the run's last, whatever the period.
+                logged = (self.progress.step % cfg.log_every_n_steps == 0 or val_loss is not None
+                          or self.progress.step == data.total_steps)
                 if self.metrics is not None and logged:
                     self.metrics.write(
                         {
@@ -203,11 +219,14 @@ class FullFinetuneRecipe:
                 eos_token_id=self.tokenizer.eos_id,
             ),
             optimizers=self.training.stepper.optimizers_to_checkpoint(),
-            scheduler=self.scheduler,
-            progress=self.progress,
-            shape=run_shape(self.cfg, self.run.ctx.world_size, self.training.model, self.run.plan),
+            state=TrainerState(
+                self.progress,
+                run_shape(self.cfg, self.run.ctx.world_size, self.training.model, self.run.plan),
+                run_hyperparameters(self.cfg),
+                self.data.identity,
+            ),
             keep_last_n=self.cfg.keep_last_n_checkpoints,
-            tokenizer_dir=Path(self.tokenizer.path).parent,
+            tokenizer_dir=self.tokenizer_dir,
             chat_template=self.tokenizer.chat_template,
         )
         self.last_checkpoint = path

@@ -64,6 +64,7 @@ from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
 from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
+from torchtune_ac.observability.third_party_noise import filter_known_noise  # noqa: E402
 from torchtune_ac.run.model_setup import build_training_model  # noqa: E402
 from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
@@ -543,6 +544,7 @@ def plot_ablation(report: dict, path: Path) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    filter_known_noise()
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--ablation-worker"]:
         print(json.dumps(ablation_worker(parse_args(argv[2:]), int(argv[1]))))

@@ -45,6 +45,7 @@ step's estimate plus the process's fixed cost measured before the model, as ``tu
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import os
 import platform
@@ -53,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -68,8 +70,10 @@ from _benchlib import pyplot, save_figure, write_report  # noqa: E402
 from torchtune_ac import models  # noqa: E402
 from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
+from torchtune_ac.data.collate import collate_batch  # noqa: E402
 from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
+from torchtune_ac.observability.third_party_noise import filter_known_noise  # noqa: E402
 from torchtune_ac.run.model_setup import build_training_model  # noqa: E402
 from torchtune_ac.runtime.distributed import (
     DistributedContext,  # noqa: E402
@@ -77,7 +81,7 @@ from torchtune_ac.runtime.distributed import (
 )
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
-from torchtune_ac.training.step import train_step  # noqa: E402
+from torchtune_ac.training.step import move_batch, train_step  # noqa: E402
 
 SETTINGS = ("none", "full")
 SIDES = ("ours", "hf")
@@ -121,6 +125,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: fp32 on cpu, bf16 on cuda")
     parser.add_argument("--compile", choices=("true", "false"), default=None,
                         help="compile each block (default: false on cpu, true on cuda)")
+    parser.add_argument("--packed", action="store_true",
+                        help="cuda: packed rows of documents of random lengths (per-document attention, varlen_attn)")
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense bf16 peak (default: from its name, e.g. 989 for an H100 SXM)")
     args = parser.parse_args(argv)
@@ -374,8 +380,55 @@ def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
     return 6 * n_params + 12 * args.n_layers * args.dim * seq_len
 
 
+def packed_batches(n: int, batch_size: int, seq_len: int, vocab_size: int, seed: int) -> list[dict[str, torch.Tensor]]:
+    """``n`` packed batches as the collate code makes them: each row a run of documents of random lengths (64 to
+    ``seq_len / 2`` tokens, the last cut to fill the row), labels shifted within each document, the host-side
+    counts included."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        samples = []
+        for _ in range(batch_size):
+            tokens, labels, ids = [], [], []
+            while len(tokens) < seq_len:
+                length = min(int(torch.randint(64, max(65, seq_len // 2), (1,), generator=generator)),
+                             seq_len - len(tokens))
+                doc = torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+                tokens += doc
+                labels += doc[1:] + [IGNORE_INDEX]
+                ids += [len(set(ids))] * length
+            samples.append({"tokens": tokens, "labels": labels, "document_ids": ids})
+        out.append(collate_batch(samples, pad_id=0))
+    return out
+
+
+class RecompileCounter(logging.Handler):
+    """Counts Dynamo's "Recompiling function" records (``torch._logging.set_logs(recompiles=True)``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith("Recompiling function"):
+            self.count += 1
+
+
+def count_host_syncs(step: Callable[[], object]) -> int:
+    """Synchronisations of the host with the GPU during ``step()``: torch warns at each one in sync debug mode."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchronizing" in str(w.message) for w in caught)
+
+
 def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
-    """The recipe's build and step on one GPU for one AC setting: throughput, MFU and memory against the plan."""
+    """The recipe's build and step on one GPU for one AC setting: throughput, MFU, memory against the plan,
+    recompiles and host synchronisations per step."""
     from torchtune_ac.memory.planner import Workload, estimate_memory
     from torchtune_ac.runtime.process_memory import fixed_bytes
 
@@ -388,33 +441,52 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
     component = Component(key="model", path=f"torchtune_ac.models.{args.model}")
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting)), MemoryConfig(), build_meta_model(component),
                                clip_grad_norm=None, dtype=dtype.torch, device="cuda")
+    start = time.perf_counter()
     model = build_training_model(component, ctx=ctx, dtype=dtype, memory=plan, fsdp=FSDPConfig(),
                                  compile_blocks=args.compile, checkpoint_dir=None, seed=args.seed)
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - start  # meta build, AC, compile wrappers, allocation, random initialisation
     make_optimizer = Component(key="optimizer", path="torch.optim.AdamW",
                                kwargs={**ADAMW_KWARGS, "fused": True}).instantiate
     stepper = plan.build_stepper(make_optimizer, model)
-    batches = make_batches(args.warmup + args.steps, args.batch_size, args.seq_len, model.args.vocab_size, args.seed)
-    micro = [[{"tokens": t.to(device), "labels": shift_labels(t).to(device)}] for t in batches]
+    n = args.warmup + args.steps
+    if args.packed:
+        batches = packed_batches(n, args.batch_size, args.seq_len, model.args.vocab_size, args.seed)
+    else:
+        batches = [{"tokens": t, "labels": shift_labels(t)}
+                   for t in make_batches(n, args.batch_size, args.seq_len, model.args.vocab_size, args.seed)]
+    micro = [[move_batch(batch, device)] for batch in batches]  # the host-side counts stay on the host
+    recompiles = RecompileCounter()
+    logging.getLogger("torch._dynamo").addHandler(recompiles)  # torch._logging stops propagation there
+    torch._logging.set_logs(recompiles=True)
     times, losses = [], []
-    for i, batch in enumerate(micro):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        losses.append(train_step(model, stepper, batch, ctx=ctx, objective=plan.objective()).loss)
-        torch.cuda.synchronize()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - start)
+    try:
+        for i, batch in enumerate(micro):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            losses.append(train_step(model, stepper, batch, ctx=ctx, objective=plan.objective()).loss)
+            torch.cuda.synchronize()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+        syncs = count_host_syncs(lambda: train_step(model, stepper, micro[-1], ctx=ctx, objective=plan.objective()))
+    finally:
+        torch._logging.set_logs()
+        logging.getLogger("torch._dynamo").removeHandler(recompiles)
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
     flops_per_token = model_flops_per_token(model, args.seq_len)
     del model, stepper, micro
 
-    workload = Workload(args.batch_size, args.seq_len, dtype=dtype).with_settings(plan.settings)
+    varlen = args.packed and dtype is DType.BF16
+    workload = Workload(args.batch_size, args.seq_len, dtype=dtype, varlen=varlen).with_settings(plan.settings)
     (estimate,) = estimate_memory(component.instantiate, make_optimizer, workload, [plan.ac])
     tokens = args.batch_size * args.seq_len
     median = statistics.median(times)
     peak = device_peak_tflops(torch.cuda.get_device_name(), args.peak_tflops) * 1e12
     planned = estimate.total + fixed
-    return {"setting": setting, "plan": str(plan.ac), "median_step_time_s": median, "step_times_s": times,
+    return {"setting": setting, "plan": str(plan.ac), "packed": args.packed, "build_s": build_s,
+            "median_step_time_s": median, "step_times_s": times,
             "tokens_per_second": tokens / median, "mfu": flops_per_token * tokens / median / peak,
+            "recompiles": recompiles.count, "host_syncs_per_step": syncs,
             "losses": losses, "peak_allocated_gib": allocated / 2**30, "peak_reserved_gib": reserved / 2**30,
             "fixed_gib": fixed / 2**30, "planned_step_gib": estimate.total / 2**30, "planned_gib": planned / 2**30,
             "planned_over_reserved": planned / (reserved + fixed),
@@ -426,7 +498,8 @@ def run_cuda_benchmark(args: argparse.Namespace) -> dict:
                                                                    file=sys.stderr)]
     props = torch.cuda.get_device_properties(0)
     return {"config": {"model": args.model, "batch_size": args.batch_size, "seq_len": args.seq_len,
-                       "dtype": args.dtype, "compile": args.compile, "device": torch.cuda.get_device_name(),
+                       "dtype": args.dtype, "compile": args.compile, "packed": args.packed,
+                       "device": torch.cuda.get_device_name(),
                        "device_memory_gib": props.total_memory / 2**30, "cuda": torch.version.cuda,
                        "peak_tflops": device_peak_tflops(torch.cuda.get_device_name(), args.peak_tflops),
                        "steps": args.steps, "warmup_steps": args.warmup, "torch": torch.__version__,
@@ -437,14 +510,15 @@ def run_cuda_benchmark(args: argparse.Namespace) -> dict:
 
 def format_cuda_table(report: dict) -> str:
     cfg = report["config"]
-    lines = [f"{cfg['model']} on {cfg['device']}, batch {cfg['batch_size']} x {cfg['seq_len']}, {cfg['dtype']}, "
-             f"compile {cfg['compile']}",
+    lines = [f"{cfg['model']} on {cfg['device']}, batch {cfg['batch_size']} x {cfg['seq_len']}"
+             f"{' packed' if cfg['packed'] else ''}, {cfg['dtype']}, compile {cfg['compile']}",
              f"{'AC':5} {'s/step':>7} {'tok/s':>9} {'MFU':>6} {'alloc GiB':>9} {'resv GiB':>9} {'fixed':>6} "
-             f"{'plan GiB':>8} {'plan/(resv+fixed)':>17}"]
+             f"{'plan GiB':>8} {'plan/(resv+fixed)':>17} {'recompiles':>10} {'syncs/step':>10} {'build s':>7}"]
     for r in report["results"]:
         lines.append(f"{r['setting']:5} {r['median_step_time_s']:7.3f} {r['tokens_per_second']:9.0f} "
                      f"{r['mfu']:6.1%} {r['peak_allocated_gib']:9.2f} {r['peak_reserved_gib']:9.2f} "
-                     f"{r['fixed_gib']:6.2f} {r['planned_gib']:8.2f} {r['planned_over_reserved']:17.2f}")
+                     f"{r['fixed_gib']:6.2f} {r['planned_gib']:8.2f} {r['planned_over_reserved']:17.2f} "
+                     f"{r['recompiles']:10d} {r['host_syncs_per_step']:10d} {r['build_s']:7.1f}")
     return "\n".join(lines)
 
 
@@ -505,6 +579,7 @@ def run_profile(args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    filter_known_noise()
     args = parse_args(argv)
     if args.profile:
         run_profile(args)

@@ -11,14 +11,18 @@ import argparse
 import sys
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
 
 from torchtune_ac.checkpoint import list_checkpoints
 from torchtune_ac.models import load_hf
 from torchtune_ac.observability.metrics import read_metrics
+from torchtune_ac.observability.third_party_noise import filter_known_noise
 
 
 def main() -> int:
+    filter_known_noise()
+    transformers.logging.disable_progress_bar()  # its loading bar, in the quick start's output
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output_dir")
     args = parser.parse_args()

@@ -1,34 +1,105 @@
 #!/usr/bin/env bash
-# The GPU suite: run on a machine with a CUDA GPU (see the README, "Running on GPUs").
+# The GPU check, staged to fit a short loan of a GPU machine (README, "Running on GPUs").
 #
-#   ./scripts/gpu_check.sh                 # tests/gpu, then the CUDA benchmark; results in bench_results/gpu_*.json
-#   GPU_CHECK_MODEL=llama3_2_1b GPU_CHECK_SEQ=2048 ./scripts/gpu_check.sh
+#   ./scripts/gpu_check.sh [--out DIR] [--full] [--only STAGE,...]
+#   PYTHON=/opt/torch/.venv/bin/python3 ./scripts/gpu_check.sh --out "$OUT"
 #
-# Uses .venv if there is one, else python3 (a CUDA PyTorch image's own). Wheels in .whl/ (./scripts/gpu_wheels.sh
-# fetches them where pip works) are installed to a private folder first, for a machine that cannot reach PyPI.
-# Writes bench_results/gpu_tests.json (each test's outcome, the device named) and
-# bench_results/gpu_bench_train.json (tokens/s, MFU, peaks against tune plan's estimate).
+# Stages, in order of what each teaches per second; each runs under `timeout -s INT` (pytest still writes its
+# JUnit XML when it is stopped), and a stage that fails or runs out of time does not stop the next:
+#   1 env       the machine: torch, CUDA, NCCL, the device, varlen_attn's signature and what VARLEN_SUPPORT
+#               detected, a bf16 matmul's rate, the random-init build time of a 1B model      (limit  40 s)
+#   2 fast      the cuda tests that neither compile nor offload: NCCL + FSDP2, DCP, HF export, varlen, the
+#               chunked loss                                                                 (limit  60 s)
+#   3 offload   fsdp.cpu_offload (with the step after and in backward), activation offloading  (limit  50 s)
+#   4 compiled  compiled varlen attention; compiled bf16 `tune run`s: recompiles, plan against the peaks
+#               and eager, the planner's own case (default: packed with full AC and unpacked with per-op AC
+#               compiled, unpacked per-op eager; --full: every one of the eight)            (limit 170 s)
+#   5 bench     bench_train.py on llama3_2_1b, bf16, compiled, packed 4 x 2048, full AC and none: tokens/s,
+#               MFU, plan against max_memory_reserved, recompiles, host syncs per step      (limit 150 s)
+# The default run is planned for under 8 minutes on one H100 (the limits add up to 470 s); --full doubles the
+# limits of stages 4 and 5 and runs every setting (unpacked benchmark too).
+#
+# --only env,compiled,...: those stages alone (a rerun of what failed; env always runs, it is cheap).
+#
+# Output, at most 8 files, in DIR (default bench_results/): gpu_env.json, gpu_tests.json (every test's outcome
+# by stage, the device named), gpu_bench_train.json, gpu_check.log, and the JUnit XML of stages 2-4.
+#
+# PYTHON: the interpreter with CUDA torch (default: python3). Wheels in .whl/ (./scripts/gpu_wheels.sh fetches
+# them where pip works) are unpacked with `python -m zipfile`, not pip, into a private folder on PYTHONPATH.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=python3
-[ -x .venv/bin/python ] && PY=.venv/bin/python
+OUT_DIR=bench_results
+FULL=0
+ONLY=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --out) OUT_DIR="$2"; shift 2 ;;
+    --out=*) OUT_DIR="${1#--out=}"; shift ;;
+    --full) FULL=1; shift ;;
+    --only) ONLY=",$2,"; shift 2 ;;
+    --only=*) ONLY=",${1#--only=},"; shift ;;
+    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+PY="${PYTHON:-python3}"
+mkdir -p "$OUT_DIR"
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+LOG="$OUT_DIR/gpu_check.log"
+: > "$LOG"
+say() { echo "gpu_check: $*" | tee -a "$LOG"; }
+
 if compgen -G ".whl/*.whl" >/dev/null; then
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site .whl/*.whl \
-    || { echo "gpu_check: installing .whl/ failed" >&2; exit 1; }
-  export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
+  SITE="$(mktemp -d /tmp/gpu_check_site.XXXXXX)"
+  for wheel in .whl/*.whl; do
+    "$PY" -m zipfile -e "$wheel" "$SITE" || { say "unpacking $wheel failed"; exit 1; }
+  done
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  say "unpacked $(ls .whl/*.whl | wc -l) wheel(s) into $SITE"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-$PY -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device')" || exit 1
-mkdir -p bench_results
-LOG_DIR="${OUT:-/tmp/gpu_check}"
-mkdir -p "$LOG_DIR"
-$PY -m pytest tests/gpu -m cuda -v -s -p no:cacheprovider --junitxml "$LOG_DIR/gpu_tests.xml" 2>&1 | tee "$LOG_DIR/gpu_tests.log"
-tests_status=${PIPESTATUS[0]}
-$PY scripts/gpu_report.py "$LOG_DIR/gpu_tests.xml" bench_results/gpu_tests.json
-$PY scripts/bench_train.py --device cuda --model "${GPU_CHECK_MODEL:-llama3_2_1b}" --batch-size "${GPU_CHECK_BATCH:-4}" \
-  --seq-len "${GPU_CHECK_SEQ:-2048}" --steps "${GPU_CHECK_STEPS:-8}" --warmup 2 \
-  --out-json bench_results/gpu_bench_train.json 2>&1 | tee "$LOG_DIR/gpu_bench_train.log"
-bench_status=${PIPESTATUS[0]}
-echo "gpu_check: tests exit $tests_status, benchmark exit $bench_status"
-[ "$tests_status" -eq 0 ] && [ "$bench_status" -eq 0 ]
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device')" 2>&1 | tee -a "$LOG"
+[ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+
+scale=$((FULL + 1))
+declare -A STATUS
+run_stage() {  # name limit_s command...
+  local name="$1" limit="$2"; shift 2
+  if [ -n "$ONLY" ] && [ "$name" != env ] && [[ "$ONLY" != *",${name%%_*},"* ]]; then return; fi
+  say "stage $name (limit ${limit} s): $*"
+  local start=$SECONDS
+  timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee -a "$LOG"
+  STATUS[$name]=${PIPESTATUS[0]}
+  say "stage $name: exit ${STATUS[$name]} after $((SECONDS - start)) s$([ "${STATUS[$name]}" -eq 124 ] && echo ' (time limit)')"
+}
+pytest_stage() {  # name limit_s pytest-arguments...
+  local name="$1" limit="$2"; shift 2
+  run_stage "$name" "$limit" "$PY" -m pytest -m cuda -v -p no:cacheprovider -o addopts="" -rfE \
+    --junitxml "$OUT_DIR/gpu_$name.xml" "$@"
+}
+
+run_stage env 40 "$PY" scripts/gpu_env.py --out "$OUT_DIR"
+pytest_stage fast 60 tests/gpu/test_fsdp_nccl_cuda.py tests/gpu/test_chunked_loss_cuda.py \
+  tests/gpu/test_packed_attention_cuda.py tests/unit/models/test_packed_attention.py -k "not compiled"
+pytest_stage offload 50 tests/integration/test_offload.py tests/unit/memory/test_activation_offloading.py
+if [ "$FULL" -eq 1 ]; then
+  pytest_stage compiled $((170 * scale)) tests/gpu/test_packed_attention_cuda.py tests/gpu/test_tune_run_cuda.py \
+    -k "compiled or tune_run"
+else
+  pytest_stage compiled 170 tests/gpu/test_packed_attention_cuda.py tests/gpu/test_tune_run_cuda.py \
+    -k "(compiled and not tune_run) or [packed-full-compiled] or [unpacked-per_op-compiled] or [unpacked-per_op-eager]"
+fi
+BENCH=(scripts/bench_train.py --device cuda --model "${GPU_CHECK_MODEL:-llama3_2_1b}" --batch-size 4 --seq-len 2048
+       --steps 6 --warmup 2 --settings full,none)
+run_stage bench $((150 * scale)) "$PY" "${BENCH[@]}" --packed --out-json "$OUT_DIR/gpu_bench_train.json"
+if [ "$FULL" -eq 1 ]; then
+  run_stage bench_unpacked 150 "$PY" "${BENCH[@]}" --out-json "$OUT_DIR/gpu_bench_train_unpacked.json"
+fi
+
+"$PY" scripts/gpu_report.py --out "$OUT_DIR/gpu_tests.json" "$OUT_DIR"/gpu_fast.xml "$OUT_DIR"/gpu_offload.xml \
+  "$OUT_DIR"/gpu_compiled.xml 2>&1 | tee -a "$LOG"
+summary=""
+for name in env fast offload compiled bench; do summary+="$name=${STATUS[$name]:-not run} "; done
+say "exit statuses: $summary"
+for name in "${!STATUS[@]}"; do [ "${STATUS[$name]}" -eq 0 ] || exit 1; done

@@ -1,7 +1,8 @@
-"""Turn the GPU suite's JUnit XML into ``bench_results/gpu_tests.json``: each test's outcome and time, with the
-device, torch and CUDA versions named.
+"""Turn the GPU check's JUnit XML files (one per stage) into one JSON report: each test's stage, outcome, time and
+message, with the device, torch and CUDA versions named. A stage stopped at its time limit still wrote its XML;
+a stage that wrote none is listed as missing.
 
-    python scripts/gpu_report.py /tmp/gpu_check/gpu_tests.xml bench_results/gpu_tests.json
+    python scripts/gpu_report.py --out bench_results/gpu_tests.json DIR/gpu_fast.xml DIR/gpu_offload.xml ...
 """
 
 from __future__ import annotations
@@ -15,32 +16,50 @@ from pathlib import Path
 import torch
 
 
-def main(xml_path: str, out_path: str) -> None:
+def read_stage(xml_path: Path) -> list[dict]:
+    stage = xml_path.stem.removeprefix("gpu_")
     tests = []
     for case in ET.parse(xml_path).getroot().iter("testcase"):
-        outcome = "passed"
+        if case.get("name") is None:  # the entry pytest leaves for a session stopped at its time limit
+            continue
+        outcome, message = "passed", ""
         for tag in ("failure", "error", "skipped"):
             element = case.find(tag)
             if element is not None:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 message = (element.get("message") or "")[:500]
                 break
-        else:
-            message = ""
-        tests.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+        tests.append({"stage": stage, "test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                       "seconds": float(case.get("time") or 0), "message": message})
-    report = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
-              "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d"),
+    return tests
+
+
+def main(xml_paths: list[Path], out_path: Path, env_path: Path | None = None) -> None:
+    tests, missing = [], []
+    for path in xml_paths:
+        if path.is_file():
+            tests += read_stage(path)
+        else:
+            missing.append(path.name)
+    machine = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+               "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
+    if env_path is not None:  # reported elsewhere than where the tests ran: the machine as gpu_env.py recorded it
+        env = json.loads(env_path.read_text())
+        machine = {key: env.get(key) for key in ("device", "torch", "cuda")} | {"date": env["date"][:10]}
+    report = {**machine,
               "counts": {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")},
-              "tests": tests}
-    Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-    Path(out_path).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"gpu_report: {report['counts']} on {report['device']} -> {out_path}")
+              "missing_stages": missing, "tests": tests}
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"gpu_report: {report['counts']} on {report['device']}"
+          f"{'; no XML from ' + ', '.join(missing) if missing else ''} -> {out_path}")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("xml", help="pytest's --junitxml output")
-    parser.add_argument("out", help="the JSON report to write")
+    parser.add_argument("--out", type=Path, required=True, help="the JSON report to write")
+    parser.add_argument("--env", type=Path, default=None,
+                        help="gpu_env.json of the machine the tests ran on (when reporting on another machine)")
+    parser.add_argument("xml", type=Path, nargs="+", help="pytest's --junitxml outputs, one per stage")
     args = parser.parse_args()
-    main(args.xml, args.out)
+    main(args.xml, args.out, args.env)

@@ -14,6 +14,7 @@ run as a script (under PyTorch's elastic launcher) it calls :func:`recipe_main`.
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib.util
 import os
 import shutil
@@ -30,6 +31,7 @@ from torchtune_ac.errors import (
     RunStopped,
     UserError,
 )
+from torchtune_ac.observability.third_party_noise import filter_known_noise
 from torchtune_ac.runtime.launcher import (
     LAUNCHER_FLAGS,
     int_at_least,
@@ -106,8 +108,14 @@ def resolve_recipe_path(recipe: str) -> Path:
         if not path.is_file():
             raise UserError(f"recipe {recipe}: no such file")
         return path.resolve()
-    names = ", ".join(r.name for r in RECIPES)
-    raise UserError(f"recipe {recipe}: not a built-in recipe ({names}) and not a .py file; see `tune ls`")
+    names = [r.name for r in RECIPES]
+    # torchtune's recipe names (full_finetune_single_device, full_finetune_distributed) are one recipe here.
+    prefix = [name for name in names if recipe.startswith(f"{name}_")]
+    near = difflib.get_close_matches(recipe, names, n=1)
+    hint = (f"did you mean {prefix[0]}? It runs on one device and on many; " if prefix
+            else f"did you mean {near[0]}? " if near else "")
+    raise UserError(f"recipe {recipe}: not a built-in recipe ({', '.join(names)}) and not a .py file ({hint}see "
+                    "`tune ls`)")
 
 
 def load_recipe(path: Path) -> ModuleType:
@@ -166,6 +174,17 @@ def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+_OVERRIDES_HELP = ("overrides: config keys to change, in Hydra's grammar: key=value, a.b=value, +new.key=value, ~key, "
+                   "key=[1,2]; before or after --config")
+
+
+def _add_overrides_to_usage(parser: argparse.ArgumentParser) -> None:
+    """Show ``[overrides ...]`` in the usage line of a command that takes them (they are collected by
+    :func:`parse_with_overrides`, not declared to argparse), and say what they are below the flags."""
+    parser.usage = parser.format_usage().removeprefix("usage: ").rstrip() + " [overrides ...]"
+    parser.epilog = _OVERRIDES_HELP
+
+
 def parse_with_overrides(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
     """Parse ``argv``; the arguments argparse does not know become ``args.overrides`` (Hydra overrides).
 
@@ -186,6 +205,7 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: Sequence[str]) -
 def recipe_main(argv: Optional[Sequence[str]] = None, recipe_file: Optional[str] = None) -> int:
     """Entry point of a recipe run as a script (each process under the elastic launcher)."""
     path = Path(recipe_file or sys.argv[0]).resolve()
+    filter_known_noise()
 
     def _main() -> None:
         parser = _ArgumentParser(prog=f"tune run {path.stem}")
@@ -358,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("recipe", help="built-in recipe name (see `tune ls`) or a path to a recipe .py file")
     _add_config_arguments(run)
     run.set_defaults(handler=cmd_run, overrides=[])
+    _add_overrides_to_usage(run)
 
     ls = sub.add_parser("ls", help="list built-in recipes and their configs")
     ls.set_defaults(handler=cmd_ls)
@@ -373,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     validate.add_argument("--recipe", default="full_finetune", help="recipe whose schema applies (default: full_finetune)")
     _add_config_arguments(validate)
     validate.set_defaults(handler=cmd_validate, overrides=[])
+    _add_overrides_to_usage(validate)
 
     plan = sub.add_parser("plan", help="estimate memory per process for every activation checkpointing setting",
                           description="Estimate the memory per process of a training step for every AC setting "
@@ -384,6 +406,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--png", default=None, metavar="PATH", help="also draw the estimates as a PNG at PATH")
     _add_config_arguments(plan)
     plan.set_defaults(handler=cmd_plan, overrides=[])
+    _add_overrides_to_usage(plan)
 
     migrate = sub.add_parser("migrate", help="convert a torchtune config to a torchtune_ac config")
     migrate.add_argument("source", help="torchtune YAML config (full fine-tuning)")
@@ -416,6 +439,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``tune`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    filter_known_noise()
     if "--debug" in argv:
         argv.remove("--debug")
         os.environ[DEBUG_ENV_VAR] = "1"

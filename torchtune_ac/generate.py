@@ -18,12 +18,12 @@ too, when the tokenizer has one.
 from __future__ import annotations
 
 import contextlib
-import logging
+import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
-from torchtune_ac.checkpoint import resolve_hf_checkpoint
+from torchtune_ac.checkpoint import MANIFEST_FILE, resolve_hf_checkpoint
 from torchtune_ac.data import format_alpaca_prompt
 from torchtune_ac.errors import UnavailableError, UserError
 
@@ -51,13 +51,25 @@ def generate_command(args: Any) -> int:
     request = GenerateRequest(checkpoint=args.checkpoint, prompt=args.prompt, chat=args.chat, alpaca=args.alpaca,
                               max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed,
                               device=args.device)
-    print(generate_text(request), flush=True)
+    generated = generate_text(request)
+    print(generated.text, flush=True)
+    if generated.empty_reason is not None:
+        print(f"tune generate: no text generated: {generated.empty_reason}", file=sys.stderr, flush=True)
     return 0
 
 
-def generate_text(request: GenerateRequest) -> str:
+@dataclass(frozen=True)
+class Generated:
+    """What the model generated: the text (the prompt and special tokens left out), and why it is empty when it
+    is (None otherwise)."""
+
+    text: str
+    empty_reason: Optional[str] = None
+
+
+def generate_text(request: GenerateRequest) -> Generated:
     """The text the checkpoint's model generates after the prompt (the prompt itself left out, and the special
-    tokens).
+    tokens), and why there is none when there is none.
 
     Raises:
         UserError: an empty prompt, ``--chat`` with ``--alpaca``, no checkpoint at the path, a checkpoint
@@ -98,41 +110,51 @@ def _generate(request: GenerateRequest, checkpoint: Path, device: Any, torch: An
     tokens = torch.tensor([input_ids], device=device)
     with torch.no_grad():
         output = model.generate(tokens, attention_mask=torch.ones_like(tokens), generation_config=config)
-    return tokenizer.decode(output[0, len(input_ids):], skip_special_tokens=True)
+    new_ids = output[0, len(input_ids):].tolist()
+    text = tokenizer.decode(new_ids, skip_special_tokens=True)
+    return Generated(text, _why_empty(new_ids, text, config, tokenizer))
 
 
-# Loggers that warn while transformers loads a model and have nothing to say about this one: loading imports every
-# quantizer, and torchao (an optional extra) warns about its own kernels and registrations at import.
-_IMPORT_TIME_LOGGERS = ("torchao", "torch.utils._pytree")
+def _why_empty(new_ids: list[int], text: str, config: Any, tokenizer: Any) -> Optional[str]:
+    """Why ``text``, decoded from ``new_ids``, holds nothing to read (None when it does)."""
+    if text.strip():
+        return None
+    stops = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    if new_ids and new_ids[0] in stops:
+        return (f"the model's first token was the end of sequence ({tokenizer.convert_ids_to_tokens(new_ids[0])}, "
+                f"id {new_ids[0]}), so it ended its answer at once; try another prompt or layout (--chat, --alpaca), "
+                "or a checkpoint trained longer")
+    if not text:
+        return (f"the model generated {len(new_ids)} token(s), all of them special tokens, which are not printed "
+                f"({' '.join(tokenizer.convert_ids_to_tokens(new_ids[:8]))})")
+    return f"the model generated {len(new_ids)} token(s) of white space only"
 
 
 @contextlib.contextmanager
 def _transformers_quiet(transformers: Any) -> Iterator[None]:
-    """transformers' notes on generation settings, its loading bars and import-time warnings, which would mix with
-    the answer on a terminal, off while the body runs."""
+    """transformers' notes on generation settings and its loading bars, which would mix with the answer on a
+    terminal, off while the body runs (what torchao says when transformers imports it is filtered by ``tune``
+    itself: ``observability.third_party_noise``)."""
     verbosity, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
-    loggers = [logging.getLogger(name) for name in _IMPORT_TIME_LOGGERS]
-    levels = [logger.level for logger in loggers]
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    for logger in loggers:
-        logger.setLevel(logging.ERROR)
     try:
         yield
     finally:
         transformers.logging.set_verbosity(verbosity)
         if bars:
             transformers.logging.enable_progress_bar()
-        for logger, level in zip(loggers, levels):
-            logger.setLevel(level)
 
 
 def _encode(tokenizer: Any, request: GenerateRequest, checkpoint: Path) -> list[int]:
     """The prompt's token ids, laid out as the request asks (see the module docstring)."""
     if request.chat:
         if not tokenizer.chat_template:
-            raise UserError(f"--chat: the tokenizer in {checkpoint} has no chat template (it was fine-tuned without "
-                            "one); generate without --chat, or fine-tune with tokenizer.chat_template set")
+            # A run's checkpoint ends with its manifest; anything else came from elsewhere, often a base model.
+            origin = ("the run that wrote it had no chat template" if (checkpoint / MANIFEST_FILE).is_file()
+                      else "base models usually ship without one")
+            raise UserError(f"--chat: the tokenizer in {checkpoint} has no chat template ({origin}); generate "
+                            "without --chat, or fine-tune on chat data with tokenizer.chat_template set")
         messages = [{"role": "user", "content": request.prompt}]
         rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         # The template writes BOS itself where it wants one, as in training (see torchtune_ac.data.tokenizer).

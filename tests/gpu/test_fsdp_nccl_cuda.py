@@ -7,8 +7,6 @@ bound of ``tests/numerics.py``) applies."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -20,7 +18,7 @@ from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode
 from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan
 from torchtune_ac.models import save_hf
 from torchtune_ac.models.llama import Llama, LlamaArgs
-from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, shard_model
+from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, join_world_of_one, shard_model
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.step import train_step
 
@@ -31,12 +29,11 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.fixture(scope="module", autouse=True)
 def nccl_world():
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
-    torch.cuda.set_device(CUDA)
     tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = False
-    dist.init_process_group("nccl", rank=0, world_size=1, store=dist.HashStore(), device_id=CUDA)
+    # As tune run starts it: NCCL for CUDA tensors with gloo beside it for CPU tensors (the checkpoint code's host
+    # barrier sums a CPU tensor, which an NCCL-only group has no backend for).
+    join_world_of_one(CUDA)
     yield
     dist.destroy_process_group()
     torch.backends.cuda.matmul.allow_tf32 = tf32

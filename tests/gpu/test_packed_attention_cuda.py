@@ -57,9 +57,13 @@ def forward_backward(model: Llama, tokens: torch.Tensor, ids: torch.Tensor):
 
 
 def assert_near(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
-    scale = float(expected.abs().max())
-    difference = float((actual - expected).abs().max())
-    assert difference <= BF16_TOLERANCE * scale, f"{what}: max |difference| {difference:.3g} > {BF16_TOLERANCE} x {scale:.3g}"
+    """Norm-wise: ``|actual - expected| <= BF16_TOLERANCE x |expected|`` (Frobenius). An element-wise bound against
+    the largest value fails on gradients whose sums cancel: a weight gradient sums 512 tokens' products, and
+    under compile on torch 2.11 the K/V copies' gradients are summed per group in bf16 first, so a few elements
+    of a small gradient differ by several bf16 steps of the largest one (seen: 5 steps, 2.2 % of it)."""
+    assert torch.isfinite(actual).all(), f"{what}: not finite"
+    error = float((actual - expected).norm() / expected.norm())
+    assert error <= BF16_TOLERANCE, f"{what}: |difference| / |expected| = {error:.3g} > {BF16_TOLERANCE}"
 
 
 @pytest.fixture(scope="module")

@@ -138,15 +138,15 @@ def load_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 
 def hash_tree(root: Path) -> dict[str, str]:
-    """``relative path -> sha256`` of every file under ``root`` (empty if it does not exist)."""
+    """``relative path -> sha256`` of every file under ``root``, and ``"folder"`` for every folder (empty if it does
+    not exist), so that a folder left behind, even an empty one, shows too."""
     if not root.exists():
         return {}
     if root.is_file():
         return {".": hashlib.sha256(root.read_bytes()).hexdigest()}
     return {
-        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+        str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else "folder"
         for path in sorted(root.rglob("*"))
-        if path.is_file()
     }
 
 
@@ -175,7 +175,7 @@ def assert_only_complete_checkpoints(output_dir: Path, world_size: int) -> int:
     # A run killed between renaming a checkpoint into place and checking it leaves latest on the one before.
     assert resolve_hf_checkpoint(output_dir) in checkpoints[-2:], f"{output_dir / LATEST_POINTER}: not a checkpoint"
     state_dir = newest / RECIPE_STATE_DIR
-    expected = [TRAINER_STATE_FILE, ".metadata", "scheduler.pt", *(f"rng_rank{r}.pt" for r in range(world_size))]
+    expected = [TRAINER_STATE_FILE, ".metadata", *(f"rng_rank{r}.pt" for r in range(world_size))]
     for name in expected:
         assert (state_dir / name).is_file(), f"newest checkpoint {newest} lacks {RECIPE_STATE_DIR}/{name}"
     assert list(state_dir.glob("*.distcp")), f"{state_dir}: no DCP shards"

@@ -321,6 +321,17 @@ BAD_COMMAND_LINES = [
     (["run", "--node_rank", "-1", "full_finetune", "--config", "tiny/full"], "--node_rank"),
     (["run", "--master_port", "70000", "full_finetune", "--config", "tiny/full"], "between 1 and 65535"),
     (["cp", "no/such", "{tmp}/x.yaml"], "not a built-in recipe or config"),
+    # torchtune's names: no hint, or a hint to the wrong config, before.
+    (["run", "full_finetune_single_device", "--config", "tiny/full"],
+     "recipe full_finetune_single_device: not a built-in recipe (full_finetune) and not a .py file (did you mean "
+     "full_finetune? It runs on one device and on many; see `tune ls`)"),
+    (["run", "full_finetune", "--config", "llama3_2/1B_full_single_device"],
+     "config llama3_2/1B_full_single_device: not a file and not a built-in config (did you mean llama3_2/1B_full?"),
+    (["validate", "--config", "llama3/8B_ful"], "(did you mean llama3/8B_full?"),
+    # Typos in dotted keys on the command line: blamed on the YAML file before.
+    (["validate", "--config", "tiny/full", "optimzer.lr=1e-4"],
+     "tune: error: command line: optimzer: unknown key (did you mean optimizer?)"),
+    (["validate", "--config", "tiny/full", "+foo.bar=1"], "tune: error: command line: foo: unknown key"),
 ]
 
 
@@ -589,3 +600,76 @@ def test_a_run_prints_its_result_on_stdout_and_its_logs_on_stderr(tmp_path):
                         rf"{re.escape(str(tmp_path / 'out'))}\n", result.stdout), result.stdout
     assert "saved checkpoint" in result.stderr and "done:" not in result.stderr
 
+
+
+@pytest.mark.parametrize("command", ["run", "validate", "plan"])
+def test_help_shows_overrides_in_the_usage_line(command, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    usage = out.split("\n\n")[0]
+    assert exit_info.value.code == 0 and usage.startswith(f"usage: tune {command} ")
+    assert usage.endswith(" [overrides ...]"), usage
+    assert "overrides: config keys to change, in Hydra's grammar" in out
+
+
+def test_validate_warns_for_a_from_hf_config_checkpoint_of_another_machine(tmp_path, capsys):
+    """The README promises a warning for a checkpoint path that does not exist here; from_hf_config made it exit 2."""
+    elsewhere = tmp_path / "models" / "Llama-3.2-1B"
+    argv = ["--config", "tiny/full", "model._component_=torchtune_ac.models.from_hf_config",
+            f"checkpoint_dir={elsewhere}", f"tokenizer.path={elsewhere}"]
+    assert main(["validate", *argv]) == 0
+    out = capsys.readouterr().out
+    assert ("  model           torchtune_ac.models.from_hf_config: its architecture is read from checkpoint_dir when "
+            "the run starts (not on this machine: sizes and memory plan not checked)") in out.splitlines()
+    assert (f"  warning         model (torchtune_ac.models.from_hf_config): checkpoint directory {elsewhere} does not "
+            "exist: its size, memory plan and checkpoint are checked on the machine that has it") in out.splitlines()
+    # tune plan has no architecture to simulate: it says how to give it one.
+    assert main(["plan", *argv]) == 2
+    assert capsys.readouterr().err == (
+        f"tune: error: checkpoint directory {elsewhere} does not exist, and model torchtune_ac.models.from_hf_config "
+        "reads the architecture from it: to plan here, copy its config.json alone (no weights) into a folder and set "
+        "checkpoint_dir to it, or name the model's builder (model._component_=torchtune_ac.models.llama3_8b, ...)\n")
+
+
+def test_validate_reads_the_data(tmp_path, capsys):
+    """A malformed line, or ShareGPT data without its conversation_column, passed tune validate and failed only
+    at tune run."""
+    good = json.dumps({"instruction": "Add 2 and 2.", "output": "4"})
+    (tmp_path / "bad.jsonl").write_text(good + "\n" + '{"instruction": \n')
+    (tmp_path / "sharegpt.jsonl").write_text(json.dumps(
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}) + "\n")
+    assert main(["validate", "--config", "tiny/full", f"+dataset.source={tmp_path}/bad.jsonl"]) == 2
+    assert capsys.readouterr().err == (f"tune: error: {tmp_path}/bad.jsonl:2: invalid JSON: Expecting value "
+                                       "(column 17)\n")
+    sharegpt = ["dataset._component_=torchtune_ac.data.chat_dataset", f"+dataset.source={tmp_path}/sharegpt.jsonl",
+                "+dataset.conversation_style=sharegpt"]
+    assert main(["validate", "--config", "tiny/full", *sharegpt]) == 2
+    assert capsys.readouterr().err == (f"tune: error: {tmp_path}/sharegpt.jsonl:1: missing column 'messages' (the "
+                                       "record has: conversations); set conversation_column: <column>\n")
+    assert main(["validate", "--config", "tiny/full", *sharegpt, "+dataset.conversation_column=conversations"]) == 0
+    assert (f"  dataset                   {tmp_path}/sharegpt.jsonl: 1 record read and encoded, 1 sample"
+            in capsys.readouterr().out.splitlines())
+    # The embedded data, all of it, with what max_seq_len costs it; a file of another machine is a warning.
+    assert main(["validate", "--config", "tiny/full", "max_seq_len=64",
+                 f"+dataset_val={{_component_: torchtune_ac.data.instruct_dataset, source: {tmp_path}/val.jsonl}}"]
+                ) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert any(line.startswith("  dataset                   ") and line.endswith(
+        "instruct.jsonl: 3,000 records read and encoded, 2,887 samples") for line in lines), lines
+    assert any(line.startswith("  warning                   data ") and "331 of 3,000 samples are longer than "
+               "max_seq_len=64" in line for line in lines), lines
+    assert f"  warning                   dataset source {tmp_path}/val.jsonl does not exist" in lines
+
+
+def test_plan_shows_an_ac_setting_the_switches_refuse_as_not_applicable(capsys):
+    """enable_activation_offloading with no AC is refused; the table's no-AC row refused the whole command."""
+    assert main(["plan", "--config", "tiny/full", "device=cuda", "enable_activation_offloading=true",
+                 "--budget-gib", "100"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line for line in lines[3:9]}
+    assert rows["none"] == ("none              not applicable: enable_activation_offloading=true with no activation "
+                            "checkpointing: it moves what checkpointed blocks keep for backward from a CUDA device to "
+                            "pinned host memory, and no block is checkpointed")
+    assert rows["per-op"].endswith("yes   <- ac_mode: auto picks this (the least recompute that fits)")
+    assert rows["full"].split()[-1] == "yes"

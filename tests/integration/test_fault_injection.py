@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+import pyarrow
+import pyarrow.parquet
 import pytest
 import torch
 from finetune_runs import (
@@ -296,6 +298,21 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_one_and_with_none_left
     assert hash_tree(out) == before
 
 
+def test_a_newest_checkpoint_whose_recipe_state_was_deleted_is_refused_and_left_as_it_is(tmp_path, reference):
+    """It used to be skipped: the run resumed from step 9 and replaced step 12 at its first save."""
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    shutil.rmtree(out / "step_0000012" / RECIPE_STATE_DIR)
+    before = hash_tree(out)
+    result = run_tune_in_process(_argv(out, "resume_from_checkpoint=true"))
+    assert result.returncode == 2, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    for part in (f"{out / 'step_0000012'} has no recipe state", "a resume from step_0000009 would replace",
+                 f"move step_0000012 out of {out}", f"checkpoint_dir={out / 'step_0000012'}"):
+        assert part in line, (part, line)
+    assert hash_tree(out) == before
+
+
 def test_a_full_disk_during_a_save_is_one_line_and_the_earlier_checkpoints_resume(tmp_path, reference, monkeypatch):
     out = tmp_path / "run"
     real, saves = safetensors_io.save_file, []
@@ -323,6 +340,36 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_earlier_checkpoints_resum
 
     check_success(run_tune_in_process(_argv(out, "resume_from_checkpoint=true")))
     _assert_same_run(out, reference, exact=True)
+
+
+def _checkpoint_bytes(checkpoint: Path) -> int:
+    return sum(p.stat().st_size for p in checkpoint.rglob("*") if p.is_file())
+
+
+def test_a_disk_that_cannot_hold_one_checkpoint_is_refused_before_the_first_step_and_a_tight_one_warned(
+        tmp_path, reference, monkeypatch, caplog):
+    caplog.set_level(logging.INFO)
+    size = _checkpoint_bytes(reference / "step_0000012")  # model, recipe state, tokenizer: 25 MiB
+    out = tmp_path / "a" / "run"
+    for free, keep, warned in ((size // 2, None, None), (3 * size, 2, None), (int(2.5 * size), 2, "=2 keeps 2"),
+                               (int(2.5 * size), None, ": null keeps the Hugging Face files")):
+        caplog.clear()
+        shutil.rmtree(tmp_path / "a", ignore_errors=True)
+        with monkeypatch.context() as patch:
+            patch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10 * size, 0, free))
+            result = run_tune_in_process(_argv(out, f"keep_last_n_checkpoints={'null' if keep is None else keep}"))
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "free" in r.getMessage()]
+        if free < size:  # refused before anything was written
+            assert result.returncode == 2, result.stderr
+            (line,) = _ours(result.stderr)
+            assert line.startswith(f"tune: error: output_dir {out}: {free / 2**20:.1f} MiB free on its file system, "
+                                   "less than one checkpoint of this run (about "), line
+            estimate = float(line.split("(about ")[1].split(" MiB")[0]) * 2**20
+            assert 0.97 * size < estimate < size, (estimate, size)  # the manifest and RNG files are not counted
+            assert not (tmp_path / "a").exists()
+            continue
+        check_success(result)
+        assert (warnings == []) if warned is None else (len(warnings) == 1 and warned in warnings[0]), warnings
 
 
 def test_a_run_that_crashed_before_its_first_checkpoint_resumes_from_step_0(tmp_path, reference, monkeypatch, caplog):
@@ -361,6 +408,7 @@ def _shape_of(embedded: Path, tmp_path: Path, **changes: int) -> Path:
 def _dead_ends(embedded: Path, tmp_path: Path) -> dict[str, tuple[list[str], tuple[str, ...]]]:
     """name -> (overrides, parts of the one line both `tune validate` and `tune run` must give)."""
     small_vocab = _shape_of(embedded, tmp_path, vocab_size=256)
+    two_formats = _two_formats(tmp_path)
     return {
         "tokenizer_beyond_the_vocabulary": (
             ["model._component_=torchtune_ac.models.llama_from_hf_config", f"+model.config={small_vocab}",
@@ -371,11 +419,30 @@ def _dead_ends(embedded: Path, tmp_path: Path) -> dict[str, tuple[list[str], tup
             ("config.json: describes a different model than `model`", "num_hidden_layers")),
         "optimizer_argument_the_class_rejects": (
             ["optimizer.betas=[0.9]"], ("optimizer (torch.optim.AdamW): IndexError", "betas=[0.9]")),
+        # `datasets` read the parquet file alone, and trained on its 2 records without a word.
+        "folder_of_data_files_in_two_formats": (
+            [f"dataset.source={two_formats}"],
+            ("holds data files in 2 formats (1 json, 1 parquet)", "the 1 parquet file(s) would be read and a.jsonl "
+             "left out")),
+        # The same folder as one item of a list of sources.
+        "list_holding_a_folder_of_two_formats": (
+            [f"dataset.source=[{two_formats / 'a.jsonl'},{two_formats}]"],
+            (f"dataset source {two_formats}: holds data files in 2 formats", "a.jsonl left out")),
     }
 
 
+def _two_formats(tmp_path: Path) -> Path:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    rows = [{"instruction": "Say hi.", "output": "hi"}] * 2
+    (folder / "a.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows * 50))
+    pyarrow.parquet.write_table(pyarrow.Table.from_pylist(rows), folder / "b.parquet")
+    return folder
+
+
 @pytest.mark.parametrize("name", ["tokenizer_beyond_the_vocabulary", "checkpoint_of_another_shape",
-                                  "optimizer_argument_the_class_rejects"])
+                                  "optimizer_argument_the_class_rejects", "folder_of_data_files_in_two_formats",
+                                  "list_holding_a_folder_of_two_formats"])
 def test_dead_ends_are_one_line_errors_in_validate_and_in_run(name, tmp_path, embedded_checkpoint):
     overrides, parts = _dead_ends(embedded_checkpoint, tmp_path)[name]
     out = tmp_path / "out"

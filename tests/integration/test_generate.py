@@ -111,12 +111,23 @@ def test_generate_follows_latest_and_lays_out_alpaca_and_chat_prompts(capsys, ru
     assert (code, out) == (0, transformers_greedy(checkpoint, chat_ids) + "\n"), err
 
 
-def without_chat_template(embedded_checkpoint: Path, folder: Path) -> Path:
-    shutil.copytree(embedded_checkpoint, folder)
+def without_chat_template(checkpoint: Path, folder: Path) -> Path:
+    shutil.copytree(checkpoint, folder)
+    (folder / "chat_template.jinja").unlink(missing_ok=True)
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    del config["chat_template"]
+    config.pop("chat_template", None)
     (folder / "tokenizer_config.json").write_text(json.dumps(config))
     return folder
+
+
+def test_chat_without_a_template_says_a_run_wrote_it_so(capsys, tmp_path, run_dir):
+    # Was "(it was fine-tuned without one)" for every checkpoint, base models included.
+    checkpoint = without_chat_template(final_checkpoint(run_dir), tmp_path / "run_checkpoint")
+    code, out, err = tune_generate(capsys, "--checkpoint", str(checkpoint), "--chat", "--prompt", PROMPT)
+    assert (code, out) == (2, "")
+    assert err == (f"tune: error: --chat: the tokenizer in {checkpoint} has no chat template (the run that wrote it "
+                   "had no chat template); generate without --chat, or fine-tune on chat data with "
+                   "tokenizer.chat_template set\n")
 
 
 @pytest.mark.parametrize(
@@ -134,7 +145,8 @@ def without_chat_template(embedded_checkpoint: Path, folder: Path) -> Path:
         (["--checkpoint", "{embedded}", "--prompt", "hi", "--chat", "--alpaca"],
          "argument --alpaca: not allowed with argument --chat"),
         (["--checkpoint", "{no_template}", "--prompt", "hi", "--chat"],
-         "--chat: the tokenizer in {no_template} has no chat template"),
+         "--chat: the tokenizer in {no_template} has no chat template (base models usually ship without one); "
+         "generate without --chat, or fine-tune on chat data with tokenizer.chat_template set"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, embedded_checkpoint, args, message):
@@ -143,3 +155,45 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, embedded_checkpoint,
     code, out, err = tune_generate(capsys, *(arg.format(**names) for arg in args))
     assert (code, out) == (2, "")
     assert len(err.strip().splitlines()) == 1 and message.format(**names) in err, err
+
+
+def ending_at_once(embedded_checkpoint: Path, folder: Path) -> Path:
+    """A copy of the embedded checkpoint whose output layer makes end of sequence the first greedy token after
+    ``PROMPT`` (its row is the final hidden state, every other row 0)."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(embedded_checkpoint, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    with torch.no_grad():
+        hidden = model(torch.tensor([bos_and(tokenizer, PROMPT)]), output_hidden_states=True).hidden_states[-1][0, -1]
+    weights = load_file(folder / "model.safetensors")
+    weights["lm_head.weight"] = torch.zeros_like(weights["lm_head.weight"])
+    weights["lm_head.weight"][tokenizer.eos_token_id] = hidden
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_generate_says_on_stderr_why_it_printed_nothing(capsys, tmp_path, embedded_checkpoint):
+    checkpoint = ending_at_once(embedded_checkpoint, tmp_path / "eos")
+    capsys.readouterr()  # what loading it printed
+    code, out, err = tune_generate(capsys, "--checkpoint", str(checkpoint), "--prompt", PROMPT)
+    assert (code, out) == (0, "\n")
+    assert err == ("tune generate: no text generated: the model's first token was the end of sequence "
+                   "(<|end_of_text|>, id 1), so it ended its answer at once; try another prompt or layout (--chat, "
+                   "--alpaca), or a checkpoint trained longer\n")
+
+
+def test_the_quick_start_check_prints_no_library_noise(run_dir):
+    """scripts/check_run.py printed torchao's "Failed to load ..._C_mxfp8..." lines, two pytree deprecations and
+    transformers' loading bar on stderr (transformers imports torchao when it loads a model)."""
+    import subprocess
+    import sys
+
+    from finetune_runs import subprocess_env
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "check_run.py"
+    result = subprocess.run([sys.executable, str(script), str(run_dir)], capture_output=True, text=True,
+                            env=subprocess_env(), timeout=300)
+    assert result.stdout.splitlines()[-1] in ("OK", "PROBLEM: the loss did not fall or the logits disagree")
+    assert result.stderr == ""

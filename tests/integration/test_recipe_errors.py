@@ -68,6 +68,11 @@ CASES = {
     "output_dir_under_a_file": BadInput(
         lambda i: [f"output_dir={i.data / 'a_file' / 'run'}"], ("output_dir", "a_file", "not writable")
     ),
+    # Refused after the lock was taken: output_dir's missing parents go with it (a/b were left for a/b/c).
+    "output_dir_with_missing_parents": BadInput(
+        lambda i: [f"output_dir={i.root / 'a' / 'b' / 'c'}", f"dataset.source={i.data / 'no_output.jsonl'}"],
+        ("no_output.jsonl:1:", "missing column 'output'"),
+    ),
     "output_dir_under_an_executable_file": BadInput(
         lambda i: [f"output_dir={i.data / 'a_script' / 'run'}"], ("output_dir", "a_script", "not a directory")
     ),
@@ -97,6 +102,12 @@ CASES = {
     "resume_with_other_data": BadInput(
         lambda i: ["resume_from_checkpoint=true", "seed=7", "dataset.train_on_input=true"],
         ("cannot continue exactly", "seed was 0, now 7", '"train_on_input": true'),
+        earlier_run=True,
+    ),
+    # Its hyper-parameters may change on resume (the config's are used), not its class: the state is AdamW's.
+    "resume_with_another_optimizer": BadInput(
+        lambda i: ["resume_from_checkpoint=true", "optimizer._component_=torch.optim.SGD"],
+        ('optimizer._component_ was "torch.optim.AdamW", now "torch.optim.SGD"', "checkpoint_dir="),
         earlier_run=True,
     ),
     # The earlier run finished its one epoch after 5 steps; a longer epoch was "nothing to do", exit 0.

@@ -11,6 +11,9 @@ processes, also with the step in backward; and a checkpoint of 2 processes resum
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import shutil
 import subprocess
 import time
@@ -24,6 +27,7 @@ from finetune_runs import (
     assert_only_complete_checkpoints,
     check_success,
     final_checkpoint,
+    hash_tree,
     kill_tree,
     load_weights,
     logged_steps,
@@ -35,6 +39,8 @@ from finetune_runs import (
 )
 
 from torchtune_ac.checkpoint import list_checkpoints
+from torchtune_ac.checkpoint.manifest import write_manifest
+from torchtune_ac.data import EMBEDDED_INSTRUCT_PATH
 from torchtune_ac.observability.metrics import read_metrics
 
 KILL_TIMEOUT_S = 240
@@ -161,6 +167,120 @@ def test_a_longer_resumed_run_takes_its_first_step_at_the_new_schedules_rate(tmp
     assert sorted(resumed) == list(range(1, 13))
     assert resumed[7] > 0
     assert [resumed[step] for step in range(7, 13)] == [expected[step] for step in range(7, 13)]
+
+
+def test_a_resume_takes_the_learning_rate_and_schedule_of_its_config_and_says_what_changed(tmp_path, caplog):
+    # The issue's case: steps 4-6 trained at the checkpoint's 3e-3, and the cosine schedule kept its base rate.
+    caplog.set_level(logging.INFO)
+    resume = "resume_from_checkpoint=true"
+    for schedule in (("lr_scheduler=null",), ("lr_scheduler.num_warmup_steps=1",)):
+        out, reference = tmp_path / f"resumed{len(caplog.records)}", tmp_path / f"reference{len(caplog.records)}"
+        changed = ("optimizer.lr=1e-5", "optimizer.weight_decay=0.1", "epochs=2")
+        check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3", *schedule)))
+        caplog.clear()
+        check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3", *schedule, *changed, resume)))
+        (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("resume with other settings")]
+        assert line == ("resume with other settings: optimizer.lr: 0.003 in step_0000003, 1e-05 now; "
+                        "optimizer.weight_decay: 0.01 in step_0000003, 0.1 now (the optimizer state carries over; the "
+                        "hyper-parameters and the schedule are this config's)")
+        check_success(run_tune_in_process(tune_run_argv(reference, "max_steps_per_epoch=3", *schedule, *changed)))
+        resumed = {row["step"]: row["lr"] for row in read_metrics(out)}
+        expected = {row["step"]: row["lr"] for row in read_metrics(reference)}
+        assert [resumed[step] for step in (4, 5, 6)] == [expected[step] for step in (4, 5, 6)]
+        assert resumed[4] != resumed[3] and resumed[4] <= 1e-5
+
+
+def test_a_checkpoint_of_an_earlier_version_still_resumes_and_says_its_data_is_unchecked(tmp_path, caplog):
+    """Earlier versions recorded neither the hyper-parameters nor the data in trainer_state.json: a run they left
+    half-way resumes as before, exactly, saying once that the data cannot be checked."""
+    caplog.set_level(logging.INFO)
+    out, reference = tmp_path / "resumed", tmp_path / "reference"
+    check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3")))
+    state_file = out / "step_0000003" / "recipe_state" / "trainer_state.json"
+    record = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({"progress": record["progress"], "shape": record["shape"]}))
+    write_manifest(out / "step_0000003")  # as that version wrote it: the manifest matches the file
+    caplog.clear()
+    check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3", "epochs=2",
+                                                    "resume_from_checkpoint=true")))
+    warnings = [r.getMessage() for r in caplog.records if "records no identity of its data" in r.getMessage()]
+    assert warnings == ["step_0000003 records no identity of its data (an earlier version wrote it): the data "
+                        "cannot be checked against the checkpoint's"]
+    check_success(run_tune_in_process(tune_run_argv(reference, "max_steps_per_epoch=3", "epochs=2")))
+    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(reference)]
+
+
+def test_a_resume_checks_its_data_by_content_not_by_path(tmp_path):
+    # It was the wrong way round: a file cut to a third resumed without a word, the same file renamed was refused.
+    data, moved = tmp_path / "a.jsonl", tmp_path / "moved" / "b.jsonl"
+    lines = Path(EMBEDDED_INSTRUCT_PATH).read_text().splitlines(keepends=True)
+    data.write_text("".join(lines))
+    out, reference = tmp_path / "resumed", tmp_path / "reference"
+    check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3", f"dataset.source={data}")))
+    moved.parent.mkdir()
+    data.rename(moved)
+    resume = (f"dataset.source={moved}", "epochs=2", "resume_from_checkpoint=true")
+    check_success(run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3", *resume)))
+    check_success(run_tune_in_process(tune_run_argv(reference, "max_steps_per_epoch=3", "epochs=2")))
+    assert [r["loss"] for r in read_metrics(out)] == [r["loss"] for r in read_metrics(reference)]
+
+    for changed in ("".join(lines[:1000]), "".join(lines[1000:1120]) + "".join(lines[120:3000])):
+        moved.write_text(changed)  # cut to a third; 120 records replaced by others, as many in all
+        before = hash_tree(out)
+        result = run_tune_in_process(tune_run_argv(out, "max_steps_per_epoch=3", *resume[:1], "epochs=3",
+                                                   "resume_from_checkpoint=true"))
+        assert result.returncode == 2, result.stderr
+        (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+        assert line.startswith(f"tune: error: resume from {out / 'step_0000006'}: the training data changed since "
+                               f"that checkpoint ({moved}: "), line
+        assert line.endswith(f"start a new run with checkpoint_dir={out / 'step_0000006'} and another output_dir")
+        assert hash_tree(out) == before
+
+
+def test_a_resume_from_a_list_of_sources_refuses_when_one_of_its_files_changed(tmp_path):
+    """``source: [a, b]``: the checkpoint records both files; ``b`` rewritten with its records in another order (as
+    many samples, so the count cannot tell) is refused, naming ``b`` alone."""
+    lines = Path(EMBEDDED_INSTRUCT_PATH).read_bytes().splitlines(keepends=True)
+    a, b, out = tmp_path / "a.jsonl", tmp_path / "b.jsonl", tmp_path / "run"
+    a.write_bytes(b"".join(lines[:1500]))
+    b.write_bytes(b"".join(lines[1500:]))
+    run = ("max_steps_per_epoch=2", f"dataset.source=[{a},{b}]")
+    check_success(run_tune_in_process(tune_run_argv(out, *run)))
+    was, now = b.read_bytes(), b"".join(reversed(lines[1500:]))
+    b.write_bytes(now)
+    before = hash_tree(out)
+    result = run_tune_in_process(tune_run_argv(out, *run, "epochs=2", "resume_from_checkpoint=true"))
+    assert result.returncode == 2, result.stderr
+    (line,) = [line for line in result.stderr.splitlines() if line.strip()]
+    checkpoint = out / "step_0000002"
+    short = [hashlib.sha256(content).hexdigest()[:12] for content in (was, now)]
+    assert line == (f"tune: error: resume from {checkpoint}: the training data changed since that checkpoint ({b}: "
+                    f"{len(was):,} bytes (sha256 {short[0]}) in step_0000002, {len(now):,} bytes (sha256 {short[1]}) "
+                    "now), so the run cannot continue exactly; to train on from its weights with this data, start a "
+                    f"new run with checkpoint_dir={checkpoint} and another output_dir")
+    assert hash_tree(out) == before
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_on_two_processes_a_new_learning_rate_is_said_once_and_changed_data_refused_once(tmp_path):
+    data, out = tmp_path / "a.jsonl", tmp_path / "run"
+    lines = Path(EMBEDDED_INSTRUCT_PATH).read_text().splitlines(keepends=True)
+    data.write_text("".join(lines))
+    run = ("max_steps_per_epoch=2", "batch_size=2", "lr_scheduler=null", f"dataset.source={data}")
+    check_success(run_tune_subprocess(tune_run_argv(out, *run, nproc=2)))
+    result = run_tune_subprocess(tune_run_argv(out, *run, "epochs=2", "optimizer.lr=1e-5", "resume_from_checkpoint=true",
+                                               nproc=2))
+    check_success(result)
+    assert result.stderr.count("resume with other settings: optimizer.lr: 0.003 in step_0000002, 1e-05 now") == 1
+    assert [r["lr"] for r in read_metrics(out)] == [0.003, 0.003, 1e-5, 1e-5]
+
+    data.write_text("".join(lines[:1000]))
+    result = run_tune_subprocess(tune_run_argv(out, *run, "epochs=3", "resume_from_checkpoint=true", nproc=2))
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if line.startswith("tune: error: ")]
+    assert len(errors) == 1 and "the training data changed since that checkpoint" in errors[0], result.stderr
+    assert "[rank" not in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
 @pytest.mark.slow

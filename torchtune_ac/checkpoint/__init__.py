@@ -6,7 +6,9 @@ All the file-system code and collectives of checkpointing live here, and no mode
 translates a model through its family and calls these (``load_hf``, ``save_hf``, ``hf_model_files``).
 """
 
+from torchtune_ac.checkpoint.data_identity import describe_data_change, identify_data
 from torchtune_ac.checkpoint.files import (
+    agreed_free_bytes,
     check_shared_directory,
     check_writable_directory,
     read_json,
@@ -33,6 +35,7 @@ from torchtune_ac.checkpoint.recipe_state import (
     Progress,
     ResumeChoice,
     RunShape,
+    TrainerState,
     check_resume_shape,
     choose_resume_checkpoint,
     create_output_dir,
@@ -60,13 +63,17 @@ __all__ = [
     "Progress",
     "ResumeChoice",
     "RunShape",
+    "TrainerState",
+    "agreed_free_bytes",
     "check_resume_shape",
     "check_shared_directory",
     "check_writable_directory",
     "choose_resume_checkpoint",
     "copy_tokenizer_files",
     "create_output_dir",
+    "describe_data_change",
     "hold_output_dir",
+    "identify_data",
     "list_checkpoints",
     "load_checkpoint",
     "load_hf_tensors_",

@@ -341,6 +341,20 @@ def check_shared_directory(path: PathLike, what: str) -> None:
         )
 
 
+def agreed_free_bytes(path: PathLike) -> int:
+    """The bytes free to this user on the file system that holds ``path`` (or will: its nearest existing folder),
+    as rank 0 reads them, on every rank (all ranks call this when a process group is initialised)."""
+    free: list[Any] = [None]
+    if is_writer_rank():
+        existing = Path(path).expanduser().absolute()
+        while not existing.exists() and existing != existing.parent:
+            existing = existing.parent
+        free[0] = shutil.disk_usage(existing).free
+    if process_group_active():
+        dist.broadcast_object_list(free, src=0)
+    return free[0]
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """How a step failed on one rank: one line, and whether the machine rather than our code is to blame."""

@@ -83,7 +83,7 @@ def _share(sizes: dict[str, int], rank: int, world_size: int) -> list[str]:
     return mine
 
 
-def _hash_shared(root: Path, sizes: dict[str, int], *, collective: bool) -> dict[str, str]:
+def hash_files(root: Path, sizes: dict[str, int], *, collective: bool) -> dict[str, str]:
     """``relative path -> SHA-256`` of ``sizes``' files, each rank hashing its share; every rank gets them all.
 
     A file a rank cannot read gets ``"!" + the reason`` instead of a digest, so every rank still reaches the
@@ -131,7 +131,7 @@ def write_manifest(root: Path, *, collective: bool = False) -> None:
     sizes = _agreed(listing, collective=collective)
     if isinstance(sizes, str):
         raise OSError(sizes)
-    digests = _hash_shared(root, sizes, collective=collective)
+    digests = hash_files(root, sizes, collective=collective)
     unreadable = [digest[1:] for digest in digests.values() if digest.startswith("!")]
     if unreadable:
         raise OSError(f"cannot hash the checkpoint's files: {unreadable[0]}")
@@ -209,7 +209,7 @@ def check_against_manifest(root: Path, *, hashes: bool, collective: bool = False
                                       collective=collective)
     if problem is not None or not hashes:
         return problem
-    digests = _hash_shared(root, sizes, collective=collective)
+    digests = hash_files(root, sizes, collective=collective)
     for name in sizes:
         if digests[name].startswith("!"):
             return digests[name][1:]

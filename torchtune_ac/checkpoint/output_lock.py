@@ -162,17 +162,28 @@ def _take_over(path: Path, stale: LockHolder, holder: LockHolder) -> bool:
         guard.unlink(missing_ok=True)
 
 
-def _acquire(output_dir: Path, token: str) -> tuple[Optional[str], Optional[str], bool]:
-    """Rank 0: take the lock. Returns (refusal, warning, whether output_dir was created here)."""
+def _missing_folders(output_dir: Path) -> list[Path]:
+    """``output_dir`` and each of its parents that does not exist yet, deepest first."""
+    missing, folder = [], output_dir
+    while not folder.exists() and folder != folder.parent:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _acquire(output_dir: Path, token: str) -> tuple[Optional[str], Optional[str], list[Path]]:
+    """Rank 0: take the lock. Returns (refusal, warning, the folders created here: ``output_dir`` and its parents
+    that were missing, deepest first)."""
     try:
         check_writable_directory(output_dir, "output_dir")
     except UserError as err:
-        return str(err), None, False
-    created = not output_dir.exists()
+        return str(err), None, []
+    created = _missing_folders(output_dir.absolute())
     try:
         output_dir.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        return f"output_dir {output_dir}: cannot create it ({err.strerror}: {err.filename})", None, False
+        _remove_if_empty(created)
+        return f"output_dir {output_dir}: cannot create it ({err.strerror}: {err.filename})", None, []
     path = output_dir / OUTPUT_LOCK_FILE
     holder = _this_process(token)
     try:
@@ -196,8 +207,18 @@ def _acquire(output_dir: Path, token: str) -> tuple[Optional[str], Optional[str]
             "again, or choose another output_dir"), None, created
 
 
-def _release(output_dir: Path, token: str, created: bool) -> None:
-    """Rank 0: delete the lock if it is still ours (and ``output_dir`` if this run created it and left it empty)."""
+def _remove_if_empty(folders: list[Path]) -> None:
+    """Remove ``folders`` (deepest first) while each is empty; stop at the first that is not."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
+def _release(output_dir: Path, token: str, created: list[Path]) -> None:
+    """Rank 0: delete the lock if it is still ours, and the folders this run created (``output_dir`` and the
+    parents it needed) if it left them empty."""
     path = output_dir / OUTPUT_LOCK_FILE
     try:
         current = read_lock(output_dir)
@@ -208,9 +229,8 @@ def _release(output_dir: Path, token: str, created: bool) -> None:
     elif path.exists():
         log.warning("output_dir %s: the lock file %s was replaced by another process while this run held it; "
                     "left in place", output_dir, path)
-    if created:
-        with contextlib.suppress(OSError):
-            output_dir.rmdir()  # only when empty: a run refused at start-up leaves no empty output_dir behind
+    # Only when empty: a run refused at start-up leaves neither an empty output_dir nor its new parents behind.
+    _remove_if_empty(created)
 
 
 @contextlib.contextmanager
@@ -233,7 +253,7 @@ def hold_output_dir(output_dir: PathLike, processes: RunProcesses) -> Iterator[N
     """
     output_dir = Path(output_dir).expanduser()
     token = secrets.token_hex(16)
-    outcome: list[Any] = [None, None, False]  # refusal, warning, created here
+    outcome: list[Any] = [None, None, []]  # refusal, warning, folders created here
     if processes.is_rank_zero:
         outcome = list(_acquire(output_dir, token))
     if processes.is_distributed:

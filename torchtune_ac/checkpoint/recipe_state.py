@@ -8,8 +8,9 @@ Layout of ``output_dir``::
         recipe_state/              in the checkpoints a resume may use (see "Keeping checkpoints" below)
             .metadata, *.distcp    model + optimizer, torch.distributed.checkpoint (sharded when FSDP; loads into
                                    another number of processes)
-            trainer_state.json     step, epoch, position in the epoch, run shape (world size, batch sizes, model)
-            scheduler.pt           learning-rate scheduler state
+            trainer_state.json     step, epoch, position in the epoch, run shape (world size, batch sizes, model),
+                                   the optimizer and schedule settings it ran with, what identifies its data
+                                   (each file's size and SHA-256, the sample count: ``data_identity.py``)
             rng_rank{r}.pt         each rank's RNG state (dropout masks continue exactly on the same world size)
         manifest.json              written last: every other file's size and SHA-256 (``manifest.py``)
     latest                         the newest checkpoint that matched its manifest (a link, or a file naming it)
@@ -17,13 +18,14 @@ Layout of ``output_dir``::
 
 Every checkpoint is written by ``files.write_directory`` (a temporary name, renamed into place when complete),
 so a killed run never leaves a checkpoint that looks complete but is not; the base checkpoint directory is only
-ever read. Each step of a save is agreed on by every rank (``files.run_on_every_rank``): a rank whose write fails
+ever read. No schedule state is saved: a resume's learning rate is its own config's schedule at the saved step.
+Each step of a save is agreed on by every rank (``files.run_on_every_rank``): a rank whose write fails
 (a full disk) makes every rank stop with the same one-line error, and the temporary directory is removed.
 
 Resume takes the newest checkpoint whose recipe state matches its manifest (sizes, then every file's SHA-256,
 the ranks sharing the reading); one that does not is skipped, with a warning naming the bad file, for the
-previous one. A newest checkpoint without recipe state (not written by a run, or its recipe state deleted) is
-refused rather than superseded.
+previous one. A newest checkpoint without its ``recipe_state/`` folder (not written by a run, or the folder
+deleted) is refused rather than superseded, and left as it is.
 
 Keeping checkpoints: once a new checkpoint is renamed into place and matches its manifest, older ones are pruned.
 With ``keep_last_n_checkpoints: N`` the newest N checkpoints are kept whole and older ones deleted; with null
@@ -41,6 +43,7 @@ call them), and so is ``choose_resume_checkpoint(collective=True)``; the other f
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -93,6 +96,8 @@ LATEST_POINTER = "latest"
 RESUMABLE_KEPT = 2
 _CHECKPOINT_RE = re.compile(r"^step_(\d+)$")
 _TRAINER_STATE = f"{RECIPE_STATE_DIR}/{TRAINER_STATE_FILE}"
+# What a param group holds besides its hyper-parameters.
+_GROUP_MEMBERS = ("params", "param_names")
 log = logging.getLogger(__name__)
 
 
@@ -109,8 +114,8 @@ class Progress:
 class RunShape:
     """What must carry over from a run to its resume for the resume to continue the same run.
 
-    ``data`` holds what decides the batches (seed, shuffle, max_seq_len, the dataset and tokenizer settings),
-    as plain JSON values. The world size, batch size and accumulation may each change, as long as the global
+    ``data`` holds what decides the batches (seed, shuffle, max_seq_len, the dataset and tokenizer settings) and
+    the optimizer's class (whose state the checkpoint holds), as plain JSON values. The world size, batch size and accumulation may each change, as long as the global
     batch (their product) stays the same: the sampler makes each step out of the same samples then.
     """
 
@@ -128,6 +133,26 @@ class RunShape:
     def describe_batch(self) -> str:
         return (f"{self.global_batch} (batch_size {self.batch_size} x gradient_accumulation_steps "
                 f"{self.gradient_accumulation_steps} x {self.world_size} process(es))")
+
+
+@dataclass(frozen=True)
+class TrainerState:
+    """What ``trainer_state.json`` records of a checkpoint's run.
+
+    Attributes:
+        progress: where training stood.
+        shape: what a resume must keep (``RunShape``).
+        hyperparameters: the ``optimizer`` and ``lr_scheduler`` config sections the run trained with (plain JSON
+            values, the scheduler None without one); a resume takes its own config's, and says what changed. None
+            in a checkpoint of an earlier version, which recorded none.
+        data: what identifies the training data (``data_identity.identify_data``); a resume refuses other data.
+            None in a checkpoint of an earlier version: the resume says the data cannot be checked.
+    """
+
+    progress: Progress
+    shape: RunShape
+    hyperparameters: Optional[dict[str, Any]]
+    data: Optional[dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -220,19 +245,13 @@ def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool, collective
 
     Raises:
         UserError: there are checkpoints with recipe state, and none of them matches its manifest (naming each
-            checkpoint's first bad file); or the newest checkpoint has no recipe state (see below).
+            checkpoint's first bad file); or the newest checkpoint has no ``recipe_state/`` folder (never had one,
+            or it was deleted): it is refused, not skipped, since a resume from an older one would replace it.
     """
     checkpoints = list_checkpoints(output_dir)
     candidates = [c for c in reversed(checkpoints) if _has_recipe_state(c)]
-    if checkpoints and not _has_recipe_state(checkpoints[-1]):
-        # A run keeps the recipe state of its newest checkpoint: this one came from elsewhere, or lost it. Resuming
-        # from an older one (or from step 0) would delete it at the first save, as a superseded checkpoint.
-        start = candidates[0].name if candidates else "step 0"
-        raise UserError(
-            f"resume_from_checkpoint=true: {checkpoints[-1]} has no recipe state ({RECIPE_STATE_DIR}/) to continue "
-            f"from, and a resume from {start} would replace or delete it when it saves; move it out of "
-            f"{output_dir}, or start a new run in another output_dir"
-        )
+    if checkpoints and not (checkpoints[-1] / RECIPE_STATE_DIR).is_dir():
+        raise _newest_without_recipe_state(Path(output_dir), checkpoints[-1], candidates)
     skipped = []
     for candidate in candidates:
         problem = check_against_manifest(candidate, hashes=hashes, collective=collective, require=_TRAINER_STATE)
@@ -248,6 +267,27 @@ def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool, collective
         raise UserError(f"resume_from_checkpoint=true: no checkpoint in {output_dir} can be resumed: "
                         + "; ".join(skipped))
     return ResumeChoice(None)
+
+
+def _newest_without_recipe_state(output_dir: Path, newest: Path, candidates: list[Path]) -> UserError:
+    """The refusal of a newest checkpoint without its ``recipe_state/`` folder (see ``choose_resume_checkpoint``).
+
+    A run keeps the recipe state of its newest checkpoint: this one came from elsewhere, or its recipe state was
+    deleted. Resuming from an older one (or from step 0) would replace or delete it at the first save, as a
+    superseded checkpoint; so nothing is touched, and the line says how to go on either way.
+    """
+    missing = "was deleted: its manifest lists it" if _has_recipe_state(newest) else "is missing"
+    older = [c for c in candidates if c != newest]
+    start = older[0].name if older else "step 0"
+    ways = [f"to resume from {start}, move {newest.name} out of {output_dir}"]
+    if (newest / CONFIG_FILE).is_file():
+        ways.append(f"to train on from its weights, start a new run with checkpoint_dir={newest} and another "
+                    "output_dir")
+    return UserError(
+        f"resume_from_checkpoint=true: {newest} has no recipe state to continue from ({RECIPE_STATE_DIR}/ "
+        f"{missing}), and a resume from {start} would replace or delete it when it saves; nothing was changed: "
+        + "; ".join(ways)
+    )
 
 
 def _has_recipe_state(checkpoint: Path) -> bool:
@@ -270,14 +310,12 @@ def save_checkpoint(
     model: nn.Module,
     hf_files: HFModelFiles,
     optimizers: Sequence[torch.optim.Optimizer],
-    scheduler: Optional[Any],
-    progress: Progress,
-    shape: RunShape,
+    state: TrainerState,
     keep_last_n: Optional[int] = None,
     tokenizer_dir: Optional[str | Path] = None,
     chat_template: Optional[str] = None,
 ) -> Path:
-    """Write a complete checkpoint for ``progress.step`` (all ranks must call this), then prune older ones.
+    """Write a complete checkpoint for ``state.progress.step`` (all ranks must call this), then prune older ones.
 
     The Hugging Face files are written by rank 0 (a sharded model gathered one output shard at a time, so no
     rank holds the whole model), the recipe state by every rank (DCP: each rank its own shard), then the manifest
@@ -289,6 +327,7 @@ def save_checkpoint(
     Args:
         model: the model, whose parameters the recipe state holds.
         hf_files: the model's Hugging Face tensors and config.json (``torchtune_ac.models.hf_model_files``).
+        state: where the run stands and what a resume checks (``trainer_state.json``).
         keep_last_n: keep this many newest checkpoints whole and delete the others; None keeps every
             checkpoint's Hugging Face files and the recipe state of the newest ``RESUMABLE_KEPT``.
         tokenizer_dir: the tokenizer files to copy into the checkpoint.
@@ -302,7 +341,7 @@ def save_checkpoint(
             rank; the partial checkpoint is removed and nothing older is touched.
     """
     root = Path(output_dir)
-    final = root / checkpoint_name(progress.step)
+    final = root / checkpoint_name(state.progress.step)
     if is_writer_rank():
         remove_debris(root)  # what a run killed while saving or pruning left behind
     _barrier()
@@ -314,7 +353,7 @@ def save_checkpoint(
         )
         run_on_every_rank(
             lambda: _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizers=optimizers,
-                                       scheduler=scheduler, progress=progress, shape=shape),
+                                       state=state),
             where=tmp,
         )
         run_on_every_rank(lambda: write_manifest(tmp, collective=True), where=tmp)  # last
@@ -377,28 +416,25 @@ def _save_recipe_state(
     *,
     model: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
-    scheduler: Optional[Any],
-    progress: Progress,
-    shape: RunShape,
+    state: TrainerState,
 ) -> None:
-    """Model + optimizer through DCP (every rank its shard), each rank's RNG state; rank 0 the small files."""
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
+    """Model + optimizer through DCP (every rank its shard), each rank's RNG state; rank 0 trainer_state.json."""
+    tensors = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
     with _single_process_dcp_quiet():
-        dcp.save(state, checkpoint_id=state_dir, no_dist=not process_group_active())
+        dcp.save(tensors, checkpoint_id=state_dir, no_dist=not process_group_active())
     rank = dist.get_rank() if process_group_active() else 0
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, state_dir / f"rng_rank{rank}.pt")
     if is_writer_rank():
-        if scheduler is not None:
-            torch.save(scheduler.state_dict(), state_dir / "scheduler.pt")
-        trainer_state = {"progress": asdict(progress), "shape": asdict(shape)}
-        (state_dir / TRAINER_STATE_FILE).write_text(json.dumps(trainer_state, indent=2))
+        record = {"progress": asdict(state.progress), "shape": asdict(state.shape),
+                  "hyperparameters": state.hyperparameters, "data": state.data}
+        (state_dir / TRAINER_STATE_FILE).write_text(json.dumps(record, indent=2))
 
 
-def read_trainer_state(checkpoint: Path) -> tuple[Progress, RunShape]:
-    """Progress and run shape recorded in ``checkpoint``.
+def read_trainer_state(checkpoint: Path) -> TrainerState:
+    """What ``checkpoint`` records of its run.
 
     Raises:
         UserError: trainer_state.json is missing, not JSON, or not what this version writes (naming the file).
@@ -406,9 +442,13 @@ def read_trainer_state(checkpoint: Path) -> tuple[Progress, RunShape]:
     path = checkpoint / RECIPE_STATE_DIR / TRAINER_STATE_FILE
     data = read_json(path)
     try:
-        return Progress(**data["progress"]), RunShape(**data["shape"])
+        # Checkpoints of earlier versions record neither the hyper-parameters nor the data: they still resume.
+        return TrainerState(Progress(**data["progress"]), RunShape(**data["shape"]), data.get("hyperparameters"),
+                            data.get("data"))
     except (KeyError, TypeError) as err:
-        raise UserError(f"{path}: not a trainer state this version reads ({type(err).__name__}: {err})") from None
+        raise UserError(f"{path}: not a trainer state this version reads ({type(err).__name__}: {err}); a newer or "
+                        "older torchtune_ac wrote it: train on from its weights with checkpoint_dir="
+                        f"{checkpoint} in a new output_dir") from None
 
 
 def check_resume_shape(checkpoint: Path, saved: RunShape, current: RunShape) -> None:
@@ -443,7 +483,9 @@ def check_resume_shape(checkpoint: Path, saved: RunShape, current: RunShape) -> 
             was, now = (json.dumps(shape.data.get(key), sort_keys=True) for shape in (saved, current))
             problems.append(f"{key} was {was}, now {now}")
     if problems:
-        raise UserError(f"resume from {checkpoint}: cannot continue exactly: " + "; ".join(problems))
+        raise UserError(f"resume from {checkpoint}: cannot continue exactly: " + "; ".join(problems)
+                        + f"; to train on from its weights instead, start a new run with checkpoint_dir={checkpoint} "
+                        "and another output_dir")
 
 
 def load_checkpoint(
@@ -451,22 +493,29 @@ def load_checkpoint(
     *,
     model: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
-    scheduler: Optional[Any],
 ) -> None:
-    """Restore model, optimizer(s), scheduler and this rank's RNG state from ``checkpoint`` (all ranks call this).
+    """Restore model, optimizer state and this rank's RNG state from ``checkpoint`` (all ranks call this).
 
-    The model and optimizer state are resharded by DCP to this run's number of processes. Each rank's RNG state
-    belongs to its rank: on another world size, rank ``r`` takes that of rank ``r`` modulo the saved world size
-    (dropout masks then differ from an uninterrupted run's; nothing else draws random numbers while training).
+    The model and optimizer state are resharded by DCP to this run's number of processes. The optimizers keep the
+    hyper-parameters they were built with (this run's config: learning rate, betas, weight decay, ...): only their
+    state (moments, step counts) comes from the checkpoint. Each rank's RNG state belongs to its rank: on another
+    world size, rank ``r`` takes that of rank ``r`` modulo the saved world size (dropout masks then differ from
+    an uninterrupted run's; nothing else draws random numbers while training).
     """
     state_dir = checkpoint / RECIPE_STATE_DIR
+    # Copied before the state dict is built: DCP loads a tensor-valued setting (torchao's lr) into it in place.
+    built = [[_hyperparameters_of(group) for group in optimizer.param_groups] for optimizer in optimizers]
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
     with _single_process_dcp_quiet():
         dcp.load(state, checkpoint_id=state_dir, no_dist=not process_group_active())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizers, state["optimizer"])
-    if scheduler is not None:
-        scheduler.load_state_dict(torch.load(state_dir / "scheduler.pt", weights_only=True))
+    for optimizer, groups in zip(optimizers, built):
+        for group, hyperparameters in zip(optimizer.param_groups, groups, strict=True):
+            # In place: the groups of the per-parameter optimizers of a step in backward are shared dicts.
+            for key in [key for key in group if key not in _GROUP_MEMBERS and key not in hyperparameters]:
+                del group[key]
+            group.update(hyperparameters)
     rank = dist.get_rank() if process_group_active() else 0
     saved_ranks = len(list(state_dir.glob("rng_rank*.pt")))
     rng = torch.load(state_dir / f"rng_rank{rank % saved_ranks}.pt", weights_only=True)
@@ -474,3 +523,9 @@ def load_checkpoint(
     if "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"])
     _barrier()
+
+
+def _hyperparameters_of(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings (a copy; tensors cloned), without its parameters."""
+    return {key: value.clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+            for key, value in group.items() if key not in _GROUP_MEMBERS}

@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import yaml
 from hydra import compose, initialize
@@ -81,9 +81,25 @@ def resolve_config_path(config: str) -> Path:
         return builtin
     if path.suffix in (".yaml", ".yml"):
         raise UserError(f"config {config}: no such file")
-    hint = difflib.get_close_matches(config, builtin_config_names(), n=1)
-    suggestion = f"did you mean {hint[0]}? " if hint else ""
+    hint = suggest_config_name(config, builtin_config_names())
+    suggestion = f"did you mean {hint}? " if hint else ""
     raise UserError(f"config {config}: not a file and not a built-in config ({suggestion}see `tune ls`)")
+
+
+def suggest_config_name(config: str, names: Sequence[str]) -> Optional[str]:
+    """The built-in config ``config`` most likely means, or None.
+
+    A config of the same family whose name starts ``config`` wins (torchtune's ``llama3_2/1B_full_single_device``
+    is ``llama3_2/1B_full`` here: one config serves one device and many), then the closest spelling within the
+    family, then the closest of all.
+    """
+    family = config.partition("/")[0]
+    same_family = [name for name in names if name.partition("/")[0] == family]
+    prefixes = [name for name in same_family if config.startswith(f"{name}_")]
+    if prefixes:
+        return max(prefixes, key=len)
+    close = difflib.get_close_matches(config, same_family, n=1) or difflib.get_close_matches(config, names, n=1)
+    return close[0] if close else None
 
 
 def _describe_yaml_error(path: Path, err: yaml.YAMLError) -> str:

@@ -19,18 +19,20 @@ import torch
 from torchtune_ac.config.components import Component
 from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.config.schema import Device
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.memory.activation_checkpointing import ACConfig
 from torchtune_ac.memory.plan import MemoryPlan, PlanningInputs, resolve_memory_plan
 from torchtune_ac.memory.planner import (
     GiB,
     MemoryEstimate,
     Workload,
+    candidate_plans,
     describe_setting,
     estimate_memory,
     switch_ablation,
 )
 from torchtune_ac.memory.switch import OptimizerSpec
+from torchtune_ac.models.families import transformer_blocks
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.runtime.process_memory import ASSUMED_CUDA_FIXED_BYTES, CPU_STEP_RUNTIME_BYTES, fixed_bytes
@@ -49,6 +51,7 @@ class TrainingWorkload(Protocol):
 
     model: Component
     optimizer: Component
+    dataset: Component
     checkpoint_dir: Optional[str]
     device: Device
     batch_size: int
@@ -112,6 +115,10 @@ def planning_inputs(cfg: TrainingWorkload, world_size: int, device: torch.device
         dtype=cfg.dtype,
         world_size=world_size,
         fsdp=cfg.fsdp,
+        # Packed rows on a GPU in bf16 take varlen_attn (models/attention.py), whose K/V copies the simulation
+        # cannot make on a CPU's kernels.
+        varlen=(bool(cfg.dataset.kwargs.get("packed", False)) and planned_device(cfg.device).type == "cuda"
+                and cfg.dtype is DType.BF16),
     )
     return PlanningInputs(
         build_model=lambda: cfg.model.instantiate_with_defaults(checkpoint_dir=cfg.checkpoint_dir),
@@ -134,6 +141,8 @@ class PlanTable:
     notes: tuple[str, ...] = ()  # what this estimate leaves out of the config, printed before the assumptions
     ablation: tuple[tuple[str, MemoryEstimate], ...] = ()
     fixed_how: str = ""  # how the process's fixed cost was obtained (measured, or assumed)
+    # index into estimates -> why the config's switches refuse that AC setting (the row is shown, marked so)
+    not_applicable: dict[int, str] = dataclasses.field(default_factory=dict)
 
     def _fits(self, estimate: MemoryEstimate) -> str:
         if self.budget_gib is None:
@@ -143,13 +152,17 @@ class PlanTable:
     @property
     def unit(self) -> tuple[str, int]:
         """The unit the estimates are shown in, and its bytes: GiB, or MiB when every device total is below 1 GiB."""
-        return ("GiB", GiB) if max(e.device for e in self.estimates) >= GiB else ("MiB", 2**20)
+        return ("GiB", GiB) if max(e.device for e in self.applicable()) >= GiB else ("MiB", 2**20)
+
+    def applicable(self) -> list[MemoryEstimate]:
+        """The estimates of the AC settings the config's switches allow (what ``draw_plan`` draws)."""
+        return [e for i, e in enumerate(self.estimates) if i not in self.not_applicable]
 
     def bar_labels(self) -> list[str]:
         """What ``draw_plan`` writes above each bar: its device total in the table's unit, and its extra recompute."""
         unit, scale = self.unit
         digits = 2 if unit == "GiB" else 0
-        return [f"{e.device / scale:.{digits}f} {unit}\n{e.extra_flops:+.0%}" for e in self.estimates]
+        return [f"{e.device / scale:.{digits}f} {unit}\n{e.extra_flops:+.0%}" for e in self.applicable()]
 
     def lines(self) -> list[str]:
         unit, scale = self.unit
@@ -161,6 +174,10 @@ class PlanTable:
                f"estimated {unit} per process at the peak of one step: the five parts add up to the step; device is "
                "the step and the process's own (fixed) cost; host is what the switches keep in host memory", header]
         for i, e in enumerate(self.estimates):
+            if i in self.not_applicable:
+                reason = self.not_applicable[i].split("; ")[0]  # the why, without the error's fix for a run
+                out.append(f"{describe_setting(e.plan):<17} not applicable: {reason}")
+                continue
             row = (f"{describe_setting(e.plan):<17} {e.activations / scale:>11.2f} {e.parameters / scale:>10.2f} "
                    f"{e.gradients / scale:>9.2f} {e.optimizer / scale:>9.2f} {e.transient / scale:>9.2f} "
                    f"{e.total / scale:>7.2f} {e.fixed / scale:>7.2f} {e.device / scale:>7.2f} {e.host / scale:>7.2f} "
@@ -194,26 +211,45 @@ def plan_table(cfg: TrainingWorkload, *, world_size: int, budget_gib: Optional[f
     Raises:
         UserError: the config's memory switches are refused, or ``max_seq_len`` is unset.
     """
-    model = build_meta_model(cfg.model, cfg.checkpoint_dir)
-    # The switches besides AC, resolved as a run resolves them (every AC setting gets a row of its own).
-    plan = resolve_config_plan(cfg, model, ACConfig())
+    try:
+        model = build_meta_model(cfg.model, cfg.checkpoint_dir)
+    except UnavailableError as err:
+        # from_hf_config and a checkpoint of another machine: there is no architecture to simulate a step of.
+        raise UnavailableError(f"{err}, and model {cfg.model.path} reads the architecture from it: to plan here, copy "
+                               "its config.json alone (no weights) into a folder and set checkpoint_dir to it, or name "
+                               "the model's builder (model._component_=torchtune_ac.models.llama3_8b, ...)") from None
+    # The switches besides AC, resolved as a run resolves them with each AC setting (every one gets a row of its
+    # own); a setting the switches refuse (enable_activation_offloading with no AC) is a row that does not apply.
+    candidates = candidate_plans(len(transformer_blocks(model)))
+    plans: list[Optional[MemoryPlan]] = []
+    not_applicable: dict[int, str] = {}
+    for index, candidate in enumerate(candidates):
+        try:
+            plans.append(resolve_config_plan(cfg, model, ACConfig(ac_mode=candidate.mode, ac_option=candidate.option)))
+        except UserError as err:
+            plans.append(None)
+            not_applicable[index] = str(err)
+    plan = next((p for p in reversed(plans) if p is not None), None)
+    if plan is None:  # no AC setting works with these switches: the config cannot run, say why once
+        raise UserError(not_applicable[len(candidates) - 1])
     fixed, fixed_how = process_fixed_bytes(cfg.device)
     inputs = planning_inputs(cfg, world_size, torch.device("cpu"))
     workload = inputs.workload.with_settings(plan.settings, clip_grad_norm=cfg.clip_grad_norm)
     estimates = [dataclasses.replace(e, fixed=fixed)
-                 for e in estimate_memory(inputs.build_model, inputs.make_optimizer, workload)]
+                 for e in estimate_memory(inputs.build_model, inputs.make_optimizer, workload, candidates)]
     ablation = switch_ablation(inputs.build_model, inputs.make_optimizer, workload, estimates[-1].plan,
                                planned_device(cfg.device), fixed)
     chosen = None
     if budget_gib is not None:
-        chosen = next((i for i, e in enumerate(estimates) if e.device <= budget_gib * GiB), None)
+        chosen = next((i for i, e in enumerate(estimates)
+                       if i not in not_applicable and e.device <= budget_gib * GiB), None)
     n_params = sum(p.numel() for p in model.parameters())
     switches = "; ".join(f"{label}: {re.split(r'[:(]', value)[0].strip()}" for label, value in plan.describe(ac=False))
     title = (f"{cfg.model.path}: {n_params:,} parameters; {describe_processes(cfg.fsdp, world_size)}, batch {cfg.batch_size} x "
              f"{cfg.max_seq_len} tokens per process x {cfg.gradient_accumulation_steps} accumulation step(s), "
              f"{cfg.dtype.value}, {cfg.optimizer.path.rsplit('.', 1)[-1]}; {switches}")
     return PlanTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size), tuple(ablation),
-                     fixed_how)
+                     fixed_how, not_applicable)
 
 
 def describe_processes(fsdp: FSDPConfig, world_size: int) -> str:
@@ -248,7 +284,7 @@ def draw_plan(table: PlanTable, path: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--png needs matplotlib: pip install 'torchtune_ac[plot]'") from None
-    names = [describe_setting(e.plan).replace(" block", "\nblock") for e in table.estimates]
+    names = [describe_setting(e.plan).replace(" block", "\nblock") for e in table.applicable()]
     parts = [("parameters", "parameters", "tab:gray"), ("optimizer state", "optimizer", "tab:brown"),
              ("gradients", "gradients", "tab:orange"), ("activations", "activations", "tab:blue"),
              ("transient", "transient", "tab:green"), ("process (fixed)", "fixed", "tab:purple")]
@@ -257,7 +293,7 @@ def draw_plan(table: PlanTable, path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(names)), 4.8))
     bottom = [0.0] * len(names)
     for label, attr, color in parts:
-        heights = [getattr(e, attr) / scale for e in table.estimates]
+        heights = [getattr(e, attr) / scale for e in table.applicable()]
         ax.bar(names, heights, bottom=bottom, label=label, color=color)
         bottom = [b + h for b, h in zip(bottom, heights)]
     for i, text in enumerate(table.bar_labels()):

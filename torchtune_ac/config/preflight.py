@@ -4,7 +4,9 @@ Builds the model on the meta device (sizes, parameter count), resolves the activ
 and checks the files the run will read and write. Problems with the config itself, and files that exist and
 contradict it, are always errors; what is missing or unavailable on this machine (``UnavailableError``: a file,
 a device, a package) is an error when ``strict`` (about to run) and a warning otherwise (``tune validate`` on a
-machine that is not the training machine).
+machine that is not the training machine). ``tune validate`` also reads the data as the run will
+(``data.datasets.check_dataset_records``), and with ``from_hf_config`` and a checkpoint of another machine, whose
+architecture it cannot read, it checks the rest and says so.
 
 This is where the environment is checked (files, devices, what the components build); the config's types are
 checked once by the schema (``validation.py``) and the memory switches' combinations once by the memory plan
@@ -22,7 +24,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -40,8 +42,9 @@ from torchtune_ac.config.meta_model import build_meta_model, count_parameters
 from torchtune_ac.config.planning import planning_inputs, resolve_config_plan, unmodelled_settings
 from torchtune_ac.config.schema import FSDPConfig, FullFinetuneConfig
 from torchtune_ac.data import uses_chat_template
+from torchtune_ac.data.datasets import check_dataset_records
 from torchtune_ac.data.hf_sources import describe_hub_source
-from torchtune_ac.data.sources import TEXT_SUFFIXES, is_hub_name
+from torchtune_ac.data.sources import TEXT_SUFFIXES, check_folder_formats, is_hub_name
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models import check_checkpoint_matches
@@ -129,18 +132,29 @@ def model_architecture(model: torch.nn.Module) -> dict:
 
 
 def run_shape(cfg: FullFinetuneConfig, world_size: int, model: torch.nn.Module, plan: MemoryPlan) -> RunShape:
-    """What a resume of this run must keep (see ``RunShape``), with what the memory switches say of theirs."""
+    """What a resume of this run must keep (see ``RunShape``), with what the memory switches say of theirs, and
+    the optimizer's class (another one cannot take its state)."""
     data = {
+        "optimizer._component_": cfg.optimizer.path,
         "seed": cfg.seed,
         "shuffle": cfg.shuffle,
         "max_seq_len": cfg.max_seq_len,
-        "dataset": cfg.dataset.as_config(),
+        # Not its source: the files are identified by their content (TrainerState.data), wherever they lie.
+        "dataset": {key: value for key, value in cfg.dataset.as_config().items() if key != "source"},
         "tokenizer": cfg.tokenizer.as_config(),
     }
     data.update(plan.resume_record())
     # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
     data, architecture = json.loads(json.dumps([data, model_architecture(model)]))
     return RunShape(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, architecture, data)
+
+
+def run_hyperparameters(cfg: FullFinetuneConfig) -> dict[str, Any]:
+    """The optimizer and schedule settings a checkpoint records (``TrainerState.hyperparameters``), as JSON values;
+    a resume takes its own config's and says what changed."""
+    sections = {"optimizer": cfg.optimizer.as_config(),
+                "lr_scheduler": cfg.lr_scheduler.as_config() if cfg.lr_scheduler is not None else None}
+    return json.loads(json.dumps(sections))
 
 
 def describe_sharding(cfg: FullFinetuneConfig, world_size: Optional[int], plan: MemoryPlan) -> str:
@@ -239,19 +253,22 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
 
     if world_size is not None:
         cfg.fsdp.shard_degree(world_size)  # whole HSDP rows, before anything is built
-    model = build_meta_model(cfg.model, cfg.checkpoint_dir)
-    n_layers = len(transformer_blocks(model))
-    report.n_parameters = count_parameters(model)
+    model = _build_meta_model(cfg, strict, report)
     soft(lambda: resolve_device(cfg.device.value))
-    report.plan = _resolve_plan(cfg, model, world_size, strict, report)
-    soft(lambda: _check_plan_device(cfg, report.plan))
-    if cfg.checkpoint_dir is not None:
-        soft(lambda: check_checkpoint_matches(model, cfg.checkpoint_dir))
-    soft(lambda: check_tokenizer_fits(cfg.tokenizer, report.plan.vocab_size))
+    if model is not None:
+        report.n_parameters = count_parameters(model)
+        report.plan = _resolve_plan(cfg, model, world_size, strict, report)
+        soft(lambda: _check_plan_device(cfg, report.plan))
+        if cfg.checkpoint_dir is not None:
+            soft(lambda: check_checkpoint_matches(model, cfg.checkpoint_dir))
+    soft(lambda: check_tokenizer_fits(cfg.tokenizer, report.plan.vocab_size if report.plan is not None else None))
     soft(lambda: check_chat_template(cfg.tokenizer, cfg.dataset))
     if cfg.dataset_val is not None:
         soft(lambda: check_chat_template(cfg.tokenizer, cfg.dataset_val))
     check_optimizer_builds(cfg.optimizer, cfg.lr_scheduler)
+    for dataset in (cfg.dataset, cfg.dataset_val):
+        if dataset is not None:
+            check_folder_formats(dataset.kwargs.get("source"))
     soft(lambda: _check_output_dir(cfg, strict))
     resume_note = ""
     if cfg.resume_from_checkpoint:
@@ -259,9 +276,10 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
         choice = choose_resume_checkpoint(Path(cfg.output_dir).expanduser(), hashes=False)
         report.warnings.extend(choice.skipped)
         if choice.checkpoint is not None:
-            _, saved = read_trainer_state(choice.checkpoint)
-            current = run_shape(cfg, saved.world_size if world_size is None else world_size, model, report.plan)
-            check_resume_shape(choice.checkpoint, saved, current)
+            if model is not None:
+                saved = read_trainer_state(choice.checkpoint).shape
+                current = run_shape(cfg, saved.world_size if world_size is None else world_size, model, report.plan)
+                check_resume_shape(choice.checkpoint, saved, current)
             resume_note = f" (resuming from {choice.checkpoint.name})"
         else:
             resume_note = " (resume_from_checkpoint=true, but no checkpoint yet: starts at step 0)"
@@ -270,7 +288,7 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
         # Building the tracker only checks its settings; its package is needed on the machine that trains.
         soft(cfg.metric_logger.instantiate().check_available)
 
-    family = family_of(model)
+    family = family_of(model) if model is not None else None
     context = getattr(family.args_of(model), "max_seq_len", None) if family is not None else None
     if cfg.max_seq_len is not None and context is not None and cfg.max_seq_len > context:
         # Positions are computed as needed, so nothing fails: longer samples just meet positions never trained.
@@ -293,16 +311,32 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
         hub_source, warning = describe_hub_source(source)
         if warning is not None:
             report.warnings.append(warning)
+    data_lines = []
+    if not strict:  # tune validate reads the data; a run reads it once, when it builds the dataset
+        for dataset in (cfg.dataset, cfg.dataset_val):
+            checked = None if dataset is None else _check_data(cfg, dataset, soft)
+            if checked is not None:
+                summary, data_report = checked
+                data_lines.append((dataset.key, summary))
+                report.warnings.extend([data_report] if data_report else [])
 
-    if world_size == 1 and cfg.fsdp != FSDPConfig() and not report.plan.shard_options():
+    if (world_size == 1 and cfg.fsdp != FSDPConfig() and report.plan is not None
+            and not report.plan.shard_options()):
         report.warnings.append("fsdp.*: these settings apply only when the run has more than one process (FSDP2)")
 
     per_step = cfg.batch_size * cfg.gradient_accumulation_steps
+    if model is not None:
+        model_lines = [("model", f"{cfg.model.path}: {report.n_parameters:,} parameters, "
+                                 f"{len(transformer_blocks(model))} layers"),
+                       *report.plan.describe(),
+                       ("dtype / device", f"{cfg.dtype.value} / {cfg.device.value}"),
+                       ("fsdp", describe_sharding(cfg, world_size, report.plan))]
+    else:
+        model_lines = [("model", f"{cfg.model.path}: its architecture is read from checkpoint_dir when the run "
+                                 "starts (not on this machine: sizes and memory plan not checked)"),
+                       ("dtype / device", f"{cfg.dtype.value} / {cfg.device.value}")]
     report.summary = [
-        ("model", f"{cfg.model.path}: {report.n_parameters:,} parameters, {n_layers} layers"),
-        *report.plan.describe(),
-        ("dtype / device", f"{cfg.dtype.value} / {cfg.device.value}"),
-        ("fsdp", describe_sharding(cfg, world_size, report.plan)),
+        *model_lines,
         (
             "batch",
             f"{cfg.batch_size} per process x {cfg.gradient_accumulation_steps} accumulation step(s)"
@@ -311,5 +345,47 @@ def preflight_full_finetune(cfg: FullFinetuneConfig, *, strict: bool, world_size
         ("checkpoint_dir", cfg.checkpoint_dir or "none (random initialisation from seed)"),
         ("output_dir", cfg.output_dir + resume_note),
         *([("dataset source", hub_source)] if hub_source is not None else []),
+        *data_lines,
     ]
     return report
+
+
+def _build_meta_model(cfg: FullFinetuneConfig, strict: bool, report: PreflightReport) -> Optional[torch.nn.Module]:
+    """The model on the meta device; None for ``tune validate`` on a machine that lacks what its architecture is
+    read from (``from_hf_config`` and a ``checkpoint_dir`` of another machine), with a warning saying so.
+
+    Raises:
+        UserError: the model cannot be built (when ``strict``, also for what is missing on this machine).
+    """
+    try:
+        return build_meta_model(cfg.model, cfg.checkpoint_dir)
+    except UnavailableError as err:
+        if strict:
+            raise
+        report.warnings.append(f"model ({cfg.model.path}): {err}: its size, memory plan and checkpoint are checked "
+                               "on the machine that has it")
+        return None
+
+
+def _check_data(cfg: FullFinetuneConfig, dataset: Component,
+                soft: Callable[[Callable[[], None]], None]) -> Optional[tuple[str, Optional[str]]]:
+    """``tune validate``'s look at ``dataset``'s records (``check_dataset_records``): a summary line and what
+    building the samples would cut or drop; None when there is nothing to read here (a Hub dataset, which is not
+    downloaded to validate; a tokenizer or data file of another machine, which ``soft`` turns into a warning)."""
+    source = dataset.kwargs.get("source")
+    sources = source if isinstance(source, list) else [source]
+    if any(isinstance(one, str) and is_hub_name(one, TEXT_SUFFIXES) for one in sources):
+        return None
+    try:
+        tokenizer = cfg.tokenizer.instantiate()
+    except UnavailableError:
+        return None  # check_tokenizer_fits says so
+    checked: list[tuple[str, Optional[str]]] = []
+
+    def check() -> None:
+        found = check_dataset_records(dataset.target(), tokenizer, dataset.kwargs, cfg.max_seq_len)
+        if found is not None:
+            checked.append(found)
+
+    soft(check)
+    return checked[0] if checked else None

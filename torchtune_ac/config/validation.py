@@ -34,6 +34,9 @@ _MISSING = object()
 
 
 COMMAND_LINE = "command line"
+# The top-level mapping of the user's own variables, read only through interpolation (``max_seq_len:
+# ${vars.seq}``): no recipe reads it, so its keys are not checked; every other key still is.
+USER_VARS_KEY = "vars"
 
 
 class ConfigError(UserError):
@@ -61,14 +64,21 @@ _PROBLEM_KEY = re.compile(r"[A-Za-z_][\w.\[\]]*")
 
 
 def _set_on_command_line(problem: str, overrides: Sequence[str]) -> bool:
-    """Whether ``problem`` (which starts with the dotted key it is about) is about a key an override set."""
+    """Whether ``problem`` (which starts with the dotted key it is about) is about a key an override set.
+
+    An unknown key is the command line's too when an override set a key inside it: ``optimzer.lr=1e-4`` (or
+    ``+foo.bar=1``) makes the unknown group ``optimzer`` that the YAML never had.
+    """
     match = _PROBLEM_KEY.match(problem)
     if match is None:
         return False
     key = match.group(0)
+    unknown = problem[match.end():].startswith(": unknown key")
     for override in overrides:
         name = override.lstrip("+~").split("=", 1)[0].split("@", 1)[0]
         if key == name or key.startswith((f"{name}.", f"{name}[")):
+            return True
+        if unknown and name.startswith((f"{key}.", f"{key}[")):
             return True
     return False
 
@@ -208,7 +218,9 @@ class _Checker:
                 owners = [sub for sub, node in value.items()
                           if isinstance(node, Mapping) and "_component_" in node and name in node]
                 suggestion = (f" (did you mean {prefix}{hint[0]}?)" if hint
-                              else f" (did you mean {prefix}{owners[0]}.{name}?)" if owners else "")
+                              else f" (did you mean {prefix}{owners[0]}.{name}?)" if owners
+                              else f" (a variable of your own goes under {USER_VARS_KEY}:, read as "
+                                   f"${{{USER_VARS_KEY}.{name}}})" if not key else "")
                 self.fail(f"{prefix}{name}: unknown key{suggestion}")
         from_config = getattr(cls, "from_config", None)
         if from_config is not None:
@@ -247,6 +259,9 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], schema: type[T], *, sou
         overrides: the command-line overrides applied to ``cfg``: a problem with a key they set is introduced by
             "command line", not by ``source``.
 
+    The top-level ``vars`` mapping (:data:`USER_VARS_KEY`) holds the user's own variables for interpolation; it
+    must be a mapping, and its keys are not checked.
+
     Returns:
         An instance of ``schema``.
 
@@ -260,6 +275,11 @@ def validate_config(cfg: DictConfig | Mapping[str, Any], schema: type[T], *, sou
     if isinstance(plain, Mapping) and torchtune_marker(plain) is not None:
         raise UserError(f"{source} looks like a torchtune config; convert it with: tune migrate {source} -o NEW.yaml")
     checker = _Checker(extra_allowed_components)
+    plain = dict(plain)
+    user_vars = plain.pop(USER_VARS_KEY, {})
+    if not isinstance(user_vars, Mapping):
+        checker.fail(f"{USER_VARS_KEY}={_show(user_vars)}: expected a mapping of your own variables (name: value), "
+                     f"used as ${{{USER_VARS_KEY}.name}}")
     result = checker.check_dataclass(plain, schema, "")
     if checker.problems:
         from_command_line = [i for i, p in enumerate(checker.problems) if _set_on_command_line(p, overrides)]

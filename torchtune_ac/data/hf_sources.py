@@ -15,7 +15,7 @@ import csv
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from torchtune_ac.data.sources import Record
+from torchtune_ac.data.sources import Record, not_utf8
 from torchtune_ac.errors import UserError
 
 # Seconds to wait for the Hub's answer to the one request that tells whether it can be reached.
@@ -25,6 +25,8 @@ HF_FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
 # Written by Dataset.save_to_disk / DatasetDict.save_to_disk.
 SAVED_DATASET_FILE = "state.json"
 SAVED_DATASET_DICT_FILE = "dataset_dict.json"
+# Files named in a one-line message, at most.
+_FILES_SHOWN = 5
 
 
 def _datasets():
@@ -73,6 +75,8 @@ def read_hf_file(source: str, path: Path) -> list[Record]:
     try:
         stream = datasets.load_dataset(builder, data_files=str(path), split="train", streaming=True, **options)
         rows = list(stream)
+    except UnicodeDecodeError:
+        raise _not_utf8(source, path) from None
     except _read_errors() as err:
         raise UserError(f"{source}: cannot read it as {builder}: {_first_line(err)}") from None
     if builder == "csv" and _count_lines(path) == len(rows) + 1:
@@ -85,11 +89,17 @@ def _csv_header(source: str, path: Path) -> list[str]:
     try:
         with path.open(newline="", encoding="utf-8") as file:
             header = next(csv.reader(file), None)
-    except UnicodeDecodeError as e:
-        raise UserError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    except UnicodeDecodeError:
+        raise _not_utf8(source, path) from None
     if not header:
         raise UserError(f"{source}: the file holds no records (no header line)")
     return header
+
+
+def _not_utf8(source: str, path: Path) -> UserError:
+    """The error naming the first line of ``path`` that is not UTF-8 (read line by line, not held whole)."""
+    with path.open("rb") as file:
+        return not_utf8(source, file)
 
 
 def _count_lines(path: Path) -> int:
@@ -124,6 +134,7 @@ def read_hf_folder(source: str, path: Path, split: str) -> list[Record]:
         if split != "train":
             raise UserError(f"{source}: split={split!r}, but the folder holds one saved dataset, not a DatasetDict")
         return _records(saved, lambda index: f"{source} row {index}", source)
+    check_one_format(source, path)
     try:
         rows = list(datasets.load_dataset(str(path), split=split, streaming=True))
     except (datasets.exceptions.DataFilesNotFoundError, datasets.data_files.EmptyDatasetError):
@@ -135,6 +146,75 @@ def read_hf_folder(source: str, path: Path, split: str) -> list[Record]:
             raise UserError(f"{source}: {message}; set split") from None
         raise UserError(f"{source}: cannot read the folder's data files: {message}") from None
     return _records(rows, lambda index: f"{source} [{split}] row {index}", source)
+
+
+def _folder_data_files(path: Path) -> dict[str, list[Path]]:
+    """split -> the data files ``datasets.load_dataset(folder)`` finds for it, by its own patterns (``train-*``,
+    ``data/test/...``; every file for ``train`` when no name says a split), whatever their format; {} with none."""
+    from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+
+    try:
+        found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+    except (EmptyDatasetError, FileNotFoundError):
+        return {}
+    return {str(split): [Path(name) for name in names] for split, names in found.items()}
+
+
+def _formats(files: list[Path]) -> dict[str, list[Path]]:
+    """``datasets`` builder -> the files it would read (``json`` for .json, .jsonl and .jsonl.gz alike); files no
+    builder reads are left out."""
+    from datasets.load import infer_module_for_data_files_list
+
+    by_builder: dict[str, list[Path]] = {}
+    for file in files:
+        builder, _ = infer_module_for_data_files_list([str(file)])
+        if builder is not None:
+            by_builder.setdefault(builder, []).append(file)
+    return by_builder
+
+
+def check_one_format(source: str, path: Path) -> None:
+    """Refuse a folder of data files in more than one format: ``datasets`` reads the folder in the format of most
+    of its files and leaves the others out, without a word (3,000 records of ``a.jsonl`` dropped for the 100 of
+    ``b.parquet``). A ``save_to_disk`` folder is one dataset, and is not checked.
+
+    Raises:
+        UserError: naming the format that would be read and the files that would be left out.
+    """
+    if (path / SAVED_DATASET_FILE).is_file() or (path / SAVED_DATASET_DICT_FILE).is_file():
+        return
+    from datasets.load import infer_module_for_data_files_list
+
+    files = sorted({file for split_files in _folder_data_files(path).values() for file in split_files})
+    by_builder = _formats(files)
+    if len(by_builder) <= 1:
+        return
+    chosen, _ = infer_module_for_data_files_list([str(file) for file in files])
+    left_out = sorted(file.relative_to(path).as_posix() for builder, group in by_builder.items() if builder != chosen
+                      for file in group)
+    shown = ", ".join(left_out[:_FILES_SHOWN]) + (f" and {len(left_out) - _FILES_SHOWN} more"
+                                                  if len(left_out) > _FILES_SHOWN else "")
+    raise UserError(
+        f"dataset source {source}: holds data files in {len(by_builder)} formats ("
+        + ", ".join(f"{len(group)} {builder}" for builder, group in sorted(by_builder.items()))
+        + f"), and a folder is read in one format only: the {len(by_builder[chosen])} {chosen} file(s) would be read "
+        f"and {shown} left out; keep one format in the folder (convert the others), or point source at one file"
+    )
+
+
+def folder_files(path: Path, split: str) -> list[Path]:
+    """The files a folder source is read from for ``split``, relative to ``path``, in reading order: every file
+    of a ``save_to_disk`` folder (of the split's folder for a ``DatasetDict``), else the split's data files."""
+    if (path / SAVED_DATASET_DICT_FILE).is_file():
+        root = path / split
+        files = sorted(file for file in root.rglob("*") if file.is_file())
+    elif (path / SAVED_DATASET_FILE).is_file():
+        files = sorted(file for file in path.rglob("*") if file.is_file())
+    else:
+        files = _folder_data_files(path).get(split, [])
+        read = {file for group in _formats(files).values() for file in group}
+        files = [file for file in files if file in read]
+    return [file.relative_to(path).as_posix() for file in files]
 
 
 def read_hub_dataset(name: str, split: str) -> list[Record]:

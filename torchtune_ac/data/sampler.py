@@ -174,7 +174,8 @@ def build_dataloader(
     Raises:
         UserError: see :class:`ShardedBatchSampler`.
 
-    Rank 0 logs, once, what building the dataset cut or dropped (its ``report``, see ``samples.DataReport``).
+    Rank 0 logs, once, what building the dataset cut or dropped (its ``report``, see ``samples.DataReport``), and
+    when packing it changed nothing (``samples.PackingReport.unchanged``).
     """
     sampler = ShardedBatchSampler(
         len(dataset),
@@ -188,6 +189,9 @@ def build_dataloader(
     report = getattr(dataset, "report", None)
     if report and rank == 0:
         logger.warning(report)
+    packing = getattr(dataset, "packing", None)
+    if packing is not None and rank == 0 and packing.unchanged() is not None:
+        logger.warning("data: %s", packing.unchanged())
     collate = functools.partial(collate_batch, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of,
                                 max_length=max_length)
     # A generator of its own: otherwise each iter() draws a seed from the global RNG, which would shift

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from array import array
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 from torch.utils.data import Dataset
+
+from torchtune_ac.data.sources import SourceFiles
 
 IGNORE_INDEX = -100
 
@@ -43,13 +45,28 @@ def build_sample(
     return {"tokens": list(tokens), "labels": labels}
 
 
+def count_of(n: int, noun: str, plural: Optional[str] = None) -> str:
+    """``n`` and ``noun``, made plural (``plural``, else with an s) unless ``n`` is 1: ``1 record``, ``3,000
+    records``."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {plural or noun + 's'}"
+
+
+# What truncation costs a sample whose target is its response (instruction and chat data).
+RESPONSE_TRUNCATION = "a truncated response is trained without its end and EOS"
+
+
 @dataclass
 class DataReport:
     """What building a dataset cost: samples cut to ``max_seq_len`` and the targets lost with their tails, and
-    records dropped with nothing left to train on. Counted while the records are tokenized."""
+    records dropped with nothing left to train on. Counted while the records are tokenized.
+
+    ``unit`` names a sample in the report (``sample``, or ``document`` for plain text), and ``truncation_note``
+    says what truncation costs one."""
 
     source: str
     max_seq_len: Optional[int]
+    unit: str = "sample"
+    truncation_note: str = RESPONSE_TRUNCATION
     records: int = 0
     targets: int = 0  # target tokens before truncation
     truncated: int = 0  # samples longer than max_seq_len
@@ -72,21 +89,66 @@ class DataReport:
             self.cut_off += 1
         return kept
 
-    def describe(self, untrained_reason: str) -> Optional[str]:
+    def describe(self, untrained_reason: str, extra: Sequence[str] = ()) -> Optional[str]:
         """One line on what was cut or dropped (None when nothing was); ``untrained_reason`` says what a record
-        with no target lacks (``no assistant turn``)."""
+        with no target lacks (``no assistant turn``), and ``extra`` adds what else building the samples says."""
         parts = []
         if self.truncated:
             parts.append(
-                f"{self.truncated:,} of {self.records:,} samples are longer than max_seq_len={self.max_seq_len} and "
-                f"were truncated, losing {self.lost_targets:,} of {self.targets:,} target tokens (a truncated "
-                "response is trained without its end and EOS)"
+                f"{self.truncated:,} of {count_of(self.records, self.unit)} "
+                f"{'is' if self.truncated == 1 else 'are'} longer than max_seq_len={self.max_seq_len} and "
+                f"{'was' if self.truncated == 1 else 'were'} truncated, losing {self.lost_targets:,} of "
+                f"{count_of(self.targets, 'target token')} ({self.truncation_note})"
             )
         if self.cut_off:
-            parts.append(f"{self.cut_off:,} records lost every target to truncation and were dropped")
+            parts.append(f"{count_of(self.cut_off, 'record')} lost every target to truncation and "
+                         f"{'was' if self.cut_off == 1 else 'were'} dropped")
         if self.untrained:
-            parts.append(f"{self.untrained:,} records have {untrained_reason} and were dropped")
+            parts.append(f"{count_of(self.untrained, 'record')} {'has' if self.untrained == 1 else 'have'} "
+                         f"{untrained_reason} and {'was' if self.untrained == 1 else 'were'} dropped")
+        parts.extend(extra)
         return f"data {self.source}: " + "; ".join(parts) if parts else None
+
+
+@dataclass(frozen=True)
+class PackingReport:
+    """What packing made of a dataset: ``samples`` (holding ``tokens`` tokens in all) became ``rows`` of
+    ``max_seq_len`` tokens; ``split`` samples went on from one row into the next."""
+
+    samples: int
+    rows: int
+    tokens: int
+    max_seq_len: int
+    split: int = 0
+
+    @property
+    def fill(self) -> float:
+        """The share of the rows' positions that hold a token of a sample (the rest is padding)."""
+        return self.tokens / (self.rows * self.max_seq_len) if self.rows else 0.0
+
+    def describe(self) -> str:
+        """``3,000 samples -> 412 rows of 256 tokens, 93.1 % filled``, and how many samples were split."""
+        line = (f"{count_of(self.samples, 'sample')} -> {count_of(self.rows, 'row')} of {self.max_seq_len} tokens, "
+                f"{100 * self.fill:.1f} % filled")
+        if self.split:
+            line += f" ({count_of(self.split, 'document')} split across rows)"
+        return line
+
+    def unchanged(self) -> Optional[str]:
+        """Why packing changed nothing, when it did not (each row holds one sample), else None."""
+        if self.samples < 2 or self.rows != self.samples or self.split:
+            return None
+        return (f"packing changed nothing: each of the {self.rows:,} rows of max_seq_len={self.max_seq_len} tokens "
+                f"holds one sample (none fit beside the one before it), {100 * self.fill:.1f} % filled on average; "
+                "raise max_seq_len, or set packed: false")
+
+
+def describe_samples(dataset: Any) -> str:
+    """How many samples ``dataset`` has, and for a packed one, how many samples made how many rows."""
+    packing = getattr(dataset, "packing", None)
+    if packing is None:
+        return count_of(len(dataset), "sample")
+    return f"packed: {packing.describe()}"
 
 
 class TokenizedDataset(Dataset):
@@ -101,6 +163,12 @@ class TokenizedDataset(Dataset):
         self._offsets = array("q", [0])
         # What building it cut or dropped, once, for the start-up log (``build_dataloader`` writes it on rank 0).
         self.report: Optional[str] = None
+        # What packing made of it (``packing.pack_samples``); None: not packed.
+        self.packing: Optional[PackingReport] = None
+        # Where it was read from: the source as messages name it, and its local files (None: a Hub dataset; see
+        # sources.py).
+        self.source: Optional[str] = None
+        self.source_files: Optional[SourceFiles] = None
 
     def append(self, sample: dict[str, list[int]]) -> None:
         """Add one sample; all its keys must have lists of the same length."""

@@ -8,20 +8,80 @@ Hugging Face ``datasets`` (``hf_sources.py``), chosen by :func:`load_records`.
 
 from __future__ import annotations
 
+import codecs
+import gzip
 import json
+import os
 import re
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, Optional
 
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 
 JSON_SUFFIXES = (".json", ".jsonl")
 TEXT_SUFFIXES = (".txt", ".json", ".jsonl")
 # Read through Hugging Face `datasets` (see hf_sources.py).
 HF_SUFFIXES = (".parquet", ".csv", ".arrow")
+# A file compressed with gzip: read as the file it holds (data.jsonl.gz).
+GZIP_SUFFIX = ".gz"
 # `org/name`, as on the Hugging Face Hub.
 _HUB_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+@dataclass(frozen=True)
+class SourceFiles:
+    """The local files a dataset reads, in reading order: ``names`` (POSIX paths) relative to ``root``, the folder
+    ``source`` names or the folder of the file it names (for a list of sources, the folder that holds them all);
+    ``hub``, the Hugging Face Hub datasets a list of sources also reads, by name. What a checkpoint records of its
+    data (each file's size and content hash, see ``checkpoint/data_identity.py``) is computed from these."""
+
+    root: Path
+    names: tuple[str, ...]
+    hub: tuple[str, ...] = ()
+
+
+def source_files(source: str | list[str], split: str = "train") -> Optional[SourceFiles]:
+    """The local files ``load_records`` reads for ``source`` and ``split``: the file itself (compressed or not);
+    for a folder, the data files of the split (or every file of a ``save_to_disk`` folder, of the split's folder
+    for a ``DatasetDict``); for a list, each item's files in the list's order, and its Hub datasets in ``hub``;
+    None for a Hugging Face Hub dataset, or a list of them only (their files are the ``datasets`` cache's)."""
+    if isinstance(source, list):
+        parts = [source_files(one, split) for one in source]
+        local = [part for part in parts if part is not None]
+        if not local:
+            return None
+        root = Path(os.path.commonpath([part.root.absolute() for part in local]))
+        return SourceFiles(root, tuple((part.root.absolute() / name).relative_to(root).as_posix()
+                                       for part in local for name in part.names),
+                           tuple(one for one, part in zip(source, parts) if part is None))
+    path = Path(source).expanduser()
+    if path.is_file():
+        return SourceFiles(path.parent, (path.name,))
+    if path.is_dir():
+        from torchtune_ac.data.hf_sources import folder_files
+
+        return SourceFiles(path, tuple(folder_files(path, split)))
+    return None
+
+
+def check_folder_formats(source: Any) -> None:
+    """Refuse ``source`` if it is a folder of data files in more than one format, or a list that holds one (see
+    ``hf_sources.check_one_format``); anything else passes. Reads the folder's listing only (``tune validate``).
+
+    Raises:
+        UserError: naming the files that would be left out.
+    """
+    if isinstance(source, list):
+        for one in source:
+            check_folder_formats(one)
+        return
+    if not isinstance(source, str) or not Path(source).expanduser().is_dir():
+        return
+    from torchtune_ac.data.hf_sources import check_one_format
+
+    check_one_format(source, Path(source).expanduser())
 
 
 @dataclass(frozen=True)
@@ -47,8 +107,31 @@ def describe_json_type(value: Any) -> str:
     return "object"
 
 
+def data_suffix(path: Path) -> str:
+    """The extension that says what a file holds, lower case: ``.jsonl`` for ``data.jsonl`` and ``data.jsonl.gz``."""
+    if path.suffix.lower() == GZIP_SUFFIX:
+        return Path(path.stem).suffix.lower()
+    return path.suffix.lower()
+
+
+def not_utf8(source: str, lines: Iterable[bytes]) -> UserError:
+    """The error for a file that is not UTF-8 text: the first line that does not decode, and where in it (a byte
+    offset into the file means little to whoever opens it in an editor)."""
+    for lineno, line in enumerate(lines, start=1):
+        try:
+            line.decode("utf-8")
+        except UnicodeDecodeError as err:
+            column = len(line[:err.start].decode("utf-8", errors="replace")) + 1
+            return UserError(f"{source}:{lineno}: not UTF-8 text: byte {line[err.start]:#04x} at column {column} "
+                             f"({err.reason}); the file must be UTF-8 encoded: convert it, for example with iconv -f "
+                             "LATIN1 -t UTF-8")
+    return UserError(f"{source}: not UTF-8 text; the file must be UTF-8 encoded")
+
+
 def read_source_text(source: str, *, suffixes: tuple[str, ...]) -> tuple[Path, str]:
     """Check that ``source`` is an existing file with an allowed extension and return its text.
+
+    A file compressed with gzip (``data.jsonl.gz``) is read as the file it holds.
 
     Args:
         source: Path of the file as the user wrote it.
@@ -58,26 +141,36 @@ def read_source_text(source: str, *, suffixes: tuple[str, ...]) -> tuple[Path, s
         The resolved path and the file's UTF-8 text, without a byte-order mark.
 
     Raises:
-        UserError: if the file is missing, has another extension, or is not UTF-8.
+        UserError: if the file is missing, has another extension, is not gzip where it says so, or is not UTF-8.
     """
     path = Path(source).expanduser()
-    if not path.is_file():
-        reason = "is a folder, not a file" if path.is_dir() else "does not exist"
-        raise UserError(f"dataset source {source} {reason}")
-    if path.suffix.lower() not in suffixes:
-        found, allowed = path.suffix or "(none)", ", ".join(suffixes)
-        raise UserError(f"{source}: unsupported extension {found!r}; this dataset reads {allowed} files")
+    if path.is_dir():
+        raise UserError(f"dataset source {source} is a folder, not a file")
+    if not path.is_file():  # perhaps a file of the machine that trains (tune validate warns)
+        raise UnavailableError(f"dataset source {source} does not exist")
+    if data_suffix(path) not in suffixes:
+        found, allowed = "".join(path.suffixes[-2:]) or "(none)", ", ".join(suffixes)
+        raise UserError(f"{source}: unsupported extension {found!r}; this dataset reads {allowed} files (or any of "
+                        f"them compressed, {GZIP_SUFFIX})")
     try:
-        # utf-8-sig: a byte-order mark (as Windows editors write) is dropped, not read as part of the first record.
-        return path, path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise UserError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        data = gzip.decompress(path.read_bytes()) if path.suffix.lower() == GZIP_SUFFIX else path.read_bytes()
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise UserError(f"{source}: not a gzip file, or cut short ({err})") from None
+    # A byte-order mark (as Windows editors write) is dropped, not read as part of the first record.
+    data = data.removeprefix(codecs.BOM_UTF8)
+    try:
+        return path, data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise not_utf8(source, data.splitlines()) from None
 
 
-def load_records(source: str, *, suffixes: tuple[str, ...] = JSON_SUFFIXES, split: str = "train") -> list[Record]:
+def load_records(source: str | list[str], *, suffixes: tuple[str, ...] = JSON_SUFFIXES,
+                 split: str = "train") -> list[Record]:
     """Read the records of ``source``, whatever kind of source it is.
 
-    - a ``.json``/``.jsonl`` file (or ``.txt`` where ``suffixes`` allows it): :func:`read_records`;
+    - a list of sources: the records of each, one after the other;
+    - a ``.json``/``.jsonl`` file (or ``.txt`` where ``suffixes`` allows it), plain or gzip-compressed
+      (``.jsonl.gz``): :func:`read_records`;
     - a ``.parquet``, ``.csv`` or ``.arrow`` file, a folder written by ``save_to_disk`` (``split`` chooses in a
       ``DatasetDict``), or a folder of data files: read in place through ``datasets``;
     - ``org/name`` that is not a local path: a Hugging Face Hub dataset.
@@ -91,12 +184,20 @@ def load_records(source: str, *, suffixes: tuple[str, ...] = JSON_SUFFIXES, spli
         The records in order, at least one.
 
     Raises:
-        UserError: naming the file (line, index or row) or the dataset.
+        UserError: naming the file (line, index or row) or the dataset; an empty list, or one with an item that is
+            not a string.
     """
+    if isinstance(source, list):
+        if not source or not all(isinstance(one, str) for one in source):
+            raise UserError(f"dataset source={source!r}: must be a file, folder or Hub dataset, or a non-empty list "
+                            "of them (read one after the other)")
+        return [record for one in source for record in load_records(one, suffixes=suffixes, split=split)]
     path = Path(source).expanduser()
-    suffix = path.suffix.lower()
+    suffix = data_suffix(path)
     if path.is_file() and suffix in HF_SUFFIXES + suffixes and split != "train":
         raise UserError(f"dataset split={split!r}: {source} is a single file, which holds only the train split")
+    if path.is_file() and suffix in HF_SUFFIXES and path.suffix.lower() == GZIP_SUFFIX:
+        raise UserError(f"{source}: a compressed {suffix} file is not read; decompress it (gunzip {source})")
     if path.is_file() and suffix in HF_SUFFIXES:
         from torchtune_ac.data.hf_sources import read_hf_file
 
@@ -116,7 +217,7 @@ def is_hub_name(source: str, suffixes: tuple[str, ...] = JSON_SUFFIXES) -> bool:
     """Whether ``load_records`` reads ``source`` as a Hugging Face Hub dataset: ``org/name``, and no such local path.
     """
     path = Path(source).expanduser()
-    return not path.exists() and path.suffix.lower() not in HF_SUFFIXES + suffixes and bool(_HUB_NAME.match(source))
+    return not path.exists() and data_suffix(path) not in HF_SUFFIXES + suffixes and bool(_HUB_NAME.match(source))
 
 
 def read_records(source: str, *, suffixes: tuple[str, ...] = JSON_SUFFIXES) -> list[Record]:
@@ -137,7 +238,7 @@ def read_records(source: str, *, suffixes: tuple[str, ...] = JSON_SUFFIXES) -> l
             JSON object, or a file with no records.
     """
     path, text = read_source_text(source, suffixes=suffixes)
-    suffix = path.suffix.lower()
+    suffix = data_suffix(path)
     if suffix == ".jsonl":
         records = parse_jsonl(source, text)
     elif suffix == ".json":

@@ -151,16 +151,23 @@ class Tokenizer:
         wrote it; trainable when the conversation ends with an assistant turn).
 
         Args:
-            messages: ``{"role": "system"|"user"|"assistant", "content": str}`` dicts, already validated.
+            messages: ``{"role": "system"|"user"|"assistant"|"tool", "content": str}`` dicts, already validated.
             train_on_input: Train on every token, not only assistant turns.
 
         Returns:
             ``(tokens, trainable)`` of equal length; ``trainable[i]`` says whether token ``i`` is a target.
 
         Raises:
-            UserError: if the chat template fails or is not prefix stable (see the module docstring).
+            UserError: if the chat template fails, leaves out a tool message, or is not prefix stable (see the
+                module docstring).
         """
         text = self.render_chat(messages)
+        for message in messages:
+            # A template written for system, user and assistant turns may skip any other role without a word.
+            if message["role"] not in ("system", "user", "assistant") and message["content"] not in text:
+                raise UserError(f"chat template from {self._chat_template_source} leaves out {message['role']} "
+                                "messages (their content is missing from the rendering); use a template that renders "
+                                f"them, or leave the {message['role']} messages out of the data")
         spans = [] if train_on_input else self._find_assistant_spans(messages, text)
         encoding = self._backend.encode(text, add_special_tokens=False)
         tokens = list(encoding.ids)

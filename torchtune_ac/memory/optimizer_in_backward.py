@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchtune_ac.runtime.distributed import offloaded_gradient_wait
 from torchtune_ac.training.step import NormCheck, OptimizerStepper
 
 
@@ -33,12 +34,16 @@ class OptimizerInBackward(torch.optim.Optimizer):
     Args:
         named_parameters: the model's parameters that require gradients (sharded ones after ``fully_shard``).
         make_optimizer: builds the optimizer of one parameter, e.g. ``lambda params: AdamW(params, lr=1e-5)``.
+        wait_for_gradient: called with a parameter before its hook reads the gradient, to wait until the gradient
+            is in place (``runtime.distributed.offloaded_gradient_wait``: FSDP2's copy into host memory with CPU
+            offload); None: the gradient is in place when the hook runs.
     """
 
     def __init__(
         self,
         named_parameters: Iterable[tuple[str, nn.Parameter]],
         make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        wait_for_gradient: Optional[Callable[[torch.Tensor], None]] = None,
     ) -> None:
         params = [(name, p) for name, p in named_parameters if p.requires_grad]
         if not params:
@@ -52,6 +57,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         # Loading a state dict gives an optimizer new group dicts: share the loaded ones again (a public hook).
         for index, optimizer in enumerate(self.optimizers):
             optimizer.register_load_state_dict_post_hook(self._share_groups_of(index))
+        self._wait_for_gradient = wait_for_gradient
         self._final_micro_batch = True
         self._squared_norm: Optional[torch.Tensor] = None
         # The processes whose shards make up a whole gradient (not the replicas of HSDP, which hold the same shard).
@@ -68,6 +74,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         def step_now(param: torch.Tensor) -> None:
             if not self._final_micro_batch:
                 return  # let the gradient accumulate; the last micro-batch steps
+            if self._wait_for_gradient is not None:
+                self._wait_for_gradient(param)
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             if isinstance(grad, DTensor) and self._shard_group is None:
@@ -187,5 +195,6 @@ def build_optimizer(
         A ``training.step.Stepper``; its ``optimizer`` is what an LR scheduler drives.
     """
     if in_backward:
-        return InBackwardStepper(OptimizerInBackward(model.named_parameters(), lambda params: make_optimizer(params)))
+        return InBackwardStepper(OptimizerInBackward(model.named_parameters(), lambda params: make_optimizer(params),
+                                                     wait_for_gradient=offloaded_gradient_wait(model)))
     return OptimizerStepper(make_optimizer(model.parameters()))

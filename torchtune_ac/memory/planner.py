@@ -53,7 +53,9 @@ from torchtune_ac.memory.activation_checkpointing import (
     resolve_ac_plan,
 )
 from torchtune_ac.memory.switch import Alternative, MemorySwitch, ModelSizes, discover_switches
+from torchtune_ac.models.attention import varlen_kv_copy_bytes
 from torchtune_ac.models.families import family_of, shard_groups, transformer_blocks
+from torchtune_ac.models.llama import Attention
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper, accumulate_gradients
@@ -62,6 +64,7 @@ GiB = 2**30
 # Strides of selective AC worth a row, besides none, per-op and full (one row per distinct block count).
 STRIDES = (2, 4)
 PHASES = ("forward", "loss backward", "blocks backward", "rest of backward", "optimizer step")
+BACKWARD_PHASES = ("loss backward", "blocks backward", "rest of backward")
 
 
 @dataclass(frozen=True)
@@ -89,6 +92,9 @@ class Workload:
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     clip_grad_norm: Optional[float] = None
     settings: tuple[tuple[str, Any], ...] = ()
+    # Packed rows whose attention takes ``varlen_attn`` (CUDA, bf16): the K/V copies it makes on this torch are
+    # counted (``models.attention.varlen_kv_copy_bytes``), which the simulation, on a CPU's kernels, cannot make.
+    varlen: bool = False
 
     @property
     def shard_degree(self) -> int:
@@ -203,10 +209,14 @@ class _LiveStorages(TorchDispatchMode):
     sharded gradients and broken down by kind.
     """
 
-    def __init__(self, shard_degree: int, root_parameters: set[int]) -> None:
+    def __init__(self, shard_degree: int, root_parameters: set[int], *, sharded: bool = False) -> None:
         super().__init__()
         self.shard_degree = shard_degree  # processes a parameter is sharded over
         self.root_parameters = root_parameters  # ids of the parameters outside the blocks
+        # Under FSDP2 the root's gradients are reduced only when backward ends, so an optimizer stepping in backward
+        # (which frees each gradient at once here) takes them only then: until then they are whole on every process.
+        self.sharded = sharded
+        self._held = 0  # bytes of root gradients freed here in backward that FSDP2 keeps until backward ends
         self.known: set[int] = set()
         self.live: dict[int, int] = {}
         self.grads: set[int] = set()
@@ -223,8 +233,13 @@ class _LiveStorages(TorchDispatchMode):
 
     def _free(self, key: int) -> None:
         nbytes = self.live.pop(key, 0)
-        self._live -= nbytes
         # Discarded, not only subtracted: a later storage may be given the same address.
+        if key in self.root_grads and self.sharded and self.phase in BACKWARD_PHASES:
+            self.grads.discard(key)
+            self.root_grads.discard(key)
+            self._held += nbytes  # still counted, whole, until backward ends (``enter``)
+            return
+        self._live -= nbytes
         if key in self.grads:
             self.grads.discard(key)
             self._grad -= nbytes
@@ -251,6 +266,12 @@ class _LiveStorages(TorchDispatchMode):
             self.peaks[self.phase] = _Peak(value, value - grads - acts, grads, acts)
 
     def enter(self, phase: str) -> None:
+        if phase not in BACKWARD_PHASES and self._held:  # backward ended: FSDP2 reduced the root's gradients
+            self._record()
+            self._live -= self._held
+            self._grad -= self._held
+            self._root_grad -= self._held
+            self._held = 0
         self.phase = phase
         self._record()
 
@@ -354,6 +375,7 @@ class _Simulation:
     root_shapes: tuple[tuple[int, ...], ...]  # each parameter outside the blocks (a tied weight once)
     block_shapes: tuple[tuple[int, ...], ...]  # each parameter of one block
     block_input: int  # bytes of a block's input, one micro-batch's hidden state
+    varlen_kv_copy: int = 0  # bytes of one block's K/V copies for varlen_attn, one micro-batch (Workload.varlen)
 
 
 def _simulate(
@@ -373,10 +395,12 @@ def _simulate(
         apply_ac_plan(model, _plan(mode, option, len(blocks)))
         params = list(model.parameters())
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
-        tracker = _LiveStorages(workload.shard_degree, {id(p) for p in params if id(p) not in in_blocks})
+        switches = workload.switch_settings()
+        sharded = workload.world_size > 1 or any(switch.shard_options(setting) for switch, setting in switches)
+        tracker = _LiveStorages(workload.shard_degree, {id(p) for p in params if id(p) not in in_blocks},
+                                sharded=sharded)
         # Registered before an optimizer in backward registers its own: a gradient is seen before it is freed.
         hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params]
-        switches = workload.switch_settings()
         for switch, setting in switches:
             make_optimizer = switch.planner_optimizer(setting, make_optimizer)
         stepper = next((s for s in (switch.build_stepper(setting, make_optimizer, model) for switch, setting in switches)
@@ -423,7 +447,15 @@ def _simulate(
             root_shapes=_shapes([p for p in params if id(p) not in in_blocks]),
             block_shapes=_shapes(list(blocks[0].parameters())),
             block_input=tracker.block_input,
+            varlen_kv_copy=_varlen_kv_copy(blocks[0], workload) if workload.varlen else 0,
         )
+
+
+def _varlen_kv_copy(block: nn.Module, workload: Workload) -> int:
+    """Bytes of the K/V copies one block's attention makes for ``varlen_attn`` on this torch, one micro-batch."""
+    tokens = workload.batch_size * workload.seq_len
+    return sum(varlen_kv_copy_bytes(tokens, m.n_heads, m.n_kv_heads, m.head_dim, workload.dtype.torch)
+               for m in block.modules() if isinstance(m, Attention))
 
 
 def _largest_outer_group(model: nn.Module, in_blocks: set[int]) -> int:
@@ -510,6 +542,12 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         "activations": acts,
         "transient": other + fsdp_extra + shallow.batch,
     }
+    if shallow.varlen_kv_copy:
+        # varlen_attn saves its K/V copies for backward: a block without AC keeps them until its backward; the block
+        # running (or recomputing) holds its own as it goes.
+        if phase != "optimizer step":
+            device["activations"] += shallow.varlen_kv_copy * (depth - len(plan.checkpointed_blocks))
+        device["transient"] += shallow.varlen_kv_copy
     # What the simulation cannot show, as each switch declares it, in the switches' order: each sees the estimate
     # with the earlier ones' costs.
     shapes = shallow.root_shapes + shallow.block_shapes * depth

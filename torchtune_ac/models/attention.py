@@ -103,8 +103,11 @@ class DocumentRuns:
     """The documents of a packed batch ``[b, s]``, in order over its ``b * s`` flattened tokens.
 
     Attributes:
-        lengths: number of tokens of each document, row after row (every row starts a new document); they
-            sum to ``b * s``.
+        lengths: ``[n_documents]`` int64 on the CPU, the number of tokens of each document, row after row (every
+            row starts a new document); they sum to ``b * s``. A tensor, not a tuple: Dynamo guards on a tuple's
+            length, so a compiled block given a new number of documents would recompile for every batch (seen
+            on torch 2.11, where the checkpoint around a block lifts every field of its inputs), while a tensor's
+            size becomes dynamic after one recompile.
         cu_seqlens: ``[len(lengths) + 1]`` int32 offsets where each document starts, then ``b * s``, on the
             batch's device (the form variable-length attention takes).
         max_length: the longest document's length.
@@ -114,7 +117,7 @@ class DocumentRuns:
     ``lengths`` there would make every batch's document lengths a guard, recompiling per batch.
     """
 
-    lengths: tuple[int, ...]
+    lengths: torch.Tensor
     cu_seqlens: torch.Tensor
     max_length: int
     varlen_device: bool
@@ -165,7 +168,7 @@ def document_runs(document_ids: torch.Tensor, lengths: Optional[torch.Tensor] = 
         # [n_documents + 1], copied to the device without waiting for it.
         cu_seqlens = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32).to(device, non_blocking=True)
     return DocumentRuns(
-        lengths=host_lengths,
+        lengths=torch.tensor(host_lengths, dtype=torch.long),
         cu_seqlens=cu_seqlens,
         max_length=max(host_lengths),
         varlen_device=device.type == "cuda" and torch.cuda.get_device_capability(device) >= _VARLEN_MIN_CAPABILITY,
@@ -247,11 +250,12 @@ def _varlen_document_attention(
     window: Optional[int],
 ) -> torch.Tensor:
     b, n_heads, s, hd = q.shape
-    k, v, gqa_kwargs = _varlen_kv(k, v, n_heads, gqa)
+    # [b * s, heads, hd]: views of the projections; grouped K/V are copied per query head in this layout, once.
+    k, v, gqa_kwargs = _varlen_kv(_as_tokens(k), _as_tokens(v), n_heads, gqa)
     out = varlen_attn(
         _as_tokens(q),
-        _as_tokens(k),
-        _as_tokens(v),
+        k,
+        v,
         runs.cu_seqlens,
         runs.cu_seqlens,
         runs.max_length,
@@ -266,16 +270,27 @@ def _varlen_document_attention(
 
 def _varlen_kv(k: torch.Tensor, v: torch.Tensor, n_heads: int, gqa: bool
                ) -> tuple[torch.Tensor, torch.Tensor, dict[str, bool]]:
-    """K/V as ``varlen_attn`` takes them, and its grouped-K/V keyword: as they are with ``enable_gqa=True`` where
-    this torch has it; on a torch without it (before 2.12), each K/V head copied for the query heads that share it
-    (``repeat_interleave``, the grouping SDPA uses). The copy costs a block's K/V times the group size for the
-    call, far less than leaving Flash Attention for one call per document."""
+    """K/V ``[tokens, n_kv_heads, hd]`` as ``varlen_attn`` takes them, and its grouped-K/V keyword: as they are
+    with ``enable_gqa=True`` where this torch has it; on a torch without it (before 2.12), each K/V head copied for
+    the query heads that share it (``repeat_interleave``, the grouping SDPA uses). The copies are what
+    ``varlen_kv_copy_bytes`` counts for the planner: the kernel saves them for backward, so a block without AC
+    keeps them until its backward; still far less than leaving Flash Attention for one call per document."""
     if not gqa:
         return k, v, ({"enable_gqa": False} if VARLEN_SUPPORT.enable_gqa else {})
     if VARLEN_SUPPORT.enable_gqa:
         return k, v, {"enable_gqa": True}
     group = n_heads // k.shape[1]
-    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}
+    return k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), {}  # [tokens, n_heads, hd]
+
+
+def varlen_kv_copy_bytes(tokens: int, n_heads: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """The bytes the varlen path of one attention call over ``tokens`` packed tokens holds beyond grouped K/V, on
+    this torch: K and V per query head (``_varlen_kv``) where ``varlen_attn`` has no ``enable_gqa=`` and the model
+    groups its K/V heads; 0 where nothing is copied (torch 2.12 or newer, no GQA, a dtype varlen does not take)."""
+    if (n_heads == n_kv_heads or dtype not in _VARLEN_DTYPES or not VARLEN_SUPPORT.present
+            or VARLEN_SUPPORT.enable_gqa):
+        return 0
+    return 2 * tokens * (n_heads - n_kv_heads) * head_dim * dtype.itemsize
 
 
 @torch.compiler.disable
@@ -293,7 +308,8 @@ def _per_document_attention(
     """One causal ``scaled_dot_product_attention`` call per document (shapes as in ``causal_attention``)."""
     b, n_heads, s, hd = q.shape
     outs = []
-    for q_doc, k_doc, v_doc in zip(*(_as_tokens(x).split(runs.lengths) for x in (q, k, v))):
+    lengths = runs.lengths.tolist()  # on the CPU: no synchronisation
+    for q_doc, k_doc, v_doc in zip(*(_as_tokens(x).split(lengths) for x in (q, k, v))):
         # [length, heads, hd] -> [1, heads, length, hd]
         q_doc, k_doc, v_doc = (x.transpose(0, 1).unsqueeze(0) for x in (q_doc, k_doc, v_doc))
         out = _causal_sdpa(

@@ -3,12 +3,14 @@ saved and how to go on."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from torchtune_ac.checkpoint import Progress
 from torchtune_ac.errors import EXIT_NON_FINITE, EXIT_STOPPED, RunStopped, UserError
 from torchtune_ac.runtime.non_finite import NonFiniteError
+from torchtune_ac.runtime.rank_agreement import flatten_config
 
 RESUME_HINT = "run the same command with resume_from_checkpoint=true"
 
@@ -66,6 +68,65 @@ def finished_epochs_not_extended(checkpoint: Path, saved: Progress, steps_per_ep
         "changed); finished epochs are not extended: raise epochs to train more, or start a new run in another "
         "output_dir"
     )
+
+
+def hyperparameter_changes(saved: dict[str, Any], current: dict[str, Any], checkpoint: str) -> list[str]:
+    """Each optimizer or schedule setting (``TrainerState.hyperparameters``) that differs between ``checkpoint``
+    and this config, as ``optimizer.lr: 0.003 in step_0000003, 1e-05 now`` (an unset argument shows as
+    ``(default)``; a section set on one side only, whole)."""
+    changes = []
+    for section in dict.fromkeys([*current, *saved]):
+        was, now = saved.get(section), current.get(section)
+        if isinstance(was, dict) and isinstance(now, dict):
+            was_flat, now_flat = flatten_config(was, f"{section}."), flatten_config(now, f"{section}.")
+            pairs = [(key, was_flat.get(key, "(default)"), now_flat.get(key, "(default)"))
+                     for key in sorted(set(was_flat) | set(now_flat))]
+        else:
+            pairs = [(section, json.dumps(was, sort_keys=True), json.dumps(now, sort_keys=True))]
+        changes += [f"{key}: {old} in {checkpoint}, {new} now" for key, old, new in pairs if old != new]
+    return changes
+
+
+def hyperparameters_changed(changes: list[str]) -> str:
+    """The line a resume logs when its optimizer or schedule settings are not the checkpoint's."""
+    return ("resume with other settings: " + "; ".join(changes) + " (the optimizer state carries over; the "
+            "hyper-parameters and the schedule are this config's)")
+
+
+def data_changed(checkpoint: Path, changes: list[str]) -> UserError:
+    """A resume refused because the data is not what ``checkpoint`` trained on."""
+    return UserError(
+        f"resume from {checkpoint}: the training data changed since that checkpoint (" + "; ".join(changes)
+        + "), so the run cannot continue exactly; to train on from its weights with this data, start a new run "
+        f"with checkpoint_dir={checkpoint} and another output_dir"
+    )
+
+
+def _size(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def disk_too_small(output_dir: str, free: int, checkpoint: int) -> UserError:
+    """A run refused before its first step: its output_dir's file system cannot hold one checkpoint."""
+    return UserError(
+        f"output_dir {output_dir}: {_size(free)} free on its file system, less than one checkpoint of this run "
+        f"(about {_size(checkpoint)}: the model in Hugging Face format, and the model and optimizer state a resume "
+        "needs); make room, or choose an output_dir on another disk"
+    )
+
+
+def disk_may_fill(output_dir: str, free: int, needed: int, saves: int, size: Any, keep: Optional[int]) -> str:
+    """The warning of a run whose kept checkpoints will not all fit (``size``: a ``phases.CheckpointSize``)."""
+    if keep is None:
+        kept = (f"keep_last_n_checkpoints: null keeps the Hugging Face files ({_size(size.hf_bytes)}) of each of its "
+                f"{saves} checkpoints and the recipe state ({_size(size.recipe_bytes)}) of the newest two")
+        fix = "make room, or set keep_last_n_checkpoints"
+    else:
+        kept = (f"keep_last_n_checkpoints={keep} keeps {keep} checkpoint(s) of about {_size(size.total)}, and one more "
+                "while the next is written")
+        fix = "make room" + (", or lower keep_last_n_checkpoints" if keep > 1 else "")
+    return (f"output_dir {output_dir}: {_size(free)} free on its file system, and this run's checkpoints need about "
+            f"{_size(needed)}: {kept}; a later save may stop the run with a full disk: {fix}")
 
 
 def resharded(saved_world_size: int, world_size: int) -> str:

@@ -6,8 +6,9 @@ order (``recipes/full_finetune.py``); another recipe composes the same ones.
     build_model      build -> memory switches -> shard -> load, and who steps the parameters  -> TrainingModel
     build_data       the data loader, its steps per epoch and the run's length                -> RunData
     build_validation the held-out data of the validation loss, and when to compute it     -> ValidationData
-    restore          a resume's progress, model, optimizer and scheduler state                -> Progress
+    restore          a resume's progress, model and optimizer state; this config's hyper-parameters -> Progress
     SavePolicy       when a step ends with a checkpoint
+    check_disk_space before the first step: room for one checkpoint (refused), for those kept (warned)
 """
 
 from __future__ import annotations
@@ -21,23 +22,38 @@ import torch
 from torch import nn
 
 from torchtune_ac.checkpoint import (
+    RESUMABLE_KEPT,
+    TOKENIZER_FILES,
     Progress,
     ResumeChoice,
+    agreed_free_bytes,
     check_resume_shape,
     check_shared_directory,
     choose_resume_checkpoint,
+    describe_data_change,
+    identify_data,
     load_checkpoint,
     read_trainer_state,
 )
-from torchtune_ac.config.preflight import PreflightReport, preflight_full_finetune, run_shape
+from torchtune_ac.config.preflight import PreflightReport, preflight_full_finetune, run_hyperparameters, run_shape
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.data import build_dataloader
 from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
 from torchtune_ac.data.sampler import evaluation_batches
+from torchtune_ac.data.samples import count_of, describe_samples
 from torchtune_ac.errors import UserError
+from torchtune_ac.memory.optimizer_state import layout_of, state_bytes
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.observability.metric_logging import plain_config
-from torchtune_ac.run.messages import finished_epochs_not_extended, resharded
+from torchtune_ac.run.messages import (
+    data_changed,
+    disk_may_fill,
+    disk_too_small,
+    finished_epochs_not_extended,
+    hyperparameter_changes,
+    hyperparameters_changed,
+    resharded,
+)
 from torchtune_ac.run.model_setup import build_training_model
 from torchtune_ac.runtime.distributed import DistributedContext, barrier, init_distributed, set_tf32
 from torchtune_ac.runtime.process_memory import follow_live_tensors
@@ -145,15 +161,23 @@ class RunData:
 
     Attributes:
         loader: this rank's batches (``set_epoch``, ``skip_steps``).
-        samples: samples in the dataset.
+        samples: samples in the dataset (rows, when packed).
         steps_per_epoch: optimizer steps per epoch (after ``max_steps_per_epoch``).
         total_steps: optimizer steps of the whole run.
+        identity: what identifies the data (each file's size and SHA-256, the sample count), which a checkpoint
+            records and a resume checks (``checkpoint.identify_data``).
+        described: what the dataset holds, for the start-up log: ``3,000 samples``, or for a packed one
+            ``packed: 3,000 samples -> 412 rows of 256 tokens, 93.1 % filled``.
+        unit: what one of ``samples`` is: ``sample``, or ``row`` when packed.
     """
 
     loader: Any
     samples: int
     steps_per_epoch: int
     total_steps: int
+    identity: dict[str, Any]
+    described: str = ""
+    unit: str = "sample"
 
 
 def batch_padding(cfg: FullFinetuneConfig) -> dict[str, Any]:
@@ -167,7 +191,8 @@ def batch_padding(cfg: FullFinetuneConfig) -> dict[str, Any]:
 
 def build_data(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext) -> RunData:
     """The dataset, this rank's loader (batches in pinned memory for a CUDA run, so that their copy to the GPU is
-    asynchronous; padded as ``batch_padding`` says), and the run's length in optimizer steps.
+    asynchronous; padded as ``batch_padding`` says), the run's length in optimizer steps, and what identifies the
+    data (its files hashed once, the ranks sharing the reading).
 
     Raises:
         UserError: the dataset has fewer batches per process than one optimizer step needs.
@@ -182,10 +207,15 @@ def build_data(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext)
         steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
     if steps_per_epoch == 0:
         raise UserError(
-            f"dataset: {len(dataset)} samples make {batches_per_epoch} batch(es) per process per epoch, fewer than "
-            f"gradient_accumulation_steps={cfg.gradient_accumulation_steps} (reduce batch_size or accumulation)"
+            f"dataset: {describe_samples(dataset)} make {batches_per_epoch} batch(es) per process per epoch, fewer "
+            f"than gradient_accumulation_steps={cfg.gradient_accumulation_steps} (reduce batch_size or accumulation)"
         )
-    return RunData(loader, len(dataset), steps_per_epoch, steps_per_epoch * cfg.epochs)
+    files = dataset.source_files
+    identity = identify_data(dataset.source, files and files.root, files and files.names, len(dataset),
+                             collective=ctx.is_distributed, hub=files.hub if files else ())
+    unit = "row" if getattr(dataset, "packing", None) is not None else "sample"
+    return RunData(loader, len(dataset), steps_per_epoch, steps_per_epoch * cfg.epochs, identity,
+                   describe_samples(dataset), unit)
 
 
 @dataclass
@@ -225,8 +255,8 @@ def build_validation(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedCo
     dataset = cfg.dataset_val.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
     if len(dataset) == 0:
         raise UserError("dataset_val: holds no sample")
-    log.info("validation: %d samples, every %s", len(dataset),
-             f"{cfg.run_val_every_n_steps} steps" if cfg.run_val_every_n_steps else "epoch")
+    log.info("validation: %s, every %s", describe_samples(dataset),
+             count_of(cfg.run_val_every_n_steps, "step") if cfg.run_val_every_n_steps else "epoch")
     return ValidationData(dataset, cfg.batch_size_val or cfg.batch_size, cfg.run_val_every_n_steps,
                           tokenizer.pad_id, ctx, batch_padding(cfg))
 
@@ -240,36 +270,49 @@ def build_scheduler(cfg: FullFinetuneConfig, stepper: Stepper, total_steps: int)
 
 def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training: TrainingModel,
             scheduler: Optional[Any], data: RunData) -> Progress:
-    """Load a resume's state (model, optimizers, scheduler) after checking it belongs to this run.
+    """Load a resume's state (model, optimizer state, the schedule's position) after checking it belongs to this
+    run; say which optimizer or schedule settings differ from the checkpoint's (this config's are used).
 
     Returns:
         The progress saved with ``checkpoint``.
 
     Raises:
-        UserError: the checkpoint's run differs in what a resume must keep, or its finished epochs would be
-            made longer by this config.
+        UserError: the checkpoint's run differs in what a resume must keep (its data included), or its finished
+            epochs would be made longer by this config.
     """
-    saved_progress, saved_shape = read_trainer_state(checkpoint)
-    check_resume_shape(checkpoint, saved_shape, run_shape(cfg, run.ctx.world_size, training.model, run.plan))
-    if saved_progress.epoch >= cfg.epochs and saved_progress.step < data.total_steps:
-        raise finished_epochs_not_extended(checkpoint, saved_progress, data.steps_per_epoch, data.total_steps)
-    load_checkpoint(checkpoint, model=training.model, optimizers=training.stepper.optimizers_to_checkpoint(),
-                    scheduler=scheduler)
+    saved = read_trainer_state(checkpoint)
+    progress = saved.progress
+    check_resume_shape(checkpoint, saved.shape, run_shape(cfg, run.ctx.world_size, training.model, run.plan))
+    if saved.data is None:
+        log.warning("%s records no identity of its data (an earlier version wrote it): the data cannot be checked "
+                    "against the checkpoint's", checkpoint.name)
+    else:
+        data_changes = describe_data_change(saved.data, data.identity, checkpoint.name)
+        if data_changes:
+            raise data_changed(checkpoint, data_changes)
+    if progress.epoch >= cfg.epochs and progress.step < data.total_steps:
+        raise finished_epochs_not_extended(checkpoint, progress, data.steps_per_epoch, data.total_steps)
+    # The optimizer state comes from the checkpoint; its hyper-parameters and the schedule are this config's.
+    load_checkpoint(checkpoint, model=training.model, optimizers=training.stepper.optimizers_to_checkpoint())
     if scheduler is not None:
-        resume_schedule(scheduler, saved_progress.step)
-    log.info("resumed from %s at step %d", checkpoint, saved_progress.step)
-    if saved_shape.world_size != run.ctx.world_size:
-        log.info(resharded(saved_shape.world_size, run.ctx.world_size))
-    return saved_progress
+        resume_schedule(scheduler, progress.step)
+    log.info("resumed from %s at step %d", checkpoint, progress.step)
+    changes = ([] if saved.hyperparameters is None
+               else hyperparameter_changes(saved.hyperparameters, run_hyperparameters(cfg), checkpoint.name))
+    if changes:
+        log.info(hyperparameters_changed(changes))
+    if saved.shape.world_size != run.ctx.world_size:
+        log.info(resharded(saved.shape.world_size, run.ctx.world_size))
+    return progress
 
 
 def resume_schedule(scheduler: Any, step: int) -> None:
     """Set every learning rate to what this run's schedule gives at ``step`` (the steps already taken).
 
-    A checkpoint holds the learning rates the saved run's schedule reached. When the run's length changed since
-    (``epochs`` raised to train more, ``max_steps_per_epoch`` changed), those belong to the old schedule: the
-    last step of a finished run has decayed to 0. The scheduler was built for the new length, so stepping it to
-    ``step`` again gives the new schedule's rates, before the first resumed step uses them.
+    A checkpoint holds no schedule: the scheduler was built from this run's config (its keys, the optimizer's
+    ``lr`` as base rate, and the run's length, which may have changed since: ``epochs`` raised to train more,
+    ``max_steps_per_epoch`` changed), so stepping it to ``step`` gives this config's rates before the first
+    resumed step uses them. An unchanged config gives the saved run's rates exactly.
     """
     scheduler.last_epoch = step - 1
     scheduler.step()
@@ -284,3 +327,63 @@ class SavePolicy:
 
     def should_save(self, step: int, *, epoch_done: bool, stopping: bool) -> bool:
         return epoch_done or stopping or bool(self.every_n_steps and step % self.every_n_steps == 0)
+
+    def saves(self, after_step: int, data: RunData) -> int:
+        """The checkpoints a run writes from ``after_step`` to its end (no stop signal)."""
+        return sum(self.should_save(step, epoch_done=step % data.steps_per_epoch == 0, stopping=False)
+                   for step in range(after_step + 1, data.total_steps + 1))
+
+
+@dataclass(frozen=True)
+class CheckpointSize:
+    """What one checkpoint of the run takes on disk, estimated from the model and the optimizer's state layout.
+
+    Attributes:
+        hf_bytes: the model in Hugging Face format (its parameters in their dtype) and the tokenizer files.
+        recipe_bytes: the recipe state: the model again, and the optimizer state (``memory.optimizer_state``'s
+            layout; none counted for an optimizer whose layout is not known here).
+    """
+
+    hf_bytes: int
+    recipe_bytes: int
+
+    @property
+    def total(self) -> int:
+        return self.hf_bytes + self.recipe_bytes
+
+
+def estimate_checkpoint_size(cfg: FullFinetuneConfig, model: nn.Module, tokenizer_dir: Path) -> CheckpointSize:
+    """One checkpoint's size on disk (see ``CheckpointSize``); the parameters' global shapes, sharded or not."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    model_bytes = sum(p.numel() * p.dtype.itemsize for p in params)
+    layout = layout_of(cfg.optimizer.path, cfg.optimizer.kwargs)
+    optimizer_bytes = 0 if layout is None else state_bytes(layout, [tuple(p.shape) for p in params], params[0].dtype)
+    tokenizer_bytes = sum((tokenizer_dir / name).stat().st_size for name in TOKENIZER_FILES
+                          if (tokenizer_dir / name).is_file())
+    return CheckpointSize(model_bytes + tokenizer_bytes, model_bytes + optimizer_bytes)
+
+
+def check_disk_space(cfg: FullFinetuneConfig, ctx: DistributedContext, size: CheckpointSize, saves: int) -> None:
+    """Before the first step: refuse a run whose ``output_dir`` cannot hold one checkpoint, and warn when it cannot
+    hold what ``keep_last_n_checkpoints`` keeps of the ``saves`` the run will write (every rank calls this; rank 0
+    reads the free space and warns).
+
+    What is kept at most: with ``keep_last_n_checkpoints: N``, N checkpoints and the next one being written
+    (older ones are pruned once it is complete); with null, every checkpoint's Hugging Face files, and the recipe
+    state of the newest ``RESUMABLE_KEPT`` and of the one being written.
+
+    Raises:
+        UserError: the free space is less than one checkpoint (on every rank).
+    """
+    if saves == 0:
+        return
+    free = agreed_free_bytes(cfg.output_dir)
+    if free < size.total:
+        raise disk_too_small(cfg.output_dir, free, size.total)
+    keep = cfg.keep_last_n_checkpoints
+    if keep is None:
+        needed = saves * size.hf_bytes + min(saves, RESUMABLE_KEPT + 1) * size.recipe_bytes
+    else:
+        needed = min(saves, keep + 1) * size.total
+    if free < needed and ctx.is_rank_zero:
+        log.warning(disk_may_fill(cfg.output_dir, free, needed, saves, size, keep))

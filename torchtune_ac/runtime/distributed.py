@@ -21,13 +21,13 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.models.families import shard_groups, transformer_blocks
@@ -309,3 +309,35 @@ def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig(), options: Mapp
     # first and last in forward, resharding it after forward would only re-gather it at once for backward.
     fully_shard(model, reshard_after_forward=False, **common)
     return mesh
+
+
+def offloaded_gradient_wait(model: nn.Module) -> Optional[Callable[[torch.Tensor], None]]:
+    """A function that waits until FSDP2 has copied one parameter's reduced gradient into host memory, for a hook
+    that reads the gradient in backward (the optimizer step in backward); None when no parameter of ``model`` is
+    offloaded (``fsdp.cpu_offload``).
+
+    Why: with ``CPUOffloadPolicy`` FSDP2 starts a non-blocking copy of each reduced gradient into pinned host
+    memory and records an event for it (``FSDPParam.grad_offload_event``). Before torch 2.12 it then calls the
+    parameter's post-accumulate-grad hooks at once, and waits for the copy only when backward ends
+    (pytorch/pytorch#180666), so a hook would step on memory still in flight. Waiting on that one event costs the
+    hook no more than the copy of its own gradient. torch 2.12 and newer copy synchronously when a parameter has
+    hooks, and record no event: then this waits for nothing.
+    """
+    offloaded: dict[int, Any] = {}
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        for fsdp_param in group.fsdp_params if group is not None else ():
+            if fsdp_param.offload_to_cpu:
+                offloaded[id(fsdp_param.sharded_param)] = fsdp_param
+    if not offloaded:
+        return None
+
+    def wait(param: torch.Tensor) -> None:
+        fsdp_param = offloaded.get(id(param))
+        event = fsdp_param.grad_offload_event if fsdp_param is not None else None
+        if event is not None:
+            event.synchronize()
+
+    return wait

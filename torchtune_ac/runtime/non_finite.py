@@ -86,6 +86,15 @@ class FiniteChecks:
         """Keep micro-batch ``index``'s summed loss in this rank's slot (on the device: nothing is read)."""
         self.losses[index, self.ctx.rank].copy_(micro_loss.detach())
 
+    def gather(self, loss_sum: torch.Tensor, norm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """What ``read`` brings to the host, as one float64 tensor on the losses' device: every rank's micro-batch
+        losses, the summed loss, the norm and the counts. The norm may be elsewhere (on the CPU when FSDP2 keeps
+        the gradients in host memory: ``fsdp.cpu_offload``), and is moved here first."""
+        device = self.losses.device
+        reduced = all_reduce_sum(torch.cat([self.losses.flatten(), loss_sum.detach().float().view(1).to(device)]),
+                                 self.ctx)
+        return torch.cat([reduced.double(), norm.detach().double().view(1).to(device), counts.double().to(device)])
+
     def read(self, loss_sum: torch.Tensor, norm: torch.Tensor, counts: torch.Tensor, *,
              stepped: bool = False) -> StepValues:
         """The step's one host synchronisation: all ranks' losses, ``loss_sum`` (this rank's summed loss, summed
@@ -98,8 +107,7 @@ class FiniteChecks:
             NonFiniteError: on every rank, when some rank's micro-batch loss is not finite (the first such
                 micro-batch is named), else when the gradient norm is not finite.
         """
-        reduced = all_reduce_sum(torch.cat([self.losses.flatten(), loss_sum.detach().float().view(1)]), self.ctx)
-        values = torch.cat([reduced.double(), norm.detach().double().view(1), counts.double()]).tolist()
+        values = self.gather(loss_sum, norm, counts).tolist()
         n = self.micro_batches * self.ctx.world_size
         losses, (total, norm_value, targets, inputs) = values[:n], values[n:]
         for index in range(self.micro_batches):

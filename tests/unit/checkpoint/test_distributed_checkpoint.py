@@ -23,6 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torchtune_ac.checkpoint import (
     Progress,
     RunShape,
+    TrainerState,
     check_shared_directory,
     list_checkpoints,
     load_checkpoint,
@@ -88,12 +89,12 @@ def _assert_same_state(ours: dict, expected: dict) -> None:
 
 def _save(output_dir: Path, model: Llama, optimizer: torch.optim.Optimizer, step: int) -> Path:
     return save_checkpoint(output_dir, model=model, hf_files=hf_model_files(model),
-                           optimizers=optimizers_to_checkpoint(optimizer), scheduler=None,
-                           progress=Progress(step, 0, step), shape=SHAPE)
+                           optimizers=optimizers_to_checkpoint(optimizer),
+                           state=TrainerState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={}))
 
 
 def _load(path: Path, model: Llama, optimizer: torch.optim.Optimizer) -> None:
-    load_checkpoint(path, model=model, optimizers=optimizers_to_checkpoint(optimizer), scheduler=None)
+    load_checkpoint(path, model=model, optimizers=optimizers_to_checkpoint(optimizer))
 
 
 def _resharded_on_two_ranks(rank: int, root: Path) -> None:

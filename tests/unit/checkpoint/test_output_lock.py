@@ -143,7 +143,11 @@ def test_an_unreadable_lock_is_refused_not_replaced(tmp_path):
 def test_an_output_dir_created_for_the_lock_is_removed_if_the_run_left_it_empty(tmp_path):
     with hold_output_dir(tmp_path / "a" / "b", ONE):
         pass
-    assert not (tmp_path / "a" / "b").exists()
+    assert not (tmp_path / "a").exists()  # the parent created for it too
+    (tmp_path / "d").mkdir()
+    with hold_output_dir(tmp_path / "d" / "e" / "f", ONE):
+        (tmp_path / "d" / "e" / "g").mkdir()  # something else landed in a created parent: kept, with that parent
+    assert sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*")) == ["d", "d/e", "d/e/g"]
     with hold_output_dir(tmp_path / "c", ONE):
         (tmp_path / "c" / "metrics.jsonl").write_text("")
     assert (tmp_path / "c" / "metrics.jsonl").exists()

@@ -20,6 +20,7 @@ from torchtune_ac.checkpoint import (
     RECIPE_STATE_DIR,
     Progress,
     RunShape,
+    TrainerState,
     check_resume_shape,
     choose_resume_checkpoint,
     list_checkpoints,
@@ -29,11 +30,16 @@ from torchtune_ac.checkpoint import (
 )
 from torchtune_ac.checkpoint.manifest import check_against_manifest, write_manifest_without
 from torchtune_ac.errors import UserError
+from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.models import Llama, LlamaArgs, hf_model_files
 
 TINY = LlamaArgs(vocab_size=96, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=64, max_seq_len=64)
 SHAPE = RunShape(world_size=1, batch_size=4, gradient_accumulation_steps=1, model_args={"n_layers": 2},
                  data={"seed": 0})
+
+
+def _state(step: int) -> TrainerState:
+    return TrainerState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={})
 
 
 def _trained(seed: int = 0) -> tuple[Llama, torch.optim.Optimizer]:
@@ -49,7 +55,7 @@ def _trained(seed: int = 0) -> tuple[Llama, torch.optim.Optimizer]:
 
 def _save(output_dir: Path, model: Llama, optimizer: torch.optim.Optimizer, step: int, **kwargs) -> Path:
     return save_checkpoint(output_dir, model=model, hf_files=hf_model_files(model), optimizers=[optimizer],
-                           scheduler=None, progress=Progress(step, 0, step), shape=SHAPE, **kwargs)
+                           state=_state(step), **kwargs)
 
 
 def _resumable(output_dir: Path) -> list[str]:
@@ -105,13 +111,46 @@ def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one_with_the_fi
         assert len(choice.skipped) == 1 and str(distcp) in choice.skipped[0] and "truncated" in choice.skipped[0]
 
     restored, restored_optimizer = _trained(seed=2)
-    load_checkpoint(choice.checkpoint, model=restored, optimizers=[restored_optimizer], scheduler=None)
+    load_checkpoint(choice.checkpoint, model=restored, optimizers=[restored_optimizer])
     for name, value in first.state_dict().items():
         assert torch.equal(restored.state_dict()[name], value), name  # loaded bytes: bit for bit
 
     # The next save (a resumed run at step 2) replaces the damaged one, which is then pruned like any other.
     _save(tmp_path, second, second_optimizer, 2)
     assert choose_resume_checkpoint(tmp_path, hashes=True) == type(choice)(tmp_path / "step_0000002")
+
+
+def _stepped(lr: float, betas: tuple[float, float], in_backward: bool):
+    """The tiny model and its stepper (AdamW with these settings, stepped once if ``lr`` is not None)."""
+    torch.manual_seed(0)
+    model = Llama(TINY)
+    model.init_weights(0.02)
+    stepper = build_optimizer(lambda params: torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=0.01),
+                              model, in_backward=in_backward)
+    model(torch.randint(0, TINY.vocab_size, (2, 16))).float().logsumexp(-1).mean().backward()
+    stepper.update(model, clip_grad_norm=None)
+    return model, stepper
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step_after_backward", "step_in_backward"])
+def test_a_resume_loads_the_optimizer_state_and_keeps_the_hyperparameters_it_was_built_with(tmp_path, in_backward):
+    """The checkpoint's learning rate and betas used to replace the new config's (a new lr was ignored)."""
+    model, saved = _stepped(3e-3, (0.9, 0.999), in_backward)
+    path = save_checkpoint(tmp_path, model=model, hf_files=hf_model_files(model),
+                           optimizers=saved.optimizers_to_checkpoint(), state=_state(1))
+    restored_model, restored = _stepped(1e-5, (0.8, 0.95), in_backward)  # other settings, other moments
+    load_checkpoint(path, model=restored_model, optimizers=restored.optimizers_to_checkpoint())
+    for ours, theirs in zip(restored.optimizers_to_checkpoint(), saved.optimizers_to_checkpoint(), strict=True):
+        (group,) = ours.param_groups
+        assert (group["lr"], group["betas"], group["weight_decay"]) == (1e-5, (0.8, 0.95), 0.01)
+        for param, saved_param in zip(group["params"], theirs.param_groups[0]["params"], strict=True):
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                assert torch.equal(ours.state[param][key], theirs.state[saved_param][key]), key
+    # What a scheduler drives: the step in backward's groups are still its per-parameter optimizers' own dicts.
+    driven = restored.optimizer.param_groups
+    assert all(group["lr"] == 1e-5 for group in driven)
+    if in_backward:
+        assert all(a is b for a, (b,) in zip(driven, (o.param_groups for o in restored.optimizer.optimizers)))
 
 
 def test_checkpoints_newer_than_a_resumed_save_are_removed_once_it_is_verified(tmp_path):
@@ -150,19 +189,27 @@ def test_a_newest_checkpoint_without_recipe_state_is_refused_not_replaced(tmp_pa
         with pytest.raises(UserError) as caught:
             choose_resume_checkpoint(tmp_path, hashes=hashes)
         assert str(caught.value).startswith(
-            f"resume_from_checkpoint=true: {tmp_path / 'step_0000002'} has no recipe state (recipe_state/) to "
-            "continue from, and a resume from step_0000001 would replace or delete it"
+            f"resume_from_checkpoint=true: {tmp_path / 'step_0000002'} has no recipe state to continue from "
+            "(recipe_state/ is missing), and a resume from step_0000001 would replace or delete it"
         ), caught.value
 
 
-def test_a_newest_checkpoint_whose_recipe_state_folder_is_gone_is_damaged_and_skipped(tmp_path):
+def test_a_newest_checkpoint_whose_recipe_state_folder_was_deleted_is_refused_not_skipped(tmp_path):
+    """It used to be skipped as damaged, and the resume from step 1 then replaced it at its first save."""
     model, optimizer = _trained()
     for step in (1, 2):
         _save(tmp_path, model, optimizer, step)
-    shutil.rmtree(tmp_path / "step_0000002" / RECIPE_STATE_DIR)  # the manifest still lists it
-    choice = choose_resume_checkpoint(tmp_path, hashes=True)
-    assert choice.checkpoint == tmp_path / "step_0000001"
-    assert len(choice.skipped) == 1 and "missing (the manifest lists it)" in choice.skipped[0]
+    newest = tmp_path / "step_0000002"
+    shutil.rmtree(newest / RECIPE_STATE_DIR)  # the manifest still lists it
+    for hashes in (False, True):
+        with pytest.raises(UserError) as caught:
+            choose_resume_checkpoint(tmp_path, hashes=hashes)
+        assert str(caught.value) == (
+            f"resume_from_checkpoint=true: {newest} has no recipe state to continue from (recipe_state/ was deleted: "
+            "its manifest lists it), and a resume from step_0000001 would replace or delete it when it saves; nothing "
+            f"was changed: to resume from step_0000001, move step_0000002 out of {tmp_path}; to train on from its "
+            f"weights, start a new run with checkpoint_dir={newest} and another output_dir"
+        )
 
 
 def test_no_checkpoint_at_all_means_starting_at_step_0(tmp_path):

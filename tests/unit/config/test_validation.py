@@ -3,6 +3,7 @@
 import sys
 
 import pytest
+import yaml
 
 from torchtune_ac.config import ConfigError, DType, FullFinetuneConfig, validate_config
 from torchtune_ac.config.components import (
@@ -84,7 +85,10 @@ def test_each_problem_is_named(changes, expected):
 
 
 def test_an_unknown_key_like_nothing_gets_no_suggestion():
-    assert "frobnicate: unknown key" in problems_of(base_config(frobnicate=1))
+    # Top level: no key to suggest, only where a variable of one's own goes.
+    assert problems_of(base_config(frobnicate=1)) == [
+        "frobnicate: unknown key (a variable of your own goes under vars:, read as ${vars.frobnicate})"]
+    assert problems_of(base_config(fsdp={"frobnicate": 1})) == ["fsdp.frobnicate: unknown key"]
 
 
 def test_missing_required_keys():
@@ -119,6 +123,24 @@ def test_problems_name_the_command_line_for_the_values_it_set(overrides, message
         values["optimizer"] = {"_component_": "torch.optim.AdamW", "lr": "abc"}
     with pytest.raises(ConfigError) as info:
         validate_config(base_config(**values), FullFinetuneConfig, source="c.yaml", overrides=overrides)
+    assert str(info.value).startswith(message)
+
+
+@pytest.mark.parametrize(
+    "extra, overrides, message",
+    [
+        # Each was "c.yaml: ...: unknown key": an override of a key inside an unknown group made that group.
+        ({"optimzer": {"lr": 1e-4}}, ["optimzer.lr=1e-4"], "command line: optimzer: unknown key (did you mean "
+                                                            "optimizer?)"),
+        ({"foo": {"bar": 1}}, ["+foo.bar=1"], "command line: foo: unknown key"),
+        ({"fsdpp": {"param_dtype": "bf16"}}, ["fsdpp.param_dtype=bf16"], "command line: fsdpp: unknown key"),
+        # The YAML's own unknown group stays the YAML's, whatever else the command line sets.
+        ({"fsdpp": {"param_dtype": "bf16"}}, ["fsdp.param_dtype=bf16"], "c.yaml: fsdpp: unknown key"),
+    ],
+)
+def test_unknown_dotted_keys_set_on_the_command_line_are_blamed_on_it(extra, overrides, message):
+    with pytest.raises(ConfigError) as info:
+        validate_config(base_config(**extra), FullFinetuneConfig, source="c.yaml", overrides=overrides)
     assert str(info.value).startswith(message)
 
 
@@ -372,3 +394,31 @@ def test_the_layer_bound_of_ac_option_waits_for_the_model():
     assert problems_of(base_config(ac_mode="selective", ac_option=0)) == [
         "ac_option=0: must be an integer k from 1 to the model's layer count"
     ]
+
+
+def test_vars_holds_the_users_own_variables_for_interpolation(tmp_path):
+    """``vars:`` is the documented place for variables read only through ``${vars.name}``: its keys are not
+    checked, every other key still is."""
+    from torchtune_ac.config import load_config
+
+    path = tmp_path / "c.yaml"
+    config = base_config(max_seq_len="${vars.mylen}", batch_size="${vars.bs}")
+    path.write_text(yaml.safe_dump({"vars": {"mylen": 128, "bs": 4, "note": "x"}, **config}))
+    cfg = validate_config(load_config(str(path)), FullFinetuneConfig, source=str(path))
+    assert (cfg.max_seq_len, cfg.batch_size) == (128, 4)
+    cfg = validate_config(load_config(str(path), ["vars.mylen=64"]), FullFinetuneConfig, source=str(path),
+                          overrides=["vars.mylen=64"])
+    assert cfg.max_seq_len == 64
+
+
+@pytest.mark.parametrize(
+    "extra, problem",
+    [
+        # A top-level key of one's own is still a typo to the schema, and the message says where it goes instead.
+        ({"mylen": 128}, "mylen: unknown key (a variable of your own goes under vars:, read as ${vars.mylen})"),
+        ({"vars": 3}, "vars=3: expected a mapping of your own variables (name: value), used as ${vars.name}"),
+        ({"vars": {"a": 1}, "batch_sise": 2}, "batch_sise: unknown key (did you mean batch_size?)"),
+    ],
+)
+def test_keys_outside_vars_are_still_checked(extra, problem):
+    assert problems_of(base_config(**extra)) == [problem]

@@ -115,8 +115,11 @@ def test_records_with_nothing_to_train_are_dropped(tmp_path, tokenizer):
     limit = len(instruct_dataset(tokenizer, source=source)[0]["tokens"])
     ds = instruct_dataset(tokenizer, source=source, max_seq_len=limit)
     assert len(ds) == 2
-    assert "1 records lost every target to truncation and were dropped" in ds.report
-    with pytest.raises(UserError, match=r"none of the 1 records has a token to train on: 1 lost every target to "
+    # Was "1 records lost ... and were dropped", and "none of the 1 records has".
+    assert ds.report.endswith(f"1 of 3 samples is longer than max_seq_len={limit} and was truncated, losing 2 of 6 "
+                              "target tokens (a truncated response is trained without its end and EOS); 1 record lost "
+                              "every target to truncation and was dropped")
+    with pytest.raises(UserError, match=r"e.jsonl: its only record has no token to train on: it lost every target to "
                                         r"max_seq_len=5 \(raise it\)$"):
         instruct_dataset(tokenizer, source=write_jsonl(tmp_path / "e.jsonl", [long]), max_seq_len=5)
 
@@ -256,9 +259,9 @@ GOOD = {"instruction": "i", "input": "", "output": "o"}
         ),
         (
             "d.jsonl",
-            '{"instruction": "i", "output": 42}\n',
+            '{"instruction": "i", "output": [42]}\n',
             {},
-            "{dir}/d.jsonl:1: column 'output' must be a string, got number",
+            "{dir}/d.jsonl:1: column 'output' must be a string, got array",
         ),
         ("d.jsonl", "\n\n", {}, "{dir}/d.jsonl: the file holds no records"),
         ("d.jsonl", json.dumps(GOOD), {"max_seq_len": 0}, "max_seq_len=0: must be a positive integer"),
@@ -294,11 +297,11 @@ def test_instruct_errors(tmp_path, tokenizer, file_name, content, kwargs, messag
         ({"messages": "hi"}, "column 'messages' must be a non-empty array of messages, got string"),
         (
             {"messages": [{"role": "bot", "content": "x"}]},
-            "{dir}/c.jsonl:1: messages[0]: role 'bot' must be one of system, user, assistant",
+            "{dir}/c.jsonl:1: messages[0]: role 'bot' must be one of system, user, assistant, tool",
         ),
         (
             {"messages": [{"role": "user", "content": "x"}, {"role": "assistant"}]},
-            "messages[1]: content must be a string, got null",
+            "messages[1]: content must be a string or a list of text parts, got null",
         ),
         ({"messages": ["hi"]}, "messages[0]: each message must be an object, got string"),
     ],
@@ -322,3 +325,103 @@ def test_text_errors_name_the_column(tmp_path, tokenizer):
     source = write_jsonl(tmp_path / "t.jsonl", [{"text": "ok"}, {"content": "no"}])
     with pytest.raises(UserError, match=r"t.jsonl:2: missing column 'text' \(the record has: content\); set column"):
         text_dataset(tokenizer, source=source)
+
+
+def test_real_world_instruct_data_is_read(tmp_path, tokenizer):
+    """Each was refused: ``input: null``, a number as the output, a .jsonl.gz file, and a list of sources."""
+    import gzip
+
+    plain = [{"instruction": "Add 2 and 2.", "output": "4"}, {"instruction": "Say hi.", "input": "", "output": "hi"}]
+    written = [{"instruction": "Add 2 and 2.", "input": None, "output": 4}, {"instruction": "Say hi.", "input": "",
+                                                                             "output": "hi"}]
+    expected = instruct_dataset(tokenizer, source=write_jsonl(tmp_path / "plain.jsonl", plain))
+    real = instruct_dataset(tokenizer, source=write_jsonl(tmp_path / "real.jsonl", written))
+    assert list(real) == list(expected)
+    assert real.report == (f"data {tmp_path}/real.jsonl: 1 number where text was expected was read as text (the "
+                           f"first at {tmp_path}/real.jsonl:1, column 'output')")
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress((tmp_path / "plain.jsonl").read_bytes()))
+    assert list(instruct_dataset(tokenizer, source=str(tmp_path / "d.jsonl.gz"))) == list(expected)
+    both = instruct_dataset(tokenizer, source=[str(tmp_path / "plain.jsonl"), str(tmp_path / "d.jsonl.gz")])
+    assert list(both) == list(expected) * 2
+
+
+def test_real_world_chat_data_is_read(tmp_path, tokenizer):
+    """OpenAI's content parts, the tool role, and ShareGPT rows written with user/assistant were refused."""
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Capital of "}, {"type": "text", "text": "France?"}]},
+             {"role": "tool", "content": "lookup: Paris"},
+             {"role": "assistant", "content": "Paris"}]
+    joined = [{"role": "user", "content": "Capital of France?"}, parts[1], parts[2]]
+    ds = chat_dataset(tokenizer, source=write_jsonl(tmp_path / "c.jsonl", [{"messages": parts}]))
+    assert ds[0] == chat_dataset(tokenizer, source=write_jsonl(tmp_path / "j.jsonl", [{"messages": joined}]))[0]
+    tokens, trainable = tokenizer.encode_chat(joined)
+    assert "lookup: Paris" in tokenizer.decode(tokens)  # the tool's answer is in the context...
+    targets = tokenizer.decode([t for t, on in zip(tokens, trainable) if on])
+    assert "lookup" not in targets and "Paris" in targets  # ...and only the assistant's is trained on
+    sharegpt = [{"from": "user", "value": "Capital of France?"}, {"from": "assistant", "value": "Paris"}]
+    human_gpt = [{"from": "human", "value": "Capital of France?"}, {"from": "gpt", "value": "Paris"}]
+    read = [chat_dataset(tokenizer, source=write_jsonl(tmp_path / f"{name}.jsonl", [{"conversations": rows}]),
+                         conversation_style="sharegpt", conversation_column="conversations")[0]
+            for name, rows in (("user", sharegpt), ("human", human_gpt))]
+    assert read[0] == read[1]
+
+
+@pytest.mark.parametrize(
+    "messages, message",
+    [
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+          {"role": "assistant", "content": "ok"}],
+         "c.jsonl:1: messages[0]: content[0]: only text parts ({type: text, text: ...}) can be trained on, got type "
+         "'image_url'"),
+        ([{"role": "user", "content": "q"}, {"role": "tool", "content": "the answer"},
+          {"role": "assistant", "content": "ok"}],
+         "c.jsonl:1: chat template from the config's chat_template leaves out tool messages (their content is missing "
+         "from the rendering); use a template that renders them, or leave the tool messages out of the data"),
+    ],
+)
+def test_chat_data_a_template_cannot_render_is_one_line(tmp_path, messages, message):
+    # A template written for user and assistant turns only, which skips the others without a word.
+    template = ("{% for m in messages %}{% if m['role'] in ['user', 'assistant'] %}{{ m['role'] + ': ' + m['content'] "
+                "+ '\\n' }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    tokenizer = load_tokenizer(EMBEDDED_TOKENIZER_DIR, chat_template=template)
+    with pytest.raises(UserError) as info:
+        chat_dataset(tokenizer, source=write_jsonl(tmp_path / "c.jsonl", [{"messages": messages}]))
+    assert str(info.value) == f"{tmp_path}/{message}"
+
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ([], "dataset source=[]: must be a file, folder or Hub dataset, or a non-empty list of them"),
+        # Was "{dir}/l.jsonl: not UTF-8 text (invalid continuation byte at byte 36)".
+        ("l.jsonl", "{dir}/l.jsonl:2: not UTF-8 text: byte 0xe9 at column 20 (invalid continuation byte); the file "
+                    "must be UTF-8 encoded: convert it, for example with iconv -f LATIN1 -t UTF-8"),
+        ("z.jsonl.gz", "{dir}/z.jsonl.gz: not a gzip file, or cut short"),
+    ],
+)
+def test_source_errors(tmp_path, tokenizer, source, message):
+    (tmp_path / "l.jsonl").write_bytes(b'{"instruction": "i", "output": "o"}\n'
+                                       + '{"instruction":"caf\xe9", "output": "o"}\n'.encode("latin-1"))
+    (tmp_path / "z.jsonl.gz").write_text('{"instruction": "i", "output": "o"}\n')
+    with pytest.raises(UserError) as info:
+        instruct_dataset(tokenizer, source=str(tmp_path / source) if source else source)
+    assert str(info.value).startswith(message.replace("{dir}", str(tmp_path)))
+
+
+def test_validate_encodes_a_stated_sample_of_a_large_source(tmp_path, tokenizer, monkeypatch):
+    from torchtune_ac.data import datasets
+
+    monkeypatch.setattr(datasets, "CHECKED_RECORDS", 10)
+    records = [{"instruction": f"Say {i}.", "output": str(i)} for i in range(25)]
+    source = write_jsonl(tmp_path / "d.jsonl", records)
+    assert datasets.check_dataset_records(instruct_dataset, tokenizer, {"source": source}, None) == (
+        f"{source}: 25 records read; an evenly spaced sample of 10 encoded (the run encodes them all)", None)
+    # Every 2.5th record is encoded: the 13th (index 12) is, the 14th is not.
+    for index, caught in ((12, True), (13, False)):
+        bad = [dict(r, output=["x"]) if i == index else r for i, r in enumerate(records)]
+        source = write_jsonl(tmp_path / f"bad{index}.jsonl", bad)
+        if caught:
+            with pytest.raises(UserError, match=rf"bad12.jsonl:13: column 'output' must be a string, got array$"):
+                datasets.check_dataset_records(instruct_dataset, tokenizer, {"source": source}, None)
+        else:
+            assert datasets.check_dataset_records(instruct_dataset, tokenizer, {"source": source}, None) is not None
+    assert datasets.check_dataset_records(len, tokenizer, {}, None) is None  # not a builder of this module's

@@ -12,7 +12,7 @@ import pytest
 datasets = pytest.importorskip("datasets")
 
 from torchtune_ac.data import EMBEDDED_TOKENIZER_DIR, chat_dataset, instruct_dataset, load_tokenizer, text_dataset  # noqa: E402
-from torchtune_ac.data.sources import load_records  # noqa: E402
+from torchtune_ac.data.sources import SourceFiles, check_folder_formats, load_records, source_files  # noqa: E402
 from torchtune_ac.errors import UserError  # noqa: E402
 
 ROWS = [
@@ -186,6 +186,43 @@ def test_source_errors_are_one_line(tmp_path, setup, split, message):
     assert "\n" not in str(info.value)
 
 
+def test_a_folder_of_data_files_in_two_formats_is_refused_naming_the_files_left_out(tmp_path):
+    """``datasets`` read such a folder in one format only: 3,000 JSONL records were dropped for 100 in Parquet."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", ROWS)
+    write_jsonl(folder / "c.jsonl", ROWS)
+    datasets.Dataset.from_list(ROWS[:2]).to_parquet(str(folder / "b.parquet"))
+    (folder / "README.md").write_text("# a dataset card is no data file\n")
+    message = (f"dataset source {folder}: holds data files in 2 formats (2 json, 1 parquet), and a folder is read in "
+               "one format only: the 2 json file(s) would be read and b.parquet left out; keep one format in the "
+               "folder (convert the others), or point source at one file")
+    for check in (lambda: load_records(str(folder)), lambda: check_folder_formats(str(folder))):
+        with pytest.raises(UserError) as info:
+            check()
+        assert str(info.value) == message
+    (folder / "b.parquet").unlink()
+    check_folder_formats(str(folder))  # JSON Lines only: read whole
+    assert [r.value for r in load_records(str(folder))] == ROWS + ROWS
+    assert source_files(str(folder)) == SourceFiles(folder, ("a.jsonl", "c.jsonl"))
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk", "dataset_dict", "parquet_folder"])
+def test_source_files_are_the_files_a_source_is_read_from(tmp_path, kind):
+    source = Path(write_source(tmp_path, kind, ROWS))
+    files = source_files(str(source), split="train")
+    if kind == "parquet":
+        assert files == SourceFiles(tmp_path, ("d.parquet",))
+    elif kind == "parquet_folder":
+        assert files == SourceFiles(source, ("train-00000-of-00001.parquet",))
+    else:  # every file of the saved dataset (of its train split's folder for a DatasetDict)
+        expected = source / "train" if kind == "dataset_dict" else source
+        assert files.root == source and {n for n in files.names if n.endswith(".arrow")}
+        assert sorted(files.names) == sorted(p.relative_to(source).as_posix() for p in expected.rglob("*")
+                                             if p.is_file())
+    assert source_files("tatsu-lab/alpaca") is None  # a Hub dataset: its files are the cache's
+
+
 def run_child(code: str, env: dict) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
 
@@ -265,3 +302,38 @@ def test_validate_says_what_a_run_will_do_with_a_hub_dataset(tmp_path, monkeypat
     summary, warning = describe_hub_source("someorg/tiny_set")
     assert summary.startswith(f"someorg/tiny_set: a Hugging Face Hub dataset, in the datasets cache ({cache}")
     assert summary.endswith("HF_HUB_OFFLINE is set: the run reads the cache only") and warning is None
+
+
+def test_a_csv_that_is_not_utf8_names_its_line(tmp_path, tokenizer):
+    path = tmp_path / "d.csv"
+    path.write_bytes(b"instruction,output\nx,y\n" + "caf\xe9,q\n".encode("latin-1"))
+    with pytest.raises(UserError) as info:
+        instruct_dataset(tokenizer, source=str(path))
+    assert str(info.value) == (f"{path}:3: not UTF-8 text: byte 0xe9 at column 4 (invalid continuation byte); the "
+                               "file must be UTF-8 encoded: convert it, for example with iconv -f LATIN1 -t UTF-8")
+
+
+def test_source_files_of_a_list_are_every_item_s_files_in_reading_order(tmp_path):
+    """A list of sources (a file, a compressed file, a folder, a Hub dataset): the identity a checkpoint records
+    must cover each of them, relative to the folder that holds them all."""
+    (tmp_path / "x").mkdir()
+    (tmp_path / "y").mkdir()
+    a = write_jsonl(tmp_path / "x" / "a.jsonl", ROWS)
+    (tmp_path / "y" / "b.jsonl.gz").write_bytes(b"not read here")
+    folder = write_source(tmp_path / "y", "parquet_folder", ROWS)
+    source = [folder, "tatsu-lab/alpaca", str(tmp_path / "y" / "b.jsonl.gz"), a]
+    assert source_files(source) == SourceFiles(
+        tmp_path, ("y/files/train-00000-of-00001.parquet", "y/b.jsonl.gz", "x/a.jsonl"), hub=("tatsu-lab/alpaca",))
+    assert source_files([a]) == SourceFiles(tmp_path / "x", ("a.jsonl",))
+    assert source_files(["tatsu-lab/alpaca", "yahma/alpaca-cleaned"]) is None  # Hub datasets only: by name
+
+
+def test_a_list_holding_a_folder_of_two_formats_is_refused(tmp_path):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", ROWS)
+    datasets.Dataset.from_list(ROWS[:2]).to_parquet(str(folder / "b.parquet"))
+    single = write_jsonl(tmp_path / "c.jsonl", ROWS)
+    with pytest.raises(UserError, match=f"^dataset source {folder}: holds data files in 2 formats"):
+        check_folder_formats([single, str(folder)])
+    check_folder_formats([single, single])  # files are not folders: nothing to check

@@ -84,16 +84,60 @@ def test_label_at_document_end_is_ignore_after_eos(tokenizer):
     assert checked > 20
 
 
-def test_label_at_truncated_document_end_is_its_own_next_token(tmp_path, tokenizer):
-    docs = ["alpha beta gamma delta epsilon zeta", "one two three four five six seven"]
+@pytest.mark.parametrize(
+    "lengths, max_seq_len, expected_document_ids, split",
+    [
+        # Every row full: a sample that does not fit goes on in the next row, as a document of its own there.
+        ([3, 4, 2], 4, [[0, 0, 0, 1], [0, 0, 0, 1], [0, 1, 1, 1]], 2),
+        ([10], 4, [[0, 0, 0, 0], [0, 0, 0, 0], [0, 0, 1, 1]], 1),
+        ([4, 4], 4, [[0, 0, 0, 0], [0, 0, 0, 0]], 0),  # exact fits are not split
+        ([2, 9, 2], 5, [[0, 0, 1, 1, 1], [0, 0, 0, 0, 0], [0, 1, 1, 2, 2]], 1),
+    ],
+)
+def test_split_across_rows_fills_every_row_and_loses_nothing(lengths, max_seq_len, expected_document_ids, split):
+    samples = [sample_of(n, 10 * i) for i, n in enumerate(lengths)]
+    packed = pack_samples(samples, max_seq_len=max_seq_len, pad_id=PAD, split_across_rows=True)
+    assert [packed[i]["document_ids"] for i in range(len(packed))] == expected_document_ids
+    # Every token and label, in order; a piece that ends a row keeps its document's next token as its label.
+    kept = [(t, lab) for row in packed for t, lab in zip(row["tokens"], row["labels"]) if t != PAD]
+    assert kept == [pair for s in samples for pair in zip(s["tokens"], s["labels"])]
+    assert (packed.packing.samples, packed.packing.rows, packed.packing.split) == (len(lengths), len(packed), split)
+
+
+def test_packed_text_splits_long_documents_across_rows(tmp_path, tokenizer):
+    """Packed text used to cut each document at max_seq_len: eight 3,000-word documents at 128 tokens lost 42,070
+    of 43,094 target tokens. Now each goes on in the next rows, and every target is trained on."""
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa".split()
+    docs = [" ".join(words[(i + j) % len(words)] for j in range(300)) for i in range(8)]
     path = tmp_path / "t.jsonl"
     path.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    packed = text_dataset(tokenizer, source=str(path), packed=True, max_seq_len=6)
+    packed = text_dataset(tokenizer, source=str(path), packed=True, max_seq_len=128)
     whole = [tokenizer.encode(d, add_bos=True, add_eos=True) for d in docs]
-    for index, doc in enumerate(whole):
-        row = packed[index]
-        assert row["document_ids"] == [0] * 6 and row["tokens"] == doc[:6]
-        assert row["labels"][-1] == doc[6]
+    assert all(len(doc) > 128 for doc in whole)  # the test's premise
+    assert packed.report is None  # nothing truncated, nothing dropped
+    stream = [t for row in packed for t in row["tokens"]]
+    assert stream[:sum(map(len, whole))] == [t for doc in whole for t in doc]
+    targets = sum(label != M for row in packed for label in row["labels"])
+    assert targets == sum(len(doc) - 1 for doc in whole)  # every next token of every document
+    assert len(packed) == -(-sum(map(len, whole)) // 128)
+    # A row's first piece restarts at document id 0, and the piece a row ends with predicts its document's next
+    # token, which the next row starts with.
+    for row, following in zip(list(packed), list(packed)[1:]):
+        assert row["labels"][-1] == following["tokens"][0] and following["document_ids"][0] == 0
+    assert packed.packing.describe() == (f"8 samples -> {len(packed)} rows of 128 tokens, "
+                                         f"{100 * sum(map(len, whole)) / (128 * len(packed)):.1f} % filled "
+                                         "(8 documents split across rows)")
+
+
+def test_unpacked_text_truncation_says_what_a_document_loses(tmp_path, tokenizer):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"text": "word " * 40}) + "\n" + json.dumps({"text": "hi"}) + "\n")
+    whole, short = (tokenizer.encode(text, add_bos=True, add_eos=True) for text in ("word " * 40, "hi"))
+    ds = text_dataset(tokenizer, source=str(path), max_seq_len=16)
+    # Was the instruct wording, "(a truncated response is trained without its end and EOS)".
+    assert ds.report == (f"data {path}: 1 of 2 documents is longer than max_seq_len=16 and was truncated, losing "
+                         f"{len(whole) - 17} of {len(whole) + len(short) - 2} target tokens (the rest of a truncated "
+                         "document is not trained on; packed: true splits long documents across rows)")
 
 
 def run_loss_sum(model: Llama, tokens: list[int], labels: list[int], document_ids=None) -> torch.Tensor:

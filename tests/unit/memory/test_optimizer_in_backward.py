@@ -162,3 +162,46 @@ def test_the_scheduler_still_reaches_every_parameter_after_a_state_dict_is_loade
     scheduler = cosine_schedule_with_warmup(optimizer, num_warmup_steps=4, num_training_steps=10)
     scheduler.step()
     assert {group["lr"] for opt in optimizer.optimizers for group in opt.param_groups} == {1e-2 * 2 / 5}
+
+
+def test_with_cpu_offload_each_hook_waits_for_its_gradient_copy_before_stepping():
+    """FSDP2 before torch 2.12 copies each reduced gradient into pinned host memory without blocking, records an
+    event for it, and calls the gradient hooks at once; it waits for the copies only when backward ends. A CPU has
+    no copy in flight, so each parameter's event is one that records when it is waited on: every parameter's
+    step must come after the wait on its own copy (without the wait, the first wait is FSDP2's, after all steps)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    from torchtune_ac.runtime.distributed import destroy_distributed, join_world_of_one
+
+    join_world_of_one(torch.device("cpu"))
+    try:
+        torch.manual_seed(0)
+        model = Llama(ARGS)
+        for block in model.layers:
+            fully_shard(block, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        fully_shard(model, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        stepper = build_optimizer(adamw, model, in_backward=True)
+        events: list[tuple[str, int]] = []
+
+        class CopyEvent:
+            def __init__(self, param: torch.Tensor) -> None:
+                self.param = param
+
+            def synchronize(self) -> None:
+                events.append(("wait", id(self.param)))
+
+        fsdp_params = [fp for module in model.modules() if isinstance(module, FSDPModule)
+                       for fp in module._get_fsdp_state()._fsdp_param_group.fsdp_params]
+        assert fsdp_params and all(fp.offload_to_cpu for fp in fsdp_params)
+        for fsdp_param in fsdp_params:  # as FSDP2 2.11 leaves them when it calls the hooks
+            fsdp_param.grad_offload_event = CopyEvent(fsdp_param.sharded_param)
+        for optimizer in stepper.optimizer.optimizers:
+            (param,) = optimizer.param_groups[0]["params"]
+            optimizer.register_step_pre_hook(lambda *_, p=param: events.append(("step", id(p))))
+        train_step(model, stepper, micro_batches(0, 0, 1), ctx=DistributedContext(0, 1, 0, torch.device("cpu")))
+        steps = [key for what, key in events if what == "step"]
+        assert len(steps) == len(fsdp_params)
+        for key in steps:
+            assert events.index(("wait", key)) < events.index(("step", key))
+    finally:
+        destroy_distributed()

@@ -1,6 +1,7 @@
 """The memory planner: its simulation matches what a real step keeps and peaks at, its extrapolation matches a
 whole-depth simulation, and ``ac_mode: auto`` picks the least recompute that fits (or says what is missing)."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -240,3 +241,81 @@ def test_the_default_cuda_budget_is_the_free_memory_with_the_fixed_cost_counted_
     plan = resolve_memory_plan(auto, MemoryConfig(), model, clip_grad_norm=None, planning=inputs)
     assert plan.budget_gib == pytest.approx(0.9 * total / GiB)
     assert plan.estimate.device == plan.estimate.total + total - free  # the fixed cost, once, in the estimate
+
+
+def _full_ac_estimate(args, *, in_bwd: bool, world_size: int):
+    from torchtune_ac.models.llama import Llama
+
+    plan = resolve_memory_plan(ACConfig(ac_mode=ACMode.FULL), MemoryConfig(optimizer_in_bwd=in_bwd, loss_chunks=4),
+                               Llama(args), clip_grad_norm=None, optimizer=OptimizerSpec("torch.optim.AdamW"))
+    workload = Workload(batch_size=2, seq_len=64, world_size=world_size).with_settings(plan.settings)
+    estimate, = estimate_memory(lambda: Llama(args), adamw, workload, [plan.ac])
+    return estimate
+
+
+def test_with_the_step_in_backward_fsdp2_keeps_the_root_s_gradients_whole_until_backward_ends():
+    """The switch used to add the root's gradients to the estimate wherever its peak was, at the end of the forward
+    too, before any gradient exists: llama3/8B_full in fp32 on 8 processes went from 25.25 to 26.45 GiB with
+    optimizer_in_bwd=true. The simulation now keeps them, whole, from when they are computed to the end of backward
+    (when FSDP2 reduces them and the optimizer takes them), and counts nothing more: 23.83 GiB."""
+    from torchtune_ac.models import LlamaArgs
+    from torchtune_ac.models.llama import Llama
+
+    large_vocab = LlamaArgs(vocab_size=4096, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_dim=160,
+                            max_seq_len=64)
+    root = sum(p.numel() * p.element_size() for name, p in Llama(large_vocab).named_parameters()
+               if not name.startswith("layers."))
+    sharded = _full_ac_estimate(large_vocab, in_bwd=True, world_size=4)
+    assert (sharded.peak_phase, sharded.gradients) == ("rest of backward", root)  # every block's freed at once
+    alone = _full_ac_estimate(large_vocab, in_bwd=True, world_size=1)  # no FSDP2: each stepped and freed at once
+    assert alone.gradients < root
+    small_vocab = dataclasses.replace(large_vocab, vocab_size=96)
+    assert (_full_ac_estimate(small_vocab, in_bwd=True, world_size=4).total
+            < _full_ac_estimate(small_vocab, in_bwd=False, world_size=4).total)
+
+
+def test_packed_grouped_kv_copies_for_varlen_are_counted_only_where_torch_makes_them(monkeypatch):
+    """On a torch whose ``varlen_attn`` has no ``enable_gqa=`` (2.11), packed bf16 batches on a GPU copy K and V per
+    query head in every layer, and the kernel saves the copies for backward: without AC each block keeps its
+    copies, with full AC only the block recomputing holds them. On a torch with ``enable_gqa=`` nothing is added."""
+    from torchtune_ac.models import attention
+    from torchtune_ac.models.llama import Llama, LlamaArgs
+    from torchtune_ac.runtime.dtypes import DType
+
+    args = LlamaArgs(vocab_size=96, dim=64, n_layers=4, n_heads=8, n_kv_heads=2, intermediate_dim=96, max_seq_len=64)
+    plans = [ACConfig(ac_mode=mode).resolve(args.n_layers) for mode in (ACMode.NONE, ACMode.FULL)]
+
+    def estimates(varlen: bool):
+        workload = Workload(batch_size=2, seq_len=64, dtype=DType.BF16, varlen=varlen)
+        return estimate_memory(lambda: Llama(args), adamw, workload, plans)
+
+    copy = 2 * (2 * 64) * (8 - 2) * (64 // 8) * 2  # K and V, tokens, the heads added, head_dim, bf16 bytes
+    grouped = {estimate.plan.mode: estimate for estimate in estimates(False)}
+    monkeypatch.setattr(attention, "VARLEN_SUPPORT", attention.VarlenSupport(True, True, False))  # torch 2.11's
+    assert attention.varlen_kv_copy_bytes(128, 8, 2, 8, torch.bfloat16) == copy
+    assert attention.varlen_kv_copy_bytes(128, 8, 8, 8, torch.bfloat16) == 0  # no grouping, no copy
+    assert attention.varlen_kv_copy_bytes(128, 8, 2, 8, torch.float32) == 0  # fp32 takes the per-document path
+    copied = {estimate.plan.mode: estimate for estimate in estimates(True)}
+    assert copied[ACMode.NONE].activations - grouped[ACMode.NONE].activations == copy * args.n_layers
+    assert copied[ACMode.FULL].activations == grouped[ACMode.FULL].activations
+    for mode in (ACMode.NONE, ACMode.FULL):
+        assert copied[mode].transient - grouped[mode].transient == copy
+    monkeypatch.setattr(attention, "VARLEN_SUPPORT", attention.VarlenSupport(True, True, True))  # torch 2.12+
+    assert [e.total for e in estimates(True)] == [e.total for e in grouped.values()]
+
+
+@pytest.mark.parametrize("overrides, varlen", [
+    (("device=cuda", "dtype=bf16", "dataset.packed=true"), True),
+    (("device=cuda", "dtype=bf16", "dataset.packed=false"), False),
+    (("device=cuda", "dtype=fp32", "dataset.packed=true"), False),  # fp32 takes the per-document path
+    (("device=cpu", "dtype=bf16", "dataset.packed=true"), False),
+])
+def test_a_packed_bf16_config_for_a_gpu_is_planned_with_varlen_s_copies(overrides, varlen):
+    """The planner simulates on a CPU's kernels whatever the run's device: whether the run's attention takes
+    varlen_attn follows from the config's device, not from where the simulation runs."""
+    from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
+    from torchtune_ac.config.planning import planning_inputs
+
+    recipe = load_recipe(resolve_recipe_path("full_finetune"))
+    cfg = load_recipe_config(recipe, "tiny/full", list(overrides), [])
+    assert planning_inputs(cfg, 1, torch.device("cpu")).workload.varlen is varlen

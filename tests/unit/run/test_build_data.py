@@ -1,9 +1,12 @@
 """The run's data loader: batches padded to lengths that repeat under ``compile: true`` (the padding ignored by the
-loss), and pinned in host memory for a CUDA run."""
+loss), and pinned in host memory for a CUDA run; and what identifies the run's data."""
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import itertools
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +16,7 @@ from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.config.validation import validate_config
 from torchtune_ac.data import IGNORE_INDEX
 from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
-from torchtune_ac.data.embedded import EMBEDDED_TOKENIZER_DIR
+from torchtune_ac.data.embedded import EMBEDDED_INSTRUCT_PATH, EMBEDDED_TOKENIZER_DIR
 from torchtune_ac.data.tokenizer import load_tokenizer
 from torchtune_ac.models import llama_tiny
 from torchtune_ac.run.phases import build_data
@@ -84,3 +87,49 @@ def test_a_cuda_run_pins_its_batches(tokenizer, ctx, pinned):
     """Pinned host memory makes the batch's ``non_blocking`` copy to the GPU asynchronous; only the loader's
     setting is checked here (pinning needs a GPU)."""
     assert build_data(config(), tokenizer, ctx).loader.pin_memory is pinned
+
+
+def test_packing_is_said_in_samples_to_rows_and_its_fill(tokenizer, caplog):
+    """The log said "N samples" of packed rows, and nothing when packing changed nothing."""
+    plain = build_data(config(), tokenizer, CPU)
+    assert (plain.described, plain.unit) == (f"{plain.samples:,} samples", "sample")
+    packed = build_data(config(dataset={"_component_": "torchtune_ac.data.instruct_dataset", "packed": True}),
+                        tokenizer, CPU)
+    report = packed.loader.dataset.packing
+    tokens = sum(sum(1 for t in row["tokens"] if t != tokenizer.pad_id) for row in packed.loader.dataset)
+    assert (report.samples, report.rows, packed.samples, packed.unit) == (plain.samples, packed.samples,
+                                                                          len(packed.loader.dataset), "row")
+    assert packed.described == (f"packed: {plain.samples:,} samples -> {packed.samples:,} rows of {MAX_SEQ_LEN} "
+                                f"tokens, {100 * tokens / (packed.samples * MAX_SEQ_LEN):.1f} % filled")
+    assert packed.samples < plain.samples / 2
+    assert not [r for r in caplog.records if "packing changed nothing" in r.getMessage()]
+    # At 40 tokens no sample fits beside the one before it: packing makes one row of each.
+    caplog.clear()
+    unchanged = build_data(config(max_seq_len=40, dataset={"_component_": "torchtune_ac.data.instruct_dataset",
+                                                           "packed": True}), tokenizer, CPU)
+    fill = unchanged.loader.dataset.packing.fill
+    said = [r.getMessage() for r in caplog.records if "packing" in r.getMessage()]
+    assert said == [f"data: packing changed nothing: each of the {unchanged.samples:,} rows of max_seq_len=40 tokens "
+                    f"holds one sample (none fit beside the one before it), {100 * fill:.1f} % filled on average; "
+                    "raise max_seq_len, or set packed: false"]
+
+
+def test_the_run_identifies_every_file_of_a_list_of_sources(tokenizer, tmp_path):
+    """The builders prepare before they build; what a checkpoint records of the data still names each file a list
+    reads, a compressed one by its own bytes."""
+    lines = Path(EMBEDDED_INSTRUCT_PATH).read_bytes().splitlines(keepends=True)
+    (tmp_path / "a.jsonl").write_bytes(b"".join(lines[:40]))
+    (tmp_path / "more").mkdir()
+    compressed = gzip.compress(b"".join(lines[40:100]))
+    (tmp_path / "more" / "b.jsonl.gz").write_bytes(compressed)
+    source = [str(tmp_path / "a.jsonl"), str(tmp_path / "more" / "b.jsonl.gz")]
+    data = build_data(config(dataset={"_component_": "torchtune_ac.data.instruct_dataset", "source": source}),
+                      tokenizer, CPU)
+    assert data.samples == 100
+    assert data.identity == {
+        "source": f"{source[0]} + {source[1]}", "root": str(tmp_path), "samples": 100,
+        "files": [{"name": "a.jsonl", "bytes": (tmp_path / "a.jsonl").stat().st_size,
+                   "sha256": hashlib.sha256(b"".join(lines[:40])).hexdigest()},
+                  {"name": "more/b.jsonl.gz", "bytes": len(compressed),
+                   "sha256": hashlib.sha256(compressed).hexdigest()}],
+    }

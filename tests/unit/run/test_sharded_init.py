@@ -22,6 +22,7 @@ from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models import LLAMA
 from torchtune_ac.models.families import family_of, init_weights_, model_from_hf_config
 from torchtune_ac.models.families.llama import LLAMA_TINY
+from torchtune_ac.run import model_setup
 from torchtune_ac.run.model_setup import build_training_model, parameter_seed
 from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
@@ -67,7 +68,8 @@ class HostTensorBytes(TorchDispatchMode):
         return out
 
 
-def init_rank(rank: int, case: str, out_path: str) -> None:
+def init_rank(rank: int, case: str, out_path: str, block_elements: int) -> None:
+    model_setup.INIT_BLOCK_ELEMENTS = block_elements
     ctx = DistributedContext(rank=rank, world_size=WORLD_SIZE, local_rank=rank, device=torch.device("cpu"))
     with HostTensorBytes() as host:
         model = build(MODELS[case], ctx)
@@ -78,10 +80,13 @@ def init_rank(rank: int, case: str, out_path: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case", sorted(MODELS))
-def test_sharded_random_init_equals_one_process(case: str, tmp_path) -> None:
+@pytest.mark.parametrize("case, block_elements", [("tied", model_setup.INIT_BLOCK_ELEMENTS), ("untied", 1000)],
+                         ids=["tied", "untied-blocks-across-shards"])
+def test_sharded_random_init_equals_one_process(case: str, block_elements: int, tmp_path, monkeypatch) -> None:
+    """With 1000-element blocks (7 rows of the embedding) the shards' edges fall inside blocks."""
+    monkeypatch.setattr(model_setup, "INIT_BLOCK_ELEMENTS", block_elements)
     out_path = str(tmp_path / "sharded.pt")
-    run_on_gloo_ranks(init_rank, case, out_path, store_dir=tmp_path)
+    run_on_gloo_ranks(init_rank, case, out_path, block_elements, store_dir=tmp_path)
     sharded = torch.load(out_path, weights_only=True)
     single = build(MODELS[case], DistributedContext(0, 1, 0, torch.device("cpu"))).state_dict()
     assert sharded.keys() == single.keys()
@@ -111,6 +116,25 @@ def test_each_parameter_is_drawn_from_a_cpu_generator_of_its_own() -> None:
             expected = torch.empty(param.shape).normal_(0.0, 0.02, generator=generator)
         assert torch.equal(param.detach(), expected), name
     assert parameter_seed(SEED, "layers.0.attn.q_proj.weight") != parameter_seed(SEED, "layers.1.attn.q_proj.weight")
+
+
+@pytest.mark.parametrize("dtype", [DType.FP32, DType.BF16])
+def test_a_parameter_of_several_blocks_draws_each_block_from_its_own_generator(monkeypatch, dtype) -> None:
+    """Block b of a parameter's rows is normal(0, 0.02) from ``parameter_seed(seed, name, b)``, drawn in float32 and
+    rounded once to the storage dtype (bf16's own ``normal_`` on the CPU is serial and slow)."""
+    monkeypatch.setattr(model_setup, "INIT_BLOCK_ELEMENTS", 1000)
+    model = build_training_model(
+        parse_component(MODELS["untied"], "model"), ctx=DistributedContext(0, 1, 0, torch.device("cpu")), dtype=dtype,
+        memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}), fsdp=FSDPConfig(), compile_blocks=False,
+        checkpoint_dir=None, seed=SEED)
+    embedding = model.get_parameter("tok_embeddings.weight").detach()
+    rows = 1000 // embedding.shape[1]
+    blocks = [torch.empty(min(rows, embedding.shape[0] - start), embedding.shape[1]).normal_(
+        0.0, 0.02, generator=torch.Generator().manual_seed(parameter_seed(SEED, "tok_embeddings.weight", index)))
+        for index, start in enumerate(range(0, embedding.shape[0], rows))]
+    assert len(blocks) > 2
+    assert embedding.dtype == dtype.torch
+    assert torch.equal(embedding, torch.cat(blocks).to(dtype.torch))
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)

@@ -92,3 +92,30 @@ def test_finite_steps_are_untouched_by_the_checks():
 def test_the_error_can_be_rebuilt_from_its_fields():
     err = NonFiniteError("loss", float("nan"), micro_batch=0, micro_batches=1, ranks=[1, 3])
     assert str(err) == "the loss of micro-batch 1 of 1 is nan (ranks 1, 3)"
+
+
+def test_a_gradient_norm_in_host_memory_joins_device_losses_in_the_one_read():
+    """With ``fsdp.cpu_offload`` FSDP2 keeps the gradients on the CPU, so the total norm comes back there while the
+    loss slots are on the GPU. Fake tensors let a CPU-only machine hold "CUDA" tensors: the read's one tensor is on
+    the losses' device, and holds the norm's value where the old ``torch.cat`` of mixed devices raised."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchtune_ac.runtime.non_finite import FiniteChecks
+
+    cuda = torch.device("cuda", 0)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        checks = FiniteChecks(DistributedContext(0, 1, 0, cuda), micro_batches=2, device=cuda)
+        gathered = checks.gather(torch.zeros((), device=cuda), torch.ones((), device="cpu"),
+                                 torch.ones(2, dtype=torch.long, device=cuda))
+    assert gathered.device == cuda
+    assert gathered.shape == (2 + 1 + 1 + 2,)  # two losses, their sum, the norm, two counts
+
+
+def test_the_read_brings_the_norm_and_counts_in_order():
+    from torchtune_ac.runtime.non_finite import FiniteChecks
+
+    checks = FiniteChecks(CTX, micro_batches=2, device=torch.device("cpu"))
+    checks.record_loss(0, torch.tensor(1.5))
+    checks.record_loss(1, torch.tensor(2.5))
+    values = checks.read(torch.tensor(4.0), torch.tensor(0.25, dtype=torch.float64), torch.tensor([7, 9]))
+    assert (values.loss_sum, values.grad_norm, values.target_tokens, values.input_tokens) == (4.0, 0.25, 7, 9)

@@ -205,3 +205,14 @@ def test_host_side_waits_and_object_collectives_run_on_the_cpu_backend(cuda_and_
     assert objects_on and set(objects_on) == {"cpu"}
     distributed.destroy_distributed(synchronize=True)
     assert reduced_on == ["cpu"] * 4
+
+
+def test_the_gpu_suite_starts_its_process_groups_as_tune_run_does():
+    """A GPU test that starts an NCCL-only group has no backend for the checkpoint code's CPU barrier; every test
+    under tests/gpu goes through runtime.distributed (``cuda:nccl,cpu:gloo``) instead of calling torch itself."""
+    import pathlib
+
+    suite = pathlib.Path(__file__).resolve().parents[2] / "gpu"
+    sources = {path.name: path.read_text() for path in suite.glob("*.py")}
+    assert sources
+    assert [name for name, text in sources.items() if "init_process_group(" in text] == []

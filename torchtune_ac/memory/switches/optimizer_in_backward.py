@@ -1,6 +1,10 @@
 """The optimizer step in backward as a memory switch: each parameter is stepped as soon as its gradient is
 final, and the gradient freed at once (mechanism: ``memory/optimizer_in_backward.py``).
 
+The planner simulates the step with the optimizer in backward, so it needs no cost declared here; under FSDP2 the
+root's gradients (embeddings, output) are reduced, and so stepped, only when backward ends, which the simulation
+keeps (``planner._LiveStorages``): they stay whole on every process until then.
+
     optimizer_in_bwd: false | true
 """
 
@@ -13,7 +17,7 @@ from torch import nn
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer
-from torchtune_ac.memory.switch import Alternative, ModelSizes, SwitchContext, SwitchCost, SwitchDefaults
+from torchtune_ac.memory.switch import Alternative, SwitchContext, SwitchDefaults
 
 
 @dataclass(frozen=True)
@@ -45,13 +49,6 @@ class OptimizerInBackwardSwitch(SwitchDefaults):
     def build_stepper(self, setting: bool, make_optimizer: Callable[[Iterable[nn.Parameter]], Any],
                       model: nn.Module) -> Any:
         return build_optimizer(make_optimizer, model, in_backward=True) if setting else None
-
-    def planner_cost(self, setting: bool, sizes: ModelSizes) -> SwitchCost:
-        if setting and sizes.sharded:
-            # Under FSDP2 the root's gradients are reduced, and so stepped, only at the end of backward: they are
-            # whole on every process until then.
-            return SwitchCost(device={"transient": sizes.root_parameters})
-        return SwitchCost()
 
     def alternatives(self, setting: bool) -> list[Alternative]:
         if setting:
