@@ -93,21 +93,30 @@ def _under_optimizer(event: Any) -> bool:
 
 def profile_workload(config: Path, overrides: Sequence[str], *, warmup: int, steps: int) -> dict:
     """Set the recipe up on ``config`` and measure its steps (see the module docstring)."""
-    import resource
-
     from torchtune_ac import cli
     from torchtune_ac.registry import find_recipe
-    from torchtune_ac.training.step import move_batch, train_step
+
+    from torchtune_ac.run.session import open_run
 
     recipe_module = cli.load_recipe(find_recipe("full_finetune").path)
     cfg = cli.load_recipe_config(recipe_module, str(config), list(overrides), [], to_run=True)
-    recipe = recipe_module.FullFinetuneRecipe(cfg)
-    recipe.setup()
-    training, ctx = recipe.training, recipe.run.ctx
-    batches = iter(recipe.data.loader)
+    with open_run(cfg) as run:
+        recipe = recipe_module.FullFinetuneRecipe(cfg, run)
+        trainer = recipe.setup()
+        report = _profile_steps(cfg, recipe.training, run.ctx, trainer.data.loader, warmup=warmup, steps=steps)
+        run.close(succeeded=True)
+    return report
+
+
+def _profile_steps(cfg, training, ctx, loader, *, warmup: int, steps: int) -> dict:
+    import resource
+
+    from torchtune_ac.training.step import move_batch, train_step
+
+    batches = iter(loader)
     needed = warmup + 2 + 2 * steps
-    if recipe.data.steps_per_epoch < needed:
-        raise SystemExit(f"bench_train --profile: {needed} batches needed, the data has {recipe.data.steps_per_epoch}")
+    if len(loader) < needed:
+        raise SystemExit(f"bench_train --profile: {needed} batches needed, the data has {len(loader)}")
 
     def step(batch: dict) -> float:
         return _timed(lambda: train_step(training.model, training.stepper, [move_batch(batch, ctx.device)], ctx=ctx,

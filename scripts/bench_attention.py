@@ -18,7 +18,7 @@ only ever adds time) and the process CPU time are reported as cross-checks.
        unpacked batch of the same shape costs, for scale.
    Target: ``per_document`` at most 0.6x ``dense`` at 5 documents per 512-token row.
 
-2. **The whole training step on a packed workload**: the recipe's model and step (``build_training_model`` +
+2. **The whole training step on a packed workload**: the recipe's model and step (``build_training`` +
    ``train_step``, 1 process) on instruction-like documents of 60-140 tokens (30-60 % prompt, masked out of the
    loss) packed into 512-token rows by ``pack_samples``, batch 4, for each AC setting (``none``, ``full``,
    ``op``, each optionally compiled: ``none+compile``). ``before`` is the same model whose attention modules run
@@ -54,16 +54,17 @@ from _benchlib import pyplot, save_figure, write_report  # noqa: E402
 from torchtune_ac import models  # noqa: E402
 from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.data import IGNORE_INDEX, build_sample, collate_batch, pack_samples  # noqa: E402
-from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode  # noqa: E402
+from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
 from torchtune_ac.memory.plan import MemoryPlan  # noqa: E402
 from torchtune_ac.models.attention import DocumentRuns, causal_attention, document_runs, document_starts  # noqa: E402
 from torchtune_ac.models.llama import Attention, apply_rope  # noqa: E402
-from torchtune_ac.run.model_setup import build_training_model  # noqa: E402
+from torchtune_ac.run.assemble import build_training  # noqa: E402
 from torchtune_ac.runtime.distributed import (
     DistributedContext,  # noqa: E402
     FSDPConfig,  # noqa: E402
 )
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.training import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 
 ATTENTION_SIDES = ("dense", "per_document", "causal_row")
@@ -282,10 +283,10 @@ def build_step(args: argparse.Namespace, side: str, setting: str, batches: list[
     component = Component(key="model", path=f"torchtune_ac.models.{args.model}")
     with torch.device("meta"):
         n_layers = len(component.instantiate().layers)
-    model = build_training_model(
-        component, ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=AC_SETTINGS[setting.removesuffix(COMPILED)].resolve(n_layers), settings={}),
+    model = build_training(
+        build_meta_model(component), ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=AC_SETTINGS[setting.removesuffix(COMPILED)].resolve(n_layers), settings={}),
         fsdp=FSDPConfig(), compile_blocks=setting.endswith(COMPILED), checkpoint_dir=None, seed=args.seed,
-    )
+    ).model
     holder = DenseMask()  # installed before the first call, so compile traces the dense attention
     if side == "before" and install_dense_attention(model, holder) == 0:
         raise RuntimeError(f"{args.model} has no torchtune_ac Attention modules to run densely")

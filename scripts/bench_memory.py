@@ -62,12 +62,12 @@ from _measure import return_freed_memory_to_os, track_peak_rss  # noqa: E402
 
 from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
-from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
 from torchtune_ac.observability.third_party_noise import filter_known_noise  # noqa: E402
-from torchtune_ac.run.model_setup import build_training_model  # noqa: E402
+from torchtune_ac.run.assemble import build_training  # noqa: E402
 from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.training import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 
@@ -157,8 +157,8 @@ def measure(args: argparse.Namespace, setting: Setting, batch: dict[str, torch.T
     memory = MemoryConfig(optimizer_in_bwd=setting.in_backward, loss_chunks=CHUNKS if setting.chunked else 1)
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting.ac)), memory, build_meta_model(component),
                                clip_grad_norm=None)
-    model = build_training_model(component, ctx=ctx, dtype=DType.FP32, memory=plan, fsdp=FSDPConfig(),
-                                 compile_blocks=False, checkpoint_dir=None, seed=args.seed)
+    model = build_training(build_meta_model(component), ctx=ctx, dtype=DType.FP32, memory=plan, fsdp=FSDPConfig(),
+                           compile_blocks=False, checkpoint_dir=None, seed=args.seed).model
     optimizer = plan.build_stepper(lambda params: torch.optim.AdamW(params, lr=1e-5), model)
     train_step(model, optimizer, [batch], ctx=ctx, objective=plan.objective())  # allocates the optimizer state
     return_freed_memory_to_os()
@@ -311,7 +311,7 @@ def state_bytes_of(optimizers: list[torch.optim.Optimizer]) -> int:
 def measure_optimizer(args: argparse.Namespace, name: str, batch: dict[str, torch.Tensor]) -> tuple[int, int, float]:
     """State bytes, the peak above the pre-step resident memory, and wall seconds of one step after a warm-up step,
     with full AC and the chunked loss."""
-    from torchtune_ac.memory.switch import OptimizerSpec
+    from torchtune_ac.memory.feature import OptimizerSpec
 
     path, kwargs, dtype = OPTIMIZERS[name]
     ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -321,8 +321,8 @@ def measure_optimizer(args: argparse.Namespace, name: str, batch: dict[str, torc
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode.FULL), MemoryConfig(loss_chunks=CHUNKS),
                                build_meta_model(component), clip_grad_norm=None,
                                optimizer=OptimizerSpec(path, optimizer.kwargs), dtype=storage.torch, device="cpu")
-    model = build_training_model(component, ctx=ctx, dtype=storage, memory=plan, fsdp=FSDPConfig(),
-                                 compile_blocks=False, checkpoint_dir=None, seed=args.seed)
+    model = build_training(build_meta_model(component), ctx=ctx, dtype=storage, memory=plan, fsdp=FSDPConfig(),
+                           compile_blocks=False, checkpoint_dir=None, seed=args.seed).model
     stepper = plan.build_stepper(optimizer.instantiate, model)
     train_step(model, stepper, [batch], ctx=ctx, objective=plan.objective())  # allocates (and compiles) the state
     state = state_bytes_of(stepper.optimizers_to_checkpoint())
@@ -456,7 +456,7 @@ def plot_optimizers(report: dict, path: Path) -> None:
 
 
 def _ablation_plan(args: argparse.Namespace, row: tuple):
-    from torchtune_ac.memory.switch import OptimizerSpec
+    from torchtune_ac.memory.feature import OptimizerSpec
 
     _, ac, chunks, in_backward, optimizer = row
     component = Component(key="model", path=f"torchtune_ac.models.{args.model}")
@@ -477,8 +477,8 @@ def ablation_worker(args: argparse.Namespace, index: int) -> dict:
     component, optimizer, plan = _ablation_plan(args, ABLATION[index])
     fixed = fixed_bytes(torch.device("cpu"))
     ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    model = build_training_model(component, ctx=ctx, dtype=DType.FP32, memory=plan, fsdp=FSDPConfig(),
-                                 compile_blocks=False, checkpoint_dir=None, seed=args.seed)
+    model = build_training(build_meta_model(component), ctx=ctx, dtype=DType.FP32, memory=plan, fsdp=FSDPConfig(),
+                           compile_blocks=False, checkpoint_dir=None, seed=args.seed).model
     stepper = plan.build_stepper(optimizer.instantiate, model)
     batch = make_batch(args, model.args.vocab_size)
     for _ in range(2):

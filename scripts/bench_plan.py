@@ -38,11 +38,12 @@ sys.path.insert(0, str(REPO))
 from _benchlib import leave_spawned_rank, write_report  # noqa: E402
 
 from torchtune_ac.config.components import Component  # noqa: E402
-from torchtune_ac.memory.activation_checkpointing import ACConfig, resolve_ac_plan  # noqa: E402
+from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
 from torchtune_ac.memory.chunked_loss import loss_objective  # noqa: E402
 from torchtune_ac.memory.plan import MemoryConfig, MemoryPlan, resolve_memory_plan  # noqa: E402
 from torchtune_ac.memory.planner import Workload, candidate_plans, describe_setting, estimate_memory  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.training import ACConfig, resolve_ac_plan  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 
 MiB = 2**20
@@ -89,7 +90,7 @@ def measure_steps(name: str, settings, batch_size: int, seq_len: int, chunks: in
     from _measure import return_freed_memory_to_os, track_peak_rss
 
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
-    from torchtune_ac.run.model_setup import build_training_model
+    from torchtune_ac.run.assemble import build_training
     from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
     from torchtune_ac.training.step import train_step
 
@@ -99,8 +100,8 @@ def measure_steps(name: str, settings, batch_size: int, seq_len: int, chunks: in
     n_layers = len(meta_model(name).layers)
     for mode, option in settings:
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=option, n_layers=n_layers)
-        model = build_training_model(component(name), ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(),
-                                     compile_blocks=False, checkpoint_dir=None, seed=0)
+        model = build_training(build_meta_model(component(name)), ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(),
+                               compile_blocks=False, checkpoint_dir=None, seed=0).model
         optimizer = build_optimizer(adamw, model, in_backward=False)
         train_step(model, optimizer, data, ctx=ctx, objective=loss_objective(chunks))
         return_freed_memory_to_os()

@@ -19,7 +19,7 @@ Both sides start from the same Hugging Face checkpoint (initialised once from th
 ``save_hf``), train on the same seeded batches with the same AdamW hyperparameters, and optimise the same
 objective (mean next-token cross-entropy over every target token):
 
-  * ours: ``build_training_model`` (the recipe's build -> AC -> load path, world size 1) + ``train_step``;
+  * ours: ``build_training`` (the recipe's build -> AC -> load path, world size 1) + ``train_step``;
   * Hugging Face: ``LlamaForCausalLM`` (SDPA attention) + ``torch.optim.AdamW``; full AC is
     ``activation_checkpointing_enable`` (formerly ``gradient_checkpointing_enable``) with
     ``use_reentrant=False``. The loop measures the gradient norm, as ``train_step`` always does (and as the
@@ -71,15 +71,15 @@ from torchtune_ac import models  # noqa: E402
 from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
 from torchtune_ac.data.collate import collate_batch  # noqa: E402
-from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
 from torchtune_ac.observability.third_party_noise import filter_known_noise  # noqa: E402
-from torchtune_ac.run.model_setup import build_training_model  # noqa: E402
+from torchtune_ac.run.assemble import build_training  # noqa: E402
 from torchtune_ac.runtime.distributed import (
     DistributedContext,  # noqa: E402
     FSDPConfig,  # noqa: E402
 )
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.training import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 from torchtune_ac.training.step import move_batch, train_step  # noqa: E402
 
@@ -194,8 +194,8 @@ def build_ours(model_name: str, checkpoint_dir: Path, setting: str, batches: lis
     # The recipe's own resolution of the memory switches (default loss_chunks, no optimizer in backward).
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting)), MemoryConfig(), build_meta_model(component),
                                clip_grad_norm=None)
-    model = build_training_model(
-        component,
+    model = build_training(
+        build_meta_model(component),
         ctx=ctx,
         dtype=DType.FP32,
         memory=plan,
@@ -203,7 +203,7 @@ def build_ours(model_name: str, checkpoint_dir: Path, setting: str, batches: lis
         compile_blocks=False,
         checkpoint_dir=str(checkpoint_dir),
         seed=seed,
-    )
+    ).model
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_KWARGS)
     micro_batches = [[{"tokens": tokens, "labels": shift_labels(tokens)}] for tokens in batches]
 
@@ -442,8 +442,8 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting)), MemoryConfig(), build_meta_model(component),
                                clip_grad_norm=None, dtype=dtype.torch, device="cuda")
     start = time.perf_counter()
-    model = build_training_model(component, ctx=ctx, dtype=dtype, memory=plan, fsdp=FSDPConfig(),
-                                 compile_blocks=args.compile, checkpoint_dir=None, seed=args.seed)
+    model = build_training(build_meta_model(component), ctx=ctx, dtype=dtype, memory=plan, fsdp=FSDPConfig(),
+                           compile_blocks=args.compile, checkpoint_dir=None, seed=args.seed).model
     torch.cuda.synchronize()
     build_s = time.perf_counter() - start  # meta build, AC, compile wrappers, allocation, random initialisation
     make_optimizer = Component(key="optimizer", path="torch.optim.AdamW",

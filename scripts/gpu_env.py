@@ -56,19 +56,19 @@ def build_seconds(model: str) -> float:
     """The recipe's build of ``model`` on this GPU in bf16, initialised from a seed (no checkpoint)."""
     from torchtune_ac.config.components import Component
     from torchtune_ac.config.meta_model import build_meta_model
-    from torchtune_ac.memory.activation_checkpointing import ACConfig
     from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan
-    from torchtune_ac.run.model_setup import build_training_model
+    from torchtune_ac.run.assemble import build_training
     from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
     from torchtune_ac.runtime.dtypes import DType
+    from torchtune_ac.training import ACConfig
 
     device = torch.device("cuda")
     component = Component(key="model", path=f"torchtune_ac.models.{model}")
     plan = resolve_memory_plan(ACConfig(), MemoryConfig(), build_meta_model(component), clip_grad_norm=None,
                                dtype=torch.bfloat16, device="cuda")
     start = time.perf_counter()
-    built = build_training_model(component, ctx=DistributedContext(0, 1, 0, device), dtype=DType.BF16, memory=plan,
-                                 fsdp=FSDPConfig(), compile_blocks=False, checkpoint_dir=None, seed=0)
+    built = build_training(build_meta_model(component), ctx=DistributedContext(0, 1, 0, device), dtype=DType.BF16,
+                           memory=plan, fsdp=FSDPConfig(), compile_blocks=False, checkpoint_dir=None, seed=0).model
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     del built

@@ -6,6 +6,9 @@
 Outputs:
     instruct.jsonl          synthetic Alpaca-style records whose answers follow from the question
                             (arithmetic, word reversal, counting, sorting, ...), with a ``task`` field naming the kind
+    preference/train.jsonl  preference pairs made from those records: the Alpaca prompt, the bare answer chosen, the
+    preference/validation.jsonl  answer wrapped in a hedge rejected ("Maybe 7?"); the held-out pairs (the last
+                            ``PREFERENCE_HELD_OUT`` records) use hedges the training pairs never show
     tokenizer.json          byte-level BPE trained on those records, exactly ``VOCAB_SIZE`` tokens
     tokenizer_config.json   special tokens and a Llama-3-style chat template
 
@@ -28,6 +31,11 @@ from torchtune_ac.data.embedded import EMBEDDED_DIR
 
 NUM_RECORDS = 3000
 VOCAB_SIZE = 512
+# Preference pairs: the rule is "answer bare, without hedging"; held-out pairs hedge in words training never shows.
+PREFERENCE_HELD_OUT = 200
+TRAIN_HEDGES = ("The answer is {}.", "I think it is {}.", "{}, probably.", "Maybe {}?", "Hmm, {}.",
+                "It should be {}, I guess.")
+HELD_OUT_HEDGES = ("Well, {}.", "My answer: {}", "{}. I am not sure.", "Perhaps {}.")
 BOS, EOS, PAD = "<|begin_of_text|>", "<|end_of_text|>", "<|pad|>"
 START_HEADER, END_HEADER, END_OF_TURN = "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"
 SPECIAL_TOKENS = [BOS, EOS, PAD, START_HEADER, END_HEADER, END_OF_TURN]
@@ -172,6 +180,28 @@ def generate_records(num_records: int, seed: int = 0) -> list[dict[str, str]]:
     return records
 
 
+def generate_preference_pairs(records: list[dict[str, str]], seed: int = 1) -> tuple[list[dict], list[dict]]:
+    """Preference pairs from instruction records: ``prompt`` (the Alpaca prompt), ``chosen`` (the answer as it is),
+    ``rejected`` (the answer in a hedge); the last ``PREFERENCE_HELD_OUT`` records make the held-out pairs, hedged
+    with ``HELD_OUT_HEDGES`` only.
+
+    Returns:
+        The training pairs and the held-out pairs.
+    """
+    rng = random.Random(seed)
+    pairs = []
+    for index, record in enumerate(records):
+        hedges = TRAIN_HEDGES if index < len(records) - PREFERENCE_HELD_OUT else HELD_OUT_HEDGES
+        pairs.append({"prompt": format_alpaca_prompt(record["instruction"], record["input"]),
+                      "chosen": record["output"], "rejected": rng.choice(hedges).format(record["output"]),
+                      "task": record["task"]})
+    return pairs[:-PREFERENCE_HELD_OUT], pairs[-PREFERENCE_HELD_OUT:]
+
+
+def write_jsonl(path: Path, records: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=True) + "\n" for r in records), encoding="ascii")
+
+
 def train_tokenizer(texts: list[str]) -> Tokenizer:
     """Train a byte-level BPE with exactly ``VOCAB_SIZE`` tokens (special tokens included).
 
@@ -210,7 +240,8 @@ def build_corpus(records: list[dict[str, str]]) -> list[str]:
 
 
 def write_embedded_files(out_dir: Path) -> list[Path]:
-    """Write ``instruct.jsonl``, ``tokenizer.json`` and ``tokenizer_config.json`` into ``out_dir``.
+    """Write ``instruct.jsonl``, ``preference/{train,validation}.jsonl``, ``tokenizer.json`` and
+    ``tokenizer_config.json`` into ``out_dir``.
 
     Args:
         out_dir: Destination folder (created if missing).
@@ -221,7 +252,11 @@ def write_embedded_files(out_dir: Path) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     records = generate_records(NUM_RECORDS, seed=0)
     data_path = out_dir / "instruct.jsonl"
-    data_path.write_text("".join(json.dumps(r, ensure_ascii=True) + "\n" for r in records), encoding="ascii")
+    write_jsonl(data_path, records)
+    (out_dir / "preference").mkdir(exist_ok=True)
+    preference_paths = [out_dir / "preference" / "train.jsonl", out_dir / "preference" / "validation.jsonl"]
+    for path, pairs in zip(preference_paths, generate_preference_pairs(records)):
+        write_jsonl(path, pairs)
 
     tokenizer = train_tokenizer(build_corpus(records))
     tokenizer_path = out_dir / "tokenizer.json"
@@ -237,7 +272,7 @@ def write_embedded_files(out_dir: Path) -> list[Path]:
     }
     config_path = out_dir / "tokenizer_config.json"
     config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return [data_path, tokenizer_path, config_path]
+    return [data_path, *preference_paths, tokenizer_path, config_path]
 
 
 def main(argv: list[str] | None = None) -> None:

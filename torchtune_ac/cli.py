@@ -6,9 +6,10 @@ writing a checkpoint, 3 stopped on a non-finite loss or gradient norm (nothing s
 Ctrl-C; 141 (silently) when the reader of stdout went away, as in ``tune ls | head -1``. ``--debug`` or ``TUNE_DEBUG=1`` shows tracebacks for user errors too.
 
 A recipe is a Python file that defines ``CONFIG_SCHEMA`` (a dataclass), ``preflight(cfg, *, strict=True,
-world_size=1) -> list[tuple[str, str]]`` (cheap checks and a summary: builds the model on the meta device, resolves the AC plan,
-checks files; with ``strict=False`` file problems are reported as warnings) and ``run(cfg)``;
-run as a script (under PyTorch's elastic launcher) it calls :func:`recipe_main`.
+world_size=1) -> list[tuple[str, str]]`` (the run's plan and the checks' findings, as ``tune validate`` prints them;
+with ``strict=False`` what is missing on this machine is a warning) and ``run(cfg)``; optionally ``plan`` (``tune
+plan``) and ``check_launch`` (what the launcher checks before starting N processes; see ``registry.py``). Run as a
+script (under PyTorch's elastic launcher) it calls :func:`recipe_main`.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from torchtune_ac.runtime.launcher import (
     LAUNCHER_FLAGS,
     int_at_least,
     launch_elastic,
+    launched_rank,
+    launched_world_size,
     leave_worker,
     report_worker_error,
     report_worker_failure,
@@ -59,11 +62,11 @@ def _report_user_error(err: UserError) -> None:
     if _debug_enabled():
         traceback.print_exc()
     # A worker of a multi-process run hands its line to the launcher, which prints each distinct one once.
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and report_worker_error(str(err)):
+    if launched_world_size() > 1 and report_worker_error(str(err)):
         return
     prefix = "tune: error: "
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        prefix += f"[rank {os.environ.get('RANK', '?')}] "
+    if launched_world_size() > 1:
+        prefix += f"[rank {launched_rank()}] "
     print(prefix + str(err), file=sys.stderr, flush=True)
 
 
@@ -116,6 +119,21 @@ def resolve_recipe_path(recipe: str) -> Path:
             else f"did you mean {near[0]}? " if near else "")
     raise UserError(f"recipe {recipe}: not a built-in recipe ({', '.join(names)}) and not a .py file ({hint}see "
                     "`tune ls`)")
+
+
+def recipe_of(args: argparse.Namespace) -> str:
+    """``tune validate`` and ``tune plan``'s recipe: ``--recipe``, else the one the config's launch comment names
+    (``#   tune run full_dpo --config ...``), else ``full_finetune``.
+
+    Raises:
+        UserError: the config is neither a file nor a built-in config.
+    """
+    from torchtune_ac.config import resolve_config_path
+    from torchtune_ac.registry import config_recipe
+
+    if args.recipe is not None:
+        return args.recipe
+    return config_recipe(resolve_config_path(args.config)) or "full_finetune"
 
 
 def load_recipe(path: Path) -> ModuleType:
@@ -215,7 +233,7 @@ def recipe_main(argv: Optional[Sequence[str]] = None, recipe_file: Optional[str]
         recipe = load_recipe(path)
         recipe.run(load_recipe_config(recipe, args.config, args.overrides, args.allow_component, to_run=True))
 
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if launched_world_size() <= 1:
         return guarded(_main)
     try:
         status = guarded(_main)
@@ -246,10 +264,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not launcher or launcher == {"nproc_per_node": 1}:
         recipe.run(cfg)
         return 0
-    # Check everything cheap here, once, before starting N processes that would each fail the same way.
+    # Only what the processes would report differently from one another: everything else rank 0 checks and every
+    # rank reports alike, once (the launcher prints each distinct line once).
+    from torchtune_ac.registry import LaunchCheckedRecipe
+
     nnodes = str(launcher.get("nnodes", "1"))
-    world_size = launcher.get("nproc_per_node", 1) * int(nnodes) if nnodes.isdigit() else None
-    recipe.preflight(cfg, world_size=world_size)
+    nproc_per_node = launcher.get("nproc_per_node", 1)
+    if isinstance(recipe, LaunchCheckedRecipe):
+        recipe.check_launch(cfg, world_size=nproc_per_node * int(nnodes) if nnodes.isdigit() else None,
+                            nproc_per_node=nproc_per_node)
     from torchtune_ac.config import resolve_config_path
 
     recipe_argv = ["--config", str(resolve_config_path(args.config))]
@@ -261,7 +284,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     from torchtune_ac.config import resolve_config_path
 
-    path = resolve_recipe_path(args.recipe)
+    path = resolve_recipe_path(recipe_of(args))
     recipe = load_recipe(path)
     cfg = load_recipe_config(recipe, args.config, args.overrides, args.allow_component)
     summary = recipe.preflight(cfg, strict=False, world_size=None)  # validate cannot know how it will be launched
@@ -329,10 +352,10 @@ def _non_negative_float(text: str) -> float:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from torchtune_ac.config.planning import draw_plan
     from torchtune_ac.registry import PlannedRecipe
+    from torchtune_ac.run.memory_table import draw_memory_table
 
-    path = resolve_recipe_path(args.recipe)
+    path = resolve_recipe_path(recipe_of(args))
     recipe = load_recipe(path)
     if not isinstance(recipe, PlannedRecipe):
         raise UserError(f"tune plan: recipe {path.stem} declares no workload for the memory planner (it defines "
@@ -346,12 +369,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     table = recipe.plan(cfg, world_size=args.nproc, budget_gib=args.budget_gib)
     print("\n".join(table.lines()))
     if png is not None:
-        print(f"wrote {draw_plan(table, png)}")
+        print(f"wrote {draw_memory_table(table, png)}")
     return 0
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from torchtune_ac.migrate import migrate_file
+    from torchtune_ac.compat.torchtune.migrate import migrate_file
 
     migration = migrate_file(args.source, args.output, force=args.force)
     print(f"wrote {args.output} from the torchtune config {args.source}")
@@ -391,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     cp.set_defaults(handler=cmd_cp)
 
     validate = sub.add_parser("validate", help="check a config without running it")
-    validate.add_argument("--recipe", default="full_finetune", help="recipe whose schema applies (default: full_finetune)")
+    validate.add_argument("--recipe", default=None, help="recipe whose schema applies (default: the one the config's "
+                          "launch comment names, else full_finetune)")
     _add_config_arguments(validate)
     validate.set_defaults(handler=cmd_validate, overrides=[])
     _add_overrides_to_usage(validate)
@@ -399,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan = sub.add_parser("plan", help="estimate memory per process for every activation checkpointing setting",
                           description="Estimate the memory per process of a training step for every AC setting "
                           "(a step simulated under fake tensors: no weights, no memory), and which one fits a budget.")
-    plan.add_argument("--recipe", default="full_finetune", help="recipe whose schema applies (default: full_finetune)")
+    plan.add_argument("--recipe", default=None, help="recipe whose schema applies (default: the one the config's "
+                      "launch comment names, else full_finetune)")
     plan.add_argument("--nproc", type=int_at_least(1), default=1, help="processes the run will use (FSDP2)")
     plan.add_argument("--budget-gib", dest="budget_gib", type=_positive_float, default=None,
                       help="memory per process to fit in (default: the config's ac_memory_budget_gib)")

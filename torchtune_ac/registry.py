@@ -32,8 +32,8 @@ class RecipeModule(Protocol):
     CONFIG_SCHEMA: type
 
     def preflight(self, cfg: Any, *, strict: bool = True, world_size: Optional[int] = 1) -> list[tuple[str, str]]:
-        """Cheap start-up checks and a summary (builds the model on the meta device, resolves the memory plan,
-        checks files; with ``strict=False`` what is missing on this machine is a warning)."""
+        """The run's plan and the checks' findings as summary lines (``tune validate``; with ``strict=False`` what
+        is missing on this machine is a warning)."""
 
     def run(self, cfg: Any) -> None:
         """Run it (in each process of a multi-process run)."""
@@ -47,8 +47,17 @@ class PlannedRecipe(RecipeModule, Protocol):
     """A recipe whose step the memory planner can simulate: ``tune plan`` answers for its configs."""
 
     def plan(self, cfg: Any, *, world_size: int, budget_gib: Optional[float]) -> Any:
-        """The memory per process of every activation checkpointing setting (a ``config.planning.PlanTable``);
-        ``budget_gib`` None: the config's own budget, if any."""
+        """The run's plan and the memory per process of every activation checkpointing setting (a
+        ``run.memory_table.MemoryTable``); ``budget_gib`` None: the config's own budget, if any."""
+
+
+@runtime_checkable
+class LaunchCheckedRecipe(RecipeModule, Protocol):
+    """A recipe whose launcher checks, before starting N processes, what they would report differently from one
+    another (``run.preflight.check_launch``)."""
+
+    def check_launch(self, cfg: Any, *, world_size: Optional[int], nproc_per_node: int) -> None:
+        """Raise ``UserError`` (one line) for what the processes would report each on its own."""
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class Recipe:
                             if config_recipe(path) == self.name))
 
 
-RECIPES: tuple[Recipe, ...] = (Recipe("full_finetune"),)
+RECIPES: tuple[Recipe, ...] = (Recipe("full_finetune"), Recipe("full_dpo"))
 
 
 def _shipped_dir(package: str, source_folder: str) -> Path:

@@ -12,8 +12,8 @@ import torch
 from attention_oracle import dense_attention_oracle
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from torchtune_ac.memory.activation_checkpointing import setup_activation_checkpointing
 from torchtune_ac.models.llama import Llama, LlamaArgs
+from torchtune_ac.training.ac_config import setup_activation_checkpointing
 
 BF16_TOLERANCE = 2e-2
 VOCAB, SEQ = 512, 256

@@ -97,9 +97,12 @@ def test_cp_missing_parent(tmp_path, capsys):
 
 @pytest.mark.parametrize("config", builtin_config_names())
 def test_validate_every_builtin_config(config, capsys):
+    from torchtune_ac.registry import builtin_config_path, config_recipe
+
     assert main(["validate", "--config", config]) == 0
     out = capsys.readouterr().out
-    assert "is valid for recipe full_finetune" in out
+    # The recipe its launch comment names (full_finetune, or full_dpo for *_dpo configs).
+    assert f"is valid for recipe {config_recipe(builtin_config_path(config))}" in out
     assert "parameters" in out and "layers" in out
     assert "activation checkpointing" in out
 
@@ -181,18 +184,18 @@ def test_plan_png_labels_a_small_model_in_mib(tmp_path, monkeypatch):
     from matplotlib.axes import Axes
 
     from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
-    from torchtune_ac.config.planning import draw_plan, plan_table
+    from torchtune_ac.run.memory_table import draw_memory_table, memory_table
 
     recipe = load_recipe(resolve_recipe_path("full_finetune"))
     cfg = load_recipe_config(recipe, "tiny/full", ["max_seq_len=64"], [])
-    table = plan_table(cfg, world_size=1, budget_gib=0.05)
+    table = memory_table(cfg, world_size=1, budget_gib=0.05)
     drawn, ylabels = [], []
     real_annotate, real_ylabel = Axes.annotate, Axes.set_ylabel
     monkeypatch.setattr(Axes, "annotate",
                         lambda ax, text, *a, **k: drawn.append(text) or real_annotate(ax, text, *a, **k))
     monkeypatch.setattr(Axes, "set_ylabel",
                         lambda ax, text, *a, **k: ylabels.append(text) or real_ylabel(ax, text, *a, **k))
-    draw_plan(table, tmp_path / "plan.png")
+    draw_memory_table(table, tmp_path / "plan.png")
     assert drawn == table.bar_labels() and ylabels == ["MiB per process at the step's peak"]
     for label, estimate in zip(drawn, table.estimates):
         mib, unit = label.split("\n")[0].split()
@@ -323,7 +326,7 @@ BAD_COMMAND_LINES = [
     (["cp", "no/such", "{tmp}/x.yaml"], "not a built-in recipe or config"),
     # torchtune's names: no hint, or a hint to the wrong config, before.
     (["run", "full_finetune_single_device", "--config", "tiny/full"],
-     "recipe full_finetune_single_device: not a built-in recipe (full_finetune) and not a .py file (did you mean "
+     "recipe full_finetune_single_device: not a built-in recipe (full_finetune, full_dpo) and not a .py file (did you mean "
      "full_finetune? It runs on one device and on many; see `tune ls`)"),
     (["run", "full_finetune", "--config", "llama3_2/1B_full_single_device"],
      "config llama3_2/1B_full_single_device: not a file and not a built-in config (did you mean llama3_2/1B_full?"),

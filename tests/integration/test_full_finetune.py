@@ -24,9 +24,9 @@ from finetune_runs import (
 from numerics import assert_close, llama_terms
 
 from torchtune_ac.checkpoint import list_checkpoints
-from torchtune_ac.config import planning
 from torchtune_ac.models import load_hf
 from torchtune_ac.observability.metrics import read_metrics
+from torchtune_ac.run import plan as planning
 
 LEARNING_STEPS = 30
 PEAK_LR = 3.0e-3  # configs/tiny/full.yaml

@@ -2,18 +2,20 @@
 
     cli, recipes
     generate      (tune generate: transformers' generation over a checkpoint a run wrote)
-    run           (the set-up phases, model assembly, stop and resume messages)
-    config        (schema, loading, components, start-up checks, plan tables)
-    memory        (the memory switches, their mechanisms, the memory plan and the planner)
-    training      (the step, the objective, LR schedules)
-    runtime       (launcher, processes and FSDP2, stop signals, rank agreement, non-finite checks)
+    run           (the run's plan resolved once, the one order that applies it, the loop; stop and resume messages)
+    config        (schema, loading, components, the meta model)
+    memory        (the memory features, each with its mechanism, listed once; the memory plan and the planner)
+    training      (the step, the objective, AC's plan and mechanism, FSDP2 applied to a model, LR schedules)
     models        (the decoder, the families and their pure adapters; Hugging Face checkpoints of any family)
-    checkpoint, data, observability   (files, safetensors, recipe state; datasets; metrics.jsonl, trackers)
-    errors, component_marker
+    checkpoint    (files, safetensors, recipe state; the run's process context passed in)
+    runtime       (launcher, the process context and its collectives, stop signals, rank agreement)
+    data, observability   (datasets; metrics.jsonl, trackers)
+    errors, component_marker, config_key
 
 ``embedded`` (the maker of the embedded checkpoint) needs models, data and checkpoint, and sits above them;
-``migrate`` (torchtune configs to ours) is a pure mapping above config, whose key tables it derives from the
-schema, the memory switches and the builders the families declare.
+``compat/torchtune`` (``tune migrate``, torchtune's component paths) is what exists only for torchtune's users: a
+pure mapping above config (whose key tables it derives from the schema and the families), and one table of paths
+that config's component loader reads (``paths.py``, which imports nothing).
 
 Within ``models``, one module composes the families' adapters with checkpoint's file code
 (``models/hf_checkpoint.py``) and the package exports it; no other model file knows checkpointing.
@@ -27,29 +29,26 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "torchtune_ac"
-LEAVES = {"errors", "component_marker"}
+LEAVES = {"errors", "component_marker", "config_key"}
 # package -> the torchtune_ac packages (first component after torchtune_ac.) it may import
 ALLOWED = {
-    "models": LEAVES | {"checkpoint"},
+    "runtime": LEAVES,
     "data": LEAVES,
     "observability": LEAVES,
-    "checkpoint": LEAVES,
-    "runtime": LEAVES | {"models"},
+    "checkpoint": LEAVES | {"runtime"},
+    "models": LEAVES | {"checkpoint"},
     "training": LEAVES | {"models", "runtime"},
     "memory": LEAVES | {"models", "runtime", "training"},
     "embedded": LEAVES | {"models", "data", "checkpoint"},
-    "migrate": LEAVES | {"config", "memory", "models"},
+    "compat": LEAVES | {"config", "memory", "models", "runtime", "training"},
     "config": LEAVES | {"models", "data", "checkpoint", "runtime", "training", "memory", "observability", "registry",
                         "embedded"},
     "run": LEAVES | {"models", "data", "checkpoint", "runtime", "training", "memory", "observability", "config"},
     "generate": LEAVES | {"checkpoint", "data", "models"},
 }
-# Component paths that configs name (``torchtune_ac.training.cosine_schedule_with_warmup``,
-# ``torchtune_ac.training.metric_logging.WandBLogger``) and ``setup_activation_checkpointing``: the training
-# package's namespace names them, defined in the packages that own them.
+# The component loader reads torchtune's mirrored paths from compat's table (which imports nothing of ours).
 EXCEPTIONS = {
-    "training/__init__.py": {"memory", "observability"},
-    "training/metric_logging.py": {"observability"},
+    "config/components.py": {"compat"},
 }
 # The model files that may import checkpoint: the one composing module, and the package that exports it.
 MODELS_USING_CHECKPOINT = {"models/hf_checkpoint.py", "models/__init__.py"}
@@ -112,3 +111,37 @@ def test_the_test_can_fail(tmp_path, monkeypatch):
     (tmp_path / "models" / "bad.py").write_text("from torchtune_ac.training.step import train_step\n")
     monkeypatch.setattr(__import__(__name__), "PACKAGE", tmp_path)
     assert torchtune_ac_imports("models") == {"models/bad.py": {"training"}}
+
+
+def test_compat_s_path_table_imports_nothing_of_ours():
+    assert torchtune_ac_imports("compat")["compat/torchtune/paths.py"] == set()
+
+
+def _source_files() -> list[Path]:
+    return sorted(PACKAGE.rglob("*.py"))
+
+
+def test_keys_and_features_are_written_down_not_discovered():
+    """No class made at import time from others' fields, no module found by walking a package."""
+    for path in _source_files():
+        text = path.read_text()
+        assert "make_dataclass" not in text and "pkgutil" not in text, path
+
+
+def test_which_process_this_is_is_answered_by_the_one_context():
+    """The launcher's environment (RANK, WORLD_SIZE) is read in runtime/ alone; the process group is joined once
+    (``run/session.py``); there is one barrier (``runtime/distributed.py``'s) and one ``FSDPConfig``."""
+    joins, barriers, fsdp_configs = [], [], []
+    for path in _source_files():
+        relative = str(path.relative_to(PACKAGE))
+        text = path.read_text()
+        if not relative.startswith("runtime/"):
+            assert '"RANK"' not in text and '"WORLD_SIZE"' not in text, relative
+        if "init_distributed(" in text and "def init_distributed(" not in text:
+            joins.append(relative)
+        if "all_reduce(torch.zeros(1))" in text:
+            barriers.append(relative)
+        if "class FSDPConfig" in text:
+            fsdp_configs.append(relative)
+    assert joins == ["run/session.py"] and barriers == ["runtime/distributed.py"]
+    assert fsdp_configs == ["runtime/distributed.py"]

@@ -7,8 +7,14 @@ import copy
 
 import pytest
 
+from torchtune_ac.compat.torchtune.migrate import (
+    MODEL_BUILDERS,
+    ac_notes,
+    migrate_ac_keys,
+    migrate_torchtune_config,
+    torchtune_marker,
+)
 from torchtune_ac.errors import UserError
-from torchtune_ac.migrate import MODEL_BUILDERS, ac_notes, migrate_ac_keys, migrate_torchtune_config, torchtune_marker
 
 CKPT = "/models/Llama-3.2-1B-Instruct"
 
@@ -404,3 +410,88 @@ def test_data_parallel_replicate_dim_becomes_fsdp_replicate_degree(value, expect
     notes = notes_by_key(migration)
     assert "data_parallel_replicate_dim" not in notes
     assert "world size / fsdp.replicate_degree" in notes["data_parallel_shard_dim"]
+
+
+# ------------------------------------------------------------------------------------------- full_dpo_distributed
+
+
+def torchtune_dpo_config(**changes) -> dict:
+    """A torchtune 0.6.1 full_dpo_distributed config in the layout of its llama3_1/8B_full_dpo (HF checkpointer and
+    reference checkpointer on the same weights, stack exchange pairs, DPOLoss), with ``changes`` applied."""
+    checkpointer = {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": CKPT,
+                    "checkpoint_files": ["model.safetensors"], "recipe_checkpoint": None,
+                    "output_dir": "/tmp/torchtune/dpo", "model_type": "LLAMA3_2"}
+    return torchtune_config(**{
+        "output_dir": "/tmp/torchtune/dpo",
+        "checkpointer": checkpointer,
+        "ref_checkpointer": dict(checkpointer),
+        "dataset": {"_component_": "torchtune.datasets.stack_exchange_paired_dataset"},
+        "loss": {"_component_": "torchtune.rlhf.loss.DPOLoss", "beta": 0.05, "label_smoothing": 0},
+        **changes,
+    })
+
+
+def test_a_full_dpo_config_becomes_ours():
+    migration = migrate_torchtune_config(torchtune_dpo_config())
+    assert migration.recipe == "full_dpo"
+    config = migration.config
+    assert config["ref_checkpoint_dir"] is None  # the reference is the starting weights
+    assert config["dpo"] == {"beta": 0.05, "label_smoothing": 0}
+    assert config["dataset"] == {
+        "_component_": "torchtune_ac.data.preference_dataset", "source": "lvwerra/stack-exchange-paired",
+        "column_map": {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}, "template": "chat"}
+    assert "loss_chunks" not in config
+    assert list(config)[:4] == ["output_dir", "checkpoint_dir", "resume_from_checkpoint", "ref_checkpoint_dir"]
+    assert "data/rl" in notes_by_key(migration)["dataset.source"]
+    assert migrate_torchtune_config(torchtune_config()).recipe == "full_finetune"
+
+
+def test_a_reference_of_other_weights_is_kept():
+    other = {"_component_": "torchtune.training.FullModelHFCheckpointer", "checkpoint_dir": "/models/sft",
+             "checkpoint_files": ["model.safetensors"], "model_type": "LLAMA3_2", "adapter_checkpoint": "a.pt"}
+    migration = migrate_torchtune_config(torchtune_dpo_config(ref_checkpointer=other))
+    assert migration.config["ref_checkpoint_dir"] == "/models/sft"
+    assert "ref_checkpointer.adapter_checkpoint" in notes_by_key(migration)
+
+
+@pytest.mark.parametrize(
+    "dataset, expected",
+    [
+        ({"_component_": "torchtune.datasets.preference_dataset", "source": "json", "data_files": "pairs.jsonl",
+          "column_map": {"chosen": "good", "rejected": "bad"}, "train_on_input": False},
+         {"_component_": "torchtune_ac.data.preference_dataset", "source": "pairs.jsonl",
+          "column_map": {"chosen": "good", "rejected": "bad"}}),
+        ({"_component_": "torchtune.datasets.hh_rlhf_helpful_dataset"},
+         {"_component_": "torchtune_ac.data.preference_dataset", "source": "RLHFlow/HH-RLHF-Helpful-standard"}),
+    ],
+)
+def test_preference_datasets(dataset, expected):
+    assert migrate_torchtune_config(torchtune_dpo_config(dataset=dataset)).config["dataset"] == expected
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"loss": {"_component_": "torchtune.rlhf.loss.RSOLoss", "gamma": 0.1}},
+         "loss._component_=torchtune.rlhf.loss.RSOLoss: no equivalent in torchtune_ac's full_dpo"),
+        ({"dataset": {"_component_": "torchtune.datasets.alpaca_dataset"}},
+         "dataset._component_=torchtune.datasets.alpaca_dataset: not a preference dataset"),
+        ({"ref_checkpointer": {"_component_": "torchtune.training.FullModelHFCheckpointer"}},
+         "ref_checkpointer.checkpoint_dir: missing"),
+    ],
+)
+def test_dpo_configs_refused(changes, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        migrate_torchtune_config(torchtune_dpo_config(**changes))
+
+
+def test_a_preference_dataset_in_a_fine_tuning_config_is_refused():
+    dataset = {"_component_": "torchtune.datasets.hh_rlhf_helpful_dataset"}
+    with pytest.raises(UserError, match="a preference dataset, for full_dpo_distributed's configs"):
+        migrate_torchtune_config(torchtune_config(dataset=dataset))
+
+
+def test_train_on_input_is_not_carried_over_for_pairs():
+    dataset = {"_component_": "torchtune.datasets.hh_rlhf_helpful_dataset", "train_on_input": True}
+    notes = notes_by_key(migrate_torchtune_config(torchtune_dpo_config(dataset=dataset)))
+    assert "the prompt is never scored here" in notes["dataset.train_on_input"]

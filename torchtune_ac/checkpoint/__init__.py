@@ -26,7 +26,13 @@ from torchtune_ac.checkpoint.hf import (
     write_hf_files,
 )
 from torchtune_ac.checkpoint.manifest import MANIFEST_FILE
-from torchtune_ac.checkpoint.output_lock import OUTPUT_LOCK_FILE, LockHolder, hold_output_dir, read_lock
+from torchtune_ac.checkpoint.output_lock import (
+    OUTPUT_LOCK_FILE,
+    LockHolder,
+    create_output_dir,
+    hold_output_dir,
+    read_lock,
+)
 from torchtune_ac.checkpoint.recipe_state import (
     LATEST_POINTER,
     RECIPE_STATE_DIR,
@@ -38,7 +44,6 @@ from torchtune_ac.checkpoint.recipe_state import (
     TrainerState,
     check_resume_shape,
     choose_resume_checkpoint,
-    create_output_dir,
     list_checkpoints,
     load_checkpoint,
     read_trainer_state,

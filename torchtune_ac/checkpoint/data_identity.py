@@ -20,13 +20,14 @@ from typing import Any, Optional, Sequence
 
 from torchtune_ac.checkpoint.manifest import hash_files
 from torchtune_ac.errors import UserError
+from torchtune_ac.runtime.distributed import DistributedContext
 
 # Changed files named in a one-line message, at most.
 _FILES_SHOWN = 3
 
 
 def identify_data(source: str, root: Optional[Path], names: Optional[Sequence[str]], samples: int, *,
-                  collective: bool, hub: Sequence[str] = ()) -> dict[str, Any]:
+                  processes: Optional[DistributedContext] = None, hub: Sequence[str] = ()) -> dict[str, Any]:
     """The identity of a dataset: ``{"source", "root", "files": [{"name", "bytes", "sha256"}] or None,
     "samples"}``, and ``"hub"`` when the files come with Hub datasets; ``source`` and ``root`` say where the data
     was (compared only for a Hub dataset).
@@ -37,7 +38,8 @@ def identify_data(source: str, root: Optional[Path], names: Optional[Sequence[st
         names: the files read, in reading order; None for a Hub dataset.
         samples: the number of samples (rows, when packed) the dataset holds.
         hub: the Hub datasets read along with ``names`` (a list of sources), by name.
-        collective: every rank calls this and the ranks share the hashing (each gets every digest).
+        processes: the run's processes: every rank calls this and the ranks share the hashing (each gets every
+            digest); None: this process alone.
 
     Raises:
         UserError: a file cannot be read (naming it).
@@ -45,7 +47,7 @@ def identify_data(source: str, root: Optional[Path], names: Optional[Sequence[st
     if root is None or names is None:
         return {"source": source, "root": None, "files": None, "samples": samples}
     sizes = {name: (root / name).stat().st_size for name in names}
-    digests = hash_files(root, sizes, collective=collective)
+    digests = hash_files(root, sizes, processes)
     unreadable = [digest[1:] for digest in digests.values() if digest.startswith("!")]
     if unreadable:
         raise UserError(f"dataset {unreadable[0]}")

@@ -1,6 +1,10 @@
 """File-system helpers of the checkpoint package: the one atomic directory writer (and remover), JSON files, the
 check that every rank sees the same directory, and failures agreed on by every rank.
 
+Which process this is, and who the others are, is the run's process context (``runtime.distributed.
+DistributedContext``), passed to every function that acts together with the other ranks (``processes``); None
+means this process alone (a world of one: a test, a tool, ``tune validate``).
+
 Every checkpoint directory (a Hugging Face export, a recipe's ``step_*`` directory) is written under a temporary
 sibling name and renamed into place when complete, so a process killed mid-write never leaves a directory that
 looks complete; one is deleted by renaming it to a temporary name first, for the same reason. The temporary names
@@ -20,11 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 from torchtune_ac.errors import UnavailableError, UserError
+from torchtune_ac.runtime.distributed import DistributedContext
 
 PathLike = str | os.PathLike
 _TMP_MARK = ".tmp-"
@@ -36,25 +40,14 @@ _NEARLY_FULL_BYTES = 256 << 20
 T = TypeVar("T")
 
 
-def process_group_active() -> bool:
-    """Whether this process is one rank of an initialised default process group."""
-    return dist.is_available() and dist.is_initialized()
+def together(processes: Optional[DistributedContext]) -> bool:
+    """Whether the processes act together (several ranks); None, or a world of one, is this process alone."""
+    return processes is not None and processes.is_distributed
 
 
-def host_barrier() -> None:
-    """Wait on the host until every rank of the default process group gets here, over its CPU backend (gloo).
-
-    The other ranks wait here while rank 0 alone writes, fsyncs and prunes; ``dist.barrier()`` on a group bound to
-    a GPU would wait on NCCL, whose watchdog counts that time. A sum of a CPU tensor goes to gloo (beside NCCL on
-    CUDA, see ``torchtune_ac.runtime.distributed``), as the object collectives here do. Bounded by the group's
-    timeout (``distributed_timeout_s``).
-    """
-    dist.all_reduce(torch.zeros(1))
-
-
-def is_writer_rank() -> bool:
-    """Rank 0 of the default process group, or the only process."""
-    return not process_group_active() or dist.get_rank() == 0
+def leads(processes: Optional[DistributedContext]) -> bool:
+    """Whether this process writes what one process writes for all: rank 0, or the only process."""
+    return processes is None or processes.is_rank_zero
 
 
 def read_json(path: Path) -> Any:
@@ -123,7 +116,8 @@ def directory_problem(out_dir: Path, overwrite: bool) -> str | None:
 
 
 def write_directory(
-    out_dir: PathLike, write: Callable[[Path], None], *, overwrite: bool = False, collective: bool = False
+    out_dir: PathLike, write: Callable[[Path], None], *, overwrite: bool = False,
+    processes: Optional[DistributedContext] = None,
 ) -> Path:
     """Run ``write(tmp)`` on a fresh sibling directory of ``out_dir``, then rename it to ``out_dir``.
 
@@ -135,21 +129,20 @@ def write_directory(
         out_dir: the directory to create.
         write: fills the temporary directory it is given.
         overwrite: replace an existing non-empty ``out_dir``.
-        collective: every rank of the default process group calls this with the same arguments: rank 0 checks
-            ``out_dir`` and creates the temporary directory, every rank runs ``write`` into it (each writing its
-            own files, or taking part in rank 0's collectives), and rank 0 renames it once all are done. A
-            refusal is raised on every rank, before anyone writes.
+        processes: every rank of the run calls this with the same arguments: rank 0 checks ``out_dir`` and
+            creates the temporary directory, every rank runs ``write`` into it (each writing its own files, or
+            taking part in rank 0's collectives), and rank 0 renames it once all are done. A refusal is raised on
+            every rank, before anyone writes. None: this process alone.
 
     Returns:
         ``out_dir`` as a Path.
 
     Raises:
         UserError: ``out_dir`` is a file, not empty and ``overwrite`` is false, or cannot be created.
-        CollectiveStepFailed: (collective) flushing or renaming failed on rank 0, raised on every rank.
+        CollectiveStepFailed: (several processes) flushing or renaming failed on rank 0, raised on every rank.
     """
     out_dir = Path(out_dir)
-    collective = collective and process_group_active()
-    writer = not collective or dist.get_rank() == 0
+    collective, writer = together(processes), leads(processes)
     shared: list[Any] = [None, None]  # problem, temporary directory
     if writer:
         shared[0] = directory_problem(out_dir, overwrite)
@@ -176,8 +169,8 @@ def write_directory(
     try:
         write(tmp)
         if collective:
-            host_barrier()  # every rank has written its files
-            run_on_every_rank(finish, where=out_dir.parent)  # a failure of rank 0's rename reaches every rank
+            processes.barrier()  # every rank has written its files
+            run_on_every_rank(finish, where=out_dir.parent, processes=processes)  # rank 0's failure reaches all
         else:
             finish()
     except BaseException:
@@ -282,7 +275,7 @@ def _finish_files(root: Path) -> None:
 # --------------------------------------------------------------------------------------------------------------
 
 
-def check_shared_directory(path: PathLike, what: str) -> None:
+def check_shared_directory(path: PathLike, what: str, processes: Optional[DistributedContext]) -> None:
     """Refuse to start unless every rank sees the files rank 0 writes in ``path`` (all ranks call this).
 
     Rank 0 writes a token holding a random nonce into ``path`` (created if missing), every rank reads it back, and
@@ -293,10 +286,10 @@ def check_shared_directory(path: PathLike, what: str) -> None:
     Raises:
         UserError: naming each rank (and its host) that does not see the token.
     """
-    if not process_group_active():
+    if not together(processes):
         return
     path = Path(path).expanduser()
-    rank = dist.get_rank()
+    rank = processes.rank
     shared: list[Any] = [None]  # rank 0's (token file name, nonce, problem)
     created = False
     if rank == 0:
@@ -321,7 +314,7 @@ def check_shared_directory(path: PathLike, what: str) -> None:
             seen = False
     else:
         seen = True
-    answers: list[Any] = [None] * dist.get_world_size()
+    answers: list[Any] = [None] * dist.get_world_size()  # one per rank of the group the objects travel in
     dist.all_gather_object(answers, (seen, socket.gethostname()))
     if rank == 0:
         token.unlink(missing_ok=True)
@@ -341,16 +334,16 @@ def check_shared_directory(path: PathLike, what: str) -> None:
         )
 
 
-def agreed_free_bytes(path: PathLike) -> int:
+def agreed_free_bytes(path: PathLike, processes: Optional[DistributedContext]) -> int:
     """The bytes free to this user on the file system that holds ``path`` (or will: its nearest existing folder),
-    as rank 0 reads them, on every rank (all ranks call this when a process group is initialised)."""
+    as rank 0 reads them, on every rank of ``processes`` (all call this; None: this process alone)."""
     free: list[Any] = [None]
-    if is_writer_rank():
+    if leads(processes):
         existing = Path(path).expanduser().absolute()
         while not existing.exists() and existing != existing.parent:
             existing = existing.parent
         free[0] = shutil.disk_usage(existing).free
-    if process_group_active():
+    if together(processes):
         dist.broadcast_object_list(free, src=0)
     return free[0]
 
@@ -372,7 +365,7 @@ class CollectiveStepFailed(Exception):
         self.failure = failure
 
 
-def run_on_every_rank(step: Callable[[], T], *, where: PathLike) -> T:
+def run_on_every_rank(step: Callable[[], T], *, where: PathLike, processes: Optional[DistributedContext] = None) -> T:
     """Run ``step`` on every rank and agree on the outcome (all ranks call this).
 
     Without the agreement, a rank whose write fails (a full disk) would raise alone while the others wait forever
@@ -384,6 +377,7 @@ def run_on_every_rank(step: Callable[[], T], *, where: PathLike) -> T:
         step: the work (it may call collectives itself; a failure inside one must surface on every rank, as
             torch.distributed.checkpoint's do).
         where: a path on the file system written to, to report free space on a failure.
+        processes: the run's processes (None: this process alone, which raises its own failure).
 
     Raises:
         CollectiveStepFailed: ``step`` failed on some rank; ``failure.environmental`` says whether the file system
@@ -395,11 +389,11 @@ def run_on_every_rank(step: Callable[[], T], *, where: PathLike) -> T:
         result = step()
     except (Exception, CheckpointException) as err:  # CheckpointException is a BaseException
         local = err
-    rank = dist.get_rank() if process_group_active() else 0
+    rank = processes.rank if processes is not None else 0
     report = None if local is None else _describe_failure(rank, local, Path(where))
     reports = [report]
-    if process_group_active():
-        reports = [None] * dist.get_world_size()
+    if together(processes):
+        reports = [None] * dist.get_world_size()  # one per rank of the group the objects travel in
         dist.all_gather_object(reports, report)
     failures = [r for r in reports if r is not None]
     if failures:

@@ -18,8 +18,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtune_ac.checkpoint.files import (
     PathLike,
-    is_writer_rank,
-    process_group_active,
+    leads,
     read_json,
     require_directory,
     write_directory,
@@ -36,6 +35,7 @@ from torchtune_ac.checkpoint.safetensors_io import (
     write_safetensors,
 )
 from torchtune_ac.errors import UnavailableError, UserError
+from torchtune_ac.runtime.distributed import DistributedContext, process_group_context
 
 CONFIG_FILE = "config.json"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
@@ -201,11 +201,13 @@ def write_hf_files(
     *,
     tokenizer_dir: Optional[PathLike] = None,
     chat_template: Optional[str] = None,
+    processes: Optional[DistributedContext] = None,
 ) -> None:
     """Write a model's Hugging Face files (config.json, safetensors, tokenizer files) into an existing directory.
 
-    DTensors among ``files.tensors`` (a model sharded with FSDP2) make this a collective call: every rank calls
-    it, each output shard's tensors are gathered (``full_tensor``), and rank 0 alone moves them to CPU, writes
+    DTensors among ``files.tensors`` (a model sharded with FSDP2) make this a collective call: every rank of
+    ``processes`` calls it, each output shard's tensors are gathered (``full_tensor``), and rank 0 alone moves them
+    to CPU, writes
     them and drops them before the next shard is gathered, so it holds at most one shard (``max_shard_size``, or
     one tensor larger than that) of full tensors, and every rank one full tensor on its device. Plain tensors are
     written by the caller.
@@ -216,17 +218,18 @@ def write_hf_files(
         max_shard_size: bytes per safetensors file, as an int or a string like ``"5GB"`` / ``"500MiB"``.
         tokenizer_dir: if given, its tokenizer files are copied in too (see ``copy_tokenizer_files``).
         chat_template: the chat template the tokenizer was used with, saved with its files.
+        processes: the processes the model is sharded over (None: this process alone, plain tensors).
 
     Raises:
         UserError: a bad ``max_shard_size``.
-        ValueError: DTensors but no process group.
+        ValueError: DTensors but no ``processes``.
     """
     max_bytes = parse_shard_size(max_shard_size)
     tensors = files.tensors
     sharded = any(isinstance(t, DTensor) for t in tensors.values())
-    if sharded and not process_group_active():
-        raise ValueError("the model holds DTensors but no process group is initialised")
-    writer = not sharded or is_writer_rank()
+    if sharded and processes is None:
+        raise ValueError("the model holds DTensors: every rank writes its files together (pass processes)")
+    writer = not sharded or leads(processes)
     nbytes = {name: math.prod(tensor.shape) * tensor.dtype.itemsize for name, tensor in tensors.items()}
 
     def fetch(names: list[str]) -> dict[str, torch.Tensor]:
@@ -309,11 +312,13 @@ def save_hf_files(
     """
     parse_shard_size(max_shard_size)  # refuse a bad size before anything is created
     sharded = any(isinstance(t, DTensor) for t in files.tensors.values())
+    # A sharded model is saved outside a run by every process it is sharded over: the default process group's.
+    processes = process_group_context() if sharded else None
     return write_directory(
         out_dir,
-        lambda tmp: write_hf_files(files, tmp, max_shard_size, tokenizer_dir=tokenizer_dir),
+        lambda tmp: write_hf_files(files, tmp, max_shard_size, tokenizer_dir=tokenizer_dir, processes=processes),
         overwrite=overwrite,
-        collective=sharded,
+        processes=processes,
     )
 
 

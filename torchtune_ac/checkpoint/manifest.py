@@ -17,7 +17,7 @@ The cost is one read of the checkpoint, split between ranks: the files are dealt
 its share and rank 0 gathers the digests, so N ranks each read about 1/N of it (a 100 GB checkpoint on 8 ranks:
 about 15 s). Reading right after writing is served from the page cache.
 
-Every function taking ``collective=True`` is called by all ranks of the default process group (if any).
+Every function given several ``processes`` (the run's context) is called by all its ranks.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from torchtune_ac.checkpoint.files import is_writer_rank, process_group_active
+from torchtune_ac.checkpoint.files import leads, together
+from torchtune_ac.runtime.distributed import DistributedContext
 
 MANIFEST_FILE = "manifest.json"
 ALGORITHM = "sha256"
@@ -83,14 +84,14 @@ def _share(sizes: dict[str, int], rank: int, world_size: int) -> list[str]:
     return mine
 
 
-def hash_files(root: Path, sizes: dict[str, int], *, collective: bool) -> dict[str, str]:
+def hash_files(root: Path, sizes: dict[str, int], processes: Optional[DistributedContext]) -> dict[str, str]:
     """``relative path -> SHA-256`` of ``sizes``' files, each rank hashing its share; every rank gets them all.
 
     A file a rank cannot read gets ``"!" + the reason`` instead of a digest, so every rank still reaches the
     gather (a rank that raised there would leave the others waiting).
     """
-    collective = collective and process_group_active()
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if collective else (0, 1)
+    collective = together(processes)
+    rank, world_size = (processes.rank, processes.world_size) if collective else (0, 1)
     digests = {}
     for name in _share(sizes, rank, world_size):
         try:
@@ -104,16 +105,16 @@ def hash_files(root: Path, sizes: dict[str, int], *, collective: bool) -> dict[s
     return digests
 
 
-def _agreed(value: Any, *, collective: bool) -> Any:
-    """Rank 0's ``value`` on every rank (``value`` itself without a process group)."""
-    if not (collective and process_group_active()):
+def _agreed(value: Any, processes: Optional[DistributedContext]) -> Any:
+    """Rank 0's ``value`` on every rank (``value`` itself for one process)."""
+    if not together(processes):
         return value
-    box = [value if dist.get_rank() == 0 else None]
+    box = [value if processes.is_rank_zero else None]
     dist.broadcast_object_list(box, src=0)
     return box[0]
 
 
-def write_manifest(root: Path, *, collective: bool = False) -> None:
+def write_manifest(root: Path, *, processes: Optional[DistributedContext] = None) -> None:
     """Write ``root/manifest.json`` for every file under ``root`` (call it once every file is written).
 
     Rank 0 lists the files and tells the others, each rank hashes its share, rank 0 writes the manifest.
@@ -121,17 +122,17 @@ def write_manifest(root: Path, *, collective: bool = False) -> None:
     Raises:
         OSError: a file could not be read back (on every rank), or the manifest could not be written (rank 0).
     """
-    lead = is_writer_rank() or not collective
+    lead = leads(processes)
     listing: Any = None
     if lead:
         try:
             listing = _list_files(root)
         except OSError as err:  # told to every rank, which all raise below
             listing = f"{root}: cannot be listed ({err.strerror})"
-    sizes = _agreed(listing, collective=collective)
+    sizes = _agreed(listing, processes)
     if isinstance(sizes, str):
         raise OSError(sizes)
-    digests = hash_files(root, sizes, collective=collective)
+    digests = hash_files(root, sizes, processes)
     unreadable = [digest[1:] for digest in digests.values() if digest.startswith("!")]
     if unreadable:
         raise OSError(f"cannot hash the checkpoint's files: {unreadable[0]}")
@@ -195,21 +196,22 @@ def _check_sizes(root: Path, require: str) -> tuple[Optional[str], dict[str, int
     return None, sizes, records
 
 
-def check_against_manifest(root: Path, *, hashes: bool, collective: bool = False, require: str = "") -> Optional[str]:
+def check_against_manifest(root: Path, *, hashes: bool, processes: Optional[DistributedContext] = None,
+                           require: str = "") -> Optional[str]:
     """Why ``root`` does not match its manifest (one line naming the first bad file), or None.
 
     Args:
         root: a checkpoint directory.
-        hashes: also recompute every file's SHA-256 (each rank its share when ``collective``); otherwise only
-            sizes are compared, which reads no file but the manifest.
-        collective: every rank calls this; rank 0 checks the sizes and all get the same answer.
+        hashes: also recompute every file's SHA-256 (each rank its share, with several ``processes``); otherwise
+            only sizes are compared, which reads no file but the manifest.
+        processes: every rank of the run calls this; rank 0 checks the sizes and all get the same answer (None:
+            this process alone).
         require: a file the manifest must list (e.g. the recipe state's trainer_state.json).
     """
-    problem, sizes, records = _agreed(_check_sizes(root, require) if is_writer_rank() or not collective else None,
-                                      collective=collective)
+    problem, sizes, records = _agreed(_check_sizes(root, require) if leads(processes) else None, processes)
     if problem is not None or not hashes:
         return problem
-    digests = hash_files(root, sizes, collective=collective)
+    digests = hash_files(root, sizes, processes)
     for name in sizes:
         if digests[name].startswith("!"):
             return digests[name][1:]

@@ -15,6 +15,9 @@ run ends; a second run finds the file and stops with one line naming the other r
   alone. A stale lock is taken over under a guard file (also ``O_EXCL``), so two runs that find the same stale
   lock cannot both take it, nor delete the fresh lock the other one just wrote.
 
+The lock is also where ``output_dir`` is created (``create_output_dir``), once, by rank 0, before anything is
+written in it.
+
 Nothing here uses ``flock``: it does not work across the nodes of a shared file system on every system.
 """
 
@@ -30,13 +33,14 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Protocol
+from typing import Any, Iterator, Optional
 
 import psutil
 import torch.distributed as dist
 
 from torchtune_ac.checkpoint.files import PathLike, check_writable_directory
 from torchtune_ac.errors import UserError
+from torchtune_ac.runtime.distributed import DistributedContext
 
 OUTPUT_LOCK_FILE = "run.lock"
 _GUARD_SUFFIX = ".takeover"
@@ -45,14 +49,18 @@ _START_TIME_SLACK_S = 1.0
 log = logging.getLogger(__name__)
 
 
-class RunProcesses(Protocol):
-    """Which process of the run this is (``training.distributed.DistributedContext`` is one)."""
+def create_output_dir(output_dir: str | Path) -> Path:
+    """Create ``output_dir`` and its parents if missing.
 
-    @property
-    def is_rank_zero(self) -> bool: ...
-
-    @property
-    def is_distributed(self) -> bool: ...
+    Raises:
+        UserError: it cannot be created (a read-only or virtual file system, a parent that is a file, ...).
+    """
+    path = Path(output_dir)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"output_dir {path}: cannot create it ({err.strerror}: {err.filename})") from None
+    return path
 
 
 @dataclass(frozen=True)
@@ -180,10 +188,10 @@ def _acquire(output_dir: Path, token: str) -> tuple[Optional[str], Optional[str]
         return str(err), None, []
     created = _missing_folders(output_dir.absolute())
     try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
+        create_output_dir(output_dir)
+    except UserError as err:
         _remove_if_empty(created)
-        return f"output_dir {output_dir}: cannot create it ({err.strerror}: {err.filename})", None, []
+        return str(err), None, []
     path = output_dir / OUTPUT_LOCK_FILE
     holder = _this_process(token)
     try:
@@ -234,7 +242,7 @@ def _release(output_dir: Path, token: str, created: list[Path]) -> None:
 
 
 @contextlib.contextmanager
-def hold_output_dir(output_dir: PathLike, processes: RunProcesses) -> Iterator[None]:
+def hold_output_dir(output_dir: PathLike, processes: DistributedContext) -> Iterator[None]:
     """Hold ``output_dir``'s lock while the body runs (every rank of the run enters this, before any writes).
 
     Rank 0 creates ``output_dir`` if missing and takes the lock (taking over a stale one of this host, with a
@@ -244,8 +252,8 @@ def hold_output_dir(output_dir: PathLike, processes: RunProcesses) -> Iterator[N
 
     Args:
         output_dir: the run's output directory.
-        processes: this process's place in the run, its process group already initialised when distributed
-            (``init_distributed``'s context).
+        processes: the run's process context (``init_distributed``'s), its process group already initialised when
+            distributed.
 
     Raises:
         UserError: (on every rank) another run holds the lock (naming its host and pid), its lock file cannot be

@@ -37,8 +37,9 @@ earlier one, because they failed their manifest) are deleted too. Pruning rename
 deleting it and rewrites a manifest before its recipe state goes, so a kill during pruning leaves nothing that
 looks complete but is not.
 
-``save_checkpoint`` and ``load_checkpoint`` are collective calls when a process group is initialised (all ranks
-call them), and so is ``choose_resume_checkpoint(collective=True)``; the other functions are local.
+``save_checkpoint``, ``load_checkpoint`` and ``choose_resume_checkpoint`` take the run's process context
+(``processes``): with several processes every rank calls them; without (None) they act for this process alone. The
+other functions are local.
 """
 
 from __future__ import annotations
@@ -54,7 +55,6 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
@@ -67,13 +67,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torchtune_ac.checkpoint.files import (
     CollectiveStepFailed,
     discard_directory,
-    host_barrier,
-    is_writer_rank,
-    process_group_active,
+    leads,
     read_json,
     read_pointer,
     remove_debris,
     run_on_every_rank,
+    together,
     write_directory,
     write_pointer,
 )
@@ -86,6 +85,7 @@ from torchtune_ac.checkpoint.manifest import (
     write_manifest_without,
 )
 from torchtune_ac.errors import UserError
+from torchtune_ac.runtime.distributed import DistributedContext
 
 RECIPE_STATE_DIR = "recipe_state"
 TRAINER_STATE_FILE = "trainer_state.json"
@@ -181,20 +181,6 @@ def _checkpoint_step(path: Path) -> int:
     return int(match.group(1)) if match else -1
 
 
-def create_output_dir(output_dir: str | Path) -> Path:
-    """Create ``output_dir`` and its parents if missing.
-
-    Raises:
-        UserError: it cannot be created (a read-only or virtual file system, a parent that is a file, ...).
-    """
-    path = Path(output_dir)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise UserError(f"output_dir {path}: cannot create it ({err.strerror}: {err.filename})") from None
-    return path
-
-
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """Checkpoint directories in ``output_dir``, oldest first."""
     root = Path(output_dir)
@@ -231,14 +217,16 @@ def resolve_hf_checkpoint(path: str | Path) -> Path:
                     f"with a checkpoint (no {LATEST_POINTER}, no complete step_* folder)")
 
 
-def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool, collective: bool = False) -> ResumeChoice:
+def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool,
+                             processes: Optional[DistributedContext] = None) -> ResumeChoice:
     """The newest checkpoint in ``output_dir`` whose recipe state matches its manifest.
 
     Args:
         output_dir: the run's directory.
         hashes: recompute each file's SHA-256 (the resume itself); False compares sizes only, reading no
             checkpoint file but the manifest and trainer_state.json (the start-up checks, ``tune validate``).
-        collective: every rank calls this and the ranks share the hashing.
+        processes: the run's processes: every rank calls this and the ranks share the hashing (None: this process
+            alone).
 
     Returns:
         The checkpoint, and the newer ones skipped; no checkpoint when ``output_dir`` holds none with recipe state.
@@ -254,7 +242,7 @@ def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool, collective
         raise _newest_without_recipe_state(Path(output_dir), checkpoints[-1], candidates)
     skipped = []
     for candidate in candidates:
-        problem = check_against_manifest(candidate, hashes=hashes, collective=collective, require=_TRAINER_STATE)
+        problem = check_against_manifest(candidate, hashes=hashes, processes=processes, require=_TRAINER_STATE)
         if problem is None:
             try:
                 read_trainer_state(candidate)
@@ -299,11 +287,6 @@ def _has_recipe_state(checkpoint: Path) -> bool:
     return any(name.startswith(f"{RECIPE_STATE_DIR}/") for name in records or ())
 
 
-def _barrier() -> None:
-    if process_group_active():
-        host_barrier()
-
-
 def save_checkpoint(
     output_dir: str | Path,
     *,
@@ -314,8 +297,9 @@ def save_checkpoint(
     keep_last_n: Optional[int] = None,
     tokenizer_dir: Optional[str | Path] = None,
     chat_template: Optional[str] = None,
+    processes: Optional[DistributedContext] = None,
 ) -> Path:
-    """Write a complete checkpoint for ``state.progress.step`` (all ranks must call this), then prune older ones.
+    """Write a complete checkpoint for ``state.progress.step`` (every rank calls this), then prune older ones.
 
     The Hugging Face files are written by rank 0 (a sharded model gathered one output shard at a time, so no
     rank holds the whole model), the recipe state by every rank (DCP: each rank its own shard), then the manifest
@@ -332,6 +316,7 @@ def save_checkpoint(
             checkpoint's Hugging Face files and the recipe state of the newest ``RESUMABLE_KEPT``.
         tokenizer_dir: the tokenizer files to copy into the checkpoint.
         chat_template: the chat template the run's tokenizer used (None: none), saved with the tokenizer files.
+        processes: the run's processes (None: this process alone).
 
     Returns:
         The checkpoint directory.
@@ -342,25 +327,27 @@ def save_checkpoint(
     """
     root = Path(output_dir)
     final = root / checkpoint_name(state.progress.step)
-    if is_writer_rank():
+    if leads(processes):
         remove_debris(root)  # what a run killed while saving or pruning left behind
-    _barrier()
+    if processes is not None:
+        processes.barrier()  # before any rank writes there
 
     def write(tmp: Path) -> None:
         run_on_every_rank(
-            lambda: write_hf_files(hf_files, tmp, tokenizer_dir=tokenizer_dir, chat_template=chat_template),
-            where=tmp,
+            lambda: write_hf_files(hf_files, tmp, tokenizer_dir=tokenizer_dir, chat_template=chat_template,
+                                   processes=processes),
+            where=tmp, processes=processes,
         )
         run_on_every_rank(
             lambda: _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizers=optimizers,
-                                       state=state),
-            where=tmp,
+                                       state=state, processes=processes),
+            where=tmp, processes=processes,
         )
-        run_on_every_rank(lambda: write_manifest(tmp, collective=True), where=tmp)  # last
+        run_on_every_rank(lambda: write_manifest(tmp, processes=processes), where=tmp, processes=processes)  # last
 
     try:
         # overwrite: an earlier save of this very step (epoch end == save_every_n_steps) is replaced.
-        write_directory(final, write, overwrite=True, collective=True)
+        write_directory(final, write, overwrite=True, processes=processes)
     except CollectiveStepFailed as err:
         if not err.failure.environmental:
             raise
@@ -371,7 +358,8 @@ def save_checkpoint(
             f"checkpoint was removed and no earlier checkpoint was touched ({kept}): make room, then run the same "
             "command with resume_from_checkpoint=true"
         ) from err
-    run_on_every_rank(lambda: _prune(root, final, keep_last_n) if is_writer_rank() else None, where=root)
+    run_on_every_rank(lambda: _prune(root, final, keep_last_n) if leads(processes) else None, where=root,
+                      processes=processes)
     return final
 
 
@@ -417,17 +405,18 @@ def _save_recipe_state(
     model: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
     state: TrainerState,
+    processes: Optional[DistributedContext],
 ) -> None:
     """Model + optimizer through DCP (every rank its shard), each rank's RNG state; rank 0 trainer_state.json."""
     tensors = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
     with _single_process_dcp_quiet():
-        dcp.save(tensors, checkpoint_id=state_dir, no_dist=not process_group_active())
-    rank = dist.get_rank() if process_group_active() else 0
+        dcp.save(tensors, checkpoint_id=state_dir, no_dist=not together(processes))
+    rank = processes.rank if processes is not None else 0
     rng = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         rng["cuda"] = torch.cuda.get_rng_state()
     torch.save(rng, state_dir / f"rng_rank{rank}.pt")
-    if is_writer_rank():
+    if leads(processes):
         record = {"progress": asdict(state.progress), "shape": asdict(state.shape),
                   "hyperparameters": state.hyperparameters, "data": state.data}
         (state_dir / TRAINER_STATE_FILE).write_text(json.dumps(record, indent=2))
@@ -493,8 +482,10 @@ def load_checkpoint(
     *,
     model: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
+    processes: Optional[DistributedContext] = None,
 ) -> None:
-    """Restore model, optimizer state and this rank's RNG state from ``checkpoint`` (all ranks call this).
+    """Restore model, optimizer state and this rank's RNG state from ``checkpoint`` (every rank of ``processes``
+    calls this; None: this process alone).
 
     The model and optimizer state are resharded by DCP to this run's number of processes. The optimizers keep the
     hyper-parameters they were built with (this run's config: learning rate, betas, weight decay, ...): only their
@@ -507,7 +498,7 @@ def load_checkpoint(
     built = [[_hyperparameters_of(group) for group in optimizer.param_groups] for optimizer in optimizers]
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
     with _single_process_dcp_quiet():
-        dcp.load(state, checkpoint_id=state_dir, no_dist=not process_group_active())
+        dcp.load(state, checkpoint_id=state_dir, no_dist=not together(processes))
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizers, state["optimizer"])
     for optimizer, groups in zip(optimizers, built):
@@ -516,13 +507,14 @@ def load_checkpoint(
             for key in [key for key in group if key not in _GROUP_MEMBERS and key not in hyperparameters]:
                 del group[key]
             group.update(hyperparameters)
-    rank = dist.get_rank() if process_group_active() else 0
+    rank = processes.rank if processes is not None else 0
     saved_ranks = len(list(state_dir.glob("rng_rank*.pt")))
     rng = torch.load(state_dir / f"rng_rank{rank % saved_ranks}.pt", weights_only=True)
     torch.set_rng_state(rng["cpu"])
     if "cuda" in rng:
         torch.cuda.set_rng_state(rng["cuda"])
-    _barrier()
+    if processes is not None:
+        processes.barrier()  # every rank has read the checkpoint before any goes on to write
 
 
 def _hyperparameters_of(group: dict[str, Any]) -> dict[str, Any]:

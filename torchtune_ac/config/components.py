@@ -34,6 +34,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
 
+from torchtune_ac.compat.torchtune.paths import resolve_alias
 from torchtune_ac.component_marker import is_config_component
 from torchtune_ac.errors import UserError
 
@@ -122,12 +123,14 @@ def _check_found_object(obj: Any, path: str, key: str, extra_allowed: Sequence[s
 
 
 def import_component(path: str, key: str, extra_allowed: Sequence[str] = ()) -> Callable[..., Any]:
-    """Import the object named by a dotted ``path`` (already checked by ``check_component_path``) and check it.
+    """Import the object named by a dotted ``path`` (already checked by ``check_component_path``) and check it. A
+    path that mirrors torchtune's (``compat/torchtune/paths.py``) imports the object it stands for.
 
     Raises:
         UserError: the module or attribute does not exist, a module on the way is not the one the path names,
             or the object is not an allowed component.
     """
+    path = resolve_alias(path)
     parts = path.split(".")
     # The longest importable prefix is the module; the rest are attributes (a.b.Class works too).
     for split in range(len(parts) - 1, 0, -1):

@@ -1,27 +1,32 @@
-"""Typed schemas of the recipes' configs: every key, its type, its default, in one place.
+"""Typed schemas of the recipes' configs: every key, its type, its default and what it means, written once on its
+field (``config_key``); a reference page can be generated from the fields alone (``config_key.config_keys``).
 
 Top-level names follow torchtune's where torchtune has one, so a torchtune user's configs and command lines
 carry over. Nothing downstream reads raw config keys: recipes receive these dataclasses, and pass the grouped
 settings on whole (``cfg.ac``, ``cfg.memory``, ``cfg.fsdp``).
 
-Groups of settings belong to the subsystem that uses them (``ACConfig`` to activation checkpointing,
-``FSDPConfig`` to sharding, extended with the memory switches' ``fsdp.*`` keys); this module composes them. A group marked ``flatten`` keeps its keys at the top
-level of the YAML (``ac_mode: full``, not ``ac: {mode: full}``), as torchtune names them.
+Groups of keys are written beside the subsystem that uses them, and composed here: ``ACConfig``
+(``training/ac_config.py``), ``MemoryConfig`` (``memory/plan.py``) and ``FSDPConfig`` (``runtime/distributed.py``,
+the ``fsdp.*`` keys). A group marked ``flatten`` keeps its keys at the top level of the YAML (``ac_mode: full``,
+not ``ac: {mode: full}``), as torchtune names them.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from torchtune_ac.config.components import Component
-from torchtune_ac.memory.activation_checkpointing import ACConfig
-from torchtune_ac.memory.plan import FSDPConfig, MemoryConfig
-from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S
+from torchtune_ac.config_key import config_key
+from torchtune_ac.memory.plan import MemoryConfig
+from torchtune_ac.memory.planner import PreferenceStep
+from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S, FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.training.dpo import DPOConfig, ReferenceMode
 
-__all__ = ["Device", "DType", "FSDPConfig", "FullFinetuneConfig"]
+__all__ = ["Device", "DType", "FSDPConfig", "FullDPOConfig", "FullFinetuneConfig"]
 
 
 class Device(str, enum.Enum):
@@ -30,62 +35,119 @@ class Device(str, enum.Enum):
     CUDA = "cuda"
 
 
-def _min(value: int) -> dict:
-    return {"minimum": value}
-
-
 # A key torchtune has too, with the same name and meaning: tune migrate copies it unchanged.
-SAME = {"torchtune": "same"}
+SAME = "same"
 
 
 @dataclass(frozen=True)
 class FullFinetuneConfig:
     """Config of the ``full_finetune`` recipe."""
 
-    # An empty path would mean the current directory.
-    output_dir: str = field(metadata={"non_empty": True})
-    model: Component = field(metadata={})
-    tokenizer: Component = field(metadata={})
-    dataset: Component = field(metadata={"positional": 1, "recipe_kwargs": ("max_seq_len",)})
-    optimizer: Component = field(metadata={"positional": 1})
-    # Hugging Face checkpoint directory to start from (config.json + safetensors); null = random init.
-    checkpoint_dir: Optional[str] = field(default=None, metadata={"non_empty": True})
-    resume_from_checkpoint: bool = field(default=False, metadata=SAME)
-    lr_scheduler: Optional[Component] = field(default=None, metadata={"positional": 1, "recipe_kwargs": ("num_training_steps",)})
-    # Held-out data for the validation loss (a dataset component like ``dataset``); null: no validation.
-    dataset_val: Optional[Component] = field(default=None, metadata={"positional": 1, "recipe_kwargs": ("max_seq_len",)})
-    # Validate every N optimizer steps; null: at the end of every epoch (when dataset_val is set).
-    run_val_every_n_steps: Optional[int] = field(default=None, metadata={**_min(1), **SAME})
-    # Samples per process per validation batch; null: batch_size.
-    batch_size_val: Optional[int] = field(default=None, metadata={**_min(1), **SAME})
-    batch_size: int = field(default=1, metadata={**_min(1), **SAME})
-    epochs: int = field(default=1, metadata={**_min(1), **SAME})
-    max_steps_per_epoch: Optional[int] = field(default=None, metadata={**_min(1), **SAME})
-    gradient_accumulation_steps: int = field(default=1, metadata={**_min(1), **SAME})
-    max_seq_len: Optional[int] = field(default=None, metadata=_min(1))
-    clip_grad_norm: Optional[float] = field(default=None, metadata={"exclusive_minimum": 0.0, **SAME})
+    output_dir: str = config_key(
+        doc="Where the run writes its checkpoints (step_*), metrics.jsonl and its lock; a resume reads them back. An "
+        "empty path would mean the current directory.", non_empty=True)
+    model: Component = config_key(
+        doc="The model builder: a torchtune_ac.models builder (llama3_8b, from_hf_config, ...) with its arguments.")
+    tokenizer: Component = config_key(doc="The tokenizer: torchtune_ac.data.load_tokenizer with its path.")
+    dataset: Component = config_key(
+        doc="The training data: torchtune_ac.data.instruct_dataset, chat_dataset or text_dataset, with its source "
+        "(a local file or a Hugging Face dataset).", positional=1, recipe_kwargs=("max_seq_len",))
+    optimizer: Component = config_key(
+        doc="The optimizer: a torch.optim class (AdamW) or one of torchao's low-bit AdamW, with its arguments.",
+        positional=1)
+    checkpoint_dir: Optional[str] = config_key(
+        None, doc="The Hugging Face checkpoint to start from (config.json and safetensors); it is only read. null: "
+        "random initialisation from seed.", non_empty=True)
+    resume_from_checkpoint: bool = config_key(
+        False, doc="Continue the run in output_dir from its newest checkpoint that matches its manifest (none yet: "
+        "start at step 0).", torchtune=SAME)
+    lr_scheduler: Optional[Component] = config_key(
+        None, doc="The learning-rate schedule over the optimizer (torchtune_ac.training.cosine_schedule_with_warmup, "
+        "a torch.optim.lr_scheduler class); null: a constant learning rate.",
+        positional=1, recipe_kwargs=("num_training_steps",))
+    dataset_val: Optional[Component] = config_key(
+        None, doc="Held-out data for the validation loss (a dataset component like dataset); null: no validation.",
+        positional=1, recipe_kwargs=("max_seq_len",))
+    run_val_every_n_steps: Optional[int] = config_key(
+        None, doc="Validate every N optimizer steps; null: at the end of every epoch (when dataset_val is set).",
+        minimum=1, torchtune=SAME)
+    batch_size_val: Optional[int] = config_key(
+        None, doc="Samples per process per validation batch; null: batch_size.", minimum=1, torchtune=SAME)
+    batch_size: int = config_key(1, doc="Samples per process per micro-batch.", minimum=1, torchtune=SAME)
+    epochs: int = config_key(1, doc="Passes over the dataset.", minimum=1, torchtune=SAME)
+    max_steps_per_epoch: Optional[int] = config_key(
+        None, doc="Stop each epoch after this many optimizer steps; null: the whole dataset.", minimum=1,
+        torchtune=SAME)
+    gradient_accumulation_steps: int = config_key(
+        1, doc="Micro-batches per optimizer step; the global batch is batch_size x this x the processes.",
+        minimum=1, torchtune=SAME)
+    max_seq_len: Optional[int] = config_key(
+        None, doc="Truncate (or pack to) this many tokens per sample; null: the samples' own length. ac_mode: auto and "
+        "tune plan size the activations by it.", minimum=1)
+    clip_grad_norm: Optional[float] = config_key(
+        None, doc="Scale the gradients down to this total norm before each optimizer step; null: no clipping (the "
+        "norm is still measured and logged).", exclusive_minimum=0.0, torchtune=SAME)
     # torch.manual_seed takes at most 64 bits, and epoch e seeds the data order with seed + e.
-    seed: int = field(default=0, metadata={"minimum": 0, "maximum": 2**63 - 1})
-    shuffle: bool = field(default=True, metadata=SAME)
-    device: Device = Device.AUTO
-    dtype: DType = DType.FP32
-    compile: bool = field(default=False, metadata=SAME)
-    # On CUDA, float32 matrix multiplies and convolutions run in TF32 (10-bit mantissa inputs, float32 sums).
-    allow_tf32: bool = True
-    # How long a rank waits in one collective before the run fails: the others wait while rank 0 alone writes,
-    # fsyncs and prunes a checkpoint (NCCL's own default is 10 minutes).
-    distributed_timeout_s: int = field(default=DEFAULT_TIMEOUT_S, metadata=_min(1))
-    # enable_activation_checkpointing, ac_mode, ac_option (top-level keys); the bound of ac_option (at most the
-    # model's layer count) is checked once the model is built.
-    ac: ACConfig = field(default_factory=ACConfig, metadata={"flatten": True})
-    # The memory switches' top-level keys (optimizer_in_bwd, loss_chunks, ...); see memory/plan.py.
-    memory: MemoryConfig = field(default_factory=MemoryConfig, metadata={"flatten": True})
-    save_every_n_steps: Optional[int] = field(default=None, metadata={**_min(1), **SAME})
-    # Keep the newest N checkpoints whole, delete older ones once a new one is verified; null: keep every
-    # checkpoint's model files, and recipe state in the newest two (see checkpoint/recipe_state.py).
-    keep_last_n_checkpoints: Optional[int] = field(default=None, metadata=_min(1))
-    log_every_n_steps: int = field(default=1, metadata={**_min(1), **SAME})
-    # Experiment tracker besides metrics.jsonl (always written): torchtune_ac.training.metric_logging.*, or null.
-    metric_logger: Optional[Component] = None
-    # FSDP2's settings and the memory switches' fsdp.* keys; a field's metadata names torchtune's key for it.
-    fsdp: FSDPConfig = field(default_factory=FSDPConfig)
+    seed: int = config_key(
+        0, doc="Seeds the initial weights (without checkpoint_dir), dropout and the data order (epoch e uses seed + "
+        "e).", minimum=0, maximum=2**63 - 1)
+    shuffle: bool = config_key(True, doc="Shuffle the samples each epoch.", torchtune=SAME)
+    device: Device = config_key(
+        Device.AUTO, doc="Where the run computes: cuda (this process's GPU), cpu, or auto (CUDA when present).")
+    dtype: DType = config_key(DType.FP32, doc="The parameters' storage and compute dtype: fp32 or bf16.")
+    compile: bool = config_key(
+        False, doc="torch.compile each transformer block (activation checkpointing included).", torchtune=SAME)
+    allow_tf32: bool = config_key(
+        True, doc="On CUDA, float32 matrix multiplies and convolutions run in TF32 (10-bit mantissa inputs, float32 "
+        "sums); nothing changes on a CPU.")
+    distributed_timeout_s: int = config_key(
+        DEFAULT_TIMEOUT_S, doc="How long a process waits in one collective before the run fails: the others wait "
+        "while rank 0 alone writes, fsyncs and prunes a checkpoint (NCCL's own default is 10 minutes).", minimum=1)
+    ac: ACConfig = config_key(
+        doc="Activation checkpointing: enable_activation_checkpointing, ac_mode, ac_option, ac_memory_budget_gib "
+        "(top-level keys; ac_option's bound, the model's layer count, is checked once the model is built).",
+        default_factory=ACConfig, flatten=True)
+    memory: MemoryConfig = config_key(
+        doc="The memory features' top-level keys: optimizer_in_bwd, loss_chunks, enable_activation_offloading.",
+        default_factory=MemoryConfig, flatten=True)
+    save_every_n_steps: Optional[int] = config_key(
+        None, doc="Also save a checkpoint every N optimizer steps (one is saved at the end of every epoch and on a "
+        "stop signal); null: only then.", minimum=1, torchtune=SAME)
+    keep_last_n_checkpoints: Optional[int] = config_key(
+        None, doc="Keep the newest N checkpoints whole and delete older ones once a new one is verified; null: keep "
+        "every checkpoint's model files, and the recipe state (for resume) of the newest two.", minimum=1)
+    log_every_n_steps: int = config_key(
+        1, doc="Write a metrics.jsonl record (and a progress line in a log file) every N optimizer steps.",
+        minimum=1, torchtune=SAME)
+    metric_logger: Optional[Component] = config_key(
+        None, doc="An experiment tracker besides metrics.jsonl (always written): "
+        "torchtune_ac.observability.metric_logging.TensorBoardLogger or WandBLogger; null: none.")
+    fsdp: FSDPConfig = config_key(doc="FSDP2's settings (see its keys).", default_factory=FSDPConfig)
+
+    def preference_step(self) -> Optional[PreferenceStep]:
+        """What the planner simulates besides the token loss: nothing for fine-tuning."""
+        return None
+
+
+@dataclass(frozen=True)
+class FullDPOConfig(FullFinetuneConfig):
+    """Config of the ``full_dpo`` recipe: ``full_finetune``'s keys, preference data, the reference and the loss."""
+
+    dataset: Component = config_key(
+        doc="The preference pairs: torchtune_ac.data.preference_dataset with its source (prompt/chosen/rejected "
+        "strings, or chosen/rejected message lists sharing their prompt).", positional=1,
+        recipe_kwargs=("max_seq_len",))
+    ref_checkpoint_dir: Optional[str] = config_key(
+        None, doc="The Hugging Face checkpoint of the reference model; null: the policy's starting weights "
+        "(checkpoint_dir, or without it the seed's random ones). A resume keeps the reference it started from.",
+        non_empty=True)
+    dpo: DPOConfig = config_key(doc="The DPO loss and its reference (see its keys).", default_factory=DPOConfig)
+
+    @property
+    def reference_checkpoint_dir(self) -> Optional[str]:
+        """Where the reference's weights come from: ``ref_checkpoint_dir``, else ``checkpoint_dir``."""
+        return self.ref_checkpoint_dir if self.ref_checkpoint_dir is not None else self.checkpoint_dir
+
+    def preference_step(self) -> Optional[PreferenceStep]:
+        """Pairs, two rows each, and the reference model when it stays resident."""
+        return PreferenceStep(resident_reference=self.dpo.reference is ReferenceMode.RESIDENT)

@@ -470,6 +470,9 @@ class PreparedDataset:
     untrained_reason: str = "nothing to train on"
     text_columns: Optional[TextColumns] = None
 
+    def build(self) -> TokenizedDataset:
+        return build_dataset(self)
+
 
 def build_dataset(prepared: PreparedDataset) -> TokenizedDataset:
     """Encode every record, turn them into samples, drop the untrainable, and pack if asked.
@@ -523,7 +526,15 @@ def build_dataset(prepared: PreparedDataset) -> TokenizedDataset:
 # (0.6 s for instruction data, 3 s for chat data, on one busy core).
 CHECKED_RECORDS = 5_000
 
-_PREPARERS: dict[Callable[..., Any], Callable[..., PreparedDataset]] = {}
+# builder -> its preparer: what returns the records, ``encode`` and ``build()`` (a PreparedDataset, or another
+# module's own kind of samples: ``preference.PreparedPairs``).
+_PREPARERS: dict[Callable[..., Any], Callable[..., Any]] = {}
+
+
+def register_preparer(builder: Callable[..., Any], prepare: Callable[..., Any]) -> None:
+    """Let ``tune validate`` check ``builder``'s records (``check_dataset_records``): ``prepare`` takes the builder's
+    arguments and returns what has ``source``, ``records``, ``encode(record)`` and ``build()``."""
+    _PREPARERS[builder] = prepare
 
 
 def check_dataset_records(builder: Callable[..., Any], tokenizer: Tokenizer, arguments: Mapping[str, Any],
@@ -553,7 +564,7 @@ def check_dataset_records(builder: Callable[..., Any], tokenizer: Tokenizer, arg
     prepared = prepare(*bound.args, **bound.kwargs)
     total = len(prepared.records)
     if total <= CHECKED_RECORDS:
-        dataset = build_dataset(prepared)
+        dataset = prepared.build()
         return f"{prepared.source}: {count_of(total, 'record')} read and encoded, {describe_samples(dataset)}", \
             dataset.report
     step = total / CHECKED_RECORDS
@@ -563,5 +574,6 @@ def check_dataset_records(builder: Callable[..., Any], tokenizer: Tokenizer, arg
             "encoded (the run encodes them all)"), None
 
 
-_PREPARERS.update({instruct_dataset: prepare_instruct_dataset, chat_dataset: prepare_chat_dataset,
-                   text_dataset: prepare_text_dataset})
+for _builder, _prepare in ((instruct_dataset, prepare_instruct_dataset), (chat_dataset, prepare_chat_dataset),
+                          (text_dataset, prepare_text_dataset)):
+    register_preparer(_builder, _prepare)

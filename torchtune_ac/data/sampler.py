@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -151,8 +151,9 @@ def build_dataloader(
     pad_to_multiple_of: int = 1,
     max_length: int | None = None,
     pin_memory: bool = False,
+    collate: Callable[..., dict[str, torch.Tensor]] = collate_batch,
 ) -> ShardedDataLoader:
-    """Batches of this rank's shard, collated with :func:`collate_batch`, read in the main process.
+    """Batches of this rank's shard, collated with ``collate`` (:func:`collate_batch`), read in the main process.
 
     Args:
         dataset: Any map-style dataset of samples (``len`` and indexing).
@@ -167,6 +168,8 @@ def build_dataloader(
         max_length: ...but not beyond this.
         pin_memory: Put each batch in page-locked host memory (for a CUDA run: its copy to the GPU is then
             asynchronous, as ``non_blocking=True`` asks).
+        collate: Makes a batch of samples, called with ``pad_id``, ``pad_to_multiple_of`` and ``max_length``
+            (``collate_batch``; preference pairs have ``data.preference.collate_preference_batch``).
 
     Returns:
         The loader; call ``set_epoch`` before each epoch and ``skip_steps`` to resume mid-epoch.
@@ -192,7 +195,7 @@ def build_dataloader(
     packing = getattr(dataset, "packing", None)
     if packing is not None and rank == 0 and packing.unchanged() is not None:
         logger.warning("data: %s", packing.unchanged())
-    collate = functools.partial(collate_batch, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of,
+    collate = functools.partial(collate, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of,
                                 max_length=max_length)
     # A generator of its own: otherwise each iter() draws a seed from the global RNG, which would shift
     # dropout masks after a mid-epoch resume (the global RNG state is restored before iteration starts).
@@ -202,9 +205,16 @@ def build_dataloader(
     )
 
 
+def blank_sample(sample: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``sample`` that counts for nothing: every label ignored."""
+    return {**sample, "labels": [IGNORE_INDEX] * len(sample["labels"])}
+
+
 def evaluation_batches(
     dataset: Dataset, *, batch_size: int, pad_id: int, rank: int = 0, world_size: int = 1,
     pad_to_multiple_of: int = 1, max_length: int | None = None,
+    collate: Callable[..., dict[str, torch.Tensor]] = collate_batch,
+    blank: Callable[[dict[str, Any]], dict[str, Any]] = blank_sample,
 ) -> Iterator[dict[str, torch.Tensor]]:
     """This rank's batches of one pass over ``dataset`` in order, for an evaluation: every sample exactly once
     over all ranks.
@@ -212,8 +222,8 @@ def evaluation_batches(
     Every rank yields the same number of ``batch_size`` batches (a sharded model's forward is a collective, so
     ranks must run equally many). Rank ``r``'s batch ``t`` holds the samples at positions
     ``t*B + r*batch_size ...`` with ``B = batch_size * world_size``; positions past the end are filled with the
-    first sample with every label ignored, so they count towards no loss and no target. Batches are padded as
-    ``collate_batch`` says (``pad_to_multiple_of``, ``max_length``).
+    first sample with every label ignored (``blank``), so they count towards no loss and no target. Batches are
+    made by ``collate`` (``collate_batch``), padded as it says (``pad_to_multiple_of``, ``max_length``).
 
     Raises:
         UserError: the dataset is empty, or ``batch_size`` is not positive.
@@ -229,7 +239,5 @@ def evaluation_batches(
             if position < len(dataset):
                 samples.append(dataset[position])
             else:
-                filler = dict(dataset[0])
-                filler["labels"] = [IGNORE_INDEX] * len(filler["labels"])
-                samples.append(filler)
-        yield collate_batch(samples, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, max_length=max_length)
+                samples.append(blank(dataset[0]))
+        yield collate(samples, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, max_length=max_length)

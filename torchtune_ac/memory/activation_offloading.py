@@ -19,6 +19,15 @@ parameters: the RoPE tables and, under compile, the weights a compiled block sav
 Gradients are those of the run without offloading: the same values come back. On a CPU there is nothing to
 offload to (the switch refuses it), but the hooks work all the same with a plain copy instead of the streams,
 which is how the tests check the gradients on a CPU.
+
+As a memory feature (``FEATURE``):
+
+    enable_activation_offloading: false | true     # torchtune's key
+
+A CUDA feature: refused with ``device: cpu``, and on a machine without CUDA (``check_device``); and refused with no
+activation checkpointing at all (``ac_mode: none``), which leaves nothing it moves. The planner moves the inputs of
+the checkpointed blocks from the device's activations to the host, keeping two on the device (the one a block's
+backward is using and the one being prefetched).
 """
 
 from __future__ import annotations
@@ -29,8 +38,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from torchtune_ac.memory.activation_checkpointing import is_checkpointed
+from torchtune_ac.errors import UnavailableError, UserError
+from torchtune_ac.memory.feature import Alternative, Feature, FeatureCost, ModelSizes, ResolveInputs
 from torchtune_ac.models.families import transformer_blocks
+from torchtune_ac.training.activation_checkpointing import is_checkpointed
+
+WHAT = "moves what checkpointed blocks keep for backward from a CUDA device to pinned host memory"
+IN_FLIGHT = 2  # block inputs on the device at once in backward: the one in use and the one prefetched
 
 
 class _HostCopy:
@@ -149,3 +163,49 @@ def apply_activation_offloading(model: nn.Module) -> ActivationOffloader:
         if is_checkpointed(block):
             block.forward = OffloadedForward(block.forward, offloader)
     return offloader
+
+
+# ----------------------------------------------------------------------------------------------------- the feature
+
+
+def _resolve(inputs: ResolveInputs) -> bool:
+    if not inputs.memory.enable_activation_offloading:
+        return False
+    if inputs.device == "cpu":
+        raise UserError(f"enable_activation_offloading=true with device=cpu: it {WHAT}; on a CPU they are in host "
+                        "memory already: set enable_activation_offloading: false")
+    ac = inputs.settings.get("ac")
+    if ac is not None and not ac.checkpointed_blocks:
+        raise UserError(f"enable_activation_offloading=true with no activation checkpointing: it {WHAT}, and no "
+                        "block is checkpointed; set enable_activation_checkpointing: true (or an ac_mode)")
+    return True
+
+
+def _check_device(setting: bool, device: torch.device) -> None:
+    if setting and device.type != "cuda":
+        raise UnavailableError(f"enable_activation_offloading=true: it {WHAT}, and this run is on {device.type} "
+                               "(no CUDA here): set enable_activation_offloading: false")
+
+
+def _describe(setting: bool, vocab_size: Optional[int]) -> str:
+    if not setting:
+        return "off"
+    return ("the inputs checkpointed blocks keep, in pinned host memory: copied on a side stream in forward, "
+            "prefetched a block ahead in backward")
+
+
+def _planner_cost(setting: bool, sizes: ModelSizes) -> FeatureCost:
+    if not setting or not sizes.checkpointed_blocks:
+        return FeatureCost()
+    kept = sizes.checkpointed_blocks * sizes.block_input
+    moved = max(0, min(sizes.so_far["activations"], kept) - min(IN_FLIGHT, sizes.checkpointed_blocks) * sizes.block_input)
+    return FeatureCost(device={"activations": -moved}, host={"activations": kept})
+
+
+def _alternatives(setting: bool) -> list[Alternative]:
+    return [] if setting else [Alternative("enable_activation_offloading=true", True)]
+
+
+FEATURE = Feature(name="enable_activation_offloading", label="activation offloading", off=False, resolve=_resolve,
+                  describe=_describe, check_device=_check_device, planner_cost=_planner_cost,
+                  alternatives=_alternatives)

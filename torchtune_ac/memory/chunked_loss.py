@@ -1,4 +1,4 @@
-"""The chunked loss, a memory switch: the token cross-entropy without the whole logits.
+"""The chunked loss, a memory feature (``FEATURE``): the token cross-entropy without the whole logits.
 
     loss_chunks: null | N              # N > 1: project and score the targets N chunks at a time
 
@@ -23,6 +23,7 @@ by chunk in the forward pass gives the same values with neither cost.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
@@ -30,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from torchtune_ac.errors import UserError
+from torchtune_ac.memory.feature import Alternative, Feature, ResolveInputs
 from torchtune_ac.training.objective import (
     IGNORE_INDEX,
     CrossEntropy,
@@ -37,6 +40,10 @@ from torchtune_ac.training.objective import (
     host_target_count,
     run_model,
 )
+
+# loss_chunks: null gives this many chunks for a vocabulary of at least CHUNKED_LOSS_MIN_VOCAB tokens, else 1.
+DEFAULT_LOSS_CHUNKS = 8
+CHUNKED_LOSS_MIN_VOCAB = 32_000
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -126,6 +133,7 @@ class ChunkedCrossEntropyObjective:
     as the model's output head: the same sums as the whole logits, ``n_chunks`` chunks of targets at a time."""
 
     n_chunks: int
+    metric_names = ()
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return count_target_tokens(batch["labels"])
@@ -138,3 +146,40 @@ class ChunkedCrossEntropyObjective:
 def loss_objective(n_chunks: int) -> "ChunkedCrossEntropyObjective | CrossEntropy":
     """The objective of a ``loss_chunks`` setting: the chunked loss for ``n_chunks`` > 1, else the whole logits."""
     return ChunkedCrossEntropyObjective(n_chunks) if n_chunks > 1 else CrossEntropy()
+
+
+# ----------------------------------------------------------------------------------------------------- the feature
+
+
+def takes_output_head(model: nn.Module) -> bool:
+    """Whether the model's forward accepts ``head=`` (the chunked loss runs through it)."""
+    return "head" in inspect.signature(model.forward).parameters
+
+
+def _resolve(inputs: ResolveInputs) -> int:
+    chunks = inputs.memory.loss_chunks
+    if chunks is None:
+        large = inputs.vocab_size is not None and inputs.vocab_size >= CHUNKED_LOSS_MIN_VOCAB
+        chunks = DEFAULT_LOSS_CHUNKS if large else 1
+    if chunks > 1 and not takes_output_head(inputs.model):
+        raise UserError(
+            f"loss_chunks={chunks}: the chunked loss runs through the model's output head, and "
+            f"{type(inputs.model).__name__}.forward takes no `head` argument; set loss_chunks: 1"
+        )
+    return chunks
+
+
+def _describe(setting: int, vocab_size: Optional[int]) -> str:
+    vocab = f" (vocabulary {vocab_size:,})" if vocab_size else ""
+    if setting > 1:
+        return (f"{setting} chunks{vocab}: targets only, each chunk's gradients computed as it goes (nothing "
+                "recomputed in backward), never the whole logits")
+    return f"whole logits{vocab}"
+
+
+def _alternatives(setting: int) -> list[Alternative]:
+    return [Alternative(f"loss_chunks={DEFAULT_LOSS_CHUNKS}", DEFAULT_LOSS_CHUNKS)] if setting == 1 else []
+
+
+FEATURE = Feature(name="loss_chunks", label="loss", off=1, resolve=_resolve, describe=_describe,
+                  alternatives=_alternatives)

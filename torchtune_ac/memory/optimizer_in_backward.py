@@ -13,6 +13,15 @@ LR scheduler built on it sets the learning rate of every per-parameter step, and
 set by hand. Its ``step()`` does nothing: the steps happen in backward. Its state is checkpointed through the
 per-parameter optimizers (``optimizers``), which ``torch.distributed.checkpoint`` saves and loads by parameter
 name. ``InBackwardStepper`` is how the train step drives it (``training/step.py``'s ``Stepper``).
+
+As a memory feature (``FEATURE``):
+
+    optimizer_in_bwd: false | true
+
+It cannot clip (the total norm is known only once every parameter has been stepped), so it refuses
+``clip_grad_norm``. The planner simulates the step with the optimizer in backward, so it needs no cost declared
+here; under FSDP2 the root's gradients (embeddings, output) are reduced, and so stepped, only when backward ends,
+which the simulation keeps (``planner._LiveStorages``): they stay whole on every process until then.
 """
 
 from __future__ import annotations
@@ -24,7 +33,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchtune_ac.runtime.distributed import offloaded_gradient_wait
+from torchtune_ac.errors import UserError
+from torchtune_ac.memory.feature import Alternative, Feature, ResolveInputs
+from torchtune_ac.training.fsdp import offloaded_gradient_wait
 from torchtune_ac.training.step import NormCheck, OptimizerStepper
 
 
@@ -198,3 +209,40 @@ def build_optimizer(
         return InBackwardStepper(OptimizerInBackward(model.named_parameters(), lambda params: make_optimizer(params),
                                                      wait_for_gradient=offloaded_gradient_wait(model)))
     return OptimizerStepper(make_optimizer(model.parameters()))
+
+
+# ----------------------------------------------------------------------------------------------------- the feature
+
+
+def _resolve(inputs: ResolveInputs) -> bool:
+    in_backward = inputs.memory.optimizer_in_bwd
+    if in_backward and inputs.clip_grad_norm is not None:
+        raise UserError(
+            f"optimizer_in_bwd=true with clip_grad_norm={inputs.clip_grad_norm}: in backward each parameter is "
+            "updated as soon as its gradient is ready, before the total norm that clipping scales by is known; "
+            "set clip_grad_norm: null, or optimizer_in_bwd: false"
+        )
+    return in_backward
+
+
+def _describe(setting: bool, vocab_size: Optional[int]) -> str:
+    return ("in backward: each parameter stepped as its gradient is ready, gradients freed at once"
+            if setting else "after backward")
+
+
+def _alternatives(setting: bool) -> list[Alternative]:
+    if setting:
+        return []
+    # Gradients accumulated over micro-batches must live until the last one, so the step in backward frees them
+    # only without accumulation (torchtune requires that outright).
+    return [Alternative("optimizer_in_bwd=true (with clip_grad_norm: null, gradient_accumulation_steps: 1)", True,
+                        {"clip_grad_norm": None, "gradient_accumulation_steps": 1})]
+
+
+def _resume_record(setting: bool) -> dict:
+    # Recorded only when on, so runs from before the feature existed still resume.
+    return {"optimizer_in_bwd": True} if setting else {}
+
+
+FEATURE = Feature(name="optimizer_in_bwd", label="optimizer step", off=False, resolve=_resolve, describe=_describe,
+                  alternatives=_alternatives, resume_record=_resume_record)

@@ -19,6 +19,11 @@ compiled, its arithmetic is fused, so beside the state it allocates nothing wort
 
 Each distinct parameter shape's first step compiles that kernel (tens of seconds on a CPU, once per process):
 ``announce_first_step`` logs a line before it, so a run's first step is not silent.
+
+As a memory feature (``FEATURE``) it has no key of its own: the layout comes from ``optimizer._component_`` and its
+arguments. ``tune validate`` prints it with the memory plan; ``tune plan`` and ``ac_mode: auto`` count the state by
+it (the planner simulates ``planner_optimizer``'s stand-in for torchao's compiled step, and adds the state from the
+parameters' shapes); when nothing fits, fp32 or bf16 AdamW suggests torchao's 8-bit AdamW.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
+
+from torchtune_ac.errors import UserError
+from torchtune_ac.memory.feature import Alternative, Feature, FeatureCost, MakeOptimizer, ModelSizes, ResolveInputs
 
 log = logging.getLogger("torchtune_ac.memory")
 
@@ -178,3 +186,81 @@ def stand_in_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     """What the planner simulates in place of an optimizer whose state it counts from the layout: an in-place step
     that keeps no state and allocates nothing (as torchao's compiled step, its state aside)."""
     return torch.optim.SGD(params, lr=0.0)
+
+
+# ----------------------------------------------------------------------------------------------------- the feature
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """The feature's setting: the optimizer's state layout (None: not known here, simulated), its ``_component_``
+    path, the parameters' dtype (that of the unquantized states), and the bytes per parameter it comes to for the
+    run's model (None where no model was sized: a suggestion)."""
+
+    layout: Optional[StateLayout]
+    path: str = ""
+    dtype: torch.dtype = torch.float32
+    bytes_per_parameter: Optional[float] = None
+
+
+def optimizer_factory(setting: OptimizerState, make_optimizer: MakeOptimizer) -> MakeOptimizer:
+    """The factory the run builds its optimizers with: ``make_optimizer``, announcing a compiling first step."""
+    if setting.layout is None or not setting.layout.compiled:
+        return make_optimizer
+    return announce_first_step(make_optimizer, f"{setting.path}: compiling its update for each parameter shape (tens "
+                                               "of seconds on a CPU, once per process) before the first step")
+
+
+def planner_optimizer(setting: OptimizerState, make_optimizer: MakeOptimizer) -> MakeOptimizer:
+    """The optimizer the planner simulates: the config's, or ``stand_in_optimizer`` where the state is counted from
+    the layout (torchao's compiled step cannot run under fake tensors)."""
+    counted = setting.layout is not None and setting.layout.counted
+    return stand_in_optimizer if counted else make_optimizer
+
+
+def _resolve(inputs: ResolveInputs) -> OptimizerState:
+    if inputs.optimizer is None:
+        return OFF
+    layout = layout_of(inputs.optimizer.path, inputs.optimizer.kwargs)
+    if layout is not None and layout.stochastic_rounding and inputs.dtype.itemsize != 2:
+        raise UserError(
+            f"optimizer.bf16_stochastic_round=true with dtype={layout.name(inputs.dtype)}: stochastic rounding "
+            "applies to bf16 weights only; set dtype: bf16, or drop optimizer.bf16_stochastic_round"
+        )
+    per_parameter = None
+    if layout is not None:
+        shapes = [tuple(p.shape) for p in {id(p): p for p in inputs.model.parameters()}.values()]
+        per_parameter = state_bytes(layout, shapes, inputs.dtype) / max(1, sum(math.prod(s) for s in shapes))
+    return OptimizerState(layout, inputs.optimizer.path, inputs.dtype, per_parameter)
+
+
+def _describe(setting: OptimizerState, vocab_size: Optional[int]) -> str:
+    if not setting.path:
+        return "as the optimizer allocates it"
+    return describe_layout(setting.layout, setting.path, setting.dtype, setting.bytes_per_parameter)
+
+
+def _planner_cost(setting: OptimizerState, sizes: ModelSizes) -> FeatureCost:
+    if setting.layout is None or not setting.layout.counted:
+        return FeatureCost()
+    counted = state_bytes(setting.layout, sizes.shapes, sizes.dtype, sizes.world_size)
+    return FeatureCost(device={"optimizer": counted - sizes.so_far.get("optimizer", 0)})
+
+
+def _alternatives(setting: OptimizerState) -> list[Alternative]:
+    if setting.layout is None or setting.layout.bits is not None or setting.layout.states != 2:
+        return []
+    return [Alternative(f"optimizer._component_={EIGHT_BIT} (the ao extra)",
+                        OptimizerState(layout_of(EIGHT_BIT, {}), EIGHT_BIT))]
+
+
+def _resume_record(setting: OptimizerState) -> dict:
+    # Recorded only for a quantized state, so runs from before the feature existed still resume.
+    if setting.layout is None or setting.layout.bits is None:
+        return {}
+    return {"optimizer_state": setting.layout.name(setting.dtype)}
+
+
+OFF = OptimizerState(None)
+FEATURE = Feature(name="optimizer_state", label="optimizer state", off=OFF, resolve=_resolve, describe=_describe,
+                  planner_cost=_planner_cost, alternatives=_alternatives, resume_record=_resume_record)

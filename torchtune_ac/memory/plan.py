@@ -1,84 +1,61 @@
-"""The memory switches, resolved in one place. ``resolve_memory_plan`` turns the config keys and the model into a
-``MemoryPlan``, a frozen value that the recipe follows (``apply_to_model``, ``build_stepper``, ``objective``),
-``tune validate`` prints (``describe``) and the memory planner estimates.
+"""The memory features, resolved together: ``resolve_memory_plan`` turns their keys and the model into a
+``MemoryPlan``, a frozen value the run applies (``run/assemble.py``), ``tune validate`` prints (``describe``) and the
+memory planner estimates.
 
-The switches are declared in ``memory/switches/`` (one module each, see ``memory/switch.py``); this module
-iterates over them and names none. Activation checkpointing's keys are ``ACConfig`` (the schema's ``ac`` group,
-validated as one by the AC module's rules); every other switch's keys are fields of a class made here from the
-switches' own config classes: ``MemoryConfig`` for the top-level keys, ``FSDPConfig`` (FSDP2's own settings,
-``runtime.distributed.FSDPConfig``, and the switches' ``fsdp.*`` keys) for those of a switch whose ``group`` is
-``fsdp``.
+The features are listed in ``features.py``; their top-level keys are ``MemoryConfig``'s fields (below), their
+``fsdp.*`` key is ``FSDPConfig``'s (``runtime/distributed.py``) and activation checkpointing's are ``ACConfig``'s
+(``training/ac_config.py``).
 
-``ac_mode: auto`` is resolved here too, last, once the other switches are known: the memory planner
+``ac_mode: auto`` is resolved here too, last, once the other features are known: the memory planner
 (``memory/planner.py``) estimates the plans from the least recompute to the most, and the first whose estimate
-fits ``ac_memory_budget_gib`` wins.
+fits the budget wins. With several processes only rank 0 does this, and every rank applies its choice
+(``run/plan.py``).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
 
+from torchtune_ac.config_key import config_key
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.activation_checkpointing import ACConfig, ACPlan
+from torchtune_ac.memory import cpu_offload, optimizer_state
+from torchtune_ac.memory.chunked_loss import loss_objective
+from torchtune_ac.memory.feature import MakeOptimizer, OptimizerSpec, ResolveInputs
+from torchtune_ac.memory.features import ACTIVATION_CHECKPOINTING, FEATURES
+from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.memory.planner import GiB, MemoryEstimate, Workload, choose_plan
-from torchtune_ac.memory.switch import MakeOptimizer, MemorySwitch, OptimizerSpec, SwitchContext, discover_switches
 from torchtune_ac.models.families import family_of, transformer_blocks
-from torchtune_ac.runtime import distributed
+from torchtune_ac.runtime.distributed import FSDPConfig
+from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.training.activation_checkpointing import ACPlan
 from torchtune_ac.training.objective import Objective
-from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper, Stepper
+from torchtune_ac.training.step import Stepper
 
 # ac_mode: auto without a budget, on CUDA: this share of the device is left out of the budget, for what the
 # estimate does not hold (the caching allocator's fragmentation, buffers NCCL allocates at its first collectives).
 CUDA_BUDGET_MARGIN = 0.10
 
-SWITCHES: tuple[MemorySwitch, ...] = discover_switches()
-AC_SWITCH = next(switch for switch in SWITCHES if switch.config_class is ACConfig)
-OTHER_SWITCHES = tuple(switch for switch in SWITCHES if switch is not AC_SWITCH)
 
+@dataclass(frozen=True)
+class MemoryConfig:
+    """The memory features' top-level config keys (activation checkpointing's are ``ACConfig``; CPU offload's is
+    ``fsdp.cpu_offload``)."""
 
-def _keys_config_class(name: str, group: Optional[str], base: Optional[type], doc: str) -> type:
-    """A frozen dataclass of the keys of every switch besides AC whose ``group`` is ``group`` (after ``base``'s)."""
-    fields = []
-    for switch in OTHER_SWITCHES:
-        if switch.group != group:
-            continue
-        hints = typing.get_type_hints(switch.config_class)
-        for f in dataclasses.fields(switch.config_class):
-            fields.append((f.name, hints[f.name], dataclasses.field(default=f.default, metadata=f.metadata)))
-    names = [n for n, _, _ in fields] + ([f.name for f in dataclasses.fields(base)] if base is not None else [])
-    if len(set(names)) != len(names):
-        raise RuntimeError(f"two memory switches (or a switch and {name}) declare the same config key: {sorted(names)}")
-    cls = dataclasses.make_dataclass(name, fields, bases=(base,) if base is not None else (), frozen=True,
-                                     namespace={"__doc__": doc})
-    cls.__module__ = __name__
-    return cls
-
-
-MemoryConfig = _keys_config_class(
-    "MemoryConfig", None, None,
-    "The memory switches' config keys besides activation checkpointing (top-level keys), one field per key that a "
-    "switch in memory/switches/ declares.")
-FSDPConfig = _keys_config_class(
-    "FSDPConfig", "fsdp", distributed.FSDPConfig,
-    "The fsdp.* keys: FSDP2's own settings (runtime.distributed.FSDPConfig) and those of the memory switches whose "
-    "group is fsdp.")
-
-
-def switch_config(switch: MemorySwitch, ac: ACConfig, memory: Any, fsdp: Any = None) -> Any:
-    """The switch's own config value: ``ac`` for activation checkpointing, else its keys read from ``memory`` (or
-    from ``fsdp`` for a switch whose keys are ``fsdp.*``; None: their defaults)."""
-    if switch is AC_SWITCH:
-        return ac
-    source = fsdp if switch.group == "fsdp" else memory
-    if source is None:
-        return switch.config_class()
-    return switch.config_class(**{f.name: getattr(source, f.name) for f in dataclasses.fields(switch.config_class)})
+    optimizer_in_bwd: bool = config_key(
+        False, doc="Step each parameter's optimizer in backward, as soon as its gradient is final, and free the "
+        "gradient at once: the whole model's gradients never exist together. Needs clip_grad_norm: null.",
+        torchtune="same")
+    loss_chunks: Optional[int] = config_key(
+        None, doc="Compute the loss's output projection and cross-entropy this many chunks of targets at a time, "
+        "never the whole logits; null: 8 for a vocabulary of 32,000 tokens or more, else 1 (the whole logits).",
+        minimum=1)
+    enable_activation_offloading: bool = config_key(
+        False, doc="Keep what checkpointed blocks save for backward in pinned host memory, copied back a block ahead "
+        "in backward; CUDA only, with activation checkpointing.", torchtune="same")
 
 
 @dataclass(frozen=True)
@@ -87,8 +64,8 @@ class MemoryPlan:
 
     Attributes:
         ac: which blocks are checkpointed, and how.
-        settings: every other switch's setting, by ``SWITCH.name`` (``optimizer_in_bwd``, ``loss_chunks``, ...);
-            a switch left out has its ``off`` setting (a plan built by hand for AC alone).
+        settings: every other feature's setting, by ``Feature.name`` (``optimizer_in_bwd``, ``loss_chunks``, ...);
+            a feature left out has its ``off`` setting (a plan built by hand for AC alone).
         vocab_size: the vocabulary the loss projects to (None when the model's family is unknown).
         budget_gib: with ``ac_mode: auto``, the budget the AC plan was chosen for (per process).
         estimate: with ``ac_mode: auto``, the chosen plan's memory estimate.
@@ -101,81 +78,65 @@ class MemoryPlan:
     estimate: Optional[MemoryEstimate] = None
 
     def setting(self, name: str) -> Any:
-        """The setting of the switch called ``name``."""
-        if name == AC_SWITCH.name:
+        """The setting of the feature called ``name``."""
+        if name == ACTIVATION_CHECKPOINTING.name:
             return self.ac
-        switch = next((s for s in OTHER_SWITCHES if s.name == name), None)
-        if switch is None:
-            raise KeyError(f"no memory switch is called {name!r}")
-        return self.settings.get(name, switch.off)
-
-    def switch_settings(self) -> list[tuple[MemorySwitch, Any]]:
-        """Every switch with its setting, in the switches' order."""
-        return [(switch, self.setting(switch.name)) for switch in SWITCHES]
+        feature = next((f for f in FEATURES if f.name == name), None)
+        if feature is None:
+            raise KeyError(f"no memory feature is called {name!r}")
+        return self.settings.get(name, feature.off)
 
     def describe(self, *, ac: bool = True) -> list[tuple[str, str]]:
-        """``(label, value)`` lines for ``tune validate`` and the recipe's log (without activation checkpointing's
-        line when not ``ac``)."""
+        """``(label, value)`` lines for ``tune validate`` and the run's log, in the features' order (without
+        activation checkpointing's line when not ``ac``)."""
         lines = []
-        for switch, setting in self.switch_settings():
-            if switch is AC_SWITCH and not ac:
+        for feature in FEATURES:
+            if feature is ACTIVATION_CHECKPOINTING and not ac:
                 continue
-            value = switch.describe(setting, self.vocab_size)
-            if switch is AC_SWITCH and self.estimate is not None:
+            value = feature.describe(self.setting(feature.name), self.vocab_size)
+            if feature is ACTIVATION_CHECKPOINTING and self.estimate is not None:
                 value = (f"auto -> {value} (the least recompute that fits: estimated {self.estimate.device / GiB:.2f} "
                          f"GiB of {self.budget_gib:g} GiB per process, {self.estimate.fixed / GiB:.2f} of them the "
                          "process's own)")
-            lines.append((switch.label, value))
+            lines.append((feature.label, value))
         return lines
 
     def check_device(self, device: torch.device) -> None:
-        """Raise ``UnavailableError`` when a switch's setting cannot run on ``device`` (the run's, as resolved)."""
-        for switch, setting in self.switch_settings():
-            switch.check_device(setting, device)
-
-    def apply_to_model(self, model: nn.Module) -> None:
-        """Apply every switch that changes the model (before it is sharded)."""
-        for switch, setting in self.switch_settings():
-            switch.apply_to_model(model, setting)
-
-    def shard_options(self) -> dict[str, Any]:
-        """The switches' keyword arguments for ``fully_shard``; any means a single process shards its model too."""
-        options: dict[str, Any] = {}
-        for switch, setting in self.switch_settings():
-            options.update(switch.shard_options(setting))
-        return options
-
-    def wrap_optimizer(self, make_optimizer: MakeOptimizer) -> MakeOptimizer:
-        """The factory the run builds its optimizers with, as the switches wrap it."""
-        for switch, setting in self.switch_settings():
-            make_optimizer = switch.wrap_optimizer(setting, make_optimizer)
-        return make_optimizer
-
-    def build_stepper(self, make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer],
-                      model: nn.Module) -> Stepper:
-        """Who steps the model's parameters: the one switch that says so, else the optimizer after backward.
-        Build it after ``fully_shard``."""
-        make_optimizer = self.wrap_optimizer(make_optimizer)
-        for switch, setting in self.switch_settings():
-            stepper = switch.build_stepper(setting, make_optimizer, model)
-            if stepper is not None:
-                return stepper
-        return OptimizerStepper(make_optimizer(model.parameters()))
-
-    def objective(self) -> Objective:
-        """What the step computes: the one switch that says so, else the whole-logits cross-entropy."""
-        for switch, setting in self.switch_settings():
-            objective = switch.objective(setting)
-            if objective is not None:
-                return objective
-        return CROSS_ENTROPY
+        """Raise ``UnavailableError`` when a feature's setting cannot run on ``device`` (the run's, as resolved)."""
+        for feature in FEATURES:
+            feature.check_device(self.setting(feature.name), device)
 
     def resume_record(self) -> dict[str, Any]:
-        """What a resume must keep of the switches' settings."""
+        """What a resume must keep of the features' settings."""
         record: dict[str, Any] = {}
-        for switch, setting in self.switch_settings():
-            record.update(switch.resume_record(setting))
+        for feature in FEATURES:
+            record.update(feature.resume_record(self.setting(feature.name)))
         return record
+
+    # What the run applies of the plan, each by the feature it belongs to (the order: run/assemble.py).
+
+    @property
+    def offloads_activations(self) -> bool:
+        """Activation offloading: what checkpointed blocks keep waits in host memory."""
+        return bool(self.setting("enable_activation_offloading"))
+
+    def shard_options(self) -> dict[str, Any]:
+        """CPU offload's ``fully_shard`` arguments; any means a single process shards its model too."""
+        return dict(cpu_offload.shard_options(self.setting("cpu_offload")))
+
+    def wrap_optimizer(self, make_optimizer: MakeOptimizer) -> MakeOptimizer:
+        """The factory the run builds its optimizers with: the optimizer state's (announcing a compiling first
+        step)."""
+        return optimizer_state.optimizer_factory(self.setting("optimizer_state"), make_optimizer)
+
+    def build_stepper(self, make_optimizer: MakeOptimizer, model: nn.Module) -> Stepper:
+        """Who steps the model's parameters, built with ``wrap_optimizer``'s factory: after backward or, with
+        ``optimizer_in_bwd``, in it. Build it after ``fully_shard``."""
+        return build_optimizer(self.wrap_optimizer(make_optimizer), model, in_backward=self.setting("optimizer_in_bwd"))
+
+    def objective(self) -> Objective:
+        """What the step computes: the chunked loss, or the whole-logits cross-entropy."""
+        return loss_objective(self.setting("loss_chunks"))
 
 
 def vocab_size_of(model: nn.Module) -> Optional[int]:
@@ -185,13 +146,13 @@ def vocab_size_of(model: nn.Module) -> Optional[int]:
 
 
 @dataclass(frozen=True)
-class PlanningInputs:
+class PlannerInputs:
     """What ``ac_mode: auto`` needs to estimate a plan's memory.
 
     Attributes:
         build_model: builds the model on the current default device (the planner calls it under fake tensors).
         make_optimizer: the config's optimizer, called with parameters.
-        workload: one process's step (its switch settings are filled in here).
+        workload: one process's step (its feature settings are filled in here).
         device: where the run trains (on CUDA, an unset budget is the device's free memory less a margin).
         fixed_bytes: the process's own cost on that device, measured when the run starts (what fits includes it).
     """
@@ -211,7 +172,7 @@ def budget_gib(ac: ACConfig, device: torch.device, fixed_bytes: int = 0) -> floa
     ``CUDA_BUDGET_MARGIN`` of the device.
 
     Args:
-        fixed_bytes: the fixed cost the estimates compared with this budget include (``PlanningInputs``).
+        fixed_bytes: the fixed cost the estimates compared with this budget include (``PlannerInputs``).
 
     Raises:
         UserError: no budget on a CPU (there is no device memory to read).
@@ -229,25 +190,25 @@ def budget_gib(ac: ACConfig, device: torch.device, fixed_bytes: int = 0) -> floa
 
 def resolve_memory_plan(
     ac: ACConfig,
-    memory: Any,
+    memory: MemoryConfig,
     model: nn.Module,
     *,
     clip_grad_norm: Optional[float],
-    planning: Optional[PlanningInputs] = None,
-    fsdp: Any = None,
+    planning: Optional[PlannerInputs] = None,
+    fsdp: Optional[FSDPConfig] = None,
     optimizer: Optional[OptimizerSpec] = None,
     dtype: torch.dtype = torch.float32,
     device: str = "auto",
 ) -> MemoryPlan:
-    """Resolve the memory switches for ``model`` (built, or on the meta device).
+    """Resolve the memory features for ``model`` (built, or on the meta device), in ``FEATURES`` order.
 
     Args:
         ac: the activation-checkpointing keys.
-        memory: the other switches' top-level keys (a ``MemoryConfig``).
+        memory: the other features' top-level keys.
         model: the model the run trains.
         clip_grad_norm: the config's value (clipping needs the total norm before any parameter is stepped).
         planning: what ``ac_mode: auto`` needs to estimate memory (required with auto only).
-        fsdp: the ``fsdp.*`` keys (an ``FSDPConfig``; None: their defaults).
+        fsdp: the ``fsdp.*`` keys (None: their defaults).
         optimizer: the config's optimizer (None: a plan for AC and the step alone, as tests build them).
         dtype: the parameters' storage dtype.
         device: the config's ``device`` value (``auto``, ``cpu``, ``cuda``).
@@ -256,21 +217,22 @@ def resolve_memory_plan(
         The plan.
 
     Raises:
-        UserError: one line naming the keys of a combination that cannot work (each switch's ``resolve``);
+        UserError: one line naming the keys of a combination that cannot work (each feature's ``resolve``);
             ``ac_mode: auto`` with no budget on a CPU, or with no plan that fits (saying how much is missing and
             what would close the gap); and the AC problems of ``ACConfig.resolve``.
     """
     vocab_size = vocab_size_of(model)
     settings: dict[str, Any] = {}
-    for switch in SWITCHES:
-        ctx = SwitchContext(model=model, vocab_size=vocab_size, clip_grad_norm=clip_grad_norm, settings=dict(settings),
-                            optimizer=optimizer, dtype=dtype, device=device)
-        settings[switch.name] = switch.resolve(switch_config(switch, ac, memory, fsdp), ctx)
-    ac_plan = settings.pop(AC_SWITCH.name)
+    for feature in FEATURES:
+        inputs = ResolveInputs(ac=ac, memory=memory, fsdp=fsdp if fsdp is not None else FSDPConfig(), model=model,
+                               vocab_size=vocab_size, clip_grad_norm=clip_grad_norm, settings=dict(settings),
+                               optimizer=optimizer, dtype=dtype, device=device)
+        settings[feature.name] = feature.resolve(inputs)
+    ac_plan = settings.pop(ACTIVATION_CHECKPOINTING.name)
     if ac_plan is not None:
         return MemoryPlan(ac=ac_plan, settings=settings, vocab_size=vocab_size)
     if planning is None:
-        raise ValueError("ac_mode=auto needs PlanningInputs to estimate the plans' memory")
+        raise ValueError("ac_mode=auto needs PlannerInputs to estimate the plans' memory")
     budget = budget_gib(ac, planning.device, planning.fixed_bytes)
     workload = planning.workload.with_settings(settings, clip_grad_norm=clip_grad_norm)
     estimate = choose_plan(planning.build_model, planning.make_optimizer, workload, budget,

@@ -44,27 +44,38 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from torchtune_ac.errors import UnavailableError, UserError
-from torchtune_ac.memory.activation_checkpointing import (
-    OP_OPTION,
-    ACConfig,
-    ACMode,
-    ACPlan,
-    apply_ac_plan,
-    resolve_ac_plan,
-)
-from torchtune_ac.memory.switch import Alternative, MemorySwitch, ModelSizes, discover_switches
+from torchtune_ac.memory import cpu_offload, optimizer_state
+from torchtune_ac.memory.chunked_loss import loss_objective
+from torchtune_ac.memory.feature import Alternative, Feature, ModelSizes
+from torchtune_ac.memory.features import STEP_FEATURES
+from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.models.attention import varlen_kv_copy_bytes
 from torchtune_ac.models.families import family_of, shard_groups, transformer_blocks
 from torchtune_ac.models.llama import Attention
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper, accumulate_gradients
+from torchtune_ac.training.activation_checkpointing import OP_OPTION, ACMode, ACPlan, ac_plan, apply_ac_plan
+from torchtune_ac.training.step import accumulate_gradients
 
 GiB = 2**30
 # Strides of selective AC worth a row, besides none, per-op and full (one row per distinct block count).
 STRIDES = (2, 4)
 PHASES = ("forward", "loss backward", "blocks backward", "rest of backward", "optimizer step")
 BACKWARD_PHASES = ("loss backward", "blocks backward", "rest of backward")
+
+
+@dataclass(frozen=True)
+class PreferenceStep:
+    """A preference step (DPO, ``training/dpo.py``): each sample is a pair whose chosen and rejected rows go through
+    the model in one forward (two rows a sample), scored by the DPO objective.
+
+    Attributes:
+        resident_reference: a frozen model of the same shape (sharded like it, no gradients, no optimizer state)
+            stays resident and runs under ``no_grad`` before each forward; False: its log-probabilities come with the
+            batch (``dpo.reference: precomputed``), and no reference model is kept.
+    """
+
+    resident_reference: bool
 
 
 @dataclass(frozen=True)
@@ -80,8 +91,8 @@ class Workload:
             them: all, or a row of ``fsdp.replicate_degree`` rows with HSDP).
         fsdp: FSDP2 settings (used when ``world_size`` > 1).
         clip_grad_norm: the config's value.
-        settings: the memory switches' settings besides AC, as ``(name, setting)`` pairs (see
-            ``memory/switch.py``); a switch not named here has its ``off`` setting.
+        settings: the memory features' settings besides AC, as ``(name, setting)`` pairs (see
+            ``memory/features.py``); a feature not named here has its ``off`` setting.
     """
 
     batch_size: int
@@ -95,6 +106,13 @@ class Workload:
     # Packed rows whose attention takes ``varlen_attn`` (CUDA, bf16): the K/V copies it makes on this torch are
     # counted (``models.attention.varlen_kv_copy_bytes``), which the simulation, on a CPU's kernels, cannot make.
     varlen: bool = False
+    # A preference step (DPO) instead of the token loss: pairs of rows, and the reference model when resident.
+    preference: Optional[PreferenceStep] = None
+
+    @property
+    def rows(self) -> int:
+        """Rows per micro-batch through the model: the samples, or twice as many for preference pairs."""
+        return self.batch_size * (2 if self.preference is not None else 1)
 
     @property
     def shard_degree(self) -> int:
@@ -102,15 +120,17 @@ class Workload:
         return self.fsdp.shard_degree(self.world_size)
 
     def with_settings(self, settings: Mapping[str, Any], **changes: Any) -> "Workload":
-        """This workload with the switches' ``settings`` (merged over its own) and other fields changed."""
+        """This workload with the features' ``settings`` (merged over its own) and other fields changed."""
         merged = {**dict(self.settings), **settings}
         return dataclasses.replace(self, settings=tuple(sorted(merged.items())), **changes)
 
-    def switch_settings(self) -> list[tuple[MemorySwitch, Any]]:
-        """The memory switches besides AC, with their settings (AC is the plan's, not the workload's)."""
-        given = dict(self.settings)
-        return [(switch, given.get(switch.name, switch.off)) for switch in discover_switches()
-                if switch.config_class is not ACConfig]
+    def setting(self, name: str) -> Any:
+        """The setting of the feature called ``name`` (its ``off`` setting when the workload does not name it)."""
+        return dict(self.settings).get(name, next(f.off for f in STEP_FEATURES if f.name == name))
+
+    def feature_settings(self) -> list[tuple[Feature, Any]]:
+        """The memory features besides AC, in order, with their settings (AC is the plan's, not the workload's)."""
+        return [(feature, self.setting(feature.name)) for feature in STEP_FEATURES]
 
 
 @dataclass(frozen=True)
@@ -118,7 +138,7 @@ class MemoryEstimate:
     """The estimated memory of one process for one AC plan, in bytes.
 
     ``total`` is the peak of the step. At that moment it is made of: ``parameters`` and ``optimizer`` (resident,
-    sharded), the ``gradients`` alive, the saved ``activations`` still alive, and ``transient`` (the rest:
+    sharded; a DPO step's resident ``reference`` model too), the ``gradients`` alive, the saved ``activations`` still alive, and ``transient`` (the rest:
     backward temporaries, a block's recompute, the loss's gradients, FSDP's gathered parameters and reduce
     buffers, the batch). ``saved_activations`` is what one micro-batch's forward keeps for backward (what
     ``scripts/_measure.py`` measures); ``extra_flops`` is the share of
@@ -135,14 +155,15 @@ class MemoryEstimate:
     extra_flops: float
     peak_phase: str
     flops: float  # floating-point operations of the step (matrix multiplies and attention)
-    host: int = 0  # bytes the switches keep in the host's memory instead (not in ``total``)
+    host: int = 0  # bytes the features keep in the host's memory instead (not in ``total``)
     host_parts: Mapping[str, int] = field(default_factory=dict)  # ``host`` by category
     fixed: int = 0  # the process's own cost on the device, before any tensor of the step (see ``device``)
+    reference: int = 0  # a resident reference model's parameters (DPO, ``PreferenceStep``), sharded as the policy's
 
     @property
     def total(self) -> int:
-        """The step's tensors at its peak: the five parts."""
-        return self.parameters + self.optimizer + self.gradients + self.activations + self.transient
+        """The step's tensors at its peak: the five parts, and a resident reference model."""
+        return self.parameters + self.optimizer + self.gradients + self.activations + self.transient + self.reference
 
     @property
     def device(self) -> int:
@@ -182,7 +203,7 @@ def candidate_plans(n_layers: int) -> list[ACPlan]:
 
 
 def _plan(mode: str, option: Any, n_layers: int) -> ACPlan:
-    return resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=option, n_layers=n_layers)
+    return ac_plan(ACMode(mode), option, n_layers)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -395,18 +416,16 @@ def _simulate(
         apply_ac_plan(model, _plan(mode, option, len(blocks)))
         params = list(model.parameters())
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
-        switches = workload.switch_settings()
-        sharded = workload.world_size > 1 or any(switch.shard_options(setting) for switch, setting in switches)
+        sharded = workload.world_size > 1 or bool(cpu_offload.shard_options(workload.setting("cpu_offload")))
         tracker = _LiveStorages(workload.shard_degree, {id(p) for p in params if id(p) not in in_blocks},
                                 sharded=sharded)
         # Registered before an optimizer in backward registers its own: a gradient is seen before it is freed.
         hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params]
-        for switch, setting in switches:
-            make_optimizer = switch.planner_optimizer(setting, make_optimizer)
-        stepper = next((s for s in (switch.build_stepper(setting, make_optimizer, model) for switch, setting in switches)
-                        if s is not None), None) or OptimizerStepper(make_optimizer(model.parameters()))
-        objective = next((o for o in (switch.objective(setting) for switch, setting in switches) if o is not None),
-                         CROSS_ENTROPY)
+        # The run's step with the features' mechanisms, as run/assemble.py applies them (the optimizer the state's
+        # feature can simulate).
+        make_optimizer = optimizer_state.planner_optimizer(workload.setting("optimizer_state"), make_optimizer)
+        stepper = build_optimizer(make_optimizer, model, in_backward=workload.setting("optimizer_in_bwd"))
+        objective, reference = _objective(build_model, workload, n_blocks)
         optimizers = stepper.optimizers_to_checkpoint()
         _allocate_optimizer_state(optimizers)
         hooks += _phase_hooks(blocks, tracker)
@@ -417,13 +436,16 @@ def _simulate(
         vocab = family.hf.architecture(family.args_of(model))["vocab_size"] if family is not None else 2
         micro_batches = []
         for _ in range(min(workload.gradient_accumulation_steps, 2)):  # gradients live across the second
-            tokens = torch.randint(0, vocab, (workload.batch_size, workload.seq_len))
+            tokens = torch.randint(0, vocab, (workload.rows, workload.seq_len))
             # Every position a target (the loss's worst case), counted on the host as the collate code does.
             micro_batches.append({"tokens": tokens, "labels": torch.randint(0, vocab, tokens.shape),
                                   "target_count": torch.tensor(tokens.numel())})
+            if workload.preference is not None and reference is None:  # precomputed: they come with the batch
+                micro_batches[-1]["reference_logps"] = torch.zeros(workload.rows)
         states = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         inputs = [t for batch in micro_batches for t in batch.values()]
-        tracker.known = {t.untyped_storage()._cdata for t in [*params, *states, *inputs, *model.buffers()]}
+        frozen = [*reference.parameters(), *reference.buffers()] if reference is not None else []
+        tracker.known = {t.untyped_storage()._cdata for t in [*params, *states, *inputs, *model.buffers(), *frozen]}
         saved: list[int] = []
 
         def after_forward(i: int) -> None:
@@ -451,9 +473,27 @@ def _simulate(
         )
 
 
+def _objective(build_model: Callable[[], nn.Module], workload: Workload,
+               n_blocks: Optional[int]) -> tuple[Any, Optional[nn.Module]]:
+    """The step's objective, as the recipe builds it: the token loss (chunked as ``loss_chunks`` says), or for a
+    preference step the DPO loss, with a reference model of the simulated depth when it is resident (its
+    parameters, counted apart as ``MemoryEstimate.reference``, are not the step's allocations; its forward is)."""
+    chunks = workload.setting("loss_chunks")
+    if workload.preference is None:
+        return loss_objective(chunks), None
+    from torchtune_ac.training.dpo import DPOConfig, DPOObjective, freeze_reference
+
+    reference = None
+    if workload.preference.resident_reference:
+        reference = freeze_reference(build_model())
+        if n_blocks is not None:
+            del transformer_blocks(reference)[n_blocks:]
+    return DPOObjective(DPOConfig(), n_chunks=chunks, reference=reference), reference
+
+
 def _varlen_kv_copy(block: nn.Module, workload: Workload) -> int:
     """Bytes of the K/V copies one block's attention makes for ``varlen_attn`` on this torch, one micro-batch."""
-    tokens = workload.batch_size * workload.seq_len
+    tokens = workload.rows * workload.seq_len
     return sum(varlen_kv_copy_bytes(tokens, m.n_heads, m.n_kv_heads, m.head_dim, workload.dtype.torch)
                for m in block.modules() if isinstance(m, Attention))
 
@@ -522,8 +562,7 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
     phase = max(PHASES, key=lambda p: peaks[p][0])
     _, other, grads, acts = peaks[phase]
     parameters = at_depth(lambda s: s.parameters)
-    switches = workload.switch_settings()
-    sharded = workload.world_size > 1 or any(switch.shard_options(setting) for switch, setting in switches)
+    sharded = workload.world_size > 1 or bool(cpu_offload.shard_options(workload.setting("cpu_offload")))
     gathered = 0
     fsdp_extra = 0.0
     if sharded:
@@ -548,11 +587,11 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         if phase != "optimizer step":
             device["activations"] += shallow.varlen_kv_copy * (depth - len(plan.checkpointed_blocks))
         device["transient"] += shallow.varlen_kv_copy
-    # What the simulation cannot show, as each switch declares it, in the switches' order: each sees the estimate
+    # What the simulation cannot show, as each feature declares it, in the features' order: each sees the estimate
     # with the earlier ones' costs.
     shapes = shallow.root_shapes + shallow.block_shapes * depth
     host: dict[str, float] = {}
-    for switch, setting in switches:
+    for feature, setting in workload.feature_settings():
         sizes = ModelSizes(parameters=math.ceil(parameters), root_parameters=shallow.root_parameters,
                            largest_block=shallow.block_parameters,
                            optimizer_state=math.ceil(at_depth(lambda s: s.optimizer)), world_size=n, shapes=shapes,
@@ -560,13 +599,19 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
                            checkpointed_blocks=len(plan.checkpointed_blocks), block_input=shallow.block_input,
                            max_gradients=math.ceil(max(peak[2] for peak in peaks.values())),
                            so_far={category: math.ceil(nbytes) for category, nbytes in device.items()})
-        cost = switch.planner_cost(setting, sizes)
+        cost = feature.planner_cost(setting, sizes)
         for category, nbytes in cost.device.items():
             device[category] += nbytes
         for category, nbytes in cost.host.items():
             host[category] = host.get(category, 0) + nbytes
+    # A resident reference: the policy's parameters again, sharded alike; kept in host memory with CPU offload.
+    reference = parameters / n if workload.preference is not None and workload.preference.resident_reference else 0
+    if reference and workload.setting("cpu_offload"):
+        host["reference"] = reference
+        reference = 0
     return MemoryEstimate(
         plan=plan,
+        reference=math.ceil(reference),
         parameters=math.ceil(device["parameters"]),
         optimizer=math.ceil(device["optimizer"]),
         gradients=math.ceil(device["gradients"]),
@@ -617,12 +662,12 @@ def estimate_memory(
             for estimate in (_estimate_plan(build_model, make_optimizer, plan, workload, cache) for plan in plans)]
 
 
-def _alternatives(switch: MemorySwitch, setting: Any, device: torch.device) -> list[Alternative]:
-    """The switch's alternatives that can run on ``device`` (a CUDA-only switch suggests nothing for a CPU run)."""
+def _alternatives(feature: Feature, setting: Any, device: torch.device) -> list[Alternative]:
+    """The feature's alternatives that can run on ``device`` (a CUDA-only feature suggests nothing for a CPU run)."""
     usable = []
-    for alternative in switch.alternatives(setting):
+    for alternative in feature.alternatives(setting):
         try:
-            switch.check_device(alternative.setting, device)
+            feature.check_device(alternative.setting, device)
         except UnavailableError:
             continue
         usable.append(alternative)
@@ -637,18 +682,18 @@ def switch_ablation(
     device: torch.device,
     fixed: int = 0,
 ) -> list[tuple[str, MemoryEstimate]]:
-    """The estimate of ``plan`` as ``workload`` has its switches, then with each switch's first alternative that runs
-    on ``device`` added to the ones before, in the switches' order (torchtune's ablation, from the planner):
+    """The estimate of ``plan`` as ``workload`` has its features, then with each feature's first alternative that runs
+    on ``device`` added to the ones before, in the features' order (torchtune's ablation, from the planner):
     ``(label, estimate)`` rows, the first labelled ``as configured``. ``fixed`` is the process's fixed cost
     (``MemoryEstimate.fixed``)."""
     rows = [("as configured", dataclasses.replace(_estimate_plan(build_model, make_optimizer, plan, workload, {}),
                                                   fixed=fixed))]
-    for switch, setting in workload.switch_settings():
-        alternatives = _alternatives(switch, setting, device)
+    for feature, setting in workload.feature_settings():
+        alternatives = _alternatives(feature, setting, device)
         if not alternatives:
             continue
         alternative = alternatives[0]
-        workload = workload.with_settings({switch.name: alternative.setting}, **alternative.workload_changes)
+        workload = workload.with_settings({feature.name: alternative.setting}, **alternative.workload_changes)
         estimate = _estimate_plan(build_model, make_optimizer, plan, workload, {})
         rows.append((f"+ {alternative.label}", dataclasses.replace(estimate, fixed=fixed)))
     return rows
@@ -668,11 +713,11 @@ def choose_plan(
     Plans are tried in ``candidate_plans`` order (none, per-op, every k-th block, full) and the first that fits
     wins, so no more plans are simulated than needed. What fits is the step's estimate and the process's fixed
     cost ``fixed`` (bytes, measured when the run starts: see ``MemoryEstimate.device``). ``device`` is where the
-    run trains: only the switches' alternatives that run there are suggested.
+    run trains: only the features' alternatives that run there are suggested.
 
     Raises:
         UserError: no plan fits; one line saying how many GiB are missing even with full AC, and what each knob
-            (batch size, sequence length, more processes, and each memory switch's ``alternatives``) would bring
+            (batch size, sequence length, more processes, and each memory feature's ``alternatives``) would bring
             the full-AC estimate to.
     """
     budget = budget_gib * GiB
@@ -691,9 +736,9 @@ def choose_plan(
     if workload.seq_len > 1:
         alternatives.append((f"max_seq_len={workload.seq_len // 2}", {"seq_len": workload.seq_len // 2}))
     alternatives.append((f"{2 * workload.world_size} processes", {"world_size": 2 * workload.world_size}))
-    for switch, setting in workload.switch_settings():
-        for alternative in _alternatives(switch, setting, device):
-            alternatives.append((alternative.label, {"settings": {switch.name: alternative.setting},
+    for feature, setting in workload.feature_settings():
+        for alternative in _alternatives(feature, setting, device):
+            alternatives.append((alternative.label, {"settings": {feature.name: alternative.setting},
                                                      **alternative.workload_changes}))
     for label, change in alternatives:
         change = dict(change)

@@ -14,7 +14,7 @@ A family declares:
 
 Generic code asks ``family_of(model)`` (``torchtune_ac.models.families``) and goes through the answer; it
 never reads a family's attributes (``model.args``, ``model.layers``) itself. Adding a family means writing
-one module under ``torchtune_ac/models/families/`` that declares ``FAMILY``: it is found there.
+one module under ``torchtune_ac/models/families/`` that declares ``FAMILY``, listed in that package's ``FAMILIES``.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Optional, TextIO
+from typing import Mapping, Optional, TextIO
 
 from tqdm import tqdm
 
@@ -34,15 +34,17 @@ class ProgressReporter:
                         file=self.stream)
 
     def update(self, *, step: int, loss: float, lr: float, tokens_per_second: float,
-               target_tokens_per_second: float, val_loss: Optional[float] = None) -> None:
+               target_tokens_per_second: float, val_loss: Optional[float] = None,
+               extra: Mapping[str, float] = {}) -> None:
         """Report that optimizer step ``step`` (1-based, counted over the whole run) is done (``val_loss``: the
-        validation loss computed after it, if one was; shown until the next)."""
+        validation loss computed after it, if one was; shown until the next; ``extra``: the recipe's own values of
+        the step, shown after the loss)."""
         if val_loss is not None:
             self.val_loss = val_loss
         if self.interactive:
             self.bar.update(1)
-            postfix = dict(loss=f"{loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}",
-                           tgt_s=f"{target_tokens_per_second:,.0f}")
+            postfix = dict(loss=f"{loss:.4f}", **{k: f"{v:.4g}" for k, v in extra.items()}, lr=f"{lr:.2e}",
+                           tok_s=f"{tokens_per_second:,.0f}", tgt_s=f"{target_tokens_per_second:,.0f}")
             if self.val_loss is not None:
                 postfix["val_loss"] = f"{self.val_loss:.4f}"
             self.bar.set_postfix(**postfix)
@@ -53,8 +55,9 @@ class ProgressReporter:
         done = step - self.initial
         eta = elapsed / done * (self.total - step) if done > 0 else 0.0
         validation = f" | val_loss {self.val_loss:.4f}" if self.val_loss is not None else ""
+        own = "".join(f" | {k} {v:.4g}" for k, v in extra.items())
         print(
-            f"step {step}/{self.total} | loss {loss:.4f}{validation} | lr {lr:.2e} | tokens/s {tokens_per_second:,.0f} | "
+            f"step {step}/{self.total} | loss {loss:.4f}{own}{validation} | lr {lr:.2e} | tokens/s {tokens_per_second:,.0f} | "
             f"target tokens/s {target_tokens_per_second:,.0f} | elapsed {format_duration(elapsed)} | "
             f"eta {format_duration(eta)}",
             file=self.stream,

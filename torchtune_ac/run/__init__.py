@@ -1,3 +1,15 @@
-"""The run layer: the phases of setting up and running a fine-tuning job, as library functions that return typed
-values (the run context, the resume choice, the model and its stepper, the data, the save policy), and the
-messages a user sees when a run stops or resumes. A recipe composes them (``recipes/full_finetune.py``)."""
+"""The run layer: resolve the run once, apply it in one written order, loop.
+
+    session.py    the process context, created once; stop signals; output_dir's lock; cleanup     (open_run)
+    plan.py       the run's plan, one frozen value, resolved by rank 0 and applied by every rank   (RunPlan)
+    checks.py     the plan against this machine and the files                                      (check_run)
+    assemble.py   the one order: AC -> offloading -> compile -> FSDP2 -> materialise -> load; optimizer,
+                  stepper, scheduler                                                              (build_training)
+    phases.py     the data, validation data, resume choice and restore
+    loop.py       the loop every recipe shares: steps, logging, validation, saving, stop signals  (Trainer)
+    preflight.py  what tune validate, tune plan and the launcher ask of a recipe
+    memory_table.py  tune plan's table
+    messages.py   what a user reads when a run stops or resumes
+
+A recipe composes them with what is its own: its data and its step (``recipes/full_finetune.py``).
+"""

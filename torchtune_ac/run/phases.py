@@ -1,14 +1,12 @@
-"""The set-up phases of a fine-tuning run, each a function that returns a typed value. A recipe calls them in
-order (``recipes/full_finetune.py``); another recipe composes the same ones.
+"""The set-up phases of a training run besides the plan and the model, each a function that returns a typed value.
+A recipe calls them in order (``recipes/full_finetune.py``); another recipe composes the same ones, or its own.
 
-    start_run        join the processes, check the config once, agree on it and on output_dir -> RunContext
-    choose_resume    the checkpoint to continue from (resume_from_checkpoint)                 -> ResumeChoice
-    build_model      build -> memory switches -> shard -> load, and who steps the parameters  -> TrainingModel
-    build_data       the data loader, its steps per epoch and the run's length                -> RunData
-    build_validation the held-out data of the validation loss, and when to compute it     -> ValidationData
-    restore          a resume's progress, model and optimizer state; this config's hyper-parameters -> Progress
-    SavePolicy       when a step ends with a checkpoint
-    check_disk_space before the first step: room for one checkpoint (refused), for those kept (warned)
+    choose_resume     the checkpoint to continue from (resume_from_checkpoint)                  -> ResumeChoice
+    build_data        the instruction/chat/text data loader of this rank, and its identity      -> RunData
+    build_validation  the held-out data of the validation loss, and when to compute it          -> ValidationData
+    precompute_reference_logps  a DPO reference's log-probabilities of every pair, kept with the pairs
+    restore           a resume's progress, model and optimizer state; this config's hyper-parameters -> Progress
+    check_disk_space  before the first step: room for one checkpoint (refused), for those kept (warned)
 """
 
 from __future__ import annotations
@@ -16,9 +14,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
+
 from torch import nn
 
 from torchtune_ac.checkpoint import (
@@ -28,23 +27,20 @@ from torchtune_ac.checkpoint import (
     ResumeChoice,
     agreed_free_bytes,
     check_resume_shape,
-    check_shared_directory,
     choose_resume_checkpoint,
     describe_data_change,
     identify_data,
     load_checkpoint,
     read_trainer_state,
 )
-from torchtune_ac.config.preflight import PreflightReport, preflight_full_finetune, run_hyperparameters, run_shape
-from torchtune_ac.config.schema import FullFinetuneConfig
-from torchtune_ac.data import build_dataloader
+from torchtune_ac.data import blank_preference_sample, build_dataloader, collate_batch, collate_preference_batch
 from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
-from torchtune_ac.data.sampler import evaluation_batches
+from torchtune_ac.data.preference import PreferenceDataset
+from torchtune_ac.data.sampler import blank_sample, evaluation_batches
 from torchtune_ac.data.samples import count_of, describe_samples
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.optimizer_state import layout_of, state_bytes
-from torchtune_ac.memory.plan import MemoryPlan
-from torchtune_ac.observability.metric_logging import plain_config
+from torchtune_ac.run.assemble import Training
 from torchtune_ac.run.messages import (
     data_changed,
     disk_may_fill,
@@ -54,105 +50,38 @@ from torchtune_ac.run.messages import (
     hyperparameters_changed,
     resharded,
 )
-from torchtune_ac.run.model_setup import build_training_model
-from torchtune_ac.runtime.distributed import DistributedContext, barrier, init_distributed, set_tf32
-from torchtune_ac.runtime.process_memory import follow_live_tensors
-from torchtune_ac.runtime.rank_agreement import check_same_config
-from torchtune_ac.training.objective import Objective
-from torchtune_ac.training.step import Stepper
+from torchtune_ac.run.plan import RunPlan, TrainingConfig
+from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
+from torchtune_ac.training.dpo import reference_logps
+from torchtune_ac.training.step import move_batch
 
 log = logging.getLogger("torchtune_ac.run")
 
 
-@dataclass(frozen=True)
-class RunContext:
-    """One process's view of the run: its rank and device, and the config's checks and memory plan.
-
-    Attributes:
-        ctx: rank, world size and device.
-        report: the start-up checks' findings (summary, warnings, parameter count).
-        plan: the resolved memory plan.
-    """
-
-    ctx: DistributedContext
-    report: PreflightReport
-    plan: MemoryPlan
-
-
-def start_run(cfg: FullFinetuneConfig) -> RunContext:
-    """Join the process group (its collectives bounded by ``distributed_timeout_s``), run the start-up checks
-    (their warnings are logged), and make sure every rank has the same config and sees the same ``output_dir``
-    before anything is written. On CUDA, float32 matmuls run in TF32 unless ``allow_tf32`` is false. On a CPU with
-    ``ac_mode: auto``, whose budget must hold, the allocator is set to give freed tensors back to the system
-    (``follow_live_tensors``); other runs leave it alone, as it is faster.
-
-    Raises:
-        UserError: a check failed, the ranks' configs differ, or ``output_dir`` is not shared.
-    """
-    ctx = init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s)
-    set_tf32(ctx.device, allow_tf32=cfg.allow_tf32)
-    if ctx.device.type == "cpu" and cfg.ac.is_auto:
-        # Resident memory then follows live tensors, as the planner's estimate does, so the budget holds. It costs
-        # every step its page faults (a third of a step on a small model), which only a budget is worth.
-        follow_live_tensors()
-    logging.basicConfig(level=logging.INFO if ctx.is_rank_zero else logging.WARNING, format="%(message)s")
-    report = preflight_full_finetune(cfg, strict=True, world_size=ctx.world_size)
-    for warning in report.warnings:
-        log.warning(warning)
-    check_same_config(plain_config(cfg), ctx)
-    check_shared_directory(cfg.output_dir, "output_dir")
-    barrier(ctx)  # every rank has checked output_dir before rank 0 writes to it
-    return RunContext(ctx, report, report.plan)
-
-
-def choose_resume(cfg: FullFinetuneConfig) -> ResumeChoice:
-    """The checkpoint a resume continues from (every file's hash checked, the same answer on every rank); no
-    checkpoint when ``resume_from_checkpoint`` is false. Newer checkpoints that were skipped are logged."""
+def choose_resume(cfg: TrainingConfig, ctx: DistributedContext) -> ResumeChoice:
+    """The checkpoint a resume continues from (every file's hash checked, the ranks sharing the hashing and agreeing
+    on the answer); no checkpoint when ``resume_from_checkpoint`` is false. Newer checkpoints that were skipped are
+    logged."""
     if not cfg.resume_from_checkpoint:
         return ResumeChoice(None)
-    choice = choose_resume_checkpoint(cfg.output_dir, hashes=True, collective=True)
+    choice = choose_resume_checkpoint(cfg.output_dir, hashes=True, processes=ctx)
     for skipped in choice.skipped:
         log.warning("resume: %s", skipped)
     return choice
 
 
-@dataclass
-class TrainingModel:
-    """The model to train and what steps it.
+@dataclass(frozen=True)
+class Batching:
+    """How a recipe's samples become batches: ``collate`` makes a batch (called with ``pad_id``,
+    ``pad_to_multiple_of`` and ``max_length``), ``blank`` a copy of a sample that counts for nothing (what fills the
+    last batch of a validation pass)."""
 
-    Attributes:
-        model: on the run's device, sharded when there are several processes, in training mode.
-        stepper: who steps the parameters (``stepper.optimizer`` is what an LR scheduler drives).
-        objective: what each micro-batch's loss is.
-    """
-
-    model: nn.Module
-    stepper: Stepper
-    objective: Objective
+    collate: Callable[..., dict[str, torch.Tensor]] = collate_batch
+    blank: Callable[[dict[str, Any]], dict[str, Any]] = blank_sample
 
 
-def build_model(cfg: FullFinetuneConfig, run: RunContext, *, load_weights: bool) -> TrainingModel:
-    """Build the model in the one working order, with the memory plan's switches applied, and its stepper.
-
-    Args:
-        cfg: the run's config.
-        run: the run context (device, world size, memory plan).
-        load_weights: fill the weights from ``checkpoint_dir`` or the seed; False when a resume loads them.
-    """
-    torch.manual_seed(cfg.seed)
-    model = build_training_model(
-        cfg.model,
-        ctx=run.ctx,
-        dtype=cfg.dtype,
-        memory=run.plan,
-        fsdp=cfg.fsdp,
-        compile_blocks=cfg.compile,
-        checkpoint_dir=cfg.checkpoint_dir,
-        load_weights=load_weights,
-        seed=cfg.seed,
-    )
-    stepper = run.plan.build_stepper(cfg.optimizer.instantiate, model)
-    return TrainingModel(model, stepper, run.plan.objective())
+SAMPLES = Batching()  # tokens and labels, one row a sample
+PAIRS = Batching(collate_preference_batch, blank_preference_sample)  # preference pairs: chosen rows, rejected rows
 
 
 @dataclass
@@ -160,10 +89,8 @@ class RunData:
     """The data of a run.
 
     Attributes:
-        loader: this rank's batches (``set_epoch``, ``skip_steps``).
+        loader: this rank's batches (``set_epoch``, ``skip_steps``; its length: batches per epoch).
         samples: samples in the dataset (rows, when packed).
-        steps_per_epoch: optimizer steps per epoch (after ``max_steps_per_epoch``).
-        total_steps: optimizer steps of the whole run.
         identity: what identifies the data (each file's size and SHA-256, the sample count), which a checkpoint
             records and a resume checks (``checkpoint.identify_data``).
         described: what the dataset holds, for the start-up log: ``3,000 samples``, or for a packed one
@@ -173,14 +100,12 @@ class RunData:
 
     loader: Any
     samples: int
-    steps_per_epoch: int
-    total_steps: int
     identity: dict[str, Any]
     described: str = ""
     unit: str = "sample"
 
 
-def batch_padding(cfg: FullFinetuneConfig) -> dict[str, Any]:
+def batch_padding(cfg: TrainingConfig) -> dict[str, Any]:
     """How batches are padded: compiled blocks get lengths that repeat (multiples of ``COMPILED_LENGTH_MULTIPLE``,
     at most ``max_seq_len``), so that they are not recompiled for each new length; eager ones, the longest
     sample's."""
@@ -189,33 +114,21 @@ def batch_padding(cfg: FullFinetuneConfig) -> dict[str, Any]:
     return {"pad_to_multiple_of": COMPILED_LENGTH_MULTIPLE, "max_length": cfg.max_seq_len}
 
 
-def build_data(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext) -> RunData:
+def build_data(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext, *,
+               batching: Batching = SAMPLES) -> RunData:
     """The dataset, this rank's loader (batches in pinned memory for a CUDA run, so that their copy to the GPU is
-    asynchronous; padded as ``batch_padding`` says), the run's length in optimizer steps, and what identifies the
-    data (its files hashed once, the ranks sharing the reading).
-
-    Raises:
-        UserError: the dataset has fewer batches per process than one optimizer step needs.
-    """
+    asynchronous; padded as ``batch_padding`` says; made as ``batching`` says: samples, or a recipe's own, such as
+    preference pairs), and what identifies the data (its files hashed once, the ranks sharing the reading). How many
+    steps it makes is the plan's (``RunPlan.with_data``)."""
     dataset = cfg.dataset.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
     loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.rank, world_size=ctx.world_size,
-                              shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id,
+                              shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id, collate=batching.collate,
                               **batch_padding(cfg), pin_memory=ctx.device.type == "cuda")
-    batches_per_epoch = len(loader)
-    steps_per_epoch = batches_per_epoch // cfg.gradient_accumulation_steps
-    if cfg.max_steps_per_epoch is not None:
-        steps_per_epoch = min(steps_per_epoch, cfg.max_steps_per_epoch)
-    if steps_per_epoch == 0:
-        raise UserError(
-            f"dataset: {describe_samples(dataset)} make {batches_per_epoch} batch(es) per process per epoch, fewer "
-            f"than gradient_accumulation_steps={cfg.gradient_accumulation_steps} (reduce batch_size or accumulation)"
-        )
     files = dataset.source_files
     identity = identify_data(dataset.source, files and files.root, files and files.names, len(dataset),
-                             collective=ctx.is_distributed, hub=files.hub if files else ())
+                             processes=ctx, hub=files.hub if files else ())
     unit = "row" if getattr(dataset, "packing", None) is not None else "sample"
-    return RunData(loader, len(dataset), steps_per_epoch, steps_per_epoch * cfg.epochs, identity,
-                   describe_samples(dataset), unit)
+    return RunData(loader, len(dataset), identity, describe_samples(dataset), unit)
 
 
 @dataclass
@@ -229,6 +142,7 @@ class ValidationData:
         pad_id: the tokenizer's padding id.
         ctx: this rank's place in the run.
         padding: how batches are padded (``batch_padding``).
+        batching: how samples become batches.
     """
 
     dataset: Any
@@ -237,19 +151,22 @@ class ValidationData:
     pad_id: int
     ctx: DistributedContext
     padding: dict[str, Any] = field(default_factory=dict)
+    batching: Batching = SAMPLES
 
     def batches(self) -> Iterator[dict[str, torch.Tensor]]:
         """This rank's batches of one pass (every sample once over all ranks; see ``evaluation_batches``)."""
         return evaluation_batches(self.dataset, batch_size=self.batch_size, pad_id=self.pad_id,
-                                  rank=self.ctx.rank, world_size=self.ctx.world_size, **self.padding)
+                                  rank=self.ctx.rank, world_size=self.ctx.world_size, collate=self.batching.collate,
+                                  blank=self.batching.blank, **self.padding)
 
     def due(self, step: int, *, epoch_done: bool) -> bool:
         """Whether the step just finished is one to validate after."""
         return step % self.every_n_steps == 0 if self.every_n_steps else epoch_done
 
 
-def build_validation(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedContext) -> Optional[ValidationData]:
-    """The validation data, or None without ``dataset_val``."""
+def build_validation(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext, *,
+                     batching: Batching = SAMPLES) -> Optional[ValidationData]:
+    """The validation data, batched as ``batching`` says, or None without ``dataset_val``."""
     if cfg.dataset_val is None:
         return None
     dataset = cfg.dataset_val.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
@@ -258,18 +175,40 @@ def build_validation(cfg: FullFinetuneConfig, tokenizer: Any, ctx: DistributedCo
     log.info("validation: %s, every %s", describe_samples(dataset),
              count_of(cfg.run_val_every_n_steps, "step") if cfg.run_val_every_n_steps else "epoch")
     return ValidationData(dataset, cfg.batch_size_val or cfg.batch_size, cfg.run_val_every_n_steps,
-                          tokenizer.pad_id, ctx, batch_padding(cfg))
+                          tokenizer.pad_id, ctx, batch_padding(cfg), batching)
 
 
-def build_scheduler(cfg: FullFinetuneConfig, stepper: Stepper, total_steps: int) -> Optional[Any]:
-    """The config's LR scheduler over the stepper's optimizer, for a run of ``total_steps``; None without one."""
-    if cfg.lr_scheduler is None:
-        return None
-    return cfg.lr_scheduler.instantiate(stepper.optimizer, num_training_steps=total_steps)
+def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset, *, batch_size: int,
+                               ctx: DistributedContext, pad_id: int, n_chunks: int = 1,
+                               padding: Optional[dict[str, Any]] = None) -> None:
+    """Run the frozen reference once over ``dataset`` and keep its log-probabilities with the pairs
+    (``dataset.set_reference_logps``; ``dpo.reference: precomputed``): every rank computes its share of the pairs,
+    and one all-reduce gives every rank all of them. Every rank calls this with the same dataset (a sharded forward
+    is a collective).
+
+    Args:
+        reference: the frozen reference model (``assemble.build_reference``).
+        dataset: the pairs (training or validation).
+        batch_size: pairs per process per forward.
+        ctx: this rank's place in the run.
+        pad_id: the tokenizer's padding id.
+        n_chunks: the resolved ``loss_chunks``.
+        padding: how batches are padded (``pad_to_multiple_of``, ``max_length``), as the training batches are.
+    """
+    logps = torch.zeros(len(dataset), 2, dtype=torch.float64, device=ctx.device)  # [pairs, (chosen, rejected)]
+    batches = evaluation_batches(dataset, batch_size=batch_size, pad_id=pad_id, rank=ctx.rank,
+                                 world_size=ctx.world_size, collate=PAIRS.collate, blank=PAIRS.blank,
+                                 **(padding or {}))
+    global_batch = batch_size * ctx.world_size
+    for index, batch in enumerate(batches):
+        first = index * global_batch + ctx.rank * batch_size
+        pairs = reference_logps(reference, move_batch(batch, ctx.device), n_chunks).double()  # [2b]
+        count = max(0, min(batch_size, len(dataset) - first))  # the rest are fillers
+        logps[first:first + count] = torch.stack(pairs.chunk(2), dim=1)[:count]  # [b, 2]
+    dataset.set_reference_logps(all_reduce_sum(logps, ctx).cpu())
 
 
-def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training: TrainingModel,
-            scheduler: Optional[Any], data: RunData) -> Progress:
+def restore(plan: RunPlan, ctx: DistributedContext, checkpoint: Path, training: Training, data: RunData) -> Progress:
     """Load a resume's state (model, optimizer state, the schedule's position) after checking it belongs to this
     run; say which optimizer or schedule settings differ from the checkpoint's (this config's are used).
 
@@ -282,7 +221,7 @@ def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training
     """
     saved = read_trainer_state(checkpoint)
     progress = saved.progress
-    check_resume_shape(checkpoint, saved.shape, run_shape(cfg, run.ctx.world_size, training.model, run.plan))
+    check_resume_shape(checkpoint, saved.shape, plan.resume_shape())
     if saved.data is None:
         log.warning("%s records no identity of its data (an earlier version wrote it): the data cannot be checked "
                     "against the checkpoint's", checkpoint.name)
@@ -290,19 +229,21 @@ def restore(cfg: FullFinetuneConfig, run: RunContext, checkpoint: Path, training
         data_changes = describe_data_change(saved.data, data.identity, checkpoint.name)
         if data_changes:
             raise data_changed(checkpoint, data_changes)
-    if progress.epoch >= cfg.epochs and progress.step < data.total_steps:
-        raise finished_epochs_not_extended(checkpoint, progress, data.steps_per_epoch, data.total_steps)
+    length = plan.length
+    if progress.epoch >= length.epochs and progress.step < length.total_steps:
+        raise finished_epochs_not_extended(checkpoint, progress, length.steps_per_epoch, length.total_steps)
     # The optimizer state comes from the checkpoint; its hyper-parameters and the schedule are this config's.
-    load_checkpoint(checkpoint, model=training.model, optimizers=training.stepper.optimizers_to_checkpoint())
-    if scheduler is not None:
-        resume_schedule(scheduler, progress.step)
+    load_checkpoint(checkpoint, model=training.model, optimizers=training.stepper.optimizers_to_checkpoint(),
+                    processes=ctx)
+    if training.scheduler is not None:
+        resume_schedule(training.scheduler, progress.step)
     log.info("resumed from %s at step %d", checkpoint, progress.step)
     changes = ([] if saved.hyperparameters is None
-               else hyperparameter_changes(saved.hyperparameters, run_hyperparameters(cfg), checkpoint.name))
+               else hyperparameter_changes(saved.hyperparameters, dict(plan.hyperparameters), checkpoint.name))
     if changes:
         log.info(hyperparameters_changed(changes))
-    if saved.shape.world_size != run.ctx.world_size:
-        log.info(resharded(saved.shape.world_size, run.ctx.world_size))
+    if saved.shape.world_size != ctx.world_size:
+        log.info(resharded(saved.shape.world_size, ctx.world_size))
     return progress
 
 
@@ -316,22 +257,6 @@ def resume_schedule(scheduler: Any, step: int) -> None:
     """
     scheduler.last_epoch = step - 1
     scheduler.step()
-
-
-@dataclass(frozen=True)
-class SavePolicy:
-    """When a step ends with a checkpoint: at the end of every epoch, every ``every_n_steps`` steps (None:
-    never in between), and on a stop signal."""
-
-    every_n_steps: Optional[int]
-
-    def should_save(self, step: int, *, epoch_done: bool, stopping: bool) -> bool:
-        return epoch_done or stopping or bool(self.every_n_steps and step % self.every_n_steps == 0)
-
-    def saves(self, after_step: int, data: RunData) -> int:
-        """The checkpoints a run writes from ``after_step`` to its end (no stop signal)."""
-        return sum(self.should_save(step, epoch_done=step % data.steps_per_epoch == 0, stopping=False)
-                   for step in range(after_step + 1, data.total_steps + 1))
 
 
 @dataclass(frozen=True)
@@ -352,7 +277,7 @@ class CheckpointSize:
         return self.hf_bytes + self.recipe_bytes
 
 
-def estimate_checkpoint_size(cfg: FullFinetuneConfig, model: nn.Module, tokenizer_dir: Path) -> CheckpointSize:
+def estimate_checkpoint_size(cfg: TrainingConfig, model: nn.Module, tokenizer_dir: Path) -> CheckpointSize:
     """One checkpoint's size on disk (see ``CheckpointSize``); the parameters' global shapes, sharded or not."""
     params = list({id(p): p for p in model.parameters()}.values())
     model_bytes = sum(p.numel() * p.dtype.itemsize for p in params)
@@ -363,7 +288,7 @@ def estimate_checkpoint_size(cfg: FullFinetuneConfig, model: nn.Module, tokenize
     return CheckpointSize(model_bytes + tokenizer_bytes, model_bytes + optimizer_bytes)
 
 
-def check_disk_space(cfg: FullFinetuneConfig, ctx: DistributedContext, size: CheckpointSize, saves: int) -> None:
+def check_disk_space(plan: RunPlan, ctx: DistributedContext, size: CheckpointSize, saves: int) -> None:
     """Before the first step: refuse a run whose ``output_dir`` cannot hold one checkpoint, and warn when it cannot
     hold what ``keep_last_n_checkpoints`` keeps of the ``saves`` the run will write (every rank calls this; rank 0
     reads the free space and warns).
@@ -377,13 +302,13 @@ def check_disk_space(cfg: FullFinetuneConfig, ctx: DistributedContext, size: Che
     """
     if saves == 0:
         return
-    free = agreed_free_bytes(cfg.output_dir)
+    free = agreed_free_bytes(plan.output_dir, ctx)
     if free < size.total:
-        raise disk_too_small(cfg.output_dir, free, size.total)
-    keep = cfg.keep_last_n_checkpoints
+        raise disk_too_small(plan.output_dir, free, size.total)
+    keep = plan.save.keep_last_n
     if keep is None:
         needed = saves * size.hf_bytes + min(saves, RESUMABLE_KEPT + 1) * size.recipe_bytes
     else:
         needed = min(saves, keep + 1) * size.total
     if free < needed and ctx.is_rank_zero:
-        log.warning(disk_may_fill(cfg.output_dir, free, needed, saves, size, keep))
+        log.warning(disk_may_fill(plan.output_dir, free, needed, saves, size, keep))

@@ -1,13 +1,15 @@
-"""Processes, devices and FSDP2 sharding.
+"""Processes and devices: the one process context of a run (``DistributedContext``, created once by
+``init_distributed`` and passed down, the checkpoint code included), its collectives on the host, and FSDP2's keys
+and device mesh. Applying FSDP2 to a model is ``training/fsdp.py``'s.
 
 A single process is a world of size 1: the same functions run, they just skip the collectives. Under
 PyTorch's elastic launcher (``tune run --nproc_per_node N``) the process group is initialised from the
 environment it sets: on CUDA NCCL for CUDA tensors with gloo beside it for CPU tensors, on CPU gloo.
 
 Host-side collectives run on gloo, never NCCL: torch sends object collectives (``broadcast_object_list``,
-``all_gather_object``, which the checkpoint code, the output lock and the config agreement use) to a group's CPU
-backend when it has one, and ``barrier``/``host_barrier`` here (and the checkpoint package's) reduce a CPU
-tensor, since ``dist.barrier()`` on a group bound to a GPU runs on NCCL. While rank 0 alone writes, fsyncs and
+``all_gather_object``, which the checkpoint code, the output lock, the config agreement and the run's plan use) to a
+group's CPU backend when it has one, and the one barrier, ``host_barrier`` (``DistributedContext.barrier``), reduces
+a CPU tensor, since ``dist.barrier()`` on a group bound to a GPU runs on NCCL. While rank 0 alone writes, fsyncs and
 prunes a checkpoint, the others wait there, where NCCL's watchdog does not look; every wait is bounded by the
 group's ``timeout`` (``distributed_timeout_s``).
 """
@@ -19,18 +21,16 @@ import ctypes.util
 import os
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Mapping, Optional
+from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from torchtune_ac.config_key import config_key
 from torchtune_ac.errors import UnavailableError, UserError
-from torchtune_ac.models.families import shard_groups, transformer_blocks
 from torchtune_ac.runtime.dtypes import DType
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -38,19 +38,26 @@ _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 @dataclass(frozen=True)
 class FSDPConfig:
-    """FSDP2 settings (the ``fsdp.*`` config keys), used when the run has more than one process."""
+    """The ``fsdp.*`` config keys: FSDP2's settings, used when the model is sharded (more than one process, or CPU
+    offload on one). A field's ``torchtune`` metadata names torchtune's key for it (``tune migrate`` reads it)."""
 
-    # Free each block's gathered parameters after its forward (saves memory, re-gathers in backward). The
-    # metadata names torchtune's key for it (tune migrate reads it).
-    reshard_after_forward: bool = field(default=True, metadata={"torchtune": "fsdp_reshard_after_forward"})
-    # Mixed precision: dtype of the gathered parameters used in forward/backward (null: same as `dtype`).
-    param_dtype: Optional[DType] = None
-    # dtype of the gradient reduce-scatter (null: the storage dtype `dtype`, so bf16 gradients are not upcast to
-    # fp32 for the collective and cast back; fp32 sums in fp32 at twice the bytes).
-    reduce_dtype: Optional[DType] = None
-    # HSDP: processes are a (replicate, shard) grid; parameters are sharded over the shard_degree processes of a
-    # row (world size / replicate_degree) and replicated over the rows (1: plain FSDP over every process).
-    replicate_degree: int = field(default=1, metadata={"minimum": 1, "torchtune": "data_parallel_replicate_dim"})
+    reshard_after_forward: bool = config_key(
+        True, doc="Free each block's gathered parameters after its forward (saves memory; they are gathered again in "
+        "backward).", torchtune="fsdp_reshard_after_forward")
+    param_dtype: Optional[DType] = config_key(
+        None, doc="Mixed precision: the dtype parameters are gathered in for forward and backward; null: as stored "
+        "(dtype).")
+    reduce_dtype: Optional[DType] = config_key(
+        None, doc="The dtype of the gradient reduce-scatter; null: the storage dtype (dtype), so bf16 gradients are "
+        "not upcast for the collective and cast back (fp32 sums in fp32, at twice the bytes).")
+    replicate_degree: int = config_key(
+        1, doc="HSDP: the processes form replicate_degree rows; parameters are sharded over the processes of a row "
+        "(world size / replicate_degree) and replicated over the rows. 1: plain FSDP over every process.",
+        minimum=1, torchtune="data_parallel_replicate_dim")
+    cpu_offload: bool = config_key(
+        False, doc="Keep parameters, gradients and optimizer state in pinned host memory, the optimizer stepping on "
+        "the CPU (FSDP2's CPUOffloadPolicy); CUDA only. One process shards its model too, to get it.",
+        torchtune="fsdp_cpu_offload")
 
     def resolved_reduce_dtype(self, dtype: DType) -> DType:
         """The reduce-scatter's dtype for parameters stored in ``dtype``."""
@@ -91,6 +98,11 @@ class DistributedContext:
     @property
     def is_distributed(self) -> bool:
         return self.world_size > 1
+
+    def barrier(self) -> None:
+        """Wait until every rank gets here (``host_barrier``); nothing in a world of one."""
+        if self.is_distributed:
+            host_barrier()
 
 
 # ``distributed_timeout_s``'s default: room for rank 0 to write, fsync and prune a large checkpoint while the
@@ -193,12 +205,6 @@ def destroy_distributed(*, synchronize: bool = False) -> None:
         dist.destroy_process_group()
 
 
-def barrier(ctx: DistributedContext) -> None:
-    """Wait until every rank gets here (``host_barrier``); nothing in a world of one."""
-    if ctx.is_distributed:
-        host_barrier()
-
-
 def host_barrier() -> None:
     """Wait on the host until every rank of the default process group gets here, over gloo.
 
@@ -207,6 +213,51 @@ def host_barrier() -> None:
     the others. Bounded by the group's timeout.
     """
     dist.all_reduce(torch.zeros(1))
+
+
+T = TypeVar("T")
+
+
+def decided_by_rank_zero(ctx: DistributedContext, decide: Callable[[], T]) -> T:
+    """Rank 0's ``decide()``, on every rank (all ranks call this): rank 0 alone decides, the others receive its
+    answer (one object broadcast, on the host). A ``UserError`` rank 0 raises is raised on every rank with the same
+    message, so a multi-process run says it once; any other failure on rank 0 makes the others raise a
+    ``RuntimeError`` that names it, instead of waiting.
+
+    Raises:
+        UserError: rank 0's.
+        RuntimeError: (ranks other than 0) rank 0 failed while deciding.
+    """
+    if not ctx.is_distributed:
+        return decide()
+    box: list[object] = [None]
+    failure: Optional[BaseException] = None
+    if ctx.is_rank_zero:
+        try:
+            box[0] = ("decided", decide())
+        except UserError as err:
+            box[0], failure = ("refused", str(err)), err
+        except BaseException as err:  # noqa: BLE001 - told to the others, then raised here
+            box[0], failure = ("failed", f"{type(err).__name__}: {err}"), err
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    outcome, value = box[0]
+    if outcome == "refused":
+        raise UserError(value)
+    if outcome == "failed":
+        raise RuntimeError(f"rank 0 failed while deciding for every rank: {value}")
+    return value
+
+
+def process_group_context(device: torch.device = torch.device("cpu")) -> DistributedContext:
+    """This process as a rank of the initialised default process group, on ``device`` (a world of one without a
+    group): for code handed a sharded model outside a run (``save_hf``), whose sharding says which processes take
+    part. A run creates its context once, with ``init_distributed``, and passes it down."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return DistributedContext(rank=0, world_size=1, local_rank=0, device=device)
+    return DistributedContext(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                              local_rank=int(os.environ.get("LOCAL_RANK", "0")), device=device)
 
 
 def all_reduce_sum(value: torch.Tensor, ctx: DistributedContext) -> torch.Tensor:
@@ -255,89 +306,3 @@ def build_device_mesh(device_type: str, world_size: int, replicate_degree: int =
         return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
     return init_device_mesh(device_type, (replicate_degree, world_size // replicate_degree),
                             mesh_dim_names=("replicate", "shard"))
-
-
-def mixed_precision_policy(fsdp: FSDPConfig, dtype: DType) -> MixedPrecisionPolicy:
-    """FSDP2's mixed precision for parameters stored in ``dtype``: gathered in ``fsdp.param_dtype`` (null: as
-    stored), gradients reduced in ``fsdp.reduce_dtype`` (null: as stored)."""
-    return MixedPrecisionPolicy(
-        param_dtype=fsdp.param_dtype.torch if fsdp.param_dtype is not None else None,
-        reduce_dtype=fsdp.resolved_reduce_dtype(dtype).torch,
-    )
-
-
-def parameter_device(options: Mapping[str, Any], device: torch.device) -> torch.device:
-    """Where a sharded model's parameters are allocated: the CPU when ``options`` (``fully_shard`` arguments) keep
-    the shards there (``CPUOffloadPolicy``: FSDP2 copies each to ``device`` when it gathers it), else ``device``."""
-    return torch.device("cpu") if isinstance(options.get("offload_policy"), CPUOffloadPolicy) else device
-
-
-def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig(), options: Mapping[str, Any] = {}, *,
-                device: torch.device, dtype: DType) -> DeviceMesh:
-    """Apply FSDP2 (``fully_shard``) to each transformer block of ``model``, then to the family's other shard
-    groups (the embeddings; the final norm with the output layer), then to the root, in place, over a device mesh
-    of ``device``'s type.
-
-    Call after activation checkpointing (and compile) are applied and before weights are loaded, with the default
-    process group initialised; parameters become DTensors sharded on dim 0 over the mesh's ``shard`` dimension
-    (and replicated over its ``replicate`` dimension with ``fsdp.replicate_degree`` > 1: HSDP).
-
-    Args:
-        model: a model of a known family, or one with a ``layers`` ``nn.ModuleList`` of blocks.
-        fsdp: resharding after forward, the mixed-precision dtypes of gathered parameters and of the gradient
-            reduce-scatter, and the replicate degree.
-        options: more ``fully_shard`` keyword arguments, as the memory switches give them (``offload_policy``).
-        device: the device the run computes on (its type is the mesh's).
-        dtype: the parameters' storage dtype (the reduce dtype's default).
-
-    Returns:
-        The mesh the model is sharded over.
-
-    Raises:
-        UserError: the world size is not a multiple of ``fsdp.replicate_degree``.
-    """
-    mesh = build_device_mesh(device.type, dist.get_world_size(), fsdp.replicate_degree)
-    common = dict(mesh=mesh, mp_policy=mixed_precision_policy(fsdp, dtype), **options)
-    for block in transformer_blocks(model):
-        fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward, **common)
-    groups = shard_groups(model)
-    for index, group in enumerate(groups):
-        # The last group runs last in forward and first in backward: resharding it would only re-gather it.
-        last = index == len(groups) - 1
-        fully_shard(list(group), reshard_after_forward=fsdp.reshard_after_forward and not last, **common)
-    # The root holds what no group does (a tied embedding and output, a custom model's embeddings and head): used
-    # first and last in forward, resharding it after forward would only re-gather it at once for backward.
-    fully_shard(model, reshard_after_forward=False, **common)
-    return mesh
-
-
-def offloaded_gradient_wait(model: nn.Module) -> Optional[Callable[[torch.Tensor], None]]:
-    """A function that waits until FSDP2 has copied one parameter's reduced gradient into host memory, for a hook
-    that reads the gradient in backward (the optimizer step in backward); None when no parameter of ``model`` is
-    offloaded (``fsdp.cpu_offload``).
-
-    Why: with ``CPUOffloadPolicy`` FSDP2 starts a non-blocking copy of each reduced gradient into pinned host
-    memory and records an event for it (``FSDPParam.grad_offload_event``). Before torch 2.12 it then calls the
-    parameter's post-accumulate-grad hooks at once, and waits for the copy only when backward ends
-    (pytorch/pytorch#180666), so a hook would step on memory still in flight. Waiting on that one event costs the
-    hook no more than the copy of its own gradient. torch 2.12 and newer copy synchronously when a parameter has
-    hooks, and record no event: then this waits for nothing.
-    """
-    offloaded: dict[int, Any] = {}
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        group = module._get_fsdp_state()._fsdp_param_group
-        for fsdp_param in group.fsdp_params if group is not None else ():
-            if fsdp_param.offload_to_cpu:
-                offloaded[id(fsdp_param.sharded_param)] = fsdp_param
-    if not offloaded:
-        return None
-
-    def wait(param: torch.Tensor) -> None:
-        fsdp_param = offloaded.get(id(param))
-        event = fsdp_param.grad_offload_event if fsdp_param is not None else None
-        if event is not None:
-            event.synchronize()
-
-    return wait

@@ -66,6 +66,18 @@ LAUNCHER_FLAGS = {
 }
 
 
+def launched_world_size() -> int:
+    """Processes the elastic launcher started this run with (1 outside it), before any process group exists: what a
+    worker needs to know to hand its errors to the launcher. Everything after start-up asks the run's process
+    context (``distributed.init_distributed``)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def launched_rank() -> str:
+    """This worker's rank as the elastic launcher gave it (``?`` outside it), for a message."""
+    return os.environ.get("RANK", "?")
+
+
 def leave_worker(status: int) -> NoReturn:
     """End a worker of a multi-process run with ``status``, skipping the interpreter's teardown.
 

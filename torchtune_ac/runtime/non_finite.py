@@ -66,6 +66,8 @@ class StepValues:
     grad_norm: float
     target_tokens: int
     input_tokens: int
+    metric_sums: tuple[float, ...] = ()  # the objective's metric sums (``training.objective.LossParts``)
+    targets: int = 0  # what the loss is a mean over: the target tokens, or the objective's own count (DPO: pairs)
 
 
 class FiniteChecks:
@@ -86,19 +88,24 @@ class FiniteChecks:
         """Keep micro-batch ``index``'s summed loss in this rank's slot (on the device: nothing is read)."""
         self.losses[index, self.ctx.rank].copy_(micro_loss.detach())
 
-    def gather(self, loss_sum: torch.Tensor, norm: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def gather(self, loss_sum: torch.Tensor, norm: torch.Tensor, counts: torch.Tensor,
+               metric_sums: Optional[torch.Tensor] = None) -> torch.Tensor:
         """What ``read`` brings to the host, as one float64 tensor on the losses' device: every rank's micro-batch
-        losses, the summed loss, the norm and the counts. The norm may be elsewhere (on the CPU when FSDP2 keeps
-        the gradients in host memory: ``fsdp.cpu_offload``), and is moved here first."""
+        losses, the summed loss, the metric sums, the norm and the counts. The norm may be elsewhere (on the CPU
+        when FSDP2 keeps the gradients in host memory: ``fsdp.cpu_offload``), and is moved here first."""
         device = self.losses.device
-        reduced = all_reduce_sum(torch.cat([self.losses.flatten(), loss_sum.detach().float().view(1).to(device)]),
-                                 self.ctx)
+        summed = [self.losses.flatten(), loss_sum.detach().float().view(1).to(device)]
+        if metric_sums is not None:
+            summed.append(metric_sums.detach().float().flatten().to(device))
+        reduced = all_reduce_sum(torch.cat(summed), self.ctx)
         return torch.cat([reduced.double(), norm.detach().double().view(1).to(device), counts.double().to(device)])
 
     def read(self, loss_sum: torch.Tensor, norm: torch.Tensor, counts: torch.Tensor, *,
-             stepped: bool = False) -> StepValues:
+             stepped: bool = False, metric_sums: Optional[torch.Tensor] = None) -> StepValues:
         """The step's one host synchronisation: all ranks' losses, ``loss_sum`` (this rank's summed loss, summed
-        here over ranks), the global gradient ``norm`` and the global ``counts`` (targets, inputs), read at once.
+        here over ranks), the global gradient ``norm``, the global ``counts`` (targets, inputs, and target tokens
+        when the objective counts other targets than tokens) and
+        ``metric_sums`` (this rank's, summed here over ranks), read at once.
 
         Args:
             stepped: the parameters were already stepped (in backward), so the error says so.
@@ -107,9 +114,11 @@ class FiniteChecks:
             NonFiniteError: on every rank, when some rank's micro-batch loss is not finite (the first such
                 micro-batch is named), else when the gradient norm is not finite.
         """
-        values = self.gather(loss_sum, norm, counts).tolist()
+        values = self.gather(loss_sum, norm, counts, metric_sums).tolist()
         n = self.micro_batches * self.ctx.world_size
-        losses, (total, norm_value, targets, inputs) = values[:n], values[n:]
+        k = counts.numel()
+        losses, total, metrics = values[:n], values[n], values[n + 1:-(k + 1)]
+        norm_value, targets, inputs, *tokens = values[-(k + 1):]
         for index in range(self.micro_batches):
             row = losses[index * self.ctx.world_size:(index + 1) * self.ctx.world_size]
             bad = [rank for rank, value in enumerate(row) if not math.isfinite(value)]
@@ -119,4 +128,5 @@ class FiniteChecks:
         if not math.isfinite(norm_value):
             raise NonFiniteError("gradient norm", norm_value, micro_batch=None, micro_batches=self.micro_batches,
                                  ranks=range(self.ctx.world_size), stepped=stepped)
-        return StepValues(loss_sum=total, grad_norm=norm_value, target_tokens=int(targets), input_tokens=int(inputs))
+        return StepValues(loss_sum=total, grad_norm=norm_value, target_tokens=int(tokens[0] if tokens else targets),
+                          input_tokens=int(inputs), metric_sums=tuple(metrics), targets=int(targets))

@@ -4,7 +4,9 @@ An ``Objective`` gives a micro-batch's summed loss and says how many positions i
 every micro-batch's sum by the global count (over micro-batches and ranks), so the gradient is that of the mean
 loss per target whatever the split. The count is asked for before any forward (``targets``), because that
 division must be known before the first backward. Another objective (a distillation loss, a preference loss)
-plugs in here without touching the step.
+plugs in here without touching the step. An objective with values of its own to report (DPO's rewards) returns
+``LossParts``: the loss and the sums of its ``metric_names`` over the same targets, which the step averages as
+it averages the loss, in the same one read of the device.
 
 ``CrossEntropy`` is the default: token cross-entropy from the whole logits. The chunked loss (a memory
 switch, ``torchtune_ac/memory/chunked_loss.py``) gives the same values without the whole logits.
@@ -28,14 +30,40 @@ IGNORE_INDEX = -100
 HOST_KEYS = frozenset({"target_count", "document_lengths"})
 
 
+@dataclass(frozen=True)
+class LossParts:
+    """A micro-batch's summed loss with the sums of an objective's own metrics over the same targets.
+
+    Attributes:
+        loss: float32 0-d, what backward starts from.
+        metrics: float32 ``[len(metric_names)]``, detached, in the objective's ``metric_names`` order.
+    """
+
+    loss: torch.Tensor
+    metrics: torch.Tensor
+
+
 class Objective(Protocol):
-    """What a step minimises (see the module docstring)."""
+    """What a step minimises (see the module docstring).
+
+    Attributes:
+        metric_names: what the ``LossParts.metrics`` of ``__call__`` sum, in order; empty when it returns the loss
+            alone.
+    """
+
+    metric_names: tuple[str, ...]
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """How many positions of ``batch`` the loss sums over (an int64 0-d tensor, on the batch's device)."""
 
-    def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        """The micro-batch's summed loss (a float32 0-d tensor that backward can start from)."""
+    def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> "torch.Tensor | LossParts":
+        """The micro-batch's summed loss (a float32 0-d tensor that backward can start from), or with
+        ``metric_names``, ``LossParts``."""
+
+
+def split_loss(output: "torch.Tensor | LossParts") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """An objective's output as ``(loss, metric sums or None)``."""
+    return (output.loss, output.metrics) if isinstance(output, LossParts) else (output, None)
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -75,6 +103,8 @@ class CrossEntropy:
     """Next-token cross-entropy over every labelled position, from the model's whole logits.
 
     Batches hold ``tokens`` and ``labels`` ``[b, s]`` and, when packed, ``document_ids``."""
+
+    metric_names = ()
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return count_target_tokens(batch["labels"])

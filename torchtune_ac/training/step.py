@@ -20,7 +20,7 @@ and the values it reports together.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
@@ -29,7 +29,14 @@ from torch.distributed.tensor import DTensor
 
 from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
 from torchtune_ac.runtime.non_finite import FiniteChecks, StepValues
-from torchtune_ac.training.objective import HOST_KEYS, CrossEntropy, Objective
+from torchtune_ac.training.objective import (
+    HOST_KEYS,
+    CrossEntropy,
+    LossParts,
+    Objective,
+    count_target_tokens,
+    split_loss,
+)
 
 CROSS_ENTROPY = CrossEntropy()
 # check_norm(norm, stepped): sees the step's total gradient norm; ``stepped`` when the parameters already took it.
@@ -94,12 +101,17 @@ class OptimizerStepper:
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one optimizer step did (values are global: summed or averaged over all ranks)."""
+    """What one optimizer step did (values are global: summed or averaged over all ranks).
+
+    ``extra``: more values for the step's ``metrics.jsonl`` record, a recipe's own (its objective's metrics, each
+    averaged over the step's targets as the loss is).
+    """
 
     loss: float
     grad_norm: float
     input_tokens: int
     target_tokens: int
+    extra: Mapping[str, float] = field(default_factory=dict)
 
 
 def move_batch(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -109,8 +121,9 @@ def move_batch(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[
 
 
 def micro_batch_loss(model: nn.Module, batch: Mapping[str, torch.Tensor],
-                     objective: Objective = CROSS_ENTROPY) -> torch.Tensor:
-    """The summed loss of one micro-batch under ``objective`` (one place that every step goes through)."""
+                     objective: Objective = CROSS_ENTROPY) -> "torch.Tensor | LossParts":
+    """The summed loss of one micro-batch under ``objective`` (one place that every step goes through), with the
+    sums of the objective's metrics when it has some."""
     return objective(model, batch)
 
 
@@ -123,12 +136,14 @@ def accumulate_gradients(
     objective: Objective = CROSS_ENTROPY,
     after_forward: Optional[Callable[[int], None]] = None,
     record_loss: Optional[Callable[[int, torch.Tensor], None]] = None,
+    metric_sums: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Forward and backward every micro-batch, each summed loss scaled by ``scale`` (a number, or a 0-d tensor on
     the device). No host synchronisation: the memory planner runs this under fake tensors, and
     ``after_forward(i)`` (called between micro-batch ``i``'s forward and backward) lets it see what a forward
     keeps. ``record_loss(i, loss)``, if given, sees micro-batch ``i``'s loss before its backward (to keep it on the
-    device: reading it there would cost a synchronisation per micro-batch).
+    device: reading it there would cost a synchronisation per micro-batch). ``metric_sums``, if given (float32
+    ``[len(objective.metric_names)]`` on the device), has the objective's metric sums added to it.
 
     Returns:
         The summed (unscaled) loss of all micro-batches, detached.
@@ -136,14 +151,16 @@ def accumulate_gradients(
     loss_sum = torch.zeros((), device=micro_batches[0]["tokens"].device)
     for i, batch in enumerate(micro_batches):
         stepper.begin_micro_batch(final=i == len(micro_batches) - 1)
-        micro_loss = micro_batch_loss(model, batch, objective)
+        micro_loss, metrics = split_loss(micro_batch_loss(model, batch, objective))
         if after_forward is not None:
             after_forward(i)
         if record_loss is not None:
             record_loss(i, micro_loss)
+        if metric_sums is not None and metrics is not None:
+            metric_sums += metrics
         (micro_loss * scale).backward()
         loss_sum += micro_loss.detach()
-        del micro_loss
+        del micro_loss, metrics
     return loss_sum
 
 
@@ -173,7 +190,8 @@ def train_step(
         clip_grad_norm: max total gradient norm, or None to only measure it.
 
     Returns:
-        The global mean loss, the gradient norm before clipping, and token counts.
+        The global mean loss, the gradient norm before clipping, token counts, and the objective's metrics (its
+        ``metric_names``), each a global mean over the targets.
 
     Raises:
         NonFiniteError: on every rank, a micro-batch's loss or the gradient norm is NaN or infinite (checked
@@ -182,24 +200,30 @@ def train_step(
     device = micro_batches[0]["tokens"].device
     local_targets = sum(objective.targets(batch) for batch in micro_batches)
     local_inputs = sum(batch["tokens"].numel() for batch in micro_batches)
-    # [targets, inputs], summed over ranks on the device: a fill, not a copy from the host (which would wait).
-    counts = all_reduce_sum(torch.stack([local_targets, torch.full((), local_inputs, device=device)]), ctx)
+    # The target tokens apart from the targets: the same for the token loss, not for DPO's (whose targets are pairs).
+    local_tokens = sum(count_target_tokens(batch["labels"]) for batch in micro_batches)
+    # [targets, inputs, target tokens], summed over ranks on the device: a fill, not a copy from the host.
+    counts = all_reduce_sum(torch.stack([local_targets, torch.full((), local_inputs, device=device), local_tokens]),
+                            ctx)
     # world_size / targets in float64, rounded once to float32 (what multiplying by a Python float does).
     scale = (ctx.world_size / counts[0].clamp(min=1).double()).float()
 
     checks = FiniteChecks(ctx, len(micro_batches), device)
+    metric_sums = torch.zeros(len(objective.metric_names), device=device)
     loss_sum = accumulate_gradients(model, stepper, micro_batches, scale=scale, objective=objective,
-                                    record_loss=checks.record_loss)
+                                    record_loss=checks.record_loss, metric_sums=metric_sums)
     read: list[StepValues] = []
 
     def check_norm(norm: torch.Tensor, *, stepped: bool = False) -> None:
-        read.append(checks.read(loss_sum, norm, counts, stepped=stepped))
+        read.append(checks.read(loss_sum, norm, counts, stepped=stepped, metric_sums=metric_sums))
 
     norm = stepper.update(model, clip_grad_norm, check_norm=check_norm)
-    values = read[0] if read else checks.read(loss_sum, norm, counts, stepped=True)
+    values = read[0] if read else checks.read(loss_sum, norm, counts, stepped=True, metric_sums=metric_sums)
+    targets = max(values.targets, 1)
     return StepResult(
-        loss=values.loss_sum / max(values.target_tokens, 1),
+        loss=values.loss_sum / targets,
         grad_norm=values.grad_norm,
         input_tokens=values.input_tokens,
         target_tokens=values.target_tokens,
+        extra={name: total / targets for name, total in zip(objective.metric_names, values.metric_sums)},
     )

@@ -15,7 +15,7 @@ def _identity(root: Path, contents: dict[str, bytes], samples: int = 10) -> dict
     root.mkdir(parents=True, exist_ok=True)
     for name, content in contents.items():
         (root / name).write_bytes(content)
-    return identify_data(str(root), root, list(contents), samples, collective=False)
+    return identify_data(str(root), root, list(contents), samples)
 
 
 def test_each_file_is_recorded_by_size_and_sha256_in_reading_order(tmp_path):
@@ -58,10 +58,10 @@ def test_a_change_is_named_by_the_file_as_it_is_now(tmp_path, name):
 
 
 def test_a_hub_dataset_is_its_name_and_sample_count():
-    saved = identify_data("tatsu-lab/alpaca", None, None, 52002, collective=False)
+    saved = identify_data("tatsu-lab/alpaca", None, None, 52002)
     assert saved == {"source": "tatsu-lab/alpaca", "root": None, "files": None, "samples": 52002}
     assert describe_data_change(saved, saved, "step_0000003") == []
-    other = identify_data("yahma/alpaca-cleaned", None, None, 51760, collective=False)
+    other = identify_data("yahma/alpaca-cleaned", None, None, 51760)
     assert describe_data_change(saved, other, "step_0000003") == [
         "the source was tatsu-lab/alpaca in step_0000003, yahma/alpaca-cleaned now",
         "52,002 samples in step_0000003, 51,760 now"]
@@ -71,14 +71,14 @@ def test_the_hub_datasets_of_a_list_of_sources_are_recorded_by_name_beside_its_f
     root = tmp_path / "data"
     root.mkdir()
     (root / "a.jsonl").write_bytes(SAVED["a.jsonl"])
-    saved = identify_data("a + tatsu-lab/alpaca", root, ["a.jsonl"], 7, collective=False, hub=["tatsu-lab/alpaca"])
+    saved = identify_data("a + tatsu-lab/alpaca", root, ["a.jsonl"], 7, hub=["tatsu-lab/alpaca"])
     assert saved["hub"] == ["tatsu-lab/alpaca"] and [f["name"] for f in saved["files"]] == ["a.jsonl"]
     assert describe_data_change(saved, saved, "step_0000003") == []
-    other = identify_data("a + yahma/alpaca-cleaned", root, ["a.jsonl"], 7, collective=False,
+    other = identify_data("a + yahma/alpaca-cleaned", root, ["a.jsonl"], 7,
                           hub=["yahma/alpaca-cleaned"])
     assert describe_data_change(saved, other, "step_0000003") == [
         "the Hub datasets were tatsu-lab/alpaca in step_0000003, yahma/alpaca-cleaned now"]
-    files_only = identify_data("a", root, ["a.jsonl"], 7, collective=False)
+    files_only = identify_data("a", root, ["a.jsonl"], 7)
     assert "hub" not in files_only  # what a checkpoint records of local files alone is unchanged
     assert describe_data_change(saved, files_only, "step_0000003") == [
         "the Hub datasets were tatsu-lab/alpaca in step_0000003, none now"]

@@ -34,7 +34,7 @@ from torchtune_ac.checkpoint.manifest import check_against_manifest
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer, optimizers_to_checkpoint
 from torchtune_ac.models import Llama, LlamaArgs, hf_model_files
-from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.runtime.distributed import DistributedContext, process_group_context
 from torchtune_ac.runtime.rank_agreement import check_same_config
 from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.training.step import train_step
@@ -90,11 +90,12 @@ def _assert_same_state(ours: dict, expected: dict) -> None:
 def _save(output_dir: Path, model: Llama, optimizer: torch.optim.Optimizer, step: int) -> Path:
     return save_checkpoint(output_dir, model=model, hf_files=hf_model_files(model),
                            optimizers=optimizers_to_checkpoint(optimizer),
-                           state=TrainerState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={}))
+                           state=TrainerState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={}),
+                           processes=process_group_context())
 
 
 def _load(path: Path, model: Llama, optimizer: torch.optim.Optimizer) -> None:
-    load_checkpoint(path, model=model, optimizers=optimizers_to_checkpoint(optimizer))
+    load_checkpoint(path, model=model, optimizers=optimizers_to_checkpoint(optimizer), processes=process_group_context())
 
 
 def _resharded_on_two_ranks(rank: int, root: Path) -> None:
@@ -151,8 +152,9 @@ def _agreement_on_two_ranks(rank: int, root: Path) -> None:
 
     # A directory of the same name that is not shared (each rank its own): refused, naming the rank.
     _expect_user_error(("rank 1 (host", "cannot see the file rank 0", "every node shares"),
-                       lambda: check_shared_directory(root / f"local_disk_of_rank_{rank}", "output_dir"))
-    check_shared_directory(root / "shared", "output_dir")  # created for the check, then removed with its token
+                       lambda: check_shared_directory(root / f"local_disk_of_rank_{rank}", "output_dir",
+                                                      process_group_context()))
+    check_shared_directory(root / "shared", "output_dir", process_group_context())  # created, then removed
     dist.barrier()
     assert not (root / "shared").exists() and not (root / f"local_disk_of_rank_{rank}").exists() or rank == 1
 
@@ -170,7 +172,7 @@ def _agreement_on_two_ranks(rank: int, root: Path) -> None:
         dist.barrier()
         assert [c.name for c in list_checkpoints(out)] == ["step_0000001"]
         assert [p.name for p in out.iterdir() if p.name.startswith(".")] == []
-        assert check_against_manifest(out / "step_0000001", hashes=True, collective=True) is None
+        assert check_against_manifest(out / "step_0000001", hashes=True, processes=process_group_context()) is None
     _save(out, model, optimizer, 2)  # and the next save works
     assert [c.name for c in list_checkpoints(out)] == ["step_0000001", "step_0000002"]
 

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from torchtune_ac.cli import load_recipe, load_recipe_config, main, resolve_recipe_path
-from torchtune_ac.config.planning import plan_table
 from torchtune_ac.memory.planner import _largest_outer_group
 from torchtune_ac.models.families.llama import LLAMA_TINY
 from torchtune_ac.models.llama import Llama
+from torchtune_ac.run.memory_table import memory_table
 
 
 def _table(world_size: int, *overrides: str):
     recipe = load_recipe(resolve_recipe_path("full_finetune"))
     cfg = load_recipe_config(recipe, "tiny/full", ["max_seq_len=64", *overrides], [])
-    return plan_table(cfg, world_size=world_size, budget_gib=None)
+    return memory_table(cfg, world_size=world_size, budget_gib=None)
 
 
 def _resident(table) -> list[tuple[int, int]]:

@@ -12,7 +12,8 @@ import pytest
 from torchtune_ac.data import EMBEDDED_DIR, EMBEDDED_INSTRUCT_PATH
 
 REPO = Path(__file__).resolve().parents[3]
-FILES = ("instruct.jsonl", "tokenizer.json", "tokenizer_config.json")
+FILES = ("instruct.jsonl", "preference/train.jsonl", "preference/validation.jsonl", "tokenizer.json",
+         "tokenizer_config.json")
 
 
 def test_generator_reproduces_the_committed_files_byte_for_byte(tmp_path):

@@ -16,8 +16,8 @@ from torch import nn
 from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-from torchtune_ac.memory.activation_checkpointing import setup_activation_checkpointing
 from torchtune_ac.models.llama import Llama, LlamaArgs
+from torchtune_ac.training.ac_config import setup_activation_checkpointing
 
 F32 = 4
 

@@ -13,21 +13,19 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from torch.utils.flop_counter import FlopCounterMode
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.activation_checkpointing import (
+from torchtune_ac.models.attention import document_runs
+from torchtune_ac.models.llama import Llama, LlamaArgs, positions_from_document_ids
+from torchtune_ac.training.ac_config import ACConfigError, resolve_ac_plan, setup_activation_checkpointing
+from torchtune_ac.training.activation_checkpointing import (
     SAVED_OPS,
-    ACConfigError,
     ACMode,
     ACPlan,
     _resolve_aten_ops,
     apply_ac_plan,
     is_checkpointed,
-    resolve_ac_plan,
     save_matmuls_and_attention,
-    setup_activation_checkpointing,
     silence_compiled_policy_warning,
 )
-from torchtune_ac.models.attention import document_runs
-from torchtune_ac.models.llama import Llama, LlamaArgs, positions_from_document_ids
 
 VOCAB = 128
 

@@ -10,12 +10,13 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 from torchtune_ac.errors import UnavailableError, UserError
-from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode
+from torchtune_ac.memory.feature import OptimizerSpec
 from torchtune_ac.memory.plan import FSDPConfig, MemoryConfig, resolve_memory_plan
 from torchtune_ac.memory.planner import Workload, choose_plan, estimate_memory
-from torchtune_ac.memory.switch import OptimizerSpec
 from torchtune_ac.models import LlamaArgs
 from torchtune_ac.models.llama import Llama
+from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.training.activation_checkpointing import ACMode
 
 ARGS = LlamaArgs(vocab_size=96, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_dim=160, max_seq_len=32)
 FULL = ACConfig(ac_mode=ACMode.FULL)

@@ -12,13 +12,14 @@ import torch
 import torchao.optim as torchao
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode
+from torchtune_ac.memory.feature import OptimizerSpec
 from torchtune_ac.memory.optimizer_state import announce_first_step, layout_of, state_bytes
 from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan
 from torchtune_ac.memory.planner import Workload, choose_plan, estimate_memory
-from torchtune_ac.memory.switch import OptimizerSpec
 from torchtune_ac.models import LlamaArgs
 from torchtune_ac.models.llama import Llama
+from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.training.activation_checkpointing import ACMode
 
 # Parameters of 6,144 (96 x 64), 4,096 (64 x 64) and 10,240 (160 x 64) elements, quantized in blocks of 128, 256
 # or 2,048 but only the 4,096 one in blocks of 4,096; and too small to quantize: 2,048 (32 x 64) and 64 (norms).

@@ -15,8 +15,8 @@ from _measure import measure_saved_activation_bytes
 
 from torchtune_ac.config.components import Component
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.activation_checkpointing import ACConfig, ACConfigError, ACMode
-from torchtune_ac.memory.plan import MemoryConfig, PlanningInputs, budget_gib, resolve_memory_plan
+from torchtune_ac.memory.feature import OptimizerSpec
+from torchtune_ac.memory.plan import MemoryConfig, PlannerInputs, budget_gib, resolve_memory_plan
 from torchtune_ac.memory.planner import (
     GiB,
     Workload,
@@ -27,8 +27,9 @@ from torchtune_ac.memory.planner import (
     estimate_memory,
     switch_ablation,
 )
-from torchtune_ac.memory.switch import OptimizerSpec
 from torchtune_ac.training import setup_activation_checkpointing
+from torchtune_ac.training.ac_config import ACConfig, ACConfigError
+from torchtune_ac.training.activation_checkpointing import ACMode
 from torchtune_ac.training.objective import cross_entropy_sum
 
 REPO = Path(__file__).resolve().parents[3]
@@ -87,11 +88,12 @@ def test_recompute_flops_follow_the_checkpointed_blocks(small_estimates):
 MEASURE_STEPS = textwrap.dedent("""
     import gc, json, sys, psutil, torch
     from torchtune_ac.config.components import Component
-    from torchtune_ac.memory.activation_checkpointing import resolve_ac_plan
+    from torchtune_ac.training.ac_config import resolve_ac_plan
     from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
     from torchtune_ac.runtime.dtypes import DType
     from _measure import return_freed_memory_to_os, track_peak_rss
-    from torchtune_ac.run.model_setup import build_training_model
+    from torchtune_ac.config.meta_model import build_meta_model
+    from torchtune_ac.run.assemble import build_training
     from torchtune_ac.memory.chunked_loss import loss_objective
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
     from torchtune_ac.memory.plan import MemoryPlan
@@ -102,9 +104,9 @@ MEASURE_STEPS = textwrap.dedent("""
     measured = []
     for mode, chunks in json.loads(sys.argv[1]):
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=None, n_layers=8)
-        model = build_training_model(Component(key="model", path="torchtune_ac.models.llama_small"), ctx=ctx,
-                                     dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(), compile_blocks=False,
-                                     checkpoint_dir=None, seed=0)
+        model = build_training(build_meta_model(Component(key="model", path="torchtune_ac.models.llama_small")), ctx=ctx,
+                               dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(), compile_blocks=False,
+                               checkpoint_dir=None, seed=0).model
         optimizer = build_optimizer(lambda p: torch.optim.AdamW(p, lr=1e-5), model, in_backward=False)
         train_step(model, optimizer, batch, ctx=ctx, objective=loss_objective(chunks))  # allocates the optimizer state
         return_freed_memory_to_os()
@@ -192,7 +194,7 @@ def test_the_memory_plan_resolves_auto_through_the_planner():
     ac = ACConfig.from_config({"ac_mode": "auto", "ac_memory_budget_gib": 100})
     with torch.device("meta"):
         model = SMALL.instantiate()
-    inputs = PlanningInputs(SMALL.instantiate, adamw, WORKLOAD, torch.device("cpu"))
+    inputs = PlannerInputs(SMALL.instantiate, adamw, WORKLOAD, torch.device("cpu"))
     plan = resolve_memory_plan(ac, MemoryConfig(), model, clip_grad_norm=None, planning=inputs)
     assert plan.ac.mode is ACMode.NONE and plan.budget_gib == 100
     assert "auto -> none (the least recompute that fits: estimated" in dict(plan.describe())["activation checkpointing"]
@@ -237,7 +239,7 @@ def test_the_default_cuda_budget_is_the_free_memory_with_the_fixed_cost_counted_
     assert budget_gib(ACConfig(ac_mode=ACMode.AUTO, ac_memory_budget_gib=12), cuda, 5 * GiB) == 12
     with torch.device("meta"):
         model = SMALL.instantiate()
-    inputs = PlanningInputs(SMALL.instantiate, adamw, WORKLOAD, cuda, fixed_bytes=total - free)
+    inputs = PlannerInputs(SMALL.instantiate, adamw, WORKLOAD, cuda, fixed_bytes=total - free)
     plan = resolve_memory_plan(auto, MemoryConfig(), model, clip_grad_norm=None, planning=inputs)
     assert plan.budget_gib == pytest.approx(0.9 * total / GiB)
     assert plan.estimate.device == plan.estimate.total + total - free  # the fixed cost, once, in the estimate
@@ -314,8 +316,98 @@ def test_a_packed_bf16_config_for_a_gpu_is_planned_with_varlen_s_copies(override
     """The planner simulates on a CPU's kernels whatever the run's device: whether the run's attention takes
     varlen_attn follows from the config's device, not from where the simulation runs."""
     from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
-    from torchtune_ac.config.planning import planning_inputs
+    from torchtune_ac.run.plan import planner_inputs
 
     recipe = load_recipe(resolve_recipe_path("full_finetune"))
     cfg = load_recipe_config(recipe, "tiny/full", list(overrides), [])
-    assert planning_inputs(cfg, 1, torch.device("cpu")).workload.varlen is varlen
+    assert planner_inputs(cfg, 1, torch.device("cpu")).workload.varlen is varlen
+
+
+MEASURE_DPO_STEPS = textwrap.dedent("""
+    import gc, json, sys, psutil, torch
+    from torchtune_ac.config.components import Component
+    from torchtune_ac.training.ac_config import resolve_ac_plan
+    from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
+    from torchtune_ac.runtime.dtypes import DType
+    from _measure import return_freed_memory_to_os, track_peak_rss
+    from torchtune_ac.config.meta_model import build_meta_model
+    from torchtune_ac.run.assemble import build_reference, build_training
+    from torchtune_ac.memory.optimizer_in_backward import build_optimizer
+    from torchtune_ac.memory.plan import MemoryPlan
+    from torchtune_ac.training.dpo import DPOConfig, DPOObjective
+    from torchtune_ac.training.step import train_step
+    ctx = DistributedContext(0, 1, 0, torch.device("cpu"))
+    small = Component(key="model", path="torchtune_ac.models.llama_small")
+    tokens = torch.randint(0, 8192, (2, 512))  # one pair: its chosen and its rejected row
+    measured = []
+    for mode, chunks, resident in json.loads(sys.argv[1]):
+        plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=None, n_layers=8)
+        memory = MemoryPlan(ac=plan, settings={})
+        common = dict(ctx=ctx, dtype=DType.FP32, memory=memory, fsdp=FSDPConfig(), checkpoint_dir=None, seed=0)
+        reference = build_reference(build_meta_model(small), **common) if resident else None
+        model = build_training(build_meta_model(small), compile_blocks=False, **common).model
+        batch = [{"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1)}]
+        if not resident:
+            batch[0]["reference_logps"] = torch.zeros(2)
+        objective = DPOObjective(DPOConfig(), n_chunks=chunks, reference=reference)
+        optimizer = build_optimizer(lambda p: torch.optim.AdamW(p, lr=1e-5), model, in_backward=False)
+        train_step(model, optimizer, batch, ctx=ctx, objective=objective)  # allocates the optimizer state
+        return_freed_memory_to_os()
+        before = psutil.Process().memory_info().rss
+        with track_peak_rss() as peak:
+            train_step(model, optimizer, batch, ctx=ctx, objective=objective)
+        measured.append(peak.peak_bytes - before)
+        del model, optimizer, reference, objective
+        gc.collect()
+    print(json.dumps(measured))
+""")
+# (ac_mode, loss_chunks, resident reference) measured in one process.
+MEASURED_DPO_SETTINGS = [("none", 1, True), ("full", 4, True), ("full", 4, False)]
+
+
+def test_a_dpo_step_estimate_counts_the_pairs_and_the_reference_and_is_within_15_percent_of_a_measured_step():
+    from torchtune_ac.memory.planner import PreferenceStep
+
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    result = subprocess.run([sys.executable, "-c", MEASURE_DPO_STEPS, json.dumps(MEASURED_DPO_SETTINGS)],
+                            capture_output=True, text=True, env=env, check=True)
+    measured = json.loads(result.stdout.split("\n")[-2])
+    for (mode, chunks, resident), bytes_ in zip(MEASURED_DPO_SETTINGS, measured):
+        workload = Workload(batch_size=1, seq_len=512, settings=(("loss_chunks", chunks),),
+                            preference=PreferenceStep(resident_reference=resident))
+        plan = candidate_plans(8)[0 if mode == "none" else -1]
+        estimate = estimate_memory(SMALL.instantiate, adamw, workload, plans=[plan])[0]
+        # The reference's parameters are resident, as the policy's (neither is part of the step's peak).
+        assert estimate.reference == (estimate.parameters if resident else 0)
+        assert estimate.total == estimate.step_peak + estimate.parameters + estimate.optimizer + estimate.reference
+        assert estimate.step_peak == pytest.approx(bytes_, rel=0.15), (mode, chunks, resident)
+
+
+def test_a_dpo_step_runs_two_rows_a_pair_and_the_reference_forward():
+    from torchtune_ac.memory.planner import PreferenceStep
+
+    plan = candidate_plans(8)[-1]
+    pairs = estimate_memory(SMALL.instantiate, adamw, Workload(batch_size=1, seq_len=512,
+                                                               preference=PreferenceStep(False)), plans=[plan])[0]
+    rows = estimate_memory(SMALL.instantiate, adamw, Workload(batch_size=2, seq_len=512), plans=[plan])[0]
+    resident = estimate_memory(SMALL.instantiate, adamw, Workload(batch_size=1, seq_len=512,
+                                                                  preference=PreferenceStep(True)), plans=[plan])[0]
+    # One pair is two rows: the activations of a batch of two samples.
+    assert pairs.saved_activations == pytest.approx(rows.saved_activations, rel=0.01)
+    # A resident reference runs one more forward (a third of a step's matrix multiplies, without recompute).
+    assert resident.flops == pytest.approx(pairs.flops * (1 + 1 / (3 + pairs.extra_flops * 3)), rel=0.05)
+
+
+def test_ac_mode_auto_chooses_with_the_resident_reference():
+    from torchtune_ac.memory.planner import PreferenceStep
+
+    def workload(resident):
+        return Workload(batch_size=1, seq_len=512, preference=PreferenceStep(resident_reference=resident))
+
+    precomputed = estimate_memory(SMALL.instantiate, adamw, workload(False), plans=candidate_plans(8)[:1])[0]
+    # A budget that holds the step without AC, but not with the reference's parameters as well.
+    budget = (precomputed.device + precomputed.parameters / 2) / GiB
+    assert choose_plan(SMALL.instantiate, adamw, workload(False), budget, 8).plan.mode is ACMode.NONE
+    chosen = choose_plan(SMALL.instantiate, adamw, workload(True), budget, 8)
+    assert chosen.plan.mode is not ACMode.NONE and chosen.reference == chosen.parameters

@@ -20,10 +20,10 @@ from torch.nn.attention.varlen import varlen_attn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtune_ac.data.collate import document_lengths
-from torchtune_ac.memory.activation_checkpointing import setup_activation_checkpointing
 from torchtune_ac.models import attention, llama
 from torchtune_ac.models.attention import causal_attention, document_runs
 from torchtune_ac.models.llama import Llama, LlamaArgs
+from torchtune_ac.training.ac_config import setup_activation_checkpointing
 
 VOCAB = 96
 FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -697,9 +697,10 @@ def test_the_package_imports_and_trains_on_a_torch_without_torch_nn_attention_va
     script = tmp_path / "run.py"
     script.write_text(HIDE_VARLEN + f"""
 import torch
-from torchtune_ac.memory.activation_checkpointing import SAVED_OPS, setup_activation_checkpointing
 from torchtune_ac.models import attention
 from torchtune_ac.models.llama import Llama, LlamaArgs
+from torchtune_ac.training.ac_config import setup_activation_checkpointing
+from torchtune_ac.training.activation_checkpointing import SAVED_OPS
 
 assert "torch.nn.attention.varlen" not in sys.modules
 torch.manual_seed(0)

@@ -11,7 +11,7 @@ from models_testlib import TINY
 
 from torchtune_ac.models import Llama
 from torchtune_ac.models.llama import compute_rope_inv_freq
-from torchtune_ac.run.model_setup import place_buffers_
+from torchtune_ac.run.assemble import place_buffers_
 
 SLIDING = dataclasses.replace(TINY, sliding_window=4, layer_types=("sliding_attention", "full_attention"),
                               sliding_rope_theta=10.0)

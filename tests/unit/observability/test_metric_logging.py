@@ -11,7 +11,7 @@ from torchtune_ac.config import FullFinetuneConfig, validate_config
 from torchtune_ac.errors import UserError
 from torchtune_ac.observability.metric_logging import WANDB_RUN_ID_FILE, open_run_log, plain_config
 from torchtune_ac.observability.metrics import read_metrics
-from torchtune_ac.training import TensorBoardLogger, WandBLogger
+from torchtune_ac.observability.metric_logging import TensorBoardLogger, WandBLogger
 
 pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")

@@ -11,11 +11,12 @@ from torch.distributed.fsdp import OffloadPolicy
 from torch.distributed.tensor import DTensor
 
 from torchtune_ac.config.components import parse_component
-from torchtune_ac.memory.activation_checkpointing import ACConfig
+from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.memory.plan import MemoryPlan
-from torchtune_ac.run.model_setup import build_training_model
+from torchtune_ac.run.assemble import build_training
 from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, destroy_distributed
 from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.training.ac_config import ACConfig
 from torchtune_ac.training.step import OptimizerStepper, train_step
 
 CTX = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -35,8 +36,8 @@ def _losses(model: torch.nn.Module) -> list[float]:
 
 
 def _build() -> torch.nn.Module:
-    return build_training_model(MODEL, ctx=CTX, dtype=DType.FP32, memory=PLAN, fsdp=FSDPConfig(),
-                                compile_blocks=False, checkpoint_dir=None, seed=0)
+    return build_training(build_meta_model(MODEL), ctx=CTX, dtype=DType.FP32, memory=PLAN, fsdp=FSDPConfig(),
+                          compile_blocks=False, checkpoint_dir=None, seed=0).model
 
 
 @pytest.fixture

@@ -17,11 +17,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
 
-from torchtune_ac.checkpoint import files, recipe_state
+from torchtune_ac.checkpoint import files
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.config.validation import validate_config
 from torchtune_ac.errors import UnavailableError, UserError
-from torchtune_ac.run import phases
+from torchtune_ac.run import session
 from torchtune_ac.runtime import distributed
 from torchtune_ac.runtime.distributed import DistributedContext
 
@@ -121,7 +121,8 @@ def config(**overrides) -> FullFinetuneConfig:
     (torch.device("cpu"), {}, (False, False)),  # left as it was
 ])
 def test_the_run_sets_tf32_on_cuda_only(monkeypatch, tf32_flags, device, overrides, expected):
-    """``start_run`` up to its first check: the process group joined (stood in for), TF32 set from the config."""
+    """``open_run`` up to taking output_dir's lock: the process group joined (stood in for), TF32 set from the
+    config."""
     cfg = config(**overrides)
     joined = {}
 
@@ -129,11 +130,11 @@ def test_the_run_sets_tf32_on_cuda_only(monkeypatch, tf32_flags, device, overrid
         joined.update(device=device_name, timeout_s=timeout_s)
         return DistributedContext(rank=0, world_size=1, local_rank=0, device=device)
 
-    monkeypatch.setattr(phases, "init_distributed", init_distributed)
-    monkeypatch.setattr(phases, "follow_live_tensors", lambda: None)
-    monkeypatch.setattr(phases, "preflight_full_finetune", lambda *a, **k: (_ for _ in ()).throw(Stop()))
-    with pytest.raises(Stop):
-        phases.start_run(cfg)
+    monkeypatch.setattr(session, "init_distributed", init_distributed)
+    monkeypatch.setattr(session, "follow_live_tensors", lambda: None)
+    monkeypatch.setattr(session, "hold_output_dir", lambda *a, **k: (_ for _ in ()).throw(Stop()))
+    with pytest.raises(Stop), session.open_run(cfg):
+        pass
     assert tf32() == expected
     assert joined == {"device": "auto", "timeout_s": 1800}
 
@@ -147,13 +148,13 @@ def test_the_run_sets_tf32_on_cuda_only(monkeypatch, tf32_flags, device, overrid
 def test_the_cpu_allocator_follows_live_tensors_only_where_a_budget_must_hold(monkeypatch, device, overrides,
                                                                               follows):
     calls = []
-    monkeypatch.setattr(phases, "init_distributed", lambda device_name, *, timeout_s: DistributedContext(
+    monkeypatch.setattr(session, "init_distributed", lambda device_name, *, timeout_s: DistributedContext(
         rank=0, world_size=1, local_rank=0, device=device))
-    monkeypatch.setattr(phases, "set_tf32", lambda device, *, allow_tf32: None)
-    monkeypatch.setattr(phases, "follow_live_tensors", lambda: calls.append("followed"))
-    monkeypatch.setattr(phases, "preflight_full_finetune", lambda *a, **k: (_ for _ in ()).throw(Stop()))
-    with pytest.raises(Stop):
-        phases.start_run(config(**overrides))
+    monkeypatch.setattr(session, "set_tf32", lambda device, *, allow_tf32: None)
+    monkeypatch.setattr(session, "follow_live_tensors", lambda: calls.append("followed"))
+    monkeypatch.setattr(session, "hold_output_dir", lambda *a, **k: (_ for _ in ()).throw(Stop()))
+    with pytest.raises(Stop), session.open_run(config(**overrides)):
+        pass
     assert calls == (["followed"] if follows else [])
 
 
@@ -196,10 +197,10 @@ def test_host_side_waits_and_object_collectives_run_on_the_cpu_backend(cuda_and_
     monkeypatch.setattr(dist, "all_reduce", recording_all_reduce)
     monkeypatch.setattr(distributed_c10d, "_get_object_coll_device", recording_object_device)
     ctx = DistributedContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
-    distributed.barrier(ctx)
-    recipe_state._barrier()
-    files.write_directory(tmp_path / "out", lambda tmp: (tmp / "f").write_text("x"), collective=True)
-    files.check_shared_directory(tmp_path / "shared", "output_dir")  # a broadcast and an all-gather of objects
+    ctx.barrier()
+    ctx.barrier()  # the checkpoint writer's and the recipe state's: the context's one barrier
+    files.write_directory(tmp_path / "out", lambda tmp: (tmp / "f").write_text("x"), processes=ctx)
+    files.check_shared_directory(tmp_path / "shared", "output_dir", ctx)  # a broadcast and an all-gather of objects
     assert (tmp_path / "out" / "f").read_text() == "x"
     assert reduced_on == ["cpu"] * 3
     assert objects_on and set(objects_on) == {"cpu"}

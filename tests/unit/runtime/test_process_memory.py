@@ -47,7 +47,7 @@ def test_the_fixed_cost_on_a_cpu_is_the_resident_set():
 
 
 def test_a_cpu_plan_counts_the_resident_set_and_what_a_stepping_process_adds():
-    from torchtune_ac.config.planning import process_fixed_bytes
+    from torchtune_ac.run.plan import process_fixed_bytes
     from torchtune_ac.config.schema import Device
     from torchtune_ac.runtime.process_memory import CPU_STEP_RUNTIME_BYTES
 

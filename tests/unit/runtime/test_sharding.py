@@ -26,15 +26,10 @@ from torchtune_ac.errors import UserError
 from torchtune_ac.memory.optimizer_in_backward import OptimizerInBackward
 from torchtune_ac.models.families.llama import LLAMA_TINY
 from torchtune_ac.models.llama import Llama
-from torchtune_ac.runtime import distributed
-from torchtune_ac.runtime.distributed import (
-    FSDPConfig,
-    build_device_mesh,
-    destroy_distributed,
-    join_world_of_one,
-    shard_model,
-)
+from torchtune_ac.runtime.distributed import FSDPConfig, build_device_mesh, destroy_distributed, join_world_of_one
 from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.training import fsdp
+from torchtune_ac.training.fsdp import shard_model
 
 CPU = torch.device("cpu")
 SMALL = dataclasses.replace(LLAMA_TINY, n_layers=2)
@@ -56,13 +51,13 @@ def world_of_one():
 def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[nn.Module, ...], dict[str, Any]]]:
     """Every ``fully_shard`` call ``shard_model`` makes: the modules of the group, and the keyword arguments."""
     recorded = []
-    real = distributed.fully_shard
+    real = fsdp.fully_shard
 
     def record(module, **kwargs):
         recorded.append((tuple(module) if isinstance(module, list) else (module,), kwargs))
         return real(module, **kwargs)
 
-    monkeypatch.setattr(distributed, "fully_shard", record)
+    monkeypatch.setattr(fsdp, "fully_shard", record)
     return recorded
 
 

@@ -120,8 +120,9 @@ def _count(*, packed: bool, chunked: bool, in_backward: bool, clip: bool) -> lis
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step_after_backward", "step_in_backward"])
 def test_a_step_of_four_micro_batches_synchronises_the_host_once(packed, chunked, in_backward):
     seen = _count(packed=packed, chunked=chunked, in_backward=in_backward, clip=not in_backward)
-    # The one read: every rank's micro-batch losses, the step's loss, the gradient norm and the token counts.
-    assert seen == ["copy to the host (" + str(ACCUMULATION + 1 + 1 + 2) + ",)"], seen
+    # The one read: every rank's micro-batch losses, the step's loss, the gradient norm and the counts (targets,
+    # inputs, target tokens).
+    assert seen == ["copy to the host (" + str(ACCUMULATION + 1 + 1 + 3) + ",)"], seen
 
 
 def test_the_stop_signal_check_reads_no_device(monkeypatch):

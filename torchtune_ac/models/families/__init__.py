@@ -1,8 +1,9 @@
 """The model families torchtune_ac knows, and how generic code finds a model's family.
 
-Every module in this package is one family: it declares ``FAMILY``, a ``ModelFamily`` (see ``models/family.py``).
-They are found here by walking the package, so adding a family is adding its module; ``torchtune_ac.models``
-exports each family's builders, and ``tune migrate`` reads the torchtune builders each replaces.
+Every module in this package is one family: it declares ``FAMILY``, a ``ModelFamily`` (see ``models/family.py``),
+and is listed once below (``FAMILIES``), so adding a family is its module and its line there;
+``torchtune_ac.models`` exports each family's builders, and ``tune migrate`` reads the torchtune builders each
+replaces.
 
 Everything here is pure: a model's family is found by the ``model_type`` its arguments carry, and a config.json
 (already parsed) is turned into a model by the family its ``model_type`` names.
@@ -11,42 +12,36 @@ Everything here is pure: a model's family is found by the ``model_type`` its arg
 from __future__ import annotations
 
 import functools
-import importlib
-import pkgutil
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from torchtune_ac.errors import UserError
+from torchtune_ac.models.families import gemma, gemma3, llama, mistral, qwen2, qwen3
 from torchtune_ac.models.family import ModelFamily
 
 
-def _discover_families() -> tuple[ModelFamily, ...]:
-    """The ``FAMILY`` of every module of this package, Llama first (the decoder they share), then by name.
+def check_distinct(families: Sequence[ModelFamily]) -> tuple[ModelFamily, ...]:
+    """``families``, once no two of them claim one name, builder or ``model_type``.
 
     Raises:
-        TypeError: a module without a ``FAMILY``, or two families that claim one name, builder or model_type.
+        TypeError: naming the key and the two families.
     """
-    found = []
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: (m.name != "llama", m.name)):
-        module = importlib.import_module(f"{__name__}.{info.name}")
-        family = getattr(module, "FAMILY", None)
-        if not isinstance(family, ModelFamily):
-            raise TypeError(f"{module.__name__} declares no FAMILY (a ModelFamily): every module here is a family")
-        found.append(family)
     for what, keys in (("name", lambda f: [f.name]), ("builder", lambda f: list(f.builders)),
                        ("model_type", lambda f: list(f.hf.model_types_read))):
         seen: dict[str, str] = {}
-        for family in found:
+        for family in families:
             for key in keys(family):
                 if key in seen:
                     raise TypeError(f"{what} {key!r} is claimed by families {seen[key]} and {family.name}")
                 seen[key] = family.name
-    return tuple(found)
+    return tuple(families)
 
 
-FAMILIES: tuple[ModelFamily, ...] = _discover_families()
+# Llama first (the decoder the others share), then by name.
+FAMILIES: tuple[ModelFamily, ...] = check_distinct(
+    (llama.FAMILY, gemma.FAMILY, gemma3.FAMILY, mistral.FAMILY, qwen2.FAMILY, qwen3.FAMILY))
 
 
 def family_of(model: nn.Module) -> Optional[ModelFamily]:

@@ -1,58 +1,35 @@
-"""Activation checkpointing (AC): decide which transformer blocks to checkpoint, then apply it.
-
-Three config keys decide the plan (the names are torchtune's):
+"""The activation-checkpointing config keys (torchtune's names) and the plan they resolve to for a model.
 
     enable_activation_checkpointing: true | false
-    ac_mode: none | full | selective
+    ac_mode: none | full | selective | auto
     ac_option: <int k> | op        # only with ac_mode: selective
+    ac_memory_budget_gib: <GiB>    # only with ac_mode: auto
 
-``ACConfig.from_config`` checks and types the keys as they come from YAML (the config schema holds an
-``ACConfig``); ``resolve_ac_plan`` (or ``ACConfig.resolve``) turns them and a layer count into an immutable
-``ACPlan`` (no model needed, so ``tune validate`` can check a config before anything is built);
-``apply_ac_plan`` applies a plan to a model in place. ``setup_activation_checkpointing`` does both for a
-built model.
+``ACConfig.from_config`` checks and types the keys as they come from YAML (the schema holds an ``ACConfig``, which
+validates itself); ``resolve_ac_plan`` (or ``ACConfig.resolve``) turns them and a layer count into an ``ACPlan``
+(no model needed, so ``tune validate`` can check a config before anything is built);
+``setup_activation_checkpointing`` resolves them for a built model and applies the plan
+(``activation_checkpointing.apply_ac_plan``, the mechanism, which knows nothing of keys). ``ac_mode: auto`` is
+chosen by the memory planner (``memory/plan.py``), from every plan's estimate.
 
-How AC is applied: each chosen block's ``forward`` is routed through a non-reentrant
-``torch.utils.checkpoint.checkpoint`` of the original ``forward``. No module is swapped or wrapped, so
-``model.state_dict()`` keys do not change, checkpoints load whatever the AC setting, and ``fully_shard`` is
-applied to the very same blocks afterwards. RNG state is restored before recomputing, so dropout masks are
-replayed exactly: gradients are bit-identical to no AC.
-
-Why not the hook-based ``torch.distributed._composable.checkpoint``: its hooks run outside a compiled
-block (``block.compile()``), where per-op AC silently degrades to full recompute (the policy sees the
-compiled kernels' ``aten.mm.out`` calls, not the matrix multiplies it keeps). A checkpoint call inside
-``forward`` is traced by ``torch.compile`` together with its policy, so every mode works compiled too.
+The grammar is torchtune's, kept because these keys are the contract a torchtune user's configs and command lines
+carry over with: ``enable_activation_checkpointing: true`` alone means full AC; ``ac_mode``, when given, decides; a
+combination torchtune would silently reinterpret is refused, every problem named at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import logging
 import numbers
 from dataclasses import dataclass
-from enum import Enum
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from torchtune_ac.config_key import config_key
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.attention import VARLEN_OPS
 from torchtune_ac.models.families import transformer_blocks
-
-OP_OPTION = "op"
-
-
-class ACMode(str, Enum):
-    """How much of the model is checkpointed."""
-
-    NONE = "none"
-    FULL = "full"
-    SELECTIVE = "selective"
-    # Chosen by the memory planner: the least recompute whose estimate fits ac_memory_budget_gib.
-    AUTO = "auto"
+from torchtune_ac.training.activation_checkpointing import OP_OPTION, ACMode, ACPlan, ac_plan, apply_ac_plan
 
 
 class ACConfigError(UserError):
@@ -65,89 +42,6 @@ class ACConfigError(UserError):
         else:
             lines = "\n".join(f"  - {p}" for p in self.problems)
             super().__init__(f"{len(self.problems)} problems with the activation checkpointing settings:\n{lines}")
-
-
-def _resolve_aten_ops(names: tuple[str, ...]) -> frozenset:
-    """Look each ``"op.overload"`` name up on ``torch.ops.aten`` now, so a typo fails at import.
-
-    An unknown name would otherwise make the policy silently save nothing (i.e. recompute everything).
-    """
-    ops = set()
-    for name in names:
-        packet_name, overload = name.split(".")
-        ops.add(getattr(getattr(torch.ops.aten, packet_name), overload))
-    return frozenset(ops)
-
-
-# Ops whose outputs per-op AC keeps: every matrix multiply (nn.Linear lowers to mm on 2-D views, addmm with a
-# bias, bmm in the math attention path used e.g. with attention dropout on CPU), every fused SDPA kernel
-# (CPU flash, CUDA flash / memory-efficient / cuDNN; packed batches call them once per document) and
-# variable-length Flash Attention (packed batches on CUDA, where torch has it: ``VARLEN_OPS``).
-# ``aten.scaled_dot_product_attention`` itself is a composite op that never reaches the policy: it dispatches to
-# one of these kernels or to bmm + softmax.
-# Everything else (norms, rotary, SiLU, element-wise products, dropout) is cheap to recompute.
-SAVED_OPS = _resolve_aten_ops(
-    (
-        "mm.default",
-        "addmm.default",
-        "bmm.default",
-        "_scaled_dot_product_flash_attention_for_cpu.default",
-        "_scaled_dot_product_flash_attention.default",
-        "_scaled_dot_product_efficient_attention.default",
-        "_scaled_dot_product_cudnn_attention.default",
-    )
-) | VARLEN_OPS
-
-
-def save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Per-op AC policy: keep outputs of matrix multiplies and attention, recompute every other op.
-
-    Args:
-        ctx: the ``SelectiveCheckpointContext`` (unused: the decision is the same in forward and recompute).
-        op: the ``OpOverload`` being run.
-
-    Returns:
-        ``MUST_SAVE`` for ops in ``SAVED_OPS``, else ``PREFER_RECOMPUTE``.
-    """
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-@dataclass(frozen=True)
-class ACPlan:
-    """What to checkpoint, resolved from the config keys and the model's layer count.
-
-    Attributes:
-        mode: none, full or selective.
-        option: the stride ``k`` or ``"op"`` for selective, else None.
-        checkpointed_blocks: 0-based indices of the blocks that get AC, ascending.
-        n_layers: number of transformer blocks the plan was resolved for.
-        policy: per-op policy for ``create_selective_checkpoint_contexts`` (per-op AC), or None to
-            recompute the whole block.
-    """
-
-    mode: ACMode
-    option: Optional[Union[int, str]]
-    checkpointed_blocks: tuple[int, ...]
-    n_layers: int
-    policy: Optional[Callable[..., CheckpointPolicy]] = None
-
-    def __str__(self) -> str:
-        if self.mode is ACMode.NONE:
-            return "none"
-        all_blocks = f"all {self.n_layers} block{'s' if self.n_layers != 1 else ''}"
-        if self.mode is ACMode.FULL:
-            return f"full: {all_blocks}"
-        if self.option == OP_OPTION:
-            return f"selective per-op (save matmuls and attention, recompute the rest): {all_blocks}"
-        return (
-            f"selective every {_ordinal(self.option)} block: {len(self.checkpointed_blocks)} of {self.n_layers} "
-            f"blocks {list(self.checkpointed_blocks)}"
-        )
-
-
-def _ordinal(n: int) -> str:
-    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
 
 
 def _show(value: Any) -> str:
@@ -265,20 +159,22 @@ def _check_keys(
 
 @dataclass(frozen=True)
 class ACConfig:
-    """The activation-checkpointing config keys, validated and typed (``ACConfig.from_config``).
+    """The activation-checkpointing config keys (top-level keys of the YAML), validated and typed by
+    ``from_config``: the mode as an ``ACMode``, ``ac_option`` as k or ``"op"``."""
 
-    Attributes:
-        enable_activation_checkpointing: the on/off switch, or None when absent.
-        ac_mode: the mode, or None when absent (then the switch decides: true means full).
-        ac_option: the stride k or ``"op"`` (selective only), else None.
-        ac_memory_budget_gib: with ``ac_mode: auto``, the memory per process the plan must fit in (GiB); None:
-            the device's free memory less a margin (CUDA only).
-    """
-
-    enable_activation_checkpointing: Optional[bool] = None
-    ac_mode: Optional[ACMode] = None
-    ac_option: Optional[Union[int, str]] = None
-    ac_memory_budget_gib: Optional[float] = None
+    enable_activation_checkpointing: Optional[bool] = config_key(
+        None, doc="Checkpoint every transformer block (true), or none (false); torchtune's switch. Without ac_mode, "
+        "true means full AC; with ac_mode, it must agree with it or be left out.")
+    ac_mode: Optional[ACMode] = config_key(
+        None, doc="none, full (every block), selective (every ac_option-th block, or per-op AC with ac_option: op), "
+        "or auto: the least recompute whose estimated memory fits ac_memory_budget_gib (chosen when the run starts; "
+        "see tune plan). null: enable_activation_checkpointing decides.")
+    ac_option: Optional[Union[int, str]] = config_key(
+        None, doc="With ac_mode: selective, an integer k (checkpoint every k-th block, 1 to the model's layer count) "
+        "or op (in every block, save matmul and attention outputs and recompute the rest).")
+    ac_memory_budget_gib: Optional[float] = config_key(
+        None, doc="With ac_mode: auto, the memory per process the chosen plan must fit in, in GiB; null: on CUDA, "
+        "the device's free memory when the run starts, less 10 % of the device (on a CPU it must be set).")
 
     @classmethod
     def from_config(cls, values: Mapping[str, Any]) -> "ACConfig":
@@ -336,7 +232,7 @@ def resolve_ac_plan(
     none``, is a contradiction and is rejected. ``ac_mode: selective`` requires ``ac_option``: an int k
     checkpoints block i when ``(i + 1) % k == 0`` (k=2 on 8 blocks: 1, 3, 5, 7), with
     ``1 <= k <= n_layers``; a string of digits such as ``'2'`` (a quoted YAML number) is accepted as k;
-    ``'op'`` applies per-op AC to every block (see ``save_matmuls_and_attention``). ``ac_option`` with any
+    ``'op'`` applies per-op AC to every block (see ``activation_checkpointing.save_matmuls_and_attention``). ``ac_option`` with any
     other mode is rejected, as are booleans (``true`` is not 1) and floats.
 
     Args:
@@ -363,89 +259,7 @@ def resolve_ac_plan(
     if problems:
         raise ACConfigError(problems)
 
-    if mode is ACMode.NONE:
-        return ACPlan(mode, None, (), n_layers)
-    if mode is ACMode.FULL:
-        return ACPlan(mode, None, tuple(range(n_layers)), n_layers)
-    if option == OP_OPTION:
-        return ACPlan(mode, OP_OPTION, tuple(range(n_layers)), n_layers, policy=save_matmuls_and_attention)
-    blocks = tuple(i for i in range(n_layers) if (i + 1) % option == 0)
-    return ACPlan(mode, option, blocks, n_layers)
-
-
-class CheckpointedForward:
-    """Stands in for a block's ``forward``: runs the original under non-reentrant activation checkpointing.
-
-    Set as an instance attribute (``block.forward = CheckpointedForward(block.forward, ...)``), so the block's
-    class, parameters, hooks and state_dict keys are untouched.
-    """
-
-    def __init__(self, forward: Callable[..., Any], policy: Optional[Callable[..., CheckpointPolicy]]) -> None:
-        self.original_forward = forward
-        # Only per-op AC passes a context_fn: torch.compile traces checkpoint() with or without one, but not
-        # with an explicit no-op one.
-        self.extra = {} if policy is None else {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(self.original_forward, *args, use_reentrant=False, **self.extra, **kwargs)
-
-
-def is_checkpointed(module: nn.Module) -> bool:
-    """Whether activation checkpointing has been applied to ``module`` by ``apply_ac_plan``."""
-    return isinstance(module.__dict__.get("forward"), CheckpointedForward)
-
-
-def apply_ac_plan(model: nn.Module, plan: ACPlan) -> None:
-    """Apply a plan to ``model.layers`` in place, without changing module structure or state_dict keys.
-
-    Call it once, on the unsharded model (before ``fully_shard`` and before ``block.compile()``).
-
-    Args:
-        model: a model with a ``layers`` ``nn.ModuleList`` of transformer blocks.
-        plan: a plan from ``resolve_ac_plan`` for ``len(model.layers)`` layers.
-
-    Raises:
-        UserError: if the model has no non-empty ``layers`` ``nn.ModuleList``.
-        ValueError: if ``plan.n_layers != len(model.layers)``.
-        RuntimeError: if any block already has activation checkpointing (applying twice is a bug;
-            nothing is changed).
-    """
-    layers = transformer_blocks(model)
-    if plan.n_layers != len(layers):
-        raise ValueError(
-            f"the AC plan was resolved for {plan.n_layers} layers but the model has {len(layers)}; "
-            "resolve it with n_layers=len(model.layers)"
-        )
-    already = [i for i, block in enumerate(layers) if is_checkpointed(block)]
-    if already:
-        raise RuntimeError(
-            f"activation checkpointing is already applied to blocks {already} of this model; "
-            "apply an AC plan once per model"
-        )
-    for i in plan.checkpointed_blocks:
-        layers[i].forward = CheckpointedForward(layers[i].forward, plan.policy)
-
-
-_COMPILED_POLICY_WARNING = "context_fn is passed to torch.utils.checkpoint under torch.compile"
-
-
-class _DropCompiledPolicyWarning(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return _COMPILED_POLICY_WARNING not in record.getMessage()
-
-
-def silence_compiled_policy_warning() -> None:
-    """Drop torch's one-time "make sure the checkpointed region does not contain in-place ops" warning.
-
-    ``torch.compile`` prints it whenever a checkpoint with a policy (per-op AC) is traced, because an in-place
-    write inside the region could overwrite a tensor the policy saved. Call this only for blocks known not to
-    do that: the built-in ``TransformerBlock`` never writes to its inputs or to a matmul/attention output
-    (``test_transformer_block_mutates_nothing_per_op_ac_saves``), and compiled per-op AC is checked against
-    eager. Custom models keep the warning. Idempotent.
-    """
-    logger = logging.getLogger("torch._higher_order_ops.wrap")
-    if not any(isinstance(f, _DropCompiledPolicyWarning) for f in logger.filters):
-        logger.addFilter(_DropCompiledPolicyWarning())
+    return ac_plan(mode, option, n_layers)
 
 
 def setup_activation_checkpointing(

@@ -1,4 +1,6 @@
-"""``tune migrate``: turn a torchtune (0.6) full fine-tuning config into a torchtune_ac config.
+"""``tune migrate``: turn a torchtune (0.6) full fine-tuning config into a torchtune_ac config: ``full_finetune_*``
+configs into ``full_finetune`` ones, ``full_dpo_distributed`` configs (a ``ref_checkpointer``, a DPO loss, a
+preference dataset) into ``full_dpo`` ones.
 
 Everything torchtune-specific lives here: the tables from torchtune's components and keys to ours, and the
 notes on what could not be carried over (the model builders come from the families, each declaring the torchtune
@@ -23,8 +25,10 @@ from typing import Any, Mapping, Optional
 from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.config.validation import torchtune_marker
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.activation_checkpointing import ACConfig, ACMode
-from torchtune_ac.memory.plan import FSDPConfig, MemoryConfig
+from torchtune_ac.memory.plan import MemoryConfig
+from torchtune_ac.runtime.distributed import FSDPConfig
+from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.training.activation_checkpointing import ACMode
 from torchtune_ac.models.families import FAMILIES
 
 COMPONENT_KEY = "_component_"
@@ -44,6 +48,7 @@ FROM_HF_CONFIG = "torchtune_ac.models.from_hf_config"
 _NOT_A_FULL_MODEL = re.compile(r"^q?lora_|reward|classifier|tokenizer|moe")
 
 LOAD_TOKENIZER = "torchtune_ac.data.load_tokenizer"
+PREFERENCE_DATASET = "torchtune_ac.data.preference_dataset"
 INSTRUCT_DATASET = "torchtune_ac.data.instruct_dataset"
 CHAT_DATASET = "torchtune_ac.data.chat_dataset"
 TEXT_DATASET = "torchtune_ac.data.text_dataset"
@@ -70,6 +75,13 @@ DATASET_BUILDERS = {
     "instruct_dataset": (INSTRUCT_DATASET, {"train_on_input": False}),
     "chat_dataset": (CHAT_DATASET, {"train_on_input": False}),
     "text_completion_dataset": (TEXT_DATASET, {}),
+    # Preference pairs (full_dpo_distributed): chosen/rejected message lists, or stack exchange's strings rendered
+    # as a user and an assistant turn, as torchtune renders them.
+    "preference_dataset": (PREFERENCE_DATASET, {}),
+    "hh_rlhf_helpful_dataset": (PREFERENCE_DATASET, {"source": "RLHFlow/HH-RLHF-Helpful-standard"}),
+    "stack_exchange_paired_dataset": (PREFERENCE_DATASET, {
+        "source": "lvwerra/stack-exchange-paired", "template": "chat",
+        "column_map": {"prompt": "question", "chosen": "response_j", "rejected": "response_k"}}),
 }
 # Hugging Face `load_dataset` builder names a torchtune `source:` may hold; the file is in `data_files`.
 HF_FILE_BUILDERS = ("json", "parquet", "csv", "arrow", "text")
@@ -85,6 +97,9 @@ CHUNKED_LOSSES = (
 # torchtune chunks the output into 8 pieces unless told otherwise.
 DEFAULT_LOSS_CHUNKS = 8
 PLAIN_LOSSES = ("torch.nn.CrossEntropyLoss",)
+# full_dpo_distributed's losses: DPO (with cDPO's label smoothing) is ours; RSO's hinge loss is not.
+DPO_LOSSES = ("torchtune.rlhf.loss.DPOLoss", "torchtune.modules.rlhf.loss.DPOLoss")
+RLHF_LOSSES = "torchtune.rlhf.loss."
 METRIC_LOGGERS = "torchtune.training.metric_logging."
 
 # Keys copied unchanged: same name and meaning here, as the schema marks them (``torchtune: same``). The memory
@@ -132,8 +147,9 @@ HARMLESS_VALUES = {
 
 # Key order and blank-line-separated sections of the YAML we write (as in the shipped configs).
 OUTPUT_SECTIONS = (
-    ("output_dir", "checkpoint_dir", "resume_from_checkpoint"),
+    ("output_dir", "checkpoint_dir", "resume_from_checkpoint", "ref_checkpoint_dir"),
     ("model", "tokenizer", "dataset", "max_seq_len", "dataset_val", "run_val_every_n_steps", "batch_size_val"),
+    ("dpo",),
     ("seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch", "gradient_accumulation_steps",
      "clip_grad_norm", "optimizer", "lr_scheduler", *MEMORY_KEYS),
     ("device", "dtype", "compile"),
@@ -160,10 +176,20 @@ class MigrationNote:
 
 @dataclass(frozen=True)
 class Migration:
-    """Our config (plain values, in our key order) and the notes about what changed or was left behind."""
+    """Our config (plain values, in our key order), the notes about what changed or was left behind, and the recipe
+    it is for (``full_finetune`` or ``full_dpo``)."""
 
     config: dict[str, Any]
     notes: tuple[MigrationNote, ...]
+    recipe: str = "full_finetune"
+
+
+def is_preference_config(tt: Mapping[str, Any]) -> bool:
+    """Whether a torchtune config is ``full_dpo_distributed``'s: it has a ``ref_checkpointer``, or a loss of
+    ``torchtune.rlhf.loss``."""
+    loss = tt.get("loss")
+    path = loss.get(COMPONENT_KEY) if isinstance(loss, Mapping) else None
+    return "ref_checkpointer" in tt or (isinstance(path, str) and (path in DPO_LOSSES or path.startswith(RLHF_LOSSES)))
 
 
 class _Migrator:
@@ -171,6 +197,7 @@ class _Migrator:
 
     def __init__(self, tt: Mapping[str, Any]) -> None:
         self.tt = tt
+        self.preference = is_preference_config(tt)
         self.out: dict[str, Any] = {}
         self.notes: list[MigrationNote] = []
         self.handled: set[str] = set()
@@ -187,6 +214,8 @@ class _Migrator:
 
     def run(self) -> Migration:
         self.migrate_output_and_checkpoint()
+        if self.preference:
+            self.migrate_reference()
         self.migrate_model()
         self.migrate_tokenizer()
         self.migrate_dataset()
@@ -210,7 +239,7 @@ class _Migrator:
                 self.dropped(key, UNSUPPORTED_KEYS[key] + suffix)
             else:
                 self.dropped(key, "no such setting in torchtune_ac")
-        return Migration(_ordered(self.out), tuple(self.notes))
+        return Migration(_ordered(self.out), tuple(self.notes), "full_dpo" if self.preference else "full_finetune")
 
     # ------------------------------------------------------------------------------------- sections
 
@@ -289,6 +318,23 @@ class _Migrator:
             self.dropped(f"checkpointer.{name}", reasons.get(name, "no such setting in torchtune_ac"))
         return directory
 
+    def migrate_reference(self) -> None:
+        """``ref_checkpointer`` (full_dpo_distributed's reference weights) as ``ref_checkpoint_dir``: left out (the
+        reference is the starting weights) when it is the checkpointer's folder."""
+        reference = self.take("ref_checkpointer")
+        if not isinstance(reference, Mapping) or reference.get("checkpoint_dir") is None:
+            raise UserError("ref_checkpointer.checkpoint_dir: missing; the reference model's weights are needed (its "
+                            "folder, usually the checkpointer's)")
+        directory = str(reference["checkpoint_dir"])
+        if _same_path(directory, self.out.get("checkpoint_dir")):
+            self.out["ref_checkpoint_dir"] = None
+        else:
+            self.out["ref_checkpoint_dir"] = directory
+        for name in reference:
+            if name not in (COMPONENT_KEY, "checkpoint_dir", "output_dir", "recipe_checkpoint", "checkpoint_files",
+                            "model_type"):
+                self.dropped(f"ref_checkpointer.{name}", "no such setting of the reference here")
+
     def migrate_model(self) -> None:
         model = self.take("model")
         path = model.get(COMPONENT_KEY) if isinstance(model, Mapping) else None
@@ -360,11 +406,23 @@ class _Migrator:
             supported = ", ".join(DATASET_BUILDERS)
             raise UserError(f"{key}._component_={path}: no equivalent in torchtune_ac; supported: {supported}")
         ours, torchtune_defaults = DATASET_BUILDERS[name]
+        if (ours == PREFERENCE_DATASET) != self.preference:
+            preference = ", ".join(n for n, (o, _) in DATASET_BUILDERS.items() if o == PREFERENCE_DATASET)
+            raise UserError(
+                f"{key}._component_={path}: not a preference dataset, and the config is full_dpo_distributed's (it "
+                f"has a ref_checkpointer or a DPO loss); supported: {preference}" if self.preference else
+                f"{key}._component_={path}: a preference dataset, for full_dpo_distributed's configs (with a "
+                "ref_checkpointer and a DPO loss), not for fine-tuning")
         args = {**torchtune_defaults, **{k: v for k, v in dataset.items() if k != COMPONENT_KEY}}
         node: dict[str, Any] = {COMPONENT_KEY: ours}
         node["source"] = self.dataset_source(key, args)
         if args.pop("split", "train") != "train":
             node["split"] = dataset["split"]
+        if ours == PREFERENCE_DATASET:
+            self.preference_arguments(key, name, args, node)
+            self.out[key] = node
+            self.drop_other_arguments(key, args)
+            return
         if ours == INSTRUCT_DATASET:
             self.instruct_arguments(key, name, args, node)
         elif ours == CHAT_DATASET:
@@ -385,6 +443,10 @@ class _Migrator:
         node["packed"] = bool(args.pop("packed", False))
         if node["packed"] and self.out.get("max_seq_len") is None:
             self.changed(f"{key}.packed", "packing needs max_seq_len: set it (torchtune needed tokenizer.max_seq_len)")
+        self.drop_other_arguments(key, args)
+        self.out[key] = node
+
+    def drop_other_arguments(self, key: str, args: Mapping[str, Any]) -> None:
         reasons = {
             "filter_fn": "filtering with a Python function is not supported; filter the data file instead",
             "new_system_prompt": "system prompts are not injected; add a system message to the data",
@@ -394,7 +456,24 @@ class _Migrator:
                 continue
             self.dropped(f"{key}.{arg}", reasons.get(arg, "not an argument of the dataset here (Hugging Face "
                                                        "load_dataset arguments are not passed through)"))
-        self.out[key] = node
+
+    def preference_arguments(self, key: str, name: str, args: dict[str, Any], node: dict[str, Any]) -> None:
+        """torchtune's preference datasets as ``preference_dataset``: its column map and template; the prompt is
+        always masked here."""
+        column_map = args.pop("column_map", None)
+        if column_map:
+            node["column_map"] = dict(column_map)
+        if args.pop("template", "plain") == "chat":
+            node["template"] = "chat"
+        if args.pop("train_on_input", False):
+            self.dropped(f"{key}.train_on_input", "the prompt is never scored here: DPO compares the answers' "
+                         "log-probabilities")
+        if args.pop("packed", False):
+            self.dropped(f"{key}.packed", "preference pairs are not packed")
+        if name == "stack_exchange_paired_dataset" and node["source"] == "lvwerra/stack-exchange-paired":
+            self.changed(f"{key}.source", "torchtune read only the Hub dataset's data/rl folder; here the source is "
+                         "read whole: download data/rl (huggingface-cli download --repo-type dataset "
+                         "lvwerra/stack-exchange-paired --include 'data/rl/*') and point source at it")
 
     def dataset_source(self, key: str, args: dict[str, Any]) -> str:
         source = args.pop("source", None)
@@ -527,6 +606,9 @@ class _Migrator:
         if loss is None:
             return
         path = loss.get(COMPONENT_KEY) if isinstance(loss, Mapping) else None
+        if self.preference:
+            self.migrate_dpo_loss(path, loss)
+            return
         if path in CHUNKED_LOSSES:
             chunks = loss.get("num_output_chunks", DEFAULT_LOSS_CHUNKS)
             self.out["loss_chunks"] = chunks
@@ -535,6 +617,17 @@ class _Migrator:
             return
         if loss.get("ignore_index", -100) != -100:
             self.dropped("loss.ignore_index", "masked positions always have label -100")
+
+    def migrate_dpo_loss(self, path: Optional[str], loss: Mapping[str, Any]) -> None:
+        """full_dpo_distributed's ``loss`` as the ``dpo`` keys (a DPOLoss's beta and label smoothing)."""
+        if path not in DPO_LOSSES:
+            raise UserError(f"loss._component_={path}: no equivalent in torchtune_ac's full_dpo (it trains with the "
+                            "DPO loss, torchtune.rlhf.loss.DPOLoss: dpo.beta, dpo.label_smoothing, dpo.loss_type: "
+                            "ipo)")
+        self.out["dpo"] = {"beta": loss.get("beta", 0.1), "label_smoothing": loss.get("label_smoothing", 0.0)}
+        for name in loss:
+            if name not in (COMPONENT_KEY, "beta", "label_smoothing"):
+                self.dropped(f"loss.{name}", "not a setting of the DPO loss here")
 
     def migrate_device_and_dtype(self) -> None:
         device = self.take("device")
@@ -654,7 +747,7 @@ def ac_notes(flag: Any, mode: Any, option: Any) -> list[tuple[str, str]]:
 
 
 def migrate_torchtune_config(tt: Mapping[str, Any]) -> Migration:
-    """Map a torchtune full fine-tuning config to ours.
+    """Map a torchtune full fine-tuning (or full_dpo_distributed) config to ours.
 
     Args:
         tt: the torchtune config as plain values, interpolations resolved.
@@ -765,8 +858,8 @@ def render_config(migration: Migration, *, source: str, destination: str) -> str
     lines = [
         f"# Migrated from the torchtune config {source} by `tune migrate`.",
         "#",
-        f"#   tune run full_finetune --config {destination}",
-        f"#   tune run --nproc_per_node 4 full_finetune --config {destination}      # FSDP2 over 4 processes",
+        f"#   tune run {migration.recipe} --config {destination}",
+        f"#   tune run --nproc_per_node 4 {migration.recipe} --config {destination}      # FSDP2 over 4 processes",
     ]
     if migration.notes:
         lines += ["#", "# Notes from the migration:"]

@@ -1,2 +1,0 @@
-"""The memory switches: one module each, defining ``SWITCH`` (see ``torchtune_ac/memory/switch.py``). Modules
-here are found by ``discover_switches``; nothing lists them."""

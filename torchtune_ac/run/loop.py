@@ -1,0 +1,183 @@
+"""The training loop every recipe shares: epochs and steps from the plan, the recipe's own step, the learning-rate
+schedule, validation, ``metrics.jsonl`` and the trackers, the progress bar, checkpoints as the plan's save policy
+says, stop signals (agreed on by every rank after each step) and the stop on a non-finite loss.
+
+What is a recipe's own comes in as functions: its step (``step``: the micro-batches of one optimizer step in, a
+``StepResult`` out, whose ``extra`` values are logged beside the loss) and its validation (``evaluate``: the
+held-out batches in, an ``Evaluation`` out, logged as ``val_loss`` and ``val_<metric>``). SIGTERM or a first Ctrl-C stops the run after the
+current step with a checkpoint (exit 143); a non-finite loss or gradient norm stops it before the optimizer takes
+it in, saving nothing (exit 3).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from torchtune_ac.checkpoint import Progress, TrainerState, read_hf_config, save_checkpoint
+from torchtune_ac.errors import RunStopped
+from torchtune_ac.models import hf_model_files
+from torchtune_ac.observability.metric_logging import open_run_log
+from torchtune_ac.observability.metrics import MemoryPeaks
+from torchtune_ac.observability.progress import ProgressReporter
+from torchtune_ac.run import messages
+from torchtune_ac.run.assemble import Training
+from torchtune_ac.run.phases import RunData, ValidationData
+from torchtune_ac.run.plan import RunPlan
+from torchtune_ac.run.session import Run
+from torchtune_ac.runtime.non_finite import NonFiniteError
+from torchtune_ac.training.evaluation import Evaluation
+from torchtune_ac.training.step import StepResult, move_batch
+
+log = logging.getLogger("torchtune_ac.run")
+Batch = Mapping[str, torch.Tensor]
+
+
+class Trainer:
+    """Runs the loop of one process (see the module docstring).
+
+    Args:
+        run: this process's run (context, stop signals, progress, metrics).
+        plan: the run's plan (its length, its save policy, what a resume keeps).
+        training: the model, its stepper and scheduler.
+        data: this rank's loader.
+        step: the recipe's step: one optimizer step's micro-batches (on the device) in, its ``StepResult`` out.
+        tokenizer: the run's tokenizer (its files and ids are saved with every checkpoint).
+        validation: the held-out data, or None.
+        evaluate: the recipe's validation over ``validation``'s batches: its loss and metrics (required with
+            ``validation``).
+    """
+
+    def __init__(self, run: Run, plan: RunPlan, training: Training, data: RunData, *,
+                 step: Callable[[Sequence[Batch]], StepResult], tokenizer: Any,
+                 validation: Optional[ValidationData] = None,
+                 evaluate: Optional[Callable[[Iterable[Batch]], Evaluation]] = None) -> None:
+        self.run, self.plan, self.training, self.data = run, plan, training, data
+        self.step, self.tokenizer, self.validation, self.evaluate = step, tokenizer, validation, evaluate
+        self.tokenizer_dir = Path(tokenizer.path).parent  # its files go into every checkpoint
+        # The saved config.json keeps every key of the one the run started from that training did not change.
+        self.base_config = read_hf_config(plan.checkpoint_dir) if plan.checkpoint_dir is not None else None
+
+    def open_metrics(self) -> None:
+        """``metrics.jsonl`` and the tracker, on rank 0; a resume drops what the interrupted run logged after its
+        checkpoint (all of it without one)."""
+        run = self.run
+        if not run.ctx.is_rank_zero:
+            return
+        cfg = run.cfg
+        tracker = cfg.metric_logger.instantiate() if cfg.metric_logger is not None else None
+        run.metrics = open_run_log(cfg.output_dir, tracker, config=cfg,
+                                   resume_after_step=run.progress.step if cfg.resume_from_checkpoint else None)
+
+    def train(self) -> None:
+        """Every remaining step of the run; ends with a checkpoint at each epoch's end, or raises ``RunStopped``."""
+        run, ctx, data, training, length = self.run, self.run.ctx, self.data, self.training, self.plan.length
+        accum, every = length.gradient_accumulation_steps, run.cfg.log_every_n_steps
+        # A bar on a terminal; plain lines every log_every_n_steps in a log file (no carriage returns).
+        progress = ProgressReporter(total=length.total_steps, initial=run.progress.step, every=every,
+                                    enabled=ctx.is_rank_zero)
+        started = time.perf_counter()
+        first_step, last_loss = run.progress.step, float("nan")
+        peaks = MemoryPeaks(ctx.device)  # each logged line: the peaks since the line before
+        if (stop := run.stop.agreed(ctx)) is not None:  # a signal during set-up: nothing new to save
+            raise self.stopped(stop, saved=False)
+        for epoch in range(run.progress.epoch, length.epochs):
+            data.loader.set_epoch(epoch)
+            skip = run.progress.step_in_epoch if epoch == run.progress.epoch else 0
+            data.loader.skip_steps(skip * accum)
+            batches = iter(data.loader)
+            for step_in_epoch in range(skip, length.steps_per_epoch):
+                step_start = time.perf_counter()
+                micro = [move_batch(next(batches), ctx.device) for _ in range(accum)]
+                try:
+                    result = self.step(micro)
+                except NonFiniteError as err:
+                    raise messages.diverged(err, run.progress, run.last_checkpoint,
+                                            announce=ctx.is_rank_zero) from None
+                # A float now: torchao's optimizers keep the learning rate in a tensor the scheduler updates in place.
+                lr = float(training.stepper.optimizer.param_groups[0]["lr"])
+                if training.scheduler is not None:
+                    training.scheduler.step()
+                elapsed = time.perf_counter() - step_start
+                run.progress = Progress(run.progress.step + 1, epoch, step_in_epoch + 1)
+                last_loss = result.loss
+                tokens_per_second = result.input_tokens / elapsed
+                target_tokens_per_second = result.target_tokens / elapsed
+                epoch_done = step_in_epoch + 1 == length.steps_per_epoch
+                val_loss, validated = None, {}
+                if self.validation is not None and self.validation.due(run.progress.step, epoch_done=epoch_done):
+                    evaluation = self.evaluate(self.validation.batches())
+                    val_loss = evaluation.loss
+                    validated = {"val_loss": val_loss, **{f"val_{k}": v for k, v in evaluation.metrics.items()}}
+                    log.info("step %d: validation %s", run.progress.step,
+                             ", ".join(f"{k[4:]} {v:.4f}" for k, v in validated.items()))
+                # Every log_every_n_steps-th step, each validated one, and the run's last, whatever the period.
+                logged = (run.progress.step % every == 0 or val_loss is not None
+                          or run.progress.step == length.total_steps)
+                if run.metrics is not None and logged:
+                    run.metrics.write(
+                        {
+                            "step": run.progress.step,
+                            "epoch": epoch,
+                            "loss": result.loss,
+                            "lr": lr,
+                            "grad_norm": result.grad_norm,
+                            "tokens_per_second": tokens_per_second,
+                            **peaks.since_last(),
+                            "tokens": result.input_tokens,
+                            "target_tokens": result.target_tokens,
+                            "step_time_s": elapsed,
+                            "target_tokens_per_second": target_tokens_per_second,
+                            **validated,
+                            **result.extra,
+                        }
+                    )
+                progress.update(step=run.progress.step, loss=result.loss, lr=lr, tokens_per_second=tokens_per_second,
+                                target_tokens_per_second=target_tokens_per_second, val_loss=val_loss,
+                                extra=result.extra)
+                stop = run.stop.agreed(ctx)  # every rank stops after the same step
+                if stop is not None:
+                    log.info(messages.stopping(stop, run.progress.step))
+                if self.plan.save.should_save(run.progress.step, epoch_done=epoch_done, stopping=stop is not None):
+                    if epoch_done:
+                        run.progress = Progress(run.progress.step, epoch + 1, 0)
+                    self.save()
+                if stop is not None:
+                    progress.close()
+                    raise self.stopped(stop, saved=True)
+        progress.close()
+        steps = run.progress.step - first_step
+        if ctx.is_rank_zero:  # the result, on stdout for scripts; everything else the run says is a log on stderr
+            print(messages.nothing_to_do(run.cfg.output_dir, run.progress.step) if steps == 0 else
+                  f"done: {steps} step(s) in {time.perf_counter() - started:.1f} s, final loss {last_loss:.4f}, "
+                  f"peak memory {peaks.run_peak_gib():.2f} GiB; checkpoints in {run.cfg.output_dir}", flush=True)
+
+    def save(self) -> Path:
+        """A checkpoint of the current step (every rank takes part): the model as a Hugging Face checkpoint with the
+        tokenizer's files, and the recipe state a resume continues from (what the run's plan says a resume keeps,
+        the hyper-parameters and the data's identity)."""
+        run, model, tokenizer = self.run, self.training.model, self.tokenizer
+        path = save_checkpoint(
+            run.cfg.output_dir,
+            model=model,
+            hf_files=hf_model_files(model, base_config=self.base_config, bos_token_id=tokenizer.bos_id,
+                                    eos_token_id=tokenizer.eos_id),
+            optimizers=self.training.stepper.optimizers_to_checkpoint(),
+            state=TrainerState(run.progress, self.plan.resume_shape(), dict(self.plan.hyperparameters),
+                               self.data.identity),
+            keep_last_n=self.plan.save.keep_last_n,
+            tokenizer_dir=self.tokenizer_dir,
+            chat_template=tokenizer.chat_template,
+            processes=run.ctx,
+        )
+        run.last_checkpoint = path
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def stopped(self, signal_name: str, *, saved: bool) -> RunStopped:
+        return messages.stopped(signal_name, self.run.progress, self.run.last_checkpoint, saved=saved,
+                                announce=self.run.ctx.is_rank_zero)

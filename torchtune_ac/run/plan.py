@@ -1,0 +1,510 @@
+"""The run's plan: what a run decides before it builds anything, resolved once from the config and the process
+context into one frozen value, ``RunPlan``.
+
+    config + world size + one meta build of the model
+        -> device and dtypes; the model's facts; the memory plan (ac_mode: auto's choice included);
+           the run's length (global batch; steps per epoch and total steps once the data is read,
+           ``RunPlan.with_data``); the save policy; what a resume keeps
+
+``tune validate`` and ``tune plan`` print it, and ``tune run`` logs it and applies it (``assemble.py``). With N
+processes rank 0 resolves it, the planner included, and every rank applies rank 0's (``decided_by_rank_zero``):
+ranks never plan on their own free memory.
+
+The planner's inputs for a config live here too (``planner_inputs``), for ``ac_mode: auto`` and ``tune plan``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Protocol
+
+import torch
+from torch import nn
+
+from torchtune_ac.checkpoint import RunShape
+from torchtune_ac.config.meta_model import count_parameters
+from torchtune_ac.config.components import Component
+from torchtune_ac.config.schema import Device, FSDPConfig
+from torchtune_ac.data.samples import count_of
+from torchtune_ac.errors import UserError
+from torchtune_ac.memory.feature import OptimizerSpec
+from torchtune_ac.memory.plan import MemoryConfig, MemoryPlan, PlannerInputs, resolve_memory_plan
+from torchtune_ac.memory.planner import MemoryEstimate, PreferenceStep, Workload
+from torchtune_ac.models.families import family_of, transformer_blocks
+from torchtune_ac.runtime.distributed import resolve_device
+from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.runtime.process_memory import ASSUMED_CUDA_FIXED_BYTES, CPU_STEP_RUNTIME_BYTES, fixed_bytes
+from torchtune_ac.training.ac_config import ACConfig
+
+
+class TrainingConfig(Protocol):
+    """The config keys the run layer reads: what a recipe's schema has for its runs to be planned, assembled,
+    looped and saved by the library (``TrainingConfig`` has them; another recipe's schema adds its own)."""
+
+    output_dir: str
+    model: Component
+    tokenizer: Component
+    dataset: Component
+    optimizer: Component
+    checkpoint_dir: Optional[str]
+    resume_from_checkpoint: bool
+    lr_scheduler: Optional[Component]
+    dataset_val: Optional[Component]
+    run_val_every_n_steps: Optional[int]
+    batch_size_val: Optional[int]
+    batch_size: int
+    epochs: int
+    max_steps_per_epoch: Optional[int]
+    gradient_accumulation_steps: int
+    max_seq_len: Optional[int]
+    clip_grad_norm: Optional[float]
+    seed: int
+    shuffle: bool
+    device: Device
+    dtype: DType
+    compile: bool
+    allow_tf32: bool
+    distributed_timeout_s: int
+    ac: ACConfig
+    memory: MemoryConfig
+    save_every_n_steps: Optional[int]
+    keep_last_n_checkpoints: Optional[int]
+    log_every_n_steps: int
+    metric_logger: Optional[Component]
+    fsdp: FSDPConfig
+
+    def preference_step(self) -> Optional[PreferenceStep]:
+        """What the planner simulates instead of the token loss: a preference step (DPO), or None."""
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the one meta build of the model says.
+
+    Attributes:
+        builder: the ``model`` component's path.
+        parameters: distinct parameters (a tied weight once).
+        layers: transformer blocks.
+        vocab_size: the vocabulary its loss projects to (None for a model of no known family).
+        positions: the positions it was trained for (its family's ``max_seq_len``; None when unknown).
+        architecture: what defines its weights, as its family's adapter says (empty for no known family); a resume
+            must keep it.
+    """
+
+    builder: str
+    parameters: int
+    layers: int
+    vocab_size: Optional[int]
+    positions: Optional[int]
+    architecture: Mapping[str, Any] = field(default_factory=dict)
+
+
+def model_facts(model: nn.Module, builder: str) -> ModelFacts:
+    """The facts of ``model`` (built on the meta device by the ``builder`` component)."""
+    family = family_of(model)
+    args = family.args_of(model) if family is not None else None
+    architecture = family.hf.architecture(args) if family is not None else {}
+    # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
+    architecture = json.loads(json.dumps(architecture))
+    return ModelFacts(builder, count_parameters(model), len(transformer_blocks(model)),
+                      architecture.get("vocab_size"), getattr(args, "max_seq_len", None), architecture)
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """The run's shape: how many samples make an optimizer step, and how many steps make the run.
+
+    Attributes:
+        world_size: processes (None: not known, ``tune validate``).
+        batch_size: samples per process per micro-batch.
+        gradient_accumulation_steps: micro-batches per step.
+        epochs: passes over the data.
+        max_steps_per_epoch: the config's cap (None: none).
+        samples: samples in the dataset, rows when packed (None: the data was not read, as ``tune validate`` and
+            ``tune plan`` do).
+        steps_per_epoch: optimizer steps per epoch, the cap applied (None with ``samples``).
+        described: what the dataset holds, for the log (``3,000 samples``, or ``packed: ... -> 412 rows ...``).
+        unit: what one of ``samples`` is: ``sample``, or ``row`` when packed.
+    """
+
+    world_size: Optional[int]
+    batch_size: int
+    gradient_accumulation_steps: int
+    epochs: int
+    max_steps_per_epoch: Optional[int]
+    samples: Optional[int] = None
+    steps_per_epoch: Optional[int] = None
+    described: Optional[str] = None
+    unit: str = "sample"
+
+    @property
+    def per_process(self) -> int:
+        """Samples per process per optimizer step."""
+        return self.batch_size * self.gradient_accumulation_steps
+
+    @property
+    def global_batch(self) -> Optional[int]:
+        """Samples per optimizer step over every process (None when the world size is not known)."""
+        return None if self.world_size is None else self.per_process * self.world_size
+
+    @property
+    def total_steps(self) -> Optional[int]:
+        """Optimizer steps of the whole run (None when the data was not read)."""
+        return None if self.steps_per_epoch is None else self.steps_per_epoch * self.epochs
+
+    def counted(self, samples: int, batches_per_epoch: int, *, described: Optional[str] = None,
+                unit: str = "sample") -> "RunLength":
+        """This length once the data is read: the one place steps per epoch are computed.
+
+        Args:
+            samples: samples in the dataset (rows, when packed).
+            batches_per_epoch: micro-batches per process per epoch (the loader's length, the same on every rank).
+            described: what the dataset holds, for messages (default: the count of samples).
+            unit: what one of ``samples`` is.
+
+        Raises:
+            UserError: the dataset has fewer batches per process than one optimizer step needs.
+        """
+        described = described if described is not None else count_of(samples, unit)
+        steps = batches_per_epoch // self.gradient_accumulation_steps
+        if self.max_steps_per_epoch is not None:
+            steps = min(steps, self.max_steps_per_epoch)
+        if steps == 0:
+            raise UserError(
+                f"dataset: {described} make {batches_per_epoch} batch(es) per process per epoch, fewer than "
+                f"gradient_accumulation_steps={self.gradient_accumulation_steps} (reduce batch_size or accumulation)"
+            )
+        return dataclasses.replace(self, samples=samples, steps_per_epoch=steps, described=described, unit=unit)
+
+
+def resolve_length(cfg: TrainingConfig, world_size: Optional[int], samples: Optional[int] = None,
+                   batches_per_epoch: Optional[int] = None) -> RunLength:
+    """The run's length: its batch and epochs, and, when the data was read (``samples``, ``batches_per_epoch``), its
+    steps (``RunLength.counted``).
+
+    Raises:
+        UserError: the dataset has fewer batches per process than one optimizer step needs.
+    """
+    length = RunLength(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.epochs,
+                       cfg.max_steps_per_epoch)
+    return length if batches_per_epoch is None else length.counted(samples, batches_per_epoch)
+
+
+@dataclass(frozen=True)
+class SavePolicy:
+    """When a step ends with a checkpoint (at the end of every epoch, every ``every_n_steps`` steps when set, and on
+    a stop signal), and which checkpoints are kept (``keep_last_n``: the newest N whole; None: see
+    ``checkpoint/recipe_state.py``)."""
+
+    every_n_steps: Optional[int] = None
+    keep_last_n: Optional[int] = None
+
+    def should_save(self, step: int, *, epoch_done: bool, stopping: bool) -> bool:
+        return epoch_done or stopping or bool(self.every_n_steps and step % self.every_n_steps == 0)
+
+    def saves(self, after_step: int, length: "RunLength") -> int:
+        """The checkpoints a run of ``length`` (its data read) writes from ``after_step`` to its end (no stop
+        signal)."""
+        return sum(self.should_save(step, epoch_done=step % length.steps_per_epoch == 0, stopping=False)
+                   for step in range(after_step + 1, length.total_steps + 1))
+
+    def describe(self) -> str:
+        when = "at the end of every epoch" + (f", every {self.every_n_steps} steps" if self.every_n_steps else "")
+        kept = (f"the newest {self.keep_last_n} kept" if self.keep_last_n is not None
+                else "every checkpoint's model kept, the recipe state (to resume from) of the newest two")
+        return f"{when} and on a stop signal; {kept}"
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """Everything the run decided before building anything (see the module docstring).
+
+    Attributes:
+        world_size: processes (None: not known, ``tune validate``).
+        device: the config's ``device`` (``auto``, ``cpu``, ``cuda``).
+        device_type: what it is where the plan was resolved (``cpu``, ``cuda``; None: not available there).
+        dtype: the parameters' storage dtype.
+        fsdp: FSDP2's settings (mixed precision, resharding, HSDP, CPU offload).
+        compile: each block is compiled.
+        model: the model's facts.
+        memory: the memory plan (activation checkpointing, with ac_mode: auto's choice, and the other features).
+        length: the run's shape and length.
+        save: when checkpoints are written and which are kept.
+        resume_data: what decides the batches, and the optimizer's class, which a resume must keep
+            (``resume_shape``).
+        hyperparameters: the optimizer's and the schedule's settings, recorded in every checkpoint; a resume takes
+            its own config's and says what changed.
+        checkpoint_dir: the Hugging Face checkpoint the run starts from (None: random initialisation).
+        output_dir: where the run writes.
+        notes: what resolving found worth a warning (one sentence each).
+    """
+
+    world_size: Optional[int]
+    device: str
+    device_type: Optional[str]
+    dtype: DType
+    fsdp: FSDPConfig
+    compile: bool
+    model: ModelFacts
+    memory: MemoryPlan
+    length: RunLength
+    save: SavePolicy
+    resume_data: Mapping[str, Any]
+    hyperparameters: Mapping[str, Any]
+    checkpoint_dir: Optional[str]
+    output_dir: str
+    notes: tuple[str, ...] = ()
+
+    def with_data(self, samples: int, batches_per_epoch: int, *, described: Optional[str] = None,
+                  unit: str = "sample") -> "RunPlan":
+        """This plan once the run has read its data: its steps counted (``RunLength.counted``)."""
+        return dataclasses.replace(
+            self, length=self.length.counted(samples, batches_per_epoch, described=described, unit=unit))
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 shards the model: several processes, or a memory feature that works through it on one."""
+        return (self.world_size or 1) > 1 or bool(self.memory.shard_options())
+
+    def resume_shape(self, world_size: Optional[int] = None) -> RunShape:
+        """What a resume of this run must keep (recorded in every checkpoint), on ``world_size`` processes (default:
+        the plan's)."""
+        processes = world_size if world_size is not None else self.world_size
+        if processes is None:
+            raise ValueError("the resume shape needs a world size")
+        return RunShape(processes, self.length.batch_size, self.length.gradient_accumulation_steps,
+                        dict(self.model.architecture), dict(self.resume_data))
+
+    def describe_sharding(self) -> str:
+        """How FSDP2 shards the model and reduces its gradients."""
+        if self.world_size == 1 and not self.memory.shard_options():
+            return "not sharded (1 process)"
+        reduce = self.fsdp.resolved_reduce_dtype(self.dtype).value
+        reduce += " (dtype)" if self.fsdp.reduce_dtype is None else ""
+        replicas = self.fsdp.replicate_degree
+        if self.world_size is None:
+            layout = ("sharded over every process" if replicas == 1
+                      else f"HSDP: {replicas} replicas, each sharded over world size / {replicas}")
+        elif replicas == 1:
+            layout = f"sharded over {self.world_size} process(es)"
+        else:
+            layout = f"HSDP: {replicas} replicas x {self.fsdp.shard_degree(self.world_size)} shards"
+        return f"{layout}; gradients reduced in {reduce}"
+
+    def describe_length(self) -> str:
+        """The global batch and the run's steps, as far as they are known."""
+        length = self.length
+        unit = length.unit
+        if length.global_batch is None:
+            batch = f"global batch {count_of(length.per_process, unit)} x the processes"
+        else:
+            batch = (f"global batch {count_of(length.global_batch, unit)} ({length.batch_size} x "
+                     f"{length.gradient_accumulation_steps} accumulation x "
+                     f"{count_of(length.world_size, 'process', 'processes')})")
+        epochs = count_of(length.epochs, "epoch")
+        if length.steps_per_epoch is None:
+            cap = f" (at most {length.max_steps_per_epoch})" if length.max_steps_per_epoch is not None else ""
+            return f"{batch}; steps per epoch counted when the run reads the data{cap}, {epochs}"
+        return (f"{batch}; {length.described}, {count_of(length.steps_per_epoch, 'step')} per epoch, {epochs}: "
+                f"{count_of(length.total_steps, 'step')}")
+
+    def describe(self) -> list[tuple[str, str]]:
+        """``(label, value)`` lines: ``tune validate`` and ``tune plan`` print them, ``tune run`` logs them."""
+        length = self.length
+        return [
+            ("model", f"{self.model.builder}: {self.model.parameters:,} parameters, {self.model.layers} layers"),
+            *self.memory.describe(),
+            ("dtype / device", f"{self.dtype.value} / {self.device}"
+                               + (f" ({self.device_type})" if self.device == Device.AUTO.value and self.device_type
+                                  else "")),
+            ("fsdp", self.describe_sharding()),
+            ("batch", f"{length.batch_size} per process x {length.gradient_accumulation_steps} accumulation step(s) = "
+                      f"{length.per_process} samples per step per process"),
+            ("length", self.describe_length()),
+            ("save", self.save.describe()),
+            ("checkpoint_dir", self.checkpoint_dir or "none (random initialisation from seed)"),
+            ("output_dir", self.output_dir),
+        ]
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The planner's inputs for a config (ac_mode: auto, tune plan)
+# --------------------------------------------------------------------------------------------------------------
+
+
+def planned_device(device: Device) -> torch.device:
+    """The device a run with ``device`` trains on, as far as planning goes: ``auto`` is CUDA where this machine has
+    it; ``cuda`` is CUDA whether or not this machine has it (a plan for another machine)."""
+    kind = device.value if device is not Device.AUTO else ("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(kind)
+
+
+def process_fixed_bytes(device: Device) -> tuple[int, str]:
+    """The fixed cost of a process of a run on ``device`` (see ``MemoryEstimate.device``), as this machine can
+    tell: measured in this process when this machine has that device, else assumed; and which of the two, in
+    words."""
+    if planned_device(device).type == "cpu":
+        return (fixed_bytes(torch.device("cpu")) + CPU_STEP_RUNTIME_BYTES,
+                "measured: this process's resident set before the model, and "
+                f"{CPU_STEP_RUNTIME_BYTES / 2**30:.2f} GiB for what a CPU process adds once it steps besides its "
+                "tensors (the kernels' code, the math libraries' buffers, glibc's small allocations)")
+    if torch.cuda.is_available():
+        return fixed_bytes(torch.device("cuda", torch.cuda.current_device())), "measured: the CUDA device memory in use"
+    return ASSUMED_CUDA_FIXED_BYTES, "assumed for a CUDA context (no GPU here to measure it)"
+
+
+def planner_inputs(cfg: TrainingConfig, world_size: int, device: torch.device) -> PlannerInputs:
+    """The planner's inputs for ``cfg`` on ``world_size`` processes, with the fixed cost of this process as it
+    is now (``process_fixed_bytes``).
+
+    Raises:
+        UserError: ``max_seq_len`` is not set (the activations are sized by it), or ``world_size`` is not a multiple
+            of ``fsdp.replicate_degree``.
+    """
+    if cfg.max_seq_len is None:
+        raise UserError("max_seq_len: must be set to estimate memory (ac_mode: auto, tune plan): it sizes the activations")
+    cfg.fsdp.shard_degree(world_size)  # a world of whole HSDP rows, or a one-line error naming the key
+    workload = Workload(batch_size=cfg.batch_size, seq_len=cfg.max_seq_len,
+                        gradient_accumulation_steps=cfg.gradient_accumulation_steps, dtype=cfg.dtype,
+                        world_size=world_size, fsdp=cfg.fsdp,
+                        # Packed rows on a GPU in bf16 take varlen_attn (models/attention.py), whose K/V copies the
+                        # simulation cannot make on a CPU's kernels.
+                        varlen=(bool(cfg.dataset.kwargs.get("packed", False))
+                                and planned_device(cfg.device).type == "cuda" and cfg.dtype is DType.BF16),
+                        preference=cfg.preference_step())
+    return PlannerInputs(
+        build_model=lambda: cfg.model.instantiate_with_defaults(checkpoint_dir=cfg.checkpoint_dir),
+        make_optimizer=cfg.optimizer.instantiate,
+        workload=workload,
+        device=device,
+        fixed_bytes=process_fixed_bytes(cfg.device)[0],
+    )
+
+
+def unmodelled_settings(cfg: TrainingConfig, world_size: int) -> tuple[str, ...]:
+    """What the planner's estimate leaves out of ``cfg`` on ``world_size`` processes, one sentence each."""
+    mixed = cfg.fsdp.param_dtype
+    if world_size == 1 or mixed is None or mixed is cfg.dtype:
+        return ()
+    direction = "higher" if mixed.torch.itemsize < cfg.dtype.torch.itemsize else "lower"
+    return (f"fsdp.param_dtype={mixed.value} is not modelled: activations and gathered weights are counted in "
+            f"{cfg.dtype.value} (dtype), so the estimate is {direction} than the run's",)
+
+
+def resolve_features(cfg: TrainingConfig, model: nn.Module, ac: ACConfig,
+                     planning: Optional[PlannerInputs] = None) -> MemoryPlan:
+    """The memory plan of ``cfg``'s features for ``model``, with ``ac`` as its AC keys (see ``resolve_memory_plan``).
+
+    Raises:
+        UserError: as ``resolve_memory_plan``.
+    """
+    return resolve_memory_plan(ac, cfg.memory, model, clip_grad_norm=cfg.clip_grad_norm, planning=planning,
+                               fsdp=cfg.fsdp, optimizer=OptimizerSpec(cfg.optimizer.path, dict(cfg.optimizer.kwargs)),
+                               dtype=cfg.dtype.torch, device=cfg.device.value)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Resolving the plan
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _resolve_memory(cfg: TrainingConfig, model: nn.Module, world_size: Optional[int],
+                    device: Optional[torch.device], notes: list[str],
+                    auto_choice: Optional[tuple[MemoryEstimate, float]]) -> MemoryPlan:
+    """The memory plan; with ``ac_mode: auto``, the planner's choice for this world size (1 when unknown)."""
+    planning = None
+    if cfg.ac.is_auto and auto_choice is not None:  # tune plan: its table estimated every plan already
+        estimate, budget = auto_choice
+        features = resolve_features(cfg, model, ACConfig())
+        return dataclasses.replace(features, ac=estimate.plan, budget_gib=budget, estimate=estimate)
+    if cfg.ac.is_auto:
+        if device is None:  # not the run's own process (tune validate, tune plan)
+            try:
+                device = resolve_device(cfg.device.value)
+            except UserError:
+                if cfg.ac.ac_memory_budget_gib is None:
+                    raise UserError(
+                        f"ac_mode=auto with device={cfg.device.value}: the budget cannot be read on this machine; "
+                        "set ac_memory_budget_gib to plan here"
+                    ) from None
+                device = torch.device("cpu")  # validating elsewhere: the given budget is all the planner needs
+        if world_size is None:
+            notes.append("ac_mode=auto: planned for 1 process (the launch's world size is not known here)")
+        planning = planner_inputs(cfg, world_size or 1, device)
+        notes.extend(f"ac_mode=auto: {note}" for note in unmodelled_settings(cfg, world_size or 1))
+    return resolve_features(cfg, model, cfg.ac, planning)
+
+
+def _positions_note(cfg: TrainingConfig, facts: ModelFacts) -> list[str]:
+    if cfg.max_seq_len is None or facts.positions is None or cfg.max_seq_len <= facts.positions:
+        return []
+    # Positions are computed as needed, so nothing fails: longer samples just meet positions never trained.
+    return [f"max_seq_len={cfg.max_seq_len}: samples may be longer than the model's context ({facts.positions} "
+            f"positions, {cfg.model.path}); if you extend it on purpose, say so with "
+            f"model.max_seq_len={cfg.max_seq_len}"]
+
+
+def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optional[int],
+                     device: Optional[torch.device] = None,
+                     auto_choice: Optional[tuple[MemoryEstimate, float]] = None) -> RunPlan:
+    """Resolve the run's plan (pure but for ``ac_mode: auto``'s measurements of this process: see the module
+    docstring).
+
+    Args:
+        cfg: the validated config.
+        model: the model, built once on the meta device (``build_meta_model``).
+        world_size: processes the run uses; None when not known (an elastic node range, ``tune validate``).
+        device: this process's device when it is the run's (``ac_mode: auto`` reads its budget there); None for
+            ``tune validate`` and ``tune plan``, which resolve the config's ``device`` where they can.
+        auto_choice: with ``ac_mode: auto``, the estimate ``tune plan``'s table picked and its budget in GiB (the
+            planner's choice, made already); None: the planner chooses here.
+
+    Raises:
+        UserError: the config cannot run (a combination of keys, ``ac_mode: auto`` with no plan that fits, a
+            world size that is not whole HSDP rows).
+    """
+    if world_size is not None:
+        cfg.fsdp.shard_degree(world_size)  # whole HSDP rows, before anything is estimated
+    if cfg.dataset_val is None:
+        for key in ("run_val_every_n_steps", "batch_size_val"):
+            if getattr(cfg, key) is not None:
+                raise UserError(f"{key}={getattr(cfg, key)}: only used with dataset_val; set dataset_val (a dataset "
+                                f"component, like dataset) or remove {key}")
+    notes: list[str] = []
+    facts = model_facts(model, cfg.model.path)
+    memory = _resolve_memory(cfg, model, world_size, device, notes, auto_choice)
+    notes += _positions_note(cfg, facts)
+    if world_size == 1 and cfg.fsdp != FSDPConfig() and not memory.shard_options():
+        notes.append("fsdp.*: these settings apply only when the run has more than one process (FSDP2)")
+    if device is None:
+        try:
+            device = resolve_device(cfg.device.value)
+        except UserError:  # not on this machine (tune validate says so among its checks)
+            device = None
+    resume_data = {"optimizer._component_": cfg.optimizer.path, "seed": cfg.seed, "shuffle": cfg.shuffle,
+                   "max_seq_len": cfg.max_seq_len,
+                   # Not its source: the files are identified by their content (TrainerState.data), wherever they lie.
+                   "dataset": {key: value for key, value in cfg.dataset.as_config().items() if key != "source"},
+                   "tokenizer": cfg.tokenizer.as_config(), **memory.resume_record()}
+    hyperparameters = {"optimizer": cfg.optimizer.as_config(),
+                       "lr_scheduler": cfg.lr_scheduler.as_config() if cfg.lr_scheduler is not None else None}
+    return RunPlan(
+        world_size=world_size,
+        device=cfg.device.value,
+        device_type=None if device is None else device.type,
+        dtype=cfg.dtype,
+        fsdp=cfg.fsdp,
+        compile=cfg.compile,
+        model=facts,
+        memory=memory,
+        length=resolve_length(cfg, world_size),
+        save=SavePolicy(cfg.save_every_n_steps, cfg.keep_last_n_checkpoints),
+        # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
+        resume_data=json.loads(json.dumps(resume_data)),
+        hyperparameters=json.loads(json.dumps(hyperparameters)),
+        checkpoint_dir=cfg.checkpoint_dir,
+        output_dir=cfg.output_dir,
+        notes=tuple(notes),
+    )
