@@ -77,7 +77,9 @@ def run_plan_vs_runs(seed: int, progress=lambda text: None) -> list[dict]:
                 picked = PICKED.search(plan_out)
                 if picked is None:
                     raise RuntimeError(f"tune plan picked no row:\n{plan_out}")
-                setting, planned = picked["setting"].strip(), float(picked["device"])
+                # tune plan prints GiB, or MiB for a small model (its header says which).
+                per_gib = 1024 if re.search(r"^estimated MiB per process", plan_out, re.M) else 1
+                setting, planned = picked["setting"].strip(), float(picked["device"]) / per_gib
                 run = ["run", "full_finetune", *common, f"max_steps_per_epoch={STEPS}"]
                 _, err, with_budget = _tune([*run, f"output_dir={scratch}/budget", "ac_mode=auto",
                                              f"ac_memory_budget_gib={budget}"], scratch)
