@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, staged to fit a short loan of a GPU machine (README, "Running on GPUs").
+# The GPU check, staged to fit a short loan of a GPU machine (docs/distributed.md, "Running on GPUs").
 #
 #   ./scripts/gpu_check.sh [--out DIR] [--full] [--only STAGE,...]
 #   PYTHON=/opt/torch/.venv/bin/python3 ./scripts/gpu_check.sh --out "$OUT"

@@ -617,7 +617,8 @@ def test_help_shows_overrides_in_the_usage_line(command, capsys):
 
 
 def test_validate_warns_for_a_from_hf_config_checkpoint_of_another_machine(tmp_path, capsys):
-    """The README promises a warning for a checkpoint path that does not exist here; from_hf_config made it exit 2."""
+    """docs/usage.md promises a warning for a checkpoint path that does not exist here; from_hf_config made it
+    exit 2."""
     elsewhere = tmp_path / "models" / "Llama-3.2-1B"
     argv = ["--config", "tiny/full", "model._component_=torchtune_ac.models.from_hf_config",
             f"checkpoint_dir={elsewhere}", f"tokenizer.path={elsewhere}"]

@@ -155,8 +155,9 @@ def test_killed_two_process_run_resumes_exactly(tmp_path: Path, extra: tuple[str
 
 
 def test_a_longer_resumed_run_takes_its_first_step_at_the_new_schedules_rate(tmp_path):
-    # The README's way to train more: raise epochs and resume. The checkpoint holds the rate the 6-step schedule
-    # reached at its end (0.0); the resumed step 7 must use the 12-step schedule's rate, as a 12-step run does.
+    # The way docs/checkpoints.md gives to train more: raise epochs and resume. The checkpoint holds the rate the
+    # 6-step schedule reached at its end (0.0); the resumed step 7 must use the 12-step schedule's rate, as a 12-step
+    # run does.
     schedule = ("max_steps_per_epoch=6", "lr_scheduler.num_warmup_steps=2")
     out, reference = tmp_path / "resumed", tmp_path / "reference"
     check_success(run_tune_in_process(tune_run_argv(out, *schedule, "epochs=1")))

@@ -53,7 +53,8 @@ class FullFinetuneConfig:
         doc="The training data: torchtune_ac.data.instruct_dataset, chat_dataset or text_dataset, with its source "
         "(a local file or a Hugging Face dataset).", positional=1, recipe_kwargs=("max_seq_len",))
     optimizer: Component = config_key(
-        doc="The optimizer: a torch.optim class (AdamW) or one of torchao's low-bit AdamW, with its arguments.",
+        doc="The optimizer: a torch.optim class (AdamW) with its arguments, or torchao's (the ao extra) AdamW8bit, "
+        "AdamW4bit (8-bit or 4-bit state) or _AdamW with bf16_stochastic_round: true.",
         positional=1)
     checkpoint_dir: Optional[str] = config_key(
         None, doc="The Hugging Face checkpoint to start from (config.json and safetensors); it is only read. null: "
@@ -62,8 +63,9 @@ class FullFinetuneConfig:
         False, doc="Continue the run in output_dir from its newest checkpoint that matches its manifest (none yet: "
         "start at step 0).", torchtune=SAME)
     lr_scheduler: Optional[Component] = config_key(
-        None, doc="The learning-rate schedule over the optimizer (torchtune_ac.training.cosine_schedule_with_warmup, "
-        "a torch.optim.lr_scheduler class); null: a constant learning rate.",
+        None, doc="The learning-rate schedule over the optimizer: torchtune_ac.training.cosine_schedule_with_warmup "
+        "(num_warmup_steps, min_lr_ratio) or constant_schedule; the recipe passes the optimizer and "
+        "num_training_steps, which torch's own schedulers do not take. null: the optimizer's lr throughout.",
         positional=1, recipe_kwargs=("num_training_steps",))
     dataset_val: Optional[Component] = config_key(
         None, doc="Held-out data for the validation loss (a dataset component like dataset); null: no validation.",
@@ -82,8 +84,10 @@ class FullFinetuneConfig:
         1, doc="Micro-batches per optimizer step; the global batch is batch_size x this x the processes.",
         minimum=1, torchtune=SAME)
     max_seq_len: Optional[int] = config_key(
-        None, doc="Truncate (or pack to) this many tokens per sample; null: the samples' own length. ac_mode: auto and "
-        "tune plan size the activations by it.", minimum=1)
+        None, doc="Truncate (or pack to) this many tokens per sample; null: the tokenizer's max_seq_len, else no "
+        "truncation (packed: true, ac_mode: auto and tune plan need a length: they size the activations by it). "
+        "Longer than the model's context (its builder's max_seq_len) is a warning unless model.max_seq_len says so "
+        "too.", minimum=1)
     clip_grad_norm: Optional[float] = config_key(
         None, doc="Scale the gradients down to this total norm before each optimizer step; null: no clipping (the "
         "norm is still measured and logged).", exclusive_minimum=0.0, torchtune=SAME)
@@ -96,7 +100,9 @@ class FullFinetuneConfig:
         Device.AUTO, doc="Where the run computes: cuda (this process's GPU), cpu, or auto (CUDA when present).")
     dtype: DType = config_key(DType.FP32, doc="The parameters' storage and compute dtype: fp32 or bf16.")
     compile: bool = config_key(
-        False, doc="torch.compile each transformer block (activation checkpointing included).", torchtune=SAME)
+        False, doc="torch.compile each transformer block (activation checkpointing included); batches are then "
+        "padded to a multiple of 64 tokens (at most max_seq_len), so that their shapes repeat and compiled blocks "
+        "are reused.", torchtune=SAME)
     allow_tf32: bool = config_key(
         True, doc="On CUDA, float32 matrix multiplies and convolutions run in TF32 (10-bit mantissa inputs, float32 "
         "sums); nothing changes on a CPU.")

@@ -4,7 +4,7 @@
 
 ``loss_chunks: null`` (the default) chooses from the vocabulary: ``DEFAULT_LOSS_CHUNKS`` chunks when it has at
 least ``CHUNKED_LOSS_MIN_VOCAB`` tokens (the logits then outweigh everything else a step keeps), else the whole
-logits (see the README's "Fitting a bigger model" for the measurements behind this).
+logits (see docs/memory.md, "Fitting a bigger model", for the measurements behind this).
 
 The whole-logits objective (``training/objective.py``) projects every position to the vocabulary
 (``[b, s, vocab]``). ``ChunkedCrossEntropy``, passed to the model as its output head, gives the same sum:

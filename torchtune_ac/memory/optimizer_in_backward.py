@@ -46,7 +46,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         named_parameters: the model's parameters that require gradients (sharded ones after ``fully_shard``).
         make_optimizer: builds the optimizer of one parameter, e.g. ``lambda params: AdamW(params, lr=1e-5)``.
         wait_for_gradient: called with a parameter before its hook reads the gradient, to wait until the gradient
-            is in place (``runtime.distributed.offloaded_gradient_wait``: FSDP2's copy into host memory with CPU
+            is in place (``training.fsdp.offloaded_gradient_wait``: FSDP2's copy into host memory with CPU
             offload); None: the gradient is in place when the hook runs.
     """
 
