@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_plan.py                      # llama_small and llama_small_32k (~10 min)
     .venv/bin/python scripts/bench_plan.py --models llama_small --seq-len 512
+    .venv/bin/python scripts/bench_plan.py --runs     # tune plan against whole tune runs, budget or not (~10 min)
 
 For each model and every AC setting ``tune plan`` lists (none, per-op, every k-th block, full), with the loss
 chunked as the model's default says:
@@ -11,6 +12,9 @@ chunked as the model's default says:
     follows live tensors, as CUDA's ``max_memory_allocated`` does) and, for reference, with glibc's defaults;
   * step peak, 2 processes (FSDP2 on gloo): the estimate for world size 2 against rank 0's increase.
 Targets: activations within 10 %, step peaks within 15 %. Writes JSON and prints the table.
+
+With ``--runs``, whole ``tune run`` processes against ``tune plan``, with ``ac_mode: auto`` and a budget and without
+one (``scripts/_plan_vs_runs.py``).
 """
 
 from __future__ import annotations
@@ -228,8 +232,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--models", type=lambda s: s.split(","), default=["llama_small", "llama_small_32k"])
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--out-json", type=Path, default=REPO / "bench_results" / "bench_plan.json")
-    return parser.parse_args(argv)
+    parser.add_argument("--out-json", type=Path, default=None,
+                        help="default: bench_results/bench_plan.json (--runs: bench_plan_runs.json)")
+    parser.add_argument("--runs", action="store_true", help="tune plan against whole tune runs, budget or not")
+    args = parser.parse_args(argv)
+    args.out_json = args.out_json or REPO / "bench_results" / ("bench_plan_runs.json" if args.runs else "bench_plan.json")
+    return args
 
 
 def main() -> None:
@@ -237,6 +245,16 @@ def main() -> None:
         worker(sys.argv[2:])
         return
     args = parse_args()
+    if args.runs:
+        import _plan_vs_runs
+
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        rows = _plan_vs_runs.run_plan_vs_runs(seed=0, progress=lambda text: print(text, file=sys.stderr, flush=True))
+        report = {"command": "scripts/bench_plan.py " + " ".join(sys.argv[1:]), "date": started, "rows": rows,
+                  "steps_per_run": _plan_vs_runs.STEPS, "torch": torch.__version__, "machine": platform.machine(),
+                  "cpu_count": os.cpu_count(), "threads": torch.get_num_threads()}
+        write_report(report, _plan_vs_runs.format_rows(rows), args.out_json)
+        return
     report = run_benchmark(args)
     write_report(report, format_table(report), args.out_json)
 

@@ -1,7 +1,19 @@
-"""Benchmark the recipe's training step against a plain Hugging Face transformers training loop, on CPU.
+"""Benchmark the recipe's training step: against a git revision of this project, against a plain Hugging Face
+transformers training loop, and on a GPU.
 
+    .venv/bin/python scripts/bench_train.py --against main --quick   # this checkout against main (~2 min, 2 cores)
+    .venv/bin/python scripts/bench_train.py --against HEAD~1         # the same, 2 x A B B A, longer runs (~6 min)
     .venv/bin/python scripts/bench_train.py                     # llama_small, batch 4 x 1024, fp32 (~10 min, 2 cores)
     .venv/bin/python scripts/bench_train.py --seq-len 128 --steps 2
+
+With ``--against REV`` the working tree (B) and ``REV`` (A, checked out in a temporary ``git worktree``) run the same
+workload as real ``tune run`` processes, interleaved A B B A: a 6.6 M-parameter grouped-query Llama, packed rows of
+512 tokens, batch 4, fp32, AdamW, on CPU (``scripts/_against.py``). It prints the ratio of median step times
+(B / A: below 1, the working tree is faster) and of peak resident sets. Run it before landing any change to the
+step's path (model, attention, loss, optimizer, allocator, data collation). ``--ac`` and ``--set key=value``
+change the workload on both sides.
+
+Without ``--against``, it compares with Hugging Face:
 
 Both sides start from the same Hugging Face checkpoint (initialised once from the seed and written with
 ``save_hf``), train on the same seeded batches with the same AdamW hyperparameters, and optimise the same
@@ -38,6 +50,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -80,10 +93,24 @@ LOSS_TOLERANCE = 1e-4
 TARGET_MIN_RATIO = 1.0
 
 StepFn = Callable[[int], float]
+DEFAULT_JSON = REPO / "bench_results" / "bench_train.json"
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--against", metavar="REV", default=None,
+                        help="compare the working tree with this git revision, A B B A, as tune run processes")
+    parser.add_argument("--quick", action="store_true",
+                        help="--against: one A B B A block of 10-step runs (about 2 minutes on 2 cores)")
+    parser.add_argument("--rounds", type=int, default=None, help="--against: A B B A blocks (default 2; --quick 1)")
+    parser.add_argument("--ac", default="none", help="--against: ac_mode of both sides (none, full, selective, auto)")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the working tree's step on --against's workload, with its MFU (no --against)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="--against: a config override for both sides (repeatable)")
+    parser.add_argument("--set-a", action="append", default=[], metavar="KEY=VALUE",
+                        help="--against: a config override for the revision's side only, replacing --set's of that "
+                             "key (repeatable; --against HEAD --set-a ac_mode=full compares two settings)")
     parser.add_argument("--model", default="llama_small", help="builder name in torchtune_ac.models")
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -91,7 +118,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per side and setting, first")
     parser.add_argument("--settings", default="none,full", help="comma-separated AC settings: none, full")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-json", type=Path, default=REPO / "bench_results" / "bench_train.json")
+    parser.add_argument("--out-json", type=Path, default=DEFAULT_JSON)
     parser.add_argument("--out-png", type=Path, default=REPO / "docs" / "images" / "bench_train.png")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the recipe's step alone on the GPU, with MFU and memory against the plan")
@@ -103,6 +130,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense bf16 peak (default: from its name, e.g. 989 for an H100 SXM)")
     args = parser.parse_args(argv)
+    if args.profile and args.against is not None:
+        parser.error("--profile measures the working tree alone: leave out --against")
+    if args.profile:
+        return args
+    if args.against is not None:
+        args.rounds = args.rounds or (1 if args.quick else 2)
+        if args.rounds < 1:
+            parser.error(f"--rounds={args.rounds}: must be at least 1")
+        return args
     args.dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     args.compile = (args.compile or ("true" if args.device == "cuda" else "false")) == "true"
     if args.device == "cpu" and (args.dtype != "fp32" or args.compile):
@@ -486,9 +522,71 @@ def format_cuda_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def run_against(args: argparse.Namespace) -> None:
+    """``--against REV``: the working tree against ``REV``, interleaved A B B A (see ``scripts/_against.py``)."""
+    import _against
+
+    # --quick: 10 steps per run (the first 2 untimed); otherwise 25 (3 untimed).
+    steps, warmup = (10, 2) if args.quick else (25, 3)
+    overrides = [f"ac_mode={args.ac}", *args.set]
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    report = _against.compare(args.against, overrides=overrides, overrides_a=args.set_a, steps=steps, warmup=warmup,
+                              rounds=args.rounds, seed=args.seed,
+                              progress=lambda text: print(text, file=sys.stderr, flush=True))
+    report["config"] = {
+        "command": "scripts/bench_train.py " + " ".join(sys.argv[1:]), "date": started,
+        "workload": {"model": _against.WORKLOAD_ARGS, "batch_size": _against.BATCH_SIZE,
+                     "seq_len": _against.SEQ_LEN, "packed": True, "dtype": "fp32", "optimizer": "torch.optim.AdamW"},
+        "overrides": overrides, "overrides_a": args.set_a, "steps_per_run": steps, "untimed_steps_per_run": warmup,
+        "order": "one step at a time, A B B A A B ...; pairs of processes started A first, then B first",
+        "rounds": args.rounds, "torch": torch.__version__, "machine": platform.machine(),
+        "cpu": _cpu_name(), "cpus": os.cpu_count(), "uptime": _uptime(),
+    }
+    out_json = args.out_json if args.out_json != DEFAULT_JSON else REPO / "bench_results" / "bench_train_against.json"
+    write_report(report, _against.format_report(report), out_json)
+
+
+def _cpu_name() -> str:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")),
+                    platform.processor())
+
+
+def _uptime() -> str:
+    """``uptime``'s line (with the load averages), when this machine has the command."""
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def run_profile(args: argparse.Namespace) -> None:
+    """``--profile``: one step's time by share, and its MFU (see ``scripts/_profile_step.py``)."""
+    import _against
+    import _profile_step
+
+    overrides = [f"ac_mode={args.ac}", *args.set]
+    started = time.strftime("%Y-%m-%d %H:%M:%S")
+    with tempfile.TemporaryDirectory(prefix="bench_train_profile_") as tmp:
+        config = _against.write_workload(Path(tmp), args.seed)
+        report = _profile_step.profile_workload(config, [f"output_dir={tmp}/run", *overrides], warmup=args.warmup + 1,
+                                                steps=args.steps)
+    report["config"] = {"command": "scripts/bench_train.py " + " ".join(sys.argv[1:]), "date": started,
+                        "revision": _against.describe_working_tree(), "overrides": overrides,
+                        "torch": torch.__version__, "cpu": _cpu_name(), "cpus": os.cpu_count(), "uptime": _uptime()}
+    out_json = args.out_json if args.out_json != DEFAULT_JSON else REPO / "bench_results" / "bench_train_profile.json"
+    write_report(report, _profile_step.format_profile(report), out_json)
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     filter_known_noise()
     args = parse_args(argv)
+    if args.profile:
+        run_profile(args)
+        return
+    if args.against is not None:
+        run_against(args)
+        return
     if args.device == "cuda":
         if not torch.cuda.is_available():
             raise SystemExit("bench_train --device cuda: no CUDA device")

@@ -177,7 +177,7 @@ def test_activation_checkpointing_gives_identical_losses_and_weights(
         # The budget is the step's (40 MiB); the process's fixed cost, which ``ac_mode: auto`` adds, would be this
         # pytest process's resident set (the run is in-process), which grows with what the session ran before.
         # The fixed cost is tested on its own (tests/unit/runtime/test_process_memory.py, the planner's tests).
-        monkeypatch.setattr(planning, "fixed_bytes", lambda device: 0)
+        monkeypatch.setattr(planning, "process_fixed_bytes", lambda device: (0, "none"))
     log = _run_ac(tmp_path / mode, (*AC_MODES[mode], *DROPOUT), caplog)
     assert AC_PLAN_LINES[mode] in log
     # Bit for bit: one process, the same ops replayed in the same order (the recompute only repeats them).

@@ -45,9 +45,10 @@ from torchtune_ac.training.ac_config import ACConfig
 
 ASSUMPTIONS = (
     "every row is max_seq_len tokens and every position a target (the loss's worst case); parameters compute in "
-    "their storage dtype; the caching allocator's fragmentation is not included (on CUDA, device compares with "
-    "max_memory_reserved plus the context; on a CPU, with the peak resident set of a run, which maps each tensor "
-    "on its own so that its resident memory follows its tensors)"
+    "their storage dtype; the caching allocator's fragmentation is not included: on CUDA, device compares with "
+    "max_memory_reserved plus the context; on a CPU, with the peak resident set of a run with ac_mode: auto, which "
+    "has glibc map each tensor on its own so that its resident memory follows its tensors (other CPU runs leave "
+    "glibc as it is, for speed, and peak higher: the pages of freed tensors stay resident)"
 )
 
 

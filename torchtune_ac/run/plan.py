@@ -35,7 +35,7 @@ from torchtune_ac.memory.planner import MemoryEstimate, PreferenceStep, Workload
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.runtime.distributed import resolve_device
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.runtime.process_memory import ASSUMED_CUDA_FIXED_BYTES, fixed_bytes
+from torchtune_ac.runtime.process_memory import ASSUMED_CUDA_FIXED_BYTES, CPU_STEP_RUNTIME_BYTES, fixed_bytes
 from torchtune_ac.training.ac_config import ACConfig
 from torchtune_ac.training.tensor_parallel import check_tensor_parallel_degree
 
@@ -381,7 +381,10 @@ def process_fixed_bytes(device: Device) -> tuple[int, str]:
     tell: measured in this process when this machine has that device, else assumed; and which of the two, in
     words."""
     if planned_device(device).type == "cpu":
-        return fixed_bytes(torch.device("cpu")), "measured: this process's resident set before the model"
+        return (fixed_bytes(torch.device("cpu")) + CPU_STEP_RUNTIME_BYTES,
+                "measured: this process's resident set before the model, and "
+                f"{CPU_STEP_RUNTIME_BYTES / 2**30:.2f} GiB for what a CPU process adds once it steps besides its "
+                "tensors (the kernels' code, the math libraries' buffers, glibc's small allocations)")
     if torch.cuda.is_available():
         return fixed_bytes(torch.device("cuda", torch.cuda.current_device())), "measured: the CUDA device memory in use"
     return ASSUMED_CUDA_FIXED_BYTES, "assumed for a CUDA context (no GPU here to measure it)"

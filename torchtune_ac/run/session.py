@@ -85,9 +85,9 @@ def open_run(cfg: TrainingConfig) -> Iterator[Run]:
     """The run of this process, from joining the processes to cleanup (which always runs).
 
     Joins the process group (its collectives bounded by ``distributed_timeout_s``): the run's one process context.
-    On CUDA, float32 matmuls run in TF32 unless ``allow_tf32`` is false; on a CPU, the allocator gives freed tensors
-    back to the system (``follow_live_tensors``: resident memory follows live tensors, as the planner's estimate
-    does). From then on SIGTERM and Ctrl-C stop the run after the current step; ``output_dir`` is created and
+    On CUDA, float32 matmuls run in TF32 unless ``allow_tf32`` is false. On a CPU with ``ac_mode: auto``, whose
+    budget must hold, the allocator gives freed tensors back to the system (``follow_live_tensors``: resident memory
+    follows live tensors, as the planner's estimate does); other runs leave it alone, as it is faster. From then on SIGTERM and Ctrl-C stop the run after the current step; ``output_dir`` is created and
     locked, this run's alone; and every rank is checked to have the same config and to see the same
     ``output_dir`` before anything is written there.
 
@@ -99,7 +99,9 @@ def open_run(cfg: TrainingConfig) -> Iterator[Run]:
     ctx = dataclasses.replace(init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s),
                               tp_degree=cfg.tensor_parallel_dim)
     set_tf32(ctx.device, allow_tf32=cfg.allow_tf32)
-    if ctx.device.type == "cpu":
+    if ctx.device.type == "cpu" and cfg.ac.is_auto:
+        # Resident memory then follows live tensors, as the planner's estimate does, so the budget holds. It costs
+        # every step its page faults (a third of a step on a small model), which only a budget is worth.
         follow_live_tensors()
     logging.basicConfig(level=logging.INFO if ctx.is_rank_zero else logging.WARNING, format="%(message)s")
     run = Run(cfg, ctx)

@@ -139,6 +139,25 @@ def test_the_run_sets_tf32_on_cuda_only(monkeypatch, tf32_flags, device, overrid
     assert joined == {"device": "auto", "timeout_s": 1800}
 
 
+@pytest.mark.parametrize("device, overrides, follows", [
+    (torch.device("cpu"), {}, False),  # the default: glibc left alone, the faster step
+    (torch.device("cpu"), {"ac_mode": "full"}, False),
+    (torch.device("cpu"), {"ac_mode": "auto", "ac_memory_budget_gib": 2.0, "max_seq_len": 64}, True),  # a budget
+    (torch.device("cuda", 0), {"ac_mode": "auto", "max_seq_len": 64}, False),  # the host's allocator is no budget's
+])
+def test_the_cpu_allocator_follows_live_tensors_only_where_a_budget_must_hold(monkeypatch, device, overrides,
+                                                                              follows):
+    calls = []
+    monkeypatch.setattr(session, "init_distributed", lambda device_name, *, timeout_s: DistributedContext(
+        rank=0, world_size=1, local_rank=0, device=device))
+    monkeypatch.setattr(session, "set_tf32", lambda device, *, allow_tf32: None)
+    monkeypatch.setattr(session, "follow_live_tensors", lambda: calls.append("followed"))
+    monkeypatch.setattr(session, "hold_output_dir", lambda *a, **k: (_ for _ in ()).throw(Stop()))
+    with pytest.raises(Stop), session.open_run(config(**overrides)):
+        pass
+    assert calls == (["followed"] if follows else [])
+
+
 def test_a_bad_timeout_names_the_key():
     with pytest.raises(UserError) as info:
         config(distributed_timeout_s=0)

@@ -44,3 +44,13 @@ def test_freed_tensors_go_back_to_the_system_once_set():
 
 def test_the_fixed_cost_on_a_cpu_is_the_resident_set():
     assert abs(fixed_bytes(torch.device("cpu")) - psutil.Process().memory_info().rss) < 2**26
+
+
+def test_a_cpu_plan_counts_the_resident_set_and_what_a_stepping_process_adds():
+    from torchtune_ac.run.plan import process_fixed_bytes
+    from torchtune_ac.config.schema import Device
+    from torchtune_ac.runtime.process_memory import CPU_STEP_RUNTIME_BYTES
+
+    counted, how = process_fixed_bytes(Device.CPU)
+    assert abs(counted - CPU_STEP_RUNTIME_BYTES - psutil.Process().memory_info().rss) < 2**26
+    assert "GiB for what a CPU process adds once it steps" in how
