@@ -399,7 +399,6 @@ def test_the_pages_show_a_session():
 # ---------------------------------------------------------------------------------------------- links
 
 # Pages other branches write, linked from the README and the index before they land: checked once they exist.
-PAGES_OF_OTHER_BRANCHES = {"docs/tensor-parallelism.md", "docs/performance.md"}
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -429,8 +428,6 @@ def broken_links(page: Path, text: Optional[str] = None) -> list[str]:
         path, _, anchor = target.partition("#")
         file = (page.parent / path).resolve() if path else page
         if not path and anchor in anchors_of_text(text):
-            continue
-        if path and file.relative_to(REPO.resolve()).as_posix() in PAGES_OF_OTHER_BRANCHES and not file.exists():
             continue
         if not file.exists():
             broken.append(f"{target}: no such file")
