@@ -445,7 +445,8 @@ def test_wheel_install_runs_outside_the_source_tree(tmp_path):
     expected = (
         [f"torchtune_ac/_configs/{p.relative_to(REPO / 'configs').as_posix()}" for p in (REPO / "configs").rglob("*.yaml")]
         + [f"torchtune_ac/_recipes/{p.name}" for p in (REPO / "recipes").glob("*.py")]
-        + [f"torchtune_ac/data/embedded/{p.name}" for p in (REPO / "torchtune_ac/data/embedded").iterdir() if p.is_file()]
+        + [f"torchtune_ac/data/embedded/{p.relative_to(REPO / 'torchtune_ac/data/embedded').as_posix()}"
+           for p in (REPO / "torchtune_ac/data/embedded").rglob("*") if p.is_file() and "__pycache__" not in p.parts]
     )
     assert len(expected) > 10
     assert sorted(set(expected) - in_wheel) == []
