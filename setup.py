@@ -8,6 +8,8 @@ from setuptools import find_namespace_packages, find_packages, setup
 setup(
     packages=[
         *find_packages(include=["torchtune_ac", "torchtune_ac.*"]),
+        # data folders inside a package (the embedded preference pairs) are packages too, or setuptools warns
+        *find_namespace_packages(include=["torchtune_ac.data.embedded.*"], exclude=["*.__pycache__"]),
         "torchtune_ac._recipes",
         "torchtune_ac._configs",
         *(f"torchtune_ac._configs.{folder}" for folder in find_namespace_packages("configs")),

@@ -432,11 +432,15 @@ def test_allow_component_flag_and_env(tmp_path, capsys, monkeypatch):
 def test_wheel_install_runs_outside_the_source_tree(tmp_path):
     """Build the wheel, install it (no deps) into a fresh venv that borrows this venv's packages, run `tune`."""
     wheel_dir = tmp_path / "wheel"
+    # No PYTHONPATH for pip: a source tree on it (with the egg-info a build leaves there) reads as torchtune_ac
+    # already installed, and pip would skip the install.
+    clean = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(REPO)],
         check=True,
         capture_output=True,
         timeout=300,
+        env=clean,
     )
     (wheel,) = wheel_dir.glob("torchtune_ac-*.whl")
     # Every shipped config, recipe and embedded data file is in the wheel (a new config folder must not be
@@ -462,6 +466,7 @@ def test_wheel_install_runs_outside_the_source_tree(tmp_path):
         check=True,
         capture_output=True,
         timeout=300,
+        env=clean,
     )
     outside = tmp_path / "elsewhere"
     outside.mkdir()
