@@ -6,6 +6,10 @@ exactly enough that anything else those libraries say still shows:
 - torchao, imported by transformers whenever it loads a model (its quantizers) or by a config's torchao optimizer,
   logs ``Failed to load .../torchao/_C_*.so`` for each of its CUDA kernel libraries built for another Python or
   GPU, and registers enums that torch (``torch.utils._pytree``) calls deprecated;
+- DTensor, under tensor parallelism, warns on every rank at each save that gathering the full weights (sharded
+  over the shard and tp dimensions, in that nesting) takes one all-gather per dimension: gathers copy, so their
+  order changes no value, and a save has to gather whatever the order (reductions, such as the gradient norm,
+  take one collective: ``build_device_mesh`` flattens the two dimensions for them);
 - torch's compile cache warns that torchao's 8-bit optimizer state (``OptimState8bit``) cannot be hashed for it.
 
 Installed by entry points only (``tune`` and its worker processes, ``scripts/``), never on import: a library
@@ -22,6 +26,9 @@ import warnings
 KNOWN_LOG_NOISE = (
     ("torchao", r"Failed to load \S*torchao\S*/_C_\S+\.so: "),
     ("torch.utils._pytree", r"<enum '\w+'> is an Enum subclass and is now natively supported by torch\.compile "),
+    ("torch.distributed.tensor._redistribute",
+     r"While redistributing from .* to .*, \d+ sequential all_gather operations will be performed\. This is "
+     r"suboptimal\b.* it is not possible to merge non-ascending order all_gather operations\.$"),
 )
 # (pattern of the message, category) for Python warnings.
 KNOWN_WARNING_NOISE = ((r"\w+ does not implement _stable_hash_for_caching", UserWarning),)

@@ -345,7 +345,13 @@ def build_device_mesh(device_type: str, world_size: int, replicate_degree: int =
         shape, names = shape[1:], names[1:]
     if tp_degree > 1:
         shape, names = (*shape, tp_degree), (*names, TP_DIM)
-    return init_device_mesh(device_type, shape, mesh_dim_names=names)
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if tp_degree > 1:
+        # A tensor spread over both the shard and tp dimensions (a gradient, for its norm) is reduced over the two
+        # in one collective only where that group exists: otherwise DTensor reduces over one dimension, then the
+        # other, which warns on every rank, and the ranks may round the sum in different orders.
+        mesh[("shard", TP_DIM)]._flatten(f"shard_{TP_DIM}")
+    return mesh
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
