@@ -285,3 +285,34 @@ def format_report(report: dict) -> str:
         + ("  (busy machine: repeat when it is quieter)" if max(loads) > 1.5 * (os.cpu_count() or 1) else ""),
     ]
     return "\n".join(lines)
+
+
+def plot(panels: Sequence[tuple[str, dict]], path: Path) -> None:
+    """Draw each (title, report) as a panel: every timed step of A and B in the order taken (pairs of processes
+    one after the other, a gap between them), each side's median as a line, the ratio of medians in the title.
+
+    One look shows what the table's ratio hides: whether the two sides' steps are apart everywhere or a few slow
+    steps of a loaded machine moved a median."""
+    from _benchlib import pyplot, save_figure
+
+    plt = pyplot()
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False, sharey=False)
+    colors = {"A": "tab:gray", "B": "tab:blue"}
+    for ax, (title, report) in zip(axes[0], panels):
+        start = 0
+        for pair in report["pairs"]:
+            for label in SIDES:
+                times = pair["sides"][label]["step_times_s"]
+                ax.plot(range(start, start + len(times)), times, "o", ms=3, color=colors[label],
+                        label=None if start else f"{label}: {report['sides'][label]['revision']}"[:48])
+            start += len(pair["sides"]["A"]["step_times_s"]) + 2
+        for label in SIDES:
+            ax.axhline(report["sides"][label]["median_step_time_s"], color=colors[label], lw=1, ls="--")
+        loads = [load for pair in report["pairs"] for load in pair["load_average_1min"]]
+        ax.set_title(f"{title}\nB / A = {report['step_time_ratio']:.3f} (load {min(loads):.1f}-{max(loads):.1f})",
+                     fontsize=9)
+        ax.set_xlabel("timed step, in the order taken (pairs of processes apart)", fontsize=8)
+        ax.set_ylabel("s / step", fontsize=8)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7, loc="lower right")
+    save_figure(fig, path)

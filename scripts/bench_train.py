@@ -5,6 +5,7 @@ transformers training loop, and on a GPU.
     .venv/bin/python scripts/bench_train.py --against HEAD~1         # the same, 2 x A B B A, longer runs (~6 min)
     .venv/bin/python scripts/bench_train.py                     # llama_small, batch 4 x 1024, fp32 (~10 min, 2 cores)
     .venv/bin/python scripts/bench_train.py --seq-len 128 --steps 2
+    .venv/bin/python scripts/bench_train.py --redraw bench_results/bench_train_against/06_*_quiet.json  # charts of saved runs
 
 With ``--against REV`` the working tree (B) and ``REV`` (A, checked out in a temporary ``git worktree``) run the same
 workload as real ``tune run`` processes, interleaved A B B A: a 6.6 M-parameter grouped-query Llama, packed rows of
@@ -45,6 +46,7 @@ step's estimate plus the process's fixed cost measured before the model, as ``tu
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 import os
@@ -119,7 +121,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--settings", default="none,full", help="comma-separated AC settings: none, full")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out-json", type=Path, default=DEFAULT_JSON)
-    parser.add_argument("--out-png", type=Path, default=REPO / "docs" / "images" / "bench_train.png")
+    parser.add_argument("--out-png", type=Path, default=None,
+                        help="the chart (default: docs/images/bench_train.png; with --against, beside --out-json; "
+                             "with --redraw, docs/images/bench_train_against.png)")
+    parser.add_argument("--redraw", type=Path, nargs="+", metavar="JSON", default=None,
+                        help="draw --against reports saved before (one panel each, titled by the file's name) to "
+                             "--out-png; nothing is run")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="cuda: the recipe's step alone on the GPU, with MFU and memory against the plan")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: fp32 on cpu, bf16 on cuda")
@@ -130,6 +137,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="the device's dense bf16 peak (default: from its name, e.g. 989 for an H100 SXM)")
     args = parser.parse_args(argv)
+    if args.redraw is not None:
+        missing = [str(path) for path in args.redraw if not path.is_file()]
+        if missing:
+            parser.error(f"--redraw: no such file: {', '.join(missing)}")
+        args.out_png = args.out_png or REPO / "docs" / "images" / "bench_train_against.png"
+        return args
     if args.profile and args.against is not None:
         parser.error("--profile measures the working tree alone: leave out --against")
     if args.profile:
@@ -543,7 +556,25 @@ def run_against(args: argparse.Namespace) -> None:
         "cpu": _cpu_name(), "cpus": os.cpu_count(), "uptime": _uptime(),
     }
     out_json = args.out_json if args.out_json != DEFAULT_JSON else REPO / "bench_results" / "bench_train_against.json"
-    write_report(report, _against.format_report(report), out_json)
+    write_report(report, _against.format_report(report), out_json,
+                 lambda report, path: _against.plot([(f"working tree against {args.against}", report)], path),
+                 args.out_png or out_json.with_suffix(".png"))
+
+
+def redraw_against(args: argparse.Namespace) -> None:
+    """``--redraw``: the charts of saved ``--against`` reports, side by side."""
+    import _against
+
+    panels = []
+    for path in args.redraw:
+        try:
+            panels.append((path.stem, json.loads(path.read_text())))
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise SystemExit(f"bench_train --redraw: {path}: not a JSON report ({error})")
+        if "pairs" not in panels[-1][1]:
+            raise SystemExit(f"bench_train --redraw: {path}: not a report of --against (it has no 'pairs')")
+    _against.plot(panels, args.out_png)
+    print(f"wrote {args.out_png}")
 
 
 def _cpu_name() -> str:
@@ -581,6 +612,9 @@ def run_profile(args: argparse.Namespace) -> None:
 def main(argv: Optional[list[str]] = None) -> None:
     filter_known_noise()
     args = parse_args(argv)
+    if args.redraw is not None:
+        redraw_against(args)
+        return
     if args.profile:
         run_profile(args)
         return
@@ -594,7 +628,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         write_report(report, format_cuda_table(report), args.out_json)
         return
     report = run_benchmark(args)
-    write_report(report, format_table(report), args.out_json, plot, args.out_png)
+    write_report(report, format_table(report), args.out_json, plot,
+                 args.out_png or REPO / "docs" / "images" / "bench_train.png")
 
 
 if __name__ == "__main__":
