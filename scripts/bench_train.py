@@ -81,6 +81,7 @@ from torchtune_ac.runtime.distributed import (
     FSDPConfig,  # noqa: E402
 )
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.runtime.process_memory import cublas_workspace_bytes  # noqa: E402
 from torchtune_ac.training import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 from torchtune_ac.training.step import move_batch, train_step  # noqa: E402
@@ -490,7 +491,8 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
     del model, stepper, micro
 
     varlen = args.packed and dtype is DType.BF16
-    workload = Workload(args.batch_size, args.seq_len, dtype=dtype, varlen=varlen).with_settings(plan.settings)
+    workload = Workload(args.batch_size, args.seq_len, dtype=dtype, varlen=varlen,
+                        blas_workspaces=cublas_workspace_bytes(device)[0]).with_settings(plan.settings)
     (estimate,) = estimate_memory(component.instantiate, make_optimizer, workload, [plan.ac])
     tokens = args.batch_size * args.seq_len
     median = statistics.median(times)

@@ -98,7 +98,11 @@ def main() -> None:
                                 "window_size": attention.VARLEN_SUPPORT.window_size,
                                 "enable_gqa": attention.VARLEN_SUPPORT.enable_gqa}
     if torch.cuda.is_available():
-        for key, measure in (("bf16_matmul_tflops", matmul_tflops),
+        from torchtune_ac.runtime.process_memory import cublas_workspace_bytes
+
+        # The cuBLAS workspaces a step holds in the caching allocator, as the planner counts them.
+        for key, measure in (("cublas_workspaces_mib", lambda: cublas_workspace_bytes(torch.device("cuda"))[0] / 2**20),
+                             ("bf16_matmul_tflops", matmul_tflops),
                              (f"build_{args.build_model}_bf16_s", lambda: build_seconds(args.build_model))):
             try:
                 record[key] = round(measure(), 2)

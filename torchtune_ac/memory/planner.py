@@ -111,6 +111,9 @@ class Workload:
     # A preference step (DPO) instead of the token loss: pairs of rows, and the reference model when resident.
     preference: Optional[PreferenceStep] = None
     tp_degree: int = 1
+    # Bytes of the cuBLAS workspaces the step's threads hold on a GPU (``runtime.process_memory``), which the
+    # simulation on fake tensors cannot see: counted with the step's other allocations (``transient``).
+    blas_workspaces: int = 0
 
     @property
     def rows(self) -> int:
@@ -588,7 +591,7 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         "optimizer": at_depth(lambda s: s.optimizer) / n / tp,
         "gradients": grads / tp,
         "activations": acts / tp,
-        "transient": (other + fsdp_extra) / tp + shallow.batch,
+        "transient": (other + fsdp_extra) / tp + shallow.batch + workload.blas_workspaces,
     }
     if tp > 1:
         for category, nbytes in tensor_parallel_share(plan, shallow, workload, phase).items():

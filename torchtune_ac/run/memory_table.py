@@ -41,6 +41,7 @@ from torchtune_ac.run.plan import (
     unmodelled_settings,
 )
 from torchtune_ac.runtime.distributed import FSDPConfig
+from torchtune_ac.runtime.process_memory import cublas_workspace_bytes
 from torchtune_ac.training.ac_config import ACConfig
 
 ASSUMPTIONS = (
@@ -64,6 +65,7 @@ class MemoryTable:
     notes: tuple[str, ...] = ()  # what this estimate leaves out of the config, printed before the assumptions
     ablation: tuple[tuple[str, MemoryEstimate], ...] = ()
     fixed_how: str = ""  # how the process's fixed cost was obtained (measured, or assumed)
+    blas_how: str = ""  # on CUDA: how the cuBLAS workspaces in transient were obtained ("": none, on a CPU)
     # index into estimates -> why the config's features refuse that AC setting (the row is shown, marked so)
     not_applicable: dict[int, str] = dataclasses.field(default_factory=dict)
     # The run's plan, as tune validate prints it (None: ac_mode: auto with nothing chosen, no budget or no fit).
@@ -136,7 +138,8 @@ class MemoryTable:
             out.append("reference: the DPO reference model's parameters, resident and sharded as the policy's "
                        "(dpo.reference: precomputed frees it)")
         out.append("activations: saved for backward and alive at the peak; transient: backward temporaries, a block's "
-                   "recompute, the loss's gradients, FSDP2's gathered parameters and reduce buffers; recompute: extra "
+                   "recompute, the loss's gradients, FSDP2's gathered parameters and reduce buffers"
+                   + (f", cuBLAS's workspaces ({self.blas_how})" if self.blas_how else "") + "; recompute: extra "
                    "matrix-multiply and attention FLOPs of the step; saved/fwd: what one forward keeps for backward; "
                    f"process: {self.fixed_how}.")
         if len(self.ablation) > 1:
@@ -208,8 +211,9 @@ def memory_table(cfg: TrainingConfig, *, world_size: int, budget_gib: Optional[f
              f"{describe_processes(cfg.fsdp, world_size, cfg.tensor_parallel_dim)}, batch "
              f"{cfg.batch_size} x {cfg.max_seq_len} tokens per process x {cfg.gradient_accumulation_steps} "
              f"accumulation step(s), {cfg.dtype.value}, {cfg.optimizer.path.rsplit('.', 1)[-1]}; {switches}")
+    blas, blas_how = cublas_workspace_bytes(planned_device(cfg.device))
     return MemoryTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size), tuple(ablation),
-                       fixed_how, not_applicable, run_plan, suggested_tp)
+                       fixed_how, blas_how if blas else "", not_applicable, run_plan, suggested_tp)
 
 
 def describe_processes(fsdp: FSDPConfig, world_size: int, tp_degree: int = 1) -> str:

@@ -35,7 +35,12 @@ from torchtune_ac.memory.planner import MemoryEstimate, PreferenceStep, Workload
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.runtime.distributed import resolve_device
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.runtime.process_memory import ASSUMED_CUDA_FIXED_BYTES, CPU_STEP_RUNTIME_BYTES, fixed_bytes
+from torchtune_ac.runtime.process_memory import (
+    ASSUMED_CUDA_FIXED_BYTES,
+    CPU_STEP_RUNTIME_BYTES,
+    cublas_workspace_bytes,
+    fixed_bytes,
+)
 from torchtune_ac.training.ac_config import ACConfig
 from torchtune_ac.training.tensor_parallel import check_tensor_parallel_degree
 
@@ -408,7 +413,8 @@ def planner_inputs(cfg: TrainingConfig, world_size: int, device: torch.device) -
                         # simulation cannot make on a CPU's kernels.
                         varlen=(bool(cfg.dataset.kwargs.get("packed", False))
                                 and planned_device(cfg.device).type == "cuda" and cfg.dtype is DType.BF16),
-                        preference=cfg.preference_step())
+                        preference=cfg.preference_step(),
+                        blas_workspaces=cublas_workspace_bytes(planned_device(cfg.device))[0])
     return PlannerInputs(
         build_model=lambda: cfg.model.instantiate_with_defaults(checkpoint_dir=cfg.checkpoint_dir),
         make_optimizer=cfg.optimizer.instantiate,

@@ -35,6 +35,11 @@ CPU_STEP_RUNTIME_BYTES = 96 * 2**20
 # A CUDA process's fixed cost where it cannot be measured (planning on a machine without the GPU): a CUDA 12
 # context with cuBLAS loaded takes about 0.5 GiB.
 ASSUMED_CUDA_FIXED_BYTES = 2**29
+# torch's cuBLAS workspace per handle on a GPU of compute capability 9 or newer (CUBLAS_WORKSPACE_CONFIG's default
+# ":4096:8"; cuBLASLt shares it), assumed where no GPU can be asked; and the threads of a step that multiply
+# matrices, each with a handle of its own: the forward's, and autograd's thread for the device in backward.
+ASSUMED_CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+STEP_BLAS_THREADS = 2
 
 
 def follow_live_tensors() -> bool:
@@ -60,3 +65,33 @@ def fixed_bytes(device: torch.device) -> int:
         free, total = torch.cuda.mem_get_info(device)
         return total - free
     return psutil.Process().memory_info().rss
+
+
+def cublas_workspace_bytes(device: torch.device) -> tuple[int, str]:
+    """The bytes of cuBLAS workspaces a training step on ``device`` holds in CUDA's caching allocator, and how
+    that was found, in words.
+
+    torch gives each (cuBLAS handle, stream) a workspace from the caching allocator at its first matrix multiply
+    and keeps it: inside ``max_memory_allocated``, outside the step's tensors. A step has two: the forward's thread
+    and autograd's device thread have a handle each (32 MiB each on an H100 by default). Measured where this
+    process has that GPU (the workspaces cleared, one product and its backward, the allocator's growth read);
+    else ``STEP_BLAS_THREADS`` x ``ASSUMED_CUBLAS_WORKSPACE_BYTES``. 0 on a CPU.
+    """
+    if device.type != "cuda":
+        return 0, "none on a CPU"
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if not torch.cuda.is_available() or clear is None:
+        return (STEP_BLAS_THREADS * ASSUMED_CUBLAS_WORKSPACE_BYTES,
+                f"assumed {STEP_BLAS_THREADS} x {ASSUMED_CUBLAS_WORKSPACE_BYTES // 2**20} MiB, torch's default on "
+                "compute capability 9 and newer: no GPU here to measure it")
+    device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+    with torch.cuda.device(device):
+        torch.cuda.synchronize()
+        clear()
+        before = torch.cuda.memory_allocated()
+        a = torch.ones(64, 64, device=device, requires_grad=True)
+        (a @ a).sum().backward()  # a product on this thread, and its gradients on autograd's device thread
+        del a
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated() - before
+    return grown, f"measured: {grown / 2**20:.0f} MiB for the step's threads (one product forward and backward)"

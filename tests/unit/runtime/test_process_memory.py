@@ -54,3 +54,46 @@ def test_a_cpu_plan_counts_the_resident_set_and_what_a_stepping_process_adds():
     counted, how = process_fixed_bytes(Device.CPU)
     assert abs(counted - CPU_STEP_RUNTIME_BYTES - psutil.Process().memory_info().rss) < 2**26
     assert "GiB for what a CPU process adds once it steps" in how
+
+
+def test_the_cublas_workspaces_are_none_on_a_cpu_and_assumed_where_no_gpu_can_be_asked(monkeypatch):
+    from torchtune_ac.runtime.process_memory import (
+        ASSUMED_CUBLAS_WORKSPACE_BYTES,
+        STEP_BLAS_THREADS,
+        cublas_workspace_bytes,
+    )
+
+    assert cublas_workspace_bytes(torch.device("cpu")) == (0, "none on a CPU")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    counted, how = cublas_workspace_bytes(torch.device("cuda"))
+    assert counted == STEP_BLAS_THREADS * ASSUMED_CUBLAS_WORKSPACE_BYTES == 64 * 2**20
+    assert how.startswith("assumed 2 x 32 MiB")
+
+
+def test_a_cuda_plan_counts_the_cublas_workspaces_in_its_transient_memory(monkeypatch):
+    """The same config planned for CUDA and for a CPU: the step differs by the two workspaces, in ``transient``;
+    and tune plan's legend says where they come from."""
+    import dataclasses
+
+    from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
+    from torchtune_ac.memory.planner import estimate_memory
+    from torchtune_ac.run.plan import planner_inputs
+    from torchtune_ac.training.ac_config import resolve_ac_plan
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # planned here for a GPU elsewhere
+    recipe = load_recipe(resolve_recipe_path("full_finetune"))
+    estimates = {}
+    for device in ("cuda", "cpu"):
+        cfg = load_recipe_config(recipe, "tiny/full", [f"device={device}", "max_seq_len=64", "batch_size=2"], [])
+        inputs = planner_inputs(cfg, 1, torch.device("cpu"))
+        plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode="full", ac_option=None, n_layers=8)
+        (estimates[device],) = estimate_memory(inputs.build_model, inputs.make_optimizer, inputs.workload, [plan])
+        assert inputs.workload.blas_workspaces == (64 * 2**20 if device == "cuda" else 0)
+    difference = {field.name: getattr(estimates["cuda"], field.name) - getattr(estimates["cpu"], field.name)
+                  for field in dataclasses.fields(estimates["cpu"]) if field.name in (
+                      "parameters", "optimizer", "gradients", "activations", "transient")}
+    assert difference == {"parameters": 0, "optimizer": 0, "gradients": 0, "activations": 0,
+                          "transient": 64 * 2**20}
+    cfg = load_recipe_config(recipe, "tiny/full", ["device=cuda", "max_seq_len=64", "batch_size=2"], [])
+    legend = "\n".join(recipe.plan(cfg, world_size=1, budget_gib=None).lines())
+    assert "cuBLAS's workspaces (assumed 2 x 32 MiB, torch's default on compute capability 9 and newer" in legend
