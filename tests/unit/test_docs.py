@@ -289,7 +289,8 @@ def test_every_command_a_page_shows_is_checked(page, monkeypatch):
 def test_the_pages_show_commands():
     """The extraction finds what the pages show (a test over nothing would pass)."""
     readme = [" ".join(argv) for _, argv in shown_commands(REPO / "README.md")]
-    assert readme[:3] == ["./scripts/quickstart.sh", "./scripts/test.sh", "tune ls"]
+    assert readme[:5] == ["./scripts/quickstart.sh", "./scripts/test.sh", "./scripts/gpu_wheels.sh 3.12",
+                          "./scripts/gpu_check.sh --out $OUT", "tune ls"]  # the GPU check's command (issue 28)
     assert "tune run --nproc_per_node 4 full_finetune --config my.yaml checkpoint_dir=/models/Meta-Llama-3-8B" in readme
     distributed = [argv for _, argv in shown_commands(REPO / "docs" / "distributed.md")]
     assert ["tune", "run", "--nnodes", "2", "--nproc_per_node", "8", "--rdzv-backend", "c10d", "--rdzv-endpoint",
