@@ -31,16 +31,22 @@ cd "$(dirname "$0")/.."
 OUT_DIR=bench_results
 FULL=0
 ONLY=""
+STAGES=",env,fast,offload,compiled,bench,"
+usage_error() { echo "gpu_check: $* (see --help)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
-    --out) OUT_DIR="$2"; shift 2 ;;
-    --out=*) OUT_DIR="${1#--out=}"; shift ;;
+    --out|--only) [ $# -ge 2 ] && [ -n "$2" ] || usage_error "$1 needs a value"
+                  if [ "$1" = --out ]; then OUT_DIR="$2"; else ONLY=",$2,"; fi; shift 2 ;;
+    --out=*) OUT_DIR="${1#--out=}"; [ -n "$OUT_DIR" ] || usage_error "--out needs a value"; shift ;;
+    --only=*) ONLY=",${1#--only=},"; [ "$ONLY" != ",," ] || usage_error "--only needs a value"; shift ;;
     --full) FULL=1; shift ;;
-    --only) ONLY=",$2,"; shift 2 ;;
-    --only=*) ONLY=",${1#--only=},"; shift ;;
     -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
-    *) echo "gpu_check: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    *) usage_error "unknown argument $1" ;;
   esac
+done
+IFS=, read -ra asked <<< "$ONLY"
+for stage in "${asked[@]}"; do
+  [ -z "$stage" ] || [[ "$STAGES" == *",$stage,"* ]] || usage_error "--only: no stage '$stage' (env, fast, offload, compiled, bench)"
 done
 PY="${PYTHON:-python3}"
 mkdir -p "$OUT_DIR"
@@ -71,7 +77,9 @@ run_stage() {  # name limit_s command...
   local start=$SECONDS
   timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee -a "$LOG"
   STATUS[$name]=${PIPESTATUS[0]}
-  say "stage $name: exit ${STATUS[$name]} after $((SECONDS - start)) s$([ "${STATUS[$name]}" -eq 124 ] && echo ' (time limit)')"
+  local why=""
+  case "${STATUS[$name]}" in 124) why=" (time limit)" ;; 137) why=" (killed: 20 s past its time limit, or out of memory)" ;; esac
+  say "stage $name: exit ${STATUS[$name]} after $((SECONDS - start)) s$why"
 }
 pytest_stage() {  # name limit_s pytest-arguments...
   local name="$1" limit="$2"; shift 2

@@ -1,6 +1,7 @@
 """The GPU check's plumbing, on a CPU (``scripts/gpu_check.sh``, ``scripts/gpu_report.py``): a GPU is lent for
 minutes, so what a CPU can show fails here first.
 
+* Bad arguments exit 2 with one line, before anything is written; without CUDA the check stops at once (exit 1).
 * The report turns each stage's JUnit XML into counts, and a stage whose XML is missing or cut short (pytest killed
   while writing it) is named, the other stages still reported.
 """
@@ -8,11 +9,56 @@ minutes, so what a CPU can show fails here first.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+def gpu_check(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("args", [["--bogus"], ["--out"], ["--out="], ["--only"], ["--only="],
+                                  ["--only", "fast,nope"], ["--out", "OUT", "--only", "compile"]])
+def test_bad_arguments_exit_2_with_one_line_and_write_nothing(args: list[str], tmp_path: Path) -> None:
+    before = written_by_default()
+    result = gpu_check(*[str(tmp_path / a) if a == "OUT" else a for a in args])
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: ") and "(see --help)" in lines[0], result.stderr
+    assert result.stdout == "" and not (tmp_path / "OUT").exists()
+    assert written_by_default() == before
+
+
+def written_by_default() -> dict[str, float]:
+    """What an empty ``--out`` would write to (the repository root) and the default output folder hold."""
+    return {str(p): p.stat().st_mtime for folder in (REPO, REPO / "bench_results") for p in folder.glob("gpu_*")}
+
+
+def test_help_exits_0_and_names_every_option() -> None:
+    result = gpu_check("--help")
+    assert result.returncode == 0, result.stderr
+    for option in ("--out DIR", "--full", "--only", "PYTHON"):
+        assert option in result.stdout, option
+    assert "set -uo" not in result.stdout  # the comment block alone
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_it_stops_before_any_stage_with_exit_1(tmp_path: Path) -> None:
+    result = gpu_check("--out", str(tmp_path / "out"))
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "gpu_check: no CUDA device", result.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.log"]
+    assert "stage" not in (tmp_path / "out" / "gpu_check.log").read_text()
 
 
 # ---------------------------------------------------------------------------------------------------- the report
