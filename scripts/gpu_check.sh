@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check, staged to fit a short loan of a GPU machine (docs/distributed.md, "Running on GPUs").
 #
-#   ./scripts/gpu_check.sh [--out DIR] [--full] [--only STAGE,...]
+#   ./scripts/gpu_check.sh [--out DIR] [--full] [--only STAGE,...] [--list]
 #   PYTHON=/opt/torch/.venv/bin/python3 ./scripts/gpu_check.sh --out "$OUT"
 #
 # Stages, in order of what each teaches per second; each runs under `timeout -s INT` (pytest still writes its
@@ -20,6 +20,8 @@
 # limits of stages 4 and 5 and runs every setting (unpacked benchmark too).
 #
 # --only env,compiled,...: those stages alone (a rerun of what failed; env always runs, it is cheap).
+# --list: print the tests each pytest stage selects ("STAGE test-id", with --full and --only as given) and
+# exit; needs no GPU and writes nothing (tests/integration/test_gpu_check.py checks every cuda test is in one).
 #
 # Output, at most 8 files, in DIR (default bench_results/): gpu_env.json, gpu_tests.json (every test's outcome
 # by stage, the device named), gpu_bench_train.json, gpu_check.log, and the JUnit XML of stages 2-4.
@@ -31,6 +33,7 @@ cd "$(dirname "$0")/.."
 OUT_DIR=bench_results
 FULL=0
 ONLY=""
+LIST=0
 STAGES=",env,fast,offload,compiled,bench,"
 usage_error() { echo "gpu_check: $* (see --help)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
@@ -40,7 +43,8 @@ while [ $# -gt 0 ]; do
     --out=*) OUT_DIR="${1#--out=}"; [ -n "$OUT_DIR" ] || usage_error "--out needs a value"; shift ;;
     --only=*) ONLY=",${1#--only=},"; [ "$ONLY" != ",," ] || usage_error "--only needs a value"; shift ;;
     --full) FULL=1; shift ;;
-    -h|--help) sed -n '2,28p' "$0"; exit 0 ;;
+    --list) LIST=1; shift ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) usage_error "unknown argument $1" ;;
   esac
 done
@@ -49,6 +53,10 @@ for stage in "${asked[@]}"; do
   [ -z "$stage" ] || [[ "$STAGES" == *",$stage,"* ]] || usage_error "--only: no stage '$stage' (env, fast, offload, compiled, bench)"
 done
 PY="${PYTHON:-python3}"
+if [ "$LIST" -eq 1 ]; then
+  OUT_DIR="$(mktemp -d /tmp/gpu_check_list.XXXXXX)"  # pytest writes nothing here; the stages' plumbing needs a folder
+  trap 'rm -rf "$OUT_DIR"' EXIT
+fi
 mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 LOG="$OUT_DIR/gpu_check.log"
@@ -65,14 +73,17 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device')" 2>&1 | tee -a "$LOG"
-[ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+if [ "$LIST" -eq 0 ]; then
+  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA device')" 2>&1 | tee -a "$LOG"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || exit 1
+fi
 
 scale=$((FULL + 1))
 declare -A STATUS
 run_stage() {  # name limit_s command...
   local name="$1" limit="$2"; shift 2
   if [ -n "$ONLY" ] && [ "$name" != env ] && [[ "$ONLY" != *",${name%%_*},"* ]]; then return; fi
+  [ "$LIST" -eq 0 ] || return 0
   say "stage $name (limit ${limit} s): $*"
   local start=$SECONDS
   timeout -s INT -k 20 "$limit" "$@" 2>&1 | tee -a "$LOG"
@@ -83,6 +94,13 @@ run_stage() {  # name limit_s command...
 }
 pytest_stage() {  # name limit_s pytest-arguments...
   local name="$1" limit="$2"; shift 2
+  if [ "$LIST" -eq 1 ]; then
+    if [ -n "$ONLY" ] && [[ "$ONLY" != *",$name,"* ]]; then return; fi
+    "$PY" -m pytest -m cuda --collect-only -q -p no:cacheprovider -o addopts="" "$@" > "$OUT_DIR/list.txt" 2>&1 \
+      || { cat "$OUT_DIR/list.txt" >&2; echo "gpu_check: --list: collecting stage $name failed" >&2; exit 1; }
+    sed -n "s|^\(tests/[^ ]*::[^ ]*\)\$|$name \1|p" "$OUT_DIR/list.txt"
+    return
+  fi
   run_stage "$name" "$limit" "$PY" -m pytest -m cuda -v -p no:cacheprovider -o addopts="" -rfE \
     --junitxml "$OUT_DIR/gpu_$name.xml" "$@"
 }
@@ -104,6 +122,7 @@ run_stage bench $((150 * scale)) "$PY" "${BENCH[@]}" --packed --out-json "$OUT_D
 if [ "$FULL" -eq 1 ]; then
   run_stage bench_unpacked 150 "$PY" "${BENCH[@]}" --out-json "$OUT_DIR/gpu_bench_train_unpacked.json"
 fi
+[ "$LIST" -eq 0 ] || exit 0
 
 "$PY" scripts/gpu_report.py --out "$OUT_DIR/gpu_tests.json" "$OUT_DIR"/gpu_fast.xml "$OUT_DIR"/gpu_offload.xml \
   "$OUT_DIR"/gpu_compiled.xml 2>&1 | tee -a "$LOG"

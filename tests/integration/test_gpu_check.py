@@ -2,6 +2,9 @@
 minutes, so what a CPU can show fails here first.
 
 * Bad arguments exit 2 with one line, before anything is written; without CUDA the check stops at once (exit 1).
+* ``--list``: every ``cuda``-marked test of the suite is in exactly one pytest stage of ``--full``, and the default
+  run leaves out only ``tune run`` settings (its documented subset). A new ``cuda`` test in a file no stage names,
+  or a ``-k`` expression that no longer matches the test ids, fails here.
 * The report turns each stage's JUnit XML into counts, and a stage whose XML is missing or cut short (pytest killed
   while writing it) is named, the other stages still reported.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,7 +51,7 @@ def written_by_default() -> dict[str, float]:
 def test_help_exits_0_and_names_every_option() -> None:
     result = gpu_check("--help")
     assert result.returncode == 0, result.stderr
-    for option in ("--out DIR", "--full", "--only", "PYTHON"):
+    for option in ("--out DIR", "--full", "--only", "--list", "PYTHON"):
         assert option in result.stdout, option
     assert "set -uo" not in result.stdout  # the comment block alone
 
@@ -59,6 +63,45 @@ def test_without_cuda_it_stops_before_any_stage_with_exit_1(tmp_path: Path) -> N
     assert result.stdout.strip().splitlines()[-1] == "gpu_check: no CUDA device", result.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.log"]
     assert "stage" not in (tmp_path / "out" / "gpu_check.log").read_text()
+
+
+def stage_selection(*args: str) -> dict[str, list[str]]:
+    result = gpu_check("--list", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stages: dict[str, list[str]] = {}
+    for line in result.stdout.splitlines():
+        if re.match(r"^\w+ tests/\S+::\S+$", line):
+            stage, test = line.split(" ")
+            stages.setdefault(stage, []).append(test)
+    return stages
+
+
+def cuda_tests() -> set[str]:
+    """Every ``cuda``-marked test of the suite, as pytest collects it (the files that can hold one: the GPU suite,
+    and any test file that names the marker)."""
+    files = sorted({str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
+                    if p.parent.name == "gpu" or "mark.cuda" in p.read_text()})
+    result = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "--collect-only", "-q",
+                             "-p", "no:cacheprovider", "-o", "addopts=", *files],
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return {line for line in result.stdout.splitlines() if re.match(r"^tests/\S+::\S+$", line)}
+
+
+@pytest.mark.slow
+def test_every_cuda_test_is_in_exactly_one_stage_and_the_default_run_drops_only_tune_runs() -> None:
+    expected = cuda_tests()
+    full = stage_selection("--full")
+    assert sorted(full) == ["compiled", "fast", "offload"]
+    listed = [test for tests in full.values() for test in tests]
+    assert len(listed) == len(set(listed)), "a test in two stages"
+    assert set(listed) == expected, (sorted(expected - set(listed)), sorted(set(listed) - expected))
+    # The default run differs in the compiled stage alone, and leaves out some tune run settings, nothing else.
+    default = stage_selection("--only", "compiled")
+    assert set(default) == {"compiled"}
+    left_out = set(full["compiled"]) - set(default["compiled"])
+    assert set(default["compiled"]) < set(full["compiled"]) and left_out
+    assert all(test.startswith("tests/gpu/test_tune_run_cuda.py::") for test in left_out), left_out
 
 
 # ---------------------------------------------------------------------------------------------------- the report
