@@ -29,6 +29,7 @@
 # PYTHON: the interpreter with CUDA torch (default: python3). Wheels in .whl/ (./scripts/gpu_wheels.sh fetches
 # them where pip works) are unpacked with `python -m zipfile`, not pip, into a private folder on PYTHONPATH.
 set -uo pipefail
+CALLER_DIR="$PWD"  # a relative --out is the caller's; the default, bench_results/, the repository's
 cd "$(dirname "$0")/.."
 OUT_DIR=bench_results
 FULL=0
@@ -39,8 +40,10 @@ usage_error() { echo "gpu_check: $* (see --help)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --out|--only) [ $# -ge 2 ] && [ -n "$2" ] || usage_error "$1 needs a value"
-                  if [ "$1" = --out ]; then OUT_DIR="$2"; else ONLY=",$2,"; fi; shift 2 ;;
-    --out=*) OUT_DIR="${1#--out=}"; [ -n "$OUT_DIR" ] || usage_error "--out needs a value"; shift ;;
+                  if [ "$1" = --out ]; then OUT_DIR="$(cd "$CALLER_DIR" && realpath -m -- "$2")"; else ONLY=",$2,"; fi
+                  shift 2 ;;
+    --out=*) [ -n "${1#--out=}" ] || usage_error "--out needs a value"
+             OUT_DIR="$(cd "$CALLER_DIR" && realpath -m -- "${1#--out=}")"; shift ;;
     --only=*) ONLY=",${1#--only=},"; [ "$ONLY" != ",," ] || usage_error "--only needs a value"; shift ;;
     --full) FULL=1; shift ;;
     --list) LIST=1; shift ;;

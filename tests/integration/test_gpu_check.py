@@ -63,6 +63,13 @@ def test_without_cuda_it_stops_before_any_stage_with_exit_1(tmp_path: Path) -> N
     assert result.stdout.strip().splitlines()[-1] == "gpu_check: no CUDA device", result.stdout
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.log"]
     assert "stage" not in (tmp_path / "out" / "gpu_check.log").read_text()
+    # A relative --out is where the caller is, not in the repository (the script runs from its root).
+    before = written_by_default()
+    for out in (["--out", "relative"], ["--out=relative_too"]):
+        assert gpu_check(*out, cwd=tmp_path).returncode == 1
+    assert (tmp_path / "relative" / "gpu_check.log").is_file() and (tmp_path / "relative_too" / "gpu_check.log").is_file()
+    assert not (REPO / "relative").exists() and not (REPO / "relative_too").exists()
+    assert written_by_default() == before
 
 
 def stage_selection(*args: str) -> dict[str, list[str]]:
