@@ -375,6 +375,8 @@ BF16_PEAK_TFLOPS = {"H200": 989.0, "H100 SXM": 989.0, "H100 80GB HBM3": 989.0, "
                     "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0, "RTX 4090": 165.0, "A10": 125.0}
 PLAN_TARGET = 0.15
 MFU_TARGET = 0.40
+# The device of ``--device cuda`` (a test stands the CPU in, with torch.cuda's counters stubbed, to run its calls).
+CUDA_DEVICE = torch.device("cuda")
 
 
 def device_peak_tflops(name: str, given: Optional[float]) -> float:
@@ -446,7 +448,7 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
     from torchtune_ac.memory.planner import Workload, estimate_memory
     from torchtune_ac.runtime.process_memory import fixed_bytes
 
-    device = torch.device("cuda")
+    device = CUDA_DEVICE
     dtype = DType.BF16 if args.dtype == "bf16" else DType.FP32
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()

@@ -52,8 +52,9 @@ def matmul_tflops(n: int = 8192, repeats: int = 10) -> float:
     return 2 * n**3 * repeats / (time.perf_counter() - start) / 1e12
 
 
-def build_seconds(model: str) -> float:
-    """The recipe's build of ``model`` on this GPU in bf16, initialised from a seed (no checkpoint)."""
+def build_seconds(model: str, device: torch.device = torch.device("cuda")) -> float:
+    """The recipe's build of ``model`` on ``device`` (this GPU) in bf16, initialised from a seed (no checkpoint).
+    A CPU ``device`` runs the same calls without a GPU (tests/integration/test_gpu_suite_on_cpu.py)."""
     from torchtune_ac.config.components import Component
     from torchtune_ac.config.meta_model import build_meta_model
     from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan
@@ -62,17 +63,19 @@ def build_seconds(model: str) -> float:
     from torchtune_ac.runtime.dtypes import DType
     from torchtune_ac.training import ACConfig
 
-    device = torch.device("cuda")
+    on_cuda = device.type == "cuda"
     component = Component(key="model", path=f"torchtune_ac.models.{model}")
     plan = resolve_memory_plan(ACConfig(), MemoryConfig(), build_meta_model(component), clip_grad_norm=None,
-                               dtype=torch.bfloat16, device="cuda")
+                               dtype=torch.bfloat16, device=device.type)
     start = time.perf_counter()
     built = build_training(build_meta_model(component), ctx=DistributedContext(0, 1, 0, device), dtype=DType.BF16,
                            memory=plan, fsdp=FSDPConfig(), compile_blocks=False, checkpoint_dir=None, seed=0).model
-    torch.cuda.synchronize()
+    if on_cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     del built
-    torch.cuda.empty_cache()
+    if on_cuda:
+        torch.cuda.empty_cache()
     return seconds
 
 

@@ -1,6 +1,7 @@
 """Turn the GPU check's JUnit XML files (one per stage) into one JSON report: each test's stage, outcome, time and
 message, with the device, torch and CUDA versions named. A stage stopped at its time limit still wrote its XML;
-a stage that wrote none is listed as missing.
+a stage that wrote none is listed as missing, and one whose XML cannot be parsed (pytest killed while writing it)
+as unreadable, with the parser's error: the other stages are still reported.
 
     python scripts/gpu_report.py --out bench_results/gpu_tests.json DIR/gpu_fast.xml DIR/gpu_offload.xml ...
 """
@@ -35,12 +36,15 @@ def read_stage(xml_path: Path) -> list[dict]:
 
 
 def main(xml_paths: list[Path], out_path: Path, env_path: Path | None = None) -> None:
-    tests, missing = [], []
+    tests, missing, unreadable = [], [], {}
     for path in xml_paths:
-        if path.is_file():
-            tests += read_stage(path)
-        else:
+        if not path.is_file():
             missing.append(path.name)
+            continue
+        try:
+            tests += read_stage(path)
+        except ET.ParseError as error:
+            unreadable[path.name] = str(error)
     machine = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                "torch": torch.__version__, "cuda": torch.version.cuda, "date": time.strftime("%Y-%m-%d")}
     if env_path is not None:  # reported elsewhere than where the tests ran: the machine as gpu_env.py recorded it
@@ -48,11 +52,12 @@ def main(xml_paths: list[Path], out_path: Path, env_path: Path | None = None) ->
         machine = {key: env.get(key) for key in ("device", "torch", "cuda")} | {"date": env["date"][:10]}
     report = {**machine,
               "counts": {k: sum(t["outcome"] == k for t in tests) for k in ("passed", "failed", "error", "skipped")},
-              "missing_stages": missing, "tests": tests}
+              "missing_stages": missing, "unreadable_stages": unreadable, "tests": tests}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(report, indent=2) + "\n")
     print(f"gpu_report: {report['counts']} on {report['device']}"
-          f"{'; no XML from ' + ', '.join(missing) if missing else ''} -> {out_path}")
+          f"{'; no XML from ' + ', '.join(missing) if missing else ''}"
+          f"{'; unreadable XML from ' + ', '.join(unreadable) if unreadable else ''} -> {out_path}")
 
 
 if __name__ == "__main__":

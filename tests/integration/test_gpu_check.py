@@ -1,0 +1,152 @@
+"""The GPU check's plumbing, on a CPU (``scripts/gpu_check.sh``, ``scripts/gpu_report.py``): a GPU is lent for
+minutes, so what a CPU can show fails here first.
+
+* Bad arguments exit 2 with one line, before anything is written; without CUDA the check stops at once (exit 1).
+* ``--list``: every ``cuda``-marked test of the suite is in exactly one pytest stage of ``--full``, and the default
+  run leaves out only ``tune run`` settings (its documented subset). A new ``cuda`` test in a file no stage names,
+  or a ``-k`` expression that no longer matches the test ids, fails here.
+* The report turns each stage's JUnit XML into counts, and a stage whose XML is missing or cut short (pytest killed
+  while writing it) is named, the other stages still reported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+def gpu_check(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": sys.executable}
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, cwd=cwd,
+                          timeout=300)
+
+
+@pytest.mark.parametrize("args", [["--bogus"], ["--out"], ["--out="], ["--only"], ["--only="],
+                                  ["--only", "fast,nope"], ["--out", "OUT", "--only", "compile"]])
+def test_bad_arguments_exit_2_with_one_line_and_write_nothing(args: list[str], tmp_path: Path) -> None:
+    before = written_by_default()
+    result = gpu_check(*[str(tmp_path / a) if a == "OUT" else a for a in args])
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("gpu_check: ") and "(see --help)" in lines[0], result.stderr
+    assert result.stdout == "" and not (tmp_path / "OUT").exists()
+    assert written_by_default() == before
+
+
+def written_by_default() -> dict[str, float]:
+    """What an empty ``--out`` would write to (the repository root) and the default output folder hold."""
+    return {str(p): p.stat().st_mtime for folder in (REPO, REPO / "bench_results") for p in folder.glob("gpu_*")}
+
+
+def test_help_exits_0_and_names_every_option() -> None:
+    result = gpu_check("--help")
+    assert result.returncode == 0, result.stderr
+    for option in ("--out DIR", "--full", "--only", "--list", "PYTHON"):
+        assert option in result.stdout, option
+    assert "set -uo" not in result.stdout  # the comment block alone
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")
+def test_without_cuda_it_stops_before_any_stage_with_exit_1(tmp_path: Path) -> None:
+    result = gpu_check("--out", str(tmp_path / "out"))
+    assert result.returncode == 1, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "gpu_check: no CUDA device", result.stdout
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["gpu_check.log"]
+    assert "stage" not in (tmp_path / "out" / "gpu_check.log").read_text()
+    # A relative --out is where the caller is, not in the repository (the script runs from its root).
+    before = written_by_default()
+    for out in (["--out", "relative"], ["--out=relative_too"]):
+        assert gpu_check(*out, cwd=tmp_path).returncode == 1
+    assert (tmp_path / "relative" / "gpu_check.log").is_file() and (tmp_path / "relative_too" / "gpu_check.log").is_file()
+    assert not (REPO / "relative").exists() and not (REPO / "relative_too").exists()
+    assert written_by_default() == before
+
+
+def stage_selection(*args: str) -> dict[str, list[str]]:
+    result = gpu_check("--list", *args)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stages: dict[str, list[str]] = {}
+    for line in result.stdout.splitlines():
+        if re.match(r"^\w+ tests/\S+::\S+$", line):
+            stage, test = line.split(" ")
+            stages.setdefault(stage, []).append(test)
+    return stages
+
+
+def cuda_tests() -> set[str]:
+    """Every ``cuda``-marked test of the suite, as pytest collects it (the files that can hold one: the GPU suite,
+    and any test file that names the marker)."""
+    files = sorted({str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
+                    if p.parent.name == "gpu" or "mark.cuda" in p.read_text()})
+    result = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "--collect-only", "-q",
+                             "-p", "no:cacheprovider", "-o", "addopts=", *files],
+                            capture_output=True, text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:]
+    return {line for line in result.stdout.splitlines() if re.match(r"^tests/\S+::\S+$", line)}
+
+
+@pytest.mark.slow
+def test_every_cuda_test_is_in_exactly_one_stage_and_the_default_run_drops_only_tune_runs() -> None:
+    expected = cuda_tests()
+    full = stage_selection("--full")
+    assert sorted(full) == ["compiled", "fast", "offload"]
+    listed = [test for tests in full.values() for test in tests]
+    assert len(listed) == len(set(listed)), "a test in two stages"
+    assert set(listed) == expected, (sorted(expected - set(listed)), sorted(set(listed) - expected))
+    # The default run differs in the compiled stage alone, and leaves out some tune run settings, nothing else.
+    default = stage_selection("--only", "compiled")
+    assert set(default) == {"compiled"}
+    left_out = set(full["compiled"]) - set(default["compiled"])
+    assert set(default["compiled"]) < set(full["compiled"]) and left_out
+    assert all(test.startswith("tests/gpu/test_tune_run_cuda.py::") for test in left_out), left_out
+
+
+# ---------------------------------------------------------------------------------------------------- the report
+
+STAGE_TESTS = """
+import pytest
+
+def test_passes():
+    assert True
+
+def test_fails():
+    assert 1 == 2, "one is not two"
+
+@pytest.mark.skip(reason="not here")
+def test_skipped():
+    pass
+"""
+
+
+def test_the_report_counts_each_stage_and_names_missing_and_unreadable_xml(tmp_path: Path) -> None:
+    (tmp_path / "test_stage.py").write_text(STAGE_TESTS)
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+                    "--rootdir", str(tmp_path), "--junitxml", str(tmp_path / "gpu_fast.xml"),
+                    str(tmp_path / "test_stage.py")], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    whole = (tmp_path / "gpu_fast.xml").read_text()
+    (tmp_path / "gpu_offload.xml").write_text(whole[: len(whole) // 2])  # killed while writing it
+    (tmp_path / "gpu_bench.xml").write_text("")
+    out = tmp_path / "report" / "gpu_tests.json"
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_report.py"), "--out", str(out),
+                             *(str(tmp_path / f"gpu_{stage}.xml") for stage in ("fast", "offload", "compiled", "bench"))],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    report = json.loads(out.read_text())
+    assert report["counts"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 1}
+    assert {t["test"].rsplit("::", 1)[1]: t["outcome"] for t in report["tests"]} == {
+        "test_passes": "passed", "test_fails": "failed", "test_skipped": "skipped"}
+    assert all(t["stage"] == "fast" for t in report["tests"])
+    assert "one is not two" in next(t["message"] for t in report["tests"] if t["outcome"] == "failed")
+    assert report["missing_stages"] == ["gpu_compiled.xml"]
+    assert sorted(report["unreadable_stages"]) == ["gpu_bench.xml", "gpu_offload.xml"]
+    assert "unreadable XML from gpu_offload.xml, gpu_bench.xml" in result.stdout

@@ -1,0 +1,95 @@
+"""What the GPU suite and the GPU check call that needs no GPU, called here on a CPU.
+
+A GPU is lent for minutes (``scripts/gpu_check.sh``), and on a CPU every ``cuda`` test is skipped, so a renamed
+function, a changed signature or a config key that no longer validates would first show there. These tests make
+the same calls on the CPU: ``test_tune_run_cuda``'s overrides through ``tune validate`` and its planner helper,
+``test_offload``'s CUDA overrides, ``gpu_env.py``'s 1B-class build and ``bench_train.py --device cuda``'s whole
+path. Nothing a GPU measures is imitated: where the benchmark reads ``torch.cuda``'s memory counters they are
+stubbed, and only what the CPU computes (losses, the plan, the report's fields) is checked.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from finetune_runs import SHORT_RUN, run_tune_in_process
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def import_from(folder: Path, name: str):
+    """A test module or script by name, from ``folder`` (the GPU suite's conftest puts these folders on the path)."""
+    for path in (folder, REPO / "tests" / "unit" / "models", REPO / "tests" / "integration"):
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
+    return importlib.import_module(name)
+
+
+def validate(*overrides: str) -> None:
+    result = run_tune_in_process(["validate", "--config", "tiny/full", *overrides])
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_tune_run_cuda_overrides_validate_and_its_plan_helper_runs(tmp_path: Path, embedded_checkpoint: Path) -> None:
+    gpu_test = import_from(REPO / "tests" / "gpu", "test_tune_run_cuda")
+    documents = tmp_path / "documents.txt"
+    documents.write_text("\n\n".join(" ".join(["alpha", "river", "stone"] * 300) for _ in range(4)) + "\n")
+    planned = {}
+    for packed in (False, True):
+        for ac in sorted(gpu_test.AC):
+            args = gpu_test.overrides(tmp_path / "out", embedded_checkpoint, documents, packed, ac)
+            validate(*args)
+            if packed:  # the plan of a packed bf16 CUDA run (varlen_attn's K/V copies counted where torch makes them)
+                planned[ac] = gpu_test.planned_step_bytes(args)
+    # llama_small (32 M parameters) in bf16 with AdamW: more than its weights, gradients and bf16 states (8 bytes a
+    # parameter); per-op AC keeps the matmuls' outputs, which full AC recomputes.
+    assert all(value > 8 * 32e6 for value in planned.values()), planned
+    assert planned["full"] < planned["per_op"], planned
+
+
+@pytest.mark.parametrize("overrides", [("fsdp.cpu_offload=true",),
+                                       ("fsdp.cpu_offload=true", "optimizer_in_bwd=true", "clip_grad_norm=null"),
+                                       ("enable_activation_offloading=true",)],
+                         ids=["cpu_offload", "cpu_offload_in_backward", "activation_offloading"])
+def test_offload_cuda_overrides_validate(overrides: tuple[str, ...], tmp_path: Path) -> None:
+    offload_test = import_from(REPO / "tests" / "integration", "test_offload")
+    validate(*SHORT_RUN, f"output_dir={tmp_path / 'out'}", *offload_test.CUDA_RUN, *overrides)
+
+
+def test_gpu_env_build_runs_the_recipe_build() -> None:
+    gpu_env = import_from(REPO / "scripts", "gpu_env")
+    seconds = gpu_env.build_seconds("llama_tiny", device=torch.device("cpu"))
+    assert 0 < seconds < 600
+
+
+def test_bench_train_cuda_path_runs_with_the_memory_counters_stubbed(tmp_path: Path, monkeypatch) -> None:
+    """The gpu_check's setting (packed rows, bf16, AC full and none), tiny and eager."""
+    bench_train = import_from(REPO / "scripts", "bench_train")
+    monkeypatch.setattr(bench_train, "CUDA_DEVICE", torch.device("cpu"))
+    stubs = {"is_available": lambda: True, "synchronize": lambda *a, **k: None, "empty_cache": lambda *a, **k: None,
+             "reset_peak_memory_stats": lambda *a, **k: None, "max_memory_allocated": lambda *a, **k: 2**30,
+             "max_memory_reserved": lambda *a, **k: 2**31, "set_sync_debug_mode": lambda *a, **k: None,
+             "get_device_name": lambda *a, **k: "NVIDIA H100 80GB HBM3",
+             "get_device_properties": lambda *a, **k: type("Properties", (), {"total_memory": 80 * 2**30})}
+    for name, stub in stubs.items():
+        monkeypatch.setattr(torch.cuda, name, stub)
+    out = tmp_path / "gpu_bench_train.json"
+    bench_train.main(["--device", "cuda", "--model", "llama_tiny", "--batch-size", "2", "--seq-len", "64",
+                      "--steps", "1", "--warmup", "1", "--settings", "full,none", "--compile", "false",
+                      "--out-json", str(out), "--packed"])
+    report = json.loads(out.read_text())
+    assert report["config"]["packed"] is True and report["config"]["peak_tflops"] == 989.0
+    results = {r["setting"]: r for r in report["results"]}
+    assert sorted(results) == ["full", "none"]
+    for r in results.values():
+        assert len(r["losses"]) == 2 and all(math.isfinite(loss) for loss in r["losses"])
+        assert r["recompiles"] == 0 and r["planned_step_gib"] > 0 and r["mfu"] > 0
+    # The same weights and batches under either AC setting: the first step's loss is the same.
+    assert results["full"]["losses"][0] == pytest.approx(results["none"]["losses"][0], rel=1e-2)
+    assert results["full"]["planned_step_gib"] < results["none"]["planned_step_gib"]
