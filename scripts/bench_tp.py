@@ -120,7 +120,7 @@ def cpu_rank(rank: int, world_size: int, store: Optional[str], options: dict, ou
         meta = LLAMA.build(args)
     mesh = build_device_mesh("cpu", world_size, 1, world_size) if world_size > 1 else None
     model = build(meta, cpu, DType.FP32, mesh, world_size)
-    ctx = DistributedContext(rank, world_size, 0, cpu)
+    ctx = DistributedContext(rank, world_size, 0, cpu, tp_degree=world_size)  # one tensor-parallel group
     stepper = OptimizerStepper(torch.optim.AdamW(model.parameters(), lr=1e-4))
     objective = loss_objective(options["loss_chunks"])
     batch = make_batch(args.vocab_size, 1, options["seq_len"], cpu, seed=0)
@@ -220,7 +220,6 @@ def run_throughput(options: dict) -> Optional[dict]:
         if cuda:
             torch.cuda.synchronize()
 
-    ctx = DistributedContext(rank, world_size, rank, device)
     builder = getattr(models, options["model"])
     objective = ChunkedCrossEntropyObjective(8)
     dtype = DType.BF16 if cuda else DType.FP32
@@ -233,7 +232,9 @@ def run_throughput(options: dict) -> Optional[dict]:
         stepper = OptimizerStepper(torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda))
         # FSDP 2: each rank its own rows; TP 2: both ranks the same rows (one data-parallel rank).
         dp_rank = rank if tp == 1 else 0
-        layouts[name] = {"model": model, "stepper": stepper, "dp_rank": dp_rank, "times": [], "step_peak": 0}
+        # The context of the layout: under TP 2 the two ranks are one group (its token counts are not doubled).
+        layouts[name] = {"model": model, "stepper": stepper, "dp_rank": dp_rank, "times": [], "step_peak": 0,
+                         "ctx": DistributedContext(rank, world_size, rank, device, tp_degree=tp)}
     vocab = family_of(layouts["fsdp2"]["model"]).args_of(layouts["fsdp2"]["model"]).vocab_size
     for step in range(options["warmup"] + options["steps"]):
         for name in (("fsdp2", "tp2") if step % 2 == 0 else ("tp2", "fsdp2")):
@@ -245,7 +246,7 @@ def run_throughput(options: dict) -> Optional[dict]:
                 torch.cuda.reset_peak_memory_stats(device)
                 before = torch.cuda.memory_allocated(device)
             start = time.perf_counter()
-            train_step(layout["model"], layout["stepper"], [batch], ctx=ctx, objective=objective)
+            train_step(layout["model"], layout["stepper"], [batch], ctx=layout["ctx"], objective=objective)
             synchronize()
             if step >= options["warmup"]:
                 layout["times"].append(time.perf_counter() - start)
