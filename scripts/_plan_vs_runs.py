@@ -23,13 +23,17 @@ import sys
 import tempfile
 from pathlib import Path
 
-# (label, overrides of the workload, budget in GiB). llama_small at 2 x 1024 with 1.25 GiB is the case.
+# (label, overrides of the workload, budgets in GiB, processes). llama_small at 2 x 1024 with 1.25 GiB is the
+# speed issue's case; under tensor parallelism (2 processes, one group) the plan's split of each part is checked
+# against each process's peak (the largest of the launcher's children).
+SMALL = ("model._component_=torchtune_ac.models.llama_small", "checkpoint_dir=null", "max_seq_len=1024",
+         "batch_size=2")
 RUNS = (
-    ("llama_small, packed 2 x 1024", ("model._component_=torchtune_ac.models.llama_small", "checkpoint_dir=null",
-                                      "max_seq_len=1024", "batch_size=2"), (1.25, 1.40, 1.70)),
+    ("llama_small, packed 2 x 1024", SMALL, (1.25, 1.40, 1.70), 1),
     ("llama_small_32k, packed 2 x 1024", ("model._component_=torchtune_ac.models.llama_small_32k",
-                                          "checkpoint_dir=null", "max_seq_len=1024", "batch_size=2"), (1.30,)),
-    ("6.6 M GQA Llama, packed 4 x 512", (), (1.0,)),
+                                          "checkpoint_dir=null", "max_seq_len=1024", "batch_size=2"), (1.30,), 1),
+    ("6.6 M GQA Llama, packed 4 x 512", (), (1.0,), 1),
+    ("llama_small, TP 2, packed 2 x 1024", (*SMALL, "tensor_parallel_dim=2"), (0.80, 0.95, 1.10), 2),
 )
 STEPS = 8
 # "per-op" in a plan's row is ac_mode: selective, ac_option: op; "every 2nd block" is ac_option: 2.
@@ -69,25 +73,27 @@ def run_plan_vs_runs(seed: int, progress=lambda text: None) -> list[dict]:
     with tempfile.TemporaryDirectory(prefix="bench_plan_runs_") as tmp:
         scratch = Path(tmp)
         config = str(_against.write_workload(scratch, seed))
-        for label, overrides, budgets in RUNS:
+        for label, overrides, budgets, nproc in RUNS:
             for budget in budgets:
                 progress(f"{label}, budget {budget:g} GiB")
                 common = ["--config", config, *overrides]
-                plan_out, _, _ = _tune(["plan", *common, "--budget-gib", str(budget)], scratch)
+                plan_out, _, _ = _tune(["plan", *common, "--nproc", str(nproc), "--budget-gib", str(budget)], scratch)
                 picked = PICKED.search(plan_out)
                 if picked is None:
                     raise RuntimeError(f"tune plan picked no row:\n{plan_out}")
                 # tune plan prints GiB, or MiB for a small model (its header says which).
                 per_gib = 1024 if re.search(r"^estimated MiB per process", plan_out, re.M) else 1
                 setting, planned = picked["setting"].strip(), float(picked["device"]) / per_gib
-                run = ["run", "full_finetune", *common, f"max_steps_per_epoch={STEPS}"]
+                run = ["run", *(("--nproc_per_node", str(nproc)) if nproc > 1 else ()), "full_finetune", *common,
+                       f"max_steps_per_epoch={STEPS}"]
                 _, err, with_budget = _tune([*run, f"output_dir={scratch}/budget", "ac_mode=auto",
                                              f"ac_memory_budget_gib={budget}"], scratch)
                 estimate = float(CHOSE.search(err)["estimate"])
                 _, _, without = _tune([*run, f"output_dir={scratch}/plain", *_setting_overrides(setting)], scratch)
                 for name in ("budget", "plain"):
                     subprocess.run(["rm", "-rf", str(scratch / name)], check=True)
-                rows.append({"workload": label, "budget_gib": budget, "setting": setting, "planned_gib": planned,
+                rows.append({"workload": label, "processes": nproc, "budget_gib": budget, "setting": setting,
+                             "planned_gib": planned,
                              "run_estimate_gib": estimate, "peak_with_budget_gib": with_budget / 2**30,
                              "peak_without_budget_gib": without / 2**30})
     for row in rows:
@@ -98,10 +104,10 @@ def run_plan_vs_runs(seed: int, progress=lambda text: None) -> list[dict]:
 
 
 def format_rows(rows: list[dict]) -> str:
-    lines = [f"{'workload':<34} {'budget':>6} {'auto picks':<16} {'tune plan':>9} {'run est.':>8} "
+    lines = [f"{'workload':<36} {'budget':>6} {'auto picks':<16} {'tune plan':>9} {'run est.':>8} "
              f"{'peak, budget':>12} {'est./peak':>9} {'peak, none':>10} {'est./peak':>9}"]
     for r in rows:
-        lines.append(f"{r['workload']:<34} {r['budget_gib']:>6.2f} {r['setting']:<16} {r['planned_gib']:>9.2f} "
+        lines.append(f"{r['workload']:<36} {r['budget_gib']:>6.2f} {r['setting']:<16} {r['planned_gib']:>9.2f} "
                      f"{r['run_estimate_gib']:>8.2f} {r['peak_with_budget_gib']:>12.2f} "
                      f"{r['estimate_over_peak_with_budget']:>9.2f} {r['peak_without_budget_gib']:>10.2f} "
                      f"{r['estimate_over_peak_without_budget']:>9.2f}")

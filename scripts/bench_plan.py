@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_plan.py                      # llama_small and llama_small_32k (~10 min)
     .venv/bin/python scripts/bench_plan.py --models llama_small --seq-len 512
-    .venv/bin/python scripts/bench_plan.py --runs     # tune plan against whole tune runs, budget or not (~10 min)
+    .venv/bin/python scripts/bench_plan.py --runs     # tune plan against whole tune runs, budget or not, TP 2 too (~16 min)
 
 For each model and every AC setting ``tune plan`` lists (none, per-op, every k-th block, full), with the loss
 chunked as the model's default says:
