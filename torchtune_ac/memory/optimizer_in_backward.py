@@ -122,6 +122,11 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """
         if not self._squared_norms:
             raise RuntimeError("no parameter was stepped in backward: call begin_micro_batch(final=True) first")
+        if self._mesh is not None:
+            # Reduced where the mesh's groups have their backend: with fsdp.cpu_offload the gradients (and their
+            # squared norms) are on the CPU, while the mesh is CUDA's, whose groups beyond a 1-D mesh over every
+            # rank may be split from NCCL alone (torch's split_group), with no backend for a CPU tensor.
+            device = torch.device(self._mesh.device_type)
         total = torch.zeros((), dtype=torch.float32, device=device)
         for dims in sorted(self._squared_norms):  # the same order on every rank
             squared = self._squared_norms[dims].to(device)

@@ -205,3 +205,23 @@ def test_with_cpu_offload_each_hook_waits_for_its_gradient_copy_before_stepping(
             assert events.index(("wait", key)) < events.index(("step", key))
     finally:
         destroy_distributed()
+
+
+def test_the_in_backward_norm_is_reduced_on_the_device_of_the_mesh(monkeypatch):
+    """With ``fsdp.cpu_offload`` the gradients' squared norms are on the CPU while the mesh is CUDA's, whose groups
+    (beyond a 1-D mesh over every rank) may be split from NCCL alone: the norms are reduced on the mesh's device.
+    A mesh of the meta device stands in for CUDA's here."""
+
+    class MetaMesh:
+        device_type = "meta"
+
+        def get_group(self, dim: int) -> None:
+            return None
+
+    optimizer = OptimizerInBackward(torch.nn.Linear(2, 2).named_parameters(), adamw)
+    optimizer._squared_norms = {(): torch.tensor(5.0), (0,): torch.tensor(4.0)}  # on the CPU, as offloaded
+    optimizer._mesh = MetaMesh()
+    reduced = []
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None, group=None: reduced.append(tensor))
+    norm = optimizer.total_norm(torch.device("cpu"))
+    assert [tensor.device.type for tensor in reduced] == ["meta"] and norm.device.type == "meta"
