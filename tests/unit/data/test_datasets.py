@@ -1,9 +1,9 @@
 """Instruct, chat and text datasets: exact tokens and label masks, column mapping, truncation, and user errors."""
 
 import json
-from pathlib import Path
 
 import pytest
+from data_testlib import write_jsonl
 
 from torchtune_ac.data import (
     EMBEDDED_TOKENIZER_DIR,
@@ -18,16 +18,6 @@ from torchtune_ac.data import (
 from torchtune_ac.errors import UserError
 
 M = IGNORE_INDEX
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(EMBEDDED_TOKENIZER_DIR)
-
-
-def write_jsonl(path: Path, records: list) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
 
 
 @pytest.mark.parametrize(

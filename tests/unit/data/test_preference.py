@@ -1,19 +1,15 @@
 """Preference pairs: exact tokens and masks for strings and message lists, column mapping, truncation that keeps
 the prompt's end and the answers' start, one-line refusals naming the row, and batches of chosen-then-rejected rows."""
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
+from data_testlib import write_jsonl
 
 from torchtune_ac.data import (
-    EMBEDDED_TOKENIZER_DIR,
     IGNORE_INDEX,
     blank_preference_sample,
     build_dataloader,
     collate_preference_batch,
-    load_tokenizer,
     preference_dataset,
 )
 from torchtune_ac.data.preference import EncodedPair, PreferenceReport, truncate_pair
@@ -21,16 +17,6 @@ from torchtune_ac.data.sampler import evaluation_batches
 from torchtune_ac.errors import UserError
 
 M = IGNORE_INDEX
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return load_tokenizer(EMBEDDED_TOKENIZER_DIR)
-
-
-def write_jsonl(path: Path, records: list) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return str(path)
 
 
 def user(text):
