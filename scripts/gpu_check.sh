@@ -9,7 +9,7 @@
 #   1 env       the machine: torch, CUDA, NCCL, the device, varlen_attn's signature and what VARLEN_SUPPORT
 #               detected, a bf16 matmul's rate, the random-init build time of a 1B model      (limit  40 s)
 #   2 fast      the cuda tests that neither compile nor offload: NCCL + FSDP2, DCP, HF export, varlen, the
-#               chunked loss                                                                 (limit  60 s)
+#               chunked loss, the cuBLAS workspaces the planner counts                       (limit  60 s)
 #   3 offload   fsdp.cpu_offload (with the step after and in backward), activation offloading  (limit  50 s)
 #   4 compiled  compiled varlen attention; compiled bf16 `tune run`s: recompiles, plan against the peaks
 #               and eager, the planner's own case (default: packed with full AC and unpacked with per-op AC
@@ -109,7 +109,7 @@ pytest_stage() {  # name limit_s pytest-arguments...
 }
 
 run_stage env 40 "$PY" scripts/gpu_env.py --out "$OUT_DIR"
-pytest_stage fast 60 tests/gpu/test_fsdp_nccl_cuda.py tests/gpu/test_chunked_loss_cuda.py \
+pytest_stage fast 60 tests/gpu/test_fsdp_nccl_cuda.py tests/gpu/test_chunked_loss_cuda.py tests/gpu/test_memory_cuda.py \
   tests/gpu/test_packed_attention_cuda.py tests/unit/models/test_packed_attention.py -k "not compiled"
 pytest_stage offload 50 tests/integration/test_offload.py tests/unit/memory/test_activation_offloading.py
 if [ "$FULL" -eq 1 ]; then

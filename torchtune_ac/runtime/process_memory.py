@@ -74,8 +74,9 @@ def cublas_workspace_bytes(device: torch.device) -> tuple[int, str]:
     torch gives each (cuBLAS handle, stream) a workspace from the caching allocator at its first matrix multiply
     and keeps it: inside ``max_memory_allocated``, outside the step's tensors. A step has two: the forward's thread
     and autograd's device thread have a handle each (32 MiB each on an H100 by default). Measured where this
-    process has that GPU (the workspaces cleared, one product and its backward, the allocator's growth read);
-    else ``STEP_BLAS_THREADS`` x ``ASSUMED_CUBLAS_WORKSPACE_BYTES``. 0 on a CPU.
+    process has that GPU (the workspaces cleared, one product and its backward, the allocator's growth read, the
+    workspaces cleared again and their memory given back); else ``STEP_BLAS_THREADS`` x
+    ``ASSUMED_CUBLAS_WORKSPACE_BYTES``. 0 on a CPU.
     """
     if device.type != "cuda":
         return 0, "none on a CPU"
@@ -94,4 +95,8 @@ def cublas_workspace_bytes(device: torch.device) -> tuple[int, str]:
         del a
         torch.cuda.synchronize()
         grown = torch.cuda.memory_allocated() - before
+        # Leave no trace: the run's threads make their own at their first product, and the device's free memory,
+        # which a budget reads, and the fixed cost, measured from it, stay as they were (nothing counted twice).
+        clear()
+        torch.cuda.empty_cache()
     return grown, f"measured: {grown / 2**20:.0f} MiB for the step's threads (one product forward and backward)"
