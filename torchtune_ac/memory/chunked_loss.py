@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,17 @@ from torchtune_ac.training.objective import (
 # loss_chunks: null gives this many chunks for a vocabulary of at least CHUNKED_LOSS_MIN_VOCAB tokens, else 1.
 DEFAULT_LOSS_CHUNKS = 8
 CHUNKED_LOSS_MIN_VOCAB = 32_000
+
+
+def _scaled_saved_gradients(ctx: Any, grad_total: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
+    """The backward of the chunked losses: the hidden states' and weight's gradients computed in forward, times the
+    loss's incoming gradient. They are used once: scaled in place rather than holding a second copy."""
+    grad_hidden, grad_weight = ctx.saved_tensors
+    if grad_hidden is not None:
+        grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
+    if grad_weight is not None:
+        grad_weight.mul_(grad_total.to(grad_weight.dtype))
+    return grad_hidden, grad_weight
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -92,13 +103,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        # The saved gradients are used once: scale them in place rather than holding a second copy.
-        if grad_hidden is not None:
-            grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
-        if grad_weight is not None:
-            grad_weight.mul_(grad_total.to(grad_weight.dtype))
-        return grad_hidden, grad_weight, None, None
+        return (*_scaled_saved_gradients(ctx, grad_total), None, None)
 
 
 class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
@@ -147,12 +152,7 @@ class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        grad_hidden, grad_weight = ctx.saved_tensors
-        if grad_hidden is not None:
-            grad_hidden.mul_(grad_total.to(grad_hidden.dtype))
-        if grad_weight is not None:
-            grad_weight.mul_(grad_total.to(grad_weight.dtype))
-        return grad_hidden, grad_weight, None, None, None, None
+        return (*_scaled_saved_gradients(ctx, grad_total), None, None, None, None)
 
 
 def _vocab_parallel_loss(hidden: DTensor, weight: DTensor, targets: torch.Tensor, order: torch.Tensor,
