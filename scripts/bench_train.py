@@ -81,6 +81,7 @@ from torchtune_ac.runtime.distributed import (
     FSDPConfig,  # noqa: E402
 )
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
+from torchtune_ac.runtime.allocator import use_expandable_segments_by_default  # noqa: E402
 from torchtune_ac.runtime.process_memory import cublas_workspace_bytes  # noqa: E402
 from torchtune_ac.training import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
@@ -520,6 +521,7 @@ def run_cuda_benchmark(args: argparse.Namespace) -> dict:
                        "device_memory_gib": props.total_memory / 2**30, "cuda": torch.version.cuda,
                        "peak_tflops": device_peak_tflops(torch.cuda.get_device_name(), args.peak_tflops),
                        "steps": args.steps, "warmup_steps": args.warmup, "torch": torch.__version__,
+                       "alloc_conf": os.environ.get("PYTORCH_ALLOC_CONF", os.environ.get("PYTORCH_CUDA_ALLOC_CONF")),
                        "optimizer": {"name": "torch.optim.AdamW", **ADAMW_KWARGS, "fused": True},
                        "targets": {"mfu": MFU_TARGET, "plan_within": PLAN_TARGET}},
             "results": results}
@@ -614,6 +616,7 @@ def run_profile(args: argparse.Namespace) -> None:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    use_expandable_segments_by_default()  # as `tune run` does, before CUDA's allocator is first used
     filter_known_noise()
     args = parse_args(argv)
     if args.redraw is not None:

@@ -33,6 +33,7 @@ from torchtune_ac.errors import (
     UserError,
 )
 from torchtune_ac.observability.third_party_noise import filter_known_noise
+from torchtune_ac.runtime.allocator import use_expandable_segments_by_default
 from torchtune_ac.runtime.launcher import (
     LAUNCHER_FLAGS,
     int_at_least,
@@ -223,6 +224,7 @@ def parse_with_overrides(parser: argparse.ArgumentParser, argv: Sequence[str]) -
 def recipe_main(argv: Optional[Sequence[str]] = None, recipe_file: Optional[str] = None) -> int:
     """Entry point of a recipe run as a script (each process under the elastic launcher)."""
     path = Path(recipe_file or sys.argv[0]).resolve()
+    use_expandable_segments_by_default()
     filter_known_noise()
 
     def _main() -> None:
@@ -464,6 +466,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """``tune`` console script."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    use_expandable_segments_by_default()
     filter_known_noise()
     if "--debug" in argv:
         argv.remove("--debug")

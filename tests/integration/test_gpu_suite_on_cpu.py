@@ -79,12 +79,15 @@ def test_bench_train_cuda_path_runs_with_the_memory_counters_stubbed(tmp_path: P
              "get_device_properties": lambda *a, **k: type("Properties", (), {"total_memory": 80 * 2**30})}
     for name, stub in stubs.items():
         monkeypatch.setattr(torch.cuda, name, stub)
+    for name in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(name, raising=False)
     out = tmp_path / "gpu_bench_train.json"
     bench_train.main(["--device", "cuda", "--model", "llama_tiny", "--batch-size", "2", "--seq-len", "64",
                       "--steps", "1", "--warmup", "1", "--settings", "full,none", "--compile", "false",
                       "--out-json", str(out), "--packed"])
     report = json.loads(out.read_text())
     assert report["config"]["packed"] is True and report["config"]["peak_tflops"] == 989.0
+    assert report["config"]["alloc_conf"] == "expandable_segments:True"  # as tune run's, recorded
     results = {r["setting"]: r for r in report["results"]}
     assert sorted(results) == ["full", "none"]
     for r in results.values():
