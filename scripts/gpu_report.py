@@ -1,7 +1,8 @@
-"""Turn the GPU check's JUnit XML files (one per stage) into one JSON report: each test's stage, outcome, time and
-message, with the device, torch and CUDA versions named. A stage stopped at its time limit still wrote its XML;
-a stage that wrote none is listed as missing, and one whose XML cannot be parsed (pytest killed while writing it)
-as unreadable, with the parser's error: the other stages are still reported.
+"""Turn the GPU check's JUnit XML files (one per stage) into one JSON report: each test's stage, outcome, time,
+message and the figures it recorded (``record_property``, so that a passing test's numbers come back too), with the
+device, torch and CUDA versions named. A stage stopped at its time limit still wrote its XML; a stage that wrote none
+is listed as missing, and one whose XML cannot be parsed (pytest killed while writing it) as unreadable, with the
+parser's error: the other stages are still reported.
 
     python scripts/gpu_report.py --out bench_results/gpu_tests.json DIR/gpu_fast.xml DIR/gpu_offload.xml ...
 """
@@ -17,6 +18,15 @@ from pathlib import Path
 import torch
 
 
+def _number(text: str | None) -> float | int | str | None:
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except (TypeError, ValueError):
+            pass
+    return text
+
+
 def read_stage(xml_path: Path) -> list[dict]:
     stage = xml_path.stem.removeprefix("gpu_")
     tests = []
@@ -30,8 +40,12 @@ def read_stage(xml_path: Path) -> list[dict]:
                 outcome = {"failure": "failed", "error": "error", "skipped": "skipped"}[tag]
                 message = (element.get("message") or "")[:500]
                 break
-        tests.append({"stage": stage, "test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
-                      "seconds": float(case.get("time") or 0), "message": message})
+        entry = {"stage": stage, "test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                 "seconds": float(case.get("time") or 0), "message": message}
+        figures = {prop.get("name"): _number(prop.get("value")) for prop in case.iter("property")}
+        if figures:  # what a test recorded with record_property, passed or not
+            entry["figures"] = figures
+        tests.append(entry)
     return tests
 
 

@@ -116,7 +116,9 @@ def test_every_cuda_test_is_in_exactly_one_stage_and_the_default_run_drops_only_
 STAGE_TESTS = """
 import pytest
 
-def test_passes():
+def test_passes(record_property):
+    record_property("planned_gib", 0.668)
+    record_property("recompiles", 1)
     assert True
 
 def test_fails():
@@ -128,7 +130,7 @@ def test_skipped():
 """
 
 
-def test_the_report_counts_each_stage_and_names_missing_and_unreadable_xml(tmp_path: Path) -> None:
+def test_the_report_counts_each_stage_keeps_figures_and_names_missing_and_unreadable_xml(tmp_path: Path) -> None:
     (tmp_path / "test_stage.py").write_text(STAGE_TESTS)
     subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
                     "--rootdir", str(tmp_path), "--junitxml", str(tmp_path / "gpu_fast.xml"),
@@ -146,6 +148,9 @@ def test_the_report_counts_each_stage_and_names_missing_and_unreadable_xml(tmp_p
     assert {t["test"].rsplit("::", 1)[1]: t["outcome"] for t in report["tests"]} == {
         "test_passes": "passed", "test_fails": "failed", "test_skipped": "skipped"}
     assert all(t["stage"] == "fast" for t in report["tests"])
+    figures = {t["test"].rsplit("::", 1)[1]: t.get("figures") for t in report["tests"]}
+    assert figures == {"test_passes": {"planned_gib": 0.668, "recompiles": 1}, "test_fails": None,
+                       "test_skipped": None}
     assert "one is not two" in next(t["message"] for t in report["tests"] if t["outcome"] == "failed")
     assert report["missing_stages"] == ["gpu_compiled.xml"]
     assert sorted(report["unreadable_stages"]) == ["gpu_bench.xml", "gpu_offload.xml"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import re
 import runpy
@@ -508,3 +509,19 @@ def test_the_queries_are_found():
     assert [argv[1] for _, argv in queries(REPO / "README.md")] == ["ls", "validate", "cp", "plan"]
     # usage.md's tune plan is memory.md's, run with its output
     assert [argv[1] for _, argv in queries(REPO / "docs" / "usage.md")] == ["ls", "cp", "validate"]
+
+
+def test_the_gpu_figures_shown_are_the_committed_gpu_run():
+    """The README's H100 line and the GPU check's table quote bench_results/gpu_bench_train.json, not an older run."""
+    report = json.loads((REPO / "bench_results" / "gpu_bench_train.json").read_text())
+    readme = " ".join((REPO / "README.md").read_text().split())
+    table = (REPO / "docs" / "distributed.md").read_text()
+    for result in report["results"]:
+        tokens, mfu = f"{result['tokens_per_second']:,.0f}", f"{100 * result['mfu']:.1f} %"
+        assert f"{tokens} tokens/s and {mfu} MFU" in readme, (tokens, mfu)
+        row = (f"| packed{' (random documents of 64-1024 tokens)' if result['setting'] == 'full' else ''} | "
+               f"{result['setting']} | {result['median_step_time_s']:.3f} | {tokens} | {mfu} | "
+               f"{result['peak_reserved_gib']:.2f} + {result['fixed_gib']:.2f} GiB | {result['planned_gib']:.2f} GiB | "
+               f"{result['planned_over_reserved']:.2f} | {result['recompiles']} | {result['host_syncs_per_step']} |")
+        assert row in table, row
+    assert report["config"]["device"] in table and report["config"]["packed"]
