@@ -454,6 +454,9 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     fixed = fixed_bytes(device)
+    # What of it the caching allocator holds (a later setting's fixed cost was 2 GiB above the first's on an H100:
+    # these tell whether tensors of the one before outlived it or the memory is outside the allocator).
+    start_allocated, start_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=device)
     component = Component(key="model", path=f"torchtune_ac.models.{args.model}")
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting)), MemoryConfig(), build_meta_model(component),
@@ -506,7 +509,8 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
             "tokens_per_second": tokens / median, "mfu": flops_per_token * tokens / median / peak,
             "recompiles": recompiles.count, "host_syncs_per_step": syncs,
             "losses": losses, "peak_allocated_gib": allocated / 2**30, "peak_reserved_gib": reserved / 2**30,
-            "fixed_gib": fixed / 2**30, "planned_step_gib": estimate.total / 2**30, "planned_gib": planned / 2**30,
+            "fixed_gib": fixed / 2**30, "fixed_allocated_gib": start_allocated / 2**30,
+            "fixed_reserved_gib": start_reserved / 2**30, "planned_step_gib": estimate.total / 2**30, "planned_gib": planned / 2**30,
             "planned_over_reserved": planned / (reserved + fixed),
             "planned_over_allocated": planned / (allocated + fixed)}
 

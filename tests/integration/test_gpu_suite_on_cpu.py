@@ -74,6 +74,7 @@ def test_bench_train_cuda_path_runs_with_the_memory_counters_stubbed(tmp_path: P
     monkeypatch.setattr(bench_train, "CUDA_DEVICE", torch.device("cpu"))
     stubs = {"is_available": lambda: True, "synchronize": lambda *a, **k: None, "empty_cache": lambda *a, **k: None,
              "reset_peak_memory_stats": lambda *a, **k: None, "max_memory_allocated": lambda *a, **k: 2**30,
+             "memory_allocated": lambda *a, **k: 2**20, "memory_reserved": lambda *a, **k: 2**21,
              "max_memory_reserved": lambda *a, **k: 2**31, "set_sync_debug_mode": lambda *a, **k: None,
              "get_device_name": lambda *a, **k: "NVIDIA H100 80GB HBM3",
              "get_device_properties": lambda *a, **k: type("Properties", (), {"total_memory": 80 * 2**30})}
@@ -93,6 +94,7 @@ def test_bench_train_cuda_path_runs_with_the_memory_counters_stubbed(tmp_path: P
     for r in results.values():
         assert len(r["losses"]) == 2 and all(math.isfinite(loss) for loss in r["losses"])
         assert r["recompiles"] == 0 and r["planned_step_gib"] > 0 and r["mfu"] > 0
+        assert (r["fixed_allocated_gib"], r["fixed_reserved_gib"]) == (2**-10, 2**-9)
     # The same weights and batches under either AC setting: the first step's loss is the same.
     assert results["full"]["losses"][0] == pytest.approx(results["none"]["losses"][0], rel=1e-2)
     assert results["full"]["planned_step_gib"] < results["none"]["planned_step_gib"]
