@@ -40,7 +40,7 @@ class _RecordOutputStorages(TorchDispatchMode):
 
 
 def measure_saved_activation_bytes(
-    fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tensor] = (), **kwargs: Any
+    fn: Callable[..., Any], *args: Any, exclude: Iterable[torch.Tensor] = (), compiled: bool = False, **kwargs: Any
 ) -> int:
     """Bytes kept alive for the backward pass by one call of ``fn(*args, **kwargs)`` (the forward only).
 
@@ -59,6 +59,10 @@ def measure_saved_activation_bytes(
             (or a pytree of them) that carry the autograd graph.
         *args: positional arguments for ``fn``.
         exclude: tensors whose storages are not counted (typically ``model.parameters()``).
+        compiled: ``fn`` runs compiled regions: only (a) is counted. Under a dispatch mode (which (b) needs)
+            ``torch.compile`` runs its frames eagerly; a compiled region, checkpointed or not, saves everything it
+            keeps through ``save_for_backward``, which the hooks see (per-op AC's caches outside a compiled region
+            would be missed).
         **kwargs: keyword arguments for ``fn``.
 
     Returns:
@@ -75,7 +79,8 @@ def measure_saved_activation_bytes(
         return tensor.detach()
 
     recorder = _RecordOutputStorages()
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), recorder:
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), \
+            contextlib.nullcontext() if compiled else recorder:
         outputs = fn(*args, **kwargs)
     # Keep the graph (it owns everything saved for backward) but drop the outputs themselves: an output
     # counts only if something in the graph saved it.

@@ -158,6 +158,23 @@ def test_plan_answers_for_llama3_8b_on_4_processes_without_weights(capsys):
     assert picked.startswith(next(name for name in totals if fits[name]))
 
 
+def test_plan_of_compiled_blocks_counts_what_a_compiled_block_saves():
+    """compile: true reaches the planner: without AC a compiled block saves less than an eager one; with full AC
+    both keep the blocks' inputs, and the title and legend say the blocks are compiled. In subprocesses: tracing
+    the compiled blocks grows a process, and the tests after this one size a budget by this process's memory."""
+    saved = {}
+    for compiled in ("false", "true"):
+        result = run_tune("plan", "--config", "tiny/full", f"compile={compiled}")
+        assert result.returncode == 0, result.stderr
+        out = result.stdout
+        assert (", compiled blocks," in out.splitlines()[0]) == (compiled == "true")
+        assert ("saves what inductor's partitioner keeps" in out) == (compiled == "true")
+        saved[compiled] = {line.split()[0]: float(line.split()[-1]) for line in out.splitlines()
+                           if line.startswith(("none ", "full "))}
+    assert saved["true"]["none"] < 0.9 * saved["false"]["none"]
+    assert saved["true"]["full"] == saved["false"]["full"]
+
+
 def test_plan_shows_what_fits_llama3_8b_on_a_24_gb_card_and_what_it_needs_on_the_host(capsys):
     assert main(["plan", "--config", "llama3/8B_full_single_device", "--budget-gib", "22"]) == 0
     out = capsys.readouterr().out
@@ -188,6 +205,9 @@ def test_plan_png_labels_a_small_model_in_mib(tmp_path, monkeypatch):
 
     recipe = load_recipe(resolve_recipe_path("full_finetune"))
     cfg = load_recipe_config(recipe, "tiny/full", ["max_seq_len=64"], [])
+    # A fresh process's resident set (0.35-0.4 GiB), not this one's after the tests before it (above 1 GiB once
+    # the compiler has run in it, which would make GiB the right unit).
+    monkeypatch.setattr("torchtune_ac.run.memory_table.process_fixed_bytes", lambda device: (400 * 2**20, "measured"))
     table = memory_table(cfg, world_size=1, budget_gib=0.05)
     drawn, ylabels = [], []
     real_annotate, real_ylabel = Axes.annotate, Axes.set_ylabel

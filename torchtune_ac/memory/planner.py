@@ -16,6 +16,10 @@ the plan's pattern (2 and 4 blocks, or k and 2k for every k-th block) and extrap
 model's depth; the step's peak is the largest phase. A model no deeper than the second depth is simulated
 whole. ``tests/unit/training/test_planner.py`` checks the extrapolation against whole-depth simulation.
 
+Compiled blocks (``compile: true``): a block without AC runs as AOTAutograd's forward and backward graphs, traced
+and partitioned as inductor partitions them, op by op (``_CompiledForward``): the step keeps what the compiled block
+saves, fewer tensors than eager.
+
 Several processes (FSDP2): the simulation runs one process's batch; parameters, optimizer state and gradients
 are divided by the world size, and what FSDP2 adds is counted from the model's sizes: the root's parameters
 stay gathered through forward and backward (``reshard_after_forward`` is false for the root), two blocks'
@@ -55,7 +59,14 @@ from torchtune_ac.models.llama import Attention
 from torchtune_ac.models.tensor_parallel import tensor_parallel_problem
 from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.training.activation_checkpointing import OP_OPTION, ACMode, ACPlan, ac_plan, apply_ac_plan
+from torchtune_ac.training.activation_checkpointing import (
+    OP_OPTION,
+    ACMode,
+    ACPlan,
+    ac_plan,
+    apply_ac_plan,
+    is_checkpointed,
+)
 from torchtune_ac.training.step import accumulate_gradients
 
 GiB = 2**30
@@ -114,6 +125,9 @@ class Workload:
     # Bytes of the cuBLAS workspaces the step's threads hold on a GPU (``runtime.process_memory``), which the
     # simulation on fake tensors cannot see: counted with the step's other allocations (``transient``).
     blas_workspaces: int = 0
+    # Each block compiled (``compile: true``): the simulation runs the blocks without AC as compiled blocks save for
+    # backward (``_simulate_compiled_blocks``), fewer tensors than eager.
+    compiled: bool = False
 
     @property
     def rows(self) -> int:
@@ -257,6 +271,7 @@ class _LiveStorages(TorchDispatchMode):
         self.block_input = 0  # bytes of a block's input (the hidden state of one micro-batch)
         self.flops = 0
         self._live = self._grad = self._root_grad = self._act = self._opt = 0
+        self.paused = False  # ops run but are not counted (tracing a compiled block's graphs)
 
     def _free(self, key: int) -> None:
         nbytes = self.live.pop(key, 0)
@@ -320,8 +335,19 @@ class _LiveStorages(TorchDispatchMode):
         self._act = sum(self.live[key] for key in self.activations)
         return self._act
 
+    @contextlib.contextmanager
+    def pausing(self) -> Iterator[None]:
+        """Run ops without counting them."""
+        self.paused = True
+        try:
+            yield
+        finally:
+            self.paused = False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.paused:
+            return func(*args, **kwargs)
         out = _assume_every_position_a_target(func, args, kwargs)
         if out is None:
             out = func(*args, **kwargs)
@@ -426,6 +452,8 @@ def _simulate(
         sharded = workload.world_size > 1 or bool(cpu_offload.shard_options(workload.setting("cpu_offload")))
         tracker = _LiveStorages(workload.shard_degree, {id(p) for p in params if id(p) not in in_blocks},
                                 sharded=sharded)
+        if workload.compiled:
+            _simulate_compiled_blocks(blocks, tracker)
         # Registered before an optimizer in backward registers its own: a gradient is seen before it is freed.
         hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params]
         # The run's step with the features' mechanisms, as run/assemble.py applies them (the optimizer the state's
@@ -504,6 +532,82 @@ def _varlen_kv_copy(block: nn.Module, workload: Workload) -> int:
     tokens = workload.rows * workload.seq_len
     return sum(varlen_kv_copy_bytes(tokens, m.n_heads, m.n_kv_heads, m.head_dim, workload.dtype.torch)
                for m in block.modules() if isinstance(m, Attention))
+
+
+class _CompiledForward:
+    """A block's forward as its compiled form runs: AOTAutograd's graphs of forward and backward, run op by op.
+
+    ``block.compile()`` hands the block to inductor, which traces forward and backward as one graph (AOTAutograd,
+    with inductor's decompositions) and splits it with its min-cut partitioner: the forward saves fewer tensors than
+    eager (the results of pointwise ops, the norms' float32 copies, are recomputed in backward from what is saved).
+    The same trace and partition, with the graphs run op by op instead of inductor's kernels, lets the tracker see
+    compile's saved set; what fusion saves inside a graph (a block's temporaries) is not modelled. On
+    ``llama3_2_1b`` (4 x 2048 tokens, bf16) a block saves 710 MiB compiled against 966 MiB eager; on an H100
+    the compiled step without AC reserved 3.2 GiB less than the eager simulation planned.
+
+    Blocks alike (class, parameters' shapes, attention windows) share one trace, made at the first call with the
+    tracker paused (tracing runs the ops of forward and backward once, which the step does not), then run counted.
+    """
+
+    def __init__(self, block: nn.Module, traced: dict, tracker: _LiveStorages) -> None:
+        import inspect
+
+        self.block = block
+        self.tracker = tracker
+        forward = block.forward
+        self.signature = inspect.signature(forward)
+        key = (type(block), tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters()),
+               tuple(getattr(m, "window", None) for m in block.modules() if isinstance(m, Attention)))
+        if key not in traced:
+            traced[key] = [_aot_block(block, forward), False]
+        self.shared = traced[key]
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        state = {f"block.{name}": t for name, t in [*self.block.named_parameters(), *self.block.named_buffers()]}
+        compiled, ready = self.shared
+        if not ready:
+            with self.tracker.pausing():
+                compiled(state, *bound.args)  # traced and run once, uncounted; its results are dropped
+            self.shared[1] = True
+        return compiled(state, *bound.args)
+
+
+def _aot_block(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
+    """``forward`` of ``block`` (its state an argument) traced and partitioned as inductor would, run op by op."""
+    import functools
+
+    from torch._functorch.aot_autograd import aot_function, make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+    from torch.func import functional_call
+
+    class Body(nn.Module):  # the block's own forward, called without the block's hooks (the tracker's phases)
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = block
+
+        def forward(self, *args: Any) -> Any:
+            return forward(*args)
+
+    body = Body()
+
+    def run_ops(graph: torch.fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
+        return make_boxed_func(graph.forward)
+
+    return aot_function(lambda state, *args: functional_call(body, state, args),
+                        fw_compiler=run_ops, bw_compiler=run_ops, decompositions=select_decomp_table(),
+                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+
+
+def _simulate_compiled_blocks(blocks: nn.ModuleList, tracker: _LiveStorages) -> None:
+    """Run each block without AC as its compiled form does (``_CompiledForward``). A checkpointed block keeps only
+    its inputs, compiled or not, and stays as it is (per-op AC's saved set is its policy's)."""
+    traced: dict = {}
+    for block in blocks:
+        if not is_checkpointed(block):
+            block.forward = _CompiledForward(block, traced, tracker)
 
 
 def _largest_outer_group(model: nn.Module, in_blocks: set[int]) -> int:

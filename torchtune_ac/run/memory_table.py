@@ -72,6 +72,7 @@ class MemoryTable:
     run_plan: Optional[RunPlan] = None
     # A tensor-parallel degree to try when nothing fits (None: the run has one already, or the model none).
     suggested_tp: Optional[int] = None
+    compiled: bool = False  # compile: true (the legend says how compiled blocks are simulated)
 
     def _fits(self, estimate: MemoryEstimate) -> str:
         if self.budget_gib is None:
@@ -137,7 +138,9 @@ class MemoryTable:
         if reference:
             out.append("reference: the DPO reference model's parameters, resident and sharded as the policy's "
                        "(dpo.reference: precomputed frees it)")
-        out.append("activations: saved for backward and alive at the peak; transient: backward temporaries, a block's "
+        out.append("activations: saved for backward and alive at the peak"
+                   + (" (a compiled block without AC saves what inductor's partitioner keeps, fewer than eager)"
+                      if self.compiled else "") + "; transient: backward temporaries, a block's "
                    "recompute, the loss's gradients, FSDP2's gathered parameters and reduce buffers"
                    + (f", cuBLAS's workspaces ({self.blas_how})" if self.blas_how else "") + "; recompute: extra "
                    "matrix-multiply and attention FLOPs of the step; saved/fwd: what one forward keeps for backward; "
@@ -210,10 +213,11 @@ def memory_table(cfg: TrainingConfig, *, world_size: int, budget_gib: Optional[f
     title = (f"{cfg.model.path}: {n_params:,} parameters; "
              f"{describe_processes(cfg.fsdp, world_size, cfg.tensor_parallel_dim)}, batch "
              f"{cfg.batch_size} x {cfg.max_seq_len} tokens per process x {cfg.gradient_accumulation_steps} "
-             f"accumulation step(s), {cfg.dtype.value}, {cfg.optimizer.path.rsplit('.', 1)[-1]}; {switches}")
+             f"accumulation step(s), {cfg.dtype.value}{', compiled blocks' if cfg.compile else ''}, "
+             f"{cfg.optimizer.path.rsplit('.', 1)[-1]}; {switches}")
     blas, blas_how = cublas_workspace_bytes(planned_device(cfg.device))
     return MemoryTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size), tuple(ablation),
-                       fixed_how, blas_how if blas else "", not_applicable, run_plan, suggested_tp)
+                       fixed_how, blas_how if blas else "", not_applicable, run_plan, suggested_tp, cfg.compile)
 
 
 def describe_processes(fsdp: FSDPConfig, world_size: int, tp_degree: int = 1) -> str:
