@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import weakref
 from dataclasses import dataclass, field
@@ -534,6 +535,10 @@ def _varlen_kv_copy(block: nn.Module, workload: Workload) -> int:
                for m in block.modules() if isinstance(m, Attention))
 
 
+log = logging.getLogger("torchtune_ac.memory")
+_WARNED: set[str] = set()  # what was said once in this process
+
+
 class _CompiledForward:
     """A block's forward as its compiled form runs: AOTAutograd's graphs of forward and backward, run op by op.
 
@@ -547,6 +552,8 @@ class _CompiledForward:
 
     Blocks alike (class, parameters' shapes, attention windows) share one trace, made at the first call with the
     tracker paused (tracing runs the ops of forward and backward once, which the step does not), then run counted.
+    A block the trace cannot take (a model or torch it does not support) is planned as eager, which keeps more for
+    backward, with a warning, once.
     """
 
     def __init__(self, block: nn.Module, traced: dict, tracker: _LiveStorages) -> None:
@@ -554,24 +561,34 @@ class _CompiledForward:
 
         self.block = block
         self.tracker = tracker
-        forward = block.forward
-        self.signature = inspect.signature(forward)
+        self.eager = block.forward
+        self.signature = inspect.signature(self.eager)
         key = (type(block), tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters()),
                tuple(getattr(m, "window", None) for m in block.modules() if isinstance(m, Attention)))
-        if key not in traced:
-            traced[key] = [_aot_block(block, forward), False]
-        self.shared = traced[key]
+        self.shared = traced.setdefault(key, [None, False])  # [the traced function, traced: True, failed: None]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
         state = {f"block.{name}": t for name, t in [*self.block.named_parameters(), *self.block.named_buffers()]}
-        compiled, ready = self.shared
-        if not ready:
-            with self.tracker.pausing():
-                compiled(state, *bound.args)  # traced and run once, uncounted; its results are dropped
+        if self.shared[1] is None:
+            return self.eager(*args, **kwargs)
+        if not self.shared[1]:
+            try:
+                self.shared[0] = _aot_block(self.block, self.eager)  # this block's code, any alike block's state
+                with self.tracker.pausing():
+                    self.shared[0](state, *bound.args)  # traced and run once, uncounted; its results are dropped
+            except Exception as err:  # noqa: BLE001 - any failure of the trace: planned as eager, and said
+                self.shared[1] = None
+                message = (f"compile: true: the planner could not trace {type(self.block).__name__} as compiled "
+                           f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); it plans the "
+                           "block as eager, which keeps more for backward than the compiled block will")
+                if message not in _WARNED:
+                    _WARNED.add(message)
+                    log.warning(message)
+                return self.eager(*args, **kwargs)
             self.shared[1] = True
-        return compiled(state, *bound.args)
+        return self.shared[0](state, *bound.args)
 
 
 def _aot_block(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:

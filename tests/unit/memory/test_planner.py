@@ -111,6 +111,25 @@ def test_compiled_blocks_are_simulated_saving_what_inductor_saves(name):
     assert saved["full"] == eager["full"]
 
 
+def test_a_block_the_compiled_trace_cannot_take_is_planned_as_eager_with_one_warning(monkeypatch, caplog):
+    from torchtune_ac.memory import planner
+
+    def fails(block, forward):
+        raise RuntimeError("an op the trace does not know\nmore lines")
+
+    tiny = Component(key="model", path="torchtune_ac.models.llama_tiny").instantiate
+    workload = Workload(batch_size=1, seq_len=64)
+    plans = candidate_plans(8)[:1]
+    (eager,) = estimate_memory(tiny, adamw, workload, plans)
+    monkeypatch.setattr(planner, "_aot_block", fails)
+    monkeypatch.setattr(planner, "_WARNED", set())
+    compiled = [estimate_memory(tiny, adamw, dataclasses.replace(workload, compiled=True), plans)[0] for _ in range(2)]
+    assert [e.saved_activations for e in compiled] == [eager.saved_activations] * 2
+    assert [r.getMessage() for r in caplog.records if r.name == "torchtune_ac.memory"] == [
+        "compile: true: the planner could not trace TransformerBlock as compiled (RuntimeError: an op the trace does "
+        "not know); it plans the block as eager, which keeps more for backward than the compiled block will"]
+
+
 def test_extrapolation_from_shallow_models_equals_the_whole_depth(small_estimates):
     for estimate in small_estimates:
         plan = estimate.plan
