@@ -8,7 +8,8 @@ with expandable segments, which map pages into one growing segment per stream, t
 expandable segments unless its environment configures the allocator itself (``PYTORCH_ALLOC_CONF`` or
 ``PYTORCH_CUDA_ALLOC_CONF``, whichever is set, is left as it is). It must be set before CUDA's allocator reads it,
 at its first allocation: the ``tune`` console script, each launched process and the benchmarks set it first thing.
-Nothing changes on a CPU.
+Nothing changes on a CPU. The variable set is ``PYTORCH_CUDA_ALLOC_CONF``, the name every torch this project supports
+(2.6 and later) reads; newer ones also read ``PYTORCH_ALLOC_CONF``. torchtitan's launch script sets the same.
 """
 
 from __future__ import annotations
