@@ -550,8 +550,11 @@ class _CompiledForward:
     ``llama3_2_1b`` (4 x 2048 tokens, bf16) a block saves 710 MiB compiled against 966 MiB eager; on an H100
     the compiled step without AC reserved 3.2 GiB less than the eager simulation planned.
 
-    Blocks alike (class, parameters' shapes, attention windows) share one trace, made at the first call with the
-    tracker paused (tracing runs the ops of forward and backward once, which the step does not), then run counted.
+    Blocks alike share one trace (``_alike``: their modules' classes and plain attributes, an attention's window
+    among them, and their parameters' shapes), for calls alike (the inputs' shapes, dtypes and whether they require
+    a gradient, the values of the other arguments, grad mode): AOTAutograd specialises its graphs on all of these
+    and checks none of them when called again. A trace is made at its first call with the tracker paused (tracing
+    runs the ops of forward and backward once, which the step does not), then run counted.
     A block the trace cannot take (a model or torch it does not support) is planned as eager, which keeps more for
     backward, with a warning, once.
     """
@@ -563,13 +566,17 @@ class _CompiledForward:
         self.tracker = tracker
         self.eager = block.forward
         self.signature = inspect.signature(self.eager)
-        key = (type(block), tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters()),
-               tuple(getattr(m, "window", None) for m in block.modules() if isinstance(m, Attention)))
-        self.shared = traced.setdefault(key, [None, False])  # [the traced function, traced: True, failed: None]
+        self.key = _alike(block)
+        self.traced = traced  # {(block key, call key): [the traced function, traced: True, failed: None]}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         bound = self.signature.bind(*args, **kwargs)
         bound.apply_defaults()
+        leaves, spec = tree_flatten((bound.args, bound.kwargs))
+        call = (str(spec), torch.is_grad_enabled(),
+                tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor)
+                      else _plain(t) for t in leaves))
+        self.shared = self.traced.setdefault((self.key, call), [None, False])
         state = {f"block.{name}": t for name, t in [*self.block.named_parameters(), *self.block.named_buffers()]}
         if self.shared[1] is None:
             return self.eager(*args, **kwargs)
@@ -577,7 +584,7 @@ class _CompiledForward:
             try:
                 self.shared[0] = _aot_block(self.block, self.eager)  # this block's code, any alike block's state
                 with self.tracker.pausing():
-                    self.shared[0](state, *bound.args)  # traced and run once, uncounted; its results are dropped
+                    self.shared[0](state, *bound.args, **bound.kwargs)  # traced and run once, uncounted; dropped
             except Exception as err:  # noqa: BLE001 - any failure of the trace: planned as eager, and said
                 self.shared[1] = None
                 message = (f"compile: true: the planner could not trace {type(self.block).__name__} as compiled "
@@ -588,7 +595,26 @@ class _CompiledForward:
                     log.warning(message)
                 return self.eager(*args, **kwargs)
             self.shared[1] = True
-        return self.shared[0](state, *bound.args)
+        return self.shared[0](state, *bound.args, **bound.kwargs)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as part of a key: itself where it can be one, else its repr."""
+    try:
+        hash(value)
+    except TypeError:
+        return repr(value)
+    return value
+
+
+def _alike(block: nn.Module) -> tuple:
+    """What makes two blocks compute the same graph on the same inputs: each module's class and plain attributes (an
+    attention's window, a norm's epsilon, whether it trains), and the parameters' and buffers' shapes and dtypes."""
+    modules = tuple((name, type(m), tuple(sorted((k, _plain(v)) for k, v in vars(m).items()
+                                                 if not k.startswith("_") and k != "forward")))
+                    for name, m in block.named_modules())
+    tensors = tuple((name, tuple(t.shape), t.dtype) for name, t in [*block.named_parameters(), *block.named_buffers()])
+    return modules, tensors
 
 
 def _aot_block(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -605,15 +631,15 @@ def _aot_block(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., A
             super().__init__()
             self.block = block
 
-        def forward(self, *args: Any) -> Any:
-            return forward(*args)
+        def forward(self, *args: Any, **kwargs: Any) -> Any:
+            return forward(*args, **kwargs)
 
     body = Body()
 
     def run_ops(graph: torch.fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
         return make_boxed_func(graph.forward)
 
-    return aot_function(lambda state, *args: functional_call(body, state, args),
+    return aot_function(lambda state, *args, **kwargs: functional_call(body, state, args, kwargs),
                         fw_compiler=run_ops, bw_compiler=run_ops, decompositions=select_decomp_table(),
                         partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
 

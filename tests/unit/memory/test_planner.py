@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -109,6 +110,62 @@ def test_compiled_blocks_are_simulated_saving_what_inductor_saves(name):
     saved = {describe_setting(e.plan): e.saved_activations for e in compiled}
     assert saved["none"] < 0.85 * eager["none"] and saved["every 2nd block"] < eager["every 2nd block"]
     assert saved["full"] == eager["full"]
+
+
+class _MixingBlock(torch.nn.Module):
+    """Blocks alike in their parameters that differ in a plain attribute or argument: whether they mix tokens (a
+    causal attention of the projected input with itself, no parameters of its own)."""
+
+    def __init__(self, mix: bool) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(64)
+        self.proj = torch.nn.Linear(64, 64)
+        self.mix = mix
+
+    def forward(self, x: torch.Tensor, mix: Optional[bool] = None) -> torch.Tensor:
+        h = self.proj(self.norm(x))
+        if self.mix if mix is None else mix:
+            h = h.unsqueeze(1)
+            h = torch.nn.functional.scaled_dot_product_attention(h, h, h, is_causal=True).squeeze(1)
+        return x + h
+
+
+class _MixingModel(torch.nn.Module):
+    """A custom model (no family of ours) of ``_MixingBlock``s: every 2nd mixes, told by an attribute or argument."""
+
+    def __init__(self, by: str) -> None:
+        super().__init__()
+        self.by = by
+        self.emb = torch.nn.Embedding(128, 64)
+        self.layers = torch.nn.ModuleList(_MixingBlock(by == "attribute" and i % 2 == 1) for i in range(4))
+        self.out = torch.nn.Linear(64, 128, bias=False)
+
+    def forward(self, tokens, document_ids=None, head=None, document_lengths=None):
+        h = self.emb(tokens)
+        for i, layer in enumerate(self.layers):
+            h = layer(h) if self.by == "attribute" else layer(h, i % 2 == 1)
+        return self.out(h) if head is None else head(h, self.out.weight)
+
+
+@pytest.mark.parametrize("by", ["attribute", "argument"])
+def test_compiled_blocks_alike_in_parameters_but_not_in_what_they_compute_are_traced_apart(by):
+    """The trace of one block serves another only when both compute the same graph: a block that mixes tokens and
+    one that does not (same parameters) keep different tensors for backward, as inductor compiles them."""
+    workload = Workload(batch_size=2, seq_len=256, compiled=True)
+    plans = [p for p in candidate_plans(4) if describe_setting(p) == "none"]
+    (estimate,) = estimate_memory(lambda: _MixingModel(by), adamw, workload, plans)
+    tokens = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(0))
+    labels = torch.roll(tokens, -1, dims=1)
+    torch._dynamo.reset()
+    try:
+        model = _MixingModel(by)
+        for block in model.layers:
+            block.compile()
+        measured = measure_saved_activation_bytes(lambda t: cross_entropy_sum(model(t), labels), tokens,
+                                                  exclude=list(model.parameters()), compiled=True)
+    finally:
+        torch._dynamo.reset()
+    assert estimate.saved_activations == pytest.approx(measured, rel=0.01)
 
 
 def test_a_block_the_compiled_trace_cannot_take_is_planned_as_eager_with_one_warning(monkeypatch, caplog):
