@@ -25,8 +25,11 @@ def test_a_configured_allocator_is_left_as_it_is(name: str, value: str) -> None:
 
 
 def _clear(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Set, then deleted: monkeypatch records the value before and puts it back (or removes what the command set) at
+    # teardown, so the variable the command sets does not stay in the test process for the tests after it.
     for name in ALLOC_CONF_VARS:
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
 
 
 def test_the_tune_command_sets_it_before_anything_runs(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
