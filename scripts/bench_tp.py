@@ -61,6 +61,7 @@ from torchtune_ac.models.families import family_of, retie_parameters, transforme
 from torchtune_ac.models.families.llama import FAMILY as LLAMA  # noqa: E402
 from torchtune_ac.models.families.llama import LLAMA_TINY  # noqa: E402
 from torchtune_ac.run.assemble import initialize_weights_  # noqa: E402
+from torchtune_ac.runtime.allocator import use_expandable_segments_by_default  # noqa: E402
 from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, build_device_mesh  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.training.ac_config import resolve_ac_plan  # noqa: E402
@@ -289,6 +290,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    use_expandable_segments_by_default()  # as `tune run` does, before CUDA's allocator is first used
     args = parse_args(argv)
     if args.throughput or args.device == "cuda":
         options = {"device": args.device, "model": args.model, "batch_size": args.batch_size,

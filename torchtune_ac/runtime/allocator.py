@@ -4,12 +4,13 @@ By default the allocator carves fixed segments, and a block freed in one cannot 
 left of it: the memory it reserves grows above what is allocated. On an H100, a compiled bf16 step of
 ``llama_small`` with full AC reserved 0.818 GiB for a 0.668 GiB allocated peak (1.22x), outside the planner's 15 %;
 with expandable segments, which map pages into one growing segment per stream, the same step stayed within it, the
-1B benchmark reserved 0.25 GiB less, and its speed did not change (``bench_results/gpu_alloc_*``). So a run uses
-expandable segments unless its environment configures the allocator itself (``PYTORCH_ALLOC_CONF`` or
-``PYTORCH_CUDA_ALLOC_CONF``, whichever is set, is left as it is). It must be set before CUDA's allocator reads it,
-at its first allocation: the ``tune`` console script, each launched process and the benchmarks set it first thing.
-Nothing changes on a CPU. The variable set is ``PYTORCH_CUDA_ALLOC_CONF``, the name every torch this project supports
-(2.6 and later) reads; newer ones also read ``PYTORCH_ALLOC_CONF``. torchtitan's launch script sets the same.
+1B benchmark reserved 0.25 GiB less, and its speed did not change (``bench_results/gpu_*``). So a run uses
+expandable segments unless its environment configures the allocator itself: ``PYTORCH_ALLOC_CONF``,
+``PYTORCH_CUDA_ALLOC_CONF`` or ``PYTORCH_HIP_ALLOC_CONF``, whichever is set, is left as it is. It must be set before
+CUDA's allocator reads it, at its first allocation: the ``tune`` console script, each launched process and the
+benchmarks set it first thing. Nothing changes on a CPU. The variable set is ``PYTORCH_CUDA_ALLOC_CONF``, the name
+every torch this project supports (2.6 and later) reads; newer ones also read ``PYTORCH_ALLOC_CONF``. torchtitan's
+launch script sets the same.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from __future__ import annotations
 import os
 from typing import MutableMapping, Optional
 
-ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
+# Any of them configures the allocator (PYTORCH_HIP_ALLOC_CONF on ROCm builds): the default is then not set.
+ALLOC_CONF_VARS = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_HIP_ALLOC_CONF")
 DEFAULT_ALLOC_CONF = "expandable_segments:True"
 
 
