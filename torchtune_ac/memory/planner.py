@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import math
 import weakref
@@ -560,8 +561,6 @@ class _CompiledForward:
     """
 
     def __init__(self, block: nn.Module, traced: dict, tracker: _LiveStorages) -> None:
-        import inspect
-
         self.block = block
         self.tracker = tracker
         self.eager = block.forward
@@ -576,17 +575,17 @@ class _CompiledForward:
         call = (str(spec), torch.is_grad_enabled(),
                 tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor)
                       else _plain(t) for t in leaves))
-        self.shared = self.traced.setdefault((self.key, call), [None, False])
+        shared = self.traced.setdefault((self.key, call), [None, False])
         state = {f"block.{name}": t for name, t in [*self.block.named_parameters(), *self.block.named_buffers()]}
-        if self.shared[1] is None:
+        if shared[1] is None:
             return self.eager(*args, **kwargs)
-        if not self.shared[1]:
+        if not shared[1]:
             try:
-                self.shared[0] = _aot_block(self.block, self.eager)  # this block's code, any alike block's state
+                shared[0] = _aot_block(self.block, self.eager)  # this block's code, any alike block's state
                 with self.tracker.pausing():
-                    self.shared[0](state, *bound.args, **bound.kwargs)  # traced and run once, uncounted; dropped
+                    shared[0](state, *bound.args, **bound.kwargs)  # traced and run once, uncounted; dropped
             except Exception as err:  # noqa: BLE001 - any failure of the trace: planned as eager, and said
-                self.shared[1] = None
+                shared[1] = None
                 message = (f"compile: true: the planner could not trace {type(self.block).__name__} as compiled "
                            f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}); it plans the "
                            "block as eager, which keeps more for backward than the compiled block will")
@@ -594,8 +593,8 @@ class _CompiledForward:
                     _WARNED.add(message)
                     log.warning(message)
                 return self.eager(*args, **kwargs)
-            self.shared[1] = True
-        return self.shared[0](state, *bound.args, **bound.kwargs)
+            shared[1] = True
+        return shared[0](state, *bound.args, **bound.kwargs)
 
 
 def _plain(value: Any) -> Any:
