@@ -9,9 +9,17 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/setup_env.sh
+# Inductor's C++ cache is keyed without the instruction set ATEN_CPU_CAPABILITY picks: a run under another one gets
+# a cache of its own, or compiled tests fail to build against headers made for the other (a C++ error, not a float).
+if [ -n "${ATEN_CPU_CAPABILITY:-}" ] && [ -z "${TORCHINDUCTOR_CACHE_DIR:-}" ]; then
+  export TORCHINDUCTOR_CACHE_DIR="${TMPDIR:-/tmp}/torchinductor_$(id -un)_${ATEN_CPU_CAPABILITY}"
+fi
 if [ "${1:-}" = "--numerics" ]; then
   shift
-  export ATEN_CPU_CAPABILITY="${ATEN_CPU_CAPABILITY:-default}"
+  if [ -z "${ATEN_CPU_CAPABILITY:-}" ]; then
+    export ATEN_CPU_CAPABILITY=default
+    export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/torchinductor_$(id -un)_default}"
+  fi
   echo "test.sh: numerics tests with ATEN_CPU_CAPABILITY=$ATEN_CPU_CAPABILITY"
   exec python -m pytest -m numerics "$@"
 fi
