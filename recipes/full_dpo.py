@@ -5,11 +5,10 @@ sharded with FSDP2.
     tune run --nproc_per_node 2 full_dpo --config tiny/dpo
 
 What is this recipe's own: its data (preference pairs, two rows each, ``data/preference.py``), its reference model
-(the starting weights, frozen and sharded like the policy; with ``dpo.reference: precomputed`` only its
-log-probabilities, computed once before training, and the model freed) and its step (the DPO loss of
-``training/dpo.py``, chosen and rejected in one forward). Everything else is the run layer's, as for
-``full_finetune``: the process context and stop signals, the plan resolved once (the planner counts the
-reference), the model assembled in one written order, the loop with its logging, validation, saving and resume.
+(the starting weights, frozen and sharded like the policy over the same mesh; with ``dpo.reference: precomputed``
+only its log-probabilities, computed once before training, and the model freed) and its objective (the DPO loss
+of ``training/dpo.py``, chosen and rejected in one forward). Everything else is the run layer's set-up
+(``run/setup.py``), as for ``full_finetune``; the planner counts the pairs and the reference.
 
 SIGTERM or a first Ctrl-C stops the run after the current step with a checkpoint (exit 143); a non-finite loss
 or gradient norm stops it before the optimizer takes it in, saving nothing (exit 3).
@@ -18,32 +17,17 @@ or gradient norm stops it before the optimizer takes it in, saving nothing (exit
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import sys
-from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Optional
 
-from tqdm.contrib.logging import logging_redirect_tqdm
-
-from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.config.schema import FullDPOConfig
-from torchtune_ac.run import messages, preflight as library
-from torchtune_ac.run.assemble import build_reference, build_training
-from torchtune_ac.run.loop import Batch, Trainer
-from torchtune_ac.run.phases import (
-    PAIRS,
-    build_data,
-    build_validation,
-    check_disk_space,
-    choose_resume,
-    estimate_checkpoint_size,
-    precompute_reference_logps,
-    restore,
-)
-from torchtune_ac.run.session import Run, log_plan, open_run, plan_run
+from torchtune_ac.run import preflight as library
+from torchtune_ac.run.assemble import build_reference
+from torchtune_ac.run.phases import PAIRS, precompute_reference_logps
+from torchtune_ac.run.setup import SetupParts, run_recipe
 from torchtune_ac.training.dpo import DPOObjective, ReferenceMode, describe_dpo
-from torchtune_ac.training.evaluation import Evaluation, evaluate_objective
-from torchtune_ac.training.step import StepResult, train_step
 
 CONFIG_SCHEMA = FullDPOConfig
 # tune plan and the launcher's checks: the run layer's, for this recipe's config (its planner step counts the pairs
@@ -58,71 +42,28 @@ def preflight(cfg: FullDPOConfig, *, strict: bool = True, world_size: Optional[i
             *library.preflight(cfg, strict=strict, world_size=world_size)]
 
 
-class FullDPORecipe:
-    def __init__(self, cfg: FullDPOConfig, run: Run) -> None:
-        self.cfg, self.run = cfg, run
-
-    def setup(self) -> Trainer:
-        cfg, run, ctx = self.cfg, self.run, self.run.ctx
-        tokenizer = cfg.tokenizer.instantiate()
-        model = build_meta_model(cfg.model, cfg.checkpoint_dir)
-        reference_model = copy.deepcopy(model)  # the same architecture, from the one meta build
-        plan = plan_run(run, model, tokenizer=tokenizer)
-        data = build_data(cfg, tokenizer, ctx, batching=PAIRS)
-        self.plan = plan = plan.with_data(data.samples, len(data.loader), described=data.described, unit=data.unit)
-        log_plan(run, plan)
-        if ctx.is_rank_zero:
-            log.info("dpo: %s", describe_dpo(cfg.dpo, cfg.ref_checkpoint_dir))
-        validation = build_validation(cfg, tokenizer, ctx, batching=PAIRS)
-        # The reference first: a resume continues from its checkpoint, but keeps the reference it started from.
-        reference = build_reference(reference_model, ctx=ctx, dtype=plan.dtype, memory=plan.memory, fsdp=plan.fsdp,
-                                    checkpoint_dir=cfg.reference_checkpoint_dir, seed=cfg.seed)
-        n_chunks = plan.memory.setting("loss_chunks")
-        if cfg.dpo.reference is ReferenceMode.PRECOMPUTED:
-            # Its log-probabilities of every pair, then it is freed, before the policy and its optimizer exist.
-            for dataset in (data.loader.dataset, *([validation.dataset] if validation is not None else [])):
-                precompute_reference_logps(reference, dataset, batch_size=cfg.batch_size, ctx=ctx,
-                                           pad_id=tokenizer.pad_id, n_chunks=n_chunks)
-            reference = None
-        self.objective = DPOObjective(cfg.dpo, n_chunks=n_chunks, reference=reference)
-        resume_from = choose_resume(cfg, ctx).checkpoint
-        self.training = build_training(
-            model, ctx=ctx, dtype=plan.dtype, memory=plan.memory, fsdp=plan.fsdp, compile_blocks=plan.compile,
-            checkpoint_dir=cfg.checkpoint_dir, seed=cfg.seed, load_weights=resume_from is None,
-            make_optimizer=cfg.optimizer.instantiate,
-            make_scheduler=None if cfg.lr_scheduler is None else (
-                lambda optimizer: cfg.lr_scheduler.instantiate(optimizer, num_training_steps=plan.length.total_steps)),
-        )
-        if resume_from is not None:
-            run.progress = restore(plan, ctx, resume_from, self.training, data)
-            run.last_checkpoint = resume_from
-        elif cfg.resume_from_checkpoint:
-            log.info(messages.no_checkpoint_yet(cfg.output_dir))
-        tokenizer_dir = Path(tokenizer.path).parent
-        check_disk_space(plan, ctx, estimate_checkpoint_size(cfg, self.training.model, tokenizer_dir),
-                         plan.save.saves(run.progress.step, plan.length))
-        trainer = Trainer(run, plan, self.training, data, step=self.step, tokenizer=tokenizer,
-                          validation=validation, evaluate=self.evaluate)
-        trainer.open_metrics()
-        return trainer
-
-    def step(self, micro_batches: Sequence[Batch]) -> StepResult:
-        """One optimizer step: the DPO loss of every micro-batch's pairs (its rewards as metrics), then the update."""
-        training = self.training
-        return train_step(training.model, training.stepper, micro_batches, ctx=self.run.ctx,
-                          objective=self.objective, clip_grad_norm=self.cfg.clip_grad_norm)
-
-    def evaluate(self, batches: Iterable[Batch]) -> Evaluation:
-        """The validation loss and reward accuracy (and the other rewards) over the held-out pairs."""
-        return evaluate_objective(self.training.model, batches, ctx=self.run.ctx, objective=self.objective)
+def dpo_objective(cfg: FullDPOConfig, parts: SetupParts) -> DPOObjective:
+    """The DPO loss against the reference: built before the policy (a resume continues the policy from its
+    checkpoint, but keeps the reference it started from); with ``dpo.reference: precomputed``, its
+    log-probabilities of every pair are kept and the model is freed before the policy and its optimizer exist."""
+    ctx, plan = parts.run.ctx, parts.plan
+    if ctx.is_rank_zero:
+        log.info("dpo: %s", describe_dpo(cfg.dpo, cfg.ref_checkpoint_dir))
+    reference = build_reference(copy.deepcopy(parts.model), plan, ctx=ctx, mesh=parts.mesh,
+                                checkpoint_dir=cfg.reference_checkpoint_dir)
+    n_chunks = plan.memory.setting("loss_chunks")
+    if cfg.dpo.reference is ReferenceMode.PRECOMPUTED:
+        validation = [parts.validation.dataset] if parts.validation is not None else []
+        for dataset in (parts.data.loader.dataset, *validation):
+            precompute_reference_logps(reference, dataset, batch_size=cfg.batch_size, ctx=ctx,
+                                       pad_id=parts.tokenizer.pad_id, n_chunks=n_chunks)
+        reference = None
+    return DPOObjective(cfg.dpo, n_chunks=n_chunks, reference=reference)
 
 
 def run(cfg: FullDPOConfig) -> None:
-    """Run the recipe; cleanup always runs (after a success, every rank shuts down together)."""
-    with open_run(cfg) as run_:
-        trainer = FullDPORecipe(cfg, run_).setup()
-        with logging_redirect_tqdm():
-            trainer.train()
+    """Tune on preference pairs with the DPO loss (see the module docstring)."""
+    run_recipe(cfg, batching=PAIRS, make_objective=functools.partial(dpo_objective, cfg))
 
 
 if __name__ == "__main__":

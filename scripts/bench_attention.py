@@ -58,11 +58,9 @@ from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
 from torchtune_ac.memory.plan import MemoryPlan  # noqa: E402
 from torchtune_ac.models.attention import DocumentRuns, causal_attention, document_runs, document_starts  # noqa: E402
 from torchtune_ac.models.llama import Attention, apply_rope  # noqa: E402
-from torchtune_ac.run.assemble import build_training  # noqa: E402
-from torchtune_ac.runtime.distributed import (
-    DistributedContext,  # noqa: E402
-    FSDPConfig,  # noqa: E402
-)
+from torchtune_ac.run.assemble import AssemblyPlan, build_training  # noqa: E402
+from torchtune_ac.parallel.fsdp import FSDPConfig  # noqa: E402
+from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.training import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
@@ -283,10 +281,7 @@ def build_step(args: argparse.Namespace, side: str, setting: str, batches: list[
     component = Component(key="model", path=f"torchtune_ac.models.{args.model}")
     with torch.device("meta"):
         n_layers = len(component.instantiate().layers)
-    model = build_training(
-        build_meta_model(component), ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=AC_SETTINGS[setting.removesuffix(COMPILED)].resolve(n_layers), settings={}),
-        fsdp=FSDPConfig(), compile_blocks=setting.endswith(COMPILED), checkpoint_dir=None, seed=args.seed,
-    ).model
+    model = build_training(build_meta_model(component), AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=AC_SETTINGS[setting.removesuffix(COMPILED)].resolve(n_layers), settings={}), fsdp=FSDPConfig(), compile=setting.endswith(COMPILED), checkpoint_dir=None, seed=args.seed), ctx=ctx).model
     holder = DenseMask()  # installed before the first call, so compile traces the dense attention
     if side == "before" and install_dense_attention(model, holder) == 0:
         raise RuntimeError(f"{args.model} has no torchtune_ac Attention modules to run densely")

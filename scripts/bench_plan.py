@@ -45,6 +45,7 @@ from torchtune_ac.memory.planner import Workload, candidate_plans, describe_sett
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.training import ACConfig, resolve_ac_plan  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
+from torchtune_ac.runtime.parallelism import Parallelism  # noqa: E402
 
 MiB = 2**20
 MMAP_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
@@ -90,8 +91,9 @@ def measure_steps(name: str, settings, batch_size: int, seq_len: int, chunks: in
     from _measure import return_freed_memory_to_os, track_peak_rss
 
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
-    from torchtune_ac.run.assemble import build_training
-    from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
+    from torchtune_ac.run.assemble import AssemblyPlan, build_training
+    from torchtune_ac.runtime.distributed import DistributedContext
+    from torchtune_ac.parallel.fsdp import FSDPConfig
     from torchtune_ac.training.step import train_step
 
     ctx = DistributedContext(rank, world_size, rank, torch.device("cpu"))
@@ -100,8 +102,7 @@ def measure_steps(name: str, settings, batch_size: int, seq_len: int, chunks: in
     n_layers = len(meta_model(name).layers)
     for mode, option in settings:
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=option, n_layers=n_layers)
-        model = build_training(build_meta_model(component(name)), ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(),
-                               compile_blocks=False, checkpoint_dir=None, seed=0).model
+        model = build_training(build_meta_model(component(name)), AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=0), ctx=ctx).model
         optimizer = build_optimizer(adamw, model, in_backward=False)
         train_step(model, optimizer, data, ctx=ctx, objective=loss_objective(chunks))
         return_freed_memory_to_os()
@@ -181,7 +182,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         chunks = loss_chunks_of(name)
         estimates = {}
         for world in (1, 2):
-            workload = Workload(args.batch_size, args.seq_len, world_size=world, settings=(("loss_chunks", chunks),))
+            workload = Workload(args.batch_size, args.seq_len, parallelism=Parallelism(world), settings=(("loss_chunks", chunks),))
             start = time.perf_counter()
             estimates[world] = estimate_memory(component(name).instantiate, adamw, workload, plans=plans)
             print(f"{name}: planned {len(plans)} settings for {world} process(es) in "

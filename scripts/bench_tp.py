@@ -60,16 +60,18 @@ from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective, loss_
 from torchtune_ac.models.families import family_of, retie_parameters, transformer_blocks  # noqa: E402
 from torchtune_ac.models.families.llama import FAMILY as LLAMA  # noqa: E402
 from torchtune_ac.models.families.llama import LLAMA_TINY  # noqa: E402
-from torchtune_ac.run.assemble import initialize_weights_  # noqa: E402
+from torchtune_ac.run.weights import initialize_weights_  # noqa: E402
 from torchtune_ac.runtime.allocator import use_expandable_segments_by_default  # noqa: E402
-from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, build_device_mesh  # noqa: E402
+from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
+from torchtune_ac.runtime.parallelism import Parallelism  # noqa: E402
+from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.training.ac_config import resolve_ac_plan  # noqa: E402
 from torchtune_ac.training.activation_checkpointing import apply_ac_plan  # noqa: E402
-from torchtune_ac.training.fsdp import shard_model  # noqa: E402
+from torchtune_ac.parallel.fsdp import shard_model  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 from torchtune_ac.training.step import OptimizerStepper, train_step  # noqa: E402
-from torchtune_ac.training.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from torchtune_ac.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
 
 OUT_JSON = REPO / "bench_results" / "bench_tp.json"
 
@@ -87,7 +89,7 @@ def build(meta_model: torch.nn.Module, device: torch.device, dtype: DType, mesh:
     if mesh is not None:
         if tp > 1:
             apply_tensor_parallel(model, mesh["tp"])
-        shard_model(model, FSDPConfig(), device=device, dtype=dtype, mesh=mesh)
+        shard_model(model, mesh, FSDPConfig(), dtype=dtype)
     model.to_empty(device=device)
     if mesh is None:
         retie_parameters(model)
@@ -119,9 +121,10 @@ def cpu_rank(rank: int, world_size: int, store: Optional[str], options: dict, ou
                                intermediate_dim=options["dim"] * 11 // 4, max_seq_len=options["seq_len"])
     with torch.device("meta"):
         meta = LLAMA.build(args)
-    mesh = build_device_mesh("cpu", world_size, 1, world_size) if world_size > 1 else None
+    parallelism = Parallelism(world_size, tensor=world_size)  # one tensor-parallel group
+    mesh = parallelism.build_mesh("cpu") if world_size > 1 else None
     model = build(meta, cpu, DType.FP32, mesh, world_size)
-    ctx = DistributedContext(rank, world_size, 0, cpu, tp_degree=world_size)  # one tensor-parallel group
+    ctx = DistributedContext(rank, world_size, 0, cpu, parallelism=parallelism)
     stepper = OptimizerStepper(torch.optim.AdamW(model.parameters(), lr=1e-4))
     objective = loss_objective(options["loss_chunks"])
     batch = make_batch(args.vocab_size, 1, options["seq_len"], cpu, seed=0)
@@ -228,14 +231,15 @@ def run_throughput(options: dict) -> Optional[dict]:
     for name, tp in (("fsdp2", 1), ("tp2", 2)):
         with torch.device("meta"):
             meta = builder(max_seq_len=options["seq_len"])
-        mesh = build_device_mesh(device.type, world_size, 1, tp)
+        parallelism = Parallelism(world_size, tensor=tp)
+        mesh = parallelism.build_mesh(device.type)
         model = build(meta, device, dtype, mesh, tp, ac_mode="full", compile_blocks=options["compile"])
         stepper = OptimizerStepper(torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda))
         # FSDP 2: each rank its own rows; TP 2: both ranks the same rows (one data-parallel rank).
         dp_rank = rank if tp == 1 else 0
         # The context of the layout: under TP 2 the two ranks are one group (its token counts are not doubled).
         layouts[name] = {"model": model, "stepper": stepper, "dp_rank": dp_rank, "times": [], "step_peak": 0,
-                         "ctx": DistributedContext(rank, world_size, rank, device, tp_degree=tp)}
+                         "ctx": DistributedContext(rank, world_size, rank, device, parallelism=parallelism)}
     vocab = family_of(layouts["fsdp2"]["model"]).args_of(layouts["fsdp2"]["model"]).vocab_size
     for step in range(options["warmup"] + options["steps"]):
         for name in (("fsdp2", "tp2") if step % 2 == 0 else ("tp2", "fsdp2")):

@@ -75,11 +75,9 @@ from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
 from torchtune_ac.data.collate import collate_batch  # noqa: E402
 from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
 from torchtune_ac.observability.third_party_noise import filter_known_noise  # noqa: E402
-from torchtune_ac.run.assemble import build_training  # noqa: E402
-from torchtune_ac.runtime.distributed import (
-    DistributedContext,  # noqa: E402
-    FSDPConfig,  # noqa: E402
-)
+from torchtune_ac.run.assemble import AssemblyPlan, build_training  # noqa: E402
+from torchtune_ac.parallel.fsdp import FSDPConfig  # noqa: E402
+from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.runtime.allocator import use_expandable_segments_by_default  # noqa: E402
 from torchtune_ac.runtime.process_memory import cublas_workspace_bytes  # noqa: E402
@@ -209,16 +207,7 @@ def build_ours(model_name: str, checkpoint_dir: Path, setting: str, batches: lis
     # The recipe's own resolution of the memory switches (default loss_chunks, no optimizer in backward).
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting)), MemoryConfig(), build_meta_model(component),
                                clip_grad_norm=None)
-    model = build_training(
-        build_meta_model(component),
-        ctx=ctx,
-        dtype=DType.FP32,
-        memory=plan,
-        fsdp=FSDPConfig(),
-        compile_blocks=False,
-        checkpoint_dir=str(checkpoint_dir),
-        seed=seed,
-    ).model
+    model = build_training(build_meta_model(component), AssemblyPlan(dtype=DType.FP32, memory=plan, fsdp=FSDPConfig(), compile=False, checkpoint_dir=str(checkpoint_dir), seed=seed), ctx=ctx).model
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_KWARGS)
     micro_batches = [[{"tokens": tokens, "labels": shift_labels(tokens)}] for tokens in batches]
 
@@ -462,8 +451,7 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting)), MemoryConfig(), build_meta_model(component),
                                clip_grad_norm=None, dtype=dtype.torch, device="cuda")
     start = time.perf_counter()
-    model = build_training(build_meta_model(component), ctx=ctx, dtype=dtype, memory=plan, fsdp=FSDPConfig(),
-                           compile_blocks=args.compile, checkpoint_dir=None, seed=args.seed).model
+    model = build_training(build_meta_model(component), AssemblyPlan(dtype=dtype, memory=plan, fsdp=FSDPConfig(), compile=args.compile, checkpoint_dir=None, seed=args.seed), ctx=ctx).model
     torch.cuda.synchronize()
     build_s = time.perf_counter() - start  # meta build, AC, compile wrappers, allocation, random initialisation
     make_optimizer = Component(key="optimizer", path="torch.optim.AdamW",

@@ -58,8 +58,9 @@ def build_seconds(model: str, device: torch.device = torch.device("cuda")) -> fl
     from torchtune_ac.config.components import Component
     from torchtune_ac.config.meta_model import build_meta_model
     from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan
-    from torchtune_ac.run.assemble import build_training
-    from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
+    from torchtune_ac.run.assemble import AssemblyPlan, build_training
+    from torchtune_ac.runtime.distributed import DistributedContext
+    from torchtune_ac.parallel.fsdp import FSDPConfig
     from torchtune_ac.runtime.dtypes import DType
     from torchtune_ac.training import ACConfig
 
@@ -68,8 +69,7 @@ def build_seconds(model: str, device: torch.device = torch.device("cuda")) -> fl
     plan = resolve_memory_plan(ACConfig(), MemoryConfig(), build_meta_model(component), clip_grad_norm=None,
                                dtype=torch.bfloat16, device=device.type)
     start = time.perf_counter()
-    built = build_training(build_meta_model(component), ctx=DistributedContext(0, 1, 0, device), dtype=DType.BF16,
-                           memory=plan, fsdp=FSDPConfig(), compile_blocks=False, checkpoint_dir=None, seed=0).model
+    built = build_training(build_meta_model(component), AssemblyPlan(dtype=DType.BF16, memory=plan, fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=0), ctx=DistributedContext(0, 1, 0, device)).model
     if on_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

@@ -17,11 +17,13 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_op
 from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan
 from torchtune_ac.models import save_hf
 from torchtune_ac.models.llama import Llama, LlamaArgs
-from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, join_world_of_one
+from torchtune_ac.runtime.distributed import DistributedContext, join_world_of_one
+from torchtune_ac.parallel.fsdp import FSDPConfig
+from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.ac_config import ACConfig
 from torchtune_ac.training.activation_checkpointing import ACMode
-from torchtune_ac.training.fsdp import shard_model
+from torchtune_ac.parallel.fsdp import shard_model
 from torchtune_ac.training.step import train_step
 
 ARGS = LlamaArgs(vocab_size=1024, dim=256, n_layers=4, n_heads=8, n_kv_heads=2, intermediate_dim=512, max_seq_len=128)
@@ -56,7 +58,7 @@ def sharded_model() -> Llama:
     model = Llama(ARGS)
     model.init_weights()
     model.to(CUDA)
-    shard_model(model, FSDPConfig(), device=CUDA, dtype=DType.FP32)
+    shard_model(model, Parallelism(dist.get_world_size()).build_mesh("cuda"), FSDPConfig(), dtype=DType.FP32)
     return model
 
 

@@ -5,10 +5,12 @@
     run           (the run's plan resolved once, the one order that applies it, the loop; stop and resume messages)
     config        (schema, loading, components, the meta model)
     memory        (the memory features, each with its mechanism, listed once; the memory plan and the planner)
-    training      (the step, the objective, AC's plan and mechanism, FSDP2 applied to a model, LR schedules)
+    training      (the step, the objective, AC's plan and mechanism, LR schedules)
+    parallel      (the mechanisms that split a model over the processes: tensor parallelism, FSDP2)
     models        (the decoder, the families and their pure adapters; Hugging Face checkpoints of any family)
     checkpoint    (files, safetensors, recipe state; the run's process context passed in)
-    runtime       (launcher, the process context and its collectives, stop signals, rank agreement)
+    runtime       (launcher, the process context and its collectives, the parallelism value and its device mesh,
+                  stop signals, rank agreement)
     data, observability   (datasets; metrics.jsonl, trackers)
     errors, component_marker, config_key
 
@@ -24,6 +26,7 @@ Within ``models``, one module composes the families' adapters with checkpoint's 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -37,13 +40,15 @@ ALLOWED = {
     "observability": LEAVES,
     "checkpoint": LEAVES | {"runtime"},
     "models": LEAVES | {"checkpoint"},
-    "training": LEAVES | {"models", "runtime"},
-    "memory": LEAVES | {"models", "runtime", "training"},
+    "parallel": LEAVES | {"models", "runtime"},
+    "training": LEAVES | {"models", "runtime", "parallel"},
+    "memory": LEAVES | {"models", "runtime", "parallel", "training"},
     "embedded": LEAVES | {"models", "data", "checkpoint"},
-    "compat": LEAVES | {"config", "memory", "models", "runtime", "training"},
-    "config": LEAVES | {"models", "data", "checkpoint", "runtime", "training", "memory", "observability", "registry",
-                        "embedded"},
-    "run": LEAVES | {"models", "data", "checkpoint", "runtime", "training", "memory", "observability", "config"},
+    "compat": LEAVES | {"config", "memory", "models", "parallel", "runtime", "training"},
+    "config": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "training", "memory", "observability",
+                        "registry", "embedded"},
+    "run": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "training", "memory", "observability",
+                     "config"},
     "generate": LEAVES | {"checkpoint", "data", "models"},
 }
 # The component loader reads torchtune's mirrored paths from compat's table (which imports nothing of ours).
@@ -144,4 +149,22 @@ def test_which_process_this_is_is_answered_by_the_one_context():
         if "class FSDPConfig" in text:
             fsdp_configs.append(relative)
     assert joins == ["run/session.py"] and barriers == ["runtime/distributed.py"]
-    assert fsdp_configs == ["runtime/distributed.py"]
+    assert fsdp_configs == ["parallel/fsdp.py"]
+
+
+def test_the_parallelism_is_decided_once_and_held_once():
+    """The degrees are checked against the world size in one place (``Parallelism``), the config's
+    ``tensor_parallel_dim`` becomes a degree in one place (``resolve_parallelism``), and nothing asks torch for the
+    world size or a rank but the one function that describes an initialised group (``process_group_context``)."""
+    checks, reads, asks = [], [], []
+    for path in _source_files():
+        relative = str(path.relative_to(PACKAGE))
+        text = path.read_text()
+        if re.search(r"world_size\s*%\s*\(", text):
+            checks.append(relative)
+        if "cfg.tensor_parallel_dim" in text:
+            reads.append(relative)
+        asks += [relative] * len(re.findall(r"dist\.get_(?:world_size|rank)\(", text))
+    assert checks == ["runtime/parallelism.py"]
+    assert reads == ["run/plan.py"] and Path(PACKAGE / "run/plan.py").read_text().count("cfg.tensor_parallel_dim") == 1
+    assert asks == ["runtime/distributed.py", "runtime/distributed.py"]

@@ -314,7 +314,7 @@ def check_shared_directory(path: PathLike, what: str, processes: Optional[Distri
             seen = False
     else:
         seen = True
-    answers: list[Any] = [None] * dist.get_world_size()  # one per rank of the group the objects travel in
+    answers: list[Any] = [None] * processes.world_size  # one per rank
     dist.all_gather_object(answers, (seen, socket.gethostname()))
     if rank == 0:
         token.unlink(missing_ok=True)
@@ -393,7 +393,7 @@ def run_on_every_rank(step: Callable[[], T], *, where: PathLike, processes: Opti
     report = None if local is None else _describe_failure(rank, local, Path(where))
     reports = [report]
     if together(processes):
-        reports = [None] * dist.get_world_size()  # one per rank of the group the objects travel in
+        reports = [None] * processes.world_size  # one per rank
         dist.all_gather_object(reports, report)
     failures = [r for r in reports if r is not None]
     if failures:

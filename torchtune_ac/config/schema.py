@@ -22,7 +22,8 @@ from torchtune_ac.config_key import config_key
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.plan import MemoryConfig
 from torchtune_ac.memory.planner import PreferenceStep
-from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S, FSDPConfig
+from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S
+from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.ac_config import ACConfig
 from torchtune_ac.training.dpo import DPOConfig, ReferenceMode

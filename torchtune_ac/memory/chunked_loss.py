@@ -16,7 +16,7 @@ projected and scored a chunk at a time. Each chunk's
   the targets' hidden-state gradients and the weight's gradient, and has nothing to recompute.
 
 Under tensor parallelism the output weight reaches the head split along the vocabulary (a DTensor of this rank's
-rows, ``training/tensor_parallel.py``), and the loss is computed on the vocabulary shards (loss parallel,
+rows, ``parallel/tensor_parallel.py``), and the loss is computed on the vocabulary shards (loss parallel,
 ``_VocabParallelChunkedCrossEntropy``): each rank projects its rows only, so a chunk's float32 logits are
 ``[c, vocab / degree]``; per chunk, the softmax's row maxima are reduced over the group (one all-reduce of ``[c]``),
 then its normaliser and the target logit, which one rank holds (one all-reduce of ``[2, c]``). The weight's

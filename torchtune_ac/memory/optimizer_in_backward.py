@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.feature import Alternative, Feature, ResolveInputs
-from torchtune_ac.training.fsdp import offloaded_gradient_wait
+from torchtune_ac.parallel.fsdp import offloaded_gradient_wait
 from torchtune_ac.training.step import NormCheck, OptimizerStepper
 
 
@@ -47,7 +47,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         named_parameters: the model's parameters that require gradients (sharded ones after ``fully_shard``).
         make_optimizer: builds the optimizer of one parameter, e.g. ``lambda params: AdamW(params, lr=1e-5)``.
         wait_for_gradient: called with a parameter before its hook reads the gradient, to wait until the gradient
-            is in place (``training.fsdp.offloaded_gradient_wait``: FSDP2's copy into host memory with CPU
+            is in place (``parallel.fsdp.offloaded_gradient_wait``: FSDP2's copy into host memory with CPU
             offload); None: the gradient is in place when the hook runs.
     """
 

@@ -29,7 +29,7 @@ from torchtune_ac.memory.features import ACTIVATION_CHECKPOINTING, FEATURES
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.memory.planner import GiB, MemoryEstimate, Workload, choose_plan
 from torchtune_ac.models.families import family_of, transformer_blocks
-from torchtune_ac.runtime.distributed import FSDPConfig
+from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.training.ac_config import ACConfig
 from torchtune_ac.training.activation_checkpointing import ACPlan
 from torchtune_ac.training.objective import Objective

@@ -59,7 +59,8 @@ from torchtune_ac.models.attention import varlen_kv_copy_bytes
 from torchtune_ac.models.families import family_of, shard_groups, transformer_blocks
 from torchtune_ac.models.llama import Attention
 from torchtune_ac.models.tensor_parallel import tensor_parallel_problem
-from torchtune_ac.runtime.distributed import FSDPConfig
+from torchtune_ac.parallel.fsdp import FSDPConfig
+from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.activation_checkpointing import (
     OP_OPTION,
@@ -101,20 +102,19 @@ class Workload:
         seq_len: tokens per sample (the config's ``max_seq_len``).
         gradient_accumulation_steps: micro-batches per step (gradients live across them).
         dtype: storage dtype of parameters and optimizer state.
-        world_size: processes (FSDP2 shards parameters, gradients and optimizer state over ``shard_degree`` of
-            them: all, or a row of ``fsdp.replicate_degree`` rows with HSDP).
-        fsdp: FSDP2 settings (used when ``world_size`` > 1).
+        parallelism: how the processes split the work (FSDP2 shards parameters, gradients and optimizer state over
+            its ``shard`` degree; tensor parallelism splits each layer over its ``tensor`` degree).
+        fsdp: FSDP2 settings (used when the model is sharded).
         clip_grad_norm: the config's value.
         settings: the memory features' settings besides AC, as ``(name, setting)`` pairs (see
             ``memory/features.py``); a feature not named here has its ``off`` setting.
-        tp_degree: processes each layer is split over (``tensor_parallel_dim``); FSDP2 shards over the others.
     """
 
     batch_size: int
     seq_len: int
     gradient_accumulation_steps: int = 1
     dtype: DType = DType.FP32
-    world_size: int = 1
+    parallelism: Parallelism = Parallelism()
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     clip_grad_norm: Optional[float] = None
     settings: tuple[tuple[str, Any], ...] = ()
@@ -123,7 +123,6 @@ class Workload:
     varlen: bool = False
     # A preference step (DPO) instead of the token loss: pairs of rows, and the reference model when resident.
     preference: Optional[PreferenceStep] = None
-    tp_degree: int = 1
     # Bytes of the cuBLAS workspaces the step's threads hold on a GPU (``runtime.process_memory``), which the
     # simulation on fake tensors cannot see: counted with the step's other allocations (``transient``).
     blas_workspaces: int = 0
@@ -137,9 +136,13 @@ class Workload:
         return self.batch_size * (2 if self.preference is not None else 1)
 
     @property
+    def world_size(self) -> int:
+        return self.parallelism.world_size
+
+    @property
     def shard_degree(self) -> int:
-        """Processes FSDP2 shards each parameter over (``world_size / (fsdp.replicate_degree x tp_degree)``)."""
-        return self.fsdp.shard_degree(self.world_size, self.tp_degree)
+        """Processes FSDP2 shards each parameter over."""
+        return self.parallelism.shard
 
     def with_settings(self, settings: Mapping[str, Any], **changes: Any) -> "Workload":
         """This workload with the features' ``settings`` (merged over its own) and other fields changed."""
@@ -731,7 +734,7 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
     # Tensor parallelism splits every parameter (and its gradient and optimizer state) over tp more processes, and
     # the activations of the split layers: the simulation ran the whole model, so its parts are divided by tp, and
     # what stays whole on every rank of a group is added back (tensor_parallel_share).
-    tp = workload.tp_degree
+    tp = workload.parallelism.tensor
     device = {
         "parameters": parameters / n / tp,
         "optimizer": at_depth(lambda s: s.optimizer) / n / tp,
@@ -797,7 +800,7 @@ def tensor_parallel_share(plan: ACPlan, shallow: _Simulation, workload: Workload
     checkpointed one keeps only its split input), and the block running or recomputing holds them. The whole
     logits (``loss_chunks: 1``) are gathered on every rank; the chunked loss computes on vocabulary shards.
     """
-    tp = workload.tp_degree
+    tp = workload.parallelism.tensor
     whole = 1 - 1 / tp
     gathered_inputs = 2 * shallow.block_input * whole
     share = {"activations": 0.0, "transient": gathered_inputs}
@@ -929,12 +932,15 @@ def choose_plan(
         alternatives.append((f"batch_size={workload.batch_size // 2}", {"batch_size": workload.batch_size // 2}))
     if workload.seq_len > 1:
         alternatives.append((f"max_seq_len={workload.seq_len // 2}", {"seq_len": workload.seq_len // 2}))
-    alternatives.append((f"{2 * workload.world_size} processes", {"world_size": 2 * workload.world_size}))
-    if workload.tp_degree == 1:
+    parallelism = workload.parallelism
+    alternatives.append((f"{2 * workload.world_size} processes",
+                         {"parallelism": dataclasses.replace(parallelism, world_size=2 * workload.world_size)}))
+    if parallelism.tensor == 1:
         with FakeTensorMode():
             degree = suggested_tensor_parallel_degree(build_model(), workload.world_size)
         if degree is not None:
-            alternatives.append((f"tensor_parallel_dim={degree}", {"tp_degree": degree}))
+            alternatives.append((f"tensor_parallel_dim={degree}",
+                                 {"parallelism": dataclasses.replace(parallelism, tensor=degree)}))
     for feature, setting in workload.feature_settings():
         for alternative in _alternatives(feature, setting, device):
             alternatives.append((alternative.label, {"settings": {feature.name: alternative.setting},

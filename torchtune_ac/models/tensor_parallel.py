@@ -1,5 +1,5 @@
 """A family's tensor-parallel plan: which of its modules are split across the GPUs of a tensor-parallel group, and
-how. Pure data; ``training/tensor_parallel.py`` applies it with ``torch.distributed.tensor.parallel``.
+how. Pure data; ``parallel/tensor_parallel.py`` applies it with ``torch.distributed.tensor.parallel``.
 
 Megatron-style tensor parallelism with sequence parallelism, over a group of ``degree`` processes that all see the
 same batch:
@@ -30,7 +30,7 @@ from typing import Mapping
 
 
 class Split(Enum):
-    """How one module runs under tensor parallelism (``training/tensor_parallel.py`` maps each to a torch
+    """How one module runs under tensor parallelism (``parallel/tensor_parallel.py`` maps each to a torch
     ``ParallelStyle``)."""
 
     #: an embedding table split along the vocabulary (its rows); each rank looks up the tokens it holds, and the

@@ -37,10 +37,10 @@ from torchtune_ac.run.plan import (
     planner_inputs,
     process_fixed_bytes,
     resolve_features,
+    resolve_parallelism,
     resolve_run_plan,
     unmodelled_settings,
 )
-from torchtune_ac.runtime.distributed import FSDPConfig
 from torchtune_ac.runtime.process_memory import cublas_workspace_bytes
 from torchtune_ac.training.ac_config import ACConfig
 
@@ -186,8 +186,9 @@ def memory_table(cfg: TrainingConfig, *, world_size: int, budget_gib: Optional[f
     features = next((p for p in reversed(resolved) if p is not None), None)
     if features is None:  # no AC setting works with these features: the config cannot run, say why once
         raise UserError(not_applicable[len(candidates) - 1])
+    parallelism = resolve_parallelism(cfg, model, world_size)  # tune run's checks, before anything is estimated
     fixed, fixed_how = process_fixed_bytes(cfg.device)
-    inputs = planner_inputs(cfg, world_size, torch.device("cpu"))
+    inputs = planner_inputs(cfg, parallelism, torch.device("cpu"))
     workload = inputs.workload.with_settings(features.settings, clip_grad_norm=cfg.clip_grad_norm)
     estimates = [dataclasses.replace(e, fixed=fixed)
                  for e in estimate_memory(inputs.build_model, inputs.make_optimizer, workload, candidates)]
@@ -208,26 +209,16 @@ def memory_table(cfg: TrainingConfig, *, world_size: int, budget_gib: Optional[f
                          for label, value in features.describe(ac=False))
     n_params = sum(p.numel() for p in model.parameters())
     suggested_tp = None
-    if chosen is None and budget_gib is not None and cfg.tensor_parallel_dim == 1:
+    if chosen is None and budget_gib is not None and not parallelism.tensor_parallel:
         suggested_tp = suggested_tensor_parallel_degree(model, world_size)
     title = (f"{cfg.model.path}: {n_params:,} parameters; "
-             f"{describe_processes(cfg.fsdp, world_size, cfg.tensor_parallel_dim)}, batch "
+             f"{parallelism.describe_processes()}, batch "
              f"{cfg.batch_size} x {cfg.max_seq_len} tokens per process x {cfg.gradient_accumulation_steps} "
              f"accumulation step(s), {cfg.dtype.value}{', compiled blocks' if cfg.compile else ''}, "
              f"{cfg.optimizer.path.rsplit('.', 1)[-1]}; {switches}")
     blas, blas_how = cublas_workspace_bytes(planned_device(cfg.device))
     return MemoryTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size), tuple(ablation),
                        fixed_how, blas_how if blas else "", not_applicable, run_plan, suggested_tp, cfg.compile)
-
-
-def describe_processes(fsdp: FSDPConfig, world_size: int, tp_degree: int = 1) -> str:
-    """``4 process(es)``, with HSDP ``4 process(es) (2 replicas x 2 shards, HSDP)``, with tensor parallelism
-    ``16 process(es) (2 shards x TP 8)``: what FSDP2 shards over, and what each layer is split over."""
-    shards = fsdp.shard_degree(world_size, tp_degree)
-    tp = f" x TP {tp_degree}" if tp_degree > 1 else ""
-    if fsdp.replicate_degree == 1:
-        return f"{world_size} process(es)" + (f" ({shards} shards{tp})" if tp else "")
-    return f"{world_size} process(es) ({fsdp.replicate_degree} replicas x {shards} shards{tp}, HSDP)"
 
 
 def draw_memory_table(table: MemoryTable, path: Path) -> Path:

@@ -53,6 +53,7 @@ from torchtune_ac.run.messages import (
 )
 from torchtune_ac.run.plan import RunPlan, TrainingConfig
 from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
+from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.training.dpo import reference_logps
 from torchtune_ac.training.step import move_batch
 
@@ -106,14 +107,14 @@ class RunData:
     unit: str = "sample"
 
 
-def batch_padding(cfg: TrainingConfig) -> dict[str, Any]:
+def batch_padding(cfg: TrainingConfig, parallelism: Parallelism) -> dict[str, Any]:
     """How batches are padded: compiled blocks get lengths that repeat (multiples of ``COMPILED_LENGTH_MULTIPLE``,
     at most ``max_seq_len``), so that they are not recompiled for each new length; eager ones, the longest
-    sample's. Under tensor parallelism every length is also a multiple of ``tensor_parallel_dim`` (the sequence is
-    split evenly over a group; the plan checked that it divides ``max_seq_len``)."""
+    sample's. Under tensor parallelism every length is also a multiple of its degree (the sequence is split evenly
+    over a group; the plan checked that it divides ``max_seq_len``)."""
     if not cfg.compile:
-        return {"pad_to_multiple_of": cfg.tensor_parallel_dim}
-    return {"pad_to_multiple_of": math.lcm(COMPILED_LENGTH_MULTIPLE, cfg.tensor_parallel_dim),
+        return {"pad_to_multiple_of": parallelism.tensor}
+    return {"pad_to_multiple_of": math.lcm(COMPILED_LENGTH_MULTIPLE, parallelism.tensor),
             "max_length": cfg.max_seq_len}
 
 
@@ -128,7 +129,7 @@ def build_data(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext, *,
     loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.data_parallel_rank,
                               world_size=ctx.data_parallel_size,
                               shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id, collate=batching.collate,
-                              **batch_padding(cfg), pin_memory=ctx.device.type == "cuda")
+                              **batch_padding(cfg, ctx.parallelism), pin_memory=ctx.device.type == "cuda")
     files = dataset.source_files
     identity = identify_data(dataset.source, files and files.root, files and files.names, len(dataset),
                              processes=ctx, hub=files.hub if files else ())
@@ -181,7 +182,7 @@ def build_validation(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContex
     log.info("validation: %s, every %s", describe_samples(dataset),
              count_of(cfg.run_val_every_n_steps, "step") if cfg.run_val_every_n_steps else "epoch")
     return ValidationData(dataset, cfg.batch_size_val or cfg.batch_size, cfg.run_val_every_n_steps,
-                          tokenizer.pad_id, ctx, batch_padding(cfg), batching)
+                          tokenizer.pad_id, ctx, batch_padding(cfg, ctx.parallelism), batching)
 
 
 def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset, *, batch_size: int,

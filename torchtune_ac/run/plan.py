@@ -2,7 +2,8 @@
 context into one frozen value, ``RunPlan``.
 
     config + world size + one meta build of the model
-        -> device and dtypes; the model's facts; the memory plan (ac_mode: auto's choice included);
+        -> the parallelism (every degree checked against the world size and the model, here and only here);
+           device and dtypes; the model's facts; the memory plan (ac_mode: auto's choice included);
            the run's length (global batch; steps per epoch and total steps once the data is read,
            ``RunPlan.with_data``); the save policy; what a resume keeps
 
@@ -42,7 +43,8 @@ from torchtune_ac.runtime.process_memory import (
     fixed_bytes,
 )
 from torchtune_ac.training.ac_config import ACConfig
-from torchtune_ac.training.tensor_parallel import check_tensor_parallel_degree
+from torchtune_ac.runtime.parallelism import Parallelism
+from torchtune_ac.parallel.tensor_parallel import check_tensor_parallel_degree
 
 
 class TrainingConfig(Protocol):
@@ -124,7 +126,7 @@ class RunLength:
     """The run's shape: how many samples make an optimizer step, and how many steps make the run.
 
     Attributes:
-        world_size: processes (None: not known, ``tune validate``).
+        parallelism: how the processes split the work: the batch is split over its data-parallel size.
         batch_size: samples per process per micro-batch.
         gradient_accumulation_steps: micro-batches per step.
         epochs: passes over the data.
@@ -134,11 +136,9 @@ class RunLength:
         steps_per_epoch: optimizer steps per epoch, the cap applied (None with ``samples``).
         described: what the dataset holds, for the log (``3,000 samples``, or ``packed: ... -> 412 rows ...``).
         unit: what one of ``samples`` is: ``sample``, or ``row`` when packed.
-        tp_degree: processes that read one batch together (``tensor_parallel_dim``): the batch is split over the
-            world size / this.
     """
 
-    world_size: Optional[int]
+    parallelism: Parallelism
     batch_size: int
     gradient_accumulation_steps: int
     epochs: int
@@ -147,12 +147,15 @@ class RunLength:
     steps_per_epoch: Optional[int] = None
     described: Optional[str] = None
     unit: str = "sample"
-    tp_degree: int = 1
+
+    @property
+    def world_size(self) -> Optional[int]:
+        return self.parallelism.world_size
 
     @property
     def data_parallel_size(self) -> Optional[int]:
         """How many shares each global batch is split into (None when the world size is not known)."""
-        return None if self.world_size is None else self.world_size // self.tp_degree
+        return self.parallelism.data_parallel_size
 
     @property
     def per_process(self) -> int:
@@ -195,7 +198,7 @@ class RunLength:
         return dataclasses.replace(self, samples=samples, steps_per_epoch=steps, described=described, unit=unit)
 
 
-def resolve_length(cfg: TrainingConfig, world_size: Optional[int], samples: Optional[int] = None,
+def resolve_length(cfg: TrainingConfig, parallelism: Parallelism, samples: Optional[int] = None,
                    batches_per_epoch: Optional[int] = None) -> RunLength:
     """The run's length: its batch and epochs, and, when the data was read (``samples``, ``batches_per_epoch``), its
     steps (``RunLength.counted``).
@@ -203,8 +206,8 @@ def resolve_length(cfg: TrainingConfig, world_size: Optional[int], samples: Opti
     Raises:
         UserError: the dataset has fewer batches per process than one optimizer step needs.
     """
-    length = RunLength(world_size, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.epochs,
-                       cfg.max_steps_per_epoch, tp_degree=cfg.tensor_parallel_dim)
+    length = RunLength(parallelism, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.epochs,
+                       cfg.max_steps_per_epoch)
     return length if batches_per_epoch is None else length.counted(samples, batches_per_epoch)
 
 
@@ -238,7 +241,8 @@ class RunPlan:
     """Everything the run decided before building anything (see the module docstring).
 
     Attributes:
-        world_size: processes (None: not known, ``tune validate``).
+        parallelism: how the processes split the work: the world size (None: not known, ``tune validate``), the
+            degrees, the device mesh's shape, each process's data-parallel share.
         device: the config's ``device`` (``auto``, ``cpu``, ``cuda``).
         device_type: what it is where the plan was resolved (``cpu``, ``cuda``; None: not available there).
         dtype: the parameters' storage dtype.
@@ -253,12 +257,12 @@ class RunPlan:
         hyperparameters: the optimizer's and the schedule's settings, recorded in every checkpoint; a resume takes
             its own config's and says what changed.
         checkpoint_dir: the Hugging Face checkpoint the run starts from (None: random initialisation).
+        seed: seeds the initialisation without a checkpoint, dropout and the data's order.
         output_dir: where the run writes.
         notes: what resolving found worth a warning (one sentence each).
-        tp_degree: processes each layer is split over (``tensor_parallel_dim``); 1: no tensor parallelism.
     """
 
-    world_size: Optional[int]
+    parallelism: Parallelism
     device: str
     device_type: Optional[str]
     dtype: DType
@@ -271,9 +275,13 @@ class RunPlan:
     resume_data: Mapping[str, Any]
     hyperparameters: Mapping[str, Any]
     checkpoint_dir: Optional[str]
+    seed: int
     output_dir: str
     notes: tuple[str, ...] = ()
-    tp_degree: int = 1
+
+    @property
+    def world_size(self) -> Optional[int]:
+        return self.parallelism.world_size
 
     def with_data(self, samples: int, batches_per_epoch: int, *, described: Optional[str] = None,
                   unit: str = "sample") -> "RunPlan":
@@ -285,20 +293,7 @@ class RunPlan:
     def sharded(self) -> bool:
         """FSDP2 shards the model: several processes (tensor parallelism needs several), or a memory feature that
         works through it on one."""
-        return (self.world_size or 1) > 1 or self.tp_degree > 1 or bool(self.memory.shard_options())
-
-    @property
-    def mesh_shape(self) -> Optional[dict[str, int]]:
-        """The device mesh's dimensions and sizes, as ``build_device_mesh`` makes it (replicate only with HSDP, tp
-        only with tensor parallelism); None when the world size is not known."""
-        if self.world_size is None:
-            return None
-        replicas = self.fsdp.replicate_degree
-        shape = {"replicate": replicas} if replicas > 1 else {}
-        shape["shard"] = self.fsdp.shard_degree(self.world_size, self.tp_degree)
-        if self.tp_degree > 1:
-            shape["tp"] = self.tp_degree
-        return shape
+        return (self.world_size or 1) > 1 or self.parallelism.tensor_parallel or bool(self.memory.shard_options())
 
     def resume_shape(self, world_size: Optional[int] = None) -> RunShape:
         """What a resume of this run must keep (recorded in every checkpoint), on ``world_size`` processes (default:
@@ -307,7 +302,8 @@ class RunPlan:
         if processes is None:
             raise ValueError("the resume shape needs a world size")
         return RunShape(processes, self.length.batch_size, self.length.gradient_accumulation_steps,
-                        dict(self.model.architecture), dict(self.resume_data), tensor_parallel_dim=self.tp_degree)
+                        dict(self.model.architecture), dict(self.resume_data),
+                        tensor_parallel_dim=self.parallelism.tensor)
 
     def describe_sharding(self) -> str:
         """How FSDP2 (and tensor parallelism) shard the model and reduce its gradients."""
@@ -315,18 +311,19 @@ class RunPlan:
             return "not sharded (1 process)"
         reduce = self.fsdp.resolved_reduce_dtype(self.dtype).value
         reduce += " (dtype)" if self.fsdp.reduce_dtype is None else ""
-        replicas, tp = self.fsdp.replicate_degree, self.tp_degree
+        parallelism = self.parallelism
+        replicas, tp = parallelism.replicate, parallelism.tensor
         if self.world_size is None:
             rest = "world size" + (f" / {replicas}" if replicas > 1 else "") + (f" / {tp}" if tp > 1 else "")
             layout = ("sharded over every process" if replicas == 1 and tp == 1
                       else f"HSDP: {replicas} replicas, each sharded over {rest}" if replicas > 1
                       else f"sharded over {rest}")
         elif replicas == 1:
-            layout = f"sharded over {self.fsdp.shard_degree(self.world_size, tp)} process(es)"
+            layout = f"sharded over {parallelism.shard} process(es)"
         else:
-            layout = f"HSDP: {replicas} replicas x {self.fsdp.shard_degree(self.world_size, tp)} shards"
+            layout = f"HSDP: {replicas} replicas x {parallelism.shard} shards"
         if tp > 1:
-            mesh = self.mesh_shape
+            mesh = parallelism.mesh_shape
             layout += (f", each layer split over {tp} (tensor parallel)"
                        + (" on mesh " + " x ".join(f"{name} {size}" for name, size in mesh.items()) if mesh else ""))
         return f"{layout}; gradients reduced in {reduce}"
@@ -338,9 +335,9 @@ class RunPlan:
         if length.global_batch is None:
             batch = f"global batch {count_of(length.per_process, unit)} x the processes"
         else:
-            readers = (count_of(length.world_size, 'process', 'processes') if length.tp_degree == 1 else
-                       f"{count_of(length.data_parallel_size, 'tensor-parallel group')} of {length.tp_degree} "
-                       "processes")
+            tp = length.parallelism.tensor
+            readers = (count_of(length.world_size, 'process', 'processes') if tp == 1 else
+                       f"{count_of(length.data_parallel_size, 'tensor-parallel group')} of {tp} processes")
             batch = (f"global batch {count_of(length.global_batch, unit)} ({length.batch_size} x "
                      f"{length.gradient_accumulation_steps} accumulation x {readers})")
         epochs = count_of(length.epochs, "epoch")
@@ -395,20 +392,18 @@ def process_fixed_bytes(device: Device) -> tuple[int, str]:
     return ASSUMED_CUDA_FIXED_BYTES, "assumed for a CUDA context (no GPU here to measure it)"
 
 
-def planner_inputs(cfg: TrainingConfig, world_size: int, device: torch.device) -> PlannerInputs:
-    """The planner's inputs for ``cfg`` on ``world_size`` processes, with the fixed cost of this process as it
-    is now (``process_fixed_bytes``).
+def planner_inputs(cfg: TrainingConfig, parallelism: Parallelism, device: torch.device) -> PlannerInputs:
+    """The planner's inputs for ``cfg`` on ``parallelism``'s processes (``resolve_parallelism``: its world size
+    known), with the fixed cost of this process as it is now (``process_fixed_bytes``).
 
     Raises:
-        UserError: ``max_seq_len`` is not set (the activations are sized by it), or ``world_size`` is not a multiple
-            of ``fsdp.replicate_degree``.
+        UserError: ``max_seq_len`` is not set (the activations are sized by it).
     """
     if cfg.max_seq_len is None:
         raise UserError("max_seq_len: must be set to estimate memory (ac_mode: auto, tune plan): it sizes the activations")
-    cfg.fsdp.shard_degree(world_size, cfg.tensor_parallel_dim)  # whole HSDP rows and TP groups, or a one-line error
     workload = Workload(batch_size=cfg.batch_size, seq_len=cfg.max_seq_len,
                         gradient_accumulation_steps=cfg.gradient_accumulation_steps, dtype=cfg.dtype,
-                        world_size=world_size, fsdp=cfg.fsdp, tp_degree=cfg.tensor_parallel_dim,
+                        parallelism=parallelism, fsdp=cfg.fsdp,
                         # Packed rows on a GPU in bf16 take varlen_attn (models/attention.py), whose K/V copies the
                         # simulation cannot make on a CPU's kernels.
                         varlen=(bool(cfg.dataset.kwargs.get("packed", False))
@@ -452,7 +447,7 @@ def resolve_features(cfg: TrainingConfig, model: nn.Module, ac: ACConfig,
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _resolve_memory(cfg: TrainingConfig, model: nn.Module, world_size: Optional[int],
+def _resolve_memory(cfg: TrainingConfig, model: nn.Module, parallelism: Parallelism,
                     device: Optional[torch.device], notes: list[str],
                     auto_choice: Optional[tuple[MemoryEstimate, float]]) -> MemoryPlan:
     """The memory plan; with ``ac_mode: auto``, the planner's choice for this world size (1 when unknown)."""
@@ -472,10 +467,11 @@ def _resolve_memory(cfg: TrainingConfig, model: nn.Module, world_size: Optional[
                         "set ac_memory_budget_gib to plan here"
                     ) from None
                 device = torch.device("cpu")  # validating elsewhere: the given budget is all the planner needs
-        if world_size is None:
+        if parallelism.world_size is None:
             notes.append("ac_mode=auto: planned for 1 process (the launch's world size is not known here)")
-        planning = planner_inputs(cfg, world_size or 1, device)
-        notes.extend(f"ac_mode=auto: {note}" for note in unmodelled_settings(cfg, world_size or 1))
+            parallelism = dataclasses.replace(parallelism, world_size=1)
+        planning = planner_inputs(cfg, parallelism, device)
+        notes.extend(f"ac_mode=auto: {note}" for note in unmodelled_settings(cfg, parallelism.world_size))
     return resolve_features(cfg, model, cfg.ac, planning)
 
 
@@ -507,10 +503,7 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
         UserError: the config cannot run (a combination of keys, ``ac_mode: auto`` with no plan that fits, a
             world size that is not whole HSDP rows).
     """
-    if world_size is not None:
-        # whole HSDP rows of whole tensor-parallel groups, before anything is estimated
-        cfg.fsdp.shard_degree(world_size, cfg.tensor_parallel_dim)
-    check_tensor_parallel(cfg, model)
+    parallelism = resolve_parallelism(cfg, model, world_size)  # before anything is estimated
     if cfg.dataset_val is None:
         for key in ("run_val_every_n_steps", "batch_size_val"):
             if getattr(cfg, key) is not None:
@@ -518,7 +511,7 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
                                 f"component, like dataset) or remove {key}")
     notes: list[str] = []
     facts = model_facts(model, cfg.model.path)
-    memory = _resolve_memory(cfg, model, world_size, device, notes, auto_choice)
+    memory = _resolve_memory(cfg, model, parallelism, device, notes, auto_choice)
     notes += _positions_note(cfg, facts)
     if world_size == 1 and cfg.fsdp != FSDPConfig() and not memory.shard_options():
         notes.append("fsdp.*: these settings apply only when the run has more than one process (FSDP2)")
@@ -535,7 +528,7 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
     hyperparameters = {"optimizer": cfg.optimizer.as_config(),
                        "lr_scheduler": cfg.lr_scheduler.as_config() if cfg.lr_scheduler is not None else None}
     return RunPlan(
-        world_size=world_size,
+        parallelism=parallelism,
         device=cfg.device.value,
         device_type=None if device is None else device.type,
         dtype=cfg.dtype,
@@ -543,28 +536,44 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
         compile=cfg.compile,
         model=facts,
         memory=memory,
-        length=resolve_length(cfg, world_size),
+        length=resolve_length(cfg, parallelism),
         save=SavePolicy(cfg.save_every_n_steps, cfg.keep_last_n_checkpoints),
         # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
         resume_data=json.loads(json.dumps(resume_data)),
         hyperparameters=json.loads(json.dumps(hyperparameters)),
         checkpoint_dir=cfg.checkpoint_dir,
+        seed=cfg.seed,
         output_dir=cfg.output_dir,
         notes=tuple(notes),
-        tp_degree=cfg.tensor_parallel_dim,
     )
 
 
-def check_tensor_parallel(cfg: TrainingConfig, model: nn.Module) -> None:
-    """Refuse, in one line naming the numbers, a ``tensor_parallel_dim`` the model or the batches cannot be split
-    by: it must divide the model's query heads, key/value heads (fewer key/value heads than the degree are
-    refused, not copied across ranks) and MLP width, and ``max_seq_len`` (each rank of a group takes an equal piece
-    of the sequence between the split layers; batches are padded to a multiple of the degree).
+def resolve_parallelism(cfg: TrainingConfig, model: Optional[nn.Module], world_size: Optional[int]) -> Parallelism:
+    """The run's parallelism: its degrees from the config, checked once against ``world_size`` (``Parallelism``:
+    whole HSDP rows of whole tensor-parallel groups) and against ``model`` and ``max_seq_len``. ``tune validate``,
+    ``tune plan``, the launcher and the run all come here.
+
+    Args:
+        cfg: the validated config.
+        model: the meta model (None: the launcher's check, before any model is built; only the world size is
+            checked).
+        world_size: processes (None: not known).
 
     Raises:
-        UserError: naming the key, the degree and what it does not divide.
+        UserError: in one line naming the keys and the numbers.
     """
-    degree = cfg.tensor_parallel_dim
+    parallelism = Parallelism(world_size, replicate=cfg.fsdp.replicate_degree, tensor=cfg.tensor_parallel_dim)
+    if model is not None:
+        _check_tensor_parallel(cfg, model, parallelism.tensor)
+    return parallelism
+
+
+def _check_tensor_parallel(cfg: TrainingConfig, model: nn.Module, degree: int) -> None:
+    """Refuse, in one line naming the numbers, a tensor-parallel ``degree`` the model or the batches cannot be
+    split by: it must divide the model's query heads, key/value heads (fewer key/value heads than the degree are
+    refused, not copied across ranks) and MLP width, and ``max_seq_len`` (each rank of a group takes an equal piece
+    of the sequence between the split layers; batches are padded to a multiple of the degree).
+    """
     if degree == 1:
         return
     check_tensor_parallel_degree(model, degree)

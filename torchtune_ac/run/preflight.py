@@ -13,7 +13,7 @@ from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.run.checks import Findings, check_run
 from torchtune_ac.run.memory_table import MemoryTable, memory_table
-from torchtune_ac.run.plan import RunPlan, TrainingConfig, resolve_run_plan
+from torchtune_ac.run.plan import RunPlan, TrainingConfig, resolve_parallelism, resolve_run_plan
 
 
 def preflight(cfg: TrainingConfig, *, strict: bool = True, world_size: Optional[int] = 1) -> list[tuple[str, str]]:
@@ -75,8 +75,7 @@ def check_launch(cfg: TrainingConfig, *, world_size: Optional[int], nproc_per_no
         UserError: the world size is not whole HSDP rows of whole tensor-parallel groups, or a CUDA run has more processes per node than the node
             has visible GPUs (ranks past the last GPU would each fail on their own).
     """
-    if world_size is not None:
-        cfg.fsdp.shard_degree(world_size, cfg.tensor_parallel_dim)
+    resolve_parallelism(cfg, None, world_size)  # the run's own check of the degrees against the world size
     if cfg.device.value in ("cuda", "auto") and torch.cuda.is_available():
         visible = torch.cuda.device_count()
         if nproc_per_node > visible:

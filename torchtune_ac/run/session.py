@@ -48,7 +48,8 @@ class Run:
 
     Attributes:
         cfg: the validated config.
-        ctx: this process: rank, world size, device (created once, by ``open_run``).
+        ctx: this process: rank, world size, device (created once, by ``open_run``), and the run's parallelism once
+            it is planned (``plan_run``).
         stop: the stop signals (SIGTERM, Ctrl-C), agreed on by every rank once per step.
         progress: where training stands (the loop moves it on).
         last_checkpoint: the newest checkpoint written or resumed from.
@@ -95,9 +96,7 @@ def open_run(cfg: TrainingConfig) -> Iterator[Run]:
         UserError: the device cannot be had, output_dir is locked or cannot be created, the ranks' configs differ,
             or output_dir is not shared.
     """
-    # Each group of tensor_parallel_dim ranks reads one batch (the plan checks that the world size holds whole groups).
-    ctx = dataclasses.replace(init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s),
-                              tp_degree=cfg.tensor_parallel_dim)
+    ctx = init_distributed(cfg.device.value, timeout_s=cfg.distributed_timeout_s)
     set_tf32(ctx.device, allow_tf32=cfg.allow_tf32)
     if ctx.device.type == "cpu" and cfg.ac.is_auto:
         # Resident memory then follows live tensors, as the planner's estimate does, so the budget holds. It costs
@@ -119,7 +118,8 @@ def open_run(cfg: TrainingConfig) -> Iterator[Run]:
 
 def plan_run(run: Run, model: nn.Module, *, tokenizer: Any) -> RunPlan:
     """The run's plan, resolved and checked once, by rank 0, before anything heavy, and applied by every rank (see the
-    module docstring); rank 0 logs what it found worth a warning. Its steps are counted once the data is read
+    module docstring); rank 0 logs what it found worth a warning. The process context takes the plan's parallelism
+    (which share of the data each rank reads). Its steps are counted once the data is read
     (``RunPlan.with_data``).
 
     Args:
@@ -137,6 +137,7 @@ def plan_run(run: Run, model: nn.Module, *, tokenizer: Any) -> RunPlan:
         return plan, check_run(cfg, plan, model, strict=True, tokenizer=tokenizer).warnings
 
     plan, warnings = decided_by_rank_zero(ctx, resolve)
+    run.ctx = dataclasses.replace(ctx, parallelism=plan.parallelism)
     if ctx.is_rank_zero:
         for warning in (*plan.notes, *warnings):
             log.warning(warning)

@@ -1,6 +1,6 @@
 """Processes and devices: the one process context of a run (``DistributedContext``, created once by
-``init_distributed`` and passed down, the checkpoint code included), its collectives on the host, and FSDP2's keys
-and device mesh. Applying FSDP2 to a model is ``training/fsdp.py``'s.
+``init_distributed`` and passed down, the checkpoint code included) and its collectives on the host. How the
+processes split the work and its device mesh are ``parallelism.py``'s; FSDP2 and tensor parallelism ``parallel/``'s.
 
 A single process is a world of size 1: the same functions run, they just skip the collectives. Under
 PyTorch's elastic launcher (``tune run --nproc_per_node N``) the process group is initialised from the
@@ -27,97 +27,47 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchtune_ac.config_key import config_key
 from torchtune_ac.errors import UnavailableError, UserError
-from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.runtime.parallelism import Parallelism
 
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
 @dataclass(frozen=True)
-class FSDPConfig:
-    """The ``fsdp.*`` config keys: FSDP2's settings, used when the model is sharded (more than one process, or CPU
-    offload on one). A field's ``torchtune`` metadata names torchtune's key for it (``tune migrate`` reads it)."""
-
-    reshard_after_forward: bool = config_key(
-        True, doc="Free each block's gathered parameters after its forward (saves memory; they are gathered again in "
-        "backward).", torchtune="fsdp_reshard_after_forward")
-    param_dtype: Optional[DType] = config_key(
-        None, doc="Mixed precision: the dtype parameters are gathered in for forward and backward; null: as stored "
-        "(dtype).")
-    reduce_dtype: Optional[DType] = config_key(
-        None, doc="The dtype of the gradient reduce-scatter; null: the storage dtype (dtype), so bf16 gradients are "
-        "not upcast for the collective and cast back (fp32 sums in fp32, at twice the bytes).")
-    replicate_degree: int = config_key(
-        1, doc="HSDP: the processes form replicate_degree rows; parameters are sharded over the processes of a row "
-        "(world size / replicate_degree) and replicated over the rows. 1: plain FSDP over every process.",
-        minimum=1, torchtune="data_parallel_replicate_dim")
-    cpu_offload: bool = config_key(
-        False, doc="Keep parameters, gradients and optimizer state in pinned host memory, the optimizer stepping on "
-        "the CPU (FSDP2's CPUOffloadPolicy); CUDA only. One process shards its model too, to get it.",
-        torchtune="fsdp_cpu_offload")
-
-    def resolved_reduce_dtype(self, dtype: DType) -> DType:
-        """The reduce-scatter's dtype for parameters stored in ``dtype``."""
-        return self.reduce_dtype if self.reduce_dtype is not None else dtype
-
-    def shard_degree(self, world_size: int, tp_degree: int = 1) -> int:
-        """Processes FSDP2 shards each parameter over: ``world_size / (replicate_degree * tp_degree)`` (tensor
-        parallelism splits the parameter over ``tp_degree`` more).
-
-        Raises:
-            UserError: ``world_size`` is not a multiple of ``replicate_degree * tp_degree``.
-        """
-        check_replicate_degree(self.replicate_degree, world_size, tp_degree)
-        return world_size // (self.replicate_degree * tp_degree)
-
-
-def check_replicate_degree(replicate_degree: int, world_size: int, tp_degree: int = 1) -> None:
-    """Raise ``UserError`` unless ``world_size`` processes form whole rows of ``replicate_degree`` replicas, each of
-    whole tensor-parallel groups of ``tp_degree`` (the world size a product of the degrees)."""
-    if world_size % (replicate_degree * tp_degree) == 0:
-        return
-    if tp_degree == 1:
-        raise UserError(
-            f"fsdp.replicate_degree={replicate_degree}: the world size ({world_size} process(es)) must be a multiple "
-            "of it (each replica shards the model over world size / replicate_degree processes)"
-        )
-    raise UserError(
-        f"tensor_parallel_dim={tp_degree}, fsdp.replicate_degree={replicate_degree}: the world size ({world_size} "
-        f"process(es)) must be a multiple of their product ({replicate_degree * tp_degree}): it is replicate x "
-        "shard x tensor-parallel processes"
-    )
-
-
-@dataclass(frozen=True)
 class DistributedContext:
-    """Who this process is: rank, world size, the device it computes on, and how many consecutive ranks split each
-    layer among them (``tp_degree``, ``tensor_parallel_dim``): those ranks form one tensor-parallel group, which
-    reads one batch together, so the data is split over ``data_parallel_size`` groups, not over the ranks."""
+    """Who this process is: its rank in the world, the world's size, the device it computes on, and how the world
+    splits the work (``parallelism``: the run plan's, given to the context when the run is planned; until then, or
+    outside a run, every process reads a data-parallel share of its own)."""
 
     rank: int
     world_size: int
     local_rank: int
     device: torch.device
-    tp_degree: int = 1
+    parallelism: Optional[Parallelism] = None
+
+    def __post_init__(self) -> None:
+        if self.parallelism is None:
+            object.__setattr__(self, "parallelism", Parallelism(self.world_size))
+        elif self.parallelism.world_size != self.world_size:
+            raise ValueError(f"a parallelism of {self.parallelism.world_size} processes for a world of "
+                             f"{self.world_size}")
 
     @property
     def data_parallel_rank(self) -> int:
         """Which share of each global batch this rank reads: its tensor-parallel group's index."""
-        return self.rank // self.tp_degree
+        return self.parallelism.data_parallel_rank(self.rank)
 
     @property
     def data_parallel_size(self) -> int:
         """How many shares each global batch is split into: the tensor-parallel groups."""
-        return self.world_size // self.tp_degree
+        return self.parallelism.data_parallel_size
 
     @property
     def reads_for_its_group(self) -> bool:
         """Whether this rank is the first of its tensor-parallel group (the one that speaks for the group's
         batch where the ranks' results are summed)."""
-        return self.rank % self.tp_degree == 0
+        return self.parallelism.speaks_for_its_group(self.rank)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -313,52 +263,3 @@ def _backend(device: torch.device) -> str:
     """NCCL for CUDA tensors, with gloo beside it for CPU tensors: the host-side collectives (objects, barriers)
     and, for a model whose shards FSDP2 keeps in host memory (CPU offload), its gradient norm. On a CPU, gloo."""
     return "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-
-
-TP_DIM = "tp"  # the mesh dimension tensor parallelism splits layers over
-
-
-def build_device_mesh(device_type: str, world_size: int, replicate_degree: int = 1, tp_degree: int = 1) -> DeviceMesh:
-    """The device mesh of a run, of ``device_type`` (the run's device, not whichever accelerator the machine has:
-    ``device: cpu`` on a GPU host must shard over gloo on the CPU).
-
-    Without tensor parallelism: a 1-D mesh ``("shard",)`` over every process, or with ``replicate_degree`` > 1
-    HSDP's 2-D mesh ``("replicate", "shard")``: ``replicate_degree`` rows of ``world_size / replicate_degree``
-    processes (consecutive ranks share a row, so with one node per row the shard collectives stay inside a node).
-    With ``tp_degree`` > 1 a last dimension ``"tp"`` of ``tp_degree`` consecutive ranks (the GPUs of one node, where
-    tensor parallelism's many small collectives are fast): ``("shard", "tp")`` or ``("replicate", "shard", "tp")``.
-    FSDP2 shards over the mesh without its ``tp`` dimension (``data_parallel_mesh``).
-
-    Args:
-        device_type: ``cpu`` or ``cuda``.
-        world_size: processes in the default process group (1: a world of one).
-        replicate_degree: HSDP's replicas (``fsdp.replicate_degree``); 1: plain FSDP.
-        tp_degree: processes each layer is split over (``tensor_parallel_dim``); 1: none.
-
-    Raises:
-        UserError: ``world_size`` is not a multiple of ``replicate_degree * tp_degree``.
-    """
-    check_replicate_degree(replicate_degree, world_size, tp_degree)
-    shard_degree = world_size // (replicate_degree * tp_degree)
-    shape, names = (replicate_degree, shard_degree), ("replicate", "shard")
-    if replicate_degree == 1:
-        shape, names = shape[1:], names[1:]
-    if tp_degree > 1:
-        shape, names = (*shape, tp_degree), (*names, TP_DIM)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    if tp_degree > 1:
-        # A tensor spread over both the shard and tp dimensions (a gradient, for its norm) is reduced over the two
-        # in one collective only where that group exists: otherwise DTensor reduces over one dimension, then the
-        # other, which warns on every rank, and the ranks may round the sum in different orders.
-        mesh[("shard", TP_DIM)]._flatten(f"shard_{TP_DIM}")
-    return mesh
-
-
-def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The dimensions of ``mesh`` that FSDP2 shards (and HSDP replicates) over: all but ``tp``."""
-    names = mesh.mesh_dim_names or ()
-    if TP_DIM not in names:
-        return mesh
-    rest = tuple(name for name in names if name != TP_DIM)
-    return mesh[rest] if len(rest) > 1 else mesh[rest[0]]
-

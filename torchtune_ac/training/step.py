@@ -185,7 +185,7 @@ def train_step(
         stepper: who steps the parameters (gradients are freed after the step).
         micro_batches: dicts with ``tokens`` and ``labels`` ``[b, s]`` (and optionally ``document_ids``), on the
             device, and the host-side values ``collate_batch`` counted (``move_batch`` keeps them on the host).
-        ctx: rank / world size / tensor-parallel degree.
+        ctx: rank, world size, parallelism (its tensor-parallel degree).
         objective: what each micro-batch's summed loss is.
         clip_grad_norm: max total gradient norm, or None to only measure it.
 
@@ -225,7 +225,7 @@ def train_step(
     return StepResult(
         loss=values.loss_sum / targets,
         grad_norm=values.grad_norm,
-        input_tokens=values.input_tokens // ctx.tp_degree,
-        target_tokens=values.target_tokens // ctx.tp_degree,
+        input_tokens=values.input_tokens // ctx.parallelism.tensor,
+        target_tokens=values.target_tokens // ctx.parallelism.tensor,
         extra={name: total / targets for name, total in zip(objective.metric_names, values.metric_sums)},
     )

@@ -33,13 +33,15 @@ from torchtune_ac.models import hf_model_files, save_hf
 from torchtune_ac.models.families import retie_parameters
 from torchtune_ac.models.families.llama import FAMILY as LLAMA
 from torchtune_ac.models.families.llama import LLAMA_TINY
-from torchtune_ac.run.assemble import initialize_weights_
-from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, build_device_mesh
+from torchtune_ac.run.weights import initialize_weights_
+from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.parallel.fsdp import FSDPConfig
+from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.training.fsdp import shard_model
+from torchtune_ac.parallel.fsdp import shard_model
 from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.training.step import OptimizerStepper, train_step
-from torchtune_ac.training.tensor_parallel import apply_tensor_parallel
+from torchtune_ac.parallel.tensor_parallel import apply_tensor_parallel
 
 pytestmark = pytest.mark.distributed
 
@@ -55,10 +57,10 @@ def _model(tp: int = 1, world_size: int = 1) -> tuple[nn.Module, OptimizerSteppe
     with torch.device("meta"):
         model = LLAMA.build(ARGS)
     if world_size > 1:
-        mesh = build_device_mesh("cpu", world_size, 1, tp)
+        mesh = Parallelism(world_size, tensor=tp).build_mesh("cpu")
         if tp > 1:
             apply_tensor_parallel(model, mesh["tp"])
-        shard_model(model, FSDPConfig(), device=CPU, dtype=DType.FP32, mesh=mesh)
+        shard_model(model, mesh, FSDPConfig(), dtype=DType.FP32)
     model.to_empty(device=CPU)
     if world_size == 1:
         retie_parameters(model)

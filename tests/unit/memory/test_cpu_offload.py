@@ -17,6 +17,7 @@ from torchtune_ac.models import LlamaArgs
 from torchtune_ac.models.llama import Llama
 from torchtune_ac.training.ac_config import ACConfig
 from torchtune_ac.training.activation_checkpointing import ACMode
+from torchtune_ac.runtime.parallelism import Parallelism
 
 ARGS = LlamaArgs(vocab_size=96, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_dim=160, max_seq_len=32)
 FULL = ACConfig(ac_mode=ACMode.FULL)
@@ -29,7 +30,7 @@ def _plan(offload: bool, optimizer: str = "torch.optim.AdamW", device: str = "cu
 
 def _estimate(offload: bool, optimizer: str = "torch.optim.AdamW", world_size: int = 1):
     plan = _plan(offload, optimizer)
-    workload = Workload(batch_size=1, seq_len=16, world_size=world_size).with_settings(plan.settings)
+    workload = Workload(batch_size=1, seq_len=16, parallelism=Parallelism(world_size)).with_settings(plan.settings)
     estimate, = estimate_memory(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p), workload, [plan.ac])
     return estimate
 

@@ -18,7 +18,7 @@ from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan
 from torchtune_ac.memory.planner import Workload, estimate_memory
 from torchtune_ac.models import LlamaArgs
 from torchtune_ac.models.llama import Llama
-from torchtune_ac.runtime.distributed import FSDPConfig
+from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.training.ac_config import ACConfig
 from torchtune_ac.training.activation_checkpointing import ACMode
 from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper

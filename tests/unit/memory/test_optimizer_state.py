@@ -20,6 +20,7 @@ from torchtune_ac.models import LlamaArgs
 from torchtune_ac.models.llama import Llama
 from torchtune_ac.training.ac_config import ACConfig
 from torchtune_ac.training.activation_checkpointing import ACMode
+from torchtune_ac.runtime.parallelism import Parallelism
 
 # Parameters of 6,144 (96 x 64), 4,096 (64 x 64) and 10,240 (160 x 64) elements, quantized in blocks of 128, 256
 # or 2,048 but only the 4,096 one in blocks of 4,096; and too small to quantize: 2,048 (32 x 64) and 64 (norms).
@@ -89,7 +90,7 @@ def test_the_planner_counts_torchaos_state_by_its_layout_and_simulates_a_stand_i
                             [plan.ac])
     assert estimate.optimizer < fp32.optimizer  # this model's small tensors stay fp32: the ratio is the layout's
     # Two processes: rank 0's shard of each parameter, by torchao's rule on the shard.
-    sharded, = estimate_memory(lambda: Llama(ARGS), must_not_be_simulated, workload.with_settings({}, world_size=2),
+    sharded, = estimate_memory(lambda: Llama(ARGS), must_not_be_simulated, workload.with_settings({}, parallelism=Parallelism(2)),
                                [plan.ac])
     assert sharded.optimizer == state_bytes(setting.layout, shapes, torch.float32, world_size=2)
 

@@ -34,6 +34,7 @@ from torchtune_ac.training import setup_activation_checkpointing
 from torchtune_ac.training.ac_config import ACConfig, ACConfigError
 from torchtune_ac.training.activation_checkpointing import ACMode
 from torchtune_ac.training.objective import cross_entropy_sum
+from torchtune_ac.runtime.parallelism import Parallelism
 
 REPO = Path(__file__).resolve().parents[3]
 SMALL = Component(key="model", path="torchtune_ac.models.llama_small")
@@ -209,11 +210,12 @@ MEASURE_STEPS = textwrap.dedent("""
     import gc, json, sys, psutil, torch
     from torchtune_ac.config.components import Component
     from torchtune_ac.training.ac_config import resolve_ac_plan
-    from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
+    from torchtune_ac.runtime.distributed import DistributedContext
+    from torchtune_ac.parallel.fsdp import FSDPConfig
     from torchtune_ac.runtime.dtypes import DType
     from _measure import return_freed_memory_to_os, track_peak_rss
     from torchtune_ac.config.meta_model import build_meta_model
-    from torchtune_ac.run.assemble import build_training
+    from torchtune_ac.run.assemble import AssemblyPlan, build_training
     from torchtune_ac.memory.chunked_loss import loss_objective
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
     from torchtune_ac.memory.plan import MemoryPlan
@@ -224,9 +226,7 @@ MEASURE_STEPS = textwrap.dedent("""
     measured = []
     for mode, chunks in json.loads(sys.argv[1]):
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=None, n_layers=8)
-        model = build_training(build_meta_model(Component(key="model", path="torchtune_ac.models.llama_small")), ctx=ctx,
-                               dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(), compile_blocks=False,
-                               checkpoint_dir=None, seed=0).model
+        model = build_training(build_meta_model(Component(key="model", path="torchtune_ac.models.llama_small")), AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=0), ctx=ctx).model
         optimizer = build_optimizer(lambda p: torch.optim.AdamW(p, lr=1e-5), model, in_backward=False)
         train_step(model, optimizer, batch, ctx=ctx, objective=loss_objective(chunks))  # allocates the optimizer state
         return_freed_memory_to_os()
@@ -370,7 +370,7 @@ def _full_ac_estimate(args, *, in_bwd: bool, world_size: int):
 
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode.FULL), MemoryConfig(optimizer_in_bwd=in_bwd, loss_chunks=4),
                                Llama(args), clip_grad_norm=None, optimizer=OptimizerSpec("torch.optim.AdamW"))
-    workload = Workload(batch_size=2, seq_len=64, world_size=world_size).with_settings(plan.settings)
+    workload = Workload(batch_size=2, seq_len=64, parallelism=Parallelism(world_size)).with_settings(plan.settings)
     estimate, = estimate_memory(lambda: Llama(args), adamw, workload, [plan.ac])
     return estimate
 
@@ -440,18 +440,19 @@ def test_a_packed_bf16_config_for_a_gpu_is_planned_with_varlen_s_copies(override
 
     recipe = load_recipe(resolve_recipe_path("full_finetune"))
     cfg = load_recipe_config(recipe, "tiny/full", list(overrides), [])
-    assert planner_inputs(cfg, 1, torch.device("cpu")).workload.varlen is varlen
+    assert planner_inputs(cfg, Parallelism(1), torch.device("cpu")).workload.varlen is varlen
 
 
 MEASURE_DPO_STEPS = textwrap.dedent("""
     import gc, json, sys, psutil, torch
     from torchtune_ac.config.components import Component
     from torchtune_ac.training.ac_config import resolve_ac_plan
-    from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
+    from torchtune_ac.runtime.distributed import DistributedContext
+    from torchtune_ac.parallel.fsdp import FSDPConfig
     from torchtune_ac.runtime.dtypes import DType
     from _measure import return_freed_memory_to_os, track_peak_rss
     from torchtune_ac.config.meta_model import build_meta_model
-    from torchtune_ac.run.assemble import build_reference, build_training
+    from torchtune_ac.run.assemble import AssemblyPlan, build_reference, build_training
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
     from torchtune_ac.memory.plan import MemoryPlan
     from torchtune_ac.training.dpo import DPOConfig, DPOObjective
@@ -463,9 +464,10 @@ MEASURE_DPO_STEPS = textwrap.dedent("""
     for mode, chunks, resident in json.loads(sys.argv[1]):
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=None, n_layers=8)
         memory = MemoryPlan(ac=plan, settings={})
-        common = dict(ctx=ctx, dtype=DType.FP32, memory=memory, fsdp=FSDPConfig(), checkpoint_dir=None, seed=0)
-        reference = build_reference(build_meta_model(small), **common) if resident else None
-        model = build_training(build_meta_model(small), compile_blocks=False, **common).model
+        assembly = AssemblyPlan(DType.FP32, memory)
+        reference = (build_reference(build_meta_model(small), assembly, ctx=ctx, checkpoint_dir=None) if resident
+                     else None)
+        model = build_training(build_meta_model(small), assembly, ctx=ctx).model
         batch = [{"tokens": tokens, "labels": torch.roll(tokens, -1, dims=1)}]
         if not resident:
             batch[0]["reference_logps"] = torch.zeros(2)
@@ -544,8 +546,8 @@ def test_tensor_parallelism_divides_the_step_per_process_but_what_each_rank_keep
                      max_seq_len=64)
     plans = candidate_plans(args.n_layers)
     none, full = plans[0], plans[-1]
-    fsdp = Workload(batch_size=2, seq_len=64, world_size=2)
-    tp = dataclasses.replace(fsdp, world_size=4, tp_degree=2)
+    fsdp = Workload(batch_size=2, seq_len=64, parallelism=Parallelism(2))
+    tp = dataclasses.replace(fsdp, parallelism=Parallelism(4, tensor=2))
     alone, split = (estimate_memory(lambda: Llama(args), adamw, workload, [none, full]) for workload in (fsdp, tp))
     block_input = 2 * 64 * args.dim * 4  # [b, s, dim] in fp32
     logits = 2 * 64 * args.vocab_size * 4

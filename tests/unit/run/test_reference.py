@@ -11,8 +11,9 @@ from torchtune_ac.config.components import parse_component
 from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models.families.llama import LLAMA_TINY
-from torchtune_ac.run.assemble import build_reference, build_training
-from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
+from torchtune_ac.run.assemble import AssemblyPlan, build_reference, build_training
+from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.ac_config import ACConfig
 from torchtune_ac.training.dpo import answer_logps
@@ -21,9 +22,7 @@ SEED = 5
 NODE = {"_component_": "torchtune_ac.models.llama_tiny"}
 
 
-def _common(ctx):
-    return dict(ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}),
-                fsdp=FSDPConfig(), checkpoint_dir=None, seed=SEED)
+PLAN = AssemblyPlan(DType.FP32, MemoryPlan(ac=ACConfig().resolve(8), settings={}), FSDPConfig(), seed=SEED)
 
 
 def _batch():
@@ -47,18 +46,16 @@ def _gathered_groups(model) -> list[str]:
 
 def test_the_reference_is_the_policys_starting_weights_frozen():
     ctx = DistributedContext(0, 1, 0, torch.device("cpu"))
-    reference = build_reference(build_meta_model(parse_component(NODE, "model")), **_common(ctx))
-    policy = build_training(build_meta_model(parse_component(NODE, "model")), compile_blocks=False,
-                            **_common(ctx)).model
+    reference = build_reference(build_meta_model(parse_component(NODE, "model")), PLAN, ctx=ctx, checkpoint_dir=None)
+    policy = build_training(build_meta_model(parse_component(NODE, "model")), PLAN, ctx=ctx).model
     assert not reference.training and not any(p.requires_grad for p in reference.parameters())
     assert all(torch.equal(p, q) for p, q in zip(reference.state_dict().values(), policy.state_dict().values()))
 
 
 def sharded_reference(rank: int, out: str) -> None:
     ctx = DistributedContext(rank, 2, rank, torch.device("cpu"))
-    reference = build_reference(build_meta_model(parse_component(NODE, "model")), **_common(ctx))
-    policy = build_training(build_meta_model(parse_component(NODE, "model")), compile_blocks=False,
-                            **_common(ctx)).model
+    reference = build_reference(build_meta_model(parse_component(NODE, "model")), PLAN, ctx=ctx, checkpoint_dir=None)
+    policy = build_training(build_meta_model(parse_component(NODE, "model")), PLAN, ctx=ctx).model
     with torch.no_grad():
         logps = answer_logps(reference, _batch(), 1)
         answer_logps(policy, _batch(), 1)
@@ -76,7 +73,7 @@ def test_sharded_over_2_processes_every_group_reshards_after_its_forward(tmp_pat
     assert result["policy_gathered"] and result["reference_gathered"] == []
     assert all(grad is None for grad in result["grads"])
     ctx = DistributedContext(0, 1, 0, torch.device("cpu"))
-    single = build_reference(build_meta_model(parse_component(NODE, "model")), **_common(ctx))
+    single = build_reference(build_meta_model(parse_component(NODE, "model")), PLAN, ctx=ctx, checkpoint_dir=None)
     with torch.no_grad():
         expected = answer_logps(single, _batch(), 1)
     # The same weights (drawn per block of rows, whatever the sharding), gathered: the same sums within rounding.

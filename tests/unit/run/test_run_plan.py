@@ -23,13 +23,14 @@ from torchtune_ac.memory import plan as memory_plan
 from torchtune_ac.models.families import transformer_blocks
 from torchtune_ac.run import assemble
 from torchtune_ac.run import plan as run_plan
-from torchtune_ac.run.assemble import build_training
+from torchtune_ac.run.assemble import AssemblyPlan, build_training
 from torchtune_ac.run.phases import build_data
 from torchtune_ac.run.plan import resolve_length, resolve_run_plan
 from torchtune_ac.run.preflight import check_launch
 from torchtune_ac.run.session import Run, plan_run
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.training.activation_checkpointing import is_checkpointed
+from torchtune_ac.runtime.parallelism import Parallelism
 
 MiB = 2**20
 # 40 MiB per process for the tiny model at 64 tokens x 4 samples: some plan fits a process whose own fixed cost is 0.
@@ -81,9 +82,7 @@ def _rank_zero_plans_for_both(rank: int, output_dir: str) -> None:
     plan = plan_run(Run(cfg, ctx), model, tokenizer=tokenizer)
     data = build_data(cfg, tokenizer, ctx)
     plan = plan.with_data(data.samples, len(data.loader))
-    training = build_training(model, ctx=ctx, dtype=plan.dtype, memory=plan.memory, fsdp=plan.fsdp,
-                              compile_blocks=plan.compile, checkpoint_dir=None, seed=0,
-                              make_optimizer=cfg.optimizer.instantiate)
+    training = build_training(model, AssemblyPlan(dtype=plan.dtype, memory=plan.memory, fsdp=plan.fsdp, compile=plan.compile, checkpoint_dir=None, seed=0), ctx=ctx, make_optimizer=cfg.optimizer.instantiate)
     applied = [is_checkpointed(block) for block in transformer_blocks(training.model)]
 
     answers: list = [None, None]
@@ -114,14 +113,14 @@ def test_rank_zero_resolves_the_plan_and_every_rank_applies_it(tmp_path):
 def test_the_run_s_length_is_computed_in_one_place(tmp_path, world_size, batches, expected):
     accumulation = 1 if world_size == 1 else 2
     cfg = config(tmp_path, gradient_accumulation_steps=accumulation, epochs=1 if world_size == 1 else 2)
-    length = resolve_length(cfg, world_size, samples=None if batches is None else 160, batches_per_epoch=batches)
+    length = resolve_length(cfg, Parallelism(world_size), samples=None if batches is None else 160, batches_per_epoch=batches)
     assert (length.steps_per_epoch, length.total_steps) == expected
     assert length.global_batch == (None if world_size is None else 4 * accumulation * world_size)
 
 
 def test_a_dataset_too_small_for_one_step_is_refused_naming_the_keys(tmp_path):
     with pytest.raises(UserError, match="3 samples make 1 batch.* fewer than gradient_accumulation_steps=2"):
-        resolve_length(config(tmp_path, gradient_accumulation_steps=2), 1, samples=3, batches_per_epoch=1)
+        resolve_length(config(tmp_path, gradient_accumulation_steps=2), Parallelism(1), samples=3, batches_per_epoch=1)
 
 
 def test_the_launcher_checks_only_what_ranks_would_each_report_on_their_own(tmp_path, monkeypatch):

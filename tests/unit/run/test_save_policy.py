@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.run.plan import RunLength, SavePolicy
 
 
@@ -18,6 +19,6 @@ from torchtune_ac.run.plan import RunLength, SavePolicy
     ],
 )
 def test_saves_counts_the_checkpoints_still_to_write(every_n_steps, after_step, steps_per_epoch, epochs, saves):
-    length = RunLength(world_size=1, batch_size=1, gradient_accumulation_steps=1, epochs=epochs,
+    length = RunLength(Parallelism(1), batch_size=1, gradient_accumulation_steps=1, epochs=epochs,
                        max_steps_per_epoch=None, samples=0, steps_per_epoch=steps_per_epoch)
     assert SavePolicy(every_n_steps).saves(after_step, length) == saves

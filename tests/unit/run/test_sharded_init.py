@@ -22,9 +22,11 @@ from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models import LLAMA
 from torchtune_ac.models.families import family_of, init_weights_, model_from_hf_config
 from torchtune_ac.models.families.llama import LLAMA_TINY
-from torchtune_ac.run import assemble
-from torchtune_ac.run.assemble import build_training, parameter_seed
-from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig
+from torchtune_ac.run import weights
+from torchtune_ac.run.assemble import AssemblyPlan, build_training
+from torchtune_ac.run.weights import parameter_seed
+from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.ac_config import ACConfig
 
@@ -38,10 +40,7 @@ MODELS = {
 
 
 def build(node: dict, ctx: DistributedContext) -> torch.nn.Module:
-    return build_training(
-        build_meta_model(parse_component(node, "model")), ctx=ctx, dtype=DType.FP32, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}), fsdp=FSDPConfig(),
-        compile_blocks=False, checkpoint_dir=None, seed=SEED,
-    ).model
+    return build_training(build_meta_model(parse_component(node, "model")), AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}), fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=SEED), ctx=ctx).model
 
 
 class HostTensorBytes(TorchDispatchMode):
@@ -70,7 +69,7 @@ class HostTensorBytes(TorchDispatchMode):
 
 
 def init_rank(rank: int, case: str, out_path: str, block_elements: int) -> None:
-    assemble.INIT_BLOCK_ELEMENTS = block_elements
+    weights.INIT_BLOCK_ELEMENTS = block_elements
     ctx = DistributedContext(rank=rank, world_size=WORLD_SIZE, local_rank=rank, device=torch.device("cpu"))
     with HostTensorBytes() as host:
         model = build(MODELS[case], ctx)
@@ -81,11 +80,11 @@ def init_rank(rank: int, case: str, out_path: str, block_elements: int) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("case, block_elements", [("tied", assemble.INIT_BLOCK_ELEMENTS), ("untied", 1000)],
+@pytest.mark.parametrize("case, block_elements", [("tied", weights.INIT_BLOCK_ELEMENTS), ("untied", 1000)],
                          ids=["tied", "untied-blocks-across-shards"])
 def test_sharded_random_init_equals_one_process(case: str, block_elements: int, tmp_path, monkeypatch) -> None:
     """With 1000-element blocks (7 rows of the embedding) the shards' edges fall inside blocks."""
-    monkeypatch.setattr(assemble, "INIT_BLOCK_ELEMENTS", block_elements)
+    monkeypatch.setattr(weights, "INIT_BLOCK_ELEMENTS", block_elements)
     out_path = str(tmp_path / "sharded.pt")
     run_on_gloo_ranks(init_rank, case, out_path, block_elements, store_dir=tmp_path)
     sharded = torch.load(out_path, weights_only=True)
@@ -123,11 +122,8 @@ def test_each_parameter_is_drawn_from_a_cpu_generator_of_its_own() -> None:
 def test_a_parameter_of_several_blocks_draws_each_block_from_its_own_generator(monkeypatch, dtype) -> None:
     """Block b of a parameter's rows is normal(0, 0.02) from ``parameter_seed(seed, name, b)``, drawn in float32 and
     rounded once to the storage dtype (bf16's own ``normal_`` on the CPU is serial and slow)."""
-    monkeypatch.setattr(assemble, "INIT_BLOCK_ELEMENTS", 1000)
-    model = build_training(
-        build_meta_model(parse_component(MODELS["untied"], "model")), ctx=DistributedContext(0, 1, 0, torch.device("cpu")), dtype=dtype,
-        memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}), fsdp=FSDPConfig(), compile_blocks=False,
-        checkpoint_dir=None, seed=SEED).model
+    monkeypatch.setattr(weights, "INIT_BLOCK_ELEMENTS", 1000)
+    model = build_training(build_meta_model(parse_component(MODELS["untied"], "model")), AssemblyPlan(dtype=dtype, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}), fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=SEED), ctx=DistributedContext(0, 1, 0, torch.device("cpu"))).model
     embedding = model.get_parameter("tok_embeddings.weight").detach()
     rows = 1000 // embedding.shape[1]
     blocks = [torch.empty(min(rows, embedding.shape[0] - start), embedding.shape[1]).normal_(

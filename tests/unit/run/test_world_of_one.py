@@ -13,8 +13,9 @@ from torch.distributed.tensor import DTensor
 from torchtune_ac.config.components import parse_component
 from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.memory.plan import MemoryPlan
-from torchtune_ac.run.assemble import build_training
-from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig, destroy_distributed
+from torchtune_ac.run.assemble import AssemblyPlan, build_training
+from torchtune_ac.runtime.distributed import DistributedContext, destroy_distributed
+from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.ac_config import ACConfig
 from torchtune_ac.training.step import OptimizerStepper, train_step
@@ -36,8 +37,7 @@ def _losses(model: torch.nn.Module) -> list[float]:
 
 
 def _build() -> torch.nn.Module:
-    return build_training(build_meta_model(MODEL), ctx=CTX, dtype=DType.FP32, memory=PLAN, fsdp=FSDPConfig(),
-                          compile_blocks=False, checkpoint_dir=None, seed=0).model
+    return build_training(build_meta_model(MODEL), AssemblyPlan(dtype=DType.FP32, memory=PLAN, fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=0), ctx=CTX).model
 
 
 @pytest.fixture

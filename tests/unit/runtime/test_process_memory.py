@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from torchtune_ac.runtime.process_memory import fixed_bytes
+from torchtune_ac.runtime.parallelism import Parallelism
 
 # Half of 300 tensors of 1 MiB freed, every other one: the heap's holes stay resident under glibc's defaults (its
 # threshold has risen past 1 MiB at the first free of a mapped 1 MiB block), and go back with follow_live_tensors.
@@ -85,7 +86,7 @@ def test_a_cuda_plan_counts_the_cublas_workspaces_in_its_transient_memory(monkey
     estimates = {}
     for device in ("cuda", "cpu"):
         cfg = load_recipe_config(recipe, "tiny/full", [f"device={device}", "max_seq_len=64", "batch_size=2"], [])
-        inputs = planner_inputs(cfg, 1, torch.device("cpu"))
+        inputs = planner_inputs(cfg, Parallelism(1), torch.device("cpu"))
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode="full", ac_option=None, n_layers=8)
         (estimates[device],) = estimate_memory(inputs.build_model, inputs.make_optimizer, inputs.workload, [plan])
         assert inputs.workload.blas_workspaces == (64 * 2**20 if device == "cuda" else 0)

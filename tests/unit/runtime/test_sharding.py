@@ -26,10 +26,15 @@ from torchtune_ac.errors import UserError
 from torchtune_ac.memory.optimizer_in_backward import OptimizerInBackward
 from torchtune_ac.models.families.llama import LLAMA_TINY
 from torchtune_ac.models.llama import Llama
-from torchtune_ac.runtime.distributed import FSDPConfig, build_device_mesh, destroy_distributed, join_world_of_one
+from torchtune_ac.runtime.distributed import DistributedContext, destroy_distributed, join_world_of_one
+from torchtune_ac.parallel.fsdp import FSDPConfig
+from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.training import fsdp
-from torchtune_ac.training.fsdp import shard_model
+from torchtune_ac.parallel import fsdp
+from torchtune_ac.memory.plan import MemoryPlan
+from torchtune_ac.parallel.fsdp import shard_model
+from torchtune_ac.run.assemble import AssemblyPlan, build_mesh
+from torchtune_ac.training.ac_config import ACConfig
 
 CPU = torch.device("cpu")
 SMALL = dataclasses.replace(LLAMA_TINY, n_layers=2)
@@ -63,7 +68,7 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[tuple[nn.Module, ...], 
 
 def test_blocks_embeddings_and_head_are_groups_of_their_own(world_of_one, calls) -> None:
     model = _meta_model()
-    shard_model(model, FSDPConfig(reshard_after_forward=True), device=CPU, dtype=DType.FP32)
+    shard_model(model, Parallelism(1).build_mesh("cpu"), FSDPConfig(reshard_after_forward=True), dtype=DType.FP32)
     groups = [modules for modules, _ in calls]
     assert groups == [(model.layers[0],), (model.layers[1],), (model.tok_embeddings,), (model.norm, model.output),
                       (model,)]
@@ -79,13 +84,13 @@ def test_blocks_embeddings_and_head_are_groups_of_their_own(world_of_one, calls)
 
 
 def test_without_resharding_no_group_reshards(world_of_one, calls) -> None:
-    shard_model(_meta_model(), FSDPConfig(reshard_after_forward=False), device=CPU, dtype=DType.FP32)
+    shard_model(_meta_model(), Parallelism(1).build_mesh("cpu"), FSDPConfig(reshard_after_forward=False), dtype=DType.FP32)
     assert not any(kwargs["reshard_after_forward"] for _, kwargs in calls)
 
 
 def test_a_tied_embedding_stays_in_one_group_the_root(world_of_one, calls) -> None:
     model = _meta_model(tie_embeddings=True)
-    shard_model(model, FSDPConfig(), device=CPU, dtype=DType.FP32)
+    shard_model(model, Parallelism(1).build_mesh("cpu"), FSDPConfig(), dtype=DType.FP32)
     groups = [modules for modules, _ in calls]
     assert groups == [(model.layers[0],), (model.layers[1],), (model,)]
     assert model.output.weight is model.tok_embeddings.weight
@@ -101,7 +106,7 @@ def test_a_tied_embedding_stays_in_one_group_the_root(world_of_one, calls) -> No
     ],
 )
 def test_the_reduce_dtype_defaults_to_the_storage_dtype(world_of_one, calls, storage, reduce_dtype, expected) -> None:
-    shard_model(_meta_model().to(storage.torch), FSDPConfig(reduce_dtype=reduce_dtype), device=CPU, dtype=storage)
+    shard_model(_meta_model().to(storage.torch), Parallelism(1).build_mesh("cpu"), FSDPConfig(reduce_dtype=reduce_dtype), dtype=storage)
     assert {kwargs["mp_policy"].reduce_dtype for _, kwargs in calls} == {expected}
 
 
@@ -109,7 +114,10 @@ def test_every_group_is_sharded_over_a_mesh_of_the_run_device(world_of_one, call
     """A GPU host running ``device: cpu``: the mesh is the CPU's, not the accelerator's. Without ``mesh=``,
     ``fully_shard`` would build its own from whatever accelerator the machine has."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    mesh = shard_model(_meta_model(), FSDPConfig(), device=CPU, dtype=DType.FP32)
+    monkeypatch.setattr(MemoryPlan, "shard_options", lambda self: {"offload_policy": None})  # one process shards
+    mesh = build_mesh(AssemblyPlan(DType.FP32, MemoryPlan(ac=ACConfig().resolve(2), settings={})),
+                      DistributedContext(0, 1, 0, CPU))
+    shard_model(_meta_model(), mesh, FSDPConfig(), dtype=DType.FP32)
     assert mesh.device_type == "cpu" and mesh.mesh_dim_names == ("shard",)
     assert all(kwargs.get("mesh") is mesh for _, kwargs in calls)
 
@@ -117,17 +125,16 @@ def test_every_group_is_sharded_over_a_mesh_of_the_run_device(world_of_one, call
 @pytest.mark.parametrize("world_size, replicate_degree", [(3, 2), (1, 2), (4, 3)])
 def test_a_world_that_is_not_whole_rows_of_replicas_is_refused(world_size, replicate_degree) -> None:
     with pytest.raises(UserError) as error:
-        build_device_mesh("cpu", world_size, replicate_degree)
+        Parallelism(world_size, replicate=replicate_degree)
     message = str(error.value)
     assert message.startswith(f"fsdp.replicate_degree={replicate_degree}:") and "\n" not in message
     assert f"world size ({world_size} process(es))" in message
-    with pytest.raises(UserError):
-        FSDPConfig(replicate_degree=replicate_degree).shard_degree(world_size)
 
 
 def _check_hsdp(rank: int) -> None:
     model = _meta_model()
-    mesh = shard_model(model, FSDPConfig(replicate_degree=2), device=CPU, dtype=DType.FP32)
+    mesh = Parallelism(4, replicate=2).build_mesh("cpu")
+    shard_model(model, mesh, FSDPConfig(replicate_degree=2), dtype=DType.FP32)
     assert mesh.mesh_dim_names == ("replicate", "shard") and tuple(mesh.shape) == (2, 2)
     # Consecutive ranks share a row (one node per replica keeps the shard collectives inside the node).
     assert mesh.mesh.tolist() == [[0, 1], [2, 3]]

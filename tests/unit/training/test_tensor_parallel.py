@@ -11,6 +11,7 @@ vocabulary, the step in backward, clipping, and compile.
 
 from __future__ import annotations
 
+import math
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -37,20 +38,17 @@ from torchtune_ac.models.families.qwen3 import FAMILY as QWEN3
 from torchtune_ac.models.families.qwen3 import QWEN3_0_6B
 from torchtune_ac.models.llama import LlamaArgs
 from torchtune_ac.models.tensor_parallel import Split, tensor_parallel_problem
-from torchtune_ac.run.assemble import initialize_weights_
-from torchtune_ac.runtime.distributed import (
-    DistributedContext,
-    FSDPConfig,
-    build_device_mesh,
-    check_replicate_degree,
-)
+from torchtune_ac.run.weights import initialize_weights_
+from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.parallel.fsdp import FSDPConfig
+from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.ac_config import resolve_ac_plan
 from torchtune_ac.training.activation_checkpointing import apply_ac_plan
-from torchtune_ac.training.fsdp import shard_model
+from torchtune_ac.parallel.fsdp import shard_model
 from torchtune_ac.training.objective import IGNORE_INDEX, CrossEntropy
 from torchtune_ac.training.step import OptimizerStepper, train_step
-from torchtune_ac.training.tensor_parallel import apply_tensor_parallel, check_sequence_length
+from torchtune_ac.parallel.tensor_parallel import apply_tensor_parallel, check_sequence_length
 
 CPU = torch.device("cpu")
 # Tiny models of each family, their flags kept (q/k norms; Gemma 3's offset norms, GeGLU, scaled and tied
@@ -145,15 +143,13 @@ def test_applying_a_plan_the_degree_cannot_split_is_refused() -> None:
 ])
 def test_the_world_size_must_be_a_product_of_the_degrees(world, replicate, tp, expected) -> None:
     if expected is None:
-        check_replicate_degree(replicate, world, tp)
-        assert FSDPConfig(replicate_degree=replicate).shard_degree(world, tp) * replicate * tp == world
+        parallelism = Parallelism(world, replicate=replicate, tensor=tp)
+        assert parallelism.shard * replicate * tp == world
+        assert math.prod(parallelism.mesh_shape.values()) == world
         return
-    for call in (lambda: check_replicate_degree(replicate, world, tp),
-                 lambda: build_device_mesh("cpu", world, replicate, tp),
-                 lambda: FSDPConfig(replicate_degree=replicate).shard_degree(world, tp)):
-        with pytest.raises(UserError) as error:
-            call()
-        assert str(error.value) == expected
+    with pytest.raises(UserError) as error:
+        Parallelism(world, replicate=replicate, tensor=tp)
+    assert str(error.value) == expected
 
 
 def test_a_sequence_the_degree_does_not_divide_is_refused() -> None:
@@ -227,7 +223,7 @@ def build_model(case: Case, mesh=None) -> nn.Module:
             block.compile(backend="aot_eager")
     if mesh is not None:
         apply_tensor_parallel(model, mesh["tp"])
-        shard_model(model, FSDPConfig(), device=CPU, dtype=DType.FP32, mesh=mesh)
+        shard_model(model, mesh, FSDPConfig(), dtype=DType.FP32)
     model.to_empty(device=CPU)
     if mesh is None:
         retie_parameters(model)
@@ -264,7 +260,7 @@ def check_against_one_process(rank: int, world_size: int, meshes: tuple[tuple[in
     handler.emit = lambda record: warned.append(record.getMessage())
     redistribute.addHandler(handler)
     for replicate, tp in meshes:
-        mesh = build_device_mesh("cpu", world_size, replicate, tp)
+        mesh = Parallelism(world_size, replicate=replicate, tensor=tp).build_mesh("cpu")
         dp_degree = world_size // tp
         for case in cases:
             expected = train(case, build_model(case), DistributedContext(0, 1, 0, CPU), 0, 1)
@@ -333,7 +329,7 @@ def check_low_bit_state(rank: int, world_size: int) -> None:
     torch.compile = lambda function=None, **options: function
     case = Case("llama_512", optimizer="adamw8bit")
     check_against_one_process(rank, world_size, ((1, 2),), (case,))
-    model = build_model(case, build_device_mesh("cpu", world_size, 1, 2))
+    model = build_model(case, Parallelism(world_size, tensor=2).build_mesh("cpu"))
     optimizer = _adamw8bit()(model.parameters(), lr=1e-2)
     train_step(model, OptimizerStepper(optimizer), [_batch(case, 0)], ctx=DistributedContext(rank, world_size, 0, CPU))
     weight = transformer_blocks(model)[0].attn.o_proj.weight

@@ -1,22 +1,51 @@
 """FSDP2 applied to a model: each transformer block, then the family's other shard groups, then the root, over a
 device mesh of the run's device, with mixed precision and the memory features' options (CPU offload's
-``offload_policy``). The ``fsdp.*`` keys are ``runtime.distributed.FSDPConfig``; the order in which a run applies
-FSDP2 among the other steps is ``run/assemble.py``'s.
+``offload_policy``). The ``fsdp.*`` keys are ``FSDPConfig``; the order in which a run applies FSDP2 among the
+other steps is ``run/assemble.py``'s.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from torchtune_ac.config_key import config_key
 from torchtune_ac.models.families import shard_groups, transformer_blocks
-from torchtune_ac.runtime.distributed import FSDPConfig, build_device_mesh, data_parallel_mesh
+from torchtune_ac.runtime.parallelism import data_parallel_mesh
 from torchtune_ac.runtime.dtypes import DType
+
+
+@dataclass(frozen=True)
+class FSDPConfig:
+    """The ``fsdp.*`` config keys: FSDP2's settings, used when the model is sharded (more than one process, or CPU
+    offload on one). A field's ``torchtune`` metadata names torchtune's key for it (``tune migrate`` reads it)."""
+
+    reshard_after_forward: bool = config_key(
+        True, doc="Free each block's gathered parameters after its forward (saves memory; they are gathered again in "
+        "backward).", torchtune="fsdp_reshard_after_forward")
+    param_dtype: Optional[DType] = config_key(
+        None, doc="Mixed precision: the dtype parameters are gathered in for forward and backward; null: as stored "
+        "(dtype).")
+    reduce_dtype: Optional[DType] = config_key(
+        None, doc="The dtype of the gradient reduce-scatter; null: the storage dtype (dtype), so bf16 gradients are "
+        "not upcast for the collective and cast back (fp32 sums in fp32, at twice the bytes).")
+    replicate_degree: int = config_key(
+        1, doc="HSDP: the processes form replicate_degree rows; parameters are sharded over the processes of a row "
+        "(world size / replicate_degree) and replicated over the rows. 1: plain FSDP over every process.",
+        minimum=1, torchtune="data_parallel_replicate_dim")
+    cpu_offload: bool = config_key(
+        False, doc="Keep parameters, gradients and optimizer state in pinned host memory, the optimizer stepping on "
+        "the CPU (FSDP2's CPUOffloadPolicy); CUDA only. One process shards its model too, to get it.",
+        torchtune="fsdp_cpu_offload")
+
+    def resolved_reduce_dtype(self, dtype: DType) -> DType:
+        """The reduce-scatter's dtype for parameters stored in ``dtype``."""
+        return self.reduce_dtype if self.reduce_dtype is not None else dtype
 
 
 def mixed_precision_policy(fsdp: FSDPConfig, dtype: DType) -> MixedPrecisionPolicy:
@@ -34,39 +63,28 @@ def parameter_device(options: Mapping[str, Any], device: torch.device) -> torch.
     return torch.device("cpu") if isinstance(options.get("offload_policy"), CPUOffloadPolicy) else device
 
 
-def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig(), options: Mapping[str, Any] = {}, *,
-                device: torch.device, dtype: DType, frozen: bool = False,
-                mesh: Optional[DeviceMesh] = None) -> DeviceMesh:
+def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig = FSDPConfig(),
+                options: Mapping[str, Any] = {}, *, dtype: DType, frozen: bool = False) -> None:
     """Apply FSDP2 (``fully_shard``) to each transformer block of ``model``, then to the family's other shard
     groups (the embeddings; the final norm with the output layer), then to the root, in place, over a device mesh
-    of ``device``'s type.
+    of the run's device (``Parallelism.build_mesh``).
 
-    Call after activation checkpointing (and compile) are applied and before weights are loaded, with the default
-    process group initialised; parameters become DTensors sharded on dim 0 over the mesh's ``shard`` dimension
-    (and replicated over its ``replicate`` dimension with ``fsdp.replicate_degree`` > 1: HSDP).
+    Call after activation checkpointing (and compile) are applied and before weights are loaded; parameters
+    become DTensors sharded on dim 0 over the mesh's ``shard`` dimension (and replicated over its ``replicate`` dimension with ``fsdp.replicate_degree`` > 1: HSDP).
 
     Args:
         model: a model of a known family, or one with a ``layers`` ``nn.ModuleList`` of blocks.
+        mesh: the run's mesh (``Parallelism.build_mesh``, built once per run): FSDP2 shards over all its dimensions
+            but ``tp`` (a tensor-parallel run has split the model over ``tp`` first).
         fsdp: resharding after forward, the mixed-precision dtypes of gathered parameters and of the gradient
             reduce-scatter, and the replicate degree.
         options: more ``fully_shard`` keyword arguments, as the memory switches give them (``offload_policy``).
-        device: the device the run computes on (its type is the mesh's).
         dtype: the parameters' storage dtype (the reduce dtype's default).
         frozen: a model that never runs backward (DPO's reference): every group, the root and the last included,
             reshards after its forward. (FSDP2 leaves a group that does not reshard after forward gathered until
             its backward; with no backward, for the rest of the run: on Llama 3 8B, the embedding and the output
             layer whole on every rank.)
-        mesh: the run's mesh (``build_device_mesh``) when it was built before: a tensor-parallel run splits the
-            model over its ``tp`` dimension first, and FSDP2 shards over the others. None: one is built here.
-
-    Returns:
-        The mesh the model is sharded over (the run's mesh, ``tp`` included).
-
-    Raises:
-        UserError: the world size is not a multiple of ``fsdp.replicate_degree``.
     """
-    if mesh is None:
-        mesh = build_device_mesh(device.type, dist.get_world_size(), fsdp.replicate_degree)
     common = dict(mesh=data_parallel_mesh(mesh), mp_policy=mixed_precision_policy(fsdp, dtype), **options)
     for block in transformer_blocks(model):
         fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward or frozen, **common)
@@ -78,7 +96,6 @@ def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig(), options: Mapp
     # The root holds what no group does (a tied embedding and output, a custom model's embeddings and head): used
     # first and last in forward, resharding it after forward would only re-gather it at once for backward.
     fully_shard(model, reshard_after_forward=frozen, **common)
-    return mesh
 
 
 def offloaded_gradient_wait(model: nn.Module) -> Optional[Callable[[torch.Tensor], None]]:
