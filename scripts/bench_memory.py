@@ -157,7 +157,8 @@ def measure(args: argparse.Namespace, setting: Setting, batch: dict[str, torch.T
     memory = MemoryConfig(optimizer_in_bwd=setting.in_backward, loss_chunks=CHUNKS if setting.chunked else 1)
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting.ac)), memory, build_meta_model(component),
                                clip_grad_norm=None)
-    model = build_training(build_meta_model(component), AssemblyPlan(dtype=DType.FP32, memory=plan, fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=args.seed), ctx=ctx).model
+    model = build_training(build_meta_model(component), AssemblyPlan(dtype=DType.FP32, memory=plan, seed=args.seed),
+                           ctx=ctx).model
     optimizer = plan.build_stepper(lambda params: torch.optim.AdamW(params, lr=1e-5), model)
     train_step(model, optimizer, [batch], ctx=ctx, objective=plan.objective())  # allocates the optimizer state
     return_freed_memory_to_os()
@@ -320,7 +321,8 @@ def measure_optimizer(args: argparse.Namespace, name: str, batch: dict[str, torc
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode.FULL), MemoryConfig(loss_chunks=CHUNKS),
                                build_meta_model(component), clip_grad_norm=None,
                                optimizer=OptimizerSpec(path, optimizer.kwargs), dtype=storage.torch, device="cpu")
-    model = build_training(build_meta_model(component), AssemblyPlan(dtype=storage, memory=plan, fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=args.seed), ctx=ctx).model
+    model = build_training(build_meta_model(component), AssemblyPlan(dtype=storage, memory=plan, seed=args.seed),
+                           ctx=ctx).model
     stepper = plan.build_stepper(optimizer.instantiate, model)
     train_step(model, stepper, [batch], ctx=ctx, objective=plan.objective())  # allocates (and compiles) the state
     state = state_bytes_of(stepper.optimizers_to_checkpoint())
@@ -475,7 +477,8 @@ def ablation_worker(args: argparse.Namespace, index: int) -> dict:
     component, optimizer, plan = _ablation_plan(args, ABLATION[index])
     fixed = fixed_bytes(torch.device("cpu"))
     ctx = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    model = build_training(build_meta_model(component), AssemblyPlan(dtype=DType.FP32, memory=plan, fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=args.seed), ctx=ctx).model
+    model = build_training(build_meta_model(component), AssemblyPlan(dtype=DType.FP32, memory=plan, seed=args.seed),
+                           ctx=ctx).model
     stepper = plan.build_stepper(optimizer.instantiate, model)
     batch = make_batch(args, model.args.vocab_size)
     for _ in range(2):

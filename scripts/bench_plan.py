@@ -102,7 +102,9 @@ def measure_steps(name: str, settings, batch_size: int, seq_len: int, chunks: in
     n_layers = len(meta_model(name).layers)
     for mode, option in settings:
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=option, n_layers=n_layers)
-        model = build_training(build_meta_model(component(name)), AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=0), ctx=ctx).model
+        model = build_training(build_meta_model(component(name)),
+                               AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}),
+                                            seed=0), ctx=ctx).model
         optimizer = build_optimizer(adamw, model, in_backward=False)
         train_step(model, optimizer, data, ctx=ctx, objective=loss_objective(chunks))
         return_freed_memory_to_os()

@@ -24,7 +24,7 @@ objective (mean next-token cross-entropy over every target token):
   * Hugging Face: ``LlamaForCausalLM`` (SDPA attention) + ``torch.optim.AdamW``; full AC is
     ``activation_checkpointing_enable`` (formerly ``gradient_checkpointing_enable``) with
     ``use_reentrant=False``. The loop measures the gradient norm, as ``train_step`` always does (and as the
-    HF Trainer does by default), so both sides do the same work.
+    HF TrainingLoop does by default), so both sides do the same work.
 
 Per AC setting, warm-up steps and then timed steps alternate between the two sides (ours, HF, HF, ours, ...)
 so that machine drift (other processes, thermals) hits both equally. Reports median step time, tokens/s and
@@ -207,7 +207,9 @@ def build_ours(model_name: str, checkpoint_dir: Path, setting: str, batches: lis
     # The recipe's own resolution of the memory switches (default loss_chunks, no optimizer in backward).
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting)), MemoryConfig(), build_meta_model(component),
                                clip_grad_norm=None)
-    model = build_training(build_meta_model(component), AssemblyPlan(dtype=DType.FP32, memory=plan, fsdp=FSDPConfig(), compile=False, checkpoint_dir=str(checkpoint_dir), seed=seed), ctx=ctx).model
+    model = build_training(build_meta_model(component),
+                           AssemblyPlan(dtype=DType.FP32, memory=plan, checkpoint_dir=str(checkpoint_dir),
+                                        seed=seed), ctx=ctx).model
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW_KWARGS)
     micro_batches = [[{"tokens": tokens, "labels": shift_labels(tokens)}] for tokens in batches]
 
@@ -451,7 +453,9 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
     plan = resolve_memory_plan(ACConfig(ac_mode=ACMode(setting)), MemoryConfig(), build_meta_model(component),
                                clip_grad_norm=None, dtype=dtype.torch, device="cuda")
     start = time.perf_counter()
-    model = build_training(build_meta_model(component), AssemblyPlan(dtype=dtype, memory=plan, fsdp=FSDPConfig(), compile=args.compile, checkpoint_dir=None, seed=args.seed), ctx=ctx).model
+    model = build_training(build_meta_model(component),
+                           AssemblyPlan(dtype=dtype, memory=plan, compile=args.compile,
+                                        seed=args.seed), ctx=ctx).model
     torch.cuda.synchronize()
     build_s = time.perf_counter() - start  # meta build, AC, compile wrappers, allocation, random initialisation
     make_optimizer = Component(key="optimizer", path="torch.optim.AdamW",

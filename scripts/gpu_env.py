@@ -69,7 +69,8 @@ def build_seconds(model: str, device: torch.device = torch.device("cuda")) -> fl
     plan = resolve_memory_plan(ACConfig(), MemoryConfig(), build_meta_model(component), clip_grad_norm=None,
                                dtype=torch.bfloat16, device=device.type)
     start = time.perf_counter()
-    built = build_training(build_meta_model(component), AssemblyPlan(dtype=DType.BF16, memory=plan, fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=0), ctx=DistributedContext(0, 1, 0, device)).model
+    built = build_training(build_meta_model(component), AssemblyPlan(dtype=DType.BF16, memory=plan, seed=0),
+                           ctx=DistributedContext(0, 1, 0, device)).model
     if on_cuda:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

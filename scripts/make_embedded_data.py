@@ -208,7 +208,7 @@ def train_tokenizer(texts: list[str]) -> Tokenizer:
     Digits are split one per token before the byte-level step, so arithmetic answers are written digit by digit.
 
     Args:
-        texts: Training corpus.
+        texts: AssembledModel corpus.
 
     Returns:
         The trained tokenizer; special tokens take ids 0.. in ``SPECIAL_TOKENS`` order.

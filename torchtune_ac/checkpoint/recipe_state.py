@@ -141,7 +141,7 @@ class RunShape:
 
 
 @dataclass(frozen=True)
-class TrainerState:
+class RecipeState:
     """What ``trainer_state.json`` records of a checkpoint's run.
 
     Attributes:
@@ -298,7 +298,7 @@ def save_checkpoint(
     model: nn.Module,
     hf_files: HFModelFiles,
     optimizers: Sequence[torch.optim.Optimizer],
-    state: TrainerState,
+    state: RecipeState,
     keep_last_n: Optional[int] = None,
     tokenizer_dir: Optional[str | Path] = None,
     chat_template: Optional[str] = None,
@@ -409,7 +409,7 @@ def _save_recipe_state(
     *,
     model: nn.Module,
     optimizers: Sequence[torch.optim.Optimizer],
-    state: TrainerState,
+    state: RecipeState,
     processes: Optional[DistributedContext],
 ) -> None:
     """Model + optimizer through DCP (every rank its shard), each rank's RNG state; rank 0 trainer_state.json."""
@@ -427,7 +427,7 @@ def _save_recipe_state(
         (state_dir / TRAINER_STATE_FILE).write_text(json.dumps(record, indent=2))
 
 
-def read_trainer_state(checkpoint: Path) -> TrainerState:
+def read_trainer_state(checkpoint: Path) -> RecipeState:
     """What ``checkpoint`` records of its run.
 
     Raises:
@@ -437,7 +437,7 @@ def read_trainer_state(checkpoint: Path) -> TrainerState:
     data = read_json(path)
     try:
         # Checkpoints of earlier versions record neither the hyper-parameters nor the data: they still resume.
-        return TrainerState(Progress(**data["progress"]), RunShape(**data["shape"]), data.get("hyperparameters"),
+        return RecipeState(Progress(**data["progress"]), RunShape(**data["shape"]), data.get("hyperparameters"),
                             data.get("data"))
     except (KeyError, TypeError) as err:
         raise UserError(f"{path}: not a trainer state this version reads ({type(err).__name__}: {err}); a newer or "

@@ -6,7 +6,7 @@
     assemble.py   the one order: AC -> offloading -> compile -> FSDP2 -> materialise -> load; optimizer,
                   stepper, scheduler                                                              (build_training)
     phases.py     the data, validation data, resume choice and restore
-    loop.py       the loop every recipe shares: steps, logging, validation, saving, stop signals  (Trainer)
+    loop.py       the loop every recipe shares: steps, logging, validation, saving, stop signals  (TrainingLoop)
     preflight.py  what tune validate, tune plan and the launcher ask of a recipe
     memory_table.py  tune plan's table
     messages.py   what a user reads when a run stops or resumes

@@ -74,7 +74,7 @@ Plan = Union[RunPlan, AssemblyPlan]
 
 
 @dataclass
-class Training:
+class AssembledModel:
     """The model to train and what trains it.
 
     Attributes:
@@ -113,7 +113,7 @@ def build_training(
     make_scheduler: Optional[Callable[[torch.optim.Optimizer], Any]] = None,
     objective: Optional[Objective] = None,
     frozen: bool = False,
-) -> Training:
+) -> AssembledModel:
     """Apply ``plan`` to ``model``, in the one order (see the module docstring).
 
     Args:
@@ -182,14 +182,14 @@ def build_training(
         initialize_weights_(model, pristine, dtype=plan.dtype.torch, seed=plan.seed, sharded=sharded)
     objective = objective if objective is not None else memory.objective()
     if frozen:
-        return Training(freeze_reference(model), None, objective)
+        return AssembledModel(freeze_reference(model), None, objective)
     model.train()
 
     # 8. The optimizer, over the sharded parameters; 9. the stepper that steps them (after backward, or in it);
     # 10. the learning-rate schedule over the stepper's optimizer.
     stepper = memory.build_stepper(make_optimizer, model) if make_optimizer is not None else None
     scheduler = make_scheduler(stepper.optimizer) if make_scheduler is not None and stepper is not None else None
-    return Training(model, stepper, objective, scheduler)
+    return AssembledModel(model, stepper, objective, scheduler)
 
 
 def build_reference(model: nn.Module, plan: Plan, *, ctx: DistributedContext, mesh: Optional[DeviceMesh] = None,

@@ -44,7 +44,7 @@ from torchtune_ac.data.sources import TEXT_SUFFIXES, check_folder_formats, is_hu
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.models import check_checkpoint_matches
 from torchtune_ac.observability.metrics import METRICS_FILE
-from torchtune_ac.run.plan import RunPlan, TrainingConfig
+from torchtune_ac.run.plan import RunPlan, RunConfig
 from torchtune_ac.runtime.distributed import resolve_device
 
 # A schedule built for the stand-in checks only: long enough for any warm-up a real run could ask for.
@@ -104,7 +104,7 @@ def check_optimizer_builds(optimizer: Component, lr_scheduler: Optional[Componen
         lr_scheduler.instantiate(built, num_training_steps=_STAND_IN_TRAINING_STEPS)
 
 
-def check_output_dir(cfg: TrainingConfig, strict: bool) -> None:
+def check_output_dir(cfg: RunConfig, strict: bool) -> None:
     """``output_dir`` can be written, is not inside ``checkpoint_dir``, and holds no earlier run unless resuming;
     ``tune validate`` also says whether a run holds its lock.
 
@@ -147,7 +147,7 @@ class Findings:
     tokenizer: Any = None  # the tokenizer, when it could be built here
 
 
-def check_run(cfg: TrainingConfig, plan: Optional[RunPlan], model: Optional[nn.Module], *, strict: bool,
+def check_run(cfg: RunConfig, plan: Optional[RunPlan], model: Optional[nn.Module], *, strict: bool,
               tokenizer: Any = None) -> Findings:
     """Check ``plan`` against this machine and the files (see the module docstring).
 
@@ -221,7 +221,7 @@ def check_run(cfg: TrainingConfig, plan: Optional[RunPlan], model: Optional[nn.M
     return found
 
 
-def _check_data(cfg: TrainingConfig, dataset: Component, tokenizer: Any,
+def _check_data(cfg: RunConfig, dataset: Component, tokenizer: Any,
                 soft: Callable[[Callable[[], Any]], Any]) -> Optional[tuple[str, Optional[str]]]:
     """``tune validate``'s look at ``dataset``'s records (``check_dataset_records``): a summary line and what
     building the samples would cut or drop; None when there is nothing to read here (a Hub dataset, which is not

@@ -3,7 +3,7 @@ micro-batch, then the stepper's update), the learning-rate schedule, validation,
 trackers, the progress bar, checkpoints as the plan's save policy says, stop signals (agreed on by every rank after
 each step) and the stop on a non-finite loss.
 
-What is a recipe's own comes in with the assembled model: its objective (``Training.objective``), whose metrics
+What is a recipe's own comes in with the assembled model: its objective (``AssembledModel.objective``), whose metrics
 are logged beside the loss (``StepResult.extra``) and, on validation, as ``val_loss`` and ``val_<metric>``. SIGTERM
 or a first Ctrl-C stops the run after the current step with a checkpoint (exit 143); a non-finite loss or gradient
 norm stops it before the optimizer takes it in, saving nothing (exit 3).
@@ -18,14 +18,14 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
-from torchtune_ac.checkpoint import Progress, TrainerState, read_hf_config, save_checkpoint
+from torchtune_ac.checkpoint import Progress, RecipeState, read_hf_config, save_checkpoint
 from torchtune_ac.errors import RunStopped
 from torchtune_ac.models import hf_model_files
 from torchtune_ac.observability.metric_logging import open_run_log
 from torchtune_ac.observability.metrics import MemoryPeaks
 from torchtune_ac.observability.progress import ProgressReporter
 from torchtune_ac.run import messages
-from torchtune_ac.run.assemble import Training
+from torchtune_ac.run.assemble import AssembledModel
 from torchtune_ac.run.phases import RunData, ValidationData
 from torchtune_ac.run.plan import RunPlan
 from torchtune_ac.run.session import Run
@@ -37,7 +37,7 @@ log = logging.getLogger("torchtune_ac.run")
 Batch = Mapping[str, torch.Tensor]
 
 
-class Trainer:
+class TrainingLoop:
     """Runs the loop of one process (see the module docstring).
 
     Args:
@@ -49,7 +49,7 @@ class Trainer:
         validation: the held-out data, or None.
     """
 
-    def __init__(self, run: Run, plan: RunPlan, training: Training, data: RunData, *, tokenizer: Any,
+    def __init__(self, run: Run, plan: RunPlan, training: AssembledModel, data: RunData, *, tokenizer: Any,
                  validation: Optional[ValidationData] = None) -> None:
         self.run, self.plan, self.training, self.data = run, plan, training, data
         self.tokenizer, self.validation = tokenizer, validation
@@ -198,7 +198,7 @@ class Trainer:
             hf_files=hf_model_files(model, base_config=self.base_config, bos_token_id=tokenizer.bos_id,
                                     eos_token_id=tokenizer.eos_id),
             optimizers=self.training.stepper.optimizers_to_checkpoint(),
-            state=TrainerState(run.progress, self.plan.resume_shape(), dict(self.plan.hyperparameters),
+            state=RecipeState(run.progress, self.plan.resume_shape(), dict(self.plan.hyperparameters),
                                self.data.identity),
             keep_last_n=self.plan.save.keep_last_n,
             tokenizer_dir=self.tokenizer_dir,

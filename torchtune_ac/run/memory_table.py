@@ -32,7 +32,7 @@ from torchtune_ac.memory.planner import (
 from torchtune_ac.models.families import transformer_blocks
 from torchtune_ac.run.plan import (
     RunPlan,
-    TrainingConfig,
+    RunConfig,
     planned_device,
     planner_inputs,
     process_fixed_bytes,
@@ -157,7 +157,7 @@ class MemoryTable:
         return out
 
 
-def memory_table(cfg: TrainingConfig, *, world_size: int, budget_gib: Optional[float]) -> MemoryTable:
+def memory_table(cfg: RunConfig, *, world_size: int, budget_gib: Optional[float]) -> MemoryTable:
     """Estimate every AC setting for ``cfg`` on ``world_size`` processes, with its memory features as configured,
     and the full-AC estimate with each feature added in turn (``switch_ablation``); and the run's plan, with
     ``ac_mode: auto``'s choice from the table (the planner's first row that fits, as a run chooses it).

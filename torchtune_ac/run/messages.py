@@ -71,7 +71,7 @@ def finished_epochs_not_extended(checkpoint: Path, saved: Progress, steps_per_ep
 
 
 def hyperparameter_changes(saved: dict[str, Any], current: dict[str, Any], checkpoint: str) -> list[str]:
-    """Each optimizer or schedule setting (``TrainerState.hyperparameters``) that differs between ``checkpoint``
+    """Each optimizer or schedule setting (``RecipeState.hyperparameters``) that differs between ``checkpoint``
     and this config, as ``optimizer.lr: 0.003 in step_0000003, 1e-05 now`` (an unset argument shows as
     ``(default)``; a section set on one side only, whole)."""
     changes = []

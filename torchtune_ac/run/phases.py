@@ -41,7 +41,7 @@ from torchtune_ac.data.sampler import blank_sample, evaluation_batches
 from torchtune_ac.data.samples import count_of, describe_samples
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.optimizer_state import layout_of, state_bytes
-from torchtune_ac.run.assemble import Training
+from torchtune_ac.run.assemble import AssembledModel
 from torchtune_ac.run.messages import (
     data_changed,
     disk_may_fill,
@@ -51,7 +51,7 @@ from torchtune_ac.run.messages import (
     hyperparameters_changed,
     resharded,
 )
-from torchtune_ac.run.plan import RunPlan, TrainingConfig
+from torchtune_ac.run.plan import RunPlan, RunConfig
 from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
 from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.training.dpo import reference_logps
@@ -60,7 +60,7 @@ from torchtune_ac.training.step import move_batch
 log = logging.getLogger("torchtune_ac.run")
 
 
-def choose_resume(cfg: TrainingConfig, ctx: DistributedContext) -> ResumeChoice:
+def choose_resume(cfg: RunConfig, ctx: DistributedContext) -> ResumeChoice:
     """The checkpoint a resume continues from (every file's hash checked, the ranks sharing the hashing and agreeing
     on the answer); no checkpoint when ``resume_from_checkpoint`` is false. Newer checkpoints that were skipped are
     logged."""
@@ -107,7 +107,7 @@ class RunData:
     unit: str = "sample"
 
 
-def batch_padding(cfg: TrainingConfig, parallelism: Parallelism) -> dict[str, Any]:
+def batch_padding(cfg: RunConfig, parallelism: Parallelism) -> dict[str, Any]:
     """How batches are padded: compiled blocks get lengths that repeat (multiples of ``COMPILED_LENGTH_MULTIPLE``,
     at most ``max_seq_len``), so that they are not recompiled for each new length; eager ones, the longest
     sample's. Under tensor parallelism every length is also a multiple of its degree (the sequence is split evenly
@@ -118,7 +118,7 @@ def batch_padding(cfg: TrainingConfig, parallelism: Parallelism) -> dict[str, An
             "max_length": cfg.max_seq_len}
 
 
-def build_data(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext, *,
+def build_data(cfg: RunConfig, tokenizer: Any, ctx: DistributedContext, *,
                batching: Batching = SAMPLES) -> RunData:
     """The dataset, this rank's loader (batches in pinned memory for a CUDA run, so that their copy to the GPU is
     asynchronous; padded as ``batch_padding`` says; made as ``batching`` says: samples, or a recipe's own, such as
@@ -171,7 +171,7 @@ class ValidationData:
         return step % self.every_n_steps == 0 if self.every_n_steps else epoch_done
 
 
-def build_validation(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext, *,
+def build_validation(cfg: RunConfig, tokenizer: Any, ctx: DistributedContext, *,
                      batching: Batching = SAMPLES) -> Optional[ValidationData]:
     """The validation data, batched as ``batching`` says, or None without ``dataset_val``."""
     if cfg.dataset_val is None:
@@ -216,7 +216,7 @@ def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset,
     dataset.set_reference_logps(all_reduce_sum(logps, ctx).cpu())
 
 
-def restore(plan: RunPlan, ctx: DistributedContext, checkpoint: Path, training: Training, data: RunData) -> Progress:
+def restore(plan: RunPlan, ctx: DistributedContext, checkpoint: Path, training: AssembledModel, data: RunData) -> Progress:
     """Load a resume's state (model, optimizer state, the schedule's position) after checking it belongs to this
     run; say which optimizer or schedule settings differ from the checkpoint's (this config's are used).
 
@@ -285,7 +285,7 @@ class CheckpointSize:
         return self.hf_bytes + self.recipe_bytes
 
 
-def estimate_checkpoint_size(cfg: TrainingConfig, model: nn.Module, tokenizer_dir: Path) -> CheckpointSize:
+def estimate_checkpoint_size(cfg: RunConfig, model: nn.Module, tokenizer_dir: Path) -> CheckpointSize:
     """One checkpoint's size on disk (see ``CheckpointSize``); the parameters' global shapes, sharded or not."""
     params = list({id(p): p for p in model.parameters()}.values())
     model_bytes = sum(p.numel() * p.dtype.itemsize for p in params)

@@ -47,9 +47,9 @@ from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.parallel.tensor_parallel import check_tensor_parallel_degree
 
 
-class TrainingConfig(Protocol):
+class RunConfig(Protocol):
     """The config keys the run layer reads: what a recipe's schema has for its runs to be planned, assembled,
-    looped and saved by the library (``TrainingConfig`` has them; another recipe's schema adds its own)."""
+    looped and saved by the library (``RunConfig`` has them; another recipe's schema adds its own)."""
 
     output_dir: str
     model: Component
@@ -198,7 +198,7 @@ class RunLength:
         return dataclasses.replace(self, samples=samples, steps_per_epoch=steps, described=described, unit=unit)
 
 
-def resolve_length(cfg: TrainingConfig, parallelism: Parallelism, samples: Optional[int] = None,
+def resolve_length(cfg: RunConfig, parallelism: Parallelism, samples: Optional[int] = None,
                    batches_per_epoch: Optional[int] = None) -> RunLength:
     """The run's length: its batch and epochs, and, when the data was read (``samples``, ``batches_per_epoch``), its
     steps (``RunLength.counted``).
@@ -392,7 +392,7 @@ def process_fixed_bytes(device: Device) -> tuple[int, str]:
     return ASSUMED_CUDA_FIXED_BYTES, "assumed for a CUDA context (no GPU here to measure it)"
 
 
-def planner_inputs(cfg: TrainingConfig, parallelism: Parallelism, device: torch.device) -> PlannerInputs:
+def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.device) -> PlannerInputs:
     """The planner's inputs for ``cfg`` on ``parallelism``'s processes (``resolve_parallelism``: its world size
     known), with the fixed cost of this process as it is now (``process_fixed_bytes``).
 
@@ -420,7 +420,7 @@ def planner_inputs(cfg: TrainingConfig, parallelism: Parallelism, device: torch.
     )
 
 
-def unmodelled_settings(cfg: TrainingConfig, world_size: int) -> tuple[str, ...]:
+def unmodelled_settings(cfg: RunConfig, world_size: int) -> tuple[str, ...]:
     """What the planner's estimate leaves out of ``cfg`` on ``world_size`` processes, one sentence each."""
     mixed = cfg.fsdp.param_dtype
     if world_size == 1 or mixed is None or mixed is cfg.dtype:
@@ -430,7 +430,7 @@ def unmodelled_settings(cfg: TrainingConfig, world_size: int) -> tuple[str, ...]
             f"{cfg.dtype.value} (dtype), so the estimate is {direction} than the run's",)
 
 
-def resolve_features(cfg: TrainingConfig, model: nn.Module, ac: ACConfig,
+def resolve_features(cfg: RunConfig, model: nn.Module, ac: ACConfig,
                      planning: Optional[PlannerInputs] = None) -> MemoryPlan:
     """The memory plan of ``cfg``'s features for ``model``, with ``ac`` as its AC keys (see ``resolve_memory_plan``).
 
@@ -447,7 +447,7 @@ def resolve_features(cfg: TrainingConfig, model: nn.Module, ac: ACConfig,
 # --------------------------------------------------------------------------------------------------------------
 
 
-def _resolve_memory(cfg: TrainingConfig, model: nn.Module, parallelism: Parallelism,
+def _resolve_memory(cfg: RunConfig, model: nn.Module, parallelism: Parallelism,
                     device: Optional[torch.device], notes: list[str],
                     auto_choice: Optional[tuple[MemoryEstimate, float]]) -> MemoryPlan:
     """The memory plan; with ``ac_mode: auto``, the planner's choice for this world size (1 when unknown)."""
@@ -475,7 +475,7 @@ def _resolve_memory(cfg: TrainingConfig, model: nn.Module, parallelism: Parallel
     return resolve_features(cfg, model, cfg.ac, planning)
 
 
-def _positions_note(cfg: TrainingConfig, facts: ModelFacts) -> list[str]:
+def _positions_note(cfg: RunConfig, facts: ModelFacts) -> list[str]:
     if cfg.max_seq_len is None or facts.positions is None or cfg.max_seq_len <= facts.positions:
         return []
     # Positions are computed as needed, so nothing fails: longer samples just meet positions never trained.
@@ -484,7 +484,7 @@ def _positions_note(cfg: TrainingConfig, facts: ModelFacts) -> list[str]:
             f"model.max_seq_len={cfg.max_seq_len}"]
 
 
-def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optional[int],
+def resolve_run_plan(cfg: RunConfig, model: nn.Module, *, world_size: Optional[int],
                      device: Optional[torch.device] = None,
                      auto_choice: Optional[tuple[MemoryEstimate, float]] = None) -> RunPlan:
     """Resolve the run's plan (pure but for ``ac_mode: auto``'s measurements of this process: see the module
@@ -522,7 +522,7 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
             device = None
     resume_data = {"optimizer._component_": cfg.optimizer.path, "seed": cfg.seed, "shuffle": cfg.shuffle,
                    "max_seq_len": cfg.max_seq_len,
-                   # Not its source: the files are identified by their content (TrainerState.data), wherever they lie.
+                   # Not its source: the files are identified by their content (RecipeState.data), wherever they lie.
                    "dataset": {key: value for key, value in cfg.dataset.as_config().items() if key != "source"},
                    "tokenizer": cfg.tokenizer.as_config(), **memory.resume_record()}
     hyperparameters = {"optimizer": cfg.optimizer.as_config(),
@@ -548,7 +548,7 @@ def resolve_run_plan(cfg: TrainingConfig, model: nn.Module, *, world_size: Optio
     )
 
 
-def resolve_parallelism(cfg: TrainingConfig, model: Optional[nn.Module], world_size: Optional[int]) -> Parallelism:
+def resolve_parallelism(cfg: RunConfig, model: Optional[nn.Module], world_size: Optional[int]) -> Parallelism:
     """The run's parallelism: its degrees from the config, checked once against ``world_size`` (``Parallelism``:
     whole HSDP rows of whole tensor-parallel groups) and against ``model`` and ``max_seq_len``. ``tune validate``,
     ``tune plan``, the launcher and the run all come here.
@@ -568,7 +568,7 @@ def resolve_parallelism(cfg: TrainingConfig, model: Optional[nn.Module], world_s
     return parallelism
 
 
-def _check_tensor_parallel(cfg: TrainingConfig, model: nn.Module, degree: int) -> None:
+def _check_tensor_parallel(cfg: RunConfig, model: nn.Module, degree: int) -> None:
     """Refuse, in one line naming the numbers, a tensor-parallel ``degree`` the model or the batches cannot be
     split by: it must divide the model's query heads, key/value heads (fewer key/value heads than the degree are
     refused, not copied across ranks) and MLP width, and ``max_seq_len`` (each rank of a group takes an equal piece

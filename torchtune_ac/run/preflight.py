@@ -1,5 +1,5 @@
 """What ``tune validate``, ``tune plan`` and the launcher of ``tune run --nproc_per_node N`` ask of a recipe, for
-any recipe whose config has the run layer's keys (``plan.TrainingConfig``): the same ``RunPlan`` a run resolves,
+any recipe whose config has the run layer's keys (``plan.RunConfig``): the same ``RunPlan`` a run resolves,
 printed; and the few checks the launcher makes before it starts the processes.
 """
 
@@ -13,10 +13,10 @@ from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.run.checks import Findings, check_run
 from torchtune_ac.run.memory_table import MemoryTable, memory_table
-from torchtune_ac.run.plan import RunPlan, TrainingConfig, resolve_parallelism, resolve_run_plan
+from torchtune_ac.run.plan import RunPlan, RunConfig, resolve_parallelism, resolve_run_plan
 
 
-def preflight(cfg: TrainingConfig, *, strict: bool = True, world_size: Optional[int] = 1) -> list[tuple[str, str]]:
+def preflight(cfg: RunConfig, *, strict: bool = True, world_size: Optional[int] = 1) -> list[tuple[str, str]]:
     """The run's plan for ``world_size`` processes (None: not known) and what the checks found, as summary lines:
     ``tune validate`` prints them (``strict=False``: what is missing on this machine is a warning).
 
@@ -37,7 +37,7 @@ def preflight(cfg: TrainingConfig, *, strict: bool = True, world_size: Optional[
     return summary(plan, check_run(cfg, plan, model, strict=strict), cfg)
 
 
-def summary(plan: Optional[RunPlan], found: Findings, cfg: TrainingConfig) -> list[tuple[str, str]]:
+def summary(plan: Optional[RunPlan], found: Findings, cfg: RunConfig) -> list[tuple[str, str]]:
     """The plan's lines, with what the checks add (the checkpoint a resume would start from, a hub dataset's
     source, what reading the data found), then the warnings: the plan's notes and the checks'. Without a plan
     (no architecture on this machine), the lines the config alone gives."""
@@ -59,14 +59,14 @@ def summary(plan: Optional[RunPlan], found: Findings, cfg: TrainingConfig) -> li
     return lines + [("warning", w) for w in (*notes, *found.warnings)]
 
 
-def plan(cfg: TrainingConfig, *, world_size: int, budget_gib: Optional[float]) -> MemoryTable:
+def plan(cfg: RunConfig, *, world_size: int, budget_gib: Optional[float]) -> MemoryTable:
     """``tune plan``: the run's plan and the memory per process of every AC setting for its step (``budget_gib``
     None: the config's ``ac_memory_budget_gib``)."""
     budget = budget_gib if budget_gib is not None else cfg.ac.ac_memory_budget_gib
     return memory_table(cfg, world_size=world_size, budget_gib=budget)
 
 
-def check_launch(cfg: TrainingConfig, *, world_size: Optional[int], nproc_per_node: int) -> None:
+def check_launch(cfg: RunConfig, *, world_size: Optional[int], nproc_per_node: int) -> None:
     """What the launcher checks before it starts ``nproc_per_node`` processes per node (``world_size`` in all; None
     for an elastic range): only what the processes would report differently from one another, or each on its own.
     Everything else each rank reports the same, once (rank 0 resolves and checks the plan for all).

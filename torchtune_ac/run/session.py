@@ -26,7 +26,7 @@ from torchtune_ac.checkpoint import Progress, check_shared_directory, hold_outpu
 from torchtune_ac.observability.metric_logging import RunLog, plain_config
 from torchtune_ac.run import messages
 from torchtune_ac.run.checks import check_run
-from torchtune_ac.run.plan import RunPlan, TrainingConfig, resolve_run_plan
+from torchtune_ac.run.plan import RunPlan, RunConfig, resolve_run_plan
 from torchtune_ac.runtime.distributed import (
     DistributedContext,
     decided_by_rank_zero,
@@ -56,7 +56,7 @@ class Run:
         metrics: ``metrics.jsonl`` and the trackers, on rank 0 once opened (closed by cleanup).
     """
 
-    cfg: TrainingConfig
+    cfg: RunConfig
     ctx: DistributedContext
     stop: StopSignals = field(init=False)
     progress: Progress = field(default_factory=Progress)
@@ -82,7 +82,7 @@ class Run:
 
 
 @contextlib.contextmanager
-def open_run(cfg: TrainingConfig) -> Iterator[Run]:
+def open_run(cfg: RunConfig) -> Iterator[Run]:
     """The run of this process, from joining the processes to cleanup (which always runs).
 
     Joins the process group (its collectives bounded by ``distributed_timeout_s``): the run's one process context.

@@ -23,7 +23,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.run import messages
 from torchtune_ac.run.assemble import build_mesh, build_training
-from torchtune_ac.run.loop import Trainer
+from torchtune_ac.run.loop import TrainingLoop
 from torchtune_ac.run.phases import (
     SAMPLES,
     Batching,
@@ -36,7 +36,7 @@ from torchtune_ac.run.phases import (
     estimate_checkpoint_size,
     restore,
 )
-from torchtune_ac.run.plan import RunPlan, TrainingConfig
+from torchtune_ac.run.plan import RunPlan, RunConfig
 from torchtune_ac.run.session import Run, log_plan, open_run, plan_run
 from torchtune_ac.training.objective import Objective
 
@@ -71,7 +71,7 @@ MakeObjective = Callable[[SetupParts], Objective]
 
 
 def setup_training(run: Run, *, batching: Batching = SAMPLES,
-                   make_objective: Optional[MakeObjective] = None) -> Trainer:
+                   make_objective: Optional[MakeObjective] = None) -> TrainingLoop:
     """Set up ``run`` in the one order (see the module docstring), up to the loop, ready to train.
 
     Args:
@@ -111,12 +111,12 @@ def setup_training(run: Run, *, batching: Batching = SAMPLES,
     tokenizer_dir = Path(tokenizer.path).parent  # its files go into every checkpoint
     check_disk_space(plan, ctx, estimate_checkpoint_size(cfg, training.model, tokenizer_dir),
                      plan.save.saves(run.progress.step, plan.length))
-    trainer = Trainer(run, plan, training, data, tokenizer=tokenizer, validation=validation)
+    trainer = TrainingLoop(run, plan, training, data, tokenizer=tokenizer, validation=validation)
     trainer.open_metrics()
     return trainer
 
 
-def run_recipe(cfg: TrainingConfig, *, batching: Batching = SAMPLES,
+def run_recipe(cfg: RunConfig, *, batching: Batching = SAMPLES,
                make_objective: Optional[MakeObjective] = None) -> None:
     """Run a recipe from its config: open the run, set it up (``setup_training``), train; cleanup always runs
     (after a success, every rank shuts down together)."""

@@ -23,7 +23,7 @@ from torch.distributed.fsdp import fully_shard
 from torchtune_ac.checkpoint import (
     Progress,
     RunShape,
-    TrainerState,
+    RecipeState,
     check_shared_directory,
     list_checkpoints,
     load_checkpoint,
@@ -90,7 +90,7 @@ def _assert_same_state(ours: dict, expected: dict) -> None:
 def _save(output_dir: Path, model: Llama, optimizer: torch.optim.Optimizer, step: int) -> Path:
     return save_checkpoint(output_dir, model=model, hf_files=hf_model_files(model),
                            optimizers=optimizers_to_checkpoint(optimizer),
-                           state=TrainerState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={}),
+                           state=RecipeState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={}),
                            processes=process_group_context())
 
 

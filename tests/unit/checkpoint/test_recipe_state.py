@@ -20,7 +20,7 @@ from torchtune_ac.checkpoint import (
     RECIPE_STATE_DIR,
     Progress,
     RunShape,
-    TrainerState,
+    RecipeState,
     check_resume_shape,
     choose_resume_checkpoint,
     list_checkpoints,
@@ -38,8 +38,8 @@ SHAPE = RunShape(world_size=1, batch_size=4, gradient_accumulation_steps=1, mode
                  data={"seed": 0})
 
 
-def _state(step: int) -> TrainerState:
-    return TrainerState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={})
+def _state(step: int) -> RecipeState:
+    return RecipeState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={})
 
 
 def _trained(seed: int = 0) -> tuple[Llama, torch.optim.Optimizer]:

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torchtune_ac.checkpoint import (
     Progress,
     RunShape,
-    TrainerState,
+    RecipeState,
     list_checkpoints,
     load_checkpoint,
     save_checkpoint,
@@ -81,7 +81,7 @@ def _step(model: nn.Module, stepper: OptimizerStepper, ctx: DistributedContext, 
 def _save(output_dir: Path, model: nn.Module, stepper: OptimizerStepper, step: int,
           ctx: Optional[DistributedContext] = None) -> Path:
     return save_checkpoint(output_dir, model=model, hf_files=hf_model_files(model), optimizers=[stepper.optimizer],
-                           state=TrainerState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={}),
+                           state=RecipeState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={}),
                            processes=ctx)
 
 

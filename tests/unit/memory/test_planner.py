@@ -226,7 +226,9 @@ MEASURE_STEPS = textwrap.dedent("""
     measured = []
     for mode, chunks in json.loads(sys.argv[1]):
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=None, n_layers=8)
-        model = build_training(build_meta_model(Component(key="model", path="torchtune_ac.models.llama_small")), AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}), fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=0), ctx=ctx).model
+        model = build_training(build_meta_model(Component(key="model", path="torchtune_ac.models.llama_small")),
+                               AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}),
+                                            seed=0), ctx=ctx).model
         optimizer = build_optimizer(lambda p: torch.optim.AdamW(p, lr=1e-5), model, in_backward=False)
         train_step(model, optimizer, batch, ctx=ctx, objective=loss_objective(chunks))  # allocates the optimizer state
         return_freed_memory_to_os()

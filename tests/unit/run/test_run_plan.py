@@ -82,7 +82,9 @@ def _rank_zero_plans_for_both(rank: int, output_dir: str) -> None:
     plan = plan_run(Run(cfg, ctx), model, tokenizer=tokenizer)
     data = build_data(cfg, tokenizer, ctx)
     plan = plan.with_data(data.samples, len(data.loader))
-    training = build_training(model, AssemblyPlan(dtype=plan.dtype, memory=plan.memory, fsdp=plan.fsdp, compile=plan.compile, checkpoint_dir=None, seed=0), ctx=ctx, make_optimizer=cfg.optimizer.instantiate)
+    training = build_training(model,
+                              AssemblyPlan(dtype=plan.dtype, memory=plan.memory, fsdp=plan.fsdp, compile=plan.compile,
+                                           seed=0), ctx=ctx, make_optimizer=cfg.optimizer.instantiate)
     applied = [is_checkpointed(block) for block in transformer_blocks(training.model)]
 
     answers: list = [None, None]

@@ -40,7 +40,9 @@ MODELS = {
 
 
 def build(node: dict, ctx: DistributedContext) -> torch.nn.Module:
-    return build_training(build_meta_model(parse_component(node, "model")), AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}), fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=SEED), ctx=ctx).model
+    return build_training(build_meta_model(parse_component(node, "model")),
+                          AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}),
+                                       seed=SEED), ctx=ctx).model
 
 
 class HostTensorBytes(TorchDispatchMode):
@@ -123,7 +125,9 @@ def test_a_parameter_of_several_blocks_draws_each_block_from_its_own_generator(m
     """Block b of a parameter's rows is normal(0, 0.02) from ``parameter_seed(seed, name, b)``, drawn in float32 and
     rounded once to the storage dtype (bf16's own ``normal_`` on the CPU is serial and slow)."""
     monkeypatch.setattr(weights, "INIT_BLOCK_ELEMENTS", 1000)
-    model = build_training(build_meta_model(parse_component(MODELS["untied"], "model")), AssemblyPlan(dtype=dtype, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}), fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=SEED), ctx=DistributedContext(0, 1, 0, torch.device("cpu"))).model
+    model = build_training(build_meta_model(parse_component(MODELS["untied"], "model")),
+                           AssemblyPlan(dtype=dtype, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}),
+                                        seed=SEED), ctx=DistributedContext(0, 1, 0, torch.device("cpu"))).model
     embedding = model.get_parameter("tok_embeddings.weight").detach()
     rows = 1000 // embedding.shape[1]
     blocks = [torch.empty(min(rows, embedding.shape[0] - start), embedding.shape[1]).normal_(

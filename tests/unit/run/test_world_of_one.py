@@ -37,7 +37,7 @@ def _losses(model: torch.nn.Module) -> list[float]:
 
 
 def _build() -> torch.nn.Module:
-    return build_training(build_meta_model(MODEL), AssemblyPlan(dtype=DType.FP32, memory=PLAN, fsdp=FSDPConfig(), compile=False, checkpoint_dir=None, seed=0), ctx=CTX).model
+    return build_training(build_meta_model(MODEL), AssemblyPlan(dtype=DType.FP32, memory=PLAN, seed=0), ctx=CTX).model
 
 
 @pytest.fixture
