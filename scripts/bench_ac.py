@@ -43,7 +43,7 @@ from _measure import (  # noqa: E402
 )
 
 from torchtune_ac import models  # noqa: E402
-from torchtune_ac.training import setup_activation_checkpointing  # noqa: E402
+from torchtune_ac.activation_checkpointing import setup_activation_checkpointing  # noqa: E402
 
 MiB = 2**20
 # (max step time ratio, max activation ratio) each setting should reach; drawn on the chart.

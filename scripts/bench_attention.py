@@ -62,7 +62,7 @@ from torchtune_ac.run.assemble import AssemblyPlan, build_training  # noqa: E402
 from torchtune_ac.parallel.fsdp import FSDPConfig  # noqa: E402
 from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
-from torchtune_ac.training import ACConfig, ACMode  # noqa: E402
+from torchtune_ac.activation_checkpointing import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 
 ATTENTION_SIDES = ("dense", "per_document", "causal_row")

@@ -67,7 +67,7 @@ from torchtune_ac.observability.third_party_noise import filter_known_noise  # n
 from torchtune_ac.run.assemble import AssemblyPlan, build_training  # noqa: E402
 from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
-from torchtune_ac.training import ACConfig, ACMode  # noqa: E402
+from torchtune_ac.activation_checkpointing import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 from torchtune_ac.training.step import train_step  # noqa: E402
 

@@ -43,7 +43,7 @@ from torchtune_ac.memory.chunked_loss import loss_objective  # noqa: E402
 from torchtune_ac.memory.plan import MemoryConfig, MemoryPlan, resolve_memory_plan  # noqa: E402
 from torchtune_ac.memory.planner import Workload, candidate_plans, describe_setting, estimate_memory  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
-from torchtune_ac.training import ACConfig, resolve_ac_plan  # noqa: E402
+from torchtune_ac.activation_checkpointing import ACConfig, resolve_ac_plan  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 from torchtune_ac.runtime.parallelism import Parallelism  # noqa: E402
 
@@ -162,7 +162,7 @@ def run_worker(kind: str, args: dict, extra_env: dict) -> list[int]:
 def measured_saved_activations(name: str, settings, batch_size: int, seq_len: int, chunks: int) -> list[int]:
     from _measure import measure_saved_activation_bytes
 
-    from torchtune_ac.training import setup_activation_checkpointing
+    from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
     from torchtune_ac.training.step import micro_batch_loss
 
     data = batch(name, batch_size, seq_len)[0]

@@ -66,8 +66,8 @@ from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
 from torchtune_ac.runtime.parallelism import Parallelism  # noqa: E402
 from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
-from torchtune_ac.training.ac_config import resolve_ac_plan  # noqa: E402
-from torchtune_ac.training.activation_checkpointing import apply_ac_plan  # noqa: E402
+from torchtune_ac.activation_checkpointing.config import resolve_ac_plan  # noqa: E402
+from torchtune_ac.activation_checkpointing.mechanism import apply_ac_plan  # noqa: E402
 from torchtune_ac.parallel.fsdp import shard_model  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 from torchtune_ac.training.step import OptimizerStepper, train_step  # noqa: E402

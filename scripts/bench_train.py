@@ -81,7 +81,7 @@ from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.runtime.allocator import use_expandable_segments_by_default  # noqa: E402
 from torchtune_ac.runtime.process_memory import cublas_workspace_bytes  # noqa: E402
-from torchtune_ac.training import ACConfig, ACMode  # noqa: E402
+from torchtune_ac.activation_checkpointing import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
 from torchtune_ac.training.step import move_batch, train_step  # noqa: E402
 

@@ -62,7 +62,7 @@ def build_seconds(model: str, device: torch.device = torch.device("cuda")) -> fl
     from torchtune_ac.runtime.distributed import DistributedContext
     from torchtune_ac.parallel.fsdp import FSDPConfig
     from torchtune_ac.runtime.dtypes import DType
-    from torchtune_ac.training import ACConfig
+    from torchtune_ac.activation_checkpointing import ACConfig
 
     on_cuda = device.type == "cuda"
     component = Component(key="model", path=f"torchtune_ac.models.{model}")

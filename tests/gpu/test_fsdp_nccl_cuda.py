@@ -21,8 +21,8 @@ from torchtune_ac.runtime.distributed import DistributedContext, join_world_of_o
 from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.training.ac_config import ACConfig
-from torchtune_ac.training.activation_checkpointing import ACMode
+from torchtune_ac.activation_checkpointing.config import ACConfig
+from torchtune_ac.activation_checkpointing.mechanism import ACMode
 from torchtune_ac.parallel.fsdp import shard_model
 from torchtune_ac.training.step import train_step
 

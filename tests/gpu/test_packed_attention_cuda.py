@@ -13,7 +13,7 @@ from attention_oracle import dense_attention_oracle
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtune_ac.models.llama import Llama, LlamaArgs
-from torchtune_ac.training.ac_config import setup_activation_checkpointing
+from torchtune_ac.activation_checkpointing.config import setup_activation_checkpointing
 
 BF16_TOLERANCE = 2e-2
 VOCAB, SEQ = 512, 256

@@ -61,7 +61,7 @@ def planned_step_bytes(args: list[str]) -> int:
     """``tune plan``'s estimate of the step for the configured AC setting: what the caching allocator should hold at
     the peak (the process's fixed cost, the CUDA context, is outside the allocator's counts, and left out)."""
     from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
-    from torchtune_ac.training.ac_config import resolve_ac_plan
+    from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
     from torchtune_ac.memory.planner import describe_setting
 
     recipe = load_recipe(resolve_recipe_path("full_finetune"))

@@ -5,7 +5,8 @@
     run           (the run's plan resolved once, the one order that applies it, the loop; stop and resume messages)
     config        (schema, loading, components, the meta model)
     memory        (the memory features, each with its mechanism, listed once; the memory plan and the planner)
-    training      (the step, the objective, AC's plan and mechanism, LR schedules)
+    training      (the step, the objectives, evaluation, LR schedules)
+    activation_checkpointing   (AC's keys and their validation, its plan, policy and mechanism)
     parallel      (the mechanisms that split a model over the processes: tensor parallelism, FSDP2)
     models        (the decoder, the families and their pure adapters; Hugging Face checkpoints of any family)
     checkpoint    (files, safetensors, recipe state; the run's process context passed in)
@@ -41,14 +42,15 @@ ALLOWED = {
     "checkpoint": LEAVES | {"runtime"},
     "models": LEAVES | {"checkpoint"},
     "parallel": LEAVES | {"models", "runtime"},
-    "training": LEAVES | {"models", "runtime", "parallel"},
-    "memory": LEAVES | {"models", "runtime", "parallel", "training"},
+    "activation_checkpointing": LEAVES | {"models"},
+    "training": LEAVES | {"models", "runtime", "parallel", "activation_checkpointing"},
+    "memory": LEAVES | {"models", "runtime", "parallel", "activation_checkpointing", "training"},
     "embedded": LEAVES | {"models", "data", "checkpoint"},
-    "compat": LEAVES | {"config", "memory", "models", "parallel", "runtime", "training"},
-    "config": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "training", "memory", "observability",
-                        "registry", "embedded"},
-    "run": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "training", "memory", "observability",
-                     "config"},
+    "compat": LEAVES | {"config", "memory", "models", "parallel", "runtime", "activation_checkpointing", "training"},
+    "config": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "activation_checkpointing", "training",
+                        "memory", "observability", "registry", "embedded"},
+    "run": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "activation_checkpointing", "training",
+                     "memory", "observability", "config"},
     "generate": LEAVES | {"checkpoint", "data", "models"},
 }
 # The component loader reads torchtune's mirrored paths from compat's table (which imports nothing of ours).

@@ -6,7 +6,7 @@ carry over. Nothing downstream reads raw config keys: recipes receive these data
 settings on whole (``cfg.ac``, ``cfg.memory``, ``cfg.fsdp``).
 
 Groups of keys are written beside the subsystem that uses them, and composed here: ``ACConfig``
-(``training/ac_config.py``), ``MemoryConfig`` (``memory/plan.py``) and ``FSDPConfig`` (``runtime/distributed.py``,
+(``activation_checkpointing/config.py``), ``MemoryConfig`` (``memory/plan.py``) and ``FSDPConfig`` (``runtime/distributed.py``,
 the ``fsdp.*`` keys). A group marked ``flatten`` keeps its keys at the top level of the YAML (``ac_mode: full``,
 not ``ac: {mode: full}``), as torchtune names them.
 """
@@ -25,7 +25,7 @@ from torchtune_ac.memory.planner import PreferenceStep
 from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S
 from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.activation_checkpointing.config import ACConfig
 from torchtune_ac.training.dpo import DPOConfig, ReferenceMode
 
 __all__ = ["Device", "DType", "FSDPConfig", "FullDPOConfig", "FullFinetuneConfig"]

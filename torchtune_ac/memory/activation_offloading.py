@@ -41,7 +41,7 @@ from torch import nn
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.memory.feature import Alternative, Feature, FeatureCost, ModelSizes, ResolveInputs
 from torchtune_ac.models.families import transformer_blocks
-from torchtune_ac.training.activation_checkpointing import is_checkpointed
+from torchtune_ac.activation_checkpointing.mechanism import is_checkpointed
 
 WHAT = "moves what checkpointed blocks keep for backward from a CUDA device to pinned host memory"
 IN_FLIGHT = 2  # block inputs on the device at once in backward: the one in use and the one prefetched

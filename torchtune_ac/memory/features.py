@@ -12,7 +12,7 @@ from typing import Optional
 from torchtune_ac.memory import activation_offloading, chunked_loss, cpu_offload, optimizer_in_backward, optimizer_state
 from torchtune_ac.memory.feature import Feature, ResolveInputs
 from torchtune_ac.models.families import transformer_blocks
-from torchtune_ac.training.activation_checkpointing import ACPlan
+from torchtune_ac.activation_checkpointing.mechanism import ACPlan
 
 
 def _resolve_ac(inputs: ResolveInputs) -> Optional[ACPlan]:

@@ -4,7 +4,7 @@ memory planner estimates.
 
 The features are listed in ``features.py``; their top-level keys are ``MemoryConfig``'s fields (below), their
 ``fsdp.*`` key is ``FSDPConfig``'s (``runtime/distributed.py``) and activation checkpointing's are ``ACConfig``'s
-(``training/ac_config.py``).
+(``activation_checkpointing/config.py``).
 
 ``ac_mode: auto`` is resolved here too, last, once the other features are known: the memory planner
 (``memory/planner.py``) estimates the plans from the least recompute to the most, and the first whose estimate
@@ -30,8 +30,8 @@ from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.memory.planner import GiB, MemoryEstimate, Workload, choose_plan
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.parallel.fsdp import FSDPConfig
-from torchtune_ac.training.ac_config import ACConfig
-from torchtune_ac.training.activation_checkpointing import ACPlan
+from torchtune_ac.activation_checkpointing.config import ACConfig
+from torchtune_ac.activation_checkpointing.mechanism import ACPlan
 from torchtune_ac.training.objective import Objective
 from torchtune_ac.training.step import Stepper
 

@@ -62,7 +62,7 @@ from torchtune_ac.models.tensor_parallel import tensor_parallel_problem
 from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.training.activation_checkpointing import (
+from torchtune_ac.activation_checkpointing.mechanism import (
     OP_OPTION,
     ACMode,
     ACPlan,

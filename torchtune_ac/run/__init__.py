@@ -2,14 +2,16 @@
 
     session.py    the process context, created once; stop signals; output_dir's lock; cleanup     (open_run)
     plan.py       the run's plan, one frozen value, resolved by rank 0 and applied by every rank   (RunPlan)
+                  with its parallelism, every degree checked once                                   (resolve_parallelism)
     checks.py     the plan against this machine and the files                                      (check_run)
-    assemble.py   the one order: AC -> offloading -> compile -> FSDP2 -> materialise -> load; optimizer,
-                  stepper, scheduler                                                              (build_training)
+    setup.py      the set-up every recipe shares: a recipe names its batching and its objective    (run_recipe)
+    assemble.py   the run's one device mesh, and the one order that applies the plan:             (build_training)
+                      1. activation checkpointing  2. activation offloading  3. compile  4. tensor parallelism
+                      5. FSDP2  6. materialise  7. load or initialise  8. optimizer  9. stepper  10. scheduler
+    weights.py    the initial weights without a checkpoint, the same for any sharding
     phases.py     the data, validation data, resume choice and restore
     loop.py       the loop every recipe shares: steps, logging, validation, saving, stop signals  (TrainingLoop)
     preflight.py  what tune validate, tune plan and the launcher ask of a recipe
     memory_table.py  tune plan's table
     messages.py   what a user reads when a run stops or resumes
-
-A recipe composes them with what is its own: its data and its step (``recipes/full_finetune.py``).
 """

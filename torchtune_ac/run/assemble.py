@@ -1,8 +1,7 @@
 """The order in which a run applies its plan to a model, in one function: ``build_training``.
 
-    1. activation checkpointing   2. activation offloading   3. compile   4. tensor parallelism
-    5. FSDP2 (CPU offload)   6. materialise   7. load or initialise
-    8. optimizer   9. stepper   10. scheduler
+    1. activation checkpointing  2. activation offloading  3. compile  4. tensor parallelism
+    5. FSDP2  6. materialise  7. load or initialise  8. optimizer  9. stepper  10. scheduler
 
 Every step is a mechanism of its own module, called here by name (AC's and the memory features' in ``memory/``
 and ``training/``, tensor parallelism's and FSDP2's in ``parallel/``), and guarded by the plan: the parallelism
@@ -40,7 +39,7 @@ from torchtune_ac.run.weights import initialize_weights_
 from torchtune_ac.runtime.distributed import DistributedContext, join_world_of_one
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.runtime.parallelism import TP_DIM, Parallelism
-from torchtune_ac.training.activation_checkpointing import apply_ac_plan, silence_compiled_policy_warning
+from torchtune_ac.activation_checkpointing.mechanism import apply_ac_plan, silence_compiled_policy_warning
 from torchtune_ac.training.dpo import freeze_reference
 from torchtune_ac.training.objective import Objective
 from torchtune_ac.training.step import Stepper
@@ -154,13 +153,13 @@ def build_training(
     # 2. Activation offloading: what those blocks keep for backward waits in pinned host memory.
     if memory.offloads_activations and not frozen:
         apply_activation_offloading(model)
-    # 3. Compile each block in place (it traces the checkpointed forward, per-op policy included).
+    # 3. Compile: each block in place (it traces the checkpointed forward, per-op policy included).
     if plan.compile and not frozen:
         if memory.ac.policy is not None and all(isinstance(b, TransformerBlock) for b in blocks):
             silence_compiled_policy_warning()
         for block in blocks:
             block.compile()
-    # 4. Tensor parallelism, before FSDP2: each block's heads and MLP columns, and the vocabulary, split over the
+    # 4. Tensor parallelism: before FSDP2, each block's heads and MLP columns, and the vocabulary, split over the
     #    mesh's "tp" dimension by the family's plan (the run's plan checked the degree).
     if parallelism.tensor_parallel:
         apply_tensor_parallel(model, mesh[TP_DIM])
@@ -175,7 +174,7 @@ def build_training(
     place_buffers_(model, ctx.device)
     if not sharded:
         retie_parameters(model)  # FSDP keeps ties through to_empty; a plain module does not
-    # 7. Load the checkpoint's weights (each rank reads only its shard), or initialise them from the seed.
+    # 7. Load or initialise: the checkpoint's weights (each rank reads only its shard), or drawn from the seed.
     if load_weights and plan.checkpoint_dir is not None:
         load_hf_weights_(model, plan.checkpoint_dir)
     elif load_weights:
@@ -185,9 +184,10 @@ def build_training(
         return AssembledModel(freeze_reference(model), None, objective)
     model.train()
 
-    # 8. The optimizer, over the sharded parameters; 9. the stepper that steps them (after backward, or in it);
-    # 10. the learning-rate schedule over the stepper's optimizer.
+    # 8. Optimizer, over the sharded parameters, and 9. stepper, that steps them (after backward, or in it: the
+    #    optimizer-in-backward switch builds both at once).
     stepper = memory.build_stepper(make_optimizer, model) if make_optimizer is not None else None
+    # 10. Scheduler: the learning-rate schedule over the stepper's optimizer.
     scheduler = make_scheduler(stepper.optimizer) if make_scheduler is not None and stepper is not None else None
     return AssembledModel(model, stepper, objective, scheduler)
 

@@ -42,7 +42,7 @@ from torchtune_ac.run.plan import (
     unmodelled_settings,
 )
 from torchtune_ac.runtime.process_memory import cublas_workspace_bytes
-from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.activation_checkpointing.config import ACConfig
 
 ASSUMPTIONS = (
     "every row is max_seq_len tokens and every position a target (the loss's worst case); parameters compute in "

@@ -42,7 +42,7 @@ from torchtune_ac.runtime.process_memory import (
     cublas_workspace_bytes,
     fixed_bytes,
 )
-from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.activation_checkpointing.config import ACConfig
 from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.parallel.tensor_parallel import check_tensor_parallel_degree
 

@@ -10,7 +10,7 @@ from hf_families import FAMILY_NAMES, HF_CLASSES, random_hf_model, write_hf_chec
 from numerics import assert_close, llama_terms
 
 from torchtune_ac.models import FAMILIES, family_of, from_hf_config, load_hf, load_hf_weights_, save_hf
-from torchtune_ac.training import setup_activation_checkpointing
+from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
 
 CASES = [(family, tied) for family in FAMILY_NAMES for tied in (False, True)]
 IDS = [f"{family}-{'tied' if tied else 'untied'}" for family, tied in CASES]

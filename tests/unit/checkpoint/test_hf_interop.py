@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from torchtune_ac.checkpoint import INDEX_FILE, WEIGHTS_FILE, copy_tokenizer_files, parse_shard_size, read_hf_config
 from torchtune_ac.errors import UserError
 from torchtune_ac.models import load_hf, save_hf, save_hf_state_dict
-from torchtune_ac.training.ac_config import setup_activation_checkpointing
+from torchtune_ac.activation_checkpointing.config import setup_activation_checkpointing
 
 SEQ_LEN = 40
 

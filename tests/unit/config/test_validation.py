@@ -14,8 +14,8 @@ from torchtune_ac.config.components import (
     parse_component,
 )
 from torchtune_ac.errors import UserError
-from torchtune_ac.training.ac_config import ACConfig
-from torchtune_ac.training.activation_checkpointing import ACMode
+from torchtune_ac.activation_checkpointing.config import ACConfig
+from torchtune_ac.activation_checkpointing.mechanism import ACMode
 
 
 def base_config(**changes):

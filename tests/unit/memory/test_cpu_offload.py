@@ -15,8 +15,8 @@ from torchtune_ac.memory.plan import FSDPConfig, MemoryConfig, resolve_memory_pl
 from torchtune_ac.memory.planner import Workload, choose_plan, estimate_memory
 from torchtune_ac.models import LlamaArgs
 from torchtune_ac.models.llama import Llama
-from torchtune_ac.training.ac_config import ACConfig
-from torchtune_ac.training.activation_checkpointing import ACMode
+from torchtune_ac.activation_checkpointing.config import ACConfig
+from torchtune_ac.activation_checkpointing.mechanism import ACMode
 from torchtune_ac.runtime.parallelism import Parallelism
 
 ARGS = LlamaArgs(vocab_size=96, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_dim=160, max_seq_len=32)

@@ -19,8 +19,8 @@ from torchtune_ac.memory.planner import Workload, estimate_memory
 from torchtune_ac.models import LlamaArgs
 from torchtune_ac.models.llama import Llama
 from torchtune_ac.parallel.fsdp import FSDPConfig
-from torchtune_ac.training.ac_config import ACConfig
-from torchtune_ac.training.activation_checkpointing import ACMode
+from torchtune_ac.activation_checkpointing.config import ACConfig
+from torchtune_ac.activation_checkpointing.mechanism import ACMode
 from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper
 
 ARGS = LlamaArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=64, max_seq_len=32)

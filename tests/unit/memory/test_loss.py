@@ -13,7 +13,7 @@ from torch.distributed.fsdp import fully_shard
 
 from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropy
 from torchtune_ac.models import Llama
-from torchtune_ac.training import setup_activation_checkpointing
+from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
 from torchtune_ac.training.objective import IGNORE_INDEX, cross_entropy_sum
 
 VOCAB, DIM = 1000, 16
@@ -184,7 +184,7 @@ def test_under_fsdp2_the_output_weight_is_gathered_once_and_the_gradients_match(
 
 def test_memory_plan_describes_the_chunked_loss_as_it_works():
     """The chunked loss computes each chunk's gradients in forward: the summary must not say it recomputes."""
-    from torchtune_ac.training.activation_checkpointing import ACMode, ACPlan
+    from torchtune_ac.activation_checkpointing.mechanism import ACMode, ACPlan
     from torchtune_ac.memory.plan import MemoryPlan
 
     plan = MemoryPlan(ac=ACPlan(ACMode.NONE, None, (), 8), settings={"optimizer_in_bwd": False, "loss_chunks": 8},

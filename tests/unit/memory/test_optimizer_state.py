@@ -18,8 +18,8 @@ from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan
 from torchtune_ac.memory.planner import Workload, choose_plan, estimate_memory
 from torchtune_ac.models import LlamaArgs
 from torchtune_ac.models.llama import Llama
-from torchtune_ac.training.ac_config import ACConfig
-from torchtune_ac.training.activation_checkpointing import ACMode
+from torchtune_ac.activation_checkpointing.config import ACConfig
+from torchtune_ac.activation_checkpointing.mechanism import ACMode
 from torchtune_ac.runtime.parallelism import Parallelism
 
 # Parameters of 6,144 (96 x 64), 4,096 (64 x 64) and 10,240 (160 x 64) elements, quantized in blocks of 128, 256

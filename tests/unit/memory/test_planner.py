@@ -30,9 +30,9 @@ from torchtune_ac.memory.planner import (
     estimate_memory,
     switch_ablation,
 )
-from torchtune_ac.training import setup_activation_checkpointing
-from torchtune_ac.training.ac_config import ACConfig, ACConfigError
-from torchtune_ac.training.activation_checkpointing import ACMode
+from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
+from torchtune_ac.activation_checkpointing.config import ACConfig, ACConfigError
+from torchtune_ac.activation_checkpointing.mechanism import ACMode
 from torchtune_ac.training.objective import cross_entropy_sum
 from torchtune_ac.runtime.parallelism import Parallelism
 
@@ -209,7 +209,7 @@ def test_recompute_flops_follow_the_checkpointed_blocks(small_estimates):
 MEASURE_STEPS = textwrap.dedent("""
     import gc, json, sys, psutil, torch
     from torchtune_ac.config.components import Component
-    from torchtune_ac.training.ac_config import resolve_ac_plan
+    from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
     from torchtune_ac.runtime.distributed import DistributedContext
     from torchtune_ac.parallel.fsdp import FSDPConfig
     from torchtune_ac.runtime.dtypes import DType
@@ -448,7 +448,7 @@ def test_a_packed_bf16_config_for_a_gpu_is_planned_with_varlen_s_copies(override
 MEASURE_DPO_STEPS = textwrap.dedent("""
     import gc, json, sys, psutil, torch
     from torchtune_ac.config.components import Component
-    from torchtune_ac.training.ac_config import resolve_ac_plan
+    from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
     from torchtune_ac.runtime.distributed import DistributedContext
     from torchtune_ac.parallel.fsdp import FSDPConfig
     from torchtune_ac.runtime.dtypes import DType

@@ -21,7 +21,7 @@ from torchtune_ac.models import (
     save_hf,
 )
 from torchtune_ac.models.families.mistral import MISTRAL_7B
-from torchtune_ac.training import setup_activation_checkpointing
+from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
 
 AC_MODES = {"none": {}, "full": {"ac_mode": "full"}, "every_2nd": {"ac_mode": "selective", "ac_option": 2},
             "per_op": {"ac_mode": "selective", "ac_option": "op"}}

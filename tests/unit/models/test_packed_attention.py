@@ -23,7 +23,7 @@ from torchtune_ac.data.collate import document_lengths
 from torchtune_ac.models import attention, llama
 from torchtune_ac.models.attention import causal_attention, document_runs
 from torchtune_ac.models.llama import Llama, LlamaArgs
-from torchtune_ac.training.ac_config import setup_activation_checkpointing
+from torchtune_ac.activation_checkpointing.config import setup_activation_checkpointing
 
 VOCAB = 96
 FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
@@ -699,8 +699,8 @@ def test_the_package_imports_and_trains_on_a_torch_without_torch_nn_attention_va
 import torch
 from torchtune_ac.models import attention
 from torchtune_ac.models.llama import Llama, LlamaArgs
-from torchtune_ac.training.ac_config import setup_activation_checkpointing
-from torchtune_ac.training.activation_checkpointing import SAVED_OPS
+from torchtune_ac.activation_checkpointing.config import setup_activation_checkpointing
+from torchtune_ac.activation_checkpointing.mechanism import SAVED_OPS
 
 assert "torch.nn.attention.varlen" not in sys.modules
 torch.manual_seed(0)

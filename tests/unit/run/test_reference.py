@@ -15,7 +15,7 @@ from torchtune_ac.run.assemble import AssemblyPlan, build_reference, build_train
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.activation_checkpointing.config import ACConfig
 from torchtune_ac.training.dpo import answer_logps
 
 SEED = 5

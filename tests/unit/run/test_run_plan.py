@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from torchtune_ac.data.embedded import EMBEDDED_TOKENIZER_DIR
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory import plan as memory_plan
 from torchtune_ac.models.families import transformer_blocks
+import torchtune_ac.run as run_package
 from torchtune_ac.run import assemble
 from torchtune_ac.run import plan as run_plan
 from torchtune_ac.run.assemble import AssemblyPlan, build_training
@@ -29,7 +31,7 @@ from torchtune_ac.run.plan import resolve_length, resolve_run_plan
 from torchtune_ac.run.preflight import check_launch
 from torchtune_ac.run.session import Run, plan_run
 from torchtune_ac.runtime.distributed import DistributedContext
-from torchtune_ac.training.activation_checkpointing import is_checkpointed
+from torchtune_ac.activation_checkpointing.mechanism import is_checkpointed
 from torchtune_ac.runtime.parallelism import Parallelism
 
 MiB = 2**20
@@ -148,3 +150,28 @@ def test_the_order_of_application_is_one_function():
              "load_hf_weights_", "initialize_weights_", "memory.build_stepper", "make_scheduler"]
     lines = {name: next(line for line, called in named if called == name) for name in order}
     assert [lines[name] for name in order] == sorted(lines.values())
+
+
+WRITTEN_STEP = re.compile(r"(\d+)\. ([A-Za-z][A-Za-z0-9 ]*?)(?=[:,]|  |$)", re.M)
+
+
+def _written_order(text: str) -> list[str]:
+    """The numbered steps of ``text`` (``1. activation checkpointing  2. ...``), lower case, in number order."""
+    steps = {int(number): name.strip().lower() for number, name in WRITTEN_STEP.findall(text)}
+    assert sorted(steps) == list(range(1, len(steps) + 1)), steps
+    return [steps[number] for number in sorted(steps)]
+
+
+def test_the_written_order_is_the_same_in_the_code_and_in_every_place_that_shows_it():
+    """``build_training``'s numbered comments, its module's docstring, ``run/__init__.py`` and
+    docs/architecture.md's list name the same steps in the same order."""
+    comments = "\n".join(line.strip().lstrip("# ") for line in inspect.getsource(assemble.build_training).splitlines()
+                         if line.strip().startswith("#"))
+    code = _written_order(comments)
+    assert code[:5] == ["activation checkpointing", "activation offloading", "compile", "tensor parallelism", "fsdp2"]
+    docstring = assemble.__doc__.split("\n\n")[1]
+    package = run_package.__doc__.split("assemble.py")[1].split("weights.py")[0]
+    docs = (Path(__file__).resolve().parents[3] / "docs/architecture.md").read_text()
+    written = docs.split("## The written order")[1].split("\n\nEach step")[0]
+    for shown in (docstring, package, written):
+        assert _written_order(shown) == code

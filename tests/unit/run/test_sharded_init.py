@@ -28,7 +28,7 @@ from torchtune_ac.run.weights import parameter_seed
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.activation_checkpointing.config import ACConfig
 
 SEED = 3
 # llama_tiny (512 x 128 embedding, 8 blocks), and the same with tied embeddings.

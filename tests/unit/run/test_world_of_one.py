@@ -17,7 +17,7 @@ from torchtune_ac.run.assemble import AssemblyPlan, build_training
 from torchtune_ac.runtime.distributed import DistributedContext, destroy_distributed
 from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.activation_checkpointing.config import ACConfig
 from torchtune_ac.training.step import OptimizerStepper, train_step
 
 CTX = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

@@ -79,7 +79,7 @@ def test_a_cuda_plan_counts_the_cublas_workspaces_in_its_transient_memory(monkey
     from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
     from torchtune_ac.memory.planner import estimate_memory
     from torchtune_ac.run.plan import planner_inputs
-    from torchtune_ac.training.ac_config import resolve_ac_plan
+    from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # planned here for a GPU elsewhere
     recipe = load_recipe(resolve_recipe_path("full_finetune"))

@@ -34,7 +34,7 @@ from torchtune_ac.parallel import fsdp
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.parallel.fsdp import shard_model
 from torchtune_ac.run.assemble import AssemblyPlan, build_mesh
-from torchtune_ac.training.ac_config import ACConfig
+from torchtune_ac.activation_checkpointing.config import ACConfig
 
 CPU = torch.device("cpu")
 SMALL = dataclasses.replace(LLAMA_TINY, n_layers=2)

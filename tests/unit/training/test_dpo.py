@@ -318,7 +318,7 @@ AC_MODES = [{"ac_mode": "full"}, {"ac_mode": "selective", "ac_option": 2}, {"ac_
 @pytest.mark.parametrize("n_chunks", [1, 3])
 @pytest.mark.parametrize("ac", AC_MODES, ids=["full", "every_2nd", "per_op"])
 def test_every_ac_mode_gives_the_loss_and_gradients_of_no_ac_bit_for_bit(pairs, ac, n_chunks):
-    from torchtune_ac.training import setup_activation_checkpointing
+    from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
 
     dataset, tokenizer = pairs
     batch = batch_of(dataset, range(6), tokenizer.pad_id)

@@ -43,8 +43,8 @@ from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.training.ac_config import resolve_ac_plan
-from torchtune_ac.training.activation_checkpointing import apply_ac_plan
+from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
+from torchtune_ac.activation_checkpointing.mechanism import apply_ac_plan
 from torchtune_ac.parallel.fsdp import shard_model
 from torchtune_ac.training.objective import IGNORE_INDEX, CrossEntropy
 from torchtune_ac.training.step import OptimizerStepper, train_step

@@ -27,8 +27,8 @@ from torchtune_ac.config.validation import torchtune_marker
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.plan import MemoryConfig
 from torchtune_ac.parallel.fsdp import FSDPConfig
-from torchtune_ac.training.ac_config import ACConfig
-from torchtune_ac.training.activation_checkpointing import ACMode
+from torchtune_ac.activation_checkpointing.config import ACConfig
+from torchtune_ac.activation_checkpointing.mechanism import ACMode
 from torchtune_ac.models.families import FAMILIES
 
 COMPONENT_KEY = "_component_"

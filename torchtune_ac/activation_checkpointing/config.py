@@ -9,7 +9,7 @@
 validates itself); ``resolve_ac_plan`` (or ``ACConfig.resolve``) turns them and a layer count into an ``ACPlan``
 (no model needed, so ``tune validate`` can check a config before anything is built);
 ``setup_activation_checkpointing`` resolves them for a built model and applies the plan
-(``activation_checkpointing.apply_ac_plan``, the mechanism, which knows nothing of keys). ``ac_mode: auto`` is
+(``mechanism.apply_ac_plan``, which knows nothing of keys). ``ac_mode: auto`` is
 chosen by the memory planner (``memory/plan.py``), from every plan's estimate.
 
 The grammar is torchtune's, kept because these keys are the contract a torchtune user's configs and command lines
@@ -29,7 +29,7 @@ from torch import nn
 from torchtune_ac.config_key import config_key
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.families import transformer_blocks
-from torchtune_ac.training.activation_checkpointing import OP_OPTION, ACMode, ACPlan, ac_plan, apply_ac_plan
+from torchtune_ac.activation_checkpointing.mechanism import OP_OPTION, ACMode, ACPlan, ac_plan, apply_ac_plan
 
 
 class ACConfigError(UserError):

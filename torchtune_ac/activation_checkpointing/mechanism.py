@@ -1,7 +1,7 @@
 """Activation checkpointing (AC), the mechanism: a plan of which transformer blocks recompute their activations in
 backward, and the function that applies it to a model. It knows nothing of config keys: the keys
 (``enable_activation_checkpointing``, ``ac_mode``, ``ac_option``) and how they resolve to a plan are
-``ac_config.py``'s; ``ac_mode: auto``'s choice is the memory planner's (``memory/plan.py``).
+``config.py``'s; ``ac_mode: auto``'s choice is the memory planner's (``memory/plan.py``).
 
 ``ACPlan`` is a frozen value (printed by ``tune validate``, compared by the planner); ``apply_ac_plan`` applies
 one to a model in place, once, before compile and sharding.

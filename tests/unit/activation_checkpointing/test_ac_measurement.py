@@ -17,7 +17,7 @@ from torch.distributed._composable import checkpoint
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from torchtune_ac.models.llama import Llama, LlamaArgs
-from torchtune_ac.training.ac_config import setup_activation_checkpointing
+from torchtune_ac.activation_checkpointing.config import setup_activation_checkpointing
 
 F32 = 4
 

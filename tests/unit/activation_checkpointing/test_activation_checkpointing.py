@@ -15,8 +15,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.attention import document_runs
 from torchtune_ac.models.llama import Llama, LlamaArgs, positions_from_document_ids
-from torchtune_ac.training.ac_config import ACConfigError, resolve_ac_plan, setup_activation_checkpointing
-from torchtune_ac.training.activation_checkpointing import (
+from torchtune_ac.activation_checkpointing.config import ACConfigError, resolve_ac_plan, setup_activation_checkpointing
+from torchtune_ac.activation_checkpointing.mechanism import (
     SAVED_OPS,
     ACMode,
     ACPlan,

@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from torchtune_ac.models.llama import Llama, LlamaArgs
-from torchtune_ac.training.ac_config import setup_activation_checkpointing
+from torchtune_ac.activation_checkpointing.config import setup_activation_checkpointing
 
 STEPS = 3
 VOCAB = 96
