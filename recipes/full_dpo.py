@@ -51,7 +51,7 @@ def dpo_objective(cfg: FullDPOConfig, parts: SetupParts) -> DPOObjective:
         log.info("dpo: %s", describe_dpo(cfg.dpo, cfg.ref_checkpoint_dir))
     reference = build_reference(copy.deepcopy(parts.model), plan, ctx=ctx, mesh=parts.mesh,
                                 checkpoint_dir=cfg.reference_checkpoint_dir)
-    n_chunks = plan.memory.setting("loss_chunks")
+    n_chunks = plan.memory.settings.loss_chunks
     if cfg.dpo.reference is ReferenceMode.PRECOMPUTED:
         validation = [parts.validation.dataset] if parts.validation is not None else []
         for dataset in (parts.data.loader.dataset, *validation):

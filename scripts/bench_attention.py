@@ -283,7 +283,7 @@ def build_step(args: argparse.Namespace, side: str, setting: str, batches: list[
         n_layers = len(component.instantiate().layers)
     model = build_training(build_meta_model(component),
                            AssemblyPlan(dtype=DType.FP32,
-                                        memory=MemoryPlan(ac=AC_SETTINGS[setting.removesuffix(COMPILED)].resolve(n_layers), settings={}), compile=setting.endswith(COMPILED), seed=args.seed), ctx=ctx).model
+                                        memory=MemoryPlan(ac=AC_SETTINGS[setting.removesuffix(COMPILED)].resolve(n_layers)), compile=setting.endswith(COMPILED), seed=args.seed), ctx=ctx).model
     holder = DenseMask()  # installed before the first call, so compile traces the dense attention
     if side == "before" and install_dense_attention(model, holder) == 0:
         raise RuntimeError(f"{args.model} has no torchtune_ac Attention modules to run densely")

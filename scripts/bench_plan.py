@@ -41,6 +41,7 @@ from torchtune_ac.config.components import Component  # noqa: E402
 from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
 from torchtune_ac.memory.chunked_loss import loss_objective  # noqa: E402
 from torchtune_ac.memory.plan import MemoryConfig, MemoryPlan, resolve_memory_plan  # noqa: E402
+from torchtune_ac.memory.features import MemorySettings  # noqa: E402
 from torchtune_ac.memory.planner import Workload, candidate_plans, describe_setting, estimate_memory  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.activation_checkpointing import ACConfig, resolve_ac_plan  # noqa: E402
@@ -71,7 +72,7 @@ def plans_of(name: str) -> list:
 
 def loss_chunks_of(name: str) -> int:
     """The model's default loss chunks, as a run resolves them (8 for a 32k vocabulary, else 1)."""
-    return resolve_memory_plan(ACConfig(), MemoryConfig(), meta_model(name), clip_grad_norm=None).setting("loss_chunks")
+    return resolve_memory_plan(ACConfig(), MemoryConfig(), meta_model(name), clip_grad_norm=None).settings.loss_chunks
 
 
 def batch(name: str, batch_size: int, seq_len: int, rank: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -103,7 +104,7 @@ def measure_steps(name: str, settings, batch_size: int, seq_len: int, chunks: in
     for mode, option in settings:
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=option, n_layers=n_layers)
         model = build_training(build_meta_model(component(name)),
-                               AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}),
+                               AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=plan),
                                             seed=0), ctx=ctx).model
         optimizer = build_optimizer(adamw, model, in_backward=False)
         train_step(model, optimizer, data, ctx=ctx, objective=loss_objective(chunks))
@@ -184,7 +185,7 @@ def run_benchmark(args: argparse.Namespace) -> dict:
         chunks = loss_chunks_of(name)
         estimates = {}
         for world in (1, 2):
-            workload = Workload(args.batch_size, args.seq_len, parallelism=Parallelism(world), settings=(("loss_chunks", chunks),))
+            workload = Workload(args.batch_size, args.seq_len, parallelism=Parallelism(world), settings=MemorySettings(loss_chunks=chunks))
             start = time.perf_counter()
             estimates[world] = estimate_memory(component(name).instantiate, adamw, workload, plans=plans)
             print(f"{name}: planned {len(plans)} settings for {world} process(es) in "

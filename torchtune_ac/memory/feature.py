@@ -15,10 +15,16 @@ only what a simulation cannot see (``planner_cost``) and what it would suggest w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
+
+from torchtune_ac.activation_checkpointing.config import ACConfig
+from torchtune_ac.parallel.fsdp import FSDPConfig
+
+if TYPE_CHECKING:  # memory/plan.py, which holds MemoryConfig, lists the features declared with this module
+    from torchtune_ac.memory.plan import MemoryConfig
 
 MakeOptimizer = Callable[[Iterable[nn.Parameter]], Any]
 
@@ -43,16 +49,17 @@ class ResolveInputs:
         model: the model the run trains (built, or on the meta device).
         vocab_size: the vocabulary the loss projects to (None for a model of no known family).
         clip_grad_norm: the config's value.
-        settings: the settings of the features resolved before this one, by name.
+        settings: the settings of the features resolved before this one, by name (AC's plan under ``ac``), while
+            the plan is resolved; the plan holds them typed (``MemorySettings``).
         optimizer: the config's optimizer (None where a plan is built without one, for AC alone).
         dtype: the storage dtype of parameters (``dtype``).
         device: the config's ``device`` (``auto``, ``cpu`` or ``cuda``): ``cpu`` is a choice the config made, and a
             CUDA-only feature refuses it here; what ``auto`` finds is checked by ``check_device``.
     """
 
-    ac: Any
-    memory: Any
-    fsdp: Any
+    ac: ACConfig
+    memory: "MemoryConfig"
+    fsdp: FSDPConfig
     model: nn.Module
     vocab_size: Optional[int]
     clip_grad_norm: Optional[float]

@@ -24,8 +24,8 @@ from torchtune_ac.config_key import config_key
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory import cpu_offload, optimizer_state
 from torchtune_ac.memory.chunked_loss import loss_objective
-from torchtune_ac.memory.feature import MakeOptimizer, OptimizerSpec, ResolveInputs
-from torchtune_ac.memory.features import ACTIVATION_CHECKPOINTING, FEATURES
+from torchtune_ac.memory.feature import Feature, MakeOptimizer, OptimizerSpec, ResolveInputs
+from torchtune_ac.memory.features import ACTIVATION_CHECKPOINTING, FEATURES, MemorySettings
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.memory.planner import GiB, MemoryEstimate, Workload, choose_plan
 from torchtune_ac.models.families import family_of, transformer_blocks
@@ -64,27 +64,21 @@ class MemoryPlan:
 
     Attributes:
         ac: which blocks are checkpointed, and how.
-        settings: every other feature's setting, by ``Feature.name`` (``optimizer_in_bwd``, ``loss_chunks``, ...);
-            a feature left out has its ``off`` setting (a plan built by hand for AC alone).
+        settings: every other feature's setting (``MemorySettings``: ``settings.loss_chunks``, ...); by default
+            every one off (a plan built by hand for AC alone).
         vocab_size: the vocabulary the loss projects to (None when the model's family is unknown).
         budget_gib: with ``ac_mode: auto``, the budget the AC plan was chosen for (per process).
         estimate: with ``ac_mode: auto``, the chosen plan's memory estimate.
     """
 
     ac: ACPlan
-    settings: Mapping[str, Any]
+    settings: MemorySettings = MemorySettings()
     vocab_size: Optional[int] = None
     budget_gib: Optional[float] = None
     estimate: Optional[MemoryEstimate] = None
 
-    def setting(self, name: str) -> Any:
-        """The setting of the feature called ``name``."""
-        if name == ACTIVATION_CHECKPOINTING.name:
-            return self.ac
-        feature = next((f for f in FEATURES if f.name == name), None)
-        if feature is None:
-            raise KeyError(f"no memory feature is called {name!r}")
-        return self.settings.get(name, feature.off)
+    def _setting_of(self, feature: Feature) -> Any:
+        return self.ac if feature is ACTIVATION_CHECKPOINTING else self.settings.of(feature)
 
     def describe(self, *, ac: bool = True) -> list[tuple[str, str]]:
         """``(label, value)`` lines for ``tune validate`` and the run's log, in the features' order (without
@@ -93,7 +87,7 @@ class MemoryPlan:
         for feature in FEATURES:
             if feature is ACTIVATION_CHECKPOINTING and not ac:
                 continue
-            value = feature.describe(self.setting(feature.name), self.vocab_size)
+            value = feature.describe(self._setting_of(feature), self.vocab_size)
             if feature is ACTIVATION_CHECKPOINTING and self.estimate is not None:
                 value = (f"auto -> {value} (the least recompute that fits: estimated {self.estimate.device / GiB:.2f} "
                          f"GiB of {self.budget_gib:g} GiB per process, {self.estimate.fixed / GiB:.2f} of them the "
@@ -104,13 +98,13 @@ class MemoryPlan:
     def check_device(self, device: torch.device) -> None:
         """Raise ``UnavailableError`` when a feature's setting cannot run on ``device`` (the run's, as resolved)."""
         for feature in FEATURES:
-            feature.check_device(self.setting(feature.name), device)
+            feature.check_device(self._setting_of(feature), device)
 
     def resume_record(self) -> dict[str, Any]:
         """What a resume must keep of the features' settings."""
         record: dict[str, Any] = {}
         for feature in FEATURES:
-            record.update(feature.resume_record(self.setting(feature.name)))
+            record.update(feature.resume_record(self._setting_of(feature)))
         return record
 
     # What the run applies of the plan, each by the feature it belongs to (the order: run/assemble.py).
@@ -118,25 +112,25 @@ class MemoryPlan:
     @property
     def offloads_activations(self) -> bool:
         """Activation offloading: what checkpointed blocks keep waits in host memory."""
-        return bool(self.setting("enable_activation_offloading"))
+        return self.settings.enable_activation_offloading
 
     def shard_options(self) -> dict[str, Any]:
         """CPU offload's ``fully_shard`` arguments; any means a single process shards its model too."""
-        return dict(cpu_offload.shard_options(self.setting("cpu_offload")))
+        return dict(cpu_offload.shard_options(self.settings.cpu_offload))
 
     def wrap_optimizer(self, make_optimizer: MakeOptimizer) -> MakeOptimizer:
         """The factory the run builds its optimizers with: the optimizer state's (announcing a compiling first
         step)."""
-        return optimizer_state.optimizer_factory(self.setting("optimizer_state"), make_optimizer)
+        return optimizer_state.optimizer_factory(self.settings.optimizer_state, make_optimizer)
 
     def build_stepper(self, make_optimizer: MakeOptimizer, model: nn.Module) -> Stepper:
         """Who steps the model's parameters, built with ``wrap_optimizer``'s factory: after backward or, with
         ``optimizer_in_bwd``, in it. Build it after ``fully_shard``."""
-        return build_optimizer(self.wrap_optimizer(make_optimizer), model, in_backward=self.setting("optimizer_in_bwd"))
+        return build_optimizer(self.wrap_optimizer(make_optimizer), model, in_backward=self.settings.optimizer_in_bwd)
 
     def objective(self) -> Objective:
         """What the step computes: the chunked loss, or the whole-logits cross-entropy."""
-        return loss_objective(self.setting("loss_chunks"))
+        return loss_objective(self.settings.loss_chunks)
 
 
 def vocab_size_of(model: nn.Module) -> Optional[int]:
@@ -229,13 +223,14 @@ def resolve_memory_plan(
                                optimizer=optimizer, dtype=dtype, device=device)
         settings[feature.name] = feature.resolve(inputs)
     ac_plan = settings.pop(ACTIVATION_CHECKPOINTING.name)
+    typed = MemorySettings(**settings)
     if ac_plan is not None:
-        return MemoryPlan(ac=ac_plan, settings=settings, vocab_size=vocab_size)
+        return MemoryPlan(ac=ac_plan, settings=typed, vocab_size=vocab_size)
     if planning is None:
         raise ValueError("ac_mode=auto needs PlannerInputs to estimate the plans' memory")
     budget = budget_gib(ac, planning.device, planning.fixed_bytes)
-    workload = planning.workload.with_settings(settings, clip_grad_norm=clip_grad_norm)
+    workload = planning.workload.with_settings(typed, clip_grad_norm=clip_grad_norm)
     estimate = choose_plan(planning.build_model, planning.make_optimizer, workload, budget,
                            len(transformer_blocks(model)), planning.fixed_bytes, planning.device)
-    return MemoryPlan(ac=estimate.plan, settings=settings, vocab_size=vocab_size, budget_gib=budget,
+    return MemoryPlan(ac=estimate.plan, settings=typed, vocab_size=vocab_size, budget_gib=budget,
                       estimate=estimate)

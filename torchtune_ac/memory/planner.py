@@ -40,7 +40,7 @@ import logging
 import math
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Mapping, Optional, Sequence
+from typing import Any, Callable, Iterator, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -53,7 +53,7 @@ from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.memory import cpu_offload, optimizer_state
 from torchtune_ac.memory.chunked_loss import loss_objective
 from torchtune_ac.memory.feature import Alternative, Feature, ModelSizes
-from torchtune_ac.memory.features import STEP_FEATURES
+from torchtune_ac.memory.features import STEP_FEATURES, MemorySettings
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.models.attention import varlen_kv_copy_bytes
 from torchtune_ac.models.families import family_of, shard_groups, transformer_blocks
@@ -106,7 +106,7 @@ class Workload:
             its ``shard`` degree; tensor parallelism splits each layer over its ``tensor`` degree).
         fsdp: FSDP2 settings (used when the model is sharded).
         clip_grad_norm: the config's value.
-        settings: the memory features' settings besides AC, as ``(name, setting)`` pairs (see
+        settings: the memory features' settings besides AC (``MemorySettings``; see
             ``memory/features.py``); a feature not named here has its ``off`` setting.
     """
 
@@ -117,7 +117,7 @@ class Workload:
     parallelism: Parallelism = Parallelism()
     fsdp: FSDPConfig = field(default_factory=FSDPConfig)
     clip_grad_norm: Optional[float] = None
-    settings: tuple[tuple[str, Any], ...] = ()
+    settings: MemorySettings = MemorySettings()
     # Packed rows whose attention takes ``varlen_attn`` (CUDA, bf16): the K/V copies it makes on this torch are
     # counted (``models.attention.varlen_kv_copy_bytes``), which the simulation, on a CPU's kernels, cannot make.
     varlen: bool = False
@@ -144,18 +144,15 @@ class Workload:
         """Processes FSDP2 shards each parameter over."""
         return self.parallelism.shard
 
-    def with_settings(self, settings: Mapping[str, Any], **changes: Any) -> "Workload":
-        """This workload with the features' ``settings`` (merged over its own) and other fields changed."""
-        merged = {**dict(self.settings), **settings}
-        return dataclasses.replace(self, settings=tuple(sorted(merged.items())), **changes)
-
-    def setting(self, name: str) -> Any:
-        """The setting of the feature called ``name`` (its ``off`` setting when the workload does not name it)."""
-        return dict(self.settings).get(name, next(f.off for f in STEP_FEATURES if f.name == name))
+    def with_settings(self, settings: Union[MemorySettings, Mapping[str, Any]], **changes: Any) -> "Workload":
+        """This workload with the features' ``settings`` (a plan's, whole; or some features' by name, over its
+        own) and other fields changed."""
+        settings = settings if isinstance(settings, MemorySettings) else self.settings.changed(settings)
+        return dataclasses.replace(self, settings=settings, **changes)
 
     def feature_settings(self) -> list[tuple[Feature, Any]]:
         """The memory features besides AC, in order, with their settings (AC is the plan's, not the workload's)."""
-        return [(feature, self.setting(feature.name)) for feature in STEP_FEATURES]
+        return [(feature, self.settings.of(feature)) for feature in STEP_FEATURES]
 
 
 @dataclass(frozen=True)
@@ -454,7 +451,7 @@ def _simulate(
         apply_ac_plan(model, _plan(mode, option, len(blocks)))
         params = list(model.parameters())
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
-        sharded = workload.world_size > 1 or bool(cpu_offload.shard_options(workload.setting("cpu_offload")))
+        sharded = workload.world_size > 1 or bool(cpu_offload.shard_options(workload.settings.cpu_offload))
         tracker = _LiveStorages(workload.shard_degree, {id(p) for p in params if id(p) not in in_blocks},
                                 sharded=sharded)
         if workload.compiled:
@@ -463,8 +460,8 @@ def _simulate(
         hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params]
         # The run's step with the features' mechanisms, as run/assemble.py applies them (the optimizer the state's
         # feature can simulate).
-        make_optimizer = optimizer_state.planner_optimizer(workload.setting("optimizer_state"), make_optimizer)
-        stepper = build_optimizer(make_optimizer, model, in_backward=workload.setting("optimizer_in_bwd"))
+        make_optimizer = optimizer_state.planner_optimizer(workload.settings.optimizer_state, make_optimizer)
+        stepper = build_optimizer(make_optimizer, model, in_backward=workload.settings.optimizer_in_bwd)
         objective, reference = _objective(build_model, workload, n_blocks)
         optimizers = stepper.optimizers_to_checkpoint()
         _allocate_optimizer_state(optimizers)
@@ -519,7 +516,7 @@ def _objective(build_model: Callable[[], nn.Module], workload: Workload,
     """The step's objective, as the recipe builds it: the token loss (chunked as ``loss_chunks`` says), or for a
     preference step the DPO loss, with a reference model of the simulated depth when it is resident (its
     parameters, counted apart as ``MemoryEstimate.reference``, are not the step's allocations; its forward is)."""
-    chunks = workload.setting("loss_chunks")
+    chunks = workload.settings.loss_chunks
     if workload.preference is None:
         return loss_objective(chunks), None
     from torchtune_ac.training.dpo import DPOConfig, DPOObjective, freeze_reference
@@ -719,7 +716,7 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
     phase = max(PHASES, key=lambda p: peaks[p][0])
     _, other, grads, acts = peaks[phase]
     parameters = at_depth(lambda s: s.parameters)
-    sharded = workload.world_size > 1 or bool(cpu_offload.shard_options(workload.setting("cpu_offload")))
+    sharded = workload.world_size > 1 or bool(cpu_offload.shard_options(workload.settings.cpu_offload))
     gathered = 0
     fsdp_extra = 0.0
     if sharded:
@@ -772,7 +769,7 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
             host[category] = host.get(category, 0) + nbytes
     # A resident reference: the policy's parameters again, sharded alike; kept in host memory with CPU offload.
     reference = parameters / n / tp if workload.preference is not None and workload.preference.resident_reference else 0
-    if reference and workload.setting("cpu_offload"):
+    if reference and workload.settings.cpu_offload:
         host["reference"] = reference
         reference = 0
     return MemoryEstimate(
@@ -806,7 +803,7 @@ def tensor_parallel_share(plan: ACPlan, shallow: _Simulation, workload: Workload
     share = {"activations": 0.0, "transient": gathered_inputs}
     if phase != "optimizer step":
         share["activations"] = gathered_inputs * (plan.n_layers - len(plan.checkpointed_blocks))
-    if workload.setting("loss_chunks") == 1:
+    if workload.settings.loss_chunks == 1:
         share["transient"] += shallow.logits * whole
     return share
 

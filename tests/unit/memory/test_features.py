@@ -1,6 +1,7 @@
 """The memory features: listed once, in order (``memory/features.py``); their keys written in the schema's groups
-(``MemoryConfig``, the one ``FSDPConfig``); the plan, the step and the planner go through what each declares, and a
-new feature is one record in the list whose cost the planner counts."""
+(``MemoryConfig``, the one ``FSDPConfig``), their settings typed (``MemorySettings``); the plan, the step and the
+planner go through what each declares, and a new feature is one record in the list and one field of its settings,
+whose cost the planner counts."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from torchtune_ac.memory import features, planner
 from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective
 from torchtune_ac.memory.feature import Feature, FeatureCost
-from torchtune_ac.memory.features import FEATURES
+from torchtune_ac.memory.features import FEATURES, STEP_FEATURES, MemorySettings
 from torchtune_ac.memory.optimizer_in_backward import InBackwardStepper
 from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan
 from torchtune_ac.memory.planner import Workload, estimate_memory
@@ -36,6 +37,15 @@ def test_the_features_are_listed_in_order_and_their_keys_are_written_in_memory_c
     assert {f.name for f in dataclasses.fields(FSDPConfig)} == {"reshard_after_forward", "param_dtype",
                                                                 "reduce_dtype", "replicate_degree", "cpu_offload"}
     assert FSDPConfig().cpu_offload is False
+
+
+def test_each_step_feature_has_one_typed_setting_whose_default_is_its_off_setting():
+    fields = dataclasses.fields(MemorySettings)
+    assert [f.name for f in fields] == [feature.name for feature in STEP_FEATURES]
+    assert [MemorySettings().of(feature) for feature in STEP_FEATURES] == [feature.off for feature in STEP_FEATURES]
+    plan = resolve_memory_plan(ACConfig(ac_mode=ACMode.FULL), MemoryConfig(loss_chunks=3), Llama(ARGS),
+                               clip_grad_norm=None)
+    assert plan.settings == MemorySettings(loss_chunks=3)
 
 
 @pytest.mark.parametrize("in_bwd, chunks, stepper_type, objective", [
@@ -65,6 +75,13 @@ PARK = Feature(name="park", label="parking", off=False, resolve=lambda inputs: F
                describe=lambda setting, vocab_size: "on the host" if setting else "off", planner_cost=_park_cost)
 
 
+@dataclasses.dataclass(frozen=True)
+class ParkSettings(MemorySettings):
+    """The settings with PARK's: a new feature is one more typed field."""
+
+    park: bool = False
+
+
 @pytest.fixture
 def with_park(monkeypatch: pytest.MonkeyPatch) -> None:
     """The list with PARK added before CPU offload (the planner reads the step's features from it)."""
@@ -75,7 +92,7 @@ def with_park(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_a_new_feature_is_one_record_in_the_list_and_the_planner_counts_its_declared_cost(with_park):
-    workload = Workload(batch_size=1, seq_len=16)
+    workload = Workload(batch_size=1, seq_len=16, settings=ParkSettings())
     plans = [ACConfig(ac_mode=ACMode.FULL).resolve(ARGS.n_layers)]
     off, = estimate_memory(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p), workload, plans)
     on, = estimate_memory(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p), workload.with_settings({"park": True}),
@@ -98,7 +115,7 @@ def test_planner_costs_come_in_order_each_seeing_the_estimate_so_far_and_the_mod
     monkeypatch.setattr(planner, "STEP_FEATURES", listed[1:])
     plans = [ACConfig(ac_mode=ACMode.FULL).resolve(ARGS.n_layers)]
     estimate, = estimate_memory(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p),
-                                Workload(batch_size=1, seq_len=16, settings=(("park", True),)), plans)
+                                Workload(batch_size=1, seq_len=16, settings=ParkSettings(park=True)), plans)
     so_far, shapes, dtype, checkpointed, block_input = seen[-1]  # full AC (the first: no AC, the baseline)
     assert so_far["optimizer"] == 0 and so_far["parameters"] == estimate.parameters  # after park moved it
     model = Llama(ARGS)

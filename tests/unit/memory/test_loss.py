@@ -185,9 +185,10 @@ def test_under_fsdp2_the_output_weight_is_gathered_once_and_the_gradients_match(
 def test_memory_plan_describes_the_chunked_loss_as_it_works():
     """The chunked loss computes each chunk's gradients in forward: the summary must not say it recomputes."""
     from torchtune_ac.activation_checkpointing.mechanism import ACMode, ACPlan
-    from torchtune_ac.memory.plan import MemoryPlan
+    from torchtune_ac.memory.features import MemorySettings
+from torchtune_ac.memory.plan import MemoryPlan
 
-    plan = MemoryPlan(ac=ACPlan(ACMode.NONE, None, (), 8), settings={"optimizer_in_bwd": False, "loss_chunks": 8},
+    plan = MemoryPlan(ac=ACPlan(ACMode.NONE, None, (), 8), settings=MemorySettings(loss_chunks=8),
                       vocab_size=32_000)
     loss = dict(plan.describe())["loss"]
     assert loss.startswith("8 chunks (vocabulary 32,000): targets only")

@@ -72,7 +72,7 @@ def _plan(path: str, kwargs: dict, dtype: torch.dtype = torch.float32, clip: flo
 @pytest.mark.parametrize("path, bits", [("torchao.optim.AdamW8bit", 8), ("torchao.optim.AdamW4bit", 4)])
 def test_the_planner_counts_torchaos_state_by_its_layout_and_simulates_a_stand_in(path, bits):
     plan = _plan(path, {})
-    setting = plan.setting("optimizer_state")
+    setting = plan.settings.optimizer_state
     assert setting.layout.bits == bits
     workload = Workload(batch_size=1, seq_len=16).with_settings(plan.settings)
     built = []
@@ -105,7 +105,7 @@ def test_when_nothing_fits_fp32_adamw_suggests_8_bit():
 def test_bf16_stochastic_rounding_of_fp32_weights_is_refused():
     with pytest.raises(UserError, match=r"^optimizer\.bf16_stochastic_round=true with dtype=fp32: .*set dtype: bf16"):
         _plan("torchao.optim._AdamW", BF16, torch.float32)
-    assert _plan("torchao.optim._AdamW", BF16, torch.bfloat16).setting("optimizer_state").layout.stochastic_rounding
+    assert _plan("torchao.optim._AdamW", BF16, torch.bfloat16).settings.optimizer_state.layout.stochastic_rounding
 
 
 def test_the_plan_describes_the_layout_and_a_quantized_one_is_kept_on_resume():

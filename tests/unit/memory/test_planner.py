@@ -20,6 +20,7 @@ from torchtune_ac.memory.feature import OptimizerSpec
 from torchtune_ac.memory.plan import MemoryConfig, PlannerInputs, budget_gib, resolve_memory_plan
 from torchtune_ac.models.families.gemma3 import GEMMA3_1B
 from torchtune_ac.models.llama import Llama
+from torchtune_ac.memory.features import MemorySettings
 from torchtune_ac.memory.planner import (
     GiB,
     Workload,
@@ -227,7 +228,7 @@ MEASURE_STEPS = textwrap.dedent("""
     for mode, chunks in json.loads(sys.argv[1]):
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=None, n_layers=8)
         model = build_training(build_meta_model(Component(key="model", path="torchtune_ac.models.llama_small")),
-                               AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=plan, settings={}),
+                               AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=plan),
                                             seed=0), ctx=ctx).model
         optimizer = build_optimizer(lambda p: torch.optim.AdamW(p, lr=1e-5), model, in_backward=False)
         train_step(model, optimizer, batch, ctx=ctx, objective=loss_objective(chunks))  # allocates the optimizer state
@@ -254,7 +255,7 @@ def test_estimated_step_peak_is_within_15_percent_of_a_measured_step():
                             capture_output=True, text=True, env=env, check=True)
     measured = json.loads(result.stdout.split("\n")[-2])
     for (mode, chunks), bytes_ in zip(MEASURED_SETTINGS, measured):
-        workload = Workload(batch_size=2, seq_len=512, settings=(("loss_chunks", chunks),))
+        workload = Workload(batch_size=2, seq_len=512, settings=MemorySettings(loss_chunks=chunks))
         plan = candidate_plans(8)[0 if mode == "none" else -1]
         estimate = estimate_memory(SMALL.instantiate, adamw, workload, plans=[plan])[0]
         assert estimate.step_peak == pytest.approx(bytes_, rel=0.15), (mode, chunks)
@@ -465,7 +466,7 @@ MEASURE_DPO_STEPS = textwrap.dedent("""
     measured = []
     for mode, chunks, resident in json.loads(sys.argv[1]):
         plan = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=None, n_layers=8)
-        memory = MemoryPlan(ac=plan, settings={})
+        memory = MemoryPlan(ac=plan)
         assembly = AssemblyPlan(DType.FP32, memory)
         reference = (build_reference(build_meta_model(small), assembly, ctx=ctx, checkpoint_dir=None) if resident
                      else None)
@@ -498,7 +499,7 @@ def test_a_dpo_step_estimate_counts_the_pairs_and_the_reference_and_is_within_15
                             capture_output=True, text=True, env=env, check=True)
     measured = json.loads(result.stdout.split("\n")[-2])
     for (mode, chunks, resident), bytes_ in zip(MEASURED_DPO_SETTINGS, measured):
-        workload = Workload(batch_size=1, seq_len=512, settings=(("loss_chunks", chunks),),
+        workload = Workload(batch_size=1, seq_len=512, settings=MemorySettings(loss_chunks=chunks),
                             preference=PreferenceStep(resident_reference=resident))
         plan = candidate_plans(8)[0 if mode == "none" else -1]
         estimate = estimate_memory(SMALL.instantiate, adamw, workload, plans=[plan])[0]

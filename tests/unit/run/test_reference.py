@@ -22,7 +22,7 @@ SEED = 5
 NODE = {"_component_": "torchtune_ac.models.llama_tiny"}
 
 
-PLAN = AssemblyPlan(DType.FP32, MemoryPlan(ac=ACConfig().resolve(8), settings={}), FSDPConfig(), seed=SEED)
+PLAN = AssemblyPlan(DType.FP32, MemoryPlan(ac=ACConfig().resolve(8)), FSDPConfig(), seed=SEED)
 
 
 def _batch():

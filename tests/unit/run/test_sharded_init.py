@@ -41,7 +41,7 @@ MODELS = {
 
 def build(node: dict, ctx: DistributedContext) -> torch.nn.Module:
     return build_training(build_meta_model(parse_component(node, "model")),
-                          AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}),
+                          AssemblyPlan(dtype=DType.FP32, memory=MemoryPlan(ac=ACConfig().resolve(8)),
                                        seed=SEED), ctx=ctx).model
 
 
@@ -126,7 +126,7 @@ def test_a_parameter_of_several_blocks_draws_each_block_from_its_own_generator(m
     rounded once to the storage dtype (bf16's own ``normal_`` on the CPU is serial and slow)."""
     monkeypatch.setattr(weights, "INIT_BLOCK_ELEMENTS", 1000)
     model = build_training(build_meta_model(parse_component(MODELS["untied"], "model")),
-                           AssemblyPlan(dtype=dtype, memory=MemoryPlan(ac=ACConfig().resolve(8), settings={}),
+                           AssemblyPlan(dtype=dtype, memory=MemoryPlan(ac=ACConfig().resolve(8)),
                                         seed=SEED), ctx=DistributedContext(0, 1, 0, torch.device("cpu"))).model
     embedding = model.get_parameter("tok_embeddings.weight").detach()
     rows = 1000 // embedding.shape[1]

@@ -22,7 +22,7 @@ from torchtune_ac.training.step import OptimizerStepper, train_step
 
 CTX = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 MODEL = parse_component({"_component_": "torchtune_ac.models.llama_tiny"}, "model")
-PLAN = MemoryPlan(ac=ACConfig().resolve(8), settings={})
+PLAN = MemoryPlan(ac=ACConfig().resolve(8))
 
 
 def _losses(model: torch.nn.Module) -> list[float]:

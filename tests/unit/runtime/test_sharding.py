@@ -115,7 +115,7 @@ def test_every_group_is_sharded_over_a_mesh_of_the_run_device(world_of_one, call
     ``fully_shard`` would build its own from whatever accelerator the machine has."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(MemoryPlan, "shard_options", lambda self: {"offload_policy": None})  # one process shards
-    mesh = build_mesh(AssemblyPlan(DType.FP32, MemoryPlan(ac=ACConfig().resolve(2), settings={})),
+    mesh = build_mesh(AssemblyPlan(DType.FP32, MemoryPlan(ac=ACConfig().resolve(2))),
                       DistributedContext(0, 1, 0, CPU))
     shard_model(_meta_model(), mesh, FSDPConfig(), dtype=DType.FP32)
     assert mesh.device_type == "cpu" and mesh.mesh_dim_names == ("shard",)
