@@ -173,7 +173,7 @@ def load_hf_tensors_(
         if name is None:
             continue
         for held in stacked.get(name, (name,)):
-            if held in targets or held in copies:
+            if (held in targets or held in copies) and (held not in first_row or name != held):
                 stored[held], stored_as[held] = tensor, file_name
             else:
                 unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
