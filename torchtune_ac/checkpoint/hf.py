@@ -71,7 +71,7 @@ class HFModelFiles:
         for name, parts in self.stacked.items():
             missing = [part for part in parts if part not in self.tensors]
             if missing:
-                raise ValueError(f"{name} stacks {missing}, which the model has not")
+                raise ValueError(f"{name} stacks {missing}, which are not among the tensors")
         part_of = {part: name for name, parts in self.stacked.items() for part in parts}
         layout: dict[str, tuple[str, ...]] = {}
         for name in self.tensors:
@@ -172,11 +172,13 @@ def load_hf_tensors_(
         name = stored_name(file_name)
         if name is None:
             continue
-        for held in stacked.get(name, (name,)):
-            if (held in targets or held in copies) and (held not in first_row or name != held):
+        holds = stacked.get(name, (name,))
+        # A part of a stacked tensor is read from it only (a q_proj stored on its own is not Phi-3's layout).
+        if name not in first_row and all(held in targets or held in copies for held in holds):
+            for held in holds:
                 stored[held], stored_as[held] = tensor, file_name
-            else:
-                unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
+        else:
+            unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
     problems = []
     for name, target in targets.items():
         if name not in stored:

@@ -409,7 +409,9 @@ def _read_longrope(rope: Mapping[str, Any], max_position_embeddings: Optional[in
                           prefix=prefix)
     factor = read_value(rope, "factor", float, problems, default=None, prefix=prefix)
     attention = read_value(rope, "attention_factor", float, problems, default=None, prefix=prefix)
-    if len(factors) < 2 or not original or not max_position_embeddings:
+    if original is not None and original < 2:
+        problems.append(f"{prefix}original_max_position_embeddings={original}: must be at least 2")
+    if len(factors) < 2 or not original or original < 2 or not max_position_embeddings:
         return None
     if attention is None:
         factor = max_position_embeddings / original if factor is None else factor

@@ -97,7 +97,8 @@ def test_transformers_5_configs_translate_alike_and_transformers_reads_ours_back
     ours = AutoConfig.from_pretrained(tmp_path)
     assert type(ours).__name__ == "Phi3Config"
     assert PHI3.hf.args_from_hf_config(ours.to_dict()) == args
-    assert (ours.sliding_window, ours.max_position_embeddings) == (args.sliding_window, published["max_position_embeddings"])
+    assert ours.sliding_window == args.sliding_window
+    assert ours.max_position_embeddings == published["max_position_embeddings"]
 
 
 @pytest.mark.parametrize(
@@ -142,7 +143,8 @@ def test_checkpoints_hold_q_k_v_and_gate_up_stacked_in_transformers_order(tmp_pa
 @pytest.mark.parametrize("edit, message", [
     (lambda t: t.update({"model.layers.0.self_attn.qkv_proj.weight": torch.zeros(24, 32)}),
      "model.safetensors: model.layers.0.self_attn.qkv_proj.weight has shape [24, 32], expected [64, 32]"),
-    (lambda t: t.pop("model.layers.1.mlp.gate_up_proj.weight"), "missing tensor model.layers.1.mlp.gate_up_proj.weight"),
+    (lambda t: t.pop("model.layers.1.mlp.gate_up_proj.weight"),
+     "missing tensor model.layers.1.mlp.gate_up_proj.weight"),
     (lambda t: t.update({"model.layers.0.self_attn.q_proj.weight": torch.zeros(32, 32)}),
      "model.safetensors: unexpected tensor model.layers.0.self_attn.q_proj.weight"),
 ])

@@ -39,13 +39,16 @@ class Phi3HFAdapter(LlamaStyleHFAdapter):
         return super().args_from_hf_config(_standard_rope(config), **overrides)
 
     def read_family_keys(self, config: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
-        rope = config.get("rope_parameters")
-        partial = rope.get("partial_rotary_factor") if isinstance(rope, Mapping) else None
+        rope = config.get("rope_parameters")  # transformers 5 keeps partial_rotary_factor there
+        partial = None
+        if isinstance(rope, Mapping):
+            partial = read_value(rope, "partial_rotary_factor", float, problems, default=None,
+                                 prefix="rope_parameters.")
         if partial is None:
             partial = read_value(config, "partial_rotary_factor", float, problems, default=1.0)
         return {
             "sliding_window": read_value(config, "sliding_window", int, problems, default=None),
-            "partial_rotary_factor": float(partial) if isinstance(partial, (int, float)) else partial,
+            "partial_rotary_factor": 1.0 if partial is None else partial,
             "resid_dropout": read_value(config, "resid_pdrop", float, problems, default=0.0),
         }
 
