@@ -11,6 +11,9 @@ Hugging Face names one prefix away, the same for every family here::
     norm.weight                        model.norm.weight
     output.weight                      lm_head.weight   (absent when embeddings are tied)
 
+A family whose checkpoints store some of these stacked as one tensor (Phi-3's ``self_attn.qkv_proj``, q/k/v one
+above the other) declares them (``stacked``); the checkpoint code reads and writes each one's rows of it.
+
 The config.json keys are shared too; what differs between families (``model_type``, the variant flags every model
 of the family has, which keys must be refused, what extra keys transformers needs) is a field of
 ``LlamaStyleHFAdapter``; a family whose config.json or names differ further overrides its methods in its own

@@ -6,7 +6,7 @@ rotary embedding uses the same "rotate half" convention as Hugging Face checkpoi
 without permutation.
 
 A family that is a Llama variant (Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma's ``(1 + w)`` norms, scaled
-embeddings and GeGLU) is a set of ``LlamaArgs`` flags. A family whose block differs in structure passes its own
+embeddings and GeGLU, Phi-3's partial rotary embeddings and LongRoPE) is a set of ``LlamaArgs`` flags. A family whose block differs in structure passes its own
 block class to ``Llama`` (``models/families/gemma3.py``); the decoder around the blocks is shared.
 """
 
