@@ -19,8 +19,15 @@ from transformers import AutoConfig
 
 import torchtune_ac.models.families.phi3 as phi3
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import PHI3, family_for_hf_config, family_of, load_hf, save_hf
-from torchtune_ac.models.llama import LongRopeScaling
+from torchtune_ac.models import (
+    PHI3,
+    LongRopeScaling,
+    family_for_hf_config,
+    family_of,
+    load_hf,
+    save_hf,
+    save_hf_state_dict,
+)
 
 PARAMETER_COUNTS = {"phi3_mini": 3_821_079_552, "phi4_14b": 14_659_507_200}
 _COMMON = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "attention_bias": False,
@@ -138,6 +145,9 @@ def test_checkpoints_hold_q_k_v_and_gate_up_stacked_in_transformers_order(tmp_pa
                        torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
     source = load_file(tmp_path / "source" / "model.safetensors")
     assert saved.keys() == source.keys() and all(torch.equal(saved[k], source[k]) for k in saved)
+    save_hf_state_dict(model.state_dict(), model.args, tmp_path / "from_state_dict", family="phi3")
+    from_state_dict = load_file(tmp_path / "from_state_dict" / "model.safetensors")
+    assert from_state_dict.keys() == saved.keys() and all(torch.equal(from_state_dict[k], saved[k]) for k in saved)
 
 
 @pytest.mark.parametrize("edit, message", [
