@@ -16,6 +16,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
@@ -30,6 +32,14 @@ GEMMA3_TINY = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     },
 }
+# Every variant Phi-3's family reads: a sliding window, partial rotary embeddings (half of each head), and LongRoPE
+# with an original length the 20-token rows pass (their long factors) and 10-token documents do not (short ones).
+# No pad or end token: Phi-3's defaults (32000) are beyond the tiny vocabulary.
+PHI3_TINY = {
+    "sliding_window": 6, "original_max_position_embeddings": 16, "pad_token_id": None, "eos_token_id": None,
+    "rope_parameters": {"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5,
+                        "short_factor": [1.0, 1.5], "long_factor": [2.0, 4.0]},
+}
 # family -> (config class, model class, config settings that make transformers build exactly our architecture)
 HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
@@ -41,6 +51,7 @@ HF_CLASSES = {
     # with its own RoPE base, then a global layer with linear RoPE scaling; its own attention scale.
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3_TINY),
     "gemma": (GemmaConfig, GemmaForCausalLM, {"head_dim": 16}),
+    "phi3": (Phi3Config, Phi3ForCausalLM, PHI3_TINY),
 }
 FAMILY_NAMES = sorted(HF_CLASSES)
 # Families whose norms scale by (1 + weight).

@@ -1,5 +1,5 @@
 """Tensor parallelism through ``tune run``: ``tensor_parallel_dim: 2`` on 2 processes (gloo) trains as 1 process
-does, for Llama, Qwen3 and Gemma 3; so do FSDP 2 x TP 2 and HSDP 2 x TP 2 on 4; and a run resumes across the
+does, for Llama, Qwen3, Gemma 3 and Phi-3; so do FSDP 2 x TP 2 and HSDP 2 x TP 2 on 4; and a run resumes across the
 layouts (TP 2 -> 1 process, 1 process -> TP 2, FSDP 2 x TP 2 -> FSDP 4).
 
 The global batch is the same in every layout (4 rows a step: a tensor-parallel group reads one share together),
@@ -109,11 +109,12 @@ def test_hsdp_2_x_tp_2_trains_as_one_process(tmp_path: Path, one_process) -> Non
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
-def test_tp_2_trains_as_one_process_for_qwen3_and_gemma3(family: str, tmp_path: Path,
-                                                          embedded_checkpoint: Path) -> None:
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])
+def test_tp_2_trains_as_one_process_for_qwen3_gemma3_and_phi3(family: str, tmp_path: Path,
+                                                               embedded_checkpoint: Path) -> None:
     """Qwen3's q/k norms split by heads; Gemma 3's four norms, GeGLU, scaled and tied embeddings and its sliding
-    window layer."""
+    window layer; Phi-3's stacked q/k/v and gate/up tensors read into and saved from each rank's heads and columns,
+    its partial rotary embeddings and LongRoPE."""
     checkpoint = write_hf_checkpoint(family, tmp_path / "checkpoint", seed=5, vocab_size=512)
     overrides = ("model._component_=torchtune_ac.models.from_hf_config", f"checkpoint_dir={checkpoint}",
                  f"tokenizer.path={embedded_checkpoint}")

@@ -93,7 +93,7 @@ def test_model_builders(torchtune_builder, ours):
 @pytest.mark.parametrize(
     "builder",
     ["torchtune.models.llama3_2_vision.llama3_2_vision_11b", "torchtune.models.gemma2.gemma2_2b",
-     "torchtune.models.phi3.phi3_mini", "torchtune.models.llama3.lora_llama3_8b", "mymodels.build",
+     "torchtune.models.phi3.lora_phi3_mini", "torchtune.models.llama3.lora_llama3_8b", "mymodels.build",
      "torchtune.models.llama2.llama2_reward_7b", "torchtune.models.qwen3.qwen3_moe_30b_a3b_base"],
 )
 def test_model_without_equivalent_is_refused_listing_what_is_supported(builder):
@@ -103,6 +103,24 @@ def test_model_without_equivalent_is_refused_listing_what_is_supported(builder):
     assert message.startswith(f"model._component_={builder}: no equivalent in torchtune_ac; supported: ")
     assert "llama3_2_1b" in message and "qwen2_5_0_5b" in message and "mistral_7b" in message
     assert "\n" not in message
+
+
+def test_phi_configs_take_the_phi3_family_and_phi4s_tokenizer_folder():
+    """torchtune 0.6.1's phi3/mini_full and phi4/14B_full: Phi-4's tokenizer is named by its vocab and merges
+    files, not a path."""
+    phi3 = migrate_torchtune_config(torchtune_config(model={"_component_": "torchtune.models.phi3.phi3_mini"}))
+    assert phi3.config["model"] == {"_component_": "torchtune_ac.models.phi3_mini"}
+    assert "slide a 2,047-token window" in notes_by_key(phi3)["model._component_"]
+    tokenizer = {"_component_": "torchtune.models.phi4.phi4_tokenizer", "vocab_path": f"{CKPT}/vocab.json",
+                 "merges_path": f"{CKPT}/merges.txt", "max_seq_len": None}
+    phi4 = migrate_torchtune_config(torchtune_config(model={"_component_": "torchtune.models.phi4.phi4_14b"},
+                                                     tokenizer=tokenizer))
+    assert phi4.config["model"] == {"_component_": "torchtune_ac.models.phi4_14b"}
+    assert phi4.config["tokenizer"] == {"_component_": "torchtune_ac.data.load_tokenizer", "path": "${checkpoint_dir}"}
+    notes = notes_by_key(phi4)
+    assert f"from {CKPT}, not {CKPT}/vocab.json" in notes["tokenizer.vocab_path"]
+    assert notes["tokenizer.merges_path"] == "tokenizer.json holds the merges"
+    assert "model._component_" not in notes
 
 
 # torchtune 0.6.1's full fine-tuning configs of a supported architecture whose builder has no twin here.

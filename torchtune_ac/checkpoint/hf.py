@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
@@ -52,12 +52,35 @@ class HFModelFiles:
 
     Attributes:
         tensors: Hugging Face tensor name -> the tensor (plain, or a DTensor of a sharded model), one per stored
-            tensor.
+            tensor or part of one.
         config: the config.json to write.
+        stacked: a stored tensor that is several of ``tensors`` stacked along dim 0 (Phi-3's ``qkv_proj``) -> their
+            names, in order; those are stored only as part of it.
     """
 
     tensors: Mapping[str, torch.Tensor]
     config: Mapping[str, Any]
+    stacked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def stored_parts(self) -> dict[str, tuple[str, ...]]:
+        """Each tensor to store -> the names of ``tensors`` it is made of, in the order of ``tensors``.
+
+        Raises:
+            ValueError: a stacked tensor names a part ``tensors`` lacks.
+        """
+        for name, parts in self.stacked.items():
+            missing = [part for part in parts if part not in self.tensors]
+            if missing:
+                raise ValueError(f"{name} stacks {missing}, which are not among the tensors")
+        part_of = {part: name for name, parts in self.stacked.items() for part in parts}
+        layout: dict[str, tuple[str, ...]] = {}
+        for name in self.tensors:
+            stored = part_of.get(name)
+            if stored is None:
+                layout[name] = (name,)
+            elif stored not in layout:
+                layout[stored] = tuple(self.stacked[stored])
+        return layout
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -111,6 +134,7 @@ def load_hf_tensors_(
     *,
     stored_name: Callable[[str], Optional[str]],
     copies: Mapping[str, str],
+    stacked: Mapping[str, tuple[str, ...]] = {},
 ) -> None:
     """Copy the tensors of a Hugging Face checkpoint into ``targets``, in place, each cast to its target's dtype.
 
@@ -125,6 +149,8 @@ def load_hf_tensors_(
             or of another model in the same files).
         copies: target names that are the same tensor as another (a tied ``lm_head.weight`` -> the embedding):
             a checkpoint may store them, and then they must equal their source; they are not loaded.
+        stacked: a stored tensor holding several targets stacked along dim 0 (Phi-3's ``qkv_proj``) -> their names,
+            in order: each fills its target from its own rows.
 
     Raises:
         UserError: missing or unreadable files, missing or unexpected tensors, shape mismatches, a non-floating
@@ -133,28 +159,40 @@ def load_hf_tensors_(
     checkpoint_dir = require_directory(checkpoint_dir, "checkpoint directory")
     stored: dict[str, StoredTensor] = {}  # target name -> what the files hold for it
     stored_as: dict[str, str] = {}  # target name -> its name in the files
+    first_row: dict[str, int] = {}  # target name -> its first row in a stacked tensor
+    whole_shape: dict[str, tuple[int, ...]] = {}  # target name -> the shape of what holds it
+    for name, parts in stacked.items():
+        row = 0
+        for part in parts:
+            first_row[part], row = row, row + targets[part].shape[0]
+        for part in parts:
+            whole_shape[part] = (row, *targets[part].shape[1:])
     unexpected = []
     for file_name, tensor in sorted(list_stored_tensors(checkpoint_dir).items()):
         name = stored_name(file_name)
         if name is None:
             continue
-        if name in targets or name in copies:
-            stored[name], stored_as[name] = tensor, file_name
+        holds = stacked.get(name, (name,))
+        # A part of a stacked tensor is read from it only (a q_proj stored on its own is not Phi-3's layout).
+        if name not in first_row and all(held in targets or held in copies for held in holds):
+            for held in holds:
+                stored[held], stored_as[held] = tensor, file_name
         else:
             unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
     problems = []
     for name, target in targets.items():
         if name not in stored:
-            problems.append(f"missing tensor {name}")
-            continue
-        found, want = stored[name], tuple(target.shape)
-        if found.shape != want:
-            problems.append(
-                f"{found.file.name}: {stored_as[name]} has shape {list(found.shape)}, expected {list(want)}"
-            )
-        if not found.is_floating:
-            problems.append(f"{found.file.name}: {stored_as[name]} has dtype {found.dtype}, expected a floating point "
-                            "type")
+            problem = f"missing tensor {next((s for s, parts in stacked.items() if name in parts), name)}"
+        else:
+            found, want = stored[name], whole_shape.get(name, tuple(target.shape))
+            problem = None
+            if found.shape != want:
+                problem = f"{found.file.name}: {stored_as[name]} has shape {list(found.shape)}, expected {list(want)}"
+            elif not found.is_floating:
+                problem = (f"{found.file.name}: {stored_as[name]} has dtype {found.dtype}, expected a floating point "
+                           "type")
+        if problem is not None and problem not in problems:  # once for a stacked tensor, not once per part
+            problems.append(problem)
     problems += unexpected
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
@@ -170,6 +208,9 @@ def load_hf_tensors_(
         with open_safetensors(path) as f:
             for name in names:
                 local, region = local_region(targets[name])
+                if name in first_row:  # its rows of the stacked tensor
+                    rows = region[0]
+                    region = (slice(rows.start + first_row[name], rows.stop + first_row[name]), *region[1:])
                 if local.numel():
                     local.copy_(read_region(f, stored_as[name], region))
 
@@ -230,15 +271,21 @@ def write_hf_files(
     if sharded and processes is None:
         raise ValueError("the model holds DTensors: every rank writes its files together (pass processes)")
     writer = not sharded or leads(processes)
-    nbytes = {name: math.prod(tensor.shape) * tensor.dtype.itemsize for name, tensor in tensors.items()}
+    layout = files.stored_parts()
+    nbytes = {name: sum(math.prod(tensors[part].shape) * tensors[part].dtype.itemsize for part in parts)
+              for name, parts in layout.items()}
 
     def fetch(names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
-            tensor = tensors[name].detach()
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            parts = []
+            for part in layout[name]:
+                tensor = tensors[part].detach()
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                if writer:
+                    parts.append(full.to("cpu"))
             if writer:
-                out[name] = full.to("cpu").contiguous()
+                out[name] = (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
         return out
 
     shards = plan_shards(nbytes, max_bytes)

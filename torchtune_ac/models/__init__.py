@@ -26,7 +26,7 @@ from torchtune_ac.models.hf_checkpoint import (
     save_hf,
     save_hf_state_dict,
 )
-from torchtune_ac.models.llama import LinearRopeScaling, Llama, LlamaArgs, RopeScaling
+from torchtune_ac.models.llama import LinearRopeScaling, Llama, LlamaArgs, LongRopeScaling, RopeScaling
 
 __all__ = [
     "FAMILIES",
@@ -34,6 +34,7 @@ __all__ = [
     "LinearRopeScaling",
     "Llama",
     "LlamaArgs",
+    "LongRopeScaling",
     "ModelFamily",
     "RopeScaling",
     "TorchtuneBuilder",

@@ -64,6 +64,11 @@ class HFAdapter(Protocol):
         """Parameters that are another parameter (``{"output.weight": "tok_embeddings.weight"}`` when
         embeddings are tied): saved once, under the second name."""
 
+    def stacked_tensors(self, args: Any) -> dict[str, tuple[str, ...]]:
+        """Tensors the checkpoint stores stacked along dim 0 as one: the stored name -> the names (``to_hf_name``'s)
+        of the model's tensors it holds, in order (Phi-3's ``qkv_proj`` holds ``q_proj``, ``k_proj``, ``v_proj``).
+        Empty for most families."""
+
 
 @dataclass(frozen=True)
 class TorchtuneBuilder:

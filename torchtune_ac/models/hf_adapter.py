@@ -11,6 +11,9 @@ Hugging Face names one prefix away, the same for every family here::
     norm.weight                        model.norm.weight
     output.weight                      lm_head.weight   (absent when embeddings are tied)
 
+A family whose checkpoints store some of these stacked as one tensor (Phi-3's ``self_attn.qkv_proj``, q/k/v one
+above the other) declares them (``stacked``); the checkpoint code reads and writes each one's rows of it.
+
 The config.json keys are shared too; what differs between families (``model_type``, the variant flags every model
 of the family has, which keys must be refused, what extra keys transformers needs) is a field of
 ``LlamaStyleHFAdapter``; a family whose config.json or names differ further overrides its methods in its own
@@ -20,6 +23,7 @@ module.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -27,7 +31,7 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.llama import LinearRopeScaling, LlamaArgs, RopeScaling
+from torchtune_ac.models.llama import LinearRopeScaling, LlamaArgs, LongRopeScaling, RopeScaling
 
 _TOP_LEVEL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -90,10 +94,13 @@ class LlamaStyleHFAdapter:
         refusals: config.json keys this family cannot honour (e.g. sliding-window attention), checked on read.
         extra_config: keys written into config.json on save besides the shared ones, so that transformers
             builds exactly our model (e.g. ``sliding_window: null`` for Mistral, whose default is 4096).
-        rope_types: the RoPE scaling types (config.json ``rope_type``: ``llama3``, ``linear``) read, besides
-            ``default``.
+        rope_types: the RoPE scaling types (config.json ``rope_type``: ``llama3``, ``linear``, ``longrope``) read,
+            besides ``default``.
         block_names: our block's submodule prefixes -> Hugging Face's.
         activation_key: the config.json key holding the MLP activation.
+        stacked: weights a checkpoint of the family stores stacked along dim 0 as one tensor, per block: its
+            Hugging Face name -> the Hugging Face names of our weights it holds, in order, without ``.weight``
+            (Phi-3's ``self_attn.qkv_proj`` holds ``self_attn.q_proj``, ``self_attn.k_proj``, ``self_attn.v_proj``).
     """
 
     model_type: str
@@ -104,6 +111,7 @@ class LlamaStyleHFAdapter:
     rope_types: tuple[str, ...] = ("llama3",)
     block_names: tuple[tuple[str, str], ...] = LLAMA_BLOCK_NAMES
     activation_key: str = "hidden_act"
+    stacked: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         unknown = self.variant.keys() - VARIANT_FLAGS.keys()
@@ -163,6 +171,11 @@ class LlamaStyleHFAdapter:
 
     def tied_parameters(self, args: LlamaArgs) -> dict[str, str]:
         return {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else {}
+
+    def stacked_tensors(self, args: LlamaArgs) -> dict[str, tuple[str, ...]]:
+        """Stored name -> the tensors (as ``to_hf_name`` names them) it holds stacked along dim 0, in order."""
+        return {f"model.layers.{i}.{name}.weight": tuple(f"model.layers.{i}.{part}.weight" for part in parts)
+                for i in range(args.n_layers) for name, parts in self.stacked}
 
     # --------------------------------------------------------------------------------------------- config
 
@@ -330,18 +343,26 @@ def read_value(
     return value
 
 
-def _rope_scaling_config(scaling: Optional[RopeScaling | LinearRopeScaling]) -> Optional[dict[str, Any]]:
-    """config.json's ``rope_scaling`` for ``scaling``."""
+def _rope_scaling_config(
+    scaling: Optional[RopeScaling | LinearRopeScaling | LongRopeScaling],
+) -> Optional[dict[str, Any]]:
+    """config.json's ``rope_scaling`` for ``scaling`` (LongRoPE's attention factor written out, so that it does not
+    depend on ``max_position_embeddings``)."""
     if scaling is None:
         return None
     if isinstance(scaling, LinearRopeScaling):
         return {"rope_type": "linear", "factor": scaling.factor}
+    if isinstance(scaling, LongRopeScaling):
+        return {"rope_type": "longrope", "short_factor": list(scaling.short_factor),
+                "long_factor": list(scaling.long_factor),
+                "original_max_position_embeddings": scaling.original_max_position_embeddings,
+                "attention_factor": scaling.attention_factor}
     return {"rope_type": "llama3", **dataclasses.asdict(scaling)}
 
 
 def _read_rope(
     d: Mapping[str, Any], max_position_embeddings: Optional[int], rope_types: tuple[str, ...], problems: list[str]
-) -> tuple[Optional[float], Optional[RopeScaling | LinearRopeScaling]]:
+) -> tuple[Optional[float], Optional[RopeScaling | LinearRopeScaling | LongRopeScaling]]:
     """Rope theta and scaling from either the transformers 5 form (``rope_parameters``) or the older one
     (top-level ``rope_theta`` plus ``rope_scaling``); ``rope_types``: the scaled types read."""
     rope_key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
@@ -363,6 +384,8 @@ def _read_rope(
     if rope_type == "linear":
         factor = read_value(rope, "factor", float, problems, prefix=prefix)
         return theta, None if factor is None else LinearRopeScaling(factor)
+    if rope_type == "longrope":
+        return theta, _read_longrope(rope, max_position_embeddings, problems, prefix)
     values = {key: read_value(rope, key, float, problems, prefix=prefix) for key in
               ("factor", "low_freq_factor", "high_freq_factor")}
     # transformers falls back to max_position_embeddings too when this key is absent.
@@ -371,3 +394,30 @@ def _read_rope(
     if None in values.values() or original is None:
         return theta, None
     return theta, RopeScaling(original_max_position_embeddings=original, **values)
+
+
+def _read_longrope(rope: Mapping[str, Any], max_position_embeddings: Optional[int], problems: list[str],
+                   prefix: str) -> Optional[LongRopeScaling]:
+    """LongRoPE's settings, its attention factor as transformers derives it when absent: from ``factor``, else from
+    ``max_position_embeddings / original_max_position_embeddings``."""
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        value = rope.get(key)
+        if not isinstance(value, list) or not value or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) for x in value):
+            problems.append(f"{prefix}{key}={value!r}: must be a list of numbers")
+        else:
+            factors[key] = tuple(float(x) for x in value)
+    original = read_value(rope, "original_max_position_embeddings", int, problems, default=max_position_embeddings,
+                          prefix=prefix)
+    factor = read_value(rope, "factor", float, problems, default=None, prefix=prefix)
+    attention = read_value(rope, "attention_factor", float, problems, default=None, prefix=prefix)
+    if original is not None and original < 2:
+        problems.append(f"{prefix}original_max_position_embeddings={original}: must be at least 2")
+    if len(factors) < 2 or not original or original < 2 or not max_position_embeddings:
+        return None
+    if attention is None:
+        factor = max_position_embeddings / original if factor is None else factor
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return LongRopeScaling(original_max_position_embeddings=original, max_position_embeddings=max_position_embeddings,
+                           attention_factor=attention, **factors)

@@ -177,8 +177,9 @@ def hf_model_files(model: nn.Module, *, base_config: Optional[Mapping[str, Any]]
     family = require_family(model, "saving a Hugging Face checkpoint")
     tensors, _ = _hf_tensors(model, family)
     dtype = next(iter(tensors.values())).dtype
-    return HFModelFiles(tensors, family.hf.hf_config_from_args(family.args_of(model), dtype, base_config=base_config,
-                                                               **token_ids))
+    args = family.args_of(model)
+    return HFModelFiles(tensors, family.hf.hf_config_from_args(args, dtype, base_config=base_config, **token_ids),
+                        stacked=family.hf.stacked_tensors(args))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -214,7 +215,7 @@ def load_hf_weights_(model: nn.Module, checkpoint_dir: PathLike) -> None:
             raise ValueError(f"{ours[hf_name]} is on the meta device: call model.to_empty(device=...) before loading")
     config = read_hf_config(checkpoint_dir)
     load_hf_tensors_(targets, checkpoint_dir, stored_name=lambda name: family.hf.stored_name(config, name),
-                     copies=tied)
+                     copies=tied, stacked=family.hf.stacked_tensors(family.args_of(model)))
 
 
 def load_hf(
@@ -345,5 +346,5 @@ def save_hf_state_dict(
         args, next(iter(tensors.values())).dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )
-    return save_hf_files(HFModelFiles(tensors, config), out_dir, max_shard_size, overwrite=overwrite,
-                         tokenizer_dir=tokenizer_dir)
+    return save_hf_files(HFModelFiles(tensors, config, stacked=spec.hf.stacked_tensors(args)), out_dir,
+                         max_shard_size, overwrite=overwrite, tokenizer_dir=tokenizer_dir)

@@ -6,7 +6,7 @@ rotary embedding uses the same "rotate half" convention as Hugging Face checkpoi
 without permutation.
 
 A family that is a Llama variant (Qwen2's q/k/v biases, Qwen3's q/k norms, Gemma's ``(1 + w)`` norms, scaled
-embeddings and GeGLU) is a set of ``LlamaArgs`` flags. A family whose block differs in structure passes its own
+embeddings and GeGLU, Phi-3's partial rotary embeddings and LongRoPE) is a set of ``LlamaArgs`` flags. A family whose block differs in structure passes its own
 block class to ``Llama`` (``models/families/gemma3.py``); the decoder around the blocks is shared.
 """
 
@@ -41,6 +41,21 @@ class LinearRopeScaling:
     factor: float
 
 
+@dataclass(frozen=True)
+class LongRopeScaling:
+    """LongRoPE (``rope_type: longrope``, Phi-3's 128k models): each frequency divided by its own factor, from
+    ``short_factor`` while a batch's positions stay within ``original_max_position_embeddings`` and from
+    ``long_factor`` once one passes it (the whole batch switches, as transformers does), and cos/sin scaled by
+    ``attention_factor``. ``max_position_embeddings``: the length the scaling extends to (131,072), which readers
+    of config.json derive the attention factor from."""
+
+    short_factor: tuple[float, ...]
+    long_factor: tuple[float, ...]
+    original_max_position_embeddings: int
+    max_position_embeddings: int
+    attention_factor: float
+
+
 # Attention of a layer, by the Hugging Face names (config.json ``layer_types``).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # MLP activations by their Hugging Face names (config.json ``hidden_act``): SwiGLU and GeGLU (tanh approximation).
@@ -69,6 +84,8 @@ class LlamaArgs:
     - ``activation``: the MLP's gate activation, a key of ``ACTIVATIONS`` (``gelu_pytorch_tanh``: Gemma's GeGLU).
     - ``query_pre_attn_scalar``: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` instead of
       ``head_dim ** -0.5`` (Gemma 3).
+    - ``partial_rotary_factor``: RoPE rotates the first ``int(head_dim * partial_rotary_factor)`` dimensions of
+      each head and passes the rest through (Phi-4-mini's 0.75).
 
     The attention pattern, per layer:
 
@@ -89,7 +106,7 @@ class LlamaArgs:
     max_seq_len: int = 4096
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling | LinearRopeScaling] = None
+    rope_scaling: Optional[RopeScaling | LinearRopeScaling | LongRopeScaling] = None
     tie_embeddings: bool = False
     head_dim: Optional[int] = None
     attn_dropout: float = 0.0
@@ -101,6 +118,7 @@ class LlamaArgs:
     scale_embeddings: bool = False
     activation: str = "silu"
     query_pre_attn_scalar: Optional[float] = None
+    partial_rotary_factor: float = 1.0
     sliding_window: Optional[int] = None
     layer_types: Optional[tuple[str, ...]] = None
     sliding_rope_theta: Optional[float] = None
@@ -125,9 +143,30 @@ class LlamaArgs:
             problems.append(f"activation={self.activation!r} must be one of {', '.join(ACTIVATIONS)}")
         if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
             problems.append(f"query_pre_attn_scalar={self.query_pre_attn_scalar} must be positive")
+        problems += self._rope_problems()
         problems += self._attention_pattern_problems()
         if problems:
             raise ValueError("invalid Llama model arguments: " + "; ".join(problems))
+
+    def _rope_problems(self) -> list[str]:
+        problems = []
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            return [f"partial_rotary_factor={self.partial_rotary_factor} must be in (0, 1]"]
+        if self.n_heads > 0 and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            problems.append(f"partial_rotary_factor={self.partial_rotary_factor}: rotates {self.rotary_dim} of "
+                            f"head_dim={self.resolved_head_dim} dimensions, must be a positive even number")
+        if isinstance(self.rope_scaling, LongRopeScaling):
+            scaling = self.rope_scaling
+            for name in ("short_factor", "long_factor"):
+                if self.n_heads > 0 and len(getattr(scaling, name)) != self.rotary_dim // 2:
+                    problems.append(f"rope_scaling.{name} has {len(getattr(scaling, name))} entries, must have one "
+                                    f"per rotated pair ({self.rotary_dim // 2})")
+            if scaling.original_max_position_embeddings <= 0:
+                problems.append(f"rope_scaling.original_max_position_embeddings="
+                                f"{scaling.original_max_position_embeddings} must be positive")
+            if not scaling.attention_factor > 0:
+                problems.append(f"rope_scaling.attention_factor={scaling.attention_factor} must be positive")
+        return problems
 
     def _attention_pattern_problems(self) -> list[str]:
         problems = []
@@ -159,16 +198,28 @@ class LlamaArgs:
     def resolved_head_dim(self) -> int:
         return self.head_dim if self.head_dim is not None else self.dim // self.n_heads
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dimensions of each head RoPE rotates (transformers' ``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.resolved_head_dim * self.partial_rotary_factor)
+
 
 def compute_rope_inv_freq(
-    head_dim: int, theta: float, scaling: Optional[RopeScaling | LinearRopeScaling]
+    head_dim: int, theta: float, scaling: Optional[RopeScaling | LinearRopeScaling | LongRopeScaling],
+    long: bool = False,
 ) -> torch.Tensor:
-    """Inverse frequencies of the rotary embedding, shape ``[head_dim // 2]``, float32, on the CPU.
+    """Inverse frequencies of the rotary embedding, shape ``[head_dim // 2]``, float32, on the CPU (``head_dim``:
+    the dimensions rotated, ``LlamaArgs.rotary_dim``).
 
     With a ``RopeScaling``, long wavelengths are divided by ``factor``, short ones are kept, and the band
-    in between is interpolated smoothly (Llama 3.1); with a ``LinearRopeScaling`` every one is divided.
+    in between is interpolated smoothly (Llama 3.1); with a ``LinearRopeScaling`` every one is divided; with a
+    ``LongRopeScaling`` each by its own factor, of ``long_factor`` when ``long``, else of ``short_factor``.
     """
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    if isinstance(scaling, LongRopeScaling):
+        factors = torch.tensor(scaling.long_factor if long else scaling.short_factor, dtype=torch.float32, device="cpu")
+        return 1.0 / (factors * theta**exponents)  # transformers' order of operations
+    inv_freq = 1.0 / (theta**exponents)
     if scaling is None:
         return inv_freq
     if isinstance(scaling, LinearRopeScaling):
@@ -191,8 +242,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x: [b, n_heads, s, head_dim]; cos, sin: [b, 1, s, head_dim]
-    return x * cos + rotate_half(x) * sin
+    # x: [b, n_heads, s, head_dim]; cos, sin: [b, 1, s, rotary_dim]
+    rotary_dim = cos.shape[-1]
+    if rotary_dim == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rotated, passed = x[..., :rotary_dim], x[..., rotary_dim:]  # partial rotary: the rest passes through
+    return torch.cat((rotated * cos + rotate_half(rotated) * sin, passed), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -354,6 +409,8 @@ class Llama(nn.Module):
         # whenever the module's tensors are moved, cast or re-allocated (``_apply``), so ``to(dtype)`` never
         # rounds them and ``to_empty`` after a meta-device build never leaves them uninitialised.
         self.register_buffer("rope_inv_freq", torch.empty(0), persistent=False)
+        if isinstance(args.rope_scaling, LongRopeScaling):
+            self.register_buffer("long_rope_inv_freq", torch.empty(0), persistent=False)
         if args.sliding_rope_theta is not None:
             self.register_buffer("sliding_rope_inv_freq", torch.empty(0), persistent=False)
         self._reset_rope_frequencies()
@@ -361,10 +418,12 @@ class Llama(nn.Module):
     def _rope_frequencies(self) -> dict[str, torch.Tensor]:
         """Each RoPE buffer's values, computed on the CPU in float32 (the same bits on any device)."""
         args = self.args
-        frequencies = {"rope_inv_freq": compute_rope_inv_freq(args.resolved_head_dim, args.rope_theta, args.rope_scaling)}
+        frequencies = {"rope_inv_freq": compute_rope_inv_freq(args.rotary_dim, args.rope_theta, args.rope_scaling)}
+        if isinstance(args.rope_scaling, LongRopeScaling):
+            frequencies["long_rope_inv_freq"] = compute_rope_inv_freq(args.rotary_dim, args.rope_theta,
+                                                                      args.rope_scaling, long=True)
         if args.sliding_rope_theta is not None:
-            frequencies["sliding_rope_inv_freq"] = compute_rope_inv_freq(
-                args.resolved_head_dim, args.sliding_rope_theta, None)
+            frequencies["sliding_rope_inv_freq"] = compute_rope_inv_freq(args.rotary_dim, args.sliding_rope_theta, None)
         return frequencies
 
     def _reset_rope_frequencies(self) -> None:
@@ -389,16 +448,25 @@ class Llama(nn.Module):
     def rope_cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype, sliding: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin tables ``[b, 1, s, head_dim]`` for integer ``positions[b, s]``, of the sliding-window layers'
+        """cos/sin tables ``[b, 1, s, rotary_dim]`` for integer ``positions[b, s]``, of the sliding-window layers'
         RoPE when ``sliding`` (``args.sliding_rope_theta``, where it is set).
 
-        The frequencies are the model's buffers, on its device: nothing is copied from the host per call.
+        The frequencies are the model's buffers, on its device: nothing is copied from the host per call. LongRoPE
+        picks its long factors when the batch's longest position passes the original length, on the device
+        (``torch.where``, no host synchronisation).
         """
         sliding = sliding and self.args.sliding_rope_theta is not None
-        inv_freq = self.sliding_rope_inv_freq if sliding else self.rope_inv_freq  # [hd/2], float32
-        freqs = positions.float().unsqueeze(-1) * inv_freq  # [b, s, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, hd]
-        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+        scaling = None if sliding else self.args.rope_scaling
+        inv_freq = self.sliding_rope_inv_freq if sliding else self.rope_inv_freq  # [rd/2], float32
+        if isinstance(scaling, LongRopeScaling):
+            long = positions.max() + 1 > scaling.original_max_position_embeddings
+            inv_freq = torch.where(long, self.long_rope_inv_freq, inv_freq)
+        freqs = positions.float().unsqueeze(-1) * inv_freq  # [b, s, rd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, rd]
+        cos, sin = emb.cos(), emb.sin()
+        if isinstance(scaling, LongRopeScaling):
+            cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
     def forward(
         self,

@@ -34,6 +34,8 @@ from torchtune_ac.models.families.gemma3 import FAMILY as GEMMA3
 from torchtune_ac.models.families.gemma3 import GEMMA3_1B, GEMMA3_27B
 from torchtune_ac.models.families.llama import FAMILY as LLAMA
 from torchtune_ac.models.families.llama import LLAMA3_1_70B, LLAMA_TINY
+from torchtune_ac.models.families.phi3 import FAMILY as PHI3
+from torchtune_ac.models.families.phi3 import PHI4_14B
 from torchtune_ac.models.families.qwen3 import FAMILY as QWEN3
 from torchtune_ac.models.families.qwen3 import QWEN3_0_6B
 from torchtune_ac.models.llama import LlamaArgs
@@ -60,11 +62,14 @@ TINY = {
     "gemma3": dataclasses.replace(GEMMA3_1B, vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                   head_dim=None, intermediate_dim=128, max_seq_len=64, sliding_window=8,
                                   query_pre_attn_scalar=16, layer_types=("sliding_attention", "full_attention")),
+    # Phi-3's checkpoints stack q/k/v and gate/up; its model holds them apart, split as Llama's.
+    "phi3": dataclasses.replace(PHI4_14B, vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                intermediate_dim=128, max_seq_len=64),
     # torchao's 8-bit state quantizes each rank's piece in blocks of 256 elements: with rows of 512 and 256 columns
     # per rank (dim, heads x head_dim and the MLP width all 512) a rank's blocks are blocks of the whole tensor.
     "llama_512": dataclasses.replace(LLAMA_TINY, vocab_size=256, dim=512, n_layers=1, intermediate_dim=512),
 }
-FAMILIES = {"llama": LLAMA, "qwen3": QWEN3, "gemma3": GEMMA3}
+FAMILIES = {"llama": LLAMA, "qwen3": QWEN3, "gemma3": GEMMA3, "phi3": PHI3}
 ROWS, LENGTH, STEPS = 4, 32, 3
 DOCUMENTS = (10, 15, 7)  # each packed row; Gemma 3's 15-token document is longer than its window
 
@@ -83,7 +88,7 @@ GEMMA3_POST_NORMS = {"post_attn_norm": Split.SEQUENCE, "post_mlp_norm": Split.SE
 
 
 @pytest.mark.parametrize("family, extra", [("llama", {}), ("qwen3", QK_NORMS),
-                                           ("gemma3", {**QK_NORMS, **GEMMA3_POST_NORMS})])
+                                           ("gemma3", {**QK_NORMS, **GEMMA3_POST_NORMS}), ("phi3", {})])
 def test_each_family_declares_its_plan(family, extra) -> None:
     args = TINY[family]
     plan = FAMILIES[family].tensor_parallel_plan(args)
@@ -111,6 +116,8 @@ def test_each_family_declares_its_plan(family, extra) -> None:
     (GEMMA3_1B, 2, "tensor_parallel_dim=2: must divide n_kv_heads=1 (fewer than 2: heads are not copied across "
                    "ranks)"),
     (GEMMA3_27B, 16, None),
+    (PHI4_14B, 4, "tensor_parallel_dim=4: must divide n_kv_heads=10"),  # 10 key/value heads: TP 2 or 5, not 4
+    (PHI4_14B, 2, None),
     (QWEN3_0_6B, 16, "tensor_parallel_dim=16: must divide n_kv_heads=8 (fewer than 16: heads are not copied across "
                      "ranks)"),
 ])

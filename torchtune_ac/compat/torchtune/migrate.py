@@ -360,9 +360,10 @@ class _Migrator:
 
     def migrate_tokenizer(self) -> None:
         tokenizer = self.take("tokenizer")
-        if not isinstance(tokenizer, Mapping) or not tokenizer.get("path"):
+        if not isinstance(tokenizer, Mapping) or not (tokenizer.get("path") or tokenizer.get("vocab_path")):
             raise UserError("tokenizer.path: missing; torchtune_ac needs the folder holding tokenizer.json")
-        given = str(tokenizer["path"])
+        source = "path" if tokenizer.get("path") else "vocab_path"  # vocab_path: Phi-4's tokenizer
+        given = str(tokenizer[source])
         folder = Path(given)
         if folder.suffix:  # tokenizer.model, vocab.json, tokenizer.json: the folder holding it
             folder = folder.parent
@@ -376,7 +377,7 @@ class _Migrator:
         self.out["tokenizer"] = {COMPONENT_KEY: LOAD_TOKENIZER, "path": path}
         if str(folder) != given.rstrip("/"):
             self.changed(
-                "tokenizer.path",
+                f"tokenizer.{source}",
                 f"torchtune_ac reads tokenizer.json (and tokenizer_config.json) from {folder}, not {given}",
             )
         max_seq_len = tokenizer.get("max_seq_len")
@@ -390,9 +391,10 @@ class _Migrator:
             "template",
             "special_tokens_path": "special tokens come from tokenizer.json and tokenizer_config.json",
             "merges_file": "tokenizer.json holds the merges",
+            "merges_path": "tokenizer.json holds the merges",
         }
         for name, value in tokenizer.items():
-            if name in (COMPONENT_KEY, "path", "max_seq_len") or value is None:
+            if name in (COMPONENT_KEY, source, "max_seq_len") or value is None:
                 continue
             self.dropped(f"tokenizer.{name}", reasons.get(name, "no such tokenizer setting in torchtune_ac"))
 
