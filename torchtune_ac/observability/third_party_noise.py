@@ -9,7 +9,7 @@ exactly enough that anything else those libraries say still shows:
 - DTensor, under tensor parallelism, warns on every rank at each save that gathering the full weights (sharded
   over the shard and tp dimensions, in that nesting) takes one all-gather per dimension: gathers copy, so their
   order changes no value, and a save has to gather whatever the order (reductions, such as the gradient norm,
-  take one collective: ``build_device_mesh`` flattens the two dimensions for them);
+  take one collective: ``Parallelism.build_mesh`` flattens the two dimensions for them);
 - torch's compile cache warns that torchao's 8-bit optimizer state (``OptimState8bit``) cannot be hashed for it.
 
 Installed by entry points only (``tune`` and its worker processes, ``scripts/``), never on import: a library

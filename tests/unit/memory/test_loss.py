@@ -186,7 +186,7 @@ def test_memory_plan_describes_the_chunked_loss_as_it_works():
     """The chunked loss computes each chunk's gradients in forward: the summary must not say it recomputes."""
     from torchtune_ac.activation_checkpointing.mechanism import ACMode, ACPlan
     from torchtune_ac.memory.features import MemorySettings
-from torchtune_ac.memory.plan import MemoryPlan
+    from torchtune_ac.memory.plan import MemoryPlan
 
     plan = MemoryPlan(ac=ACPlan(ACMode.NONE, None, (), 8), settings=MemorySettings(loss_chunks=8),
                       vocab_size=32_000)
