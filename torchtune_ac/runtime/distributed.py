@@ -21,6 +21,7 @@ import ctypes.util
 import os
 import signal
 import sys
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Callable, Optional, TypeVar
@@ -327,7 +328,8 @@ def build_device_mesh(device_type: str, world_size: int, replicate_degree: int =
     processes (consecutive ranks share a row, so with one node per row the shard collectives stay inside a node).
     With ``tp_degree`` > 1 a last dimension ``"tp"`` of ``tp_degree`` consecutive ranks (the GPUs of one node, where
     tensor parallelism's many small collectives are fast): ``("shard", "tp")`` or ``("replicate", "shard", "tp")``.
-    FSDP2 shards over the mesh without its ``tp`` dimension (``data_parallel_mesh``).
+    FSDP2 shards over the mesh without its ``tp`` dimension (``data_parallel_mesh``). Every group of the mesh waits
+    as long as the default group (``distributed_timeout_s``).
 
     Args:
         device_type: ``cpu`` or ``cuda``.
@@ -345,13 +347,31 @@ def build_device_mesh(device_type: str, world_size: int, replicate_degree: int =
         shape, names = shape[1:], names[1:]
     if tp_degree > 1:
         shape, names = (*shape, tp_degree), (*names, TP_DIM)
-    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    if tp_degree > 1:
-        # A tensor spread over both the shard and tp dimensions (a gradient, for its norm) is reduced over the two
-        # in one collective only where that group exists: otherwise DTensor reduces over one dimension, then the
-        # other, which warns on every rank, and the ranks may round the sum in different orders.
-        mesh[("shard", TP_DIM)]._flatten(f"shard_{TP_DIM}")
+    with warnings.catch_warnings():
+        # On CUDA, torch splits each sub-group from the default group and hands the NCCL side's options to the gloo
+        # side too, which gloo refuses with this warning and its default options: of those, only the timeout
+        # matters, and it is set below.
+        warnings.filterwarnings("ignore", message=r"Tried to pass options to ProcessGroupGloo::split")
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+        groups = [mesh.get_group(name) for name in names]
+        if tp_degree > 1:
+            # A tensor spread over both the shard and tp dimensions (a gradient, for its norm) is reduced over the
+            # two in one collective only where that group exists: otherwise DTensor reduces over one dimension, then
+            # the other, which warns on every rank, and the ranks may round the sum in different orders.
+            groups.append(mesh[("shard", TP_DIM)]._flatten(f"shard_{TP_DIM}").get_group())
+    _give_the_run_timeout(groups)
     return mesh
+
+
+def _give_the_run_timeout(groups: list[dist.ProcessGroup]) -> None:
+    """Give sub-groups the default group's timeout (``distributed_timeout_s``). torch makes a mesh's sub-groups
+    with its own default, 30 minutes (10 for NCCL), whatever the default group was started with."""
+    default = dist.distributed_c10d._get_default_group()
+    device = torch.device("cpu") if torch.device("cpu") in default._device_types else default._device_types[0]
+    timeout = default._get_backend(device).options._timeout
+    for group in groups:
+        if group is not default:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:

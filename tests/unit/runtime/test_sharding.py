@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_testlib import run_on_gloo_ranks
+from gloo_testlib import TIMEOUT, run_on_gloo_ranks
 from numerics import assert_close
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -135,6 +135,9 @@ def _check_hsdp(rank: int) -> None:
         assert isinstance(param, DTensor) and param.device_mesh == mesh, name
         assert param.placements == (Replicate(), Shard(0)), (name, param.placements)
     assert dist.get_world_size(mesh.get_group("shard")) == 2
+    # Its sub-groups wait as long as the run's group (``distributed_timeout_s``), not torch's default 30 minutes.
+    for name in mesh.mesh_dim_names:
+        assert mesh.get_group(name)._get_backend(CPU).options._timeout == TIMEOUT, name
     _check_in_backward_norm(model)
 
 
