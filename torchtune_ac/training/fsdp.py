@@ -15,8 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torchtune_ac.models.families import shard_groups, transformer_blocks
-from torchtune_ac.runtime.distributed import FSDPConfig, build_device_mesh, data_parallel_mesh
+from torchtune_ac.runtime.distributed import TP_DIM, FSDPConfig, build_device_mesh, data_parallel_mesh
 from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.training.tensor_parallel import sum_replicated_gradients_in_reduce_dtype
 
 
 def mixed_precision_policy(fsdp: FSDPConfig, dtype: DType) -> MixedPrecisionPolicy:
@@ -78,6 +79,8 @@ def shard_model(model: nn.Module, fsdp: FSDPConfig = FSDPConfig(), options: Mapp
     # The root holds what no group does (a tied embedding and output, a custom model's embeddings and head): used
     # first and last in forward, resharding it after forward would only re-gather it at once for backward.
     fully_shard(model, reshard_after_forward=frozen, **common)
+    if TP_DIM in (mesh.mesh_dim_names or ()):
+        sum_replicated_gradients_in_reduce_dtype(model, TP_DIM)
     return mesh
 
 
