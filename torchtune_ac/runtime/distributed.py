@@ -367,8 +367,11 @@ def _give_the_run_timeout(groups: list[dist.ProcessGroup]) -> None:
     """Give sub-groups the default group's timeout (``distributed_timeout_s``). torch makes a mesh's sub-groups
     with its own default, 30 minutes (10 for NCCL), whatever the default group was started with."""
     default = dist.distributed_c10d._get_default_group()
-    device = torch.device("cpu") if torch.device("cpu") in default._device_types else default._device_types[0]
-    timeout = default._get_backend(device).options._timeout
+    timeouts = [getattr(getattr(default._get_backend(device), "options", None), "_timeout", None)
+                for device in default._device_types]
+    timeout = next((timeout for timeout in timeouts if timeout is not None), None)
+    if timeout is None:
+        return  # a backend without one (torch's fake process group, which simulates a world)
     for group in groups:
         if group is not default:
             dist.distributed_c10d._set_pg_timeout(timeout, group)

@@ -165,6 +165,18 @@ def _check_in_backward_norm(model: nn.Module) -> None:
     assert_close(measured, expected, terms=sum(p.numel() for p in model.parameters()), what="total gradient norm")
 
 
+def test_a_mesh_builds_over_a_simulated_world() -> None:
+    """torch's fake process group (a world of 8 simulated in one process) has no timeout to give the sub-groups."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        mesh = build_device_mesh("cpu", 8, 2, 2)
+        assert tuple(mesh.shape) == (2, 2, 2) and dist.get_world_size(mesh.get_group("shard_tp")) == 4
+    finally:
+        destroy_distributed()
+
+
 @pytest.mark.distributed
 def test_hsdp_shards_within_a_row_and_replicates_across(tmp_path: Path) -> None:
     run_on_gloo_ranks(_check_hsdp, store_dir=tmp_path, world_size=4)

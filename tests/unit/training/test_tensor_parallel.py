@@ -268,7 +268,7 @@ def check_against_one_process(rank: int, world_size: int, meshes: tuple[tuple[in
     for replicate, tp in meshes:
         mesh = build_device_mesh("cpu", world_size, replicate, tp)
         # Every group of the mesh, the flattened one included, waits as long as the run's group.
-        for group in [mesh.get_group(name) for name in mesh.mesh_dim_names] + [mesh["shard_tp"].get_group()]:
+        for group in [mesh.get_group(name) for name in (*mesh.mesh_dim_names, "shard_tp")]:
             assert group._get_backend(CPU).options._timeout == TIMEOUT, group.group_desc
         dp_degree = world_size // tp
         for case in cases:
