@@ -2,15 +2,15 @@
 
 torch's CPU work runs on OpenMP's threads (libgomp). Between two parallel regions each thread spins for about
 300,000 iterations before it sleeps: on a machine of its own that saves a wake-up, but beside other busy processes
-the spinning threads take the cores the work needs (on 2 shared cores, 20 steps of ``tiny/full`` took 48-69 s
+the spinning threads take the cores the work needs (issue 44: on 2 cores, 20 steps of ``tiny/full`` took 48-69 s
 beside 4 busy processes, against 19 s with one thread and 4.7 s on a quiet machine). So a run decides, once at
 start (``decide_threads``, pure):
 
 - threads: the cores it may use (its CPU affinity, physical cores only, and its cgroup's CPU quota), divided among
   the processes of the node (``tune run --nproc_per_node N``), less the share of them other processes kept busy
   while it looked (``read_cpu_view``: 50 ms of ``/proc/stat``);
-- ``GOMP_SPINCOUNT=10000``: a thread sleeps after 10,000 spins, so load that comes later costs less; on a quiet
-  machine that is as fast as the default.
+- ``GOMP_SPINCOUNT=10000``: a thread sleeps after 10,000 spins, so load that comes later costs less (issue 44: 30 s
+  instead of 48-69; on a quiet machine 4.7 s, as with the default).
 
 A variable the user set (``OMP_NUM_THREADS``, ``OMP_WAIT_POLICY``, ``GOMP_SPINCOUNT``) is left as it is, and the
 run's log says so (``describe_threads``). libgomp reads the variables once, when torch is imported: the ``tune``
@@ -66,12 +66,6 @@ class ThreadSettings:
     users: dict[str, str] = field(default_factory=dict)
     why: str = ""
 
-    @property
-    def threads(self) -> Optional[int]:
-        """The intra-op threads a process gets; None where the user's ``OMP_NUM_THREADS`` is not one number."""
-        text = self.environment.get("OMP_NUM_THREADS", self.users.get("OMP_NUM_THREADS", ""))
-        return int(text) if text.strip().isdigit() else None
-
 
 def decide_threads(view: CpuView, environ: Mapping[str, str], nproc_per_node: int = 1) -> ThreadSettings:
     """The threads of each of ``nproc_per_node`` processes on a machine seen as ``view``, and OpenMP's spin count;
@@ -115,7 +109,7 @@ def set_thread_defaults(environ: Optional[MutableMapping[str, str]] = None, *, n
         The decision; None where it was made already.
     """
     env = os.environ if environ is None else environ
-    decided = json.loads(env.get(DECIDED_VAR, "{}"))
+    decided = _decided(env)
     if environ is None and (decided.get("pid") == os.getpid() or decided.get("parent") == os.getppid()):
         return None
     # What tune set in another process (a parent that is not this process's launcher) is not the user's.
@@ -141,7 +135,7 @@ def set_thread_defaults(environ: Optional[MutableMapping[str, str]] = None, *, n
 def worker_environment(environ: Mapping[str, str], nproc_per_node: int) -> dict[str, str]:
     """The variables the launcher (this process, of environment ``environ``) gives each of its
     ``nproc_per_node`` workers: the decision for its share of the cores, the user's own kept."""
-    decided = json.loads(environ.get(DECIDED_VAR, "{}"))
+    decided = _decided(environ)
     # The machine as the tune command saw it at start, not as it is now that this process has worked.
     view = CpuView(_physical_cores(_affinity()), _cgroup_quota(), decided["busy"]) if "busy" in decided else None
     workers = dict(environ)
@@ -152,7 +146,7 @@ def worker_environment(environ: Mapping[str, str], nproc_per_node: int) -> dict[
 def describe_threads(environ: Optional[Mapping[str, str]] = None) -> str:
     """One line for the run's log: the variables tune set and why, and the user's own it left as they are."""
     env = os.environ if environ is None else environ
-    decided = json.loads(env.get(DECIDED_VAR, "{}"))
+    decided = _decided(env)
     ours = decided.get("set", {})
     users = [f"{name}={value}" for name, value in _users(env, decided).items()]
     parts = []
@@ -162,6 +156,15 @@ def describe_threads(environ: Optional[Mapping[str, str]] = None) -> str:
         why = f" ({decided['why']})" if decided.get("why") else ""
         parts.append(f"{', '.join(f'{name}={value}' for name, value in ours.items())} by default{why}")
     return "; ".join(parts) or "OpenMP's defaults"
+
+
+def _decided(env: Mapping[str, str]) -> dict:
+    """What tune recorded in ``env`` (``DECIDED_VAR``); empty where nothing (or something unreadable) is."""
+    try:
+        decided = json.loads(env.get(DECIDED_VAR, "{}"))
+    except ValueError:
+        return {}
+    return decided if isinstance(decided, dict) else {}
 
 
 def _users(env: Mapping[str, str], decided: Mapping[str, dict]) -> dict[str, str]:
