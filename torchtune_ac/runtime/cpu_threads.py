@@ -54,8 +54,8 @@ class CpuView:
 
     @property
     def usable(self) -> int:
-        """The cores this process may keep busy."""
-        return max(1, min(self.cores, math.floor(self.quota))) if self.quota is not None else self.cores
+        """The cores this process may keep busy: its cores, within its quota rounded (1.5 cores: 2)."""
+        return max(1, min(self.cores, math.floor(self.quota + 0.5))) if self.quota is not None else self.cores
 
 
 @dataclass(frozen=True)
@@ -190,23 +190,25 @@ def _physical_cores(cpus: list[int]) -> int:
     return max(1, len(cores))
 
 
-def _cgroup_quota() -> Optional[float]:
-    """The CPU quota, in cores, of this process's cgroup (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``); None: none."""
+def _cgroup_quota(root: Path = Path("/")) -> Optional[float]:
+    """The CPU quota, in cores, of this process's cgroup (v2 ``cpu.max``, v1 ``cpu.cfs_quota_us``) under the file
+    system ``root``; None: none."""
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        lines = (root / "proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
+    cgroups = root / "sys/fs/cgroup"
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2
-            for folder in (Path("/sys/fs/cgroup") / path.lstrip("/"), Path("/sys/fs/cgroup")):
+        if controllers == "":  # v2; inside a container its own cgroup is the root
+            for folder in (cgroups / path.lstrip("/"), cgroups):
                 try:
                     quota, period = folder.joinpath("cpu.max").read_text().split()
                 except (OSError, ValueError):
                     continue
                 return None if quota == "max" else int(quota) / int(period)
         elif "cpu" in controllers.split(","):  # v1
-            for folder in (Path("/sys/fs/cgroup/cpu,cpuacct"), Path("/sys/fs/cgroup/cpu")):
+            for folder in (cgroups / "cpu,cpuacct", cgroups / "cpu"):
                 try:
                     quota = int(folder.joinpath("cpu.cfs_quota_us").read_text())
                     period = int(folder.joinpath("cpu.cfs_period_us").read_text())

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -35,10 +36,11 @@ SPIN = {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
     (CpuView(2, busy=0.6), {}, 1, {"OMP_NUM_THREADS": "1", **SPIN}),
     (CpuView(2, busy=0.2), {}, 1, {"OMP_NUM_THREADS": "2", **SPIN}),  # a passing process does not cost a core
     (CpuView(16, busy=0.25), {}, 1, {"OMP_NUM_THREADS": "12", **SPIN}),
-    # The cgroup's quota: whole cores of it, at least one.
+    # The cgroup's quota: its cores rounded, at least one.
     (CpuView(16, quota=4.0), {}, 1, {"OMP_NUM_THREADS": "4", **SPIN}),
-    (CpuView(16, quota=2.5), {}, 1, {"OMP_NUM_THREADS": "2", **SPIN}),
-    (CpuView(16, quota=0.5), {}, 1, {"OMP_NUM_THREADS": "1", **SPIN}),
+    (CpuView(16, quota=2.4), {}, 1, {"OMP_NUM_THREADS": "2", **SPIN}),
+    (CpuView(16, quota=1.5), {}, 1, {"OMP_NUM_THREADS": "2", **SPIN}),
+    (CpuView(16, quota=0.2), {}, 1, {"OMP_NUM_THREADS": "1", **SPIN}),
     (CpuView(2, quota=8.0), {}, 1, {"OMP_NUM_THREADS": "2", **SPIN}),
     # The processes of a node share the cores, and what is free of them.
     (CpuView(8), {}, 4, {"OMP_NUM_THREADS": "2", **SPIN}),
@@ -136,3 +138,33 @@ def test_tune_run_sets_them_before_torch_is_imported(tmp_path) -> None:
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     threads, variable, spin = result.stdout.split()
     assert threads == variable and int(threads) >= 1 and spin == str(SPIN_COUNT), result.stderr
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"proc/self/cgroup": "0::/job\n", "sys/fs/cgroup/job/cpu.max": "150000 100000\n"}, 1.5),
+    ({"proc/self/cgroup": "0::/\n", "sys/fs/cgroup/cpu.max": "max 100000\n"}, None),
+    # In a container, /proc/self/cgroup names the host's path; the container's cgroup is mounted at the root.
+    ({"proc/self/cgroup": "0::/docker/abc\n", "sys/fs/cgroup/cpu.max": "200000 100000\n"}, 2.0),
+    ({"proc/self/cgroup": "4:cpu,cpuacct:/job\n", "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "50000\n",
+      "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 0.5),
+    ({"proc/self/cgroup": "4:cpu,cpuacct:/\n", "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_quota_us": "-1\n",
+      "sys/fs/cgroup/cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),
+])
+def test_the_cgroup_quota(tmp_path, files, expected) -> None:
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert cpu_threads._cgroup_quota(tmp_path) == expected
+
+
+def test_cpus_kept_busy_by_other_processes_read_as_busy() -> None:
+    cpus = cpu_threads._affinity()
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in cpus]
+    try:
+        time.sleep(0.5)  # started and spinning
+        assert cpu_threads._busy_share(cpus, 0.2) > 0.8
+    finally:
+        for process in busy:
+            process.kill()
+            process.wait()
