@@ -80,6 +80,7 @@ from torchtune_ac.parallel.fsdp import FSDPConfig  # noqa: E402
 from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.runtime.allocator import use_expandable_segments_by_default  # noqa: E402
+from torchtune_ac.runtime.cpu_threads import set_thread_defaults  # noqa: E402
 from torchtune_ac.runtime.process_memory import cublas_workspace_bytes  # noqa: E402
 from torchtune_ac.activation_checkpointing import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
@@ -618,11 +619,12 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.redraw is not None:
         redraw_against(args)
         return
+    if args.against is not None:
+        run_against(args)  # its `tune run` processes take their own threads, each side as its revision does
+        return
+    set_thread_defaults()  # the threads `tune run` would take (torch is imported: not the spin count)
     if args.profile:
         run_profile(args)
-        return
-    if args.against is not None:
-        run_against(args)
         return
     if args.device == "cuda":
         if not torch.cuda.is_available():

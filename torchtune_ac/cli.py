@@ -34,6 +34,7 @@ from torchtune_ac.errors import (
 )
 from torchtune_ac.observability.third_party_noise import filter_known_noise
 from torchtune_ac.runtime.allocator import use_expandable_segments_by_default
+from torchtune_ac.runtime.cpu_threads import set_thread_defaults
 from torchtune_ac.runtime.launcher import (
     LAUNCHER_FLAGS,
     int_at_least,
@@ -225,6 +226,8 @@ def recipe_main(argv: Optional[Sequence[str]] = None, recipe_file: Optional[str]
     """Entry point of a recipe run as a script (each process under the elastic launcher)."""
     path = Path(recipe_file or sys.argv[0]).resolve()
     use_expandable_segments_by_default()
+    if recipe_file is None:  # the process's entry point (started by torchrun, not by tune run's launcher)
+        set_thread_defaults()
     filter_known_noise()
 
     def _main() -> None:
@@ -471,6 +474,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "--debug" in argv:
         argv.remove("--debug")
         os.environ[DEBUG_ENV_VAR] = "1"
+    if argv[:1] == ["run"] and "torch" not in sys.modules:
+        # Before torch is imported, for libgomp to read; a caller that imported torch keeps its own threads.
+        set_thread_defaults()
 
     def _main() -> int:
         args = parse_with_overrides(build_parser(), argv)

@@ -16,8 +16,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from torchtune_ac.config_key import config_key
 from torchtune_ac.models.families import shard_groups, transformer_blocks
-from torchtune_ac.runtime.parallelism import data_parallel_mesh
+from torchtune_ac.parallel.tensor_parallel import sum_replicated_gradients_in_reduce_dtype
 from torchtune_ac.runtime.dtypes import DType
+from torchtune_ac.runtime.parallelism import TP_DIM, data_parallel_mesh
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig = FSDPConfi
     # The root holds what no group does (a tied embedding and output, a custom model's embeddings and head): used
     # first and last in forward, resharding it after forward would only re-gather it at once for backward.
     fully_shard(model, reshard_after_forward=frozen, **common)
+    if TP_DIM in (mesh.mesh_dim_names or ()):
+        sum_replicated_gradients_in_reduce_dtype(model, TP_DIM)
 
 
 def offloaded_gradient_wait(model: nn.Module) -> Optional[Callable[[torch.Tensor], None]]:

@@ -12,6 +12,9 @@ The output layer and the loss: the projection is split along the vocabulary. Wit
 gathered whole on every rank (``[b, s, vocab]``, what the whole-logits loss takes); with the chunked loss
 (``memory/chunked_loss.py``) the loss is computed on the vocabulary shards (loss parallel): each rank projects its
 rows of the vocabulary only, and the softmax's maximum, normaliser and target logit are summed over the group.
+
+The replicated weights' gradients (the norms') are partial sums on each rank of the group; FSDP2 sums them over the
+group in its reduce dtype (``sum_replicated_gradients_in_reduce_dtype``).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import inspect
 import warnings
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
@@ -182,3 +187,51 @@ def check_sequence_length(length: int, degree: int) -> None:
     if length % degree:
         raise ValueError(f"a batch of sequence length {length} under tensor_parallel_dim={degree}: the length must be "
                          "a multiple of the degree (pad batches to a multiple of it)")
+
+
+def sum_replicated_gradients_in_reduce_dtype(model: nn.Module, tp_dim: str) -> None:
+    """Make FSDP2 sum the gradients of ``model``'s weights replicated over the ``tp_dim`` mesh dimension (the
+    norms') in its reduce dtype (``fsdp.reduce_dtype``), not in the gathered parameters' dtype.
+
+    Why: each rank of a tensor-parallel group holds a partial sum of a replicated weight's gradient (its part of
+    the sequence). FSDP2 (torch 2.13 and earlier) sums those over the group in the gradient's own dtype, bf16 under
+    mixed precision, and casts to the reduce dtype only for its reduce-scatter over the data-parallel dimensions
+    (pytorch/pytorch#190626): a norm's gradient lost its low bits on every step. Here, each FSDP2 group holding
+    such a weight casts every gradient it collects to the reduce dtype first, as FSDP2 does itself on its
+    gradient-accumulation path (and as torch's proposed fix, pytorch/pytorch#190627, does); all of them, as one
+    reduce-scatter takes one dtype. That holds the group's unsharded gradients in the reduce dtype while it
+    reduces them (4 bytes a parameter instead of 2, one group at a time). Call after ``fully_shard``.
+    """
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        group = module._get_fsdp_state()._fsdp_param_group
+        params = group.fsdp_params if group is not None else []
+        if not any(_replicated_over(p.sharded_param, tp_dim) for p in params):
+            continue
+        for fsdp_param in params:
+            fsdp_param._get_grad_inner_tensor = _cast_first(fsdp_param)
+
+
+def _replicated_over(param: torch.Tensor, dim_name: str) -> bool:
+    if not isinstance(param, DTensor):
+        return False
+    names = param.device_mesh.mesh_dim_names or ()
+    return dim_name in names and isinstance(param.placements[names.index(dim_name)], Replicate)
+
+
+def _cast_first(fsdp_param: Any) -> Any:
+    """FSDP2's step from a parameter's gradient to the tensor it reduce-scatters (where it sums a partial gradient
+    over the tensor-parallel group), given the gradient in the reduce dtype. FSDP2 sets ``reduce_dtype`` at its
+    first forward (None: the gradient's own)."""
+    get_inner = fsdp_param._get_grad_inner_tensor
+
+    def cast_then_get(grad: torch.Tensor) -> torch.Tensor:
+        dtype = fsdp_param.reduce_dtype
+        if dtype is not None and isinstance(grad, DTensor) and grad.dtype != dtype:
+            # Cast the local partial sum itself: a DTensor cast may sum a partial tensor first.
+            grad = DTensor.from_local(grad.to_local().to(dtype), grad.device_mesh, grad.placements,
+                                      run_check=False, shape=grad.shape, stride=grad.stride())
+        return get_inner(grad)
+
+    return cast_then_get

@@ -26,7 +26,8 @@ from torchtune_ac.checkpoint import Progress, check_shared_directory, hold_outpu
 from torchtune_ac.observability.metric_logging import RunLog, plain_config
 from torchtune_ac.run import messages
 from torchtune_ac.run.checks import check_run
-from torchtune_ac.run.plan import RunPlan, RunConfig, resolve_run_plan
+from torchtune_ac.run.plan import RunConfig, RunPlan, resolve_run_plan
+from torchtune_ac.runtime.cpu_threads import describe_threads
 from torchtune_ac.runtime.distributed import (
     DistributedContext,
     decided_by_rank_zero,
@@ -150,5 +151,6 @@ def log_plan(run: Run, plan: RunPlan) -> None:
         return
     log.info("world size %d on %s (%s), %d thread(s) per process", run.ctx.world_size, run.ctx.device,
              plan.dtype.value, torch.get_num_threads())
+    log.info("CPU threads: %s", describe_threads())
     for label, value in plan.describe():
         log.info("%s: %s", label, value)

@@ -5,8 +5,8 @@ statuses into the run's, and lets each worker leave with its exact status.
 What a user reads of a failed multi-process run is one line per distinct problem: a worker's one-line error
 (exit 2) is handed to the launcher (``report_worker_error``) instead of being printed by every process, and the
 launcher prints each distinct one once; the elastic launcher's own log lines about ending the other workers
-are not shown. Each worker gets ``OMP_NUM_THREADS`` = the cores this process may use / processes per node,
-unless the user set it: N processes with the default threads each would oversubscribe the cores.
+are not shown. Each worker gets its share of the cores this process may use (``cpu_threads.worker_environment``),
+unless the user set ``OMP_NUM_THREADS``: N processes with the default threads each would oversubscribe the cores.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from torchtune_ac.errors import (
     EXIT_USER_ERROR,
     RunStopped,
 )
+from torchtune_ac.runtime.cpu_threads import worker_environment
 
 
 def int_at_least(minimum: int, maximum: Optional[int] = None) -> Callable[[str], int]:
@@ -125,9 +126,9 @@ def launch_elastic(launcher: dict, recipe_path: Path, recipe_argv: Sequence[str]
         torchrun_args.signals_to_handle = ",".join(
             name for name in torchrun_args.signals_to_handle.split(",") if name.strip() not in ("SIGTERM", "SIGINT")
         )
-    threads = os.environ.get("OMP_NUM_THREADS")
+    threads = worker_environment(os.environ, int(launcher.get("nproc_per_node", 1)))
     with tempfile.TemporaryDirectory(prefix="tune-run-") as reports, _quiet_elastic_logs(), _environ(
-        {REPORTS_ENV_VAR: reports, "OMP_NUM_THREADS": threads or str(threads_per_process(launcher))}
+        {REPORTS_ENV_VAR: reports, **threads}
     ):
         try:
             with forward_stop_signals():
@@ -140,12 +141,6 @@ def launch_elastic(launcher: dict, recipe_path: Path, recipe_argv: Sequence[str]
 
 
 REPORTS_ENV_VAR = "TORCHTUNE_AC_WORKER_REPORTS"
-
-
-def threads_per_process(launcher: Mapping[str, object]) -> int:
-    """Intra-op threads for each worker: the cores this process may run on, shared by the node's workers."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // int(launcher.get("nproc_per_node", 1)))
 
 
 def report_worker_error(message: str) -> bool:

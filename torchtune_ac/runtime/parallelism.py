@@ -10,9 +10,11 @@ handed this value, or the process context; nothing asks torch for the world size
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtune_ac.errors import UserError
@@ -108,17 +110,27 @@ class Parallelism:
         the run (DPO's reference too) is sharded over the same one, so its process groups are made once.
 
         Consecutive ranks share a row of HSDP (with one node per row the shard collectives stay in a node) and a
-        tensor-parallel group. FSDP2 shards over the mesh without ``tp`` (``data_parallel_mesh``).
+        tensor-parallel group. FSDP2 shards over the mesh without ``tp`` (``data_parallel_mesh``). Every group of
+        the mesh waits as long as the default group (``distributed_timeout_s``).
         """
         shape = self.mesh_shape
         if shape is None:
             raise ValueError("a device mesh needs a known world size")
-        mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
-        if self.tensor > 1:
-            # A tensor spread over both the shard and tp dimensions (a gradient, for its norm) is reduced over the
-            # two in one collective only where that group exists: otherwise DTensor reduces over one dimension, then
-            # the other, which warns on every rank, and the ranks may round the sum in different orders.
-            mesh[(SHARD_DIM, TP_DIM)]._flatten(f"{SHARD_DIM}_{TP_DIM}")
+        names = tuple(shape)
+        with warnings.catch_warnings():
+            # On CUDA, torch splits each sub-group from the default group and hands the NCCL side's options to the
+            # gloo side too, which gloo refuses with this warning and its default options: of those, only the
+            # timeout matters, and it is set below.
+            warnings.filterwarnings("ignore", message=r"Tried to pass options to ProcessGroupGloo::split")
+            mesh = init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=names)
+            groups = [mesh.get_group(name) for name in names]
+            if self.tensor > 1:
+                # A tensor spread over both the shard and tp dimensions (a gradient, for its norm) is reduced over
+                # the two in one collective only where that group exists: otherwise DTensor reduces over one
+                # dimension, then the other, which warns on every rank, and the ranks may round the sum in
+                # different orders.
+                groups.append(mesh[(SHARD_DIM, TP_DIM)]._flatten(f"{SHARD_DIM}_{TP_DIM}").get_group())
+        _give_the_run_timeout(groups)
         return mesh
 
     def describe_processes(self) -> str:
@@ -129,6 +141,20 @@ class Parallelism:
         if self.replicate == 1:
             return f"{self.world_size} process(es)" + (f" ({self.shard} shards{tp})" if tp else "")
         return f"{self.world_size} process(es) ({self.replicate} replicas x {self.shard} shards{tp}, HSDP)"
+
+
+def _give_the_run_timeout(groups: list[dist.ProcessGroup]) -> None:
+    """Give sub-groups the default group's timeout (``distributed_timeout_s``). torch makes a mesh's sub-groups
+    with its own default, 30 minutes (10 for NCCL), whatever the default group was started with."""
+    default = dist.distributed_c10d._get_default_group()
+    timeouts = [getattr(getattr(default._get_backend(device), "options", None), "_timeout", None)
+                for device in default._device_types]
+    timeout = next((timeout for timeout in timeouts if timeout is not None), None)
+    if timeout is None:
+        return  # a backend without one (torch's fake process group, which simulates a world)
+    for group in groups:
+        if group is not default:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:

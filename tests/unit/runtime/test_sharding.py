@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from gloo_testlib import run_on_gloo_ranks
+from gloo_testlib import TIMEOUT, run_on_gloo_ranks
 from numerics import assert_close
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
@@ -142,6 +142,9 @@ def _check_hsdp(rank: int) -> None:
         assert isinstance(param, DTensor) and param.device_mesh == mesh, name
         assert param.placements == (Replicate(), Shard(0)), (name, param.placements)
     assert dist.get_world_size(mesh.get_group("shard")) == 2
+    # Its sub-groups wait as long as the run's group (``distributed_timeout_s``), not torch's default 30 minutes.
+    for name in mesh.mesh_dim_names:
+        assert mesh.get_group(name)._get_backend(CPU).options._timeout == TIMEOUT, name
     _check_in_backward_norm(model)
 
 
@@ -167,6 +170,18 @@ def _check_in_backward_norm(model: nn.Module) -> None:
     # The same gradients (the same ops replayed), their squares summed in another order: within the rounding of a
     # sum over every gradient entry.
     assert_close(measured, expected, terms=sum(p.numel() for p in model.parameters()), what="total gradient norm")
+
+
+def test_a_mesh_builds_over_a_simulated_world() -> None:
+    """torch's fake process group (a world of 8 simulated in one process) has no timeout to give the sub-groups."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    try:
+        mesh = Parallelism(8, replicate=2, tensor=2).build_mesh("cpu")
+        assert tuple(mesh.shape) == (2, 2, 2) and dist.get_world_size(mesh.get_group("shard_tp")) == 4
+    finally:
+        destroy_distributed()
 
 
 @pytest.mark.distributed

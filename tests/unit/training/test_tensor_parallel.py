@@ -20,10 +20,11 @@ from typing import Any
 
 import pytest
 import torch
-from gloo_testlib import run_on_gloo_ranks
+from gloo_testlib import TIMEOUT, run_on_gloo_ranks
 from numerics import assert_steps_alike, llama_terms
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import parallelize_module
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.activation_offloading import apply_activation_offloading
@@ -38,19 +39,19 @@ from torchtune_ac.models.families.phi3 import FAMILY as PHI3
 from torchtune_ac.models.families.phi3 import PHI4_14B
 from torchtune_ac.models.families.qwen3 import FAMILY as QWEN3
 from torchtune_ac.models.families.qwen3 import QWEN3_0_6B
-from torchtune_ac.models.llama import LlamaArgs
+from torchtune_ac.models.llama import LlamaArgs, RMSNorm
 from torchtune_ac.models.tensor_parallel import Split, tensor_parallel_problem
 from torchtune_ac.run.weights import initialize_weights_
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.parallel.fsdp import FSDPConfig
-from torchtune_ac.runtime.parallelism import Parallelism
+from torchtune_ac.runtime.parallelism import TP_DIM, Parallelism
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
 from torchtune_ac.activation_checkpointing.mechanism import apply_ac_plan
 from torchtune_ac.parallel.fsdp import shard_model
 from torchtune_ac.training.objective import IGNORE_INDEX, CrossEntropy
 from torchtune_ac.training.step import OptimizerStepper, train_step
-from torchtune_ac.parallel.tensor_parallel import apply_tensor_parallel, check_sequence_length
+from torchtune_ac.parallel.tensor_parallel import apply_tensor_parallel, check_sequence_length, parallel_style
 
 CPU = torch.device("cpu")
 # Tiny models of each family, their flags kept (q/k norms; Gemma 3's offset norms, GeGLU, scaled and tied
@@ -268,6 +269,9 @@ def check_against_one_process(rank: int, world_size: int, meshes: tuple[tuple[in
     redistribute.addHandler(handler)
     for replicate, tp in meshes:
         mesh = Parallelism(world_size, replicate=replicate, tensor=tp).build_mesh("cpu")
+        # Every group of the mesh, the flattened one included, waits as long as the run's group.
+        for group in [mesh.get_group(name) for name in (*mesh.mesh_dim_names, "shard_tp")]:
+            assert group._get_backend(CPU).options._timeout == TIMEOUT, group.group_desc
         dp_degree = world_size // tp
         for case in cases:
             expected = train(case, build_model(case), DistributedContext(0, 1, 0, CPU), 0, 1)
@@ -357,3 +361,37 @@ def test_fsdp_and_hsdp_with_tensor_parallelism_train_as_one_process(tmp_path: Pa
     """4 ranks: FSDP2 over 2 x TP 2, then HSDP (2 replicas of 1 shard) x TP 2, the 3-D mesh."""
     cases = (Case("llama", packed=True, loss_chunks=2), Case("gemma3", in_backward=True))
     run_on_gloo_ranks(check_against_one_process, 4, ((1, 2), (2, 2)), cases, store_dir=tmp_path, world_size=4)
+
+
+class _Norms(nn.Module):
+    """One RMSNorm as the only block of a custom model: what FSDP2 and the sequence split make of a norm's weight."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([RMSNorm(dim, eps=1e-6)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers[0](x)
+
+
+def check_norm_gradient_summed_in_fp32(rank: int, world_size: int) -> None:
+    mesh = Parallelism(world_size, tensor=world_size).build_mesh("cpu")
+    model = _Norms(4)
+    norm = model.layers[0]
+    parallelize_module(norm, mesh[TP_DIM], parallel_style(Split.SEQUENCE, norm))
+    shard_model(model, mesh, FSDPConfig(param_dtype=DType.BF16, reduce_dtype=DType.FP32), dtype=DType.FP32)
+    # Each rank's part of the sequence: one token of ones, normalised to ones in bf16, so the weight's partial
+    # gradient on a rank is that rank's output gradient: 1 on rank 0, 2**-9 on rank 1, both exact in bf16. Their
+    # sum, 1 + 2**-9, is exact in fp32; bf16 (8 significant bits) rounds it to 1.
+    output = model(torch.ones(1, 1, 4, dtype=torch.bfloat16))
+    (output.float() * (1.0 if rank == 0 else 2.0**-9)).sum().backward()
+    gradient = norm.weight.grad.full_tensor()
+    assert gradient.dtype == torch.float32
+    assert gradient.tolist() == [1.0 + 2.0**-9] * 4
+
+
+@pytest.mark.distributed
+def test_a_norm_weight_gradient_is_summed_over_the_group_in_the_reduce_dtype(tmp_path: Path) -> None:
+    """Under mixed precision (bf16 gathered, fp32 reduced) the partial gradients of a replicated weight are summed
+    over the tensor-parallel group in fp32, not in bf16 before FSDP2's fp32 reduce-scatter."""
+    run_on_gloo_ranks(check_norm_gradient_summed_in_fp32, 2, store_dir=tmp_path)
