@@ -91,6 +91,11 @@ def with_park(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(planner, "STEP_FEATURES", listed[1:])
 
 
+@dataclasses.dataclass(frozen=True)
+class WatchSettings(ParkSettings):
+    watch: None = None
+
+
 def test_a_new_feature_is_one_record_in_the_list_and_the_planner_counts_its_declared_cost(with_park):
     workload = Workload(batch_size=1, seq_len=16, settings=ParkSettings())
     plans = [ACConfig(ac_mode=ACMode.FULL).resolve(ARGS.n_layers)]
@@ -115,7 +120,7 @@ def test_planner_costs_come_in_order_each_seeing_the_estimate_so_far_and_the_mod
     monkeypatch.setattr(planner, "STEP_FEATURES", listed[1:])
     plans = [ACConfig(ac_mode=ACMode.FULL).resolve(ARGS.n_layers)]
     estimate, = estimate_memory(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p),
-                                Workload(batch_size=1, seq_len=16, settings=ParkSettings(park=True)), plans)
+                                Workload(batch_size=1, seq_len=16, settings=WatchSettings(park=True)), plans)
     so_far, shapes, dtype, checkpointed, block_input = seen[-1]  # full AC (the first: no AC, the baseline)
     assert so_far["optimizer"] == 0 and so_far["parameters"] == estimate.parameters  # after park moved it
     model = Llama(ARGS)
