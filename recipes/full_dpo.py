@@ -6,8 +6,8 @@ sharded with FSDP2.
 
 What is this recipe's own: its data (preference pairs, two rows each, ``data/preference.py``), its reference model
 (the starting weights, frozen and sharded like the policy; with ``dpo.reference: precomputed`` only its
-log-probabilities, computed once before training, and the model freed) and its step (the DPO loss of
-``training/dpo.py``, chosen and rejected in one forward). Everything else is the run layer's, as for
+log-probabilities of the pairs the run reads, computed once before training by ``run/reference.py``, and the model
+freed) and its step (the DPO loss of ``training/dpo.py``, chosen and rejected in one forward). Everything else is the run layer's, as for
 ``full_finetune``: the process context and stop signals, the plan resolved once (the planner counts the
 reference), the model assembled in one written order, the loop with its logging, validation, saving and resume.
 
@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
+from torch import nn
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from torchtune_ac.config.meta_model import build_meta_model
@@ -37,9 +38,9 @@ from torchtune_ac.run.phases import (
     check_disk_space,
     choose_resume,
     estimate_checkpoint_size,
-    precompute_reference_logps,
     restore,
 )
+from torchtune_ac.run.reference import precompute_reference
 from torchtune_ac.run.session import Run, log_plan, open_run, plan_run
 from torchtune_ac.training.dpo import DPOObjective, ReferenceMode, describe_dpo
 from torchtune_ac.training.evaluation import Evaluation, evaluate_objective
@@ -66,7 +67,6 @@ class FullDPORecipe:
         cfg, run, ctx = self.cfg, self.run, self.run.ctx
         tokenizer = cfg.tokenizer.instantiate()
         model = build_meta_model(cfg.model, cfg.checkpoint_dir)
-        reference_model = copy.deepcopy(model)  # the same architecture, from the one meta build
         plan = plan_run(run, model, tokenizer=tokenizer)
         data = build_data(cfg, tokenizer, ctx, batching=PAIRS)
         self.plan = plan = plan.with_data(data.samples, len(data.loader), described=data.described, unit=data.unit)
@@ -74,16 +74,20 @@ class FullDPORecipe:
         if ctx.is_rank_zero:
             log.info("dpo: %s", describe_dpo(cfg.dpo, cfg.ref_checkpoint_dir))
         validation = build_validation(cfg, tokenizer, ctx, batching=PAIRS)
-        # The reference first: a resume continues from its checkpoint, but keeps the reference it started from.
-        reference = build_reference(reference_model, ctx=ctx, dtype=plan.dtype, memory=plan.memory, fsdp=plan.fsdp,
-                                    checkpoint_dir=cfg.reference_checkpoint_dir, seed=cfg.seed)
         n_chunks = plan.memory.setting("loss_chunks")
+
+        def make_reference() -> nn.Module:  # the same architecture, from the one meta build, not yet applied
+            return build_reference(copy.deepcopy(model), ctx=ctx, dtype=plan.dtype, memory=plan.memory,
+                                   fsdp=plan.fsdp, checkpoint_dir=cfg.reference_checkpoint_dir, seed=cfg.seed)
+
+        # The reference first: a resume continues from its checkpoint, but keeps the reference it started from.
+        reference = None
         if cfg.dpo.reference is ReferenceMode.PRECOMPUTED:
-            # Its log-probabilities of every pair, then it is freed, before the policy and its optimizer exist.
-            for dataset in (data.loader.dataset, *([validation.dataset] if validation is not None else [])):
-                precompute_reference_logps(reference, dataset, batch_size=cfg.batch_size, ctx=ctx,
-                                           pad_id=tokenizer.pad_id, n_chunks=n_chunks)
-            reference = None
+            # Its log-probabilities of the pairs the run reads; it is freed before the policy and its optimizer exist.
+            precompute_reference(run, make_reference, data, validation, length=plan.length,
+                                 batch_size=cfg.batch_size, pad_id=tokenizer.pad_id, n_chunks=n_chunks)
+        else:
+            reference = make_reference()
         self.objective = DPOObjective(cfg.dpo, n_chunks=n_chunks, reference=reference)
         resume_from = choose_resume(cfg, ctx).checkpoint
         self.training = build_training(

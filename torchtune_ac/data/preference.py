@@ -34,6 +34,7 @@ prompts.
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -202,14 +203,19 @@ class PreferenceDataset(Dataset):
                                   "rejected_tokens": rejected["tokens"], "rejected_labels": rejected["labels"]}
         if self._reference is not None:
             index %= len(self)
-            sample["reference_logps"] = [self._reference[2 * index], self._reference[2 * index + 1]]
+            chosen, rejected = self._reference[2 * index], self._reference[2 * index + 1]
+            if math.isnan(chosen):
+                raise ValueError(f"pair {index} has no precomputed reference log-probabilities: the run was not "
+                                 "to read it")
+            sample["reference_logps"] = [chosen, rejected]
         return sample
 
     def set_reference_logps(self, logps: torch.Tensor) -> None:
         """Keep the reference model's log-probabilities with the pairs.
 
         Args:
-            logps: ``[len, 2]``: each pair's chosen and rejected answer's summed log-probability.
+            logps: ``[len, 2]``: each pair's chosen and rejected answer's summed log-probability; NaN for a pair
+                that was not computed, because the run does not read it (reading it raises).
         """
         if tuple(logps.shape) != (len(self), 2):
             raise ValueError(f"reference log-probabilities of shape {tuple(logps.shape)}, expected ({len(self)}, 2)")

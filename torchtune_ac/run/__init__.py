@@ -6,6 +6,7 @@
     assemble.py   the one order: AC -> offloading -> compile -> FSDP2 -> materialise -> load; optimizer,
                   stepper, scheduler                                                              (build_training)
     phases.py     the data, validation data, resume choice and restore
+    reference.py  DPO's precomputed reference: one pass over the pairs the run reads, then freed (precompute_reference)
     loop.py       the loop every recipe shares: steps, logging, validation, saving, stop signals  (Trainer)
     preflight.py  what tune validate, tune plan and the launcher ask of a recipe
     memory_table.py  tune plan's table

@@ -4,7 +4,6 @@ A recipe calls them in order (``recipes/full_finetune.py``); another recipe comp
     choose_resume     the checkpoint to continue from (resume_from_checkpoint)                  -> ResumeChoice
     build_data        the instruction/chat/text data loader of this rank, and its identity      -> RunData
     build_validation  the held-out data of the validation loss, and when to compute it          -> ValidationData
-    precompute_reference_logps  a DPO reference's log-probabilities of every pair, kept with the pairs
     restore           a resume's progress, model and optimizer state; this config's hyper-parameters -> Progress
     check_disk_space  before the first step: room for one checkpoint (refused), for those kept (warned)
 """
@@ -36,7 +35,6 @@ from torchtune_ac.checkpoint import (
 )
 from torchtune_ac.data import blank_preference_sample, build_dataloader, collate_batch, collate_preference_batch
 from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
-from torchtune_ac.data.preference import PreferenceDataset
 from torchtune_ac.data.sampler import blank_sample, evaluation_batches
 from torchtune_ac.data.samples import count_of, describe_samples
 from torchtune_ac.errors import UserError
@@ -52,9 +50,7 @@ from torchtune_ac.run.messages import (
     resharded,
 )
 from torchtune_ac.run.plan import RunPlan, TrainingConfig
-from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
-from torchtune_ac.training.dpo import reference_logps
-from torchtune_ac.training.step import move_batch
+from torchtune_ac.runtime.distributed import DistributedContext
 
 log = logging.getLogger("torchtune_ac.run")
 
@@ -182,37 +178,6 @@ def build_validation(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContex
              count_of(cfg.run_val_every_n_steps, "step") if cfg.run_val_every_n_steps else "epoch")
     return ValidationData(dataset, cfg.batch_size_val or cfg.batch_size, cfg.run_val_every_n_steps,
                           tokenizer.pad_id, ctx, batch_padding(cfg), batching)
-
-
-def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset, *, batch_size: int,
-                               ctx: DistributedContext, pad_id: int, n_chunks: int = 1,
-                               padding: Optional[dict[str, Any]] = None) -> None:
-    """Run the frozen reference once over ``dataset`` and keep its log-probabilities with the pairs
-    (``dataset.set_reference_logps``; ``dpo.reference: precomputed``): every rank computes its share of the pairs,
-    and one all-reduce gives every rank all of them. Every rank calls this with the same dataset (a sharded forward
-    is a collective).
-
-    Args:
-        reference: the frozen reference model (``assemble.build_reference``).
-        dataset: the pairs (training or validation).
-        batch_size: pairs per process per forward.
-        ctx: this rank's place in the run.
-        pad_id: the tokenizer's padding id.
-        n_chunks: the resolved ``loss_chunks``.
-        padding: how batches are padded (``pad_to_multiple_of``, ``max_length``), as the training batches are.
-    """
-    logps = torch.zeros(len(dataset), 2, dtype=torch.float64, device=ctx.device)  # [pairs, (chosen, rejected)]
-    # A tensor-parallel group computes its share together; its first rank alone writes it down.
-    batches = evaluation_batches(dataset, batch_size=batch_size, pad_id=pad_id, rank=ctx.data_parallel_rank,
-                                 world_size=ctx.data_parallel_size, collate=PAIRS.collate, blank=PAIRS.blank,
-                                 **(padding or {}))
-    global_batch = batch_size * ctx.data_parallel_size
-    for index, batch in enumerate(batches):
-        first = index * global_batch + ctx.data_parallel_rank * batch_size
-        pairs = reference_logps(reference, move_batch(batch, ctx.device), n_chunks).double()  # [2b]
-        count = max(0, min(batch_size, len(dataset) - first)) if ctx.reads_for_its_group else 0  # the rest: fillers
-        logps[first:first + count] = torch.stack(pairs.chunk(2), dim=1)[:count]  # [b, 2]
-    dataset.set_reference_logps(all_reduce_sum(logps, ctx).cpu())
 
 
 def restore(plan: RunPlan, ctx: DistributedContext, checkpoint: Path, training: Training, data: RunData) -> Progress:

@@ -30,7 +30,7 @@ within rounding, and the accuracy near 0.5.
 
 The reference is a model of the policy's shape, sharded like it, frozen (no gradients, no optimizer state, eval
 mode) and run under ``no_grad`` before the policy's forward. ``reference: precomputed`` runs it once over the data
-before training (``run/phases.py``'s ``precompute_reference_logps``), keeps two numbers per pair with the data,
+before training (``run/reference.py``'s ``precompute_reference``), keeps two numbers per pair with the data,
 and frees it.
 """
 

@@ -22,7 +22,7 @@ from torchtune_ac.data import (
     load_tokenizer,
     preference_dataset,
 )
-from torchtune_ac.run.phases import precompute_reference_logps
+from torchtune_ac.run.reference import precompute_reference_logps
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.training.dpo import (
     DPO_METRICS,
