@@ -34,9 +34,14 @@ def diverged(err: NonFiniteError, progress: Progress, last_checkpoint: Optional[
               else "there is no checkpoint yet")
     taken = ("with optimizer_in_bwd the parameters were stepped in backward, in memory only"
              if err.stepped else "no optimizer step took it in")
+    fix = "lower the learning rate or check that step's data"
+    if err.loss_scale is not None:
+        key, value = err.loss_scale
+        fix = (f"lower {key} (now {value:g}: it scales the loss and its gradient) or the learning rate, or check "
+               "that step's data")
     return RunStopped(f"stopped at step {progress.step + 1}: {err.describe()}; {taken}, and nothing was saved "
-                      f"({newest}): lower the learning rate or check that step's data, then resume with "
-                      "resume_from_checkpoint=true", exit_status=EXIT_NON_FINITE, announce=announce)
+                      f"({newest}): {fix}, then resume with resume_from_checkpoint=true", exit_status=EXIT_NON_FINITE,
+                      announce=announce)
 
 
 def stop_requested(signal_name: str, step: int, last_checkpoint: Optional[Path], *,
