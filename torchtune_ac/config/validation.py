@@ -219,7 +219,9 @@ class _Checker:
                 # `lr=0.1` for `optimizer.lr=0.1`: a component at this level that takes the key by that name.
                 owners = [sub for sub, node in value.items()
                           if isinstance(node, Mapping) and "_component_" in node and name in node]
-                suggestion = (f" (did you mean {prefix}{hint[0]}?)" if hint
+                other_recipe = getattr(cls, "keys_of_other_recipes", {}).get(name)
+                suggestion = (f" (a key of the {other_recipe} recipe: is this config for `tune run {other_recipe}`?)"
+                              if other_recipe else f" (did you mean {prefix}{hint[0]}?)" if hint
                               else f" (did you mean {prefix}{owners[0]}.{name}?)" if owners
                               else f" (a variable of your own goes under {USER_VARS_KEY}:, read as "
                                    f"${{{USER_VARS_KEY}.{name}}})" if not key else "")

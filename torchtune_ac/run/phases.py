@@ -71,14 +71,26 @@ def choose_resume(cfg: TrainingConfig, ctx: DistributedContext) -> ResumeChoice:
 class Batching:
     """How a recipe's samples become batches: ``collate`` makes a batch (called with ``pad_id``,
     ``pad_to_multiple_of`` and ``max_length``), ``blank`` a copy of a sample that counts for nothing (what fills the
-    last batch of a validation pass)."""
+    last batch of a validation pass); ``keys``: what every sample holds, and ``kind`` what such samples are called
+    (a dataset of another kind is refused before anything heavy: ``check_kind``)."""
 
     collate: Callable[..., dict[str, torch.Tensor]] = collate_batch
     blank: Callable[[dict[str, Any]], dict[str, Any]] = blank_sample
+    keys: tuple[str, ...] = ("tokens", "labels")
+    kind: str = "samples (tokens and labels)"
+
+    def check_kind(self, dataset: Any, key: str, path: str) -> None:
+        """Raise ``UserError`` when ``dataset``'s first sample lacks ``keys`` (a builder of another recipe's data)."""
+        missing = [name for name in self.keys if len(dataset) and name not in dataset[0]]
+        if missing:
+            raise UserError(f"{key}: {path} gives samples without {', '.join(missing)}: not the {self.kind} this "
+                            "recipe trains on (full_finetune trains on samples, full_dpo on preference pairs)")
 
 
 SAMPLES = Batching()  # tokens and labels, one row a sample
-PAIRS = Batching(collate_preference_batch, blank_preference_sample)  # preference pairs: chosen rows, rejected rows
+PAIRS = Batching(collate_preference_batch, blank_preference_sample,  # preference pairs: chosen rows, rejected rows
+                 keys=("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels"),
+                 kind="preference pairs")
 
 
 @dataclass
@@ -120,6 +132,7 @@ def build_data(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext, *,
     preference pairs), and what identifies the data (its files hashed once, the ranks sharing the reading). How many
     steps it makes is the plan's (``RunPlan.with_data``)."""
     dataset = cfg.dataset.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
+    batching.check_kind(dataset, "dataset", cfg.dataset.path)
     # Each tensor-parallel group reads one share of the global batch, the same on each of its ranks.
     loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.data_parallel_rank,
                               world_size=ctx.data_parallel_size,
@@ -174,6 +187,7 @@ def build_validation(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContex
     dataset = cfg.dataset_val.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
     if len(dataset) == 0:
         raise UserError("dataset_val: holds no sample")
+    batching.check_kind(dataset, "dataset_val", cfg.dataset_val.path)
     log.info("validation: %s, every %s", describe_samples(dataset),
              count_of(cfg.run_val_every_n_steps, "step") if cfg.run_val_every_n_steps else "epoch")
     return ValidationData(dataset, cfg.batch_size_val or cfg.batch_size, cfg.run_val_every_n_steps,
