@@ -527,6 +527,7 @@ KILLED_RANK_RECIPE = FAILING_RANK_RECIPE.replace(
     'raise RuntimeError("CUDA out of memory (injected on rank 1 at step 2)")', "os.kill(os.getpid(), signal.SIGKILL)")
 
 
+@pytest.mark.slow
 @pytest.mark.distributed
 def test_a_rank_killed_outright_is_named_by_the_survivors_line_not_a_traceback(tmp_path):
     recipe = tmp_path / "killed.py"

@@ -114,8 +114,8 @@ def precompute_reference(run: Run, make_reference: Callable[[], nn.Module], data
             raise messages.stopped_before_training(stop, f"{PASS} (batch {done} of {total})",
                                                    announce=ctx.is_rank_zero)
 
+    run.setting_up = PASS  # from here a stop signal ends the pass after a batch
     reference = make_reference()
-    run.setting_up = PASS
     try:
         precompute_reference_logps(reference, dataset, batch_size=batch_size, ctx=ctx, pad_id=pad_id,
                                    n_chunks=n_chunks, indices=read, after_batch=after_batch)
