@@ -257,15 +257,19 @@ def status_of_failed_workers(exit_codes: dict[int, int], errors: Optional[Mappin
 
     A worker killed by a signal the launcher does not send (SIGKILL from the out-of-memory killer or ``kill -9``,
     SIGSEGV, ...) is named in one line, with the ranks that stopped because they lost it (``lost``: rank -> what
-    their collective said); the status is then 1.
+    their collective said); the status is then 1. Otherwise a rank that lost another (which failed in its own way,
+    said above) gets a line of its own.
     """
     lost = dict(lost or {})
     killed = {rank: -code for rank, code in exit_codes.items()
               if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT)}
-    if killed or lost:
+    if killed:
         print(f"tune: error: {_died(killed, lost)}; the checkpoints written before are complete: to continue, "
               "run the same command with resume_from_checkpoint=true", file=sys.stderr, flush=True)
         return 1
+    for rank, line in sorted(lost.items()):
+        print(f"tune: error: rank {rank} stopped: it lost the connection to another process in a collective "
+              f"({line})", file=sys.stderr, flush=True)
     # When one worker fails, the launcher terminates the others (negative codes: killed by a signal); the status
     # that matters is that of the workers that exited on their own.
     exited = {rank: code for rank, code in exit_codes.items() if code > 0}
@@ -305,7 +309,7 @@ def _died(killed: Mapping[int, int], lost: Mapping[int, str]) -> str:
     if lost:
         example = next(iter(sorted(lost.items())))[1]
         parts.append(f"{ranks(lost)} stopped when {'they' if len(lost) > 1 else 'it'} lost the connection to "
-                     f"{'it' if len(killed) == 1 else 'another process'} in a collective ({example})")
+                     f"{'it' if len(killed) == 1 else 'them'} in a collective ({example})")
     return "; ".join(parts)
 
 
