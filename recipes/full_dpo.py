@@ -7,9 +7,10 @@ sharded with FSDP2.
 What is this recipe's own: its data (preference pairs, two rows each, ``data/preference.py``), its reference model
 (the starting weights, frozen and sharded like the policy; with ``dpo.reference: precomputed`` only its
 log-probabilities of the pairs the run reads, computed once before training by ``run/reference.py``, and the model
-freed) and its step (the DPO loss of ``training/dpo.py``, chosen and rejected in one forward). Everything else is the run layer's, as for
-``full_finetune``: the process context and stop signals, the plan resolved once (the planner counts the
-reference), the model assembled in one written order, the loop with its logging, validation, saving and resume.
+freed) and its step (the DPO loss of ``training/dpo.py``, chosen and rejected in one forward). Everything else is
+the run layer's, as for ``full_finetune``: the process context and stop signals, the plan resolved once (the
+planner counts the reference), the model assembled in one written order, the loop with its logging, validation,
+saving and resume.
 
 SIGTERM or a first Ctrl-C stops the run after the current step with a checkpoint (exit 143); a non-finite loss
 or gradient norm stops it before the optimizer takes it in, saving nothing (exit 3).
@@ -67,6 +68,7 @@ class FullDPORecipe:
         cfg, run, ctx = self.cfg, self.run, self.run.ctx
         tokenizer = cfg.tokenizer.instantiate()
         model = build_meta_model(cfg.model, cfg.checkpoint_dir)
+        reference_model = [copy.deepcopy(model)]  # the same architecture, from the one meta build
         plan = plan_run(run, model, tokenizer=tokenizer)
         data = build_data(cfg, tokenizer, ctx, batching=PAIRS)
         self.plan = plan = plan.with_data(data.samples, len(data.loader), described=data.described, unit=data.unit)
@@ -76,8 +78,8 @@ class FullDPORecipe:
         validation = build_validation(cfg, tokenizer, ctx, batching=PAIRS)
         n_chunks = plan.memory.setting("loss_chunks")
 
-        def make_reference() -> nn.Module:  # the same architecture, from the one meta build, not yet applied
-            return build_reference(copy.deepcopy(model), ctx=ctx, dtype=plan.dtype, memory=plan.memory,
+        def make_reference() -> nn.Module:  # taken from the list: only its caller holds the built reference
+            return build_reference(reference_model.pop(), ctx=ctx, dtype=plan.dtype, memory=plan.memory,
                                    fsdp=plan.fsdp, checkpoint_dir=cfg.reference_checkpoint_dir, seed=cfg.seed)
 
         # The reference first: a resume continues from its checkpoint, but keeps the reference it started from.
