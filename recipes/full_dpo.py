@@ -22,10 +22,13 @@ import logging
 import sys
 from typing import Optional
 
+from torch import nn
+
 from torchtune_ac.config.schema import FullDPOConfig
 from torchtune_ac.run import preflight as library
 from torchtune_ac.run.assemble import build_reference
-from torchtune_ac.run.phases import PAIRS, precompute_reference_logps
+from torchtune_ac.run.phases import PAIRS
+from torchtune_ac.run.reference import precompute_reference
 from torchtune_ac.run.setup import SetupParts, run_recipe
 from torchtune_ac.training.dpo import DPOObjective, ReferenceMode, describe_dpo
 
@@ -44,21 +47,23 @@ def preflight(cfg: FullDPOConfig, *, strict: bool = True, world_size: Optional[i
 
 def dpo_objective(cfg: FullDPOConfig, parts: SetupParts) -> DPOObjective:
     """The DPO loss against the reference: built before the policy (a resume continues the policy from its
-    checkpoint, but keeps the reference it started from); with ``dpo.reference: precomputed``, its
-    log-probabilities of every pair are kept and the model is freed before the policy and its optimizer exist."""
+    checkpoint, but keeps the reference it started from), sharded over the run's mesh; with
+    ``dpo.reference: precomputed``, only its log-probabilities of the pairs the run reads are kept, and the model is
+    freed before the policy and its optimizer exist (``run/reference.py``)."""
     ctx, plan = parts.run.ctx, parts.plan
     if ctx.is_rank_zero:
         log.info("dpo: %s", describe_dpo(cfg.dpo, cfg.ref_checkpoint_dir))
-    reference = build_reference(copy.deepcopy(parts.model), plan, ctx=ctx, mesh=parts.mesh,
-                                checkpoint_dir=cfg.reference_checkpoint_dir)
+    meta = [copy.deepcopy(parts.model)]  # the same architecture, from the one meta build
     n_chunks = plan.memory.settings.loss_chunks
+
+    def make_reference() -> nn.Module:  # taken from the list: only its caller holds the built reference
+        return build_reference(meta.pop(), plan, ctx=ctx, mesh=parts.mesh, checkpoint_dir=cfg.reference_checkpoint_dir)
+
     if cfg.dpo.reference is ReferenceMode.PRECOMPUTED:
-        validation = [parts.validation.dataset] if parts.validation is not None else []
-        for dataset in (parts.data.loader.dataset, *validation):
-            precompute_reference_logps(reference, dataset, batch_size=cfg.batch_size, ctx=ctx,
-                                       pad_id=parts.tokenizer.pad_id, n_chunks=n_chunks)
-        reference = None
-    return DPOObjective(cfg.dpo, n_chunks=n_chunks, reference=reference)
+        precompute_reference(parts.run, make_reference, parts.data, parts.validation, length=plan.length,
+                             batch_size=cfg.batch_size, pad_id=parts.tokenizer.pad_id, n_chunks=n_chunks)
+        return DPOObjective(cfg.dpo, n_chunks=n_chunks, reference=None)
+    return DPOObjective(cfg.dpo, n_chunks=n_chunks, reference=make_reference())
 
 
 def run(cfg: FullDPOConfig) -> None:

@@ -62,6 +62,8 @@ def _bounds(field: dataclasses.Field) -> str:
         parts.append(f"> {meta['exclusive_minimum']:g}")
     if "maximum" in meta:
         parts.append(f"<= {meta['maximum']:,}")
+    if "exclusive_maximum" in meta:
+        parts.append(f"< {meta['exclusive_maximum']:g}")
     if meta.get("non_empty"):
         parts.append("not empty")
     return ", ".join(parts)

@@ -1,9 +1,9 @@
 """The ``tune`` command: ``run``, ``ls``, ``cp``, ``validate``, ``plan``, ``migrate``, ``generate``.
 
 Exit status: 0 success, 2 user error (one short message on stderr, no traceback), 1 internal failure
-(traceback); a run that stopped early says why in one line: 143 stopped by SIGTERM or a first Ctrl-C after
-writing a checkpoint, 3 stopped on a non-finite loss or gradient norm (nothing saved), 130 aborted by a second
-Ctrl-C; 141 (silently) when the reader of stdout went away, as in ``tune ls | head -1``. ``--debug`` or ``TUNE_DEBUG=1`` shows tracebacks for user errors too.
+(traceback) or a process of a multi-process run killed (one line naming it); a run that stopped early says why in
+one line: 143 stopped by SIGTERM or a first Ctrl-C after writing a checkpoint, 3 stopped on a non-finite loss or
+gradient norm (nothing saved), 130 aborted by a second Ctrl-C; 141 (silently) when the reader of stdout went away, as in ``tune ls | head -1``. ``--debug`` or ``TUNE_DEBUG=1`` shows tracebacks for user errors too.
 
 A recipe is a Python file that defines ``CONFIG_SCHEMA`` (a dataclass), ``preflight(cfg, *, strict=True,
 world_size=1) -> list[tuple[str, str]]`` (the run's plan and the checks' findings, as ``tune validate`` prints them;
@@ -42,8 +42,10 @@ from torchtune_ac.runtime.launcher import (
     launched_rank,
     launched_world_size,
     leave_worker,
+    lost_peer,
     report_worker_error,
     report_worker_failure,
+    report_worker_lost,
 )
 
 DEBUG_ENV_VAR = "TUNE_DEBUG"
@@ -242,11 +244,13 @@ def recipe_main(argv: Optional[Sequence[str]] = None, recipe_file: Optional[str]
         return guarded(_main)
     try:
         status = guarded(_main)
-    except BaseException:  # noqa: BLE001 - a bug, or the machine failing (a CUDA OOM): say so now, and leave
+    except BaseException as err:  # noqa: BLE001 - a bug, or the machine failing (a CUDA OOM): say so now, and leave
         # Now, not after a teardown: the other ranks may be waiting in a collective this rank will never join,
-        # and destroying the process group under them can hang (NCCL). The launcher ends them.
-        text = traceback.format_exc()
-        if not report_worker_failure(text):
+        # and destroying the process group under them can hang (NCCL). The launcher ends them. A rank whose peer
+        # died says so in a line; the launcher names the process that died.
+        text, lost = traceback.format_exc(), lost_peer(err)
+        said = lost is not None and not _debug_enabled() and report_worker_lost(lost)
+        if not said and not report_worker_failure(text):
             print(text, file=sys.stderr, flush=True)
         status = 1
     leave_worker(status)

@@ -575,7 +575,9 @@ def test_the_workers_errors_are_printed_once_each(capsys):
         ({0: 2, 1: -15}, 2, "failed with exit status [2]"),
         ({0: 3, 1: 3}, 3, "failed with exit status [3]"),
         ({0: 1, 1: 2}, 1, "failed with exit status [1, 2]"),
-        ({0: -9, 1: -15}, 1, "failed with exit status [-15, -9]"),
+        ({0: -9, 1: -15}, 1, "tune: error: rank 0 was killed by SIGKILL (the out-of-memory killer, a scheduler or "
+                             "kill -9: not this run); the checkpoints written before are complete"),
+        ({0: -11, 1: 1}, 1, "rank 0 was killed by SIGSEGV"),
     ],
 )
 def test_the_launcher_exits_with_its_workers_status(exit_codes, status, says, capsys):
@@ -584,6 +586,21 @@ def test_the_launcher_exits_with_its_workers_status(exit_codes, status, says, ca
     assert status_of_failed_workers(exit_codes) == status
     err = capsys.readouterr().err
     assert (says in err) if says else err == ""
+
+
+def test_a_rank_that_lost_its_peer_is_one_line_after_the_rank_that_died(capsys):
+    from torchtune_ac.runtime.launcher import lost_peer, status_of_failed_workers
+
+    gloo = RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+                        "peer [127.0.0.1]:5531. This is typically caused by a remote worker crashing. Check the logs")
+    assert lost_peer(gloo) == "Connection closed by peer [127.0.0.1]:5531"
+    assert lost_peer(RuntimeError("CUDA out of memory")) is None and lost_peer(ValueError("Broken pipe")) is None
+    assert status_of_failed_workers({0: 1, 1: -9}, lost={0: lost_peer(gloo)}) == 1
+    assert capsys.readouterr().err.splitlines() == [
+        "tune: error: rank 1 was killed by SIGKILL (the out-of-memory killer, a scheduler or kill -9: not this run); "
+        "rank 0 stopped when it lost the connection to it in a collective (Connection closed by peer "
+        "[127.0.0.1]:5531); the checkpoints written before are complete: to continue, run the same command with "
+        "resume_from_checkpoint=true"]
 
 
 class _Left(Exception):

@@ -522,6 +522,26 @@ if __name__ == "__main__":
 '''
 
 
+KILLED_RANK_RECIPE = FAILING_RANK_RECIPE.replace(
+    "import os\n", "import os\nimport signal\n").replace(
+    'raise RuntimeError("CUDA out of memory (injected on rank 1 at step 2)")', "os.kill(os.getpid(), signal.SIGKILL)")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_a_rank_killed_outright_is_named_by_the_survivors_line_not_a_traceback(tmp_path):
+    recipe = tmp_path / "killed.py"
+    recipe.write_text(KILLED_RANK_RECIPE)
+    argv = ["run", "--nproc_per_node", "2", str(recipe), "--config", "tiny/full", *SHORT_RUN,
+            "max_steps_per_epoch=2", f"output_dir={tmp_path / 'run'}"]
+    result = run_tune_subprocess(argv, timeout=150)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr[-3000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("tune: error: rank 1 was killed by SIGKILL (the out-of-memory killer, a scheduler or "
+                           "kill -9: not this run); rank 0 stopped when it lost the connection to it"), last
+    assert not (tmp_path / "run" / "run.lock").exists()
+
+
 @pytest.mark.distributed
 def test_one_failing_rank_ends_the_run_at_once_with_its_error_printed_once(tmp_path):
     recipe = tmp_path / "failing.py"

@@ -198,7 +198,7 @@ def test_two_processes_train_as_one_and_resume_on_one(tmp_path: Path, uninterrup
         ("dpo.beta=0", "dpo.beta=0.0: must be > 0.0"),
         ("dpo.loss_type=hinge", "dpo.loss_type='hinge': expected one of sigmoid, ipo"),
         ("dpo.reference=cached", "dpo.reference='cached'"),
-        ("dpo.label_smoothing=0.7", "dpo.label_smoothing=0.7: must be <= 0.5"),
+        ("dpo.label_smoothing=0.5", "dpo.label_smoothing=0.5: must be < 0.5"),  # ln 2 whatever the policy
     ],
 )
 def test_bad_dpo_keys_are_one_line_and_nothing_is_written(override, message, tmp_path: Path) -> None:
@@ -206,6 +206,16 @@ def test_bad_dpo_keys_are_one_line_and_nothing_is_written(override, message, tmp
     assert result.returncode == 2, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_each_recipe_refuses_the_others_config_naming_both_before_anything_is_written(tmp_path: Path) -> None:
+    result = run_tune_in_process(["run", "full_dpo", "--config", "tiny/full", f"output_dir={tmp_path / 'a'}"])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert ("makes samples, which the full_finetune recipe trains on; the full_dpo recipe trains on preference "
+            "pairs") in result.stderr.strip().splitlines()[-1]
+    result = run_tune_in_process(["run", "full_finetune", "--config", "tiny/dpo", f"output_dir={tmp_path / 'b'}"])
+    assert result.returncode == 2 and "dpo: unknown key (a key of the full_dpo recipe" in result.stderr, result.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_label_smoothing_with_ipo_and_a_missing_reference_are_one_line(tmp_path: Path) -> None:

@@ -33,7 +33,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import psutil
 import torch.distributed as dist
@@ -242,7 +242,7 @@ def _release(output_dir: Path, token: str, created: list[Path]) -> None:
 
 
 @contextlib.contextmanager
-def hold_output_dir(output_dir: PathLike, processes: DistributedContext) -> Iterator[None]:
+def hold_output_dir(output_dir: PathLike, processes: DistributedContext) -> Iterator[Callable[[], None]]:
     """Hold ``output_dir``'s lock while the body runs (every rank of the run enters this, before any writes).
 
     Rank 0 creates ``output_dir`` if missing and takes the lock (taking over a stale one of this host, with a
@@ -254,6 +254,10 @@ def hold_output_dir(output_dir: PathLike, processes: DistributedContext) -> Iter
         output_dir: the run's output directory.
         processes: the run's process context (``init_distributed``'s), its process group already initialised when
             distributed.
+
+    Yields:
+        What releases the lock now (on rank 0; nothing elsewhere), for a process about to end without unwinding
+        (a second Ctrl-C: ``StopSignals.before_abort``); the exit releases it anyway, once.
 
     Raises:
         UserError: (on every rank) another run holds the lock (naming its host and pid), its lock file cannot be
@@ -271,8 +275,14 @@ def hold_output_dir(output_dir: PathLike, processes: DistributedContext) -> Iter
         raise UserError(refusal)
     if warning is not None and processes.is_rank_zero:
         log.warning(warning)
-    try:
-        yield
-    finally:
-        if processes.is_rank_zero:
+    released = [not processes.is_rank_zero]
+
+    def release() -> None:
+        if not released[0]:
+            released[0] = True
             _release(output_dir, token, created)
+
+    try:
+        yield release
+    finally:
+        release()

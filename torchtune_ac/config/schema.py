@@ -14,11 +14,13 @@ not ``ac: {mode: full}``), as torchtune names them.
 from __future__ import annotations
 
 import enum
+import typing
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Mapping, Optional
 
 from torchtune_ac.config.components import Component
 from torchtune_ac.config_key import config_key
+from torchtune_ac.data import PreferenceDataset, TokenizedDataset
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.plan import MemoryConfig
 from torchtune_ac.memory.planner import PreferenceStep
@@ -39,6 +41,31 @@ class Device(str, enum.Enum):
 
 # A key torchtune has too, with the same name and meaning: tune migrate copies it unchanged.
 SAME = "same"
+
+# What each recipe trains on: the type its dataset builders return, what it is called, and the builders.
+SAMPLES = (TokenizedDataset, "samples", "torchtune_ac.data.instruct_dataset, chat_dataset or text_dataset")
+PAIRS = (PreferenceDataset, "preference pairs", "torchtune_ac.data.preference_dataset")
+
+
+def check_dataset_kinds(cfg: "FullFinetuneConfig", recipe: str, wanted: tuple, other: tuple, other_recipe: str) -> None:
+    """Refuse a ``dataset`` or ``dataset_val`` whose builder returns the other recipe's kind of data (read from its
+    return annotation; a builder without one is checked on its first sample, ``phases.build_data``).
+
+    Raises:
+        UserError: naming the key, the builder, the two recipes and what each trains on.
+    """
+    for key in ("dataset", "dataset_val"):
+        component = getattr(cfg, key)
+        if component is None:
+            continue
+        try:
+            returned = typing.get_type_hints(component.target()).get("return")
+        except Exception:  # noqa: BLE001 - an annotation that cannot be resolved says nothing: checked at run time
+            continue
+        if isinstance(returned, type) and issubclass(returned, other[0]) and not issubclass(returned, wanted[0]):
+            raise UserError(f"{key}: {component.path} makes {other[1]}, which the {other_recipe} recipe trains on; "
+                            f"the {recipe} recipe trains on {wanted[1]} ({wanted[2]}): run this config with "
+                            f"`tune run {other_recipe}`, or give {key} a builder of {wanted[1]}")
 
 
 @dataclass(frozen=True)
@@ -138,6 +165,12 @@ class FullFinetuneConfig:
         "be replicate_degree x shard x this). It must divide the model's heads, key/value heads and MLP width, and "
         "max_seq_len. 1: none.", minimum=1, torchtune=SAME)
 
+    # Keys of another built-in recipe, named when a config of it is given to this one (``config/validation.py``).
+    keys_of_other_recipes: ClassVar[Mapping[str, str]] = {"dpo": "full_dpo", "ref_checkpoint_dir": "full_dpo"}
+
+    def __post_init__(self) -> None:
+        check_dataset_kinds(self, "full_finetune", SAMPLES, PAIRS, "full_dpo")
+
     def preference_step(self) -> Optional[PreferenceStep]:
         """What the planner simulates besides the token loss: nothing for fine-tuning."""
         return None
@@ -156,8 +189,10 @@ class FullDPOConfig(FullFinetuneConfig):
         "(checkpoint_dir, or without it the seed's random ones). A resume keeps the reference it started from.",
         non_empty=True)
     dpo: DPOConfig = config_key(doc="The DPO loss and its reference (see its keys).", default_factory=DPOConfig)
+    keys_of_other_recipes: ClassVar[Mapping[str, str]] = {}
 
     def __post_init__(self) -> None:
+        check_dataset_kinds(self, "full_dpo", PAIRS, SAMPLES, "full_finetune")
         # Not silently wrong: the sequence log-probabilities (training/sequence_logps.py) are summed over whole
         # vocabulary rows, which a tensor-parallel output layer does not hold; DPO has no plan for that yet.
         if self.tensor_parallel_dim > 1:

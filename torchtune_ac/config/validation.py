@@ -6,9 +6,9 @@ given and what is allowed, and all of them are reported together.
 
 Supported field types: bool, int, float, str, ``Enum`` subclasses, ``Optional[...]``, ``list[...]``,
 ``dict[str, ...]``, ``Any``, nested dataclasses, and ``Component`` (a ``_component_`` node). Per-field
-metadata: ``minimum`` and ``maximum`` (inclusive), ``exclusive_minimum``, ``non_empty`` (a string with more than
-blanks), ``positional`` (how many positional arguments the
-recipe passes when instantiating a component), ``recipe_kwargs`` (names the recipe passes itself) and
+metadata: ``minimum`` and ``maximum`` (inclusive), ``exclusive_minimum`` and ``exclusive_maximum``, ``non_empty``
+(a string with more than blanks), ``positional`` (how many positional arguments the recipe passes when
+instantiating a component), ``recipe_kwargs`` (names the recipe passes itself) and
 ``flatten`` (a nested dataclass whose keys sit at the parent's level). A dataclass with a ``from_config(mapping)``
 classmethod validates itself: it raises a ``UserError`` whose ``problems`` lists each problem.
 """
@@ -182,6 +182,8 @@ class _Checker:
             return self.fail(f"{key}={_show(value)}: must be <= {meta['maximum']}")
         if "exclusive_minimum" in meta and value <= meta["exclusive_minimum"]:
             return self.fail(f"{key}={_show(value)}: must be > {meta['exclusive_minimum']}")
+        if "exclusive_maximum" in meta and value >= meta["exclusive_maximum"]:
+            return self.fail(f"{key}={_show(value)}: must be < {meta['exclusive_maximum']}")
         return value
 
     def check_component(self, value: Any, key: str, meta: Mapping[str, Any]) -> Any:
@@ -217,7 +219,9 @@ class _Checker:
                 # `lr=0.1` for `optimizer.lr=0.1`: a component at this level that takes the key by that name.
                 owners = [sub for sub, node in value.items()
                           if isinstance(node, Mapping) and "_component_" in node and name in node]
-                suggestion = (f" (did you mean {prefix}{hint[0]}?)" if hint
+                other_recipe = getattr(cls, "keys_of_other_recipes", {}).get(name)
+                suggestion = (f" (a key of the {other_recipe} recipe: is this config for `tune run {other_recipe}`?)"
+                              if other_recipe else f" (did you mean {prefix}{hint[0]}?)" if hint
                               else f" (did you mean {prefix}{owners[0]}.{name}?)" if owners
                               else f" (a variable of your own goes under {USER_VARS_KEY}:, read as "
                                    f"${{{USER_VARS_KEY}.{name}}})" if not key else "")

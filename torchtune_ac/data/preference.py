@@ -22,18 +22,20 @@ A record is one of two formats, told apart by the type of its ``chosen`` column:
 Only the answer's tokens (and the EOS after it) are targets: the prompt is masked from the loss.
 
 Truncation (``max_seq_len``, a whole sequence: prompt and the longer answer) keeps the prompt's end and the
-answer's start, as TRL's ``truncation_mode`` does for prompts (``keep_end``) and answers: the prompt first loses
-tokens after its BOS, until the pair fits or the prompt is down to ``max_prompt_len`` tokens (default: half of
-``max_seq_len``); then each answer loses its end. What that cost is counted and said once at start-up, as for the
-other datasets.
+answer's start, as TRL's 0.x releases did (``max_prompt_length``, ``truncation_mode: keep_end``; TRL 1.16 cuts
+each sequence's end instead and drops pairs whose prompt fills the limit: ``docs/preference-tuning.md``): the
+prompt first loses tokens after its BOS, until the pair fits or the prompt is down to ``max_prompt_len`` tokens
+(default: half of ``max_seq_len``); then each answer loses its end. What that cost is counted and said once at
+start-up, as for the other datasets.
 
 A record is refused, in one line naming it, when a column is missing or of the wrong type, an answer is empty,
-chosen and rejected are the same, or (message lists) they do not end with an assistant turn or have different
-prompts.
+chosen and rejected are the same, or (message lists) they do not end with an assistant turn, have different
+prompts, or have no prompt at all.
 """
 
 from __future__ import annotations
 
+import math
 from array import array
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
@@ -202,14 +204,19 @@ class PreferenceDataset(Dataset):
                                   "rejected_tokens": rejected["tokens"], "rejected_labels": rejected["labels"]}
         if self._reference is not None:
             index %= len(self)
-            sample["reference_logps"] = [self._reference[2 * index], self._reference[2 * index + 1]]
+            chosen, rejected = self._reference[2 * index], self._reference[2 * index + 1]
+            if math.isnan(chosen):
+                raise ValueError(f"pair {index} has no precomputed reference log-probabilities: the run was not "
+                                 "to read it")
+            sample["reference_logps"] = [chosen, rejected]
         return sample
 
     def set_reference_logps(self, logps: torch.Tensor) -> None:
         """Keep the reference model's log-probabilities with the pairs.
 
         Args:
-            logps: ``[len, 2]``: each pair's chosen and rejected answer's summed log-probability.
+            logps: ``[len, 2]``: each pair's chosen and rejected answer's summed log-probability; NaN for a pair
+                that was not computed, because the run does not read it (reading it raises).
         """
         if tuple(logps.shape) != (len(self), 2):
             raise ValueError(f"reference log-probabilities of shape {tuple(logps.shape)}, expected ({len(self)}, 2)")
@@ -347,6 +354,10 @@ def read_chat_pair(record: Record, columns: dict[str, str], *, sharegpt: bool, t
     if chosen[-1] == rejected[-1]:
         raise UserError(f"{record.location}: chosen and rejected are the same answer; a pair needs two different "
                         "answers")
+    if not prefix + chosen[:-1]:
+        raise UserError(f"{record.location}: chosen and rejected hold only the assistant's answer; a pair answers a "
+                        f"prompt: put its messages before the answer, or in a {columns['prompt']!r} column holding a "
+                        "message list")
     return encode_chat_pair(tokenizer, prefix + chosen[:-1], chosen[-1], rejected[-1], record.location)
 
 

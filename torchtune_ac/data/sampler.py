@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -103,21 +103,29 @@ class ShardedBatchSampler(Sampler[list[int]]):
             )
         self._start_step = steps
 
-    def permutation(self) -> torch.Tensor:
-        """The order of dataset indices for the current epoch, ``LongTensor[num_samples]``."""
+    def permutation(self, epoch: Optional[int] = None) -> torch.Tensor:
+        """The order of dataset indices for ``epoch`` (default: the current one), ``LongTensor[num_samples]``."""
         if not self.shuffle:
             return torch.arange(self.num_samples)
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        generator = torch.Generator().manual_seed(self.seed + (self.epoch if epoch is None else epoch))
         return torch.randperm(self.num_samples, generator=generator)
 
+    def _wrapped(self, perm: torch.Tensor) -> torch.Tensor:
+        """``perm``, repeated so that the epoch's last global batch is complete (possibly several times for a tiny
+        dataset)."""
+        read = len(self) * self.batch_size * self.world_size
+        return perm.repeat(-(-read // self.num_samples)) if read > self.num_samples else perm
+
+    def indices_read(self, epoch: int, steps: int) -> torch.Tensor:
+        """The dataset indices that every rank together reads in the first ``steps`` steps of ``epoch``, in the
+        order read (an index may repeat where the last global batch wraps around)."""
+        steps = min(steps, len(self))
+        return self._wrapped(self.permutation(epoch))[: steps * self.batch_size * self.world_size]
+
     def __iter__(self) -> Iterator[list[int]]:
-        perm = self.permutation()
+        perm = self._wrapped(self.permutation())
         global_batch = self.batch_size * self.world_size
         steps = len(self)
-        if steps * global_batch > self.num_samples:
-            # Complete the last global batch by wrapping around (possibly several times for a tiny dataset).
-            repeats = -(-steps * global_batch // self.num_samples)
-            perm = perm.repeat(repeats)
         start, self._start_step = self._start_step, 0
         for step in range(start, steps):
             first = step * global_batch + self.rank * self.batch_size

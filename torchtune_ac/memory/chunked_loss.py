@@ -219,6 +219,7 @@ class ChunkedCrossEntropyObjective:
 
     n_chunks: int
     metric_names = ()
+    loss_scale = None
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return count_target_tokens(batch["labels"])

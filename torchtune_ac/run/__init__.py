@@ -10,6 +10,7 @@
                       5. FSDP2  6. materialise  7. load or initialise  8. optimizer  9. stepper  10. scheduler
     weights.py    the initial weights without a checkpoint, the same for any sharding
     phases.py     the data, validation data, resume choice and restore
+    reference.py  DPO's precomputed reference: one pass over the pairs the run reads, then freed (precompute_reference)
     loop.py       the loop every recipe shares: steps, logging, validation, saving, stop signals  (TrainingLoop)
     preflight.py  what tune validate, tune plan and the launcher ask of a recipe
     memory_table.py  tune plan's table

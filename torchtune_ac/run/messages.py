@@ -34,21 +34,38 @@ def diverged(err: NonFiniteError, progress: Progress, last_checkpoint: Optional[
               else "there is no checkpoint yet")
     taken = ("with optimizer_in_bwd the parameters were stepped in backward, in memory only"
              if err.stepped else "no optimizer step took it in")
+    fix = "lower the learning rate or check that step's data"
+    if err.loss_scale is not None:
+        key, value = err.loss_scale
+        fix = (f"lower {key} (now {value:g}: it scales the loss and its gradient) or the learning rate, or check "
+               "that step's data")
     return RunStopped(f"stopped at step {progress.step + 1}: {err.describe()}; {taken}, and nothing was saved "
-                      f"({newest}): lower the learning rate or check that step's data, then resume with "
-                      "resume_from_checkpoint=true", exit_status=EXIT_NON_FINITE, announce=announce)
+                      f"({newest}): {fix}, then resume with resume_from_checkpoint=true", exit_status=EXIT_NON_FINITE,
+                      announce=announce)
 
 
-def stop_requested(signal_name: str, step: int, last_checkpoint: Optional[Path]) -> str:
-    """The line printed as soon as a stop signal arrives (the current step may take minutes to finish)."""
+def stop_requested(signal_name: str, step: int, last_checkpoint: Optional[Path], *,
+                   setting_up: Optional[str] = None) -> str:
+    """The line printed as soon as a stop signal arrives (the current step may take minutes to finish), or during
+    ``setting_up`` (what set-up does in batches before training: ``reference.PASS``)."""
+    if setting_up is not None:
+        return (f"{signal_name} received during {setting_up}: stopping after its current batch, before training, "
+                "with nothing to save; Ctrl-C again aborts at once")
     return (f"{signal_name} received: finishing step {step} first, then saving a checkpoint and stopping; "
             f"Ctrl-C again aborts at once, losing what was done since {_newest(last_checkpoint)}")
 
 
-def aborted(step: int, last_checkpoint: Optional[Path]) -> str:
+def aborted(step: int, last_checkpoint: Optional[Path], *, setting_up: Optional[str] = None) -> str:
     """The line printed when a second Ctrl-C ends the run at once."""
-    return (f"aborted by a second Ctrl-C during step {step}: nothing since {_newest(last_checkpoint)} was saved; "
+    during = setting_up or f"step {step}"
+    return (f"aborted by a second Ctrl-C during {during}: nothing since {_newest(last_checkpoint)} was saved; "
             f"to continue from there, {RESUME_HINT}")
+
+
+def stopped_before_training(signal_name: str, during: str, *, announce: bool) -> RunStopped:
+    """The stop on a signal during set-up's batches (``during``: ``the reference's pass (batch 3 of 40)``)."""
+    return RunStopped(f"stopped by {signal_name} during {during}, before training: nothing to save; to continue, "
+                      f"{RESUME_HINT}", exit_status=EXIT_STOPPED, announce=announce)
 
 
 def _newest(last_checkpoint: Optional[Path]) -> str:

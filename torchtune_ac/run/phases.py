@@ -4,7 +4,6 @@ A recipe calls them in order (``recipes/full_finetune.py``); another recipe comp
     choose_resume     the checkpoint to continue from (resume_from_checkpoint)                  -> ResumeChoice
     build_data        the instruction/chat/text data loader of this rank, and its identity      -> RunData
     build_validation  the held-out data of the validation loss, and when to compute it          -> ValidationData
-    precompute_reference_logps  a DPO reference's log-probabilities of every pair, kept with the pairs
     restore           a resume's progress, model and optimizer state; this config's hyper-parameters -> Progress
     check_disk_space  before the first step: room for one checkpoint (refused), for those kept (warned)
 """
@@ -36,7 +35,6 @@ from torchtune_ac.checkpoint import (
 )
 from torchtune_ac.data import blank_preference_sample, build_dataloader, collate_batch, collate_preference_batch
 from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
-from torchtune_ac.data.preference import PreferenceDataset
 from torchtune_ac.data.sampler import blank_sample, evaluation_batches
 from torchtune_ac.data.samples import count_of, describe_samples
 from torchtune_ac.errors import UserError
@@ -51,11 +49,9 @@ from torchtune_ac.run.messages import (
     hyperparameters_changed,
     resharded,
 )
-from torchtune_ac.run.plan import RunPlan, RunConfig
-from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
+from torchtune_ac.run.plan import RunConfig, RunPlan
+from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.runtime.parallelism import Parallelism
-from torchtune_ac.training.dpo import reference_logps
-from torchtune_ac.training.step import move_batch
 
 log = logging.getLogger("torchtune_ac.run")
 
@@ -76,14 +72,26 @@ def choose_resume(cfg: RunConfig, ctx: DistributedContext) -> ResumeChoice:
 class Batching:
     """How a recipe's samples become batches: ``collate`` makes a batch (called with ``pad_id``,
     ``pad_to_multiple_of`` and ``max_length``), ``blank`` a copy of a sample that counts for nothing (what fills the
-    last batch of a validation pass)."""
+    last batch of a validation pass); ``keys``: what every sample holds, and ``kind`` what such samples are called
+    (a dataset of another kind is refused before anything heavy: ``check_kind``)."""
 
     collate: Callable[..., dict[str, torch.Tensor]] = collate_batch
     blank: Callable[[dict[str, Any]], dict[str, Any]] = blank_sample
+    keys: tuple[str, ...] = ("tokens", "labels")
+    kind: str = "samples (tokens and labels)"
+
+    def check_kind(self, dataset: Any, key: str, path: str) -> None:
+        """Raise ``UserError`` when ``dataset``'s first sample lacks ``keys`` (a builder of another recipe's data)."""
+        missing = [name for name in self.keys if len(dataset) and name not in dataset[0]]
+        if missing:
+            raise UserError(f"{key}: {path} gives samples without {', '.join(missing)}: not the {self.kind} this "
+                            "recipe trains on (full_finetune trains on samples, full_dpo on preference pairs)")
 
 
 SAMPLES = Batching()  # tokens and labels, one row a sample
-PAIRS = Batching(collate_preference_batch, blank_preference_sample)  # preference pairs: chosen rows, rejected rows
+PAIRS = Batching(collate_preference_batch, blank_preference_sample,  # preference pairs: chosen rows, rejected rows
+                 keys=("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels"),
+                 kind="preference pairs")
 
 
 @dataclass
@@ -125,6 +133,7 @@ def build_data(cfg: RunConfig, tokenizer: Any, ctx: DistributedContext, *,
     preference pairs), and what identifies the data (its files hashed once, the ranks sharing the reading). How many
     steps it makes is the plan's (``RunPlan.with_data``)."""
     dataset = cfg.dataset.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
+    batching.check_kind(dataset, "dataset", cfg.dataset.path)
     # Each tensor-parallel group reads one share of the global batch, the same on each of its ranks.
     loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.data_parallel_rank,
                               world_size=ctx.data_parallel_size,
@@ -179,41 +188,11 @@ def build_validation(cfg: RunConfig, tokenizer: Any, ctx: DistributedContext, *,
     dataset = cfg.dataset_val.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
     if len(dataset) == 0:
         raise UserError("dataset_val: holds no sample")
+    batching.check_kind(dataset, "dataset_val", cfg.dataset_val.path)
     log.info("validation: %s, every %s", describe_samples(dataset),
              count_of(cfg.run_val_every_n_steps, "step") if cfg.run_val_every_n_steps else "epoch")
     return ValidationData(dataset, cfg.batch_size_val or cfg.batch_size, cfg.run_val_every_n_steps,
                           tokenizer.pad_id, ctx, batch_padding(cfg, ctx.parallelism), batching)
-
-
-def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset, *, batch_size: int,
-                               ctx: DistributedContext, pad_id: int, n_chunks: int = 1,
-                               padding: Optional[dict[str, Any]] = None) -> None:
-    """Run the frozen reference once over ``dataset`` and keep its log-probabilities with the pairs
-    (``dataset.set_reference_logps``; ``dpo.reference: precomputed``): every rank computes its share of the pairs,
-    and one all-reduce gives every rank all of them. Every rank calls this with the same dataset (a sharded forward
-    is a collective).
-
-    Args:
-        reference: the frozen reference model (``assemble.build_reference``).
-        dataset: the pairs (training or validation).
-        batch_size: pairs per process per forward.
-        ctx: this rank's place in the run.
-        pad_id: the tokenizer's padding id.
-        n_chunks: the resolved ``loss_chunks``.
-        padding: how batches are padded (``pad_to_multiple_of``, ``max_length``), as the training batches are.
-    """
-    logps = torch.zeros(len(dataset), 2, dtype=torch.float64, device=ctx.device)  # [pairs, (chosen, rejected)]
-    # A tensor-parallel group computes its share together; its first rank alone writes it down.
-    batches = evaluation_batches(dataset, batch_size=batch_size, pad_id=pad_id, rank=ctx.data_parallel_rank,
-                                 world_size=ctx.data_parallel_size, collate=PAIRS.collate, blank=PAIRS.blank,
-                                 **(padding or {}))
-    global_batch = batch_size * ctx.data_parallel_size
-    for index, batch in enumerate(batches):
-        first = index * global_batch + ctx.data_parallel_rank * batch_size
-        pairs = reference_logps(reference, move_batch(batch, ctx.device), n_chunks).double()  # [2b]
-        count = max(0, min(batch_size, len(dataset) - first)) if ctx.reads_for_its_group else 0  # the rest: fillers
-        logps[first:first + count] = torch.stack(pairs.chunk(2), dim=1)[:count]  # [b, 2]
-    dataset.set_reference_logps(all_reduce_sum(logps, ctx).cpu())
 
 
 def restore(plan: RunPlan, ctx: DistributedContext, checkpoint: Path, training: AssembledModel, data: RunData) -> Progress:

@@ -55,6 +55,8 @@ class Run:
         progress: where training stands (the loop moves it on).
         last_checkpoint: the newest checkpoint written or resumed from.
         metrics: ``metrics.jsonl`` and the trackers, on rank 0 once opened (closed by cleanup).
+        setting_up: what set-up is doing in batches before training (``reference.PASS``), which a stop signal
+            ends after its current batch; None otherwise.
     """
 
     cfg: RunConfig
@@ -63,13 +65,15 @@ class Run:
     progress: Progress = field(default_factory=Progress)
     last_checkpoint: Optional[Path] = None
     metrics: Optional[RunLog] = None
+    setting_up: Optional[str] = None
 
     def __post_init__(self) -> None:
         # Rank 0 says at once what a signal will do (the step may take minutes to finish).
         self.stop = StopSignals(
             announce=self.ctx.is_rank_zero,
-            requested=lambda name: messages.stop_requested(name, self.progress.step + 1, self.last_checkpoint),
-            aborted=lambda: messages.aborted(self.progress.step + 1, self.last_checkpoint),
+            requested=lambda name: messages.stop_requested(name, self.progress.step + 1, self.last_checkpoint,
+                                                           setting_up=self.setting_up),
+            aborted=lambda: messages.aborted(self.progress.step + 1, self.last_checkpoint, setting_up=self.setting_up),
         )
 
     def close(self, *, succeeded: bool) -> None:
@@ -105,7 +109,8 @@ def open_run(cfg: RunConfig) -> Iterator[Run]:
         follow_live_tensors()
     logging.basicConfig(level=logging.INFO if ctx.is_rank_zero else logging.WARNING, format="%(message)s")
     run = Run(cfg, ctx)
-    with run.stop, hold_output_dir(cfg.output_dir, ctx):
+    with run.stop, hold_output_dir(cfg.output_dir, ctx) as release_lock:
+        run.stop.before_abort = release_lock  # a second Ctrl-C ends the process at once, but not holding the lock
         try:
             check_same_config(plain_config(cfg), ctx)
             check_shared_directory(cfg.output_dir, "output_dir", ctx)

@@ -136,7 +136,7 @@ def launch_elastic(launcher: dict, recipe_path: Path, recipe_argv: Sequence[str]
         except ChildFailedError as err:
             codes = {rank: failure.exitcode for rank, failure in err.failures.items()}
             report_first_failure(Path(reports))
-            return status_of_failed_workers(codes, read_worker_errors(Path(reports)))
+            return status_of_failed_workers(codes, read_worker_errors(Path(reports)), read_lost_workers(Path(reports)))
     return 0
 
 
@@ -162,6 +162,38 @@ def report_worker_failure(text: str) -> bool:
         return False
     (Path(folder) / f"rank_{os.environ.get('RANK', '0')}.failure").write_text(text, encoding="utf-8")
     return True
+
+
+# What a collective raises on a rank whose peer process died (gloo's TCP pair, NCCL's watchdog).
+LOST_PEER_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
+                     "remote process exited")
+
+
+def lost_peer(err: BaseException) -> Optional[str]:
+    """What ``err`` says in one line when it is a collective failing because another process of the run died, or
+    None (any other failure)."""
+    text = str(err)
+    if not isinstance(err, RuntimeError) or not any(marker in text for marker in LOST_PEER_MARKERS):
+        return None
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return first.split("] ", 1)[-1].split(". This is typically", 1)[0]  # gloo's source location and advice cut
+
+
+def report_worker_lost(line: str) -> bool:
+    """In a worker started by ``launch_elastic``: tell the launcher that this rank stopped because another process
+    of the run died (``lost_peer``'s line); the launcher names the process that died instead of this one's
+    traceback. Returns False (the caller prints it) outside such a worker."""
+    folder = os.environ.get(REPORTS_ENV_VAR)
+    if not folder or not Path(folder).is_dir():
+        return False
+    (Path(folder) / f"rank_{os.environ.get('RANK', '0')}.lost").write_text(line, encoding="utf-8")
+    return True
+
+
+def read_lost_workers(folder: Path) -> dict[int, str]:
+    """rank -> the line of a worker that stopped because another process died (``report_worker_lost``)."""
+    return {int(path.stem.removeprefix("rank_")): path.read_text(encoding="utf-8")
+            for path in folder.glob("rank_*.lost")}
 
 
 def report_first_failure(folder: Path) -> None:
@@ -213,10 +245,26 @@ def _quiet_elastic_logs() -> Iterator[None]:
 STATUSES_OF_WORKERS = (EXIT_USER_ERROR, EXIT_NON_FINITE, EXIT_STOPPED)
 
 
-def status_of_failed_workers(exit_codes: dict[int, int], errors: Optional[Mapping[int, str]] = None) -> int:
+def status_of_failed_workers(exit_codes: dict[int, int], errors: Optional[Mapping[int, str]] = None,
+                             lost: Optional[Mapping[int, str]] = None) -> int:
     """The launcher's exit status from its workers' (a negative code: killed by that signal), after printing each
     distinct error the workers handed over (``errors``: rank -> one line) once.
+
+    A worker killed by a signal the launcher does not send (SIGKILL from the out-of-memory killer or ``kill -9``,
+    SIGSEGV, ...) is named in one line, with the ranks that stopped because they lost it (``lost``: rank -> what
+    their collective said); the status is then 1. Otherwise a rank that lost another (which failed in its own way,
+    said above) gets a line of its own.
     """
+    lost = dict(lost or {})
+    killed = {rank: -code for rank, code in exit_codes.items()
+              if code < 0 and -code not in (signal.SIGTERM, signal.SIGINT)}
+    if killed:
+        print(f"tune: error: {_died(killed, lost)}; the checkpoints written before are complete: to continue, "
+              "run the same command with resume_from_checkpoint=true", file=sys.stderr, flush=True)
+        return 1
+    for rank, line in sorted(lost.items()):
+        print(f"tune: error: rank {rank} stopped: it lost the connection to another process in a collective "
+              f"({line})", file=sys.stderr, flush=True)
     # When one worker fails, the launcher terminates the others (negative codes: killed by a signal); the status
     # that matters is that of the workers that exited on their own.
     exited = {rank: code for rank, code in exit_codes.items() if code > 0}
@@ -240,6 +288,24 @@ def status_of_failed_workers(exit_codes: dict[int, int], errors: Optional[Mappin
     print(f"tune: error: process(es) {sorted(exited) or sorted(exit_codes)} failed with exit status "
           f"{codes or sorted(set(exit_codes.values()))}; see their messages above", file=sys.stderr)
     return codes[0] if len(codes) == 1 and codes[0] in STATUSES_OF_WORKERS else 1
+
+
+def _died(killed: Mapping[int, int], lost: Mapping[int, str]) -> str:
+    """What happened to a run one of whose processes died, in a clause."""
+    def ranks(found: Mapping[int, object]) -> str:
+        return f"rank{'s' if len(found) > 1 else ''} {', '.join(map(str, sorted(found)))}"
+
+    parts = []
+    for rank, signum in sorted(killed.items()):
+        name = signal.Signals(signum).name if signum in signal.Signals._value2member_map_ else f"signal {signum}"
+        how = (" (the out-of-memory killer, a scheduler or kill -9: not this run)" if signum == signal.SIGKILL
+               else "")
+        parts.append(f"rank {rank} was killed by {name}{how}")
+    if lost:
+        example = next(iter(sorted(lost.items())))[1]
+        parts.append(f"{ranks(lost)} stopped when {'they' if len(lost) > 1 else 'it'} lost the connection to "
+                     f"{'it' if len(killed) == 1 else 'them'} in a collective ({example})")
+    return "; ".join(parts)
 
 
 @contextlib.contextmanager

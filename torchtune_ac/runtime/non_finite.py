@@ -41,12 +41,14 @@ class NonFiniteError(Exception):
         micro_batches: micro-batches per step.
         ranks: the ranks that saw a non-finite loss (all ranks for the gradient norm, which is global).
         stepped: the parameters were already stepped in backward (the gradient norm with optimizer_in_bwd).
+        loss_scale: the config key scaling the loss and its gradient, with its value (``Objective.loss_scale``).
     """
 
     def __init__(self, what: str, value: float, *, micro_batch: Optional[int], micro_batches: int,
-                 ranks: Sequence[int], stepped: bool = False) -> None:
+                 ranks: Sequence[int], stepped: bool = False, loss_scale: Optional[tuple[str, float]] = None) -> None:
         self.what, self.value, self.micro_batch = what, value, micro_batch
         self.micro_batches, self.ranks, self.stepped = micro_batches, list(ranks), stepped
+        self.loss_scale = loss_scale
         super().__init__(self.describe())
 
     def describe(self) -> str:
@@ -77,10 +79,13 @@ class FiniteChecks:
         ctx: rank and world size.
         micro_batches: micro-batches in the step.
         device: where the losses are (the model's device).
+        loss_scale: the config key scaling the loss, and its value, for the error (``Objective.loss_scale``).
     """
 
-    def __init__(self, ctx: DistributedContext, micro_batches: int, device: torch.device) -> None:
+    def __init__(self, ctx: DistributedContext, micro_batches: int, device: torch.device,
+                 loss_scale: Optional[tuple[str, float]] = None) -> None:
         self.ctx = ctx
+        self.loss_scale = loss_scale
         self.micro_batches = micro_batches
         self.losses = torch.zeros(micro_batches, ctx.world_size, device=device)  # [micro-batch, rank]
 
@@ -124,9 +129,9 @@ class FiniteChecks:
             bad = [rank for rank, value in enumerate(row) if not math.isfinite(value)]
             if bad:
                 raise NonFiniteError("loss", row[bad[0]], micro_batch=index, micro_batches=self.micro_batches,
-                                     ranks=bad, stepped=stepped)
+                                     ranks=bad, stepped=stepped, loss_scale=self.loss_scale)
         if not math.isfinite(norm_value):
             raise NonFiniteError("gradient norm", norm_value, micro_batch=None, micro_batches=self.micro_batches,
-                                 ranks=range(self.ctx.world_size), stepped=stepped)
+                                 ranks=range(self.ctx.world_size), stepped=stepped, loss_scale=self.loss_scale)
         return StepValues(loss_sum=total, grad_norm=norm_value, target_tokens=int(tokens[0] if tokens else targets),
                           input_tokens=int(inputs), metric_sums=tuple(metrics), targets=int(targets))

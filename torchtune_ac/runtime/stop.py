@@ -7,8 +7,8 @@ middle of a collective or a write, so it must not act itself. Once per step ever
 all ranks (one all-reduce of one number), so all ranks agree on the step to stop after, even when the signal
 reached only some of them; the recipe then saves and raises ``RunStopped``. The first signal is acknowledged
 at once, in one line (a step can take minutes): what will happen, and what a second Ctrl-C would lose. A second
-Ctrl-C ends the process at once, whatever it is doing, with one line saying what survived and how to go on,
-and exit status 130; further SIGTERMs are ignored until the process has exited. Only the process that speaks
+Ctrl-C ends the process at once, whatever it is doing (``before_abort`` first: the run's lock is released), with one
+line saying what survived and how to go on, and exit status 130; further SIGTERMs are ignored until the process has exited. Only the process that speaks
 for the run (rank 0) prints these lines.
 
 Under ``tune run --nproc_per_node N`` the launcher forwards SIGTERM and SIGINT to every worker (``cli.py``).
@@ -16,6 +16,7 @@ Under ``tune run --nproc_per_node N`` the launcher forwards SIGTERM and SIGINT t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -49,6 +50,8 @@ class StopSignals:
         self.announce = announce
         self.requested = requested
         self.aborted = aborted
+        # What a second Ctrl-C does before the process ends (the run's output_dir lock is released).
+        self.before_abort: Optional[Callable[[], None]] = None
         self._previous: dict[signal.Signals, Any] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -79,6 +82,9 @@ class StopSignals:
 
     def _abort(self, signum: int, frame: Optional[FrameType]) -> None:
         self._say(self.aborted() if self.aborted else None)
+        if self.before_abort is not None:
+            with contextlib.suppress(Exception):  # ending at once comes first
+                self.before_abort()
         os._exit(EXIT_INTERRUPTED)
 
     def agreed(self, ctx: DistributedContext) -> Optional[str]:

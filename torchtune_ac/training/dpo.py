@@ -30,7 +30,7 @@ within rounding, and the accuracy near 0.5.
 
 The reference is a model of the policy's shape, sharded like it, frozen (no gradients, no optimizer state, eval
 mode) and run under ``no_grad`` before the policy's forward. ``reference: precomputed`` runs it once over the data
-before training (``run/phases.py``'s ``precompute_reference_logps``), keeps two numbers per pair with the data,
+before training (``run/reference.py``'s ``precompute_reference``), keeps two numbers per pair with the data,
 and frees it.
 """
 
@@ -74,8 +74,9 @@ class DPOConfig:
         0.1, doc="How strongly the policy is held to the reference: the scale of the log-ratios in the loss (IPO: its "
         "regularisation tau). torchtune's DPOLoss beta.", exclusive_minimum=0.0, torchtune="loss.beta")
     label_smoothing: float = config_key(
-        0.0, doc="Conservative DPO: the probability that a pair's preference is flipped (the sigmoid loss only).",
-        minimum=0.0, maximum=0.5, torchtune="loss.label_smoothing")
+        0.0, doc="Conservative DPO: the probability that a pair's preference is flipped (the sigmoid loss only); below "
+        "0.5, where the loss is ln 2 whatever the policy and its gradient 0.", minimum=0.0, exclusive_maximum=0.5,
+        torchtune="loss.label_smoothing")
     loss_type: DPOLossType = config_key(
         DPOLossType.SIGMOID, doc="sigmoid (DPO), or ipo (IPO, as TRL computes it: the log-ratios divided by the "
         "answer's tokens).")
@@ -85,6 +86,14 @@ class DPOConfig:
         "with the pairs, and the model is freed.")
 
     def __post_init__(self) -> None:
+        largest = torch.finfo(torch.float32).max  # the loss is computed in float32
+        if self.beta > largest:
+            raise UserError(f"dpo.beta={self.beta:g}: the loss multiplies the log-ratios by it in float32, whose "
+                            f"largest finite value is {largest:.3g}, so no step could be finite; DPO's beta is "
+                            "usually between 0.01 and 1")
+        if self.loss_type is DPOLossType.IPO and 1 / (2 * self.beta) > largest:
+            raise UserError(f"dpo.beta={self.beta:g}: IPO's target margin 1 / (2 beta) is not finite in float32 (the "
+                            "loss's dtype), so no step could be finite; IPO's tau is usually between 0.01 and 1")
         if self.label_smoothing and self.loss_type is not DPOLossType.SIGMOID:
             raise UserError(f"dpo.label_smoothing={self.label_smoothing}: only the sigmoid loss has label smoothing "
                             f"(dpo.loss_type={self.loss_type.value}); set it to 0")
@@ -175,6 +184,10 @@ class DPOObjective:
     n_chunks: int = 1
     reference: Optional[nn.Module] = None
     metric_names = DPO_METRICS
+
+    @property
+    def loss_scale(self) -> tuple[str, float]:
+        return "dpo.beta", self.config.beta
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return pair_mask(batch["labels"]).sum()

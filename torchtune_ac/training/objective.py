@@ -49,9 +49,12 @@ class Objective(Protocol):
     Attributes:
         metric_names: what the ``LossParts.metrics`` of ``__call__`` sum, in order; empty when it returns the loss
             alone.
+        loss_scale: the config key that scales the loss and its gradient, with its value (DPO's ``dpo.beta``), named
+            when they are not finite; None when the config has none.
     """
 
     metric_names: tuple[str, ...]
+    loss_scale: Optional[tuple[str, float]]
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """How many positions of ``batch`` the loss sums over (an int64 0-d tensor, on the batch's device)."""
@@ -105,6 +108,7 @@ class CrossEntropy:
     Batches hold ``tokens`` and ``labels`` ``[b, s]`` and, when packed, ``document_ids``."""
 
     metric_names = ()
+    loss_scale = None
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return count_target_tokens(batch["labels"])

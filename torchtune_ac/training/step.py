@@ -208,7 +208,7 @@ def train_step(
     # world_size / targets in float64, rounded once to float32 (what multiplying by a Python float does).
     scale = (ctx.world_size / counts[0].clamp(min=1).double()).float()
 
-    checks = FiniteChecks(ctx, len(micro_batches), device)
+    checks = FiniteChecks(ctx, len(micro_batches), device, loss_scale=objective.loss_scale)
     metric_sums = torch.zeros(len(objective.metric_names), device=device)
     loss_sum = accumulate_gradients(model, stepper, micro_batches, scale=scale, objective=objective,
                                     record_loss=checks.record_loss, metric_sums=metric_sums)

@@ -423,3 +423,31 @@ def test_vars_holds_the_users_own_variables_for_interpolation(tmp_path):
 )
 def test_keys_outside_vars_are_still_checked(extra, problem):
     assert problems_of(base_config(**extra)) == [problem]
+
+
+def test_a_recipe_refuses_the_other_recipes_data_naming_both():
+    from torchtune_ac.config.schema import FullDPOConfig
+
+    with pytest.raises(UserError) as caught:  # a fine-tuning config given to full_dpo
+        validate_config(base_config(), FullDPOConfig, source="c.yaml")
+    assert str(caught.value).startswith("dataset: torchtune_ac.data.instruct_dataset makes samples, which the "
+                                        "full_finetune recipe trains on; the full_dpo recipe trains on preference "
+                                        "pairs (torchtune_ac.data.preference_dataset)")
+    pairs = {"_component_": "torchtune_ac.data.preference_dataset"}
+    with pytest.raises(UserError, match="dataset_val: torchtune_ac.data.preference_dataset makes preference pairs, "
+                                        "which the full_dpo recipe trains on; the full_finetune recipe trains on "
+                                        "samples"):
+        validate_config(base_config(dataset_val=pairs), FullFinetuneConfig, source="c.yaml")
+    # A DPO config, its own keys included: each is named as full_dpo's.
+    assert problems_of(base_config(dataset=pairs, dpo={"beta": 0.1})) == [
+        "dpo: unknown key (a key of the full_dpo recipe: is this config for `tune run full_dpo`?)"]
+
+
+def test_a_builder_without_a_return_annotation_is_checked_on_its_first_sample():
+    from torchtune_ac.run.phases import PAIRS, SAMPLES
+
+    samples = [{"tokens": [1, 2], "labels": [2, -100]}]
+    SAMPLES.check_kind(samples, "dataset", "my.builder")
+    with pytest.raises(UserError, match="dataset: my.builder gives samples without chosen_tokens, chosen_labels, "
+                                        "rejected_tokens, rejected_labels: not the preference pairs this recipe"):
+        PAIRS.check_kind(samples, "dataset", "my.builder")

@@ -162,6 +162,8 @@ def test_pairs_that_differ_only_past_max_seq_len_are_dropped_and_counted(tmp_pat
         ({"chosen": [user("q")], "rejected": [user("q"), assistant("b")]},
          "chosen must end with the assistant's answer, but its last message is a 'user' turn"),
         ({"chosen": [user("q"), assistant("a")], "rejected": "b"}, "column 'rejected' must be a message list"),
+        ({"chosen": [assistant("a")], "rejected": [assistant("b")]},
+         "chosen and rejected hold only the assistant's answer; a pair answers a prompt"),
     ],
 )
 def test_bad_records_are_refused_in_one_line_naming_the_row(tmp_path, tokenizer, record, message):

@@ -66,6 +66,27 @@ def test_the_first_signal_is_acknowledged_at_once_and_a_second_ctrl_c_says_what_
     assert result.stderr.splitlines() == ["tune: SIGINT asked", "tune: gone"]
 
 
+def test_a_second_ctrl_c_releases_the_output_dir_lock_before_it_ends_the_process(tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(
+        "import os, signal, sys, time, torch\n"
+        "from torchtune_ac.checkpoint import hold_output_dir\n"
+        "from torchtune_ac.runtime.distributed import DistributedContext\n"
+        "from torchtune_ac.runtime.stop import StopSignals\n"
+        "ctx = DistributedContext(0, 1, 0, torch.device('cpu'))\n"
+        "with StopSignals() as stop, hold_output_dir(sys.argv[1], ctx) as release:\n"
+        "    stop.before_abort = release  # as open_run sets it\n"
+        "    print(sorted(os.listdir(sys.argv[1])), flush=True)\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)\n"
+        "    time.sleep(5)\n"
+    )
+    out = tmp_path / "out"
+    result = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=60)
+    assert (result.returncode, result.stdout) == (130, "['run.lock']\n"), result.stderr
+    assert not out.exists()  # the lock released, and the output_dir it created, left empty, removed
+
+
 def test_a_process_that_does_not_speak_for_the_run_prints_nothing(tmp_path):
     script = tmp_path / "child.py"
     script.write_text(

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -22,7 +23,7 @@ from torchtune_ac.data import (
     load_tokenizer,
     preference_dataset,
 )
-from torchtune_ac.run.phases import precompute_reference_logps
+from torchtune_ac.run.reference import precompute_reference_logps
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.training.dpo import (
     DPO_METRICS,
@@ -190,6 +191,29 @@ def test_step_zero_every_pair_costs_ln2_with_zero_rewards_and_half_accuracy(pair
     logps = answer_logps(model, collate_preference_batch([dataset[i] for i in range(6)], pad_id=tokenizer.pad_id),
                          1).detach()
     assert_close(result.extra["logps_chosen"], logps[:6].mean(), terms=llama_terms(ARGS, 40, 40, backward=False))
+
+
+def test_a_huge_beta_stops_naming_dpo_beta_and_one_that_cannot_be_finite_is_refused(pairs):
+    from torchtune_ac.checkpoint import Progress
+    from torchtune_ac.errors import UserError
+    from torchtune_ac.run.messages import diverged
+    from torchtune_ac.runtime.non_finite import NonFiniteError
+
+    dataset, tokenizer = pairs
+    model = build_random_llama(ARGS, seed=0).train()
+    objective = DPOObjective(DPOConfig(beta=1e30), reference=freeze_reference(copy.deepcopy(model)))
+    stepper = OptimizerStepper(torch.optim.SGD(model.parameters(), lr=0.0))
+    with pytest.raises(NonFiniteError) as caught:  # ln 2 at step 1, but a gradient of beta / 2 per log-ratio
+        train_step(model, stepper, [batch_of(dataset, [0, 1], tokenizer.pad_id)], ctx=CTX, objective=objective)
+    assert caught.value.what == "gradient norm" and caught.value.loss_scale == ("dpo.beta", 1e30)
+    line = str(diverged(caught.value, Progress(), None, announce=True))
+    assert "lower dpo.beta (now 1e+30: it scales the loss and its gradient) or the learning rate" in line
+    for config, message in [(dict(beta=1e39), "dpo.beta=1e+39: the loss multiplies the log-ratios by it in float32"),
+                            (dict(beta=1e-39, loss_type=DPOLossType.IPO),
+                             "dpo.beta=1e-39: IPO's target margin 1 / (2 beta) is not finite in float32")]:
+        with pytest.raises(UserError, match=re.escape(message)):
+            DPOConfig(**config)
+    DPOConfig(beta=1e-39)  # the sigmoid loss stays finite (and learns nothing)
 
 
 @pytest.mark.numerics
