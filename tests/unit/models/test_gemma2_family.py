@@ -16,6 +16,7 @@ from torch.nn.attention.flex_attention import flex_attention
 from transformers import AutoConfig, Gemma2Config
 
 import torchtune_ac.models.families.gemma2 as gemma2
+from torchtune_ac.cli import main
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropy
 from torchtune_ac.models import GEMMA2, family_for_hf_config, family_of, load_hf
@@ -185,3 +186,59 @@ def test_the_chunked_losses_equal_the_whole_soft_capped_logits(reference_and_mod
     with torch.no_grad():
         uncapped = model(TOKENS, head=lambda hidden, weight, softcap: ChunkedCrossEntropy(labels, 3)(hidden, weight))
         assert abs(float(uncapped) - float(cross_entropy_sum(model(TOKENS), labels))) > 1.0
+
+
+# ---- tune migrate: torchtune 0.6.1's gemma2 configs ---------------------------------------------------------------
+
+# recipes/configs/gemma2/9B_full.yaml of torchtune 0.6.1, its keys that matter here.
+TORCHTUNE_9B_FULL = """\
+output_dir: /tmp/torchtune/gemma2_9B/full
+tokenizer:
+  _component_: torchtune.models.gemma.gemma_tokenizer
+  path: {checkpoint}/tokenizer.model
+dataset:
+  _component_: torchtune.datasets.alpaca_dataset
+  packed: False
+seed: null
+shuffle: True
+model:
+  _component_: torchtune.models.gemma2.gemma2_9b
+checkpointer:
+  _component_: torchtune.training.FullModelHFCheckpointer
+  checkpoint_dir: {checkpoint}/
+  checkpoint_files:
+    filename_format: model-{{}}-of-{{}}.safetensors
+    max_filename: "00008"
+  recipe_checkpoint: null
+  output_dir: ${{output_dir}}
+  model_type: GEMMA2
+resume_from_checkpoint: False
+batch_size: 1
+epochs: 1
+optimizer:
+  _component_: torch.optim.AdamW
+  fused: True
+  lr: 2e-5
+loss:
+  _component_: torchtune.modules.loss.LinearCrossEntropyLoss
+max_steps_per_epoch: null
+gradient_accumulation_steps: 1
+clip_grad_norm: null
+compile: False
+optimizer_in_bwd: False
+device: cuda
+enable_activation_checkpointing: True
+enable_activation_offloading: False
+dtype: bf16
+"""
+
+
+def test_torchtunes_gemma2_config_migrates_to_the_published_model_and_validates(tmp_path, capsys):
+    source = tmp_path / "9B_full.yaml"
+    source.write_text(TORCHTUNE_9B_FULL.format(checkpoint=tmp_path / "gemma-2-9b"))
+    assert main(["migrate", str(source), "-o", str(tmp_path / "ours.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "changed: model._component_: torchtune's gemma2 builders cap attention scores at 30 and logits at 50" in out
+    assert "torchtune_ac.models.gemma2_9b" in (tmp_path / "ours.yaml").read_text()
+    assert main(["validate", "--config", str(tmp_path / "ours.yaml")]) == 0
+    assert "torchtune_ac.models.gemma2_9b: 9,241,705,984 parameters, 42 layers" in capsys.readouterr().out
