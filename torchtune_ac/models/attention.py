@@ -52,6 +52,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
 try:
     from torch.nn.attention.varlen import varlen_attn  # torch 2.9 or newer
 except ImportError:
@@ -97,6 +99,10 @@ def detect_varlen_support(function: Optional[Callable[..., Any]]) -> VarlenSuppo
 
 
 VARLEN_SUPPORT = detect_varlen_support(varlen_attn)
+# FlexAttention as soft-capped attention runs it on CUDA: compiled (uncompiled it scores every query-key pair,
+# unfused); compiled lazily at the first call, with dynamic shapes once a second row length is seen (batches are
+# padded to their longest sample, so lengths vary).
+_COMPILED_FLEX_ATTENTION = torch.compile(flex_attention)
 # The op behind ``varlen_attn`` (for per-op AC's policy), where torch has it.
 VARLEN_OPS = frozenset({torch.ops.torch_attn._varlen_attn.default}) if VARLEN_SUPPORT.present else frozenset()
 
@@ -297,8 +303,6 @@ def _document_index(runs: DocumentRuns, b: int, s: int) -> torch.Tensor:
 def _flex_block_mask(runs: Optional[DocumentRuns], window: Optional[int], b: int, s: int, device: torch.device):
     """The block mask of causal attention (within ``window``, within each document of ``runs``), built once per
     forward and shared by its layers (``runs`` is one object per forward; an unpacked shape is reused)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     document = None if runs is None else _document_index(runs, b, s)
 
     def mask_mod(batch, head, q_index, kv_index):
@@ -310,14 +314,6 @@ def _flex_block_mask(runs: Optional[DocumentRuns], window: Optional[int], b: int
         return allowed
 
     return create_block_mask(mask_mod, None if document is None else b, None, s, s, device=device)
-
-
-@functools.lru_cache(maxsize=None)
-def _compiled_flex_attention() -> Callable[..., torch.Tensor]:
-    """FlexAttention compiled once per process: uncompiled it materialises every score, unfused."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    return torch.compile(flex_attention, dynamic=False)
 
 
 def flex_softcapped_attention(
@@ -345,7 +341,7 @@ def flex_softcapped_attention(
         return torch.tanh(score / softcap) * softcap
 
     block_mask = _flex_block_mask(runs, window, b, s, q.device)
-    out = (kernel or _compiled_flex_attention())(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+    out = (kernel or _COMPILED_FLEX_ATTENTION)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
                                                  enable_gqa=gqa)  # [b, n_heads, s, hd]
     return out.transpose(1, 2)  # [b, s, n_heads, hd]
 
