@@ -436,7 +436,8 @@ class Llama(nn.Module):
         ``document_ids``, a host synchronisation on a GPU (``attention.document_runs``).
 
         ``head`` replaces the output projection: it receives the final norm's output ``[b, s, dim]`` and the
-        projection's weight ``[vocab, dim]`` (the embedding, when tied), e.g. to compute a loss chunk by chunk
+        projection's weight ``[vocab, dim]`` (the embedding, when tied), and ``softcap=C`` where the logits are
+        soft-capped (``args.final_logit_softcapping``), e.g. to compute a loss chunk by chunk
         without ever materialising the logits. It runs inside this forward, where a sharded model's weights
         are gathered.
         """
