@@ -118,7 +118,8 @@ def make_case(args: argparse.Namespace, seq_len: int, window: Optional[int], n_d
 
     def explicit(q, k, v):
         if runs is None:
-            return _softcapped_attention(q, k, v, dropout_p=0.0, gqa=gqa, softcap=args.softcap, **options).transpose(1, 2)
+            out = _softcapped_attention(q, k, v, dropout_p=0.0, gqa=gqa, softcap=args.softcap, **options)
+            return out.transpose(1, 2)
         return _per_document_attention(q, k, v, runs=runs, dropout_p=0.0, gqa=gqa, softcap=args.softcap, **options)
 
     forwards: dict[str, Callable[..., torch.Tensor]] = {

@@ -155,7 +155,8 @@ def test_flex_attention_computes_the_explicit_kernels_attention(packed, window):
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")  # meant: unfused here
         actual = flex_softcapped_attention(q, k, v, runs=runs, kernel=flex_attention, **options)
     assert_close(actual, expected, terms=hd + 2 * s, what="attention")
-    capped, uncapped = (_softcapped_attention(q, k, v, dropout_p=0.0, **{**options, "softcap": cap}) for cap in (2.0, 1e4))
+    capped, uncapped = (_softcapped_attention(q, k, v, dropout_p=0.0, **{**options, "softcap": cap})
+                        for cap in (2.0, 1e4))
     assert (capped - uncapped).abs().max() > 1e-2  # the cap bends these scores
 
 
