@@ -11,9 +11,10 @@
 #   2 fast      the cuda tests that neither compile nor offload: NCCL + FSDP2, DCP, HF export, varlen, the
 #               chunked loss, the cuBLAS workspaces the planner counts                       (limit  60 s)
 #   3 offload   fsdp.cpu_offload (with the step after and in backward), activation offloading  (limit  50 s)
-#   4 compiled  compiled varlen attention; compiled bf16 `tune run`s: recompiles, plan against the peaks
-#               and eager, the planner's own case (default: packed with full AC and unpacked with per-op AC
-#               compiled, unpacked per-op eager; --full: every one of the eight)            (limit 170 s)
+#   4 compiled  compiled varlen attention; compiled FlexAttention (Gemma 2's soft-cap); compiled bf16
+#               `tune run`s: recompiles, plan against the peaks and eager, the planner's own case (default:
+#               packed with full AC and unpacked with per-op AC compiled, unpacked per-op eager; --full: every
+#               one of the eight)                                                            (limit 170 s)
 #   5 bench     bench_train.py on llama3_2_1b, bf16, compiled, packed 4 x 2048, full AC and none: tokens/s,
 #               MFU, plan against max_memory_reserved, recompiles, host syncs per step      (limit 150 s)
 # The default run is planned for under 8 minutes on one H100 (the limits add up to 470 s); --full doubles the
@@ -114,10 +115,10 @@ pytest_stage fast 60 tests/gpu/test_fsdp_nccl_cuda.py tests/gpu/test_chunked_los
 pytest_stage offload 50 tests/integration/test_offload.py tests/unit/memory/test_activation_offloading.py
 if [ "$FULL" -eq 1 ]; then
   pytest_stage compiled $((170 * scale)) tests/gpu/test_packed_attention_cuda.py tests/gpu/test_tune_run_cuda.py \
-    -k "compiled or tune_run"
+    tests/gpu/test_softcap_attention_cuda.py -k "compiled or tune_run"
 else
   pytest_stage compiled 170 tests/gpu/test_packed_attention_cuda.py tests/gpu/test_tune_run_cuda.py \
-    -k "(compiled and not tune_run) or [packed-full-compiled] or [unpacked-per_op-compiled] or [unpacked-per_op-eager]"
+    tests/gpu/test_softcap_attention_cuda.py -k "(compiled and not tune_run) or [packed-full-compiled] or [unpacked-per_op-compiled] or [unpacked-per_op-eager]"
 fi
 BENCH=(scripts/bench_train.py --device cuda --model "${GPU_CHECK_MODEL:-llama3_2_1b}" --batch-size 4 --seq-len 2048
        --steps 6 --warmup 2 --settings full,none)

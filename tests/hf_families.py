@@ -8,6 +8,8 @@ from pathlib import Path
 
 import torch
 from transformers import (
+    Gemma2Config,
+    Gemma2ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GemmaConfig,
@@ -40,6 +42,11 @@ PHI3_TINY = {
     "rope_parameters": {"rope_type": "longrope", "rope_theta": 10_000.0, "partial_rotary_factor": 0.5,
                         "short_factor": [1.0, 1.5], "long_factor": [2.0, 4.0]},
 }
+# Gemma 2's pattern (a sliding layer, 6 tokens, then a global one), its attention scale, and caps low enough to
+# bend the tiny model's scores and logits (random weights give scores of a few units; the published caps, 50 and
+# 30, would leave them almost linear and a missing cap unseen).
+GEMMA2_TINY = {"head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
+               "final_logit_softcapping": 1.5}
 # family -> (config class, model class, config settings that make transformers build exactly our architecture)
 HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
@@ -52,10 +59,11 @@ HF_CLASSES = {
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3_TINY),
     "gemma": (GemmaConfig, GemmaForCausalLM, {"head_dim": 16}),
     "phi3": (Phi3Config, Phi3ForCausalLM, PHI3_TINY),
+    "gemma2": (Gemma2Config, Gemma2ForCausalLM, GEMMA2_TINY),
 }
 FAMILY_NAMES = sorted(HF_CLASSES)
 # Families whose norms scale by (1 + weight).
-OFFSET_NORMS = ("gemma", "gemma3")
+OFFSET_NORMS = ("gemma", "gemma2", "gemma3")
 TINY_SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=128, rms_norm_eps=1e-6)
 

@@ -11,6 +11,7 @@ from torchtune_ac.cli import main
 
 # config -> (parameters, vocabulary)
 CONFIGS = {
+    "gemma2/2B_full": ("2,614,341,888", "256,000"),
     "gemma3/1B_full": ("999,885,952", "262,144"),
     "gemma3/4B_full": ("3,880,263,168", "262,208"),
     "phi3/mini_full": ("3,821,079,552", "32,064"),

@@ -198,8 +198,10 @@ def test_refuses_to_overwrite_without_force(tmp_path, capsys):
     "text, message",
     [
         # The file is named (a mapping problem was reported with the key only).
-        ("output_dir: /tmp/x\nmodel:\n  _component_: torchtune.models.gemma2.gemma2_2b\ncheckpointer:\n  checkpoint_dir: /m\n",
-         "tune migrate: {source}: model._component_=torchtune.models.gemma2.gemma2_2b: no equivalent in torchtune_ac; "
+        ("output_dir: /tmp/x\nmodel:\n  _component_: torchtune.models.llama3_2_vision.llama3_2_vision_11b\n"
+         "checkpointer:\n  checkpoint_dir: /m\n",
+         "tune migrate: {source}: model._component_=torchtune.models.llama3_2_vision.llama3_2_vision_11b: "
+         "no equivalent in torchtune_ac; "
          "supported: "),
         ("output_dir: /tmp/x\nbatch_size: 2\n", "does not look like a torchtune config"),
         # One of our own configs: its resolver is not an interpolation error ("Unsupported interpolation type").

@@ -15,6 +15,10 @@ projected and scored a chunk at a time. Each chunk's
   to the output weight are computed right away (the weight's accumulated in place), so backward keeps only
   the targets' hidden-state gradients and the weight's gradient, and has nothing to recompute.
 
+A model whose logits are soft-capped (Gemma 2's ``final_logit_softcapping`` C: ``C * tanh(logits / C)``) calls the
+head with ``softcap=C``: each chunk's float32 logits are capped before they are scored, and their gradient carries
+the cap's derivative ``1 - tanh^2``, which holds a second chunk-sized float32 buffer while a chunk is processed.
+
 Under tensor parallelism the output weight reaches the head split along the vocabulary (a DTensor of this rank's
 rows, ``parallel/tensor_parallel.py``), and the loss is computed on the vocabulary shards (loss parallel,
 ``_VocabParallelChunkedCrossEntropy``): each rank projects its rows only, so a chunk's float32 logits are
@@ -58,6 +62,20 @@ DEFAULT_LOSS_CHUNKS = 8
 CHUNKED_LOSS_MIN_VOCAB = 32_000
 
 
+def _soft_cap_(logits: torch.Tensor, softcap: Optional[float]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Float32 logits ``[c, vocab]`` soft-capped: ``(C * tanh(logits / C), tanh(logits / C))``, the second in place
+    of ``logits`` (kept for the cap's derivative); ``(logits, None)`` without a cap."""
+    if softcap is None:
+        return logits, None
+    unit = logits.div_(softcap).tanh_()
+    return unit * softcap, unit
+
+
+def _through_soft_cap_(grad_logits: torch.Tensor, unit: Optional[torch.Tensor]) -> torch.Tensor:
+    """The gradient with respect to the uncapped logits: ``grad * (1 - tanh^2)`` (``unit`` is consumed)."""
+    return grad_logits if unit is None else grad_logits.mul_(unit.square_().neg_().add_(1.0))
+
+
 def _scaled_saved_gradients(ctx: Any, grad_total: torch.Tensor) -> tuple[Optional[torch.Tensor], ...]:
     """The backward of the chunked losses: the hidden states' and weight's gradients computed in forward, times the
     loss's incoming gradient. They are used once: scaled in place rather than holding a second copy."""
@@ -74,7 +92,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     forward (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_chunks: int) -> torch.Tensor:
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_chunks: int,
+                softcap: Optional[float]) -> torch.Tensor:
         # hidden: [n, dim]; weight: [vocab, dim]; targets: [n]
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -84,13 +103,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         for h, y in zip(hidden.tensor_split(n_chunks), targets.tensor_split(n_chunks)):
             if not len(y):
                 continue
-            logits = F.linear(h, weight).float()  # [c, vocab]
+            logits, unit = _soft_cap_(F.linear(h, weight).float(), softcap)  # [c, vocab]
             log_norm = torch.logsumexp(logits, dim=-1)  # [c]
             total += (log_norm - logits.gather(1, y[:, None]).squeeze(1)).sum()
             if need_hidden or need_weight:
                 grad_logits = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place of the logits
                 grad_logits[torch.arange(len(y), device=y.device), y] -= 1.0
-                grad_logits = grad_logits.to(weight.dtype)
+                grad_logits = _through_soft_cap_(grad_logits, unit).to(weight.dtype)
                 if need_hidden:
                     torch.mm(grad_logits, weight, out=grad_hidden[start:start + len(y)])
                 if need_weight:
@@ -103,7 +122,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        return (*_scaled_saved_gradients(ctx, grad_total), None, None)
+        return (*_scaled_saved_gradients(ctx, grad_total), None, None, None)
 
 
 class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
@@ -113,7 +132,7 @@ class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_chunks: int, offset: int,
-                group: dist.ProcessGroup) -> torch.Tensor:
+                group: dist.ProcessGroup, softcap: Optional[float]) -> torch.Tensor:
         # hidden: [n, dim]; weight: [vocab / degree, dim]; targets: [n], ids of the whole vocabulary
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
@@ -124,7 +143,7 @@ class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
         for h, y in zip(hidden.tensor_split(n_chunks), targets.tensor_split(n_chunks)):
             if not len(y):
                 continue
-            logits = F.linear(h, weight).float()  # [c, vocab / degree]
+            logits, unit = _soft_cap_(F.linear(h, weight).float(), softcap)  # [c, vocab / degree]
             row_max = logits.max(dim=-1).values  # [c]
             dist.all_reduce(row_max, op=dist.ReduceOp.MAX, group=group)
             logits.sub_(row_max[:, None])
@@ -139,7 +158,7 @@ class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
             if need_hidden or need_weight:
                 grad_logits = logits.sub_(log_norm[:, None]).exp_()  # this shard of the softmax
                 grad_logits[torch.arange(len(y), device=y.device), local] -= here.to(grad_logits.dtype)
-                grad_logits = grad_logits.to(weight.dtype)
+                grad_logits = _through_soft_cap_(grad_logits, unit).to(weight.dtype)
                 if need_hidden:
                     torch.mm(grad_logits, weight, out=grad_hidden[start:start + len(y)])
                 if need_weight:
@@ -152,11 +171,11 @@ class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        return (*_scaled_saved_gradients(ctx, grad_total), None, None, None, None)
+        return (*_scaled_saved_gradients(ctx, grad_total), None, None, None, None, None)
 
 
 def _vocab_parallel_loss(hidden: DTensor, weight: DTensor, targets: torch.Tensor, order: torch.Tensor,
-                         n_chunks: int) -> torch.Tensor:
+                         n_chunks: int, softcap: Optional[float]) -> torch.Tensor:
     """The chunked loss of a weight split along the vocabulary over a 1-D mesh (tensor parallelism) and hidden
     states whole on every rank of it (a replicated DTensor)."""
     mesh = weight.device_mesh
@@ -168,7 +187,7 @@ def _vocab_parallel_loss(hidden: DTensor, weight: DTensor, targets: torch.Tensor
     # fed the head reduces it in backward.
     local_hidden = hidden.to_local(grad_placements=(Partial(),)).flatten(0, 1).index_select(0, order)  # [n, dim]
     return _VocabParallelChunkedCrossEntropy.apply(local_hidden, weight.to_local(), targets, n_chunks, offset,
-                                                   mesh.get_group())
+                                                   mesh.get_group(), softcap)
 
 
 @dataclass(frozen=True)
@@ -191,13 +210,14 @@ class ChunkedCrossEntropy:
     n_chunks: int
     n_targets: Optional[int] = None
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
         """The summed float32 cross-entropy (a 0-d tensor).
 
         Args:
             hidden: ``[b, s, dim]``, the final norm's output (a replicated DTensor under tensor parallelism).
             weight: ``[vocab, dim]``, the output projection (tied to the embedding or not); under tensor
                 parallelism a DTensor split along the vocabulary, and the loss is computed on the shards.
+            softcap: C, where the model soft-caps its logits (``C * tanh(logits / C)``).
         """
         labels = self.labels.flatten()  # [b * s]
         ignored = labels == IGNORE_INDEX
@@ -207,9 +227,9 @@ class ChunkedCrossEntropy:
         order = torch.argsort(ignored.to(torch.uint8), stable=True)[:n_targets]  # [n]
         targets = labels.index_select(0, order)  # [n]
         if isinstance(weight, DTensor):
-            return _vocab_parallel_loss(hidden, weight, targets, order, self.n_chunks)
+            return _vocab_parallel_loss(hidden, weight, targets, order, self.n_chunks, softcap)
         hidden = hidden.flatten(0, 1).index_select(0, order)  # [n, dim]: ignored positions never reach the projection
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, self.n_chunks)
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, self.n_chunks, softcap)
 
 
 @dataclass(frozen=True)

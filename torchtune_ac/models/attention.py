@@ -22,6 +22,17 @@ document) takes the same paths: ``varlen_attn`` with ``window_size=(W - 1, 0)``,
 ``scaled_dot_product_attention`` call with a band mask ``[L, L]`` for a sequence (row or document) longer than W.
 A sequence of at most W tokens is plain causal attention, and is computed exactly as without a window.
 
+Soft-capped attention (``softcap`` C: scores become ``C * tanh(score / C)`` before the mask and the softmax,
+Gemma 2) is a score modification no SDPA or Flash Attention kernel of torch has, so it takes paths of its own:
+
+* CUDA, no attention dropout: FlexAttention (``flex_attention``, compiled once per process) with the cap as its
+  ``score_mod`` and the causal, sliding-window and document structure as its block mask, packed or not: one
+  fused call over the batch, nothing ``[s, s]`` kept;
+* otherwise (CPU, where torch 2.13's FlexAttention has no backward; attention dropout, which it lacks): the
+  scores computed explicitly (``_softcapped_attention``: scale, cap, mask, float32 softmax, as transformers'
+  eager Gemma 2 does), over the whole row, or one document at a time for packed rows. It holds ``[heads, L, L]``
+  scores per sequence of L tokens, as SDPA's math kernel does.
+
 Under ``torch.compile`` (``block.compile()``) the per-document loop runs eagerly (``torch.compiler.disable``):
 its trip count and slice sizes change with every batch, so tracing it would recompile per batch. Without AC a
 block then compiles into two graphs around it, and nothing recompiles as document layouts change. A block with
@@ -40,6 +51,8 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
+
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 try:
     from torch.nn.attention.varlen import varlen_attn  # torch 2.9 or newer
@@ -86,6 +99,10 @@ def detect_varlen_support(function: Optional[Callable[..., Any]]) -> VarlenSuppo
 
 
 VARLEN_SUPPORT = detect_varlen_support(varlen_attn)
+# FlexAttention as soft-capped attention runs it on CUDA: compiled (uncompiled it scores every query-key pair,
+# unfused); compiled lazily at the first call, with dynamic shapes once a second row length is seen (batches are
+# padded to their longest sample, so lengths vary).
+_COMPILED_FLEX_ATTENTION = torch.compile(flex_attention)
 # The op behind ``varlen_attn`` (for per-op AC's policy), where torch has it.
 VARLEN_OPS = frozenset({torch.ops.torch_attn._varlen_attn.default}) if VARLEN_SUPPORT.present else frozenset()
 
@@ -184,6 +201,7 @@ def causal_attention(
     runs: Optional[DocumentRuns],
     scale: Optional[float] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Causal attention, within each document when ``runs`` is given, and within ``window`` tokens when set.
 
@@ -195,11 +213,21 @@ def causal_attention(
         scale: the factor scores are multiplied by; None for ``head_dim ** -0.5``.
         window: W, for sliding-window attention: a query sees itself and the W - 1 tokens before it; None: every
             earlier token (of its document).
+        softcap: C, for soft-capped scores ``C * tanh(score * scale / C)``; None: plain scores.
 
     Returns:
         ``[b, s, n_heads, head_dim]``.
     """
     gqa = k.shape[1] != q.shape[1]
+    if softcap is not None and q.is_cuda and dropout_p == 0.0:
+        return flex_softcapped_attention(q, k, v, runs=runs, gqa=gqa, scale=scale, window=window, softcap=softcap)
+    if softcap is not None:
+        if runs is None:
+            out = _softcapped_attention(q, k, v, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window,
+                                        softcap=softcap)
+            return out.transpose(1, 2)  # [b, s, n_heads, hd]
+        return _per_document_attention(q, k, v, runs=runs, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window,
+                                       softcap=softcap)
     if runs is None:
         out = _causal_sdpa(q, k, v, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window)
         return out.transpose(1, 2)  # [b, s, n_heads, hd]
@@ -231,6 +259,91 @@ def _causal_sdpa(
     behind = position.unsqueeze(1) - position.unsqueeze(0)  # [L, L]: query index - key index
     band = (behind >= 0) & (behind < window)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p, enable_gqa=gqa, scale=scale)
+
+
+def _softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    dropout_p: float,
+    gqa: bool,
+    scale: Optional[float],
+    window: Optional[int],
+    softcap: float,
+) -> torch.Tensor:
+    """Causal attention over sequences ``[b, heads, L, hd]`` with soft-capped scores, computed explicitly: scale,
+    ``C * tanh(score / C)``, the causal (and band) mask, a float32 softmax, dropout, then the values (transformers'
+    eager Gemma 2, op for op). Grouped K/V are broadcast to their query heads, never copied."""
+    b, n_heads, length, hd = q.shape
+    n_kv = k.shape[1]
+    group = n_heads // n_kv if gqa else 1
+    # Query head h reads K/V head h // group (SDPA's enable_gqa grouping): [b, n_kv, group, L, hd].
+    q = q.reshape(b, n_kv, group, length, hd)
+    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * (hd**-0.5 if scale is None else scale)
+    scores = torch.tanh(scores / softcap) * softcap  # [b, n_kv, group, L, L]
+    position = torch.arange(length, device=q.device)
+    behind = position.unsqueeze(1) - position.unsqueeze(0)  # [L, L]: query index - key index
+    allowed = behind >= 0 if window is None else (behind >= 0) & (behind < window)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p:
+        probs = F.dropout(probs, p=dropout_p)
+    return torch.matmul(probs, v.unsqueeze(2)).reshape(b, n_heads, length, hd)
+
+
+def _document_index(runs: DocumentRuns, b: int, s: int) -> torch.Tensor:
+    """``[b, s]`` int32: the index of each token's document in ``runs`` (found on the device, no sync)."""
+    tokens = torch.arange(b * s, dtype=torch.int32, device=runs.cu_seqlens.device)
+    return (torch.searchsorted(runs.cu_seqlens, tokens, right=True) - 1).view(b, s)
+
+
+@torch.compiler.disable
+@functools.lru_cache(maxsize=8)
+def _flex_block_mask(runs: Optional[DocumentRuns], window: Optional[int], b: int, s: int, device: torch.device):
+    """The block mask of causal attention (within ``window``, within each document of ``runs``), built once per
+    forward and shared by its layers (``runs`` is one object per forward; an unpacked shape is reused)."""
+    document = None if runs is None else _document_index(runs, b, s)
+
+    def mask_mod(batch, head, q_index, kv_index):
+        allowed = q_index >= kv_index
+        if window is not None:
+            allowed = allowed & (q_index - kv_index < window)
+        if document is not None:
+            allowed = allowed & (document[batch, q_index] == document[batch, kv_index])
+        return allowed
+
+    return create_block_mask(mask_mod, None if document is None else b, None, s, s, device=device)
+
+
+def flex_softcapped_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    runs: Optional[DocumentRuns],
+    gqa: bool,
+    scale: Optional[float],
+    window: Optional[int],
+    softcap: float,
+    kernel: Optional[Callable[..., torch.Tensor]] = None,
+) -> torch.Tensor:
+    """Soft-capped causal attention as one FlexAttention call over the batch (shapes as in ``causal_attention``,
+    no dropout): the cap is its ``score_mod``, the causal, window and document structure its block mask.
+
+    Args:
+        kernel: the ``flex_attention`` to call; None: the compiled one (``kernel=flex_attention`` runs it
+            uncompiled, e.g. to check the masks forward on a CPU, where FlexAttention has no backward).
+    """
+    b, n_heads, s, hd = q.shape
+
+    def score_mod(score, batch, head, q_index, kv_index):
+        return torch.tanh(score / softcap) * softcap
+
+    block_mask = _flex_block_mask(runs, window, b, s, q.device)
+    out = (kernel or _COMPILED_FLEX_ATTENTION)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
+                                                 enable_gqa=gqa)  # [b, n_heads, s, hd]
+    return out.transpose(1, 2)  # [b, s, n_heads, hd]
 
 
 def _as_tokens(x: torch.Tensor) -> torch.Tensor:
@@ -304,15 +417,18 @@ def _per_document_attention(
     gqa: bool,
     scale: Optional[float],
     window: Optional[int],
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
-    """One causal ``scaled_dot_product_attention`` call per document (shapes as in ``causal_attention``)."""
+    """One causal ``scaled_dot_product_attention`` call per document (shapes as in ``causal_attention``), or one
+    ``_softcapped_attention`` with ``softcap``."""
     b, n_heads, s, hd = q.shape
+    kernel = _causal_sdpa if softcap is None else functools.partial(_softcapped_attention, softcap=softcap)
     outs = []
     lengths = runs.lengths.tolist()  # on the CPU: no synchronisation
     for q_doc, k_doc, v_doc in zip(*(_as_tokens(x).split(lengths) for x in (q, k, v))):
         # [length, heads, hd] -> [1, heads, length, hd]
         q_doc, k_doc, v_doc = (x.transpose(0, 1).unsqueeze(0) for x in (q_doc, k_doc, v_doc))
-        out = _causal_sdpa(
+        out = kernel(
             q_doc, k_doc, v_doc, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window
         )  # [1, n_heads, length, hd]
         outs.append(out.squeeze(0).transpose(0, 1))  # [length, n_heads, hd]

@@ -83,7 +83,11 @@ class LlamaArgs:
     - ``scale_embeddings``: embeddings are multiplied by ``sqrt(dim)``, rounded to their dtype first (Gemma).
     - ``activation``: the MLP's gate activation, a key of ``ACTIVATIONS`` (``gelu_pytorch_tanh``: Gemma's GeGLU).
     - ``query_pre_attn_scalar``: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` instead of
-      ``head_dim ** -0.5`` (Gemma 3).
+      ``head_dim ** -0.5`` (Gemma 2 and 3).
+    - ``attn_logit_softcapping``: C, attention scores (after scaling) become ``C * tanh(score / C)`` before the
+      mask and the softmax (Gemma 2; ``attention.py`` says which kernel does it).
+    - ``final_logit_softcapping``: C, the logits become ``C * tanh(logits / C)`` (Gemma 2), also in a chunked
+      loss (the output head is told C).
     - ``partial_rotary_factor``: RoPE rotates the first ``int(head_dim * partial_rotary_factor)`` dimensions of
       each head and passes the rest through (Phi-4-mini's 0.75).
 
@@ -122,6 +126,8 @@ class LlamaArgs:
     sliding_window: Optional[int] = None
     layer_types: Optional[tuple[str, ...]] = None
     sliding_rope_theta: Optional[float] = None
+    attn_logit_softcapping: Optional[float] = None
+    final_logit_softcapping: Optional[float] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -144,6 +150,9 @@ class LlamaArgs:
         if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
             problems.append(f"query_pre_attn_scalar={self.query_pre_attn_scalar} must be positive")
         problems += self._rope_problems()
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                problems.append(f"{name}={getattr(self, name)} must be positive")
         problems += self._attention_pattern_problems()
         if problems:
             raise ValueError("invalid Llama model arguments: " + "; ".join(problems))
@@ -296,6 +305,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         self.scale = None if args.query_pre_attn_scalar is None else args.query_pre_attn_scalar**-0.5
+        self.softcap = args.attn_logit_softcapping
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns]
@@ -311,7 +321,8 @@ class Attention(nn.Module):
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, n_heads, s, hd]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [b, n_kv, s, hd]
         out = causal_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, runs=runs, scale=self.scale, window=self.window
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, runs=runs, scale=self.scale, window=self.window,
+            softcap=self.softcap,
         )  # [b, s, n_heads, hd]
         return self.o_proj(out.reshape(b, s, -1))  # [b, s, n_heads * hd] in
 
@@ -374,13 +385,24 @@ class BlockClass(Protocol):
 class OutputProjection(nn.Linear):
     """The output layer: ``x @ weight.T``, or ``head(x, weight)`` when a head replaces the projection.
 
+    With ``softcap`` C the logits are ``C * tanh((x @ weight.T) / C)`` (Gemma 2), in their dtype as transformers
+    computes them, and a head is called as ``head(x, weight, softcap=C)``: it must apply the same cap.
+
     The head is applied inside this module's forward so that whatever wraps the module's calls (FSDP2 gathering
     the weight of a group holding the final norm and this layer) sees the layer run on either path.
     """
 
-    def forward(self, x: torch.Tensor,
-                head: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
-        return super().forward(x) if head is None else head(x, self.weight)
+    def __init__(self, in_features: int, out_features: int, softcap: Optional[float] = None) -> None:
+        super().__init__(in_features, out_features, bias=False)
+        self.softcap = softcap
+
+    def forward(self, x: torch.Tensor, head: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
+        if head is not None:
+            return head(x, self.weight) if self.softcap is None else head(x, self.weight, softcap=self.softcap)
+        logits = super().forward(x)
+        if self.softcap is None:
+            return logits
+        return torch.tanh(logits / self.softcap) * self.softcap
 
 
 class Llama(nn.Module):
@@ -402,7 +424,7 @@ class Llama(nn.Module):
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(block(args, args.window_of(layer)) for layer in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-        self.output = OutputProjection(args.dim, args.vocab_size, bias=False)
+        self.output = OutputProjection(args.dim, args.vocab_size, softcap=args.final_logit_softcapping)
         self.tie_weights()
         # RoPE inverse frequencies ``[head_dim // 2]`` float32, on the model's device: a forward reads them without
         # a copy from the host. Not persistent (no checkpoint holds them), and recomputed from the arguments
@@ -482,7 +504,8 @@ class Llama(nn.Module):
         ``document_ids``, a host synchronisation on a GPU (``attention.document_runs``).
 
         ``head`` replaces the output projection: it receives the final norm's output ``[b, s, dim]`` and the
-        projection's weight ``[vocab, dim]`` (the embedding, when tied), e.g. to compute a loss chunk by chunk
+        projection's weight ``[vocab, dim]`` (the embedding, when tied), and ``softcap=C`` where the logits are
+        soft-capped (``args.final_logit_softcapping``), e.g. to compute a loss chunk by chunk
         without ever materialising the logits. It runs inside this forward, where a sharded model's weights
         are gathered.
         """

@@ -11,7 +11,8 @@ gradients can be computed in forward and the logits dropped. Here the loss is a 
 pair's chosen and rejected sums go through a log-sigmoid), so a chunk's gradient needs a number known only once
 every row is summed: each chunk is projected again in backward, with the row's incoming gradient. That costs one
 more output-layer matrix multiply per chunk (4 instead of 3) and keeps the targets' hidden states ``[n, dim]`` for
-backward; never the logits.
+backward; never the logits. A model with soft-capped logits (Gemma 2) passes ``softcap=C``: each chunk's logits
+are capped, ``C * tanh(logits / C)``, and their gradient carries the cap's derivative.
 """
 
 from __future__ import annotations
@@ -40,13 +41,18 @@ def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return per_token.view(labels.shape).sum(dim=1)
 
 
+def _soft_cap(logits: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
+    """``C * tanh(logits / C)`` in place of float32 ``logits``; ``logits`` as they are without a cap."""
+    return logits if softcap is None else logits.div_(softcap).tanh_().mul_(softcap)
+
+
 class _ChunkedSequenceLogProbs(torch.autograd.Function):
     """``out[r] = sum over targets i of row r of log_softmax(hidden[i] @ weight.T)[targets[i]]`` in float32, chunk
     by chunk; backward projects each chunk again (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
-                n_rows: int, n_chunks: int) -> torch.Tensor:
+                n_rows: int, n_chunks: int, softcap: Optional[float]) -> torch.Tensor:
         # hidden: [n, dim]; weight: [vocab, dim]; targets, rows: [n]
         out = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device)
         log_norms = []
@@ -54,12 +60,12 @@ class _ChunkedSequenceLogProbs(torch.autograd.Function):
             if not len(y):
                 log_norms.append(torch.empty(0, dtype=torch.float32, device=hidden.device))
                 continue
-            logits = F.linear(h, weight).float()  # [c, vocab]
+            logits = _soft_cap(F.linear(h, weight).float(), softcap)  # [c, vocab]
             log_norm = torch.logsumexp(logits, dim=-1)  # [c]
             out.index_add_(0, r, logits.gather(1, y[:, None]).squeeze(1) - log_norm)
             log_norms.append(log_norm)
             del logits
-        ctx.n_chunks = n_chunks
+        ctx.n_chunks, ctx.softcap = n_chunks, softcap
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             ctx.save_for_backward(hidden, weight, targets, rows, torch.cat(log_norms))
         return out
@@ -76,17 +82,24 @@ class _ChunkedSequenceLogProbs(torch.autograd.Function):
                               scale.tensor_split(ctx.n_chunks), log_norm.tensor_split(ctx.n_chunks)):
             if not len(y):
                 continue
-            # d log p(y) / d logits = onehot(y) - softmax; times the row's gradient.
-            grad_logits = F.linear(h, weight).float().sub_(z[:, None]).exp_().neg_()  # [c, vocab]: -softmax
+            # d log p(y) / d logits = onehot(y) - softmax; times the row's gradient (and the cap's derivative).
+            logits = F.linear(h, weight).float()  # [c, vocab]
+            unit = None if ctx.softcap is None else logits.div_(ctx.softcap).tanh_()
+            capped = logits if unit is None else unit * ctx.softcap
+            grad_logits = capped.sub_(z[:, None]).exp_().neg_()  # -softmax
             grad_logits[torch.arange(len(y), device=y.device), y] += 1.0
-            grad_logits = grad_logits.mul_(g[:, None]).to(weight.dtype)
+            grad_logits = grad_logits.mul_(g[:, None])
+            if unit is not None:
+                grad_logits.mul_(unit.square_().neg_().add_(1.0))  # d(C tanh(x / C)) / dx = 1 - tanh^2
+            grad_logits = grad_logits.to(weight.dtype)
+            del logits, unit
             if need_hidden:
                 torch.mm(grad_logits, weight, out=grad_hidden[start:start + len(y)])
             if need_weight:
                 grad_weight.addmm_(grad_logits.t(), h)
             del grad_logits
             start += len(y)
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -108,12 +121,13 @@ class ChunkedSequenceLogProbs:
     n_chunks: int
     n_targets: Optional[int] = None
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
         """``[b]`` float32 summed log-probabilities.
 
         Args:
             hidden: ``[b, s, dim]``, the final norm's output.
             weight: ``[vocab, dim]``, the output projection.
+            softcap: C, where the model soft-caps its logits (``C * tanh(logits / C)``).
         """
         n_rows, seq_len = self.labels.shape
         labels = self.labels.flatten()  # [b * s]
@@ -124,4 +138,4 @@ class ChunkedSequenceLogProbs:
         targets = labels.index_select(0, order)  # [n]
         rows = torch.div(order, seq_len, rounding_mode="floor")  # [n]
         hidden = hidden.flatten(0, 1).index_select(0, order)  # [n, dim]
-        return _ChunkedSequenceLogProbs.apply(hidden, weight, targets, rows, n_rows, self.n_chunks)
+        return _ChunkedSequenceLogProbs.apply(hidden, weight, targets, rows, n_rows, self.n_chunks, softcap)

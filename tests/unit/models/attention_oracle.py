@@ -69,16 +69,19 @@ def dense_document_attention(
     dropout: Optional[torch.Tensor] = None,
     scale: Optional[float] = None,
     window: Optional[int] = None,
+    softcap: Optional[float] = None,
 ) -> torch.Tensor:
     """Dense masked attention over the whole row: ``q [b, h, s, hd]``, ``k, v [b, h_kv, s, hd]`` ->
     ``[b, s, h, hd]`` (the layout ``causal_attention`` returns). ``dropout``: a ``[b, h, s, s]`` multiplier
     from ``dense_dropout_mask``, or None; ``scale``: the score factor, None for ``1 / sqrt(head_dim)``;
-    ``window``: the sliding window, None for none."""
+    ``window``: the sliding window, None for none; ``softcap``: C for scores ``C * tanh(score / C)``."""
     repeat = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(repeat, dim=1)  # [b, h, s, hd]
     v = v.repeat_interleave(repeat, dim=1)
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     scores = q @ k.transpose(-2, -1) * scale  # [b, h, s, s]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~document_causal_mask(document_ids, window), float("-inf"))
     probs = scores.softmax(dim=-1)
     if dropout is not None:
@@ -97,14 +100,15 @@ def dense_attention_oracle(
     remaining = list(dropout_masks or [])
     n_documents = len(document_spans(document_ids))
 
-    def oracle(q, k, v, *, dropout_p, runs, scale=None, window=None):
+    def oracle(q, k, v, *, dropout_p, runs, scale=None, window=None, softcap=None):
         assert runs is not None, "the oracle stands in for packed attention only"
         dropout = None
         if dropout_p > 0.0:
             assert len(remaining) >= n_documents, "no recorded dropout masks left for this layer"
             layer_masks = [remaining.pop(0) for _ in range(n_documents)]
             dropout = dense_dropout_mask(document_ids, q.shape[1], layer_masks, p)
-        return dense_document_attention(q, k, v, document_ids, dropout=dropout, scale=scale, window=window)
+        return dense_document_attention(q, k, v, document_ids, dropout=dropout, scale=scale, window=window,
+                                        softcap=softcap)
 
     original = llama.causal_attention
     llama.causal_attention = oracle

@@ -31,6 +31,8 @@ from torchtune_ac.memory.activation_offloading import apply_activation_offloadin
 from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.models.families import retie_parameters, transformer_blocks
+from torchtune_ac.models.families.gemma2 import FAMILY as GEMMA2
+from torchtune_ac.models.families.gemma2 import GEMMA2_2B
 from torchtune_ac.models.families.gemma3 import FAMILY as GEMMA3
 from torchtune_ac.models.families.gemma3 import GEMMA3_1B, GEMMA3_27B
 from torchtune_ac.models.families.llama import FAMILY as LLAMA
@@ -66,11 +68,17 @@ TINY = {
     # Phi-3's checkpoints stack q/k/v and gate/up; its model holds them apart, split as Llama's.
     "phi3": dataclasses.replace(PHI4_14B, vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
                                 intermediate_dim=128, max_seq_len=64),
+    # Gemma 2: Gemma 3's block without q/k norms, alternating windows, and caps low enough to bend the scores and
+    # logits of weights initialised at std 0.02.
+    "gemma2": dataclasses.replace(GEMMA2_2B, vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2,
+                                  head_dim=None, intermediate_dim=128, max_seq_len=64, sliding_window=8,
+                                  query_pre_attn_scalar=16, layer_types=("sliding_attention", "full_attention"),
+                                  attn_logit_softcapping=0.05, final_logit_softcapping=0.1),
     # torchao's 8-bit state quantizes each rank's piece in blocks of 256 elements: with rows of 512 and 256 columns
     # per rank (dim, heads x head_dim and the MLP width all 512) a rank's blocks are blocks of the whole tensor.
     "llama_512": dataclasses.replace(LLAMA_TINY, vocab_size=256, dim=512, n_layers=1, intermediate_dim=512),
 }
-FAMILIES = {"llama": LLAMA, "qwen3": QWEN3, "gemma3": GEMMA3, "phi3": PHI3}
+FAMILIES = {"llama": LLAMA, "qwen3": QWEN3, "gemma3": GEMMA3, "phi3": PHI3, "gemma2": GEMMA2}
 ROWS, LENGTH, STEPS = 4, 32, 3
 DOCUMENTS = (10, 15, 7)  # each packed row; Gemma 3's 15-token document is longer than its window
 
@@ -89,7 +97,8 @@ GEMMA3_POST_NORMS = {"post_attn_norm": Split.SEQUENCE, "post_mlp_norm": Split.SE
 
 
 @pytest.mark.parametrize("family, extra", [("llama", {}), ("qwen3", QK_NORMS),
-                                           ("gemma3", {**QK_NORMS, **GEMMA3_POST_NORMS}), ("phi3", {})])
+                                           ("gemma3", {**QK_NORMS, **GEMMA3_POST_NORMS}), ("phi3", {}),
+                                           ("gemma2", GEMMA3_POST_NORMS)])
 def test_each_family_declares_its_plan(family, extra) -> None:
     args = TINY[family]
     plan = FAMILIES[family].tensor_parallel_plan(args)
@@ -119,6 +128,8 @@ def test_each_family_declares_its_plan(family, extra) -> None:
     (GEMMA3_27B, 16, None),
     (PHI4_14B, 4, "tensor_parallel_dim=4: must divide n_kv_heads=10"),  # 10 key/value heads: TP 2 or 5, not 4
     (PHI4_14B, 2, None),
+    (GEMMA2_2B, 8, "tensor_parallel_dim=8: must divide n_kv_heads=4 (fewer than 8: heads are not copied across "
+                   "ranks)"),
     (QWEN3_0_6B, 16, "tensor_parallel_dim=16: must divide n_kv_heads=8 (fewer than 16: heads are not copied across "
                      "ranks)"),
 ])
@@ -312,16 +323,17 @@ TWO_RANK_CASES = (
     Case("qwen3", packed=True, loss_chunks=2, ac_mode="selective", ac_option="op"),
     Case("qwen3", loss_chunks=2, compile=True),
     # Gemma 3: sliding windows within packed documents, tied embeddings, the four norms; selective AC of every
-    # block, then none.
+    # block. Gemma 2 (the same block): soft-capped attention per packed document and the soft-capped chunked loss
+    # on vocabulary shards, no AC.
     Case("gemma3", packed=True, loss_chunks=2, ac_mode="selective", ac_option=1),
-    Case("gemma3", packed=True),
+    Case("gemma2", packed=True, loss_chunks=2),
 )
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_ranks_of_tensor_parallelism_train_as_one_process(tmp_path: Path) -> None:
-    """TP 2 (FSDP2 over the mesh's shard dimension of 1) against one process, for Llama, Qwen3 and Gemma 3."""
+    """TP 2 (FSDP2 over the mesh's shard dimension of 1) against one process, for Llama, Qwen3, Gemma 3 and 2."""
     run_on_gloo_ranks(check_against_one_process, 2, ((1, 2),), TWO_RANK_CASES, store_dir=tmp_path)
 
 
