@@ -65,7 +65,8 @@ from torchtune_ac.config.meta_model import build_meta_model  # noqa: E402
 from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan  # noqa: E402
 from torchtune_ac.observability.third_party_noise import filter_known_noise  # noqa: E402
 from torchtune_ac.run.assemble import AssemblyPlan, build_training  # noqa: E402
-from torchtune_ac.runtime.distributed import DistributedContext, FSDPConfig  # noqa: E402
+from torchtune_ac.parallel.fsdp import FSDPConfig  # noqa: E402
+from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.activation_checkpointing import ACConfig, ACMode  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402

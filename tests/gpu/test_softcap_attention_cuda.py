@@ -12,7 +12,7 @@ import torch
 from torchtune_ac.models import attention
 from torchtune_ac.models.families.gemma2 import FAMILY as GEMMA2
 from torchtune_ac.models.families.gemma2 import GEMMA2_2B
-from torchtune_ac.training.ac_config import setup_activation_checkpointing
+from torchtune_ac.activation_checkpointing.config import setup_activation_checkpointing
 
 BF16_TOLERANCE = 2e-2
 VOCAB, SEQ = 512, 256

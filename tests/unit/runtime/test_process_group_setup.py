@@ -193,8 +193,16 @@ def test_host_side_waits_and_object_collectives_run_on_the_cpu_backend(cuda_and_
         objects_on.append(object_device(group))
         return objects_on[-1]
 
+    gather = dist.all_gather_object
+
+    def as_two_ranks(object_list, obj, group=None):  # the context says 2 ranks; the group here has 1
+        one = [None]
+        gather(one, obj, group=group)
+        object_list[:] = one * len(object_list)
+
     monkeypatch.setattr(dist, "barrier", no_barrier)
     monkeypatch.setattr(dist, "all_reduce", recording_all_reduce)
+    monkeypatch.setattr(dist, "all_gather_object", as_two_ranks)
     monkeypatch.setattr(distributed_c10d, "_get_object_coll_device", recording_object_device)
     ctx = DistributedContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
     ctx.barrier()
