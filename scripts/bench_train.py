@@ -225,7 +225,7 @@ def build_ours(model_name: str, checkpoint_dir: Path, setting: str, batches: lis
     micro_batches = [[{"tokens": tokens, "labels": shift_labels(tokens)}] for tokens in batches]
 
     def step(i: int) -> float:
-        return train_step(model, optimizer, micro_batches[i], ctx=ctx, objective=plan.objective()).loss
+        return train_step(model, optimizer, micro_batches[i], ctx=ctx, objective=plan.objective(compiled=args.compile)).loss
 
     return step, str(plan.ac)
 
@@ -489,11 +489,11 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
         for i, batch in enumerate(micro):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            losses.append(train_step(model, stepper, batch, ctx=ctx, objective=plan.objective()).loss)
+            losses.append(train_step(model, stepper, batch, ctx=ctx, objective=plan.objective(compiled=args.compile)).loss)
             torch.cuda.synchronize()
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
-        syncs = count_host_syncs(lambda: train_step(model, stepper, micro[-1], ctx=ctx, objective=plan.objective()))
+        syncs = count_host_syncs(lambda: train_step(model, stepper, micro[-1], ctx=ctx, objective=plan.objective(compiled=args.compile)))
     finally:
         torch._logging.set_logs()
         logging.getLogger("torch._dynamo").removeHandler(recompiles)

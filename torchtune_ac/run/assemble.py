@@ -167,7 +167,7 @@ def build_training(
     # 10. the learning-rate schedule over the stepper's optimizer.
     stepper = memory.build_stepper(make_optimizer, model) if make_optimizer is not None else None
     scheduler = make_scheduler(stepper.optimizer) if make_scheduler is not None and stepper is not None else None
-    return Training(model, stepper, memory.objective(), scheduler)
+    return Training(model, stepper, memory.objective(compiled=compile_blocks), scheduler)
 
 
 def build_reference(model: nn.Module, *, ctx: DistributedContext, dtype: DType, memory: MemoryPlan,
