@@ -505,7 +505,8 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
 
     varlen = args.packed and dtype is DType.BF16
     workload = Workload(args.batch_size, args.seq_len, dtype=dtype, varlen=varlen,
-                        blas_workspaces=cublas_workspace_bytes(device)[0], compiled=args.compile).with_settings(plan.settings)
+                        blas_workspaces=cublas_workspace_bytes(device)[0], compiled=args.compile,
+                        cuda=True).with_settings(plan.settings)
     (estimate,) = estimate_memory(component.instantiate, make_optimizer, workload, [plan.ac])
     tokens = args.batch_size * args.seq_len
     median = statistics.median(times)

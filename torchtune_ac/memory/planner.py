@@ -130,6 +130,9 @@ class Workload:
     # Each block compiled (``compile: true``): the simulation runs the blocks without AC as compiled blocks save for
     # backward (``_simulate_compiled_blocks``), fewer tensors than eager.
     compiled: bool = False
+    # The run's device is a GPU: its caching allocator keeps a pool per stream, and under FSDP2 the step in
+    # backward runs on the reduce-scatter's stream (``in_backward_stream_pool``).
+    cuda: bool = False
 
     @property
     def rows(self) -> int:
@@ -273,6 +276,7 @@ class _LiveStorages(TorchDispatchMode):
         self.block_input = 0  # bytes of a block's input (the hidden state of one micro-batch)
         self.flops = 0
         self._live = self._grad = self._root_grad = self._act = self._opt = 0
+        self.optimizer_temporaries_in_backward = 0  # the most bytes an optimizer stepping in backward held at once
         self.paused = False  # ops run but are not counted (tracing a compiled block's graphs)
 
     def _free(self, key: int) -> None:
@@ -368,6 +372,9 @@ class _LiveStorages(TorchDispatchMode):
                     if self.in_optimizer:
                         self.optimizer_temporaries.add(key)
                         self._opt += storage.nbytes()
+                        if self.phase in BACKWARD_PHASES:
+                            self.optimizer_temporaries_in_backward = max(self.optimizer_temporaries_in_backward,
+                                                                         self._opt)
                     # The Python storage object lives exactly as long as its memory (PyObject preservation).
                     weakref.finalize(storage, self._free, key)
         self._record()
@@ -432,6 +439,7 @@ class _Simulation:
     block_input: int  # bytes of a block's input, one micro-batch's hidden state
     logits: int  # bytes of one micro-batch's whole logits in float32 ([rows, seq_len, vocab])
     varlen_kv_copy: int = 0  # bytes of one block's K/V copies for varlen_attn, one micro-batch (Workload.varlen)
+    optimizer_temporaries_in_backward: int = 0  # the most a step in backward held at once, unsharded
 
 
 def _simulate(
@@ -508,6 +516,7 @@ def _simulate(
             block_input=tracker.block_input,
             logits=workload.rows * workload.seq_len * vocab * 4,
             varlen_kv_copy=_varlen_kv_copy(blocks[0], workload) if workload.varlen else 0,
+            optimizer_temporaries_in_backward=tracker.optimizer_temporaries_in_backward,
         )
 
 
@@ -742,6 +751,7 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
     if tp > 1:
         for category, nbytes in tensor_parallel_share(plan, shallow, workload, phase).items():
             device[category] += nbytes
+    device["transient"] += in_backward_stream_pool(shallow, workload, sharded) / n / tp
     if shallow.varlen_kv_copy:
         # varlen_attn saves its K/V copies for backward: a block without AC keeps them until its backward; the block
         # running (or recomputing) holds its own as it goes (a group's rank, its heads' share).
@@ -787,6 +797,20 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         host=math.ceil(sum(host.values())),
         host_parts={category: math.ceil(nbytes) for category, nbytes in host.items()},
     )
+
+
+def in_backward_stream_pool(shallow: _Simulation, workload: Workload, sharded: bool) -> int:
+    """Unsharded bytes a GPU holds apart for the optimizer stepping in backward under FSDP2: the most its step of
+    one parameter holds at once (its temporaries), 0 elsewhere.
+
+    FSDP2 calls the parameters' gradient hooks on its reduce-scatter stream (HSDP: its all-reduce stream), so the
+    step's temporaries come from that stream's pool of the caching allocator, which the default stream's
+    allocations cannot reuse (nor the other way round): the simulation, one pool, would let the two share bytes.
+    The step stays on that stream, overlapping the next block's backward (docs/memory.md, "The step in backward
+    and FSDP2's streams"). Its state, allocated there on the first step, is counted as the optimizer's."""
+    if not (workload.cuda and sharded and workload.setting("optimizer_in_bwd")):
+        return 0
+    return shallow.optimizer_temporaries_in_backward
 
 
 def tensor_parallel_share(plan: ACPlan, shallow: _Simulation, workload: Workload, phase: str) -> dict[str, float]:
