@@ -807,8 +807,9 @@ def in_backward_stream_pool(shallow: _Simulation, workload: Workload, sharded: b
     step's temporaries come from that stream's pool of the caching allocator, which the default stream's
     allocations cannot reuse (nor the other way round): the simulation, one pool, would let the two share bytes.
     The step stays on that stream, overlapping the next block's backward (docs/memory.md, "The step in backward
-    and FSDP2's streams"). Its state, allocated there on the first step, is counted as the optimizer's."""
-    if not (workload.cuda and sharded and workload.setting("optimizer_in_bwd")):
+    and FSDP2's streams"). Its state, allocated there on the first step, is counted as the optimizer's. With CPU
+    offload the step runs on the host, on the host's shards."""
+    if not (workload.cuda and sharded and workload.setting("optimizer_in_bwd")) or workload.setting("cpu_offload"):
         return 0
     return shallow.optimizer_temporaries_in_backward
 

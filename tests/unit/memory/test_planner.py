@@ -396,15 +396,17 @@ def test_with_the_step_in_backward_fsdp2_keeps_the_root_s_gradients_whole_until_
             < _full_ac_estimate(small_vocab, in_bwd=False, world_size=4).total)
 
 
-@pytest.mark.parametrize("world_size, in_bwd, cuda", [(4, True, True), (4, True, False), (4, False, True),
-                                                     (1, True, True)])
+@pytest.mark.parametrize("world_size, in_bwd, cuda, cpu_offload", [
+    (4, True, True, False), (4, True, False, False), (4, False, True, False), (1, True, True, False),
+    (4, True, True, True)])
 def test_on_a_gpu_under_fsdp2_the_step_in_backward_has_its_temporaries_in_a_pool_of_their_own(world_size, in_bwd,
-                                                                                              cuda):
+                                                                                              cuda, cpu_offload):
     """FSDP2 calls the gradient hooks, and so the step in backward, on its reduce-scatter stream, whose pool of the
     caching allocator the default stream's allocations cannot reuse. The plan adds what one parameter's step holds:
     AdamW's simulated step (the CPU's single-tensor path: ``exp_avg_sq.sqrt()`` and its quotient) two temporaries
     of the largest parameter (the output layer, 4096 x 64 fp32), a shard of each on each process. Not on a CPU,
-    without FSDP2 (the hooks run on the default stream) or with the step after backward."""
+    without FSDP2 (the hooks run on the default stream), with the step after backward, or with CPU offload (the
+    step runs on the host)."""
     from torchtune_ac.models import LlamaArgs
     from torchtune_ac.models.llama import Llama
 
@@ -414,10 +416,11 @@ def test_on_a_gpu_under_fsdp2_the_step_in_backward_has_its_temporaries_in_a_pool
                                Llama(args), clip_grad_norm=None, optimizer=OptimizerSpec("torch.optim.AdamW"))
     transient = []
     for on_gpu in (False, cuda):
-        workload = Workload(batch_size=2, seq_len=64, world_size=world_size, cuda=on_gpu).with_settings(plan.settings)
+        workload = Workload(batch_size=2, seq_len=64, world_size=world_size, cuda=on_gpu).with_settings(
+            {**plan.settings, "cpu_offload": cpu_offload})
         estimate, = estimate_memory(lambda: Llama(args), adamw, workload, [plan.ac])
         transient.append(estimate.transient)
-    expected = 2 * 4096 * 64 * 4 // world_size if (world_size > 1 and in_bwd and cuda) else 0
+    expected = 2 * 4096 * 64 * 4 // world_size if (world_size > 1 and in_bwd and cuda and not cpu_offload) else 0
     assert transient[1] - transient[0] == expected
 
 
