@@ -626,11 +626,13 @@ def _alike(block: nn.Module) -> tuple:
 
 
 def _aot_block(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` of ``block`` (its state an argument) traced and partitioned as inductor would, run op by op."""
-    import functools
+    """``forward`` of ``block`` (its state an argument) traced and partitioned as inductor would, run op by op.
 
+    As inductor partitions: its joint-graph passes first (``compile_fx.partition_fn``: pattern rewrites that change
+    what the forward computes, and so what it can save), then the min-cut partitioner told which inputs live for the
+    whole step (the block's parameters and buffers, which Dynamo marks static): saving one of those costs nothing."""
     from torch._functorch.aot_autograd import aot_function, make_boxed_func
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor import compile_fx
     from torch._inductor.decomposition import select_decomp_table
     from torch.func import functional_call
 
@@ -647,9 +649,17 @@ def _aot_block(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., A
     def run_ops(graph: torch.fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
         return make_boxed_func(graph.forward)
 
+    # The flat inputs start with the state's tensors, in the order of the dict the traced function is called with
+    # (``_CompiledForward``: parameters, then buffers).
+    n_state = len(list(block.parameters())) + len(list(block.buffers()))
+
+    def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        kwargs["static_lifetime_input_indices"] = list(range(n_state))
+        return compile_fx.partition_fn(joint, joint_inputs, **kwargs)
+
     return aot_function(lambda state, *args, **kwargs: functional_call(body, state, args, kwargs),
                         fw_compiler=run_ops, bw_compiler=run_ops, decompositions=select_decomp_table(),
-                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+                        partition_fn=partition)
 
 
 def _simulate_compiled_blocks(blocks: nn.ModuleList, tracker: _LiveStorages) -> None:

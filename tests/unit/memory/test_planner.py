@@ -112,6 +112,28 @@ def test_compiled_blocks_are_simulated_saving_what_inductor_saves(name):
     assert saved["full"] == eager["full"]
 
 
+def test_compiled_blocks_are_split_by_inductor_s_partition_with_the_parameters_free_to_save(monkeypatch):
+    """The simulation splits a block's joint graph as inductor does: its ``partition_fn`` (the joint-graph passes,
+    then the min-cut partitioner), told that the block's parameters (its flat inputs first) live for the whole step.
+    On the CPU cases above, neither changes what is saved (docs/memory.md): this checks the path is inductor's."""
+    from torch._inductor import compile_fx
+
+    indices = []
+    real = compile_fx.partition_fn
+
+    def partition_fn(joint, joint_inputs, **kwargs):
+        indices.append(kwargs.get("static_lifetime_input_indices"))
+        return real(joint, joint_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "partition_fn", partition_fn)
+    tiny = Component(key="model", path="torchtune_ac.models.llama_tiny").instantiate
+    plans = candidate_plans(8)[:1]  # none
+    estimate_memory(tiny, adamw, Workload(batch_size=1, seq_len=64, compiled=True), plans)
+    block = tiny().layers[0]
+    state = len(list(block.parameters())) + len(list(block.buffers()))
+    assert state > 0 and indices and all(i == list(range(state)) for i in indices), (state, indices)
+
+
 class _MixingBlock(torch.nn.Module):
     """Blocks alike in their parameters that differ in a plain attribute or argument: whether they mix tokens (a
     causal attention of the projected input with itself, no parameters of its own)."""
