@@ -115,8 +115,12 @@ def _add_chunk_weight_gradient(total: torch.Tensor, grad_logits: torch.Tensor, h
     # [vocab, dim] += [c, vocab]^T @ [c, dim]
     if grad_logits.dtype == total.dtype:
         total.addmm_(grad_logits.t(), h)
-    else:  # a bf16 product (the matmul adds in float32 within it), rounded once, added in float32
-        total.add_(torch.mm(grad_logits.t(), h))
+        return
+    # A bf16 product (the matmul adds in float32 within it), rounded once, added in float32; made a block of the
+    # vocabulary's rows at a time, each no larger than the chunk's logits, never a second weight-sized tensor.
+    rows = max(1, len(h) * len(total) // total.shape[1])
+    for start in range(0, len(total), rows):
+        total[start:start + rows].add_(torch.mm(grad_logits[:, start:start + rows].t(), h))
 
 
 def _weight_gradient_of(total: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
