@@ -34,8 +34,9 @@ Writes a JSON file and a bar chart.
 
 With ``--device cuda`` (``scripts/gpu_check.sh`` runs it) it measures the recipe's step alone on the GPU, in bf16
 with ``compile`` by default, for each AC setting: tokens/s, MFU (the model's FLOPs per second, counted as
-``6 x parameters x tokens`` plus attention's ``12 x layers x dim x seq_len x tokens``, recompute not counted, over
-the device's dense bf16 peak), and the peak allocated and reserved memory against the planner's estimate (the
+``6 x parameters x tokens`` plus attention's ``12 x layers x heads x head_dim x sum(length^2)`` over the documents
+of each row, recompute not counted, over the device's dense bf16 peak; ``mfu_whole_rows`` counts attention over
+whole rows, as the figures before 2026-11-29 did), and the peak allocated and reserved memory against the planner's estimate (the
 step's estimate plus the process's fixed cost measured before the model, as ``tune plan`` counts it). Targets: MFU
 >= 40 % on a 1B-class model; the estimate within 15 % of the reserved peak.
 
@@ -68,6 +69,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from _benchlib import pyplot, save_figure, write_report  # noqa: E402
+from _profile_step import attention_flops  # noqa: E402
 
 from torchtune_ac import models  # noqa: E402
 from torchtune_ac.config.components import Component  # noqa: E402
@@ -215,7 +217,7 @@ def build_ours(model_name: str, checkpoint_dir: Path, setting: str, batches: lis
     micro_batches = [[{"tokens": tokens, "labels": shift_labels(tokens)}] for tokens in batches]
 
     def step(i: int) -> float:
-        return train_step(model, optimizer, micro_batches[i], ctx=ctx, objective=plan.objective()).loss
+        return train_step(model, optimizer, micro_batches[i], ctx=ctx, objective=plan.objective(compiled=args.compile)).loss
 
     return step, str(plan.ac)
 
@@ -381,12 +383,15 @@ def device_peak_tflops(name: str, given: Optional[float]) -> float:
     raise SystemExit(f"bench_train: no known bf16 peak for {name!r}; pass --peak-tflops")
 
 
-def model_flops_per_token(model: torch.nn.Module, seq_len: int) -> float:
-    """Training FLOPs per token: 6 per parameter (forward and backward), and attention's scores and weighted
-    sum (``12 x layers x dim x seq_len``, causal masking not subtracted, as PaLM's MFU counts it)."""
-    args = model.args
+def step_model_flops(model: torch.nn.Module, batch: dict[str, torch.Tensor], *, whole_rows: bool = False) -> float:
+    """Training FLOPs of one step on ``batch``: 6 per parameter per token (forward and backward), and attention's
+    scores and weighted sum per document (``_profile_step.attention_flops``: causal masking not subtracted, as
+    PaLM's MFU counts it). A packed row's documents attend only within themselves: documents of lengths L_i do
+    ``sum(L_i^2)``, not ``row_len^2``. ``whole_rows``: the count before 2026-11-29, attention over every whole row
+    (what the 2026-11-27 H100 figures counted)."""
     n_params = sum(p.numel() for p in model.parameters())
-    return 6 * n_params + 12 * args.n_layers * args.dim * seq_len
+    counted = {"tokens": batch["tokens"]} if whole_rows else batch
+    return 6 * n_params * batch["tokens"].numel() + attention_flops(model, counted)
 
 
 def packed_batches(n: int, batch_size: int, seq_len: int, vocab_size: int, seed: int) -> list[dict[str, torch.Tensor]]:
@@ -477,21 +482,24 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
         for i, batch in enumerate(micro):
             torch.cuda.synchronize()
             start = time.perf_counter()
-            losses.append(train_step(model, stepper, batch, ctx=ctx, objective=plan.objective()).loss)
+            losses.append(train_step(model, stepper, batch, ctx=ctx, objective=plan.objective(compiled=args.compile)).loss)
             torch.cuda.synchronize()
             if i >= args.warmup:
                 times.append(time.perf_counter() - start)
-        syncs = count_host_syncs(lambda: train_step(model, stepper, micro[-1], ctx=ctx, objective=plan.objective()))
+        syncs = count_host_syncs(lambda: train_step(model, stepper, micro[-1], ctx=ctx, objective=plan.objective(compiled=args.compile)))
     finally:
         torch._logging.set_logs()
         logging.getLogger("torch._dynamo").removeHandler(recompiles)
     allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
-    flops_per_token = model_flops_per_token(model, args.seq_len)
+    timed = batches[args.warmup:]
+    flops = statistics.mean(step_model_flops(model, batch) for batch in timed)
+    flops_whole_rows = statistics.mean(step_model_flops(model, batch, whole_rows=True) for batch in timed)
     del model, stepper, micro
 
     varlen = args.packed and dtype is DType.BF16
     workload = Workload(args.batch_size, args.seq_len, dtype=dtype, varlen=varlen,
-                        blas_workspaces=cublas_workspace_bytes(device)[0], compiled=args.compile).with_settings(plan.settings)
+                        blas_workspaces=cublas_workspace_bytes(device)[0], compiled=args.compile,
+                        cuda=True).with_settings(plan.settings)
     (estimate,) = estimate_memory(component.instantiate, make_optimizer, workload, [plan.ac])
     tokens = args.batch_size * args.seq_len
     median = statistics.median(times)
@@ -499,7 +507,8 @@ def run_cuda_setting(args: argparse.Namespace, setting: str) -> dict:
     planned = estimate.total + fixed
     return {"setting": setting, "plan": str(plan.ac), "packed": args.packed, "build_s": build_s,
             "median_step_time_s": median, "step_times_s": times,
-            "tokens_per_second": tokens / median, "mfu": flops_per_token * tokens / median / peak,
+            "tokens_per_second": tokens / median, "mfu": flops / median / peak,
+            "mfu_whole_rows": flops_whole_rows / median / peak,
             "recompiles": recompiles.count, "host_syncs_per_step": syncs,
             "losses": losses, "peak_allocated_gib": allocated / 2**30, "peak_reserved_gib": reserved / 2**30,
             "fixed_gib": fixed / 2**30, "fixed_allocated_gib": start_allocated / 2**30,

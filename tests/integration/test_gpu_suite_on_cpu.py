@@ -94,7 +94,27 @@ def test_bench_train_cuda_path_runs_with_the_memory_counters_stubbed(tmp_path: P
     for r in results.values():
         assert len(r["losses"]) == 2 and all(math.isfinite(loss) for loss in r["losses"])
         assert r["recompiles"] == 0 and r["planned_step_gib"] > 0 and r["mfu"] > 0
+        assert r["mfu"] <= r["mfu_whole_rows"]  # equal here: rows of 64 tokens hold one document each
         assert (r["fixed_allocated_gib"], r["fixed_reserved_gib"]) == (2**-10, 2**-9)
     # The same weights and batches under either AC setting: the first step's loss is the same.
     assert results["full"]["losses"][0] == pytest.approx(results["none"]["losses"][0], rel=1e-2)
     assert results["full"]["planned_step_gib"] < results["none"]["planned_step_gib"]
+
+
+def test_mfu_counts_each_packed_documents_attention_not_the_whole_row() -> None:
+    """``bench_train``'s FLOPs of a step: 6 per parameter and token, and attention per document, sum(L_i^2) a
+    layer and query head (``12 x head_dim`` each); ``whole_rows`` is the count of the H100 figures, row_len^2."""
+    bench_train = import_from(REPO / "scripts", "bench_train")
+    from torchtune_ac.models.llama import Llama, LlamaArgs
+
+    args = LlamaArgs(vocab_size=128, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, intermediate_dim=96,
+                     max_seq_len=256)
+    with torch.device("meta"):
+        model = Llama(args)
+    (batch,) = bench_train.packed_batches(1, 2, 256, args.vocab_size, seed=0)
+    lengths = batch["document_lengths"].tolist()
+    assert len(lengths) > 2 and sum(lengths) == 2 * 256
+    dense = 6 * sum(p.numel() for p in model.parameters()) * 2 * 256
+    per_query_square = 12 * args.n_layers * args.n_heads * args.resolved_head_dim
+    assert bench_train.step_model_flops(model, batch) == dense + per_query_square * sum(n * n for n in lengths)
+    assert bench_train.step_model_flops(model, batch, whole_rows=True) == dense + per_query_square * 2 * 256**2

@@ -46,15 +46,15 @@ class ACMode(str, Enum):
     AUTO = "auto"
 
 
-def _resolve_aten_ops(names: tuple[str, ...]) -> frozenset:
-    """Look each ``"op.overload"`` name up on ``torch.ops.aten`` now, so a typo fails at import.
+def _resolve_aten_ops(names: tuple[str, ...], namespace: str = "aten") -> frozenset:
+    """Look each ``"op.overload"`` name up on ``torch.ops.<namespace>`` now, so a typo fails at import.
 
     An unknown name would otherwise make the policy silently save nothing (i.e. recompute everything).
     """
     ops = set()
     for name in names:
         packet_name, overload = name.split(".")
-        ops.add(getattr(getattr(torch.ops.aten, packet_name), overload))
+        ops.add(getattr(getattr(getattr(torch.ops, namespace), packet_name), overload))
     return frozenset(ops)
 
 
@@ -64,6 +64,10 @@ def _resolve_aten_ops(names: tuple[str, ...]) -> frozenset:
 # variable-length Flash Attention (packed batches on CUDA, where torch has it: ``VARLEN_OPS``).
 # ``aten.scaled_dot_product_attention`` itself is a composite op that never reaches the policy: it dispatches to
 # one of these kernels or to bmm + softmax.
+# Tensor parallelism's collectives (DTensor issues them as functional collectives, each result then waited for):
+# the all-gathers before each block's column-split projections, the reduce-scatters after its row-split ones, and
+# all-reduces. Recomputing them would send the block's traffic again in backward; their outputs are activations of
+# the block's size divided among the group, like the matmuls' own.
 # Everything else (norms, rotary, SiLU, element-wise products, dropout) is cheap to recompute.
 SAVED_OPS = _resolve_aten_ops(
     (
@@ -75,11 +79,18 @@ SAVED_OPS = _resolve_aten_ops(
         "_scaled_dot_product_efficient_attention.default",
         "_scaled_dot_product_cudnn_attention.default",
     )
-) | VARLEN_OPS
+) | VARLEN_OPS | (
+    _resolve_aten_ops(
+        ("all_gather_into_tensor.default", "reduce_scatter_tensor.default", "all_reduce.default", "wait_tensor.default"),
+        namespace="_c10d_functional",
+    )
+    if torch.distributed.is_available()
+    else frozenset()
+)
 
 
 def save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Per-op AC policy: keep outputs of matrix multiplies and attention, recompute every other op.
+    """Per-op AC policy: keep outputs of matrix multiplies, attention and collectives, recompute every other op.
 
     Args:
         ctx: the ``SelectiveCheckpointContext`` (unused: the decision is the same in forward and recompute).

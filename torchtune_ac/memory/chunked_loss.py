@@ -36,9 +36,10 @@ by chunk in the forward pass gives the same values with neither cost.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -87,42 +88,97 @@ def _scaled_saved_gradients(ctx: Any, grad_total: torch.Tensor) -> tuple[Optiona
     return grad_hidden, grad_weight
 
 
+def _chunk_loss(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, with_gradient: bool,
+                softcap: Optional[float] = None) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One chunk of targets: the summed float32 cross-entropy of ``h @ weight.T`` against ``y`` and, with
+    ``with_gradient``, its gradient with respect to the logits (the softmax less the targets' one-hot), in
+    ``weight``'s dtype, ready for the two matrix multiplies of the backward; with ``softcap`` C, of the capped
+    logits ``C * tanh(logits / C)``, the gradient taken through the cap. Eager, the float32 logits are
+    overwritten in place; compiled (``_compiled_chunk_loss``), the elementwise work is fused into a reduction and
+    one pass that writes the gradient, and no float32 ``[c, vocab]`` tensor is made."""
+    logits, unit = _soft_cap_(F.linear(h, weight).float(), softcap)  # [c, vocab]
+    log_norm = torch.logsumexp(logits, dim=-1)  # [c]
+    loss = (log_norm - logits.gather(1, y[:, None]).squeeze(1)).sum()
+    if not with_gradient:
+        return loss, None
+    grad_logits = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place of the logits
+    grad_logits[torch.arange(len(y), device=y.device), y] -= 1.0
+    return loss, _through_soft_cap_(grad_logits, unit).to(weight.dtype)
+
+
+@functools.cache
+def _compiled_chunk_loss() -> Callable[..., tuple[torch.Tensor, Optional[torch.Tensor]]]:
+    """``_chunk_loss`` under ``torch.compile`` (made on first use: importing Dynamo takes a while)."""
+    return torch.compile(_chunk_loss, fullgraph=True)
+
+
+def _run_chunk_loss(h: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, with_gradient: bool,
+                    softcap: Optional[float], compiled: bool) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    if not compiled:
+        return _chunk_loss(h, weight, y, with_gradient, softcap)
+    # The chunks' length changes from step to step (with the batch's target count) and between a step's chunks:
+    # traced with a symbolic length once, rather than compiled again for each new length.
+    torch._dynamo.maybe_mark_dynamic(h, 0)
+    torch._dynamo.maybe_mark_dynamic(y, 0)
+    return _compiled_chunk_loss()(h, weight, y, with_gradient, softcap)
+
+
+def _weight_gradient_sum(weight: torch.Tensor) -> torch.Tensor:
+    """Where the chunks' weight gradients are summed: float32 whatever the weight's dtype. A bf16 sum rounds the
+    running total at every chunk (8 bits of mantissa); in float32 only each chunk's product and the total are
+    rounded to bf16 (``_add_chunk_weight_gradient``, ``_weight_gradient_of``)."""
+    return torch.zeros_like(weight, dtype=torch.float32)
+
+
+def _add_chunk_weight_gradient(total: torch.Tensor, grad_logits: torch.Tensor, h: torch.Tensor) -> None:
+    # [vocab, dim] += [c, vocab]^T @ [c, dim]
+    if grad_logits.dtype == total.dtype:
+        total.addmm_(grad_logits.t(), h)
+        return
+    # A bf16 product (the matmul adds in float32 within it), rounded once, added in float32; made a block of the
+    # vocabulary's rows at a time, each no larger than the chunk's logits, never a second weight-sized tensor.
+    rows = max(1, len(h) * len(total) // total.shape[1])
+    for start in range(0, len(total), rows):
+        total[start:start + rows].add_(torch.mm(grad_logits[:, start:start + rows].t(), h))
+
+
+def _weight_gradient_of(total: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return total.to(weight.dtype)  # the same tensor for a float32 weight
+
+
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """``sum_i CE(hidden[i] @ weight.T, targets[i])`` in float32, chunk by chunk, with its gradients computed in
     forward (see the module docstring)."""
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, n_chunks: int,
-                softcap: Optional[float]) -> torch.Tensor:
+                softcap: Optional[float], compiled: bool) -> torch.Tensor:
         # hidden: [n, dim]; weight: [vocab, dim]; targets: [n]
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        weight_sum = _weight_gradient_sum(weight) if need_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         start = 0
         for h, y in zip(hidden.tensor_split(n_chunks), targets.tensor_split(n_chunks)):
             if not len(y):
                 continue
-            logits, unit = _soft_cap_(F.linear(h, weight).float(), softcap)  # [c, vocab]
-            log_norm = torch.logsumexp(logits, dim=-1)  # [c]
-            total += (log_norm - logits.gather(1, y[:, None]).squeeze(1)).sum()
-            if need_hidden or need_weight:
-                grad_logits = logits.sub_(log_norm[:, None]).exp_()  # softmax, in place of the logits
-                grad_logits[torch.arange(len(y), device=y.device), y] -= 1.0
-                grad_logits = _through_soft_cap_(grad_logits, unit).to(weight.dtype)
+            loss, grad_logits = _run_chunk_loss(h, weight, y, need_hidden or need_weight, softcap, compiled)
+            total += loss
+            if grad_logits is not None:
                 if need_hidden:
                     torch.mm(grad_logits, weight, out=grad_hidden[start:start + len(y)])
                 if need_weight:
-                    grad_weight.addmm_(grad_logits.t(), h)
+                    _add_chunk_weight_gradient(weight_sum, grad_logits, h)
                 del grad_logits
-            del logits
             start += len(y)
+        grad_weight = _weight_gradient_of(weight_sum, weight) if need_weight else None
+        del weight_sum
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
-        return (*_scaled_saved_gradients(ctx, grad_total), None, None, None)
+        return (*_scaled_saved_gradients(ctx, grad_total), None, None, None, None)
 
 
 class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
@@ -136,7 +192,7 @@ class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
         # hidden: [n, dim]; weight: [vocab / degree, dim]; targets: [n], ids of the whole vocabulary
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros_like(weight) if need_weight else None
+        weight_sum = _weight_gradient_sum(weight) if need_weight else None
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         rows = len(weight)
         start = 0
@@ -162,10 +218,12 @@ class _VocabParallelChunkedCrossEntropy(torch.autograd.Function):
                 if need_hidden:
                     torch.mm(grad_logits, weight, out=grad_hidden[start:start + len(y)])
                 if need_weight:
-                    grad_weight.addmm_(grad_logits.t(), h)
+                    _add_chunk_weight_gradient(weight_sum, grad_logits, h)
                 del grad_logits
             del logits
             start += len(y)
+        grad_weight = _weight_gradient_of(weight_sum, weight) if need_weight else None
+        del weight_sum
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total
 
@@ -204,11 +262,14 @@ class ChunkedCrossEntropy:
         n_targets: how many labels are not ``IGNORE_INDEX``, counted on the host (the batch's ``target_count``):
             the targets are then gathered with shapes known in advance, so nothing waits for the device. None:
             counted from ``labels`` here, a host synchronisation when they are on a GPU.
+        compiled: each chunk's loss and logits' gradient through ``torch.compile`` (the run's ``compile: true``);
+            under tensor parallelism the chunks stay eager (their collectives split them).
     """
 
     labels: torch.Tensor
     n_chunks: int
     n_targets: Optional[int] = None
+    compiled: bool = False
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
         """The summed float32 cross-entropy (a 0-d tensor).
@@ -229,15 +290,17 @@ class ChunkedCrossEntropy:
         if isinstance(weight, DTensor):
             return _vocab_parallel_loss(hidden, weight, targets, order, self.n_chunks, softcap)
         hidden = hidden.flatten(0, 1).index_select(0, order)  # [n, dim]: ignored positions never reach the projection
-        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, self.n_chunks, softcap)
+        return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, self.n_chunks, softcap, self.compiled)
 
 
 @dataclass(frozen=True)
 class ChunkedCrossEntropyObjective:
     """The step's objective (``training/objective.py``) with the loss computed through ``ChunkedCrossEntropy``
-    as the model's output head: the same sums as the whole logits, ``n_chunks`` chunks of targets at a time."""
+    as the model's output head: the same sums as the whole logits, ``n_chunks`` chunks of targets at a time;
+    ``compiled``: each chunk's elementwise work compiled (see ``ChunkedCrossEntropy``)."""
 
     n_chunks: int
+    compiled: bool = False
     metric_names = ()
     loss_scale = None
 
@@ -245,13 +308,14 @@ class ChunkedCrossEntropyObjective:
         return count_target_tokens(batch["labels"])
 
     def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        head = ChunkedCrossEntropy(batch["labels"], self.n_chunks, host_target_count(batch))
+        head = ChunkedCrossEntropy(batch["labels"], self.n_chunks, host_target_count(batch), self.compiled)
         return run_model(model, batch, head=head)
 
 
-def loss_objective(n_chunks: int) -> "ChunkedCrossEntropyObjective | CrossEntropy":
-    """The objective of a ``loss_chunks`` setting: the chunked loss for ``n_chunks`` > 1, else the whole logits."""
-    return ChunkedCrossEntropyObjective(n_chunks) if n_chunks > 1 else CrossEntropy()
+def loss_objective(n_chunks: int, compiled: bool = False) -> "ChunkedCrossEntropyObjective | CrossEntropy":
+    """The objective of a ``loss_chunks`` setting: the chunked loss for ``n_chunks`` > 1 (its chunks compiled when
+    the run compiles, ``compiled``), else the whole logits."""
+    return ChunkedCrossEntropyObjective(n_chunks, compiled) if n_chunks > 1 else CrossEntropy()
 
 
 # ----------------------------------------------------------------------------------------------------- the feature

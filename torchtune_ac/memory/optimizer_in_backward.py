@@ -22,6 +22,10 @@ It cannot clip (the total norm is known only once every parameter has been stepp
 ``clip_grad_norm``. The planner simulates the step with the optimizer in backward, so it needs no cost declared
 here; under FSDP2 the root's gradients (embeddings, output) are reduced, and so stepped, only when backward ends,
 which the simulation keeps (``planner._LiveStorages``): they stay whole on every process until then.
+
+On a GPU under FSDP2 the hooks, and so the steps, run on FSDP2's reduce-scatter stream: left there, so that
+the step overlaps the next block's backward rather than making the default stream wait for each reduce-scatter;
+the planner counts the step's temporaries in that stream's pool (``planner.in_backward_stream_pool``).
 """
 
 from __future__ import annotations

@@ -128,9 +128,10 @@ class MemoryPlan:
         ``optimizer_in_bwd``, in it. Build it after ``fully_shard``."""
         return build_optimizer(self.wrap_optimizer(make_optimizer), model, in_backward=self.settings.optimizer_in_bwd)
 
-    def objective(self) -> Objective:
-        """What the step computes: the chunked loss, or the whole-logits cross-entropy."""
-        return loss_objective(self.settings.loss_chunks)
+    def objective(self, compiled: bool = False) -> Objective:
+        """What the step computes: the chunked loss (its chunks compiled in a run that compiles, ``compiled``), or
+        the whole-logits cross-entropy."""
+        return loss_objective(self.settings.loss_chunks, compiled)
 
 
 def vocab_size_of(model: nn.Module) -> Optional[int]:

@@ -129,6 +129,9 @@ class Workload:
     # Each block compiled (``compile: true``): the simulation runs the blocks without AC as compiled blocks save for
     # backward (``_simulate_compiled_blocks``), fewer tensors than eager.
     compiled: bool = False
+    # The run's device is a GPU: its caching allocator keeps a pool per stream, and under FSDP2 the step in
+    # backward runs on the reduce-scatter's stream (``in_backward_stream_pool``).
+    cuda: bool = False
 
     @property
     def rows(self) -> int:
@@ -273,6 +276,7 @@ class _LiveStorages(TorchDispatchMode):
         self.block_input = 0  # bytes of a block's input (the hidden state of one micro-batch)
         self.flops = 0
         self._live = self._grad = self._root_grad = self._act = self._opt = 0
+        self.optimizer_temporaries_in_backward = 0  # the most bytes an optimizer stepping in backward held at once
         self.paused = False  # ops run but are not counted (tracing a compiled block's graphs)
 
     def _free(self, key: int) -> None:
@@ -368,6 +372,9 @@ class _LiveStorages(TorchDispatchMode):
                     if self.in_optimizer:
                         self.optimizer_temporaries.add(key)
                         self._opt += storage.nbytes()
+                        if self.phase in BACKWARD_PHASES:
+                            self.optimizer_temporaries_in_backward = max(self.optimizer_temporaries_in_backward,
+                                                                         self._opt)
                     # The Python storage object lives exactly as long as its memory (PyObject preservation).
                     weakref.finalize(storage, self._free, key)
         self._record()
@@ -432,6 +439,7 @@ class _Simulation:
     block_input: int  # bytes of a block's input, one micro-batch's hidden state
     logits: int  # bytes of one micro-batch's whole logits in float32 ([rows, seq_len, vocab])
     varlen_kv_copy: int = 0  # bytes of one block's K/V copies for varlen_attn, one micro-batch (Workload.varlen)
+    optimizer_temporaries_in_backward: int = 0  # the most a step in backward held at once, unsharded
 
 
 def _simulate(
@@ -508,6 +516,7 @@ def _simulate(
             block_input=tracker.block_input,
             logits=workload.rows * workload.seq_len * vocab * 4,
             varlen_kv_copy=_varlen_kv_copy(blocks[0], workload) if workload.varlen else 0,
+            optimizer_temporaries_in_backward=tracker.optimizer_temporaries_in_backward,
         )
 
 
@@ -617,11 +626,13 @@ def _alike(block: nn.Module) -> tuple:
 
 
 def _aot_block(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., Any]:
-    """``forward`` of ``block`` (its state an argument) traced and partitioned as inductor would, run op by op."""
-    import functools
+    """``forward`` of ``block`` (its state an argument) traced and partitioned as inductor would, run op by op.
 
+    As inductor partitions: its joint-graph passes first (``compile_fx.partition_fn``: pattern rewrites that change
+    what the forward computes, and so what it can save), then the min-cut partitioner told which inputs live for the
+    whole step (the block's parameters and buffers, which Dynamo marks static): saving one of those costs nothing."""
     from torch._functorch.aot_autograd import aot_function, make_boxed_func
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor import compile_fx
     from torch._inductor.decomposition import select_decomp_table
     from torch.func import functional_call
 
@@ -638,9 +649,17 @@ def _aot_block(block: nn.Module, forward: Callable[..., Any]) -> Callable[..., A
     def run_ops(graph: torch.fx.GraphModule, _inputs: Any) -> Callable[..., Any]:
         return make_boxed_func(graph.forward)
 
+    # The flat inputs start with the state's tensors, in the order of the dict the traced function is called with
+    # (``_CompiledForward``: parameters, then buffers).
+    n_state = len(list(block.parameters())) + len(list(block.buffers()))
+
+    def partition(joint: torch.fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> Any:
+        kwargs["static_lifetime_input_indices"] = list(range(n_state))
+        return compile_fx.partition_fn(joint, joint_inputs, **kwargs)
+
     return aot_function(lambda state, *args, **kwargs: functional_call(body, state, args, kwargs),
                         fw_compiler=run_ops, bw_compiler=run_ops, decompositions=select_decomp_table(),
-                        partition_fn=functools.partial(min_cut_rematerialization_partition, compiler="inductor"))
+                        partition_fn=partition)
 
 
 def _simulate_compiled_blocks(blocks: nn.ModuleList, tracker: _LiveStorages) -> None:
@@ -742,6 +761,7 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
     if tp > 1:
         for category, nbytes in tensor_parallel_share(plan, shallow, workload, phase).items():
             device[category] += nbytes
+    device["transient"] += in_backward_stream_pool(shallow, workload, sharded) / n / tp
     if shallow.varlen_kv_copy:
         # varlen_attn saves its K/V copies for backward: a block without AC keeps them until its backward; the block
         # running (or recomputing) holds its own as it goes (a group's rank, its heads' share).
@@ -787,6 +807,21 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         host=math.ceil(sum(host.values())),
         host_parts={category: math.ceil(nbytes) for category, nbytes in host.items()},
     )
+
+
+def in_backward_stream_pool(shallow: _Simulation, workload: Workload, sharded: bool) -> int:
+    """Unsharded bytes a GPU holds apart for the optimizer stepping in backward under FSDP2: the most its step of
+    one parameter holds at once (its temporaries), 0 elsewhere.
+
+    FSDP2 calls the parameters' gradient hooks on its reduce-scatter stream (HSDP: its all-reduce stream), so the
+    step's temporaries come from that stream's pool of the caching allocator, which the default stream's
+    allocations cannot reuse (nor the other way round): the simulation, one pool, would let the two share bytes.
+    The step stays on that stream, overlapping the next block's backward (docs/memory.md, "The step in backward
+    and FSDP2's streams"). Its state, allocated there on the first step, is counted as the optimizer's. With CPU
+    offload the step runs on the host, on the host's shards."""
+    if not (workload.cuda and sharded and workload.settings.optimizer_in_bwd) or workload.settings.cpu_offload:
+        return 0
+    return shallow.optimizer_temporaries_in_backward
 
 
 def tensor_parallel_share(plan: ACPlan, shallow: _Simulation, workload: Workload, phase: str) -> dict[str, float]:

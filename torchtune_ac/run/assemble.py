@@ -179,7 +179,7 @@ def build_training(
         load_hf_weights_(model, plan.checkpoint_dir)
     elif load_weights:
         initialize_weights_(model, pristine, dtype=plan.dtype.torch, seed=plan.seed, sharded=sharded)
-    objective = objective if objective is not None else memory.objective()
+    objective = objective if objective is not None else memory.objective(compiled=plan.compile)
     if frozen:
         return AssembledModel(freeze_reference(model), None, objective)
     model.train()

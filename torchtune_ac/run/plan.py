@@ -410,7 +410,7 @@ def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.devic
                                 and planned_device(cfg.device).type == "cuda" and cfg.dtype is DType.BF16),
                         preference=cfg.preference_step(),
                         blas_workspaces=cublas_workspace_bytes(planned_device(cfg.device))[0],
-                        compiled=cfg.compile)
+                        compiled=cfg.compile, cuda=planned_device(cfg.device).type == "cuda")
     return PlannerInputs(
         build_model=lambda: cfg.model.instantiate_with_defaults(checkpoint_dir=cfg.checkpoint_dir),
         make_optimizer=cfg.optimizer.instantiate,

@@ -61,6 +61,9 @@ def test_the_plan_builds_the_stepper_and_objective_its_features_declare(in_bwd, 
                                                        "loss", "activation offloading", "CPU offload"]
     assert isinstance(plan.build_stepper(lambda p: torch.optim.SGD(p, lr=0.1), model), stepper_type)
     assert plan.objective() == objective
+    # In a run that compiles, the chunked loss compiles its chunks too; the whole logits have nothing to compile.
+    assert plan.objective(compiled=True) == (ChunkedCrossEntropyObjective(chunks, compiled=True) if chunks > 1
+                                             else objective)
     assert plan.resume_record() == ({"optimizer_in_bwd": True} if in_bwd else {})
 
 

@@ -2,13 +2,14 @@
 backward only the gradients of the targets' hidden states and of the output weight."""
 
 import dataclasses
+import logging
 
 import pytest
 import torch
 from _measure import measure_saved_activation_bytes
 from gloo_testlib import run_on_gloo_ranks
 from models_testlib import TINY
-from numerics import assert_all_close, assert_close, llama_terms
+from numerics import assert_all_close, assert_close, llama_terms, rounding_bound
 from torch.distributed.fsdp import fully_shard
 
 from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropy
@@ -193,3 +194,82 @@ def test_memory_plan_describes_the_chunked_loss_as_it_works():
     loss = dict(plan.describe())["loss"]
     assert loss.startswith("8 chunks (vocabulary 32,000): targets only")
     assert "logits recomputed" not in loss and "nothing recomputed in backward" in loss
+
+
+@pytest.mark.numerics
+def test_a_bf16_weight_gradient_is_summed_over_the_chunks_in_float32():
+    """The output weight's gradient of a bf16 head, over 256 chunks of 2 targets, against float64 from the same
+    bf16 inputs. Every target is token 0, so row 0 sums 512 terms of one sign (as a frequent token's row does).
+
+    Summed in float32, the result carries the bf16 roundings of each token's term (its logits and their
+    gradient), of each chunk's product, and of the total: a random walk over 512 + 256 roundings of a chunk's
+    size, plus one of the total. Summed in bf16, the running total is rounded at each of the 256 chunks, each
+    time by up to half a bf16 unit of the total so far: 3 times that bound here (float32: a seventh of it)."""
+    vocab, dim, n, chunks = 64, 16, 512, 256
+    generator = torch.Generator().manual_seed(0)
+    hidden = (torch.randn(1, n, dim, generator=generator).abs() + 0.5).bfloat16()
+    weight = (0.1 * torch.randn(vocab, dim, generator=generator)).bfloat16()
+    labels = torch.zeros(1, n, dtype=torch.long)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    ChunkedCrossEntropy(labels, chunks)(h, w).backward()
+    assert w.grad.dtype == torch.bfloat16
+
+    h64, w64 = hidden.double(), weight.double().requires_grad_()
+    logits = torch.nn.functional.linear(h64[0], w64)  # [n, vocab]
+    cross_entropy_sum(logits[None], labels).backward()
+    grad_logits = logits.detach().softmax(-1) - torch.nn.functional.one_hot(labels[0], vocab)
+    # [chunks, vocab, dim]: each chunk's product, the largest value the float32 sum adds at a time
+    products = torch.einsum("kcv,kcd->kvd", grad_logits.view(chunks, -1, vocab), h64.view(chunks, -1, dim))
+    bound = (rounding_bound(n + chunks, float(products.abs().max()), torch.bfloat16)
+             + torch.finfo(torch.bfloat16).eps * float(w64.grad.abs().max()))
+    difference = float((w.grad.double() - w64.grad).abs().max())
+    assert difference <= bound, (difference, bound)
+
+
+
+@pytest.mark.numerics
+def test_the_compiled_chunks_match_eager_and_compile_once_for_every_length():
+    """``compiled``: each chunk's loss and logits' gradient through inductor, equal to eager within rounding, on
+    batches of three target counts (chunks of about 24 to 40 targets) with no recompile: the chunk's length is
+    symbolic."""
+    recompiles = []
+    handler = logging.Handler()
+    handler.emit = lambda record: recompiles.append(record.getMessage())
+    dynamo = logging.getLogger("torch._dynamo")  # torch._logging stops propagation there
+    dynamo.addHandler(handler)
+    torch._logging.set_logs(recompiles=True)
+    try:
+        for ignored in (0.0, 0.2, 0.4):
+            labels = labels_with_ignored(3, 40, VOCAB, seed=5, ignored=ignored)
+            results = []
+            for compiled in (False, True):
+                generator = torch.Generator().manual_seed(6)
+                hidden = torch.randn(3, 40, DIM, generator=generator, requires_grad=True)
+                weight = torch.randn(VOCAB, DIM, generator=generator, requires_grad=True)
+                loss = ChunkedCrossEntropy(labels, 3, compiled=compiled)(hidden, weight)
+                results.append((loss, *torch.autograd.grad(loss, (hidden, weight))))
+            for what, eager, compiled in zip(("loss", "hidden states' gradient", "weight's gradient"), *results):
+                assert_close(compiled, eager, terms=head_terms(labels), what=f"{what}, {ignored:.0%} ignored")
+    finally:
+        torch._logging.set_logs()
+        dynamo.removeHandler(handler)
+    assert not [m for m in recompiles if m.startswith("Recompiling function")], recompiles
+
+
+@pytest.mark.parametrize("compile_blocks", [False, True])
+def test_a_run_compiles_its_chunked_loss_when_it_compiles_its_blocks(compile_blocks):
+    from torchtune_ac.activation_checkpointing.config import ACConfig
+    from torchtune_ac.config.components import parse_component
+    from torchtune_ac.config.meta_model import build_meta_model
+    from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective
+    from torchtune_ac.memory.features import MemorySettings
+    from torchtune_ac.memory.plan import MemoryPlan
+    from torchtune_ac.run.assemble import AssemblyPlan, build_training
+    from torchtune_ac.runtime.distributed import DistributedContext
+    from torchtune_ac.runtime.dtypes import DType
+
+    model = build_meta_model(parse_component({"_component_": "torchtune_ac.models.llama_tiny"}, "model"))
+    plan = AssemblyPlan(DType.FP32, MemoryPlan(ac=ACConfig().resolve(8), settings=MemorySettings(loss_chunks=4)),
+                        compile=compile_blocks)
+    training = build_training(model, plan, ctx=DistributedContext(0, 1, 0, torch.device("cpu")))
+    assert training.objective == ChunkedCrossEntropyObjective(4, compiled=compile_blocks)

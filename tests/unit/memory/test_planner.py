@@ -114,6 +114,28 @@ def test_compiled_blocks_are_simulated_saving_what_inductor_saves(name):
     assert saved["full"] == eager["full"]
 
 
+def test_compiled_blocks_are_split_by_inductor_s_partition_with_the_parameters_free_to_save(monkeypatch):
+    """The simulation splits a block's joint graph as inductor does: its ``partition_fn`` (the joint-graph passes,
+    then the min-cut partitioner), told that the block's parameters (its flat inputs first) live for the whole step.
+    On the CPU cases above, neither changes what is saved (docs/memory.md): this checks the path is inductor's."""
+    from torch._inductor import compile_fx
+
+    indices = []
+    real = compile_fx.partition_fn
+
+    def partition_fn(joint, joint_inputs, **kwargs):
+        indices.append(kwargs.get("static_lifetime_input_indices"))
+        return real(joint, joint_inputs, **kwargs)
+
+    monkeypatch.setattr(compile_fx, "partition_fn", partition_fn)
+    tiny = Component(key="model", path="torchtune_ac.models.llama_tiny").instantiate
+    plans = candidate_plans(8)[:1]  # none
+    estimate_memory(tiny, adamw, Workload(batch_size=1, seq_len=64, compiled=True), plans)
+    block = tiny().layers[0]
+    state = len(list(block.parameters())) + len(list(block.buffers()))
+    assert state > 0 and indices and all(i == list(range(state)) for i in indices), (state, indices)
+
+
 class _MixingBlock(torch.nn.Module):
     """Blocks alike in their parameters that differ in a plain attribute or argument: whether they mix tokens (a
     causal attention of the projected input with itself, no parameters of its own)."""
@@ -397,6 +419,34 @@ def test_with_the_step_in_backward_fsdp2_keeps_the_root_s_gradients_whole_until_
     small_vocab = dataclasses.replace(large_vocab, vocab_size=96)
     assert (_full_ac_estimate(small_vocab, in_bwd=True, world_size=4).total
             < _full_ac_estimate(small_vocab, in_bwd=False, world_size=4).total)
+
+
+@pytest.mark.parametrize("world_size, in_bwd, cuda, cpu_offload", [
+    (4, True, True, False), (4, True, False, False), (4, False, True, False), (1, True, True, False),
+    (4, True, True, True)])
+def test_on_a_gpu_under_fsdp2_the_step_in_backward_has_its_temporaries_in_a_pool_of_their_own(world_size, in_bwd,
+                                                                                              cuda, cpu_offload):
+    """FSDP2 calls the gradient hooks, and so the step in backward, on its reduce-scatter stream, whose pool of the
+    caching allocator the default stream's allocations cannot reuse. The plan adds what one parameter's step holds:
+    AdamW's simulated step (the CPU's single-tensor path: ``exp_avg_sq.sqrt()`` and its quotient) two temporaries
+    of the largest parameter (the output layer, 4096 x 64 fp32), a shard of each on each process. Not on a CPU,
+    without FSDP2 (the hooks run on the default stream), with the step after backward, or with CPU offload (the
+    step runs on the host)."""
+    from torchtune_ac.models import LlamaArgs
+    from torchtune_ac.models.llama import Llama
+
+    args = LlamaArgs(vocab_size=4096, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=160,
+                     max_seq_len=64)
+    plan = resolve_memory_plan(ACConfig(ac_mode=ACMode.FULL), MemoryConfig(optimizer_in_bwd=in_bwd, loss_chunks=4),
+                               Llama(args), clip_grad_norm=None, optimizer=OptimizerSpec("torch.optim.AdamW"))
+    transient = []
+    for on_gpu in (False, cuda):
+        workload = Workload(batch_size=2, seq_len=64, world_size=world_size, cuda=on_gpu).with_settings(
+            {**plan.settings, "cpu_offload": cpu_offload})
+        estimate, = estimate_memory(lambda: Llama(args), adamw, workload, [plan.ac])
+        transient.append(estimate.transient)
+    expected = 2 * 4096 * 64 * 4 // world_size if (world_size > 1 and in_bwd and cuda and not cpu_offload) else 0
+    assert transient[1] - transient[0] == expected
 
 
 def test_packed_grouped_kv_copies_for_varlen_are_counted_only_where_torch_makes_them(monkeypatch):

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import dataclasses
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from numerics import assert_steps_alike, llama_terms
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.activation_offloading import apply_activation_offloading
@@ -407,3 +409,52 @@ def test_a_norm_weight_gradient_is_summed_over_the_group_in_the_reduce_dtype(tmp
     """Under mixed precision (bf16 gathered, fp32 reduced) the partial gradients of a replicated weight are summed
     over the tensor-parallel group in fp32, not in bf16 before FSDP2's fp32 reduce-scatter."""
     run_on_gloo_ranks(check_norm_gradient_summed_in_fp32, 2, store_dir=tmp_path)
+class _CollectivesIssued(TorchDispatchMode):
+    """Counts the functional collectives issued (DTensor's, by name); a result that per-op AC's recompute takes
+    from its cache is never issued, so never reaches this mode."""
+
+    COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "wait_tensor")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if func.namespace == "_c10d_functional" and name in self.COLLECTIVES:
+            self.counts[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def check_backward_collectives(rank: int, world_size: int) -> None:
+    """The collectives each AC mode's backward issues under TP 2 (no FSDP2, whose collectives are not DTensor's).
+
+    torch's ``CommDebugMode`` would count the same, but its module tracker fails on a checkpointed block's
+    recompute (torch 2.13: ``KeyError: 'Attention'``), hence a dispatch mode of our own."""
+    mesh = Parallelism(world_size, tensor=2).build_mesh("cpu")
+    issued = {}
+    for mode, option in (("none", None), ("selective", "op"), ("full", None)):
+        case = Case("llama", ac_mode=mode, ac_option=option)
+        with torch.device("meta"):
+            model = LLAMA.build(case.args)
+        apply_ac_plan(model, resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=option,
+                                             n_layers=len(transformer_blocks(model))))
+        apply_tensor_parallel(model, mesh["tp"])
+        model.to_empty(device=CPU)
+        initialize_weights_(model, None, dtype=torch.float32, seed=7, sharded=True)
+        loss = model(_batch(case, 0)["tokens"]).float().square().mean()
+        with _CollectivesIssued() as counter:
+            loss.backward()
+        issued[mode] = counter.counts
+    # Backward's own: each block's all-gathers and reduce-scatters transposed, and the output layer's and the
+    # embedding's. Per-op AC issues exactly these; full AC recomputes the blocks' forward collectives as well.
+    assert issued["none"]["all_gather_into_tensor"] > 0 and issued["none"]["reduce_scatter_tensor"] > 0, issued
+    assert issued["selective"] == issued["none"], issued
+    assert issued["full"]["all_gather_into_tensor"] > issued["none"]["all_gather_into_tensor"], issued
+
+
+@pytest.mark.distributed
+def test_per_op_ac_does_not_repeat_tensor_parallel_collectives_in_backward(tmp_path: Path) -> None:
+    """Per-op AC keeps the collectives' outputs: its recompute under TP 2 sends nothing the backward without AC
+    does not."""
+    run_on_gloo_ranks(check_backward_collectives, 2, store_dir=tmp_path)
