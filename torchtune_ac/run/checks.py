@@ -44,6 +44,7 @@ from torchtune_ac.data.sources import TEXT_SUFFIXES, check_folder_formats, is_hu
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.models import check_checkpoint_matches
 from torchtune_ac.observability.metrics import METRICS_FILE
+from torchtune_ac.run.messages import naming_dataset_val
 from torchtune_ac.run.plan import RunPlan, TrainingConfig
 from torchtune_ac.runtime.distributed import resolve_device
 
@@ -230,4 +231,10 @@ def _check_data(cfg: TrainingConfig, dataset: Component, tokenizer: Any,
     sources = source if isinstance(source, list) else [source]
     if any(isinstance(one, str) and is_hub_name(one, TEXT_SUFFIXES) for one in sources):
         return None
-    return soft(lambda: check_dataset_records(dataset.target(), tokenizer, dataset.kwargs, cfg.max_seq_len))
+    def check() -> tuple[str, Optional[str]]:
+        try:
+            return check_dataset_records(dataset.target(), tokenizer, dataset.kwargs, cfg.max_seq_len)
+        except UserError as err:
+            raise naming_dataset_val(err) if dataset.key == "dataset_val" else err from None
+
+    return soft(check)

@@ -140,3 +140,10 @@ def no_checkpoint_yet(output_dir: str) -> str:
 
 def nothing_to_do(output_dir: str, step: int) -> str:
     return f"nothing to do: the run in {output_dir} already finished {step} step(s)"
+
+
+def naming_dataset_val(err: UserError) -> UserError:
+    """``err``, raised while reading ``dataset_val``, with that key in front (a line about the training data and one
+    about the validation data may otherwise read alike); its type is kept (a missing file stays unavailable)."""
+    message = str(err)
+    return err if message.startswith("dataset_val") else type(err)(f"dataset_val: {message}")

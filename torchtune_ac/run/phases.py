@@ -49,6 +49,7 @@ from torchtune_ac.run.messages import (
     finished_epochs_not_extended,
     hyperparameter_changes,
     hyperparameters_changed,
+    naming_dataset_val,
     resharded,
 )
 from torchtune_ac.run.plan import RunPlan, TrainingConfig
@@ -175,7 +176,10 @@ def build_validation(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContex
     """The validation data, batched as ``batching`` says, or None without ``dataset_val``."""
     if cfg.dataset_val is None:
         return None
-    dataset = cfg.dataset_val.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
+    try:
+        dataset = cfg.dataset_val.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
+    except UserError as err:
+        raise naming_dataset_val(err) from None
     if len(dataset) == 0:
         raise UserError("dataset_val: holds no sample")
     log.info("validation: %s, every %s", describe_samples(dataset),
