@@ -336,6 +336,9 @@ BAD_COMMAND_LINES = [
     (["plan", "--config", "tiny/full", "--nproc", "0"], "--nproc: must be >= 1, got 0"),
     (["plan", "--config", "tiny/full", "--budget-gib", "-1"], "--budget-gib: must be > 0, got -1"),
     (["plan", "--config", "tiny/full", "max_seq_len=null"], "max_seq_len: must be set to estimate memory"),
+    # The run's tensor-parallel checks: tune plan printed a full table, "fits: yes" on every row, before.
+    (["plan", "--config", "tiny/full", "--nproc", "4", "tensor_parallel_dim=4"],
+     "tensor_parallel_dim=4: must divide n_kv_heads=2 (fewer than 4: heads are not copied across ranks)"),
     (["validate", "--config", "tiny/full", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["run", "--nproc_per_node", "0", "full_finetune", "--config", "tiny/full"], "--nproc-per-node: must be >= 1, got 0"),

@@ -33,6 +33,7 @@ from torchtune_ac.models.families import transformer_blocks
 from torchtune_ac.run.plan import (
     RunPlan,
     TrainingConfig,
+    check_tensor_parallel,
     planned_device,
     planner_inputs,
     process_fixed_bytes,
@@ -172,6 +173,9 @@ def memory_table(cfg: TrainingConfig, *, world_size: int, budget_gib: Optional[f
         raise UnavailableError(f"{err}, and model {cfg.model.path} reads the architecture from it: to plan here, copy "
                                "its config.json alone (no weights) into a folder and set checkpoint_dir to it, or name "
                                "the model's builder (model._component_=torchtune_ac.models.llama3_8b, ...)") from None
+    # The run's own refusal of a degree the model cannot be split by: resolve_run_plan below checks it too, but its
+    # refusal there only leaves the table without a plan, and every row would plan what cannot run.
+    check_tensor_parallel(cfg, model)
     # The features besides AC, resolved as a run resolves them with each AC setting (every one gets a row of its
     # own); a setting the features refuse (enable_activation_offloading with no AC) is a row that does not apply.
     candidates = candidate_plans(len(transformer_blocks(model)))
