@@ -709,3 +709,19 @@ def test_plan_shows_an_ac_setting_the_switches_refuse_as_not_applicable(capsys):
                             "pinned host memory, and no block is checkpointed")
     assert rows["per-op"].endswith("yes   <- ac_mode: auto picks this (the least recompute that fits)")
     assert rows["full"].split()[-1] == "yes"
+
+
+def test_a_warmup_longer_than_the_run_is_said_by_validate_and_once_by_the_run(tmp_path, capsys, caplog):
+    """A 3-step run with num_warmup_steps=100 ended at 3 % of the configured learning rate, without a word."""
+    import logging
+
+    from finetune_runs import check_success, run_tune_in_process
+
+    warning = ("lr_scheduler.num_warmup_steps=100: the run has {}3 step(s), so it ends still warming up and the "
+               "learning rate never reaches optimizer.lr=0.003; lower num_warmup_steps (or train longer)")
+    overrides = ("max_steps_per_epoch=3", "lr_scheduler.num_warmup_steps=100")
+    assert main(["validate", "--config", "tiny/full", f"output_dir={tmp_path}", *overrides]) == 0
+    assert re.search(r"\n  warning +" + re.escape(warning.format("at most ")) + "\n", capsys.readouterr().out)
+    with caplog.at_level(logging.WARNING, logger="torchtune_ac"):
+        check_success(run_tune_in_process(tune_run_argv(tmp_path / "run", *overrides)))
+    assert [r.getMessage() for r in caplog.records].count(warning.format("")) == 1

@@ -13,6 +13,7 @@ from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.run.checks import Findings, check_run
 from torchtune_ac.run.memory_table import MemoryTable, memory_table
+from torchtune_ac.run.messages import length_warnings
 from torchtune_ac.run.plan import RunPlan, TrainingConfig, resolve_run_plan
 
 
@@ -55,7 +56,7 @@ def summary(plan: Optional[RunPlan], found: Findings, cfg: TrainingConfig) -> li
     if found.dataset_source is not None:
         lines.append(("dataset source", found.dataset_source))
     lines += found.data
-    notes = plan.notes if plan is not None else ()
+    notes = (*plan.notes, *length_warnings(plan.length, plan.hyperparameters)) if plan is not None else ()
     return lines + [("warning", w) for w in (*notes, *found.warnings)]
 
 

@@ -151,3 +151,5 @@ def log_plan(run: Run, plan: RunPlan) -> None:
              plan.dtype.value, torch.get_num_threads())
     for label, value in plan.describe():
         log.info("%s: %s", label, value)
+    for warning in messages.length_warnings(plan.length, plan.hyperparameters):
+        log.warning(warning)
