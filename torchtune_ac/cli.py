@@ -382,7 +382,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     print(f"wrote {args.output} from the torchtune config {args.source}")
     for note in migration.notes:
         print(f"  {note}")
-    print(f"check it with: tune validate --config {args.output}")
+    print(f"check it with: tune validate --config {args.output}{migration.flags()}")
     return 0
 
 

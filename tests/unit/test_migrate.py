@@ -263,6 +263,24 @@ def test_datasets_refused(dataset, message):
         migrate_torchtune_config(torchtune_config(dataset=dataset))
 
 
+@pytest.mark.parametrize("key", ["dataset", "dataset_val"])
+def test_the_user_s_own_dataset_class_is_written_as_it_is_and_the_rest_migrated(key):
+    """It was refused ("no equivalent in torchtune_ac") and nothing was written."""
+    mine = {"_component_": "my_pkg.data.MyDataset", "source": "data.jsonl", "shuffle_rows": True}
+    migration = migrate_torchtune_config(torchtune_config(**{key: mine}))
+    assert migration.config[key] == mine
+    assert migration.config["model"] == {"_component_": "torchtune_ac.models.llama3_2_1b"}
+    assert migration.allow == ("my_pkg.data.MyDataset",)
+    assert migration.flags() == " --allow-component my_pkg.data.MyDataset"
+    (note,) = [n for n in migration.notes if n.key == f"{key}._component_"]
+    assert str(note) == (
+        f"not carried over: {key}._component_: my_pkg.data.MyDataset is your own class, not one of torchtune's "
+        "datasets: written as it is, with its arguments; to run it, pass --allow-component my_pkg.data.MyDataset to "
+        "tune validate and tune run (it is called as torchtune_ac's datasets are, with the tokenizer and "
+        "max_seq_len), or use one of torchtune_ac's datasets (docs/data.md)")
+    assert migrate_torchtune_config(torchtune_config()).flags() == ""
+
+
 def test_meta_checkpointer_reads_the_folder_above_original():
     checkpointer = {"_component_": "torchtune.training.FullModelMetaCheckpointer",
                     "checkpoint_dir": "/m/Meta-Llama-3-8B-Instruct/original/", "checkpoint_files": ["consolidated.00.pth"],
