@@ -133,9 +133,11 @@ def disk_may_fill(output_dir: str, free: int, needed: int, saves: int, size: Any
             f"{_size(needed)}: {kept}; a later save may stop the run with a full disk: {fix}")
 
 
-def resharded(saved_world_size: int, world_size: int) -> str:
+def resharded(saved_world_size: int, world_size: int, *, dropout: bool) -> str:
+    """The resume on another number of processes; what does not carry over is said only where there is some
+    (``dropout``: the model draws dropout masks)."""
     return (f"resharded from {saved_world_size} process(es) to {world_size}: model, optimizer, scheduler and data "
-            "order carry over; dropout masks do not (each rank's RNG state is its own)")
+            "order carry over" + ("; dropout masks do not (each rank's RNG state is its own)" if dropout else ""))
 
 
 def no_checkpoint_yet(output_dir: str) -> str:

@@ -129,7 +129,8 @@ def build_data(cfg: TrainingConfig, tokenizer: Any, ctx: DistributedContext, *,
     loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.data_parallel_rank,
                               world_size=ctx.data_parallel_size,
                               shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id, collate=batching.collate,
-                              **batch_padding(cfg), pin_memory=ctx.device.type == "cuda")
+                              **batch_padding(cfg), pin_memory=ctx.device.type == "cuda",
+                              announce=ctx.is_rank_zero)
     files = dataset.source_files
     identity = identify_data(dataset.source, files and files.root, files and files.names, len(dataset),
                              processes=ctx, hub=files.hub if files else ())
@@ -254,8 +255,20 @@ def restore(plan: RunPlan, ctx: DistributedContext, checkpoint: Path, training: 
     if changes:
         log.info(hyperparameters_changed(changes))
     if saved.shape.world_size != ctx.world_size:
-        log.info(resharded(saved.shape.world_size, ctx.world_size))
+        log.info(resharded(saved.shape.world_size, ctx.world_size, dropout=uses_dropout(training.model)))
     return progress
+
+
+def uses_dropout(model: nn.Module) -> bool:
+    """Whether training ``model`` draws random dropout masks: a torch dropout module with ``p > 0``, or an
+    attention whose ``dropout`` probability (passed to SDPA, as ours is) is above 0."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        probability = getattr(module, "dropout", None)
+        if isinstance(probability, float) and probability > 0:
+            return True
+    return False
 
 
 def resume_schedule(scheduler: Any, step: int) -> None:

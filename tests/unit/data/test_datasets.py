@@ -142,6 +142,11 @@ def test_the_dataloader_reports_once_on_rank_zero(tmp_path, tokenizer, caplog):
     for rank in range(2):
         build_dataloader(ds, batch_size=1, pad_id=0, rank=rank, world_size=2)
     assert [r.getMessage() for r in caplog.records] == [ds.report]
+    caplog.clear()
+    # Tensor parallelism: the ranks of the first group all read data rank 0's share; only the run's rank 0 says it.
+    for announce in (True, False):
+        build_dataloader(ds, batch_size=1, pad_id=0, rank=0, world_size=1, announce=announce)
+    assert [r.getMessage() for r in caplog.records] == [ds.report]
 
 
 CHAT = [
