@@ -357,6 +357,14 @@ BAD_COMMAND_LINES = [
     (["run", "full_finetune", "--config", "llama3_2/1B_full_single_device"],
      "config llama3_2/1B_full_single_device: not a file and not a built-in config (did you mean llama3_2/1B_full?"),
     (["validate", "--config", "llama3/8B_ful"], "(did you mean llama3/8B_full?"),
+    # torchtune's adapter configs and recipes: "did you mean llama3_2/1B_full_dpo?" before.
+    (["validate", "--config", "llama3_2/1B_lora_single_device"],
+     "config llama3_2/1B_lora_single_device: not a file and not a built-in config: torchtune's name of an adapter "
+     "(LoRA, QLoRA, DoRA) config; adapters are not supported here, only full fine-tuning (llama3_2/1B_full is the full "
+     "fine-tuning one); see `tune ls`, and convert a torchtune config file with `tune migrate`"),
+    (["run", "lora_finetune_single_device", "--config", "tiny/full"],
+     "recipe lora_finetune_single_device: torchtune's adapter (LoRA, QLoRA, DoRA) recipe; adapters are not supported "
+     "here: full_finetune, full_dpo train every weight (see `tune ls`)"),
     # Typos in dotted keys on the command line: blamed on the YAML file before.
     (["validate", "--config", "tiny/full", "optimzer.lr=1e-4"],
      "tune: error: command line: optimzer: unknown key (did you mean optimizer?)"),

@@ -93,7 +93,7 @@ def test_model_builders(torchtune_builder, ours):
 @pytest.mark.parametrize(
     "builder",
     ["torchtune.models.llama3_2_vision.llama3_2_vision_11b", "torchtune.models.gemma2.gemma2_2b",
-     "torchtune.models.phi3.phi3_mini", "torchtune.models.llama3.lora_llama3_8b", "mymodels.build",
+     "torchtune.models.phi3.phi3_mini", "mymodels.build",
      "torchtune.models.llama2.llama2_reward_7b", "torchtune.models.qwen3.qwen3_moe_30b_a3b_base"],
 )
 def test_model_without_equivalent_is_refused_listing_what_is_supported(builder):
@@ -103,6 +103,22 @@ def test_model_without_equivalent_is_refused_listing_what_is_supported(builder):
     assert message.startswith(f"model._component_={builder}: no equivalent in torchtune_ac; supported: ")
     assert "llama3_2_1b" in message and "qwen2_5_0_5b" in message and "mistral_7b" in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("builder, full", [
+    ("torchtune.models.llama3.lora_llama3_8b", "torchtune.models.llama3.llama3_8b"),
+    ("torchtune.models.llama3_2.qlora_llama3_2_1b", "torchtune.models.llama3_2.llama3_2_1b"),
+    ("torchtune.models.qwen2_5.lora_qwen2_5_3b", "torchtune.models.qwen2_5.qwen2_5_3b"),  # from_hf_config here
+    ("torchtune.models.phi3.lora_phi3_mini", None),  # no full model of it here
+])
+def test_an_adapter_model_is_refused_saying_adapters_are_not_supported(builder, full):
+    """It listed the 31 supported builders, and never said that LoRA and QLoRA are not supported here."""
+    with pytest.raises(UserError) as info:
+        migrate_torchtune_config(torchtune_config(model={"_component_": builder}))
+    instead = (f"; to train every weight instead, set model._component_={full} and migrate again (full fine-tuning "
+               "needs more memory: see tune plan)") if full else ""
+    assert str(info.value) == (f"model._component_={builder}: an adapter (LoRA, QLoRA, DoRA) model; adapters are not "
+                               f"supported here, only full fine-tuning{instead}")
 
 
 # torchtune 0.6.1's full fine-tuning configs of a supported architecture whose builder has no twin here.

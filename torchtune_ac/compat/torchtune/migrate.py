@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.config.loading import ADAPTER_NAME
 from torchtune_ac.config.validation import torchtune_marker
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.plan import MemoryConfig
@@ -357,6 +358,14 @@ class _Migrator:
             ours = FROM_HF_CONFIG
             self.changed("model._component_", f"{path.rsplit('.', 1)[-1]} is a {family} model with no builder of "
                          "its own here: from_hf_config builds the one checkpoint_dir's config.json describes")
+        elif isinstance(path, str) and ADAPTER_NAME.search(path.rsplit(".", 1)[-1]):
+            full = ADAPTER_NAME.sub("", path.rsplit(".", 1)[-1], count=1).lstrip("_")
+            package = path.rsplit(".", 1)[0]
+            instead = (f"; to train every weight instead, set model._component_={package}.{full} and migrate again "
+                       "(full fine-tuning needs more memory: see tune plan)"
+                       if f"{package}.{full}" in MODEL_BUILDERS or _architecture_of(f"{package}.{full}") else "")
+            raise UserError(f"model._component_={path}: an adapter (LoRA, QLoRA, DoRA) model; adapters are not "
+                            f"supported here, only full fine-tuning{instead}")
         else:
             supported = ", ".join(sorted(p.rsplit(".", 1)[-1] for p in MODEL_BUILDERS))
             packages = ", ".join(sorted(p.rsplit(".", 1)[-1] for p in MODEL_PACKAGES))
