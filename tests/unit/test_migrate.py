@@ -4,6 +4,7 @@ on what was not carried over or was corrected."""
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 
@@ -205,7 +206,7 @@ def test_other_losses_are_reported():
 
 
 LOGGERS = "torchtune.training.metric_logging."
-OURS = "torchtune_ac.training.metric_logging."
+OURS = "torchtune_ac.observability.metric_logging."
 METRIC_LOGGER_TABLE = [
     ({"_component_": LOGGERS + "DiskLogger", "log_dir": "/tmp/torchtune/run/logs"}, None, "metric_logger"),
     ({"_component_": LOGGERS + "StdoutLogger"}, None, "metric_logger"),
@@ -227,6 +228,9 @@ def test_metric_logger(logger, expected, note_key):
     assert migration.config.get("metric_logger") == expected
     notes = notes_by_key(migration)
     assert (note_key in notes) if note_key else not any(k.startswith("metric_logger") for k in notes)
+    if expected is not None:  # the module that holds the logger, which Python imports (not the configs' alias)
+        module, _, name = expected["_component_"].rpartition(".")
+        assert hasattr(importlib.import_module(module), name)
 
 
 ALPACA = "torchtune.datasets.alpaca_dataset"

@@ -54,8 +54,10 @@ INSTRUCT_DATASET = "torchtune_ac.data.instruct_dataset"
 CHAT_DATASET = "torchtune_ac.data.chat_dataset"
 TEXT_DATASET = "torchtune_ac.data.text_dataset"
 COSINE_SCHEDULE = "torchtune_ac.training.cosine_schedule_with_warmup"
-TENSORBOARD_LOGGER = "torchtune_ac.training.metric_logging.TensorBoardLogger"
-WANDB_LOGGER = "torchtune_ac.training.metric_logging.WandBLogger"
+# The module that holds them (configs also accept torchtune's layout, compat/torchtune/paths.py's alias; Python
+# imports only this one).
+TENSORBOARD_LOGGER = "torchtune_ac.observability.metric_logging.TensorBoardLogger"
+WANDB_LOGGER = "torchtune_ac.observability.metric_logging.WandBLogger"
 ADAMW = "torch.optim.AdamW"
 # Low-bit AdamW of torchtune configs -> torchao's (the ao extra): bitsandbytes' (paged) 8-bit AdamW and torchao's
 # own under its older prototype path.
