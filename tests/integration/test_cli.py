@@ -733,3 +733,43 @@ def test_a_warmup_longer_than_the_run_is_said_by_validate_and_once_by_the_run(tm
     with caplog.at_level(logging.WARNING, logger="torchtune_ac"):
         check_success(run_tune_in_process(tune_run_argv(tmp_path / "run", *overrides)))
     assert [r.getMessage() for r in caplog.records].count(warning.format("")) == 1
+
+
+def test_validate_reads_the_weights_headers_as_the_run_does(tmp_path, capsys, embedded_checkpoint):
+    """A truncated model.safetensors and a folder of pickled weights passed tune validate, which tune run refuses at
+    once; a folder of config.json alone (no weights on this machine) is a warning."""
+    folders = {}
+    for name in ("truncated", "pickled", "config_only"):
+        folders[name] = tmp_path / name
+        shutil.copytree(embedded_checkpoint, folders[name])
+    weights = folders["truncated"] / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    (folders["pickled"] / "model.safetensors").rename(folders["pickled"] / "pytorch_model.bin")
+    (folders["config_only"] / "model.safetensors").unlink()
+
+    def validate(folder):
+        code = main(["validate", "--config", "tiny/full", f"checkpoint_dir={folder}", f"output_dir={tmp_path / 'o'}"])
+        return code, capsys.readouterr()
+
+    code, out = validate(folders["truncated"])
+    assert (code, out.err) == (2, f"tune: error: {weights}: not a readable safetensors file (truncated or corrupt?): "
+                                  "Error while deserializing header: incomplete metadata, file not fully covered\n")
+    code, out = validate(folders["pickled"])
+    assert code == 2 and out.err.startswith(
+        f"tune: error: {folders['pickled']}: no weights: expected model.safetensors or model.safetensors.index.json "
+        "(found pytorch_model.bin: pickled weights are never loaded); convert them once")
+    code, out = validate(folders["config_only"])
+    assert code == 0 and re.search(rf"  warning +{re.escape(str(folders['config_only']))}: no weights: expected "
+                                   "model.safetensors or model.safetensors.index.json\n", out.out)
+
+
+def test_validate_without_a_tokenizer_still_says_the_data_is_missing(tmp_path, capsys):
+    """The data was checked only through the tokenizer: a missing tokenizer hid a missing data file (and a migrated
+    config, whose tokenizer is the checkpoint's, validated with no word about its data)."""
+    assert main(["validate", "--config", "tiny/full", f"output_dir={tmp_path}", f"tokenizer.path={tmp_path / 'tok'}",
+                 f"dataset.source={tmp_path / 'a.jsonl'}", "+dataset_val._component_=torchtune_ac.data.instruct_dataset",
+                 f"+dataset_val.source=[{tmp_path / 'b.jsonl'},tatsu-lab/alpaca]"]) == 0
+    warnings = re.findall(r"^  warning +(.*)$", capsys.readouterr().out, re.MULTILINE)
+    assert warnings == [f"tokenizer path {tmp_path / 'tok'} does not exist",
+                        f"dataset source {tmp_path / 'a.jsonl'} does not exist",
+                        f"dataset_val: dataset source {tmp_path / 'b.jsonl'} does not exist"]

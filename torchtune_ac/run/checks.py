@@ -36,6 +36,7 @@ from torchtune_ac.checkpoint import (
     read_lock,
     read_trainer_state,
 )
+from torchtune_ac.checkpoint.safetensors_io import list_stored_tensors
 from torchtune_ac.config.components import Component
 from torchtune_ac.data import uses_chat_template
 from torchtune_ac.data.datasets import check_dataset_records
@@ -179,6 +180,7 @@ def check_run(cfg: TrainingConfig, plan: Optional[RunPlan], model: Optional[nn.M
         soft(lambda: plan.memory.check_device(device))
     if cfg.checkpoint_dir is not None and model is not None:
         soft(lambda: check_checkpoint_matches(model, cfg.checkpoint_dir))
+        soft(lambda: check_weights_readable(cfg.checkpoint_dir))
     if found.tokenizer is None:
         found.tokenizer = soft(cfg.tokenizer.instantiate)
     if found.tokenizer is not None:
@@ -212,6 +214,10 @@ def check_run(cfg: TrainingConfig, plan: Optional[RunPlan], model: Optional[nn.M
         found.dataset_source, warning = describe_hub_source(source)
         if warning is not None:
             found.warnings.append(warning)
+    if not strict and found.tokenizer is None:  # no tokenizer here to encode the data: say at least if it is here
+        for dataset in (cfg.dataset, cfg.dataset_val):
+            if dataset is not None:
+                soft(lambda dataset=dataset: _check_sources_exist(dataset))
     if not strict and found.tokenizer is not None:  # tune validate reads the data; a run reads it once, to train
         for dataset in (cfg.dataset, cfg.dataset_val):
             checked = None if dataset is None else _check_data(cfg, dataset, found.tokenizer, soft)
@@ -220,6 +226,33 @@ def check_run(cfg: TrainingConfig, plan: Optional[RunPlan], model: Optional[nn.M
                 found.data.append((dataset.key, summary))
                 found.warnings.extend([data_report] if data_report else [])
     return found
+
+
+def check_weights_readable(checkpoint_dir: str) -> None:
+    """Read the headers of ``checkpoint_dir``'s weights, as loading them does first (names, shapes and the file's
+    length: a truncated file is refused here, not after the model is built); a folder that is not here is left to
+    the check of its config.json.
+
+    Raises:
+        UnavailableError: the folder has no weights.
+        UserError: only pickled weights, or a file, index or shard that cannot be read.
+    """
+    folder = Path(checkpoint_dir).expanduser()
+    if folder.is_dir():
+        list_stored_tensors(folder)
+
+
+def _check_sources_exist(dataset: Component) -> None:
+    """Refuse a local source of ``dataset`` that does not exist (not a Hub dataset's name).
+
+    Raises:
+        UnavailableError: naming the source (and ``dataset_val`` for the validation data).
+    """
+    source = dataset.kwargs.get("source")
+    for one in source if isinstance(source, list) else [source]:
+        if isinstance(one, str) and not is_hub_name(one, TEXT_SUFFIXES) and not Path(one).expanduser().exists():
+            missing = UnavailableError(f"dataset source {one} does not exist")
+            raise naming_dataset_val(missing) if dataset.key == "dataset_val" else missing
 
 
 def _check_data(cfg: TrainingConfig, dataset: Component, tokenizer: Any,
