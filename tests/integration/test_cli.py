@@ -730,6 +730,12 @@ def test_a_warmup_longer_than_the_run_is_said_by_validate_and_once_by_the_run(tm
     overrides = ("max_steps_per_epoch=3", "lr_scheduler.num_warmup_steps=100")
     assert main(["validate", "--config", "tiny/full", f"output_dir={tmp_path}", *overrides]) == 0
     assert re.search(r"\n  warning +" + re.escape(warning.format("at most ")) + "\n", capsys.readouterr().out)
+    # No cap: the data validate reads bounds the run (12 samples of batch 4: at most 3 steps, on one process).
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "output": f"a{i}"}) + "\n" for i in range(12)))
+    assert main(["validate", "--config", "tiny/full", f"output_dir={tmp_path}", f"dataset.source={data}",
+                 "batch_size=4", "max_steps_per_epoch=null", "lr_scheduler.num_warmup_steps=100"]) == 0
+    assert re.search(r"\n  warning +" + re.escape(warning.format("at most ")) + "\n", capsys.readouterr().out)
     with caplog.at_level(logging.WARNING, logger="torchtune_ac"):
         check_success(run_tune_in_process(tune_run_argv(tmp_path / "run", *overrides)))
     assert [r.getMessage() for r in caplog.records].count(warning.format("")) == 1

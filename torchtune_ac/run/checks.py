@@ -147,6 +147,7 @@ class Findings:
     dataset_source: Optional[str] = None
     data: list[tuple[str, str]] = field(default_factory=list)
     tokenizer: Any = None  # the tokenizer, when it could be built here
+    samples: Optional[int] = None  # the training samples (rows, when packed), when every record was encoded
 
 
 def check_run(cfg: TrainingConfig, plan: Optional[RunPlan], model: Optional[nn.Module], *, strict: bool,
@@ -222,8 +223,10 @@ def check_run(cfg: TrainingConfig, plan: Optional[RunPlan], model: Optional[nn.M
         for dataset in (cfg.dataset, cfg.dataset_val):
             checked = None if dataset is None else _check_data(cfg, dataset, found.tokenizer, soft)
             if checked is not None:
-                summary, data_report = checked
+                summary, data_report, samples = checked
                 found.data.append((dataset.key, summary))
+                if dataset is cfg.dataset:
+                    found.samples = samples
                 found.warnings.extend([data_report] if data_report else [])
     return found
 
@@ -256,15 +259,15 @@ def _check_sources_exist(dataset: Component) -> None:
 
 
 def _check_data(cfg: TrainingConfig, dataset: Component, tokenizer: Any,
-                soft: Callable[[Callable[[], Any]], Any]) -> Optional[tuple[str, Optional[str]]]:
-    """``tune validate``'s look at ``dataset``'s records (``check_dataset_records``): a summary line and what
-    building the samples would cut or drop; None when there is nothing to read here (a Hub dataset, which is not
+                soft: Callable[[Callable[[], Any]], Any]) -> Optional[tuple[str, Optional[str], Optional[int]]]:
+    """``tune validate``'s look at ``dataset``'s records (``check_dataset_records``): a summary line, what
+    building the samples would cut or drop, and how many samples they make; None when there is nothing to read here (a Hub dataset, which is not
     downloaded to validate; a data file of another machine, which ``soft`` turns into a warning)."""
     source = dataset.kwargs.get("source")
     sources = source if isinstance(source, list) else [source]
     if any(isinstance(one, str) and is_hub_name(one, TEXT_SUFFIXES) for one in sources):
         return None
-    def check() -> tuple[str, Optional[str]]:
+    def check() -> Optional[tuple[str, Optional[str], Optional[int]]]:
         try:
             return check_dataset_records(dataset.target(), tokenizer, dataset.kwargs, cfg.max_seq_len)
         except UserError as err:

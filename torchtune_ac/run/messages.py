@@ -156,13 +156,14 @@ def naming_dataset_val(err: UserError) -> UserError:
 
 
 def length_warnings(length: "RunLength", hyperparameters: Mapping[str, Any]) -> list[str]:
-    """What the run's length makes worth a warning, as far as it is known (``tune validate``: the cap of
-    ``max_steps_per_epoch`` x ``epochs``; a run: its steps, its data read): a warm-up the run ends before finishing
+    """What the run's length makes worth a warning, as far as it is known (``tune validate``, the world size not
+    known: the steps of one process, or the cap of ``max_steps_per_epoch`` x ``epochs``; a run: its steps, its data
+    read): a warm-up the run ends before finishing
     (the learning rate never reaches the optimizer's), and the samples each epoch leaves out, the global batch
     not dividing them (``max_steps_per_epoch`` cutting the epoch short is the config's own choice, and not said).
     ``hyperparameters`` are the plan's (``RunPlan.hyperparameters``)."""
     warnings = []
-    steps, at_most = length.total_steps, ""
+    steps, at_most = length.total_steps, "" if length.world_size is not None else "at most "
     if steps is None and length.max_steps_per_epoch is not None:
         steps, at_most = length.max_steps_per_epoch * length.epochs, "at most "
     warmup = (hyperparameters.get("lr_scheduler") or {}).get("num_warmup_steps")

@@ -14,7 +14,7 @@ from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.run.checks import Findings, check_run
 from torchtune_ac.run.memory_table import MemoryTable, memory_table
 from torchtune_ac.run.messages import length_warnings
-from torchtune_ac.run.plan import RunPlan, TrainingConfig, resolve_run_plan
+from torchtune_ac.run.plan import RunLength, RunPlan, TrainingConfig, resolve_run_plan
 
 
 def preflight(cfg: TrainingConfig, *, strict: bool = True, world_size: Optional[int] = 1) -> list[tuple[str, str]]:
@@ -56,8 +56,20 @@ def summary(plan: Optional[RunPlan], found: Findings, cfg: TrainingConfig) -> li
     if found.dataset_source is not None:
         lines.append(("dataset source", found.dataset_source))
     lines += found.data
-    notes = (*plan.notes, *length_warnings(plan.length, plan.hyperparameters)) if plan is not None else ()
+    notes = (*plan.notes, *length_warnings(_length_bound(plan, found), plan.hyperparameters)) if plan is not None else ()
     return lines + [("warning", w) for w in (*notes, *found.warnings)]
+
+
+def _length_bound(plan: RunPlan, found: Findings) -> RunLength:
+    """The plan's length, counted from the samples ``tune validate`` made, as on one process (the most steps any
+    number of processes gives them: ``length_warnings`` then speaks of "at most")."""
+    length = plan.length
+    if found.samples is None or length.steps_per_epoch is not None:
+        return length
+    try:
+        return length.counted(found.samples, found.samples // length.batch_size)
+    except UserError:  # too few samples for one step: the run says so, naming its processes
+        return length
 
 
 def plan(cfg: TrainingConfig, *, world_size: int, budget_gib: Optional[float]) -> MemoryTable:

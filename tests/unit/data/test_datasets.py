@@ -409,7 +409,7 @@ def test_validate_encodes_a_stated_sample_of_a_large_source(tmp_path, tokenizer,
     records = [{"instruction": f"Say {i}.", "output": str(i)} for i in range(25)]
     source = write_jsonl(tmp_path / "d.jsonl", records)
     assert datasets.check_dataset_records(instruct_dataset, tokenizer, {"source": source}, None) == (
-        f"{source}: 25 records read; an evenly spaced sample of 10 encoded (the run encodes them all)", None)
+        f"{source}: 25 records read; an evenly spaced sample of 10 encoded (the run encodes them all)", None, None)
     # Every 2.5th record is encoded: the 13th (index 12) is, the 14th is not.
     for index, caught in ((12, True), (13, False)):
         bad = [dict(r, output=["x"]) if i == index else r for i, r in enumerate(records)]

@@ -24,7 +24,8 @@ def length(*, world_size=1, batch_size=4, accumulation=1, epochs=1, cap=None, sa
     planned = RunLength(world_size, batch_size, accumulation, epochs, cap, tp_degree=tp)
     if samples is None:  # tune validate: the data not read
         return planned
-    return planned.counted(samples, samples // (batch_size * (world_size // tp)))  # the loader drops the last
+    # the loader drops the last incomplete batch; tune validate (no world size) counts as on one process
+    return planned.counted(samples, samples // (batch_size * (world_size // tp if world_size else 1)))
 
 
 CASES = {
@@ -32,6 +33,8 @@ CASES = {
                                           [WARMUP.format("at most 8")]),
     "validate_capped_past_the_warmup": (length(world_size=None, cap=9), HYPER, []),
     "validate_uncapped": (length(world_size=None), HYPER, []),
+    "validate_counted_from_the_data": (length(world_size=None, samples=32), HYPER, [WARMUP.format("at most 8")]),
+    "validate_counted_past_the_warmup": (length(world_size=None, samples=36), HYPER, []),
     "run_inside_the_warmup": (length(samples=32), HYPER, [WARMUP.format(8)]),
     "run_past_the_warmup": (length(samples=36), HYPER, []),
     "run_inside_the_warmup_and_samples_left_out": (length(world_size=2, samples=20), HYPER,
