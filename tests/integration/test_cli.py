@@ -703,7 +703,7 @@ def test_validate_reads_the_data(tmp_path, capsys):
         "instruct.jsonl: 3,000 records read and encoded, 2,887 samples") for line in lines), lines
     assert any(line.startswith("  warning                   data ") and "331 of 3,000 samples are longer than "
                "max_seq_len=64" in line for line in lines), lines
-    assert f"  warning                   dataset source {tmp_path}/val.jsonl does not exist" in lines
+    assert f"  warning                   dataset_val: dataset source {tmp_path}/val.jsonl does not exist" in lines
 
 
 def test_plan_shows_an_ac_setting_the_switches_refuse_as_not_applicable(capsys):

@@ -181,7 +181,6 @@ def check_run(cfg: TrainingConfig, plan: Optional[RunPlan], model: Optional[nn.M
         soft(lambda: plan.memory.check_device(device))
     if cfg.checkpoint_dir is not None and model is not None:
         soft(lambda: check_checkpoint_matches(model, cfg.checkpoint_dir))
-        soft(lambda: check_weights_readable(cfg.checkpoint_dir))
     if found.tokenizer is None:
         found.tokenizer = soft(cfg.tokenizer.instantiate)
     if found.tokenizer is not None:
@@ -194,6 +193,7 @@ def check_run(cfg: TrainingConfig, plan: Optional[RunPlan], model: Optional[nn.M
         if dataset is not None:
             check_folder_formats(dataset.kwargs.get("source"))
     soft(lambda: check_output_dir(cfg, strict))
+    resumes = False  # from a checkpoint of output_dir, whose weights the run loads, not checkpoint_dir's
     if cfg.resume_from_checkpoint:
         # Sizes against each checkpoint's manifest here; the run itself also checks every file's SHA-256.
         choice = choose_resume_checkpoint(Path(cfg.output_dir).expanduser(), hashes=False)
@@ -203,8 +203,12 @@ def check_run(cfg: TrainingConfig, plan: Optional[RunPlan], model: Optional[nn.M
                 saved = read_trainer_state(choice.checkpoint).shape
                 check_resume_shape(choice.checkpoint, saved, plan.resume_shape(plan.world_size or saved.world_size))
             found.resume_note = f" (resuming from {choice.checkpoint.name})"
+            resumes = True
         else:
             found.resume_note = " (resume_from_checkpoint=true, but no checkpoint yet: starts at step 0)"
+    if not strict and cfg.checkpoint_dir is not None and model is not None and not resumes:
+        # tune validate: the headers loading reads first (a run reads them as it loads, before training).
+        soft(lambda: check_weights_readable(cfg.checkpoint_dir))
     if cfg.metric_logger is not None:
         # Building the tracker only checks its settings; its package is needed on the machine that trains.
         soft(cfg.metric_logger.instantiate().check_available)
