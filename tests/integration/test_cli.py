@@ -336,6 +336,9 @@ BAD_COMMAND_LINES = [
     (["plan", "--config", "tiny/full", "--nproc", "0"], "--nproc: must be >= 1, got 0"),
     (["plan", "--config", "tiny/full", "--budget-gib", "-1"], "--budget-gib: must be > 0, got -1"),
     (["plan", "--config", "tiny/full", "max_seq_len=null"], "max_seq_len: must be set to estimate memory"),
+    # The run's tensor-parallel checks: tune plan printed a full table, "fits: yes" on every row, before.
+    (["plan", "--config", "tiny/full", "--nproc", "4", "tensor_parallel_dim=4"],
+     "tensor_parallel_dim=4: must divide n_kv_heads=2 (fewer than 4: heads are not copied across ranks)"),
     (["validate", "--config", "tiny/full", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["frobnicate"], "invalid choice: 'frobnicate'"),
     (["run", "--nproc_per_node", "0", "full_finetune", "--config", "tiny/full"], "--nproc-per-node: must be >= 1, got 0"),
@@ -354,6 +357,14 @@ BAD_COMMAND_LINES = [
     (["run", "full_finetune", "--config", "llama3_2/1B_full_single_device"],
      "config llama3_2/1B_full_single_device: not a file and not a built-in config (did you mean llama3_2/1B_full?"),
     (["validate", "--config", "llama3/8B_ful"], "(did you mean llama3/8B_full?"),
+    # torchtune's adapter configs and recipes: "did you mean llama3_2/1B_full_dpo?" before.
+    (["validate", "--config", "llama3_2/1B_lora_single_device"],
+     "config llama3_2/1B_lora_single_device: not a file and not a built-in config: torchtune's name of an adapter "
+     "(LoRA, QLoRA, DoRA) config; adapters are not supported here, only full fine-tuning (llama3_2/1B_full is the full "
+     "fine-tuning one); see `tune ls`, and convert a torchtune config file with `tune migrate`"),
+    (["run", "lora_finetune_single_device", "--config", "tiny/full"],
+     "recipe lora_finetune_single_device: torchtune's adapter (LoRA, QLoRA, DoRA) recipe; adapters are not supported "
+     "here: full_finetune, full_dpo train every weight (see `tune ls`)"),
     # Typos in dotted keys on the command line: blamed on the YAML file before.
     (["validate", "--config", "tiny/full", "optimzer.lr=1e-4"],
      "tune: error: command line: optimzer: unknown key (did you mean optimizer?)"),
@@ -709,7 +720,7 @@ def test_validate_reads_the_data(tmp_path, capsys):
         "instruct.jsonl: 3,000 records read and encoded, 2,887 samples") for line in lines), lines
     assert any(line.startswith("  warning                   data ") and "331 of 3,000 samples are longer than "
                "max_seq_len=64" in line for line in lines), lines
-    assert f"  warning                   dataset source {tmp_path}/val.jsonl does not exist" in lines
+    assert f"  warning                   dataset_val: dataset source {tmp_path}/val.jsonl does not exist" in lines
 
 
 def test_plan_shows_an_ac_setting_the_switches_refuse_as_not_applicable(capsys):
@@ -723,3 +734,65 @@ def test_plan_shows_an_ac_setting_the_switches_refuse_as_not_applicable(capsys):
                             "pinned host memory, and no block is checkpointed")
     assert rows["per-op"].endswith("yes   <- ac_mode: auto picks this (the least recompute that fits)")
     assert rows["full"].split()[-1] == "yes"
+
+
+def test_a_warmup_longer_than_the_run_is_said_by_validate_and_once_by_the_run(tmp_path, capsys, caplog):
+    """A 3-step run with num_warmup_steps=100 ended at 3 % of the configured learning rate, without a word."""
+    import logging
+
+    from finetune_runs import check_success, run_tune_in_process
+
+    warning = ("lr_scheduler.num_warmup_steps=100: the run has {}3 step(s), so it ends still warming up and the "
+               "learning rate never reaches optimizer.lr=0.003; lower num_warmup_steps (or train longer)")
+    overrides = ("max_steps_per_epoch=3", "lr_scheduler.num_warmup_steps=100")
+    assert main(["validate", "--config", "tiny/full", f"output_dir={tmp_path}", *overrides]) == 0
+    assert re.search(r"\n  warning +" + re.escape(warning.format("at most ")) + "\n", capsys.readouterr().out)
+    # No cap: the data validate reads bounds the run (12 samples of batch 4: at most 3 steps, on one process).
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"instruction": f"q{i}", "output": f"a{i}"}) + "\n" for i in range(12)))
+    assert main(["validate", "--config", "tiny/full", f"output_dir={tmp_path}", f"dataset.source={data}",
+                 "batch_size=4", "max_steps_per_epoch=null", "lr_scheduler.num_warmup_steps=100"]) == 0
+    assert re.search(r"\n  warning +" + re.escape(warning.format("at most ")) + "\n", capsys.readouterr().out)
+    with caplog.at_level(logging.WARNING, logger="torchtune_ac"):
+        check_success(run_tune_in_process(tune_run_argv(tmp_path / "run", *overrides)))
+    assert [r.getMessage() for r in caplog.records].count(warning.format("")) == 1
+
+
+def test_validate_reads_the_weights_headers_as_the_run_does(tmp_path, capsys, embedded_checkpoint):
+    """A truncated model.safetensors and a folder of pickled weights passed tune validate, which tune run refuses at
+    once; a folder of config.json alone (no weights on this machine) is a warning."""
+    folders = {}
+    for name in ("truncated", "pickled", "config_only"):
+        folders[name] = tmp_path / name
+        shutil.copytree(embedded_checkpoint, folders[name])
+    weights = folders["truncated"] / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    (folders["pickled"] / "model.safetensors").rename(folders["pickled"] / "pytorch_model.bin")
+    (folders["config_only"] / "model.safetensors").unlink()
+
+    def validate(folder):
+        code = main(["validate", "--config", "tiny/full", f"checkpoint_dir={folder}", f"output_dir={tmp_path / 'o'}"])
+        return code, capsys.readouterr()
+
+    code, out = validate(folders["truncated"])
+    assert (code, out.err) == (2, f"tune: error: {weights}: not a readable safetensors file (truncated or corrupt?): "
+                                  "Error while deserializing header: incomplete metadata, file not fully covered\n")
+    code, out = validate(folders["pickled"])
+    assert code == 2 and out.err.startswith(
+        f"tune: error: {folders['pickled']}: no weights: expected model.safetensors or model.safetensors.index.json "
+        "(found pytorch_model.bin: pickled weights are never loaded); convert them once")
+    code, out = validate(folders["config_only"])
+    assert code == 0 and re.search(rf"  warning +{re.escape(str(folders['config_only']))}: no weights: expected "
+                                   "model.safetensors or model.safetensors.index.json\n", out.out)
+
+
+def test_validate_without_a_tokenizer_still_says_the_data_is_missing(tmp_path, capsys):
+    """The data was checked only through the tokenizer: a missing tokenizer hid a missing data file (and a migrated
+    config, whose tokenizer is the checkpoint's, validated with no word about its data)."""
+    assert main(["validate", "--config", "tiny/full", f"output_dir={tmp_path}", f"tokenizer.path={tmp_path / 'tok'}",
+                 f"dataset.source={tmp_path / 'a.jsonl'}", "+dataset_val._component_=torchtune_ac.data.instruct_dataset",
+                 f"+dataset_val.source=[{tmp_path / 'b.jsonl'},tatsu-lab/alpaca]"]) == 0
+    warnings = re.findall(r"^  warning +(.*)$", capsys.readouterr().out, re.MULTILINE)
+    assert warnings == [f"tokenizer path {tmp_path / 'tok'} does not exist",
+                        f"dataset source {tmp_path / 'a.jsonl'} does not exist",
+                        f"dataset_val: dataset source {tmp_path / 'b.jsonl'} does not exist"]

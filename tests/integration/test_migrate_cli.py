@@ -183,6 +183,17 @@ def test_plain_cross_entropy_config_validates_as_written(tmp_path, capsys):
     assert main(["validate", "--config", str(out)]) == 0, capsys.readouterr().err
 
 
+def test_a_custom_dataset_is_migrated_with_the_flag_that_runs_it(tmp_path, capsys):
+    source = write_torchtune_config(tmp_path, "llama3_2/1B_full")
+    source.write_text(source.read_text().replace("torchtune.datasets.alpaca_dataset", "my_pkg.data.MyDataset"))
+    out, report = migrate(tmp_path, source, capsys)
+    assert "not carried over: dataset._component_: my_pkg.data.MyDataset is your own class" in report
+    assert report.splitlines()[-1] == (f"check it with: tune validate --config {out} "
+                                       "--allow-component my_pkg.data.MyDataset")
+    assert f"#   tune run full_finetune --config {out} --allow-component my_pkg.data.MyDataset\n" in out.read_text()
+    assert yaml.safe_load(out.read_text())["dataset"]["_component_"] == "my_pkg.data.MyDataset"
+
+
 def test_refuses_to_overwrite_without_force(tmp_path, capsys):
     source = write_torchtune_config(tmp_path, "llama3_2/1B_full")
     out = tmp_path / "ours.yaml"

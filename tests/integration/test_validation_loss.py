@@ -65,3 +65,24 @@ def test_the_validation_loss_is_the_same_on_2_processes_and_1(tmp_path: Path, va
     # the gradient reduce (a few float32 ulps), and each micro-batch's float32 sum by its grouping: both move a
     # loss of ~6 by well under 1e-4 relative.
     assert b == pytest.approx(a, rel=1e-4)
+
+
+def test_an_empty_validation_split_is_named_with_dataset_val(tmp_path: Path, capsys):
+    """Was "dd: the dataset holds no records", naming neither the key nor the split (and an IndexError from
+    ``datasets`` before, for a saved DatasetDict)."""
+    import datasets
+
+    from torchtune_ac.cli import main
+
+    rows = [{"instruction": f"q{i}", "input": "", "output": f"a{i}"} for i in range(8)]
+    ds = datasets.Dataset.from_list(rows)
+    folder = tmp_path / "dd"
+    datasets.DatasetDict(train=ds, validation=ds.select([])).save_to_disk(str(folder))
+    data = (f"dataset.source={folder}", "+dataset_val._component_=torchtune_ac.data.instruct_dataset",
+            f"+dataset_val.source={folder}", "+dataset_val.split=validation", "batch_size=2")
+    expected = f"tune: error: dataset_val: {folder} [validation]: the dataset holds no records\n"
+    capsys.readouterr()  # save_to_disk's progress bars
+    assert main(["validate", "--config", "tiny/full", f"output_dir={tmp_path / 'out'}", *data]) == 2
+    assert capsys.readouterr().err == expected
+    result = run_tune_in_process(tune_run_argv(tmp_path / "out", *data))
+    assert (result.returncode, result.stderr.splitlines()[-1]) == (2, expected.strip())

@@ -449,6 +449,43 @@ def test_the_link_check_can_fail():
         "memory.md#no-such-heading: no such heading in memory.md", "images/none.png: no such file"]
 
 
+PYTHON_PATH = re.compile(r"\btorchtune_ac(?:\.\w+)+")
+
+
+def unresolved_python_paths(text: str) -> list[str]:
+    """The ``torchtune_ac.x.y`` paths of ``text`` that do not import (a module, then attributes of it)."""
+    import importlib
+
+    def resolves(path: str) -> bool:
+        parts = path.split(".")
+        for split in range(len(parts), 0, -1):
+            try:
+                found = importlib.import_module(".".join(parts[:split]))
+            except ImportError:
+                continue
+            for name in parts[split:]:
+                if not hasattr(found, name):
+                    return False
+                found = getattr(found, name)
+            return True
+        return False
+
+    return sorted({path for path in PYTHON_PATH.findall(text) if not resolves(path)})
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[page.relative_to(REPO).as_posix() for page in PAGES])
+def test_the_python_paths_a_page_names_import(page):
+    """A config path that works only through an alias (torchtune_ac.training.metric_logging, mirroring torchtune's)
+    is not one a reader can import; the pages name the module that holds the object."""
+    assert unresolved_python_paths(page.read_text()) == [], page.name
+
+
+def test_the_python_path_check_can_fail():
+    assert unresolved_python_paths("`torchtune_ac.training.metric_logging.WandBLogger`, torchtune_ac.models.load_hf, "
+                                   "torchtune_ac.models.no_such") == [
+        "torchtune_ac.models.no_such", "torchtune_ac.training.metric_logging.WandBLogger"]
+
+
 def test_the_readme_is_short_and_opens_with_the_set_up():
     lines = (REPO / "README.md").read_text().splitlines()
     assert len(lines) <= 250

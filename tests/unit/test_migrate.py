@@ -4,6 +4,7 @@ on what was not carried over or was corrected."""
 from __future__ import annotations
 
 import copy
+import importlib
 
 import pytest
 
@@ -92,8 +93,7 @@ def test_model_builders(torchtune_builder, ours):
 
 @pytest.mark.parametrize(
     "builder",
-    ["torchtune.models.llama3_2_vision.llama3_2_vision_11b",
-     "torchtune.models.phi3.lora_phi3_mini", "torchtune.models.llama3.lora_llama3_8b", "mymodels.build",
+    ["torchtune.models.llama3_2_vision.llama3_2_vision_11b", "mymodels.build",
      "torchtune.models.llama2.llama2_reward_7b", "torchtune.models.qwen3.qwen3_moe_30b_a3b_base"],
 )
 def test_model_without_equivalent_is_refused_listing_what_is_supported(builder):
@@ -121,6 +121,22 @@ def test_phi_configs_take_the_phi3_family_and_phi4s_tokenizer_folder():
     assert f"from {CKPT}, not {CKPT}/vocab.json" in notes["tokenizer.vocab_path"]
     assert notes["tokenizer.merges_path"] == "tokenizer.json holds the merges"
     assert "model._component_" not in notes
+
+
+@pytest.mark.parametrize("builder, full", [
+    ("torchtune.models.llama3.lora_llama3_8b", "torchtune.models.llama3.llama3_8b"),
+    ("torchtune.models.llama3_2.qlora_llama3_2_1b", "torchtune.models.llama3_2.llama3_2_1b"),
+    ("torchtune.models.qwen2_5.lora_qwen2_5_3b", "torchtune.models.qwen2_5.qwen2_5_3b"),  # from_hf_config here
+    ("torchtune.models.phi3.lora_phi3_mini", None),  # no full model of it here
+])
+def test_an_adapter_model_is_refused_saying_adapters_are_not_supported(builder, full):
+    """It listed the 31 supported builders, and never said that LoRA and QLoRA are not supported here."""
+    with pytest.raises(UserError) as info:
+        migrate_torchtune_config(torchtune_config(model={"_component_": builder}))
+    instead = (f"; to train every weight instead, set model._component_={full} and migrate again (full fine-tuning "
+               "needs more memory: see tune plan)") if full else ""
+    assert str(info.value) == (f"model._component_={builder}: an adapter (LoRA, QLoRA, DoRA) model; adapters are not "
+                               f"supported here, only full fine-tuning{instead}")
 
 
 # torchtune 0.6.1's full fine-tuning configs of a supported architecture whose builder has no twin here.
@@ -207,7 +223,7 @@ def test_other_losses_are_reported():
 
 
 LOGGERS = "torchtune.training.metric_logging."
-OURS = "torchtune_ac.training.metric_logging."
+OURS = "torchtune_ac.observability.metric_logging."
 METRIC_LOGGER_TABLE = [
     ({"_component_": LOGGERS + "DiskLogger", "log_dir": "/tmp/torchtune/run/logs"}, None, "metric_logger"),
     ({"_component_": LOGGERS + "StdoutLogger"}, None, "metric_logger"),
@@ -229,6 +245,9 @@ def test_metric_logger(logger, expected, note_key):
     assert migration.config.get("metric_logger") == expected
     notes = notes_by_key(migration)
     assert (note_key in notes) if note_key else not any(k.startswith("metric_logger") for k in notes)
+    if expected is not None:  # the module that holds the logger, which Python imports (not the configs' alias)
+        module, _, name = expected["_component_"].rpartition(".")
+        assert hasattr(importlib.import_module(module), name)
 
 
 ALPACA = "torchtune.datasets.alpaca_dataset"
@@ -279,6 +298,24 @@ def test_datasets(dataset, expected):
 def test_datasets_refused(dataset, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")):
         migrate_torchtune_config(torchtune_config(dataset=dataset))
+
+
+@pytest.mark.parametrize("key", ["dataset", "dataset_val"])
+def test_the_user_s_own_dataset_class_is_written_as_it_is_and_the_rest_migrated(key):
+    """It was refused ("no equivalent in torchtune_ac") and nothing was written."""
+    mine = {"_component_": "my_pkg.data.MyDataset", "source": "data.jsonl", "shuffle_rows": True}
+    migration = migrate_torchtune_config(torchtune_config(**{key: mine}))
+    assert migration.config[key] == mine
+    assert migration.config["model"] == {"_component_": "torchtune_ac.models.llama3_2_1b"}
+    assert migration.allow == ("my_pkg.data.MyDataset",)
+    assert migration.flags() == " --allow-component my_pkg.data.MyDataset"
+    (note,) = [n for n in migration.notes if n.key == f"{key}._component_"]
+    assert str(note) == (
+        f"not carried over: {key}._component_: my_pkg.data.MyDataset is your own class, not one of torchtune's "
+        "datasets: written as it is, with its arguments; to run it, pass --allow-component my_pkg.data.MyDataset to "
+        "tune validate and tune run (it is called as torchtune_ac's datasets are, with the tokenizer and "
+        "max_seq_len), or use one of torchtune_ac's datasets (docs/data.md)")
+    assert migrate_torchtune_config(torchtune_config()).flags() == ""
 
 
 def test_meta_checkpointer_reads_the_folder_above_original():

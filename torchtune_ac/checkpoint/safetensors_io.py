@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchtune_ac.checkpoint.files import read_json, write_json
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -74,18 +74,25 @@ def list_stored_tensors(checkpoint_dir: Path) -> dict[str, StoredTensor]:
     A single ``model.safetensors`` wins over an index, as in transformers.
 
     Raises:
-        UserError: no weights (pickled ones are named and never loaded), a malformed index, an index naming a
-            missing file or a tensor its file lacks, or an unreadable file.
+        UnavailableError: no weights at all (not on this machine).
+        UserError: only pickled weights (named, never loaded, with how to convert them), a malformed index, an
+            index naming a missing file or a tensor its file lacks, or an unreadable file.
     """
     single, index = checkpoint_dir / WEIGHTS_FILE, checkpoint_dir / INDEX_FILE
     if single.is_file():
         return _read_headers(single)
     if not index.is_file():
-        pickles = sorted(p.name for p in checkpoint_dir.glob("*.bin")) + sorted(
-            p.name for p in checkpoint_dir.glob("*.pt")
-        )
-        found = f" (found {', '.join(pickles)}: pickled weights are never loaded)" if pickles else ""
-        raise UserError(f"{checkpoint_dir}: no weights: expected {WEIGHTS_FILE} or {INDEX_FILE}{found}")
+        bins = sorted(p.name for p in checkpoint_dir.glob("*.bin"))
+        pickles = bins + sorted(p.name for p in checkpoint_dir.glob("*.pt")) + sorted(
+            p.name for p in checkpoint_dir.glob("*.pth"))
+        expected = f"{checkpoint_dir}: no weights: expected {WEIGHTS_FILE} or {INDEX_FILE}"
+        if not pickles:  # the weights are not here (a folder of config.json alone, or still being copied)
+            raise UnavailableError(expected)
+        convert = (f"convert them once, if you trust them (unpickling can run code): AutoModelForCausalLM."
+                   f"from_pretrained('{checkpoint_dir}').save_pretrained('{checkpoint_dir}') writes safetensors; "
+                   "or download the model's safetensors files" if bins else
+                   "download the model's Hugging Face version (config.json and *.safetensors)")
+        raise UserError(f"{expected} (found {', '.join(pickles)}: pickled weights are never loaded); {convert}")
     weight_map = read_json(index)
     weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):

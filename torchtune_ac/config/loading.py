@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -81,9 +82,21 @@ def resolve_config_path(config: str) -> Path:
         return builtin
     if path.suffix in (".yaml", ".yml"):
         raise UserError(f"config {config}: no such file")
+    if ADAPTER_NAME.search(config):
+        full = suggest_config_name(ADAPTER_NAME.sub("full", config, count=1), builtin_config_names())
+        same_family = full is not None and full.partition("/")[0] == config.partition("/")[0] and "_full" in full
+        instead = f" ({full} is the full fine-tuning one)" if same_family else ""
+        raise UserError(f"config {config}: not a file and not a built-in config: torchtune's name of an adapter "
+                        f"(LoRA, QLoRA, DoRA) config; adapters are not supported here, only full fine-tuning{instead}; "
+                        "see `tune ls`, and convert a torchtune config file with `tune migrate`")
     hint = suggest_config_name(config, builtin_config_names())
     suggestion = f"did you mean {hint}? " if hint else ""
     raise UserError(f"config {config}: not a file and not a built-in config ({suggestion}see `tune ls`)")
+
+
+# torchtune's names of adapter configs, recipes and model builders (``1B_lora_single_device``, ``8B_qlora``,
+# ``lora_finetune_distributed``, ``lora_llama3_2_1b``, ``7B_dora``).
+ADAPTER_NAME = re.compile(r"(?:^|(?<=[/_]))q?(?:lora|dora)(?=_|$)")
 
 
 def suggest_config_name(config: str, names: Sequence[str]) -> Optional[str]:

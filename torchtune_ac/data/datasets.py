@@ -538,7 +538,7 @@ def register_preparer(builder: Callable[..., Any], prepare: Callable[..., Any]) 
 
 
 def check_dataset_records(builder: Callable[..., Any], tokenizer: Tokenizer, arguments: Mapping[str, Any],
-                          max_seq_len: Optional[int]) -> Optional[tuple[str, Optional[str]]]:
+                          max_seq_len: Optional[int]) -> Optional[tuple[str, Optional[str], Optional[int]]]:
     """``tune validate``'s look at the data: every record read and parsed, and encoded, all of them up to
     :data:`CHECKED_RECORDS`, else an evenly spaced sample of that many (said so).
 
@@ -549,8 +549,9 @@ def check_dataset_records(builder: Callable[..., Any], tokenizer: Tokenizer, arg
         max_seq_len: the run's ``max_seq_len`` (the recipe passes it to the builder).
 
     Returns:
-        ``(summary, report)``: what was checked, and what building the samples would cut or drop (None when
-        nothing), or None for a builder that is not one of this module's (nothing is checked).
+        ``(summary, report, samples)``: what was checked, what building the samples would cut or drop (None when
+        nothing), and how many samples (rows, when packed) they make (None when a sample of the records was
+        encoded); or None for a builder that is not one of this module's (nothing is checked).
 
     Raises:
         UserError: the first record that cannot be read or encoded (naming its line, index or row).
@@ -566,12 +567,12 @@ def check_dataset_records(builder: Callable[..., Any], tokenizer: Tokenizer, arg
     if total <= CHECKED_RECORDS:
         dataset = prepared.build()
         return f"{prepared.source}: {count_of(total, 'record')} read and encoded, {describe_samples(dataset)}", \
-            dataset.report
+            dataset.report, len(dataset)
     step = total / CHECKED_RECORDS
     for index in range(CHECKED_RECORDS):
         prepared.encode(prepared.records[int(index * step)])
     return (f"{prepared.source}: {count_of(total, 'record')} read; an evenly spaced sample of {CHECKED_RECORDS:,} "
-            "encoded (the run encodes them all)"), None
+            "encoded (the run encodes them all)"), None, None
 
 
 for _builder, _prepare in ((instruct_dataset, prepare_instruct_dataset), (chat_dataset, prepare_chat_dataset),

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import json
+import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
@@ -122,18 +124,18 @@ def read_hf_folder(source: str, path: Path, split: str) -> list[Record]:
     """
     datasets = _datasets()
     errors = _read_errors()
-    if (path / SAVED_DATASET_FILE).is_file() or (path / SAVED_DATASET_DICT_FILE).is_file():
-        try:
-            saved = datasets.load_from_disk(str(path))
-        except errors as err:
-            raise UserError(f"{source}: cannot read the saved dataset: {_first_line(err)}") from None
-        if isinstance(saved, datasets.DatasetDict):
-            if split not in saved:
-                raise UserError(f"{source}: no split {split!r} (the saved dataset has: {', '.join(saved)}); set split")
-            return _records(saved[split], lambda index: f"{source} [{split}] row {index}", source)
+    if (path / SAVED_DATASET_DICT_FILE).is_file():
+        # Only the split's own folder is read: `load_from_disk` of the whole DatasetDict fails (an IndexError
+        # inside `datasets`) on any split saved with no rows, even one that is not read.
+        splits = _saved_splits(source, path)
+        if split not in splits:
+            raise UserError(f"{source}: no split {split!r} (the saved dataset has: {', '.join(splits)}); set split")
+        saved = _load_saved(f"{source} [{split}]", path / split)
+        return _records(saved, lambda index: f"{source} [{split}] row {index}", f"{source} [{split}]")
+    if (path / SAVED_DATASET_FILE).is_file():
         if split != "train":
             raise UserError(f"{source}: split={split!r}, but the folder holds one saved dataset, not a DatasetDict")
-        return _records(saved, lambda index: f"{source} row {index}", source)
+        return _records(_load_saved(source, path), lambda index: f"{source} row {index}", source)
     check_one_format(source, path)
     try:
         rows = list(datasets.load_dataset(str(path), split=split, streaming=True))
@@ -145,7 +147,33 @@ def read_hf_folder(source: str, path: Path, split: str) -> list[Record]:
         if "split" in message.lower() and split in message:
             raise UserError(f"{source}: {message}; set split") from None
         raise UserError(f"{source}: cannot read the folder's data files: {message}") from None
-    return _records(rows, lambda index: f"{source} [{split}] row {index}", source)
+    return _records(rows, lambda index: f"{source} [{split}] row {index}", f"{source} [{split}]")
+
+
+def _saved_splits(source: str, path: Path) -> list[str]:
+    """The splits a ``DatasetDict.save_to_disk`` folder lists in its ``dataset_dict.json``."""
+    try:
+        splits = json.loads((path / SAVED_DATASET_DICT_FILE).read_text(encoding="utf-8"))["splits"]
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{source}: cannot read the saved dataset's {SAVED_DATASET_DICT_FILE}: "
+                        f"{_first_line(err)}") from None
+    return [str(name) for name in splits]
+
+
+def _load_saved(source: str, path: Path) -> Any:
+    """``datasets.load_from_disk`` of one saved ``Dataset``; one saved with no rows (no Arrow file, which
+    ``datasets`` fails on with an IndexError) is refused as holding no records."""
+    datasets = _datasets()
+    try:
+        state = json.loads((path / SAVED_DATASET_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as err:
+        raise UserError(f"{source}: cannot read the saved dataset: {_first_line(err)}") from None
+    if isinstance(state, dict) and state.get("_data_files") == []:
+        raise UserError(f"{source}: the dataset holds no records")
+    try:
+        return datasets.load_from_disk(str(path))
+    except _read_errors() as err:
+        raise UserError(f"{source}: cannot read the saved dataset: {_first_line(err)}") from None
 
 
 def _folder_data_files(path: Path) -> dict[str, list[Path]]:
@@ -153,11 +181,14 @@ def _folder_data_files(path: Path) -> dict[str, list[Path]]:
     ``data/test/...``; every file for ``train`` when no name says a split), whatever their format; {} with none."""
     from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
 
+    # `datasets` names the files by absolute path; they are given back under `path` as the user wrote it (a
+    # relative folder stays relative), so that `relative_to(path)` holds.
+    base = os.path.abspath(path)
     try:
-        found = DataFilesDict.from_patterns(get_data_patterns(str(path)), base_path=str(path))
+        found = DataFilesDict.from_patterns(get_data_patterns(base), base_path=base)
     except (EmptyDatasetError, FileNotFoundError):
         return {}
-    return {str(split): [Path(name) for name in names] for split, names in found.items()}
+    return {str(split): [path / Path(name).relative_to(base) for name in names] for split, names in found.items()}
 
 
 def _formats(files: list[Path]) -> dict[str, list[Path]]:
@@ -251,7 +282,7 @@ def read_hub_dataset(name: str, split: str) -> list[Record]:
                         f"({datasets.config.HF_DATASETS_CACHE}) while HF_HUB_OFFLINE is set; {fix}") from None
     except _read_errors() as err:
         raise UserError(f"dataset source {name}: {_first_line(err)}") from None
-    return _records(loaded, lambda index: f"{name} [{split}] row {index}", name)
+    return _records(loaded, lambda index: f"{name} [{split}] row {index}", f"{name} [{split}]")
 
 
 def describe_hub_source(name: str) -> tuple[str, Optional[str]]:

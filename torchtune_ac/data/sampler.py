@@ -160,6 +160,7 @@ def build_dataloader(
     max_length: int | None = None,
     pin_memory: bool = False,
     collate: Callable[..., dict[str, torch.Tensor]] = collate_batch,
+    announce: bool | None = None,
 ) -> ShardedDataLoader:
     """Batches of this rank's shard, collated with ``collate`` (:func:`collate_batch`), read in the main process.
 
@@ -178,6 +179,8 @@ def build_dataloader(
             asynchronous, as ``non_blocking=True`` asks).
         collate: Makes a batch of samples, called with ``pad_id``, ``pad_to_multiple_of`` and ``max_length``
             (``collate_batch``; preference pairs have ``data.preference.collate_preference_batch``).
+        announce: Whether this process logs what building the dataset cut or dropped (None: ``rank == 0``; under
+            tensor parallelism every rank of the first group has data rank 0, and only the run's rank 0 says it).
 
     Returns:
         The loader; call ``set_epoch`` before each epoch and ``skip_steps`` to resume mid-epoch.
@@ -185,7 +188,7 @@ def build_dataloader(
     Raises:
         UserError: see :class:`ShardedBatchSampler`.
 
-    Rank 0 logs, once, what building the dataset cut or dropped (its ``report``, see ``samples.DataReport``), and
+    Rank 0 (``announce``) logs, once, what building the dataset cut or dropped (its ``report``, see ``samples.DataReport``), and
     when packing it changed nothing (``samples.PackingReport.unchanged``).
     """
     sampler = ShardedBatchSampler(
@@ -197,11 +200,12 @@ def build_dataloader(
         seed=seed,
         drop_last=drop_last,
     )
+    announce = rank == 0 if announce is None else announce
     report = getattr(dataset, "report", None)
-    if report and rank == 0:
+    if report and announce:
         logger.warning(report)
     packing = getattr(dataset, "packing", None)
-    if packing is not None and rank == 0 and packing.unchanged() is not None:
+    if packing is not None and announce and packing.unchanged() is not None:
         logger.warning("data: %s", packing.unchanged())
     collate = functools.partial(collate, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of,
                                 max_length=max_length)

@@ -28,6 +28,8 @@ from torchtune_ac.errors import UnavailableError, UserError
 # In this order, as transformers reads them: special_tokens_map.json overrides tokenizer_config.json.
 SPECIAL_TOKEN_FILES = ("special_tokens_map.json", "tokenizer_config.json")
 SPECIAL_ID_FILES = ("generation_config.json", "config.json")
+# A tokenizer's files in another format than tokenizer.json, which transformers converts (sentencepiece's, BPE's).
+CONVERTIBLE_TOKENIZER_FILES = ("tokenizer.model", "tokenizer.model.v3", "spiece.model", "vocab.json", "vocab.txt")
 
 
 class Tokenizer:
@@ -231,7 +233,8 @@ def load_tokenizer(path: str, max_seq_len: Optional[int] = None, chat_template: 
 
     Raises:
         UnavailableError: the path, or the folder's tokenizer.json, does not exist.
-        UserError: unreadable or invalid JSON, a special token not in the vocabulary, no EOS token anywhere,
+        UserError: a folder with a tokenizer in another format only (``tokenizer.model``, ...: how to convert it),
+            unreadable or invalid JSON, a special token not in the vocabulary, no EOS token anywhere,
             ``max_seq_len <= 0``, or a ``chat_template`` that is neither a built-in name nor valid Jinja.
     """
     if max_seq_len is not None and max_seq_len <= 0:
@@ -241,8 +244,16 @@ def load_tokenizer(path: str, max_seq_len: Optional[int] = None, chat_template: 
     if location.is_dir():
         folder, file = location, location / "tokenizer.json"
         if not file.is_file():
-            present = ", ".join(sorted(p.name for p in folder.iterdir())) or "nothing"
-            raise UnavailableError(f"{folder}: no tokenizer.json in this folder (it holds: {present})")
+            names = sorted(p.name for p in folder.iterdir())
+            message = f"{folder}: no tokenizer.json in this folder (it holds: {', '.join(names) or 'nothing'})"
+            others = [name for name in names if name in CONVERTIBLE_TOKENIZER_FILES]
+            if not others:  # nothing of a tokenizer here: not on this machine
+                raise UnavailableError(message)
+            raise UserError(f"{message}; only tokenizer.json is read: convert {others[0]} once with "
+                            f"transformers: AutoTokenizer.from_pretrained('{folder}').save_pretrained('{folder}') "
+                            "writes tokenizer.json" + (" (with the sentencepiece package)"
+                                                       if others[0] == "tokenizer.model" else "")
+                            + ", or download the model's tokenizer.json")
     elif location.is_file():
         folder, file = location.parent, location
     else:

@@ -1,12 +1,13 @@
 """Rank 0's progress report: a tqdm bar on a terminal, plain lines everywhere else.
 
 A bar redraws itself with carriage returns; in a SLURM log, a CI log or ``nohup.out`` each redraw stays in the
-file as one more very long line. When the stream is not a terminal the bar is off and a plain line is printed
-every ``every`` steps (the recipe passes ``log_every_n_steps``) and at the last step.
+file as one more very long line. When the stream is not a terminal (or one that reports no width) the bar is off
+and a plain line is printed every ``every`` steps (the recipe passes ``log_every_n_steps``) and at the last step.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Mapping, Optional, TextIO
@@ -20,6 +21,14 @@ def format_duration(seconds: float) -> str:
     return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
+def terminal_columns(stream: TextIO) -> int:
+    """The width the terminal behind ``stream`` reports; 0 when it reports none (or cannot be asked)."""
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (OSError, ValueError, AttributeError):
+        return 0
+
+
 class ProgressReporter:
     """Shows training progress on ``stream`` (rank 0 only: ``enabled`` is false elsewhere)."""
 
@@ -27,7 +36,9 @@ class ProgressReporter:
         self.stream = stream if stream is not None else sys.stderr
         self.total, self.initial, self.every = total, initial, every
         self.enabled = enabled
-        self.interactive = enabled and self.stream.isatty()
+        # A terminal that reports no width (a pseudo-terminal whose size was never set) gets the plain lines: a bar
+        # fitted to 0 columns shows nothing there.
+        self.interactive = enabled and self.stream.isatty() and terminal_columns(self.stream) > 0
         self.started = time.perf_counter()
         self.val_loss: Optional[float] = None
         self.bar = tqdm(total=total, initial=initial, desc="train", disable=not self.interactive, dynamic_ncols=True,

@@ -36,6 +36,7 @@ from torchtune_ac.checkpoint import (
     read_lock,
     read_trainer_state,
 )
+from torchtune_ac.checkpoint.safetensors_io import list_stored_tensors
 from torchtune_ac.config.components import Component
 from torchtune_ac.data import uses_chat_template
 from torchtune_ac.data.datasets import check_dataset_records
@@ -44,7 +45,8 @@ from torchtune_ac.data.sources import TEXT_SUFFIXES, check_folder_formats, is_hu
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.models import check_checkpoint_matches
 from torchtune_ac.observability.metrics import METRICS_FILE
-from torchtune_ac.run.plan import RunPlan, RunConfig
+from torchtune_ac.run.messages import naming_dataset_val
+from torchtune_ac.run.plan import RunConfig, RunPlan
 from torchtune_ac.runtime.distributed import resolve_device
 
 # A schedule built for the stand-in checks only: long enough for any warm-up a real run could ask for.
@@ -145,6 +147,7 @@ class Findings:
     dataset_source: Optional[str] = None
     data: list[tuple[str, str]] = field(default_factory=list)
     tokenizer: Any = None  # the tokenizer, when it could be built here
+    samples: Optional[int] = None  # the training samples (rows, when packed), when every record was encoded
 
 
 def check_run(cfg: RunConfig, plan: Optional[RunPlan], model: Optional[nn.Module], *, strict: bool,
@@ -190,6 +193,7 @@ def check_run(cfg: RunConfig, plan: Optional[RunPlan], model: Optional[nn.Module
         if dataset is not None:
             check_folder_formats(dataset.kwargs.get("source"))
     soft(lambda: check_output_dir(cfg, strict))
+    resumes = False  # from a checkpoint of output_dir, whose weights the run loads, not checkpoint_dir's
     if cfg.resume_from_checkpoint:
         # Sizes against each checkpoint's manifest here; the run itself also checks every file's SHA-256.
         choice = choose_resume_checkpoint(Path(cfg.output_dir).expanduser(), hashes=False)
@@ -199,8 +203,12 @@ def check_run(cfg: RunConfig, plan: Optional[RunPlan], model: Optional[nn.Module
                 saved = read_trainer_state(choice.checkpoint).shape
                 check_resume_shape(choice.checkpoint, saved, plan.resume_shape(plan.world_size or saved.world_size))
             found.resume_note = f" (resuming from {choice.checkpoint.name})"
+            resumes = True
         else:
             found.resume_note = " (resume_from_checkpoint=true, but no checkpoint yet: starts at step 0)"
+    if not strict and cfg.checkpoint_dir is not None and model is not None and not resumes:
+        # tune validate: the headers loading reads first (a run reads them as it loads, before training).
+        soft(lambda: check_weights_readable(cfg.checkpoint_dir))
     if cfg.metric_logger is not None:
         # Building the tracker only checks its settings; its package is needed on the machine that trains.
         soft(cfg.metric_logger.instantiate().check_available)
@@ -211,23 +219,62 @@ def check_run(cfg: RunConfig, plan: Optional[RunPlan], model: Optional[nn.Module
         found.dataset_source, warning = describe_hub_source(source)
         if warning is not None:
             found.warnings.append(warning)
+    if not strict and found.tokenizer is None:  # no tokenizer here to encode the data: say at least if it is here
+        for dataset in (cfg.dataset, cfg.dataset_val):
+            if dataset is not None:
+                soft(lambda dataset=dataset: _check_sources_exist(dataset))
     if not strict and found.tokenizer is not None:  # tune validate reads the data; a run reads it once, to train
         for dataset in (cfg.dataset, cfg.dataset_val):
             checked = None if dataset is None else _check_data(cfg, dataset, found.tokenizer, soft)
             if checked is not None:
-                summary, data_report = checked
+                summary, data_report, samples = checked
                 found.data.append((dataset.key, summary))
+                if dataset is cfg.dataset:
+                    found.samples = samples
                 found.warnings.extend([data_report] if data_report else [])
     return found
 
 
+def check_weights_readable(checkpoint_dir: str) -> None:
+    """Read the headers of ``checkpoint_dir``'s weights, as loading them does first (names, shapes and the file's
+    length: a truncated file is refused here, not after the model is built); a folder that is not here is left to
+    the check of its config.json.
+
+    Raises:
+        UnavailableError: the folder has no weights.
+        UserError: only pickled weights, or a file, index or shard that cannot be read.
+    """
+    folder = Path(checkpoint_dir).expanduser()
+    if folder.is_dir():
+        list_stored_tensors(folder)
+
+
+def _check_sources_exist(dataset: Component) -> None:
+    """Refuse a local source of ``dataset`` that does not exist (not a Hub dataset's name).
+
+    Raises:
+        UnavailableError: naming the source (and ``dataset_val`` for the validation data).
+    """
+    source = dataset.kwargs.get("source")
+    for one in source if isinstance(source, list) else [source]:
+        if isinstance(one, str) and not is_hub_name(one, TEXT_SUFFIXES) and not Path(one).expanduser().exists():
+            missing = UnavailableError(f"dataset source {one} does not exist")
+            raise naming_dataset_val(missing) if dataset.key == "dataset_val" else missing
+
+
 def _check_data(cfg: RunConfig, dataset: Component, tokenizer: Any,
-                soft: Callable[[Callable[[], Any]], Any]) -> Optional[tuple[str, Optional[str]]]:
-    """``tune validate``'s look at ``dataset``'s records (``check_dataset_records``): a summary line and what
-    building the samples would cut or drop; None when there is nothing to read here (a Hub dataset, which is not
+                soft: Callable[[Callable[[], Any]], Any]) -> Optional[tuple[str, Optional[str], Optional[int]]]:
+    """``tune validate``'s look at ``dataset``'s records (``check_dataset_records``): a summary line, what
+    building the samples would cut or drop, and how many samples they make; None when there is nothing to read here (a Hub dataset, which is not
     downloaded to validate; a data file of another machine, which ``soft`` turns into a warning)."""
     source = dataset.kwargs.get("source")
     sources = source if isinstance(source, list) else [source]
     if any(isinstance(one, str) and is_hub_name(one, TEXT_SUFFIXES) for one in sources):
         return None
-    return soft(lambda: check_dataset_records(dataset.target(), tokenizer, dataset.kwargs, cfg.max_seq_len))
+    def check() -> Optional[tuple[str, Optional[str], Optional[int]]]:
+        try:
+            return check_dataset_records(dataset.target(), tokenizer, dataset.kwargs, cfg.max_seq_len)
+        except UserError as err:
+            raise naming_dataset_val(err) if dataset.key == "dataset_val" else err from None
+
+    return soft(check)

@@ -172,6 +172,9 @@ def memory_table(cfg: RunConfig, *, world_size: int, budget_gib: Optional[float]
         raise UnavailableError(f"{err}, and model {cfg.model.path} reads the architecture from it: to plan here, copy "
                                "its config.json alone (no weights) into a folder and set checkpoint_dir to it, or name "
                                "the model's builder (model._component_=torchtune_ac.models.llama3_8b, ...)") from None
+    # The run's own checks of the degrees against the world size and the model (resolve_run_plan below makes them
+    # too, but its refusal there only leaves the table without a plan, and every row would plan what cannot run).
+    parallelism = resolve_parallelism(cfg, model, world_size)
     # The features besides AC, resolved as a run resolves them with each AC setting (every one gets a row of its
     # own); a setting the features refuse (enable_activation_offloading with no AC) is a row that does not apply.
     candidates = candidate_plans(len(transformer_blocks(model)))
@@ -186,7 +189,6 @@ def memory_table(cfg: RunConfig, *, world_size: int, budget_gib: Optional[float]
     features = next((p for p in reversed(resolved) if p is not None), None)
     if features is None:  # no AC setting works with these features: the config cannot run, say why once
         raise UserError(not_applicable[len(candidates) - 1])
-    parallelism = resolve_parallelism(cfg, model, world_size)  # tune run's checks, before anything is estimated
     fixed, fixed_how = process_fixed_bytes(cfg.device)
     inputs = planner_inputs(cfg, parallelism, torch.device("cpu"))
     workload = inputs.workload.with_settings(features.settings, clip_grad_norm=cfg.clip_grad_norm)

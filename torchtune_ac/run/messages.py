@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from torchtune_ac.checkpoint import Progress
+from torchtune_ac.data.samples import count_of
 from torchtune_ac.errors import EXIT_NON_FINITE, EXIT_STOPPED, RunStopped, UserError
 from torchtune_ac.runtime.non_finite import NonFiniteError
 from torchtune_ac.runtime.rank_agreement import flatten_config
+
+if TYPE_CHECKING:
+    from torchtune_ac.run.plan import RunLength
 
 RESUME_HINT = "run the same command with resume_from_checkpoint=true"
 
@@ -146,9 +150,11 @@ def disk_may_fill(output_dir: str, free: int, needed: int, saves: int, size: Any
             f"{_size(needed)}: {kept}; a later save may stop the run with a full disk: {fix}")
 
 
-def resharded(saved_world_size: int, world_size: int) -> str:
+def resharded(saved_world_size: int, world_size: int, *, dropout: bool) -> str:
+    """The resume on another number of processes; what does not carry over is said only where there is some
+    (``dropout``: the model draws dropout masks)."""
     return (f"resharded from {saved_world_size} process(es) to {world_size}: model, optimizer, scheduler and data "
-            "order carry over; dropout masks do not (each rank's RNG state is its own)")
+            "order carry over" + ("; dropout masks do not (each rank's RNG state is its own)" if dropout else ""))
 
 
 def no_checkpoint_yet(output_dir: str) -> str:
@@ -157,3 +163,40 @@ def no_checkpoint_yet(output_dir: str) -> str:
 
 def nothing_to_do(output_dir: str, step: int) -> str:
     return f"nothing to do: the run in {output_dir} already finished {step} step(s)"
+
+
+def naming_dataset_val(err: UserError) -> UserError:
+    """``err``, raised while reading ``dataset_val``, with that key in front (a line about the training data and one
+    about the validation data may otherwise read alike); its type is kept (a missing file stays unavailable)."""
+    message = str(err)
+    return err if message.startswith("dataset_val") else type(err)(f"dataset_val: {message}")
+
+
+def length_warnings(length: "RunLength", hyperparameters: Mapping[str, Any]) -> list[str]:
+    """What the run's length makes worth a warning, as far as it is known (``tune validate``, the world size not
+    known: the steps of one process, or the cap of ``max_steps_per_epoch`` x ``epochs``; a run: its steps, its data
+    read): a warm-up the run ends before finishing
+    (the learning rate never reaches the optimizer's), and the samples each epoch leaves out, the global batch
+    not dividing them (``max_steps_per_epoch`` cutting the epoch short is the config's own choice, and not said).
+    ``hyperparameters`` are the plan's (``RunPlan.hyperparameters``)."""
+    warnings = []
+    steps, at_most = length.total_steps, "" if length.world_size is not None else "at most "
+    if steps is None and length.max_steps_per_epoch is not None:
+        steps, at_most = length.max_steps_per_epoch * length.epochs, "at most "
+    warmup = (hyperparameters.get("lr_scheduler") or {}).get("num_warmup_steps")
+    if steps is not None and isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= steps:
+        lr = (hyperparameters.get("optimizer") or {}).get("lr")
+        warnings.append(f"lr_scheduler.num_warmup_steps={warmup}: the run has {at_most}{steps} step(s), so it ends "
+                        "still warming up and the learning rate never reaches "
+                        + (f"optimizer.lr={lr}" if lr is not None else "the optimizer's lr")
+                        + "; lower num_warmup_steps (or train longer)")
+    if length.samples is not None and length.global_batch is not None and length.steps_per_epoch is not None:
+        full_steps = length.samples // length.global_batch
+        left = length.samples - full_steps * length.global_batch
+        capped = length.max_steps_per_epoch is not None and full_steps > length.max_steps_per_epoch
+        if left and not capped:
+            warnings.append(
+                f"dataset: {count_of(left, length.unit)} of {length.samples:,} not trained on in each epoch: the "
+                f"global batch of {length.global_batch} does not divide them, and the last, incomplete batch is left "
+                f"out; a global batch that divides {length.samples:,} uses every {length.unit}")
+    return warnings

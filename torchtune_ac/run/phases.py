@@ -47,6 +47,7 @@ from torchtune_ac.run.messages import (
     finished_epochs_not_extended,
     hyperparameter_changes,
     hyperparameters_changed,
+    naming_dataset_val,
     resharded,
 )
 from torchtune_ac.run.plan import RunConfig, RunPlan
@@ -138,7 +139,8 @@ def build_data(cfg: RunConfig, tokenizer: Any, ctx: DistributedContext, *,
     loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.data_parallel_rank,
                               world_size=ctx.data_parallel_size,
                               shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id, collate=batching.collate,
-                              **batch_padding(cfg, ctx.parallelism), pin_memory=ctx.device.type == "cuda")
+                              **batch_padding(cfg, ctx.parallelism), pin_memory=ctx.device.type == "cuda",
+                              announce=ctx.is_rank_zero)
     files = dataset.source_files
     identity = identify_data(dataset.source, files and files.root, files and files.names, len(dataset),
                              processes=ctx, hub=files.hub if files else ())
@@ -185,7 +187,10 @@ def build_validation(cfg: RunConfig, tokenizer: Any, ctx: DistributedContext, *,
     """The validation data, batched as ``batching`` says, or None without ``dataset_val``."""
     if cfg.dataset_val is None:
         return None
-    dataset = cfg.dataset_val.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
+    try:
+        dataset = cfg.dataset_val.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
+    except UserError as err:
+        raise naming_dataset_val(err) from None
     if len(dataset) == 0:
         raise UserError("dataset_val: holds no sample")
     batching.check_kind(dataset, "dataset_val", cfg.dataset_val.path)
@@ -230,8 +235,20 @@ def restore(plan: RunPlan, ctx: DistributedContext, checkpoint: Path, training: 
     if changes:
         log.info(hyperparameters_changed(changes))
     if saved.shape.world_size != ctx.world_size:
-        log.info(resharded(saved.shape.world_size, ctx.world_size))
+        log.info(resharded(saved.shape.world_size, ctx.world_size, dropout=uses_dropout(training.model)))
     return progress
+
+
+def uses_dropout(model: nn.Module) -> bool:
+    """Whether training ``model`` draws random dropout masks: a torch dropout module with ``p > 0``, or an
+    attention whose ``dropout`` probability (passed to SDPA, as ours is) is above 0."""
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd) and module.p > 0:
+            return True
+        probability = getattr(module, "dropout", None)
+        if isinstance(probability, float) and probability > 0:
+            return True
+    return False
 
 
 def resume_schedule(scheduler: Any, step: int) -> None:

@@ -13,7 +13,8 @@ from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.run.checks import Findings, check_run
 from torchtune_ac.run.memory_table import MemoryTable, memory_table
-from torchtune_ac.run.plan import RunPlan, RunConfig, resolve_parallelism, resolve_run_plan
+from torchtune_ac.run.messages import length_warnings
+from torchtune_ac.run.plan import RunConfig, RunLength, RunPlan, resolve_parallelism, resolve_run_plan
 
 
 def preflight(cfg: RunConfig, *, strict: bool = True, world_size: Optional[int] = 1) -> list[tuple[str, str]]:
@@ -55,8 +56,20 @@ def summary(plan: Optional[RunPlan], found: Findings, cfg: RunConfig) -> list[tu
     if found.dataset_source is not None:
         lines.append(("dataset source", found.dataset_source))
     lines += found.data
-    notes = plan.notes if plan is not None else ()
+    notes = (*plan.notes, *length_warnings(_length_bound(plan, found), plan.hyperparameters)) if plan is not None else ()
     return lines + [("warning", w) for w in (*notes, *found.warnings)]
+
+
+def _length_bound(plan: RunPlan, found: Findings) -> RunLength:
+    """The plan's length, counted from the samples ``tune validate`` made, as on one process (the most steps any
+    number of processes gives them: ``length_warnings`` then speaks of "at most")."""
+    length = plan.length
+    if found.samples is None or length.steps_per_epoch is not None:
+        return length
+    try:
+        return length.counted(found.samples, found.samples // length.batch_size)
+    except UserError:  # too few samples for one step: the run says so, naming its processes
+        return length
 
 
 def plan(cfg: RunConfig, *, world_size: int, budget_gib: Optional[float]) -> MemoryTable:

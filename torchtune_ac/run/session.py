@@ -159,3 +159,5 @@ def log_plan(run: Run, plan: RunPlan) -> None:
     log.info("CPU threads: %s", describe_threads())
     for label, value in plan.describe():
         log.info("%s: %s", label, value)
+    for warning in messages.length_warnings(plan.length, plan.hyperparameters):
+        log.warning(warning)

@@ -158,7 +158,7 @@ CASES = [
     (config_unsupported, TINY, ["config.json", "mlp_bias=True", "hidden_act='gelu'"]),
     (config_unknown_family, TINY, ["config.json", "model_type='gpt2'", "supported: 'llama'"]),
     (no_weights, TINY, ["no weights", WEIGHTS_FILE, INDEX_FILE]),
-    (pickle_only, TINY, ["pytorch_model.bin", "never loaded"]),
+    (pickle_only, TINY, ["pytorch_model.bin", "never loaded", "AutoModelForCausalLM.from_pretrained("]),
     (truncated, TINY, [WEIGHTS_FILE, "truncated or corrupt"]),
     (corrupt_header, TINY, [WEIGHTS_FILE, "not a readable safetensors file"]),
     (index_missing_shard, TINY, [INDEX_FILE, "model-00002-of-", "does not exist"]),

@@ -142,6 +142,11 @@ def test_the_dataloader_reports_once_on_rank_zero(tmp_path, tokenizer, caplog):
     for rank in range(2):
         build_dataloader(ds, batch_size=1, pad_id=0, rank=rank, world_size=2)
     assert [r.getMessage() for r in caplog.records] == [ds.report]
+    caplog.clear()
+    # Tensor parallelism: the ranks of the first group all read data rank 0's share; only the run's rank 0 says it.
+    for announce in (True, False):
+        build_dataloader(ds, batch_size=1, pad_id=0, rank=0, world_size=1, announce=announce)
+    assert [r.getMessage() for r in caplog.records] == [ds.report]
 
 
 CHAT = [
@@ -404,7 +409,7 @@ def test_validate_encodes_a_stated_sample_of_a_large_source(tmp_path, tokenizer,
     records = [{"instruction": f"Say {i}.", "output": str(i)} for i in range(25)]
     source = write_jsonl(tmp_path / "d.jsonl", records)
     assert datasets.check_dataset_records(instruct_dataset, tokenizer, {"source": source}, None) == (
-        f"{source}: 25 records read; an evenly spaced sample of 10 encoded (the run encodes them all)", None)
+        f"{source}: 25 records read; an evenly spaced sample of 10 encoded (the run encodes them all)", None, None)
     # Every 2.5th record is encoded: the 13th (index 12) is, the 14th is not.
     for index, caught in ((12, True), (13, False)):
         bad = [dict(r, output=["x"]) if i == index else r for i, r in enumerate(records)]

@@ -337,3 +337,33 @@ def test_a_list_holding_a_folder_of_two_formats_is_refused(tmp_path):
     with pytest.raises(UserError, match=f"^dataset source {folder}: holds data files in 2 formats"):
         check_folder_formats([single, str(folder)])
     check_folder_formats([single, single])  # files are not folders: nothing to check
+
+
+def test_a_relative_folder_is_read_from_the_working_directory(tmp_path, monkeypatch):
+    """``source=files`` (or ``./files``) failed in ``folder_files``: ``datasets`` names the files by absolute path."""
+    write_source(tmp_path, "parquet_folder", ROWS)
+    write_source(tmp_path, "dataset_dict", ROWS)
+    monkeypatch.chdir(tmp_path)
+    for source in ("files", "./files"):
+        check_folder_formats(source)
+        assert [r.value for r in load_records(source)] == ROWS
+        assert source_files(source) == SourceFiles(Path(source), ("train-00000-of-00001.parquet",))
+    assert source_files("saved_dict").names == source_files(str(tmp_path / "saved_dict")).names
+
+
+def test_a_saved_dataset_dict_with_an_empty_split_reads_its_other_splits(tmp_path):
+    """``load_from_disk`` of the whole DatasetDict failed with an IndexError inside ``datasets`` when any split had
+    no rows, even one not read, and before a misspelt split could be named."""
+    ds = datasets.Dataset.from_list(ROWS)
+    folder = tmp_path / "dd"
+    datasets.DatasetDict(train=ds, validation=ds.select([])).save_to_disk(str(folder))
+    assert [r.value for r in load_records(str(folder))] == ROWS
+    for split, message in [("validation", f"{folder} [validation]: the dataset holds no records"),
+                           ("trian", f"{folder}: no split 'trian' (the saved dataset has: train, validation); "
+                                     "set split")]:
+        with pytest.raises(UserError) as info:
+            load_records(str(folder), split=split)
+        assert str(info.value) == message
+    ds.select([]).save_to_disk(str(tmp_path / "empty"))
+    with pytest.raises(UserError, match=r"empty: the dataset holds no records$"):
+        load_records(str(tmp_path / "empty"))

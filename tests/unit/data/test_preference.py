@@ -235,8 +235,8 @@ def test_tune_validate_encodes_the_pairs_as_a_run_would(tmp_path, tokenizer):
 
     good = [{"prompt": f"p{i}", "chosen": "yes", "rejected": "no"} for i in range(3)]
     source = write_jsonl(tmp_path / "p.jsonl", good)
-    summary, report = check_dataset_records(preference_dataset, tokenizer, {"source": source}, 64)
-    assert summary == f"{source}: 3 records read and encoded, 3 samples" and report is None
+    summary, report, samples = check_dataset_records(preference_dataset, tokenizer, {"source": source}, 64)
+    assert summary == f"{source}: 3 records read and encoded, 3 samples" and report is None and samples == 3
     bad = write_jsonl(tmp_path / "bad.jsonl", [*good, {"prompt": "p", "chosen": "x", "rejected": "x"}])
     with pytest.raises(UserError, match=f"^{bad}:4: chosen and rejected are the same answer"):
         check_dataset_records(preference_dataset, tokenizer, {"source": bad}, 64)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from torchtune_ac.data import EMBEDDED_TOKENIZER_DIR, load_tokenizer
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 
 EMBEDDED_JSON = Path(EMBEDDED_TOKENIZER_DIR) / "tokenizer.json"
 CONVERSATION = [
@@ -196,10 +196,20 @@ def test_load_errors_name_the_file_and_problem(tmp_path, files, path_suffix, mes
     assert message in str(info.value)
 
 
-def test_folder_without_tokenizer_json_lists_its_contents(tmp_path):
-    (tmp_path / "tokenizer.model").write_text("sentencepiece")
-    with pytest.raises(UserError, match=r"no tokenizer.json in this folder \(it holds: tokenizer.model\)"):
+def test_folder_without_tokenizer_json_lists_its_contents_and_says_how_to_convert(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UnavailableError) as info:  # no tokenizer here at all: tune validate warns
         load_tokenizer(str(tmp_path))
+    assert str(info.value) == f"{tmp_path}: no tokenizer.json in this folder (it holds: config.json)"
+    (tmp_path / "tokenizer.model").write_text("sentencepiece")
+    with pytest.raises(UserError) as info:  # one in another format: an error for tune validate too
+        load_tokenizer(str(tmp_path))
+    assert not isinstance(info.value, UnavailableError)
+    assert str(info.value) == (
+        f"{tmp_path}: no tokenizer.json in this folder (it holds: config.json, tokenizer.model); only tokenizer.json "
+        f"is read: convert tokenizer.model once with transformers: AutoTokenizer.from_pretrained('{tmp_path}')"
+        f".save_pretrained('{tmp_path}') writes tokenizer.json (with the sentencepiece package), or download the "
+        "model's tokenizer.json")
 
 
 @pytest.mark.parametrize(

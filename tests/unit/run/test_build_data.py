@@ -133,3 +133,16 @@ def test_the_run_identifies_every_file_of_a_list_of_sources(tokenizer, tmp_path)
                   {"name": "more/b.jsonl.gz", "bytes": len(compressed),
                    "sha256": hashlib.sha256(compressed).hexdigest()}],
     }
+
+
+def test_the_data_report_is_said_by_rank_0_only_under_tensor_parallelism(tokenizer, caplog, monkeypatch):
+    """Every rank of the first tensor-parallel group reads data rank 0's share, and each said the report."""
+    import torchtune_ac.run.phases as phases
+
+    monkeypatch.setattr(phases, "identify_data", lambda *args, **kwargs: {})  # its hashing gathers over the ranks
+    cfg = config(max_seq_len=40)  # some samples are cut there: the dataset has a report
+    for rank in range(2):
+        ctx = DistributedContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), tp_degree=2)
+        assert ctx.data_parallel_rank == 0
+        report = build_data(cfg, tokenizer, ctx).loader.dataset.report
+    assert report and [r.getMessage() for r in caplog.records if r.getMessage() == report] == [report]

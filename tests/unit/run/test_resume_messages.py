@@ -4,6 +4,7 @@ used): one ``key: saved in step_N, now now`` part per setting, and nothing when 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from torchtune_ac.run.messages import hyperparameter_changes
 
@@ -32,3 +33,21 @@ CASES = {
 def test_each_changed_setting_is_one_part_naming_the_checkpoint(name):
     current, expected = CASES[name]
     assert hyperparameter_changes(SAVED, current, "step_0000003") == expected
+
+
+def test_a_resharded_resume_speaks_of_dropout_masks_only_for_a_model_with_dropout():
+    """Every resharded resume warned about dropout masks, a model with no dropout too."""
+    from torch import nn
+
+    from torchtune_ac.models import llama_tiny
+    from torchtune_ac.run.messages import resharded
+    from torchtune_ac.run.phases import uses_dropout
+
+    with torch.device("meta"):
+        plain, attention, residual = llama_tiny(), llama_tiny(attn_dropout=0.1), llama_tiny(resid_dropout=0.1)
+    assert [uses_dropout(m) for m in (plain, attention, residual)] == [False, True, True]
+    assert uses_dropout(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0))) is False
+    assert uses_dropout(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.2))) is True
+    carried = "resharded from 2 process(es) to 1: model, optimizer, scheduler and data order carry over"
+    assert resharded(2, 1, dropout=False) == carried
+    assert resharded(2, 1, dropout=True) == carried + "; dropout masks do not (each rank's RNG state is its own)"

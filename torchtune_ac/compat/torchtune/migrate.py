@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.config.loading import ADAPTER_NAME
 from torchtune_ac.config.validation import torchtune_marker
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.plan import MemoryConfig
@@ -53,8 +54,10 @@ INSTRUCT_DATASET = "torchtune_ac.data.instruct_dataset"
 CHAT_DATASET = "torchtune_ac.data.chat_dataset"
 TEXT_DATASET = "torchtune_ac.data.text_dataset"
 COSINE_SCHEDULE = "torchtune_ac.training.cosine_schedule_with_warmup"
-TENSORBOARD_LOGGER = "torchtune_ac.training.metric_logging.TensorBoardLogger"
-WANDB_LOGGER = "torchtune_ac.training.metric_logging.WandBLogger"
+# The module that holds them (configs also accept torchtune's layout, compat/torchtune/paths.py's alias; Python
+# imports only this one).
+TENSORBOARD_LOGGER = "torchtune_ac.observability.metric_logging.TensorBoardLogger"
+WANDB_LOGGER = "torchtune_ac.observability.metric_logging.WandBLogger"
 ADAMW = "torch.optim.AdamW"
 # Low-bit AdamW of torchtune configs -> torchao's (the ao extra): bitsandbytes' (paged) 8-bit AdamW and torchao's
 # own under its older prototype path.
@@ -67,6 +70,7 @@ LOW_BIT_OPTIMIZERS = {
     "torchao.optim.AdamW4bit": "torchao.optim.AdamW4bit",
 }
 
+TORCHTUNE_PREFIX = "torchtune."
 TT_DATASETS = "torchtune.datasets."
 # torchtune dataset builder -> (our builder, torchtune's defaults that differ from ours or that ours lacks).
 DATASET_BUILDERS = {
@@ -176,12 +180,18 @@ class MigrationNote:
 
 @dataclass(frozen=True)
 class Migration:
-    """Our config (plain values, in our key order), the notes about what changed or was left behind, and the recipe
-    it is for (``full_finetune`` or ``full_dpo``)."""
+    """Our config (plain values, in our key order), the notes about what changed or was left behind, the recipe
+    it is for (``full_finetune`` or ``full_dpo``), and the user's own components it names (``--allow-component``
+    each, to run it)."""
 
     config: dict[str, Any]
     notes: tuple[MigrationNote, ...]
     recipe: str = "full_finetune"
+    allow: tuple[str, ...] = ()
+
+    def flags(self) -> str:
+        """The ``--allow-component`` flags its commands need ("" when none)."""
+        return "".join(f" --allow-component {path}" for path in self.allow)
 
 
 def is_preference_config(tt: Mapping[str, Any]) -> bool:
@@ -201,6 +211,7 @@ class _Migrator:
         self.out: dict[str, Any] = {}
         self.notes: list[MigrationNote] = []
         self.handled: set[str] = set()
+        self.allow: list[str] = []
 
     def take(self, key: str, default: Any = None) -> Any:
         self.handled.add(key)
@@ -240,7 +251,8 @@ class _Migrator:
                 self.dropped(key, UNSUPPORTED_KEYS[key] + suffix)
             else:
                 self.dropped(key, "no such setting in torchtune_ac")
-        return Migration(_ordered(self.out), tuple(self.notes), "full_dpo" if self.preference else "full_finetune")
+        return Migration(_ordered(self.out), tuple(self.notes), "full_dpo" if self.preference else "full_finetune",
+                         tuple(dict.fromkeys(self.allow)))
 
     # ------------------------------------------------------------------------------------- sections
 
@@ -348,6 +360,14 @@ class _Migrator:
             ours = FROM_HF_CONFIG
             self.changed("model._component_", f"{path.rsplit('.', 1)[-1]} is a {family} model with no builder of "
                          "its own here: from_hf_config builds the one checkpoint_dir's config.json describes")
+        elif isinstance(path, str) and ADAPTER_NAME.search(path.rsplit(".", 1)[-1]):
+            full = ADAPTER_NAME.sub("", path.rsplit(".", 1)[-1], count=1).lstrip("_")
+            package = path.rsplit(".", 1)[0]
+            instead = (f"; to train every weight instead, set model._component_={package}.{full} and migrate again "
+                       "(full fine-tuning needs more memory: see tune plan)"
+                       if f"{package}.{full}" in MODEL_BUILDERS or _architecture_of(f"{package}.{full}") else "")
+            raise UserError(f"model._component_={path}: an adapter (LoRA, QLoRA, DoRA) model; adapters are not "
+                            f"supported here, only full fine-tuning{instead}")
         else:
             supported = ", ".join(sorted(p.rsplit(".", 1)[-1] for p in MODEL_BUILDERS))
             packages = ", ".join(sorted(p.rsplit(".", 1)[-1] for p in MODEL_PACKAGES))
@@ -405,6 +425,9 @@ class _Migrator:
             raise UserError("dataset: a list of datasets is not supported; torchtune_ac trains on one dataset")
         path = dataset.get(COMPONENT_KEY) if isinstance(dataset, Mapping) else None
         name = path[len(TT_DATASETS):] if isinstance(path, str) and path.startswith(TT_DATASETS) else None
+        if isinstance(path, str) and not path.startswith(TORCHTUNE_PREFIX):
+            self.custom_dataset(key, path, dataset)
+            return
         if name not in DATASET_BUILDERS:
             supported = ", ".join(DATASET_BUILDERS)
             raise UserError(f"{key}._component_={path}: no equivalent in torchtune_ac; supported: {supported}")
@@ -448,6 +471,17 @@ class _Migrator:
             self.changed(f"{key}.packed", "packing needs max_seq_len: set it (torchtune needed tokenizer.max_seq_len)")
         self.drop_other_arguments(key, args)
         self.out[key] = node
+
+    def custom_dataset(self, key: str, path: str, dataset: Mapping[str, Any]) -> None:
+        """The user's own dataset class: written as it is, with its arguments (nothing here knows what they mean),
+        and not carried over: it runs only where its user allows it, and is called as ours are."""
+        self.out[key] = dict(dataset)
+        self.allow.append(path)
+        self.dropped(f"{key}._component_",
+                     f"{path} is your own class, not one of torchtune's datasets: written as it is, with its "
+                     f"arguments; to run it, pass --allow-component {path} to tune validate and tune run (it is "
+                     "called as torchtune_ac's datasets are, with the tokenizer and max_seq_len), or use one of "
+                     "torchtune_ac's datasets (docs/data.md)")
 
     def drop_other_arguments(self, key: str, args: Mapping[str, Any]) -> None:
         reasons = {
@@ -877,8 +911,9 @@ def render_config(migration: Migration, *, source: str, destination: str) -> str
     lines = [
         f"# Migrated from the torchtune config {source} by `tune migrate`.",
         "#",
-        f"#   tune run {migration.recipe} --config {destination}",
-        f"#   tune run --nproc_per_node 4 {migration.recipe} --config {destination}      # FSDP2 over 4 processes",
+        f"#   tune run {migration.recipe} --config {destination}{migration.flags()}",
+        f"#   tune run --nproc_per_node 4 {migration.recipe} --config {destination}{migration.flags()}      # FSDP2 "
+        "over 4 processes",
     ]
     if migration.notes:
         lines += ["#", "# Notes from the migration:"]
