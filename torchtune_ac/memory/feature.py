@@ -7,7 +7,7 @@ groups (``MemoryConfig``, ``FSDPConfig``, ``ACConfig``); ``resolve`` turns them 
 the ``MemoryPlan`` holds under the feature's name.
 
 What a feature does to the run is not a hook here: the run applies each mechanism by name, in the one written order
-(``run/assemble.py``), and the planner's simulated step does the same (``planner.py``). A feature gives the planner
+(``run/assemble.py``), and the planner's simulated step does the same (``planner/simulation.py``). A feature gives the planner
 only what a simulation cannot see (``planner_cost``) and what it would suggest when nothing fits
 (``alternatives``).
 """

@@ -21,7 +21,7 @@ As a memory feature (``FEATURE``):
 It cannot clip (the total norm is known only once every parameter has been stepped), so it refuses
 ``clip_grad_norm``. The planner simulates the step with the optimizer in backward, so it needs no cost declared
 here; under FSDP2 the root's gradients (embeddings, output) are reduced, and so stepped, only when backward ends,
-which the simulation keeps (``planner._LiveStorages``): they stay whole on every process until then.
+which the simulation keeps (``planner/simulation.py``'s ``_LiveStorages``): they stay whole on every process until then.
 
 On a GPU under FSDP2 the hooks, and so the steps, run on FSDP2's reduce-scatter stream: left there, so that
 the step overlaps the next block's backward rather than making the default stream wait for each reduce-scatter;

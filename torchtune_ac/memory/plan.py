@@ -7,7 +7,7 @@ The features are listed in ``features.py``; their top-level keys are ``MemoryCon
 (``activation_checkpointing/config.py``).
 
 ``ac_mode: auto`` is resolved here too, last, once the other features are known: the memory planner
-(``memory/planner.py``) estimates the plans from the least recompute to the most, and the first whose estimate
+(``memory/planner/``) estimates the plans from the least recompute to the most, and the first whose estimate
 fits the budget wins. With several processes only rank 0 does this, and every rank applies its choice
 (``run/plan.py``).
 """

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from torchtune_ac.cli import load_recipe, load_recipe_config, main, resolve_recipe_path
-from torchtune_ac.memory.planner import _largest_outer_group
+from torchtune_ac.memory.planner.simulation import _largest_outer_group
 from torchtune_ac.models.families.llama import LLAMA_TINY
 from torchtune_ac.models.llama import Llama
 from torchtune_ac.run.memory_table import memory_table

@@ -91,7 +91,7 @@ def with_park(monkeypatch: pytest.MonkeyPatch) -> None:
     listed = (*FEATURES[:-1], PARK, FEATURES[-1])
     monkeypatch.setattr(features, "FEATURES", listed)
     monkeypatch.setattr(features, "STEP_FEATURES", listed[1:])
-    monkeypatch.setattr(planner, "STEP_FEATURES", listed[1:])
+    monkeypatch.setattr(planner.workload, "STEP_FEATURES", listed[1:])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,7 +120,7 @@ def test_planner_costs_come_in_order_each_seeing_the_estimate_so_far_and_the_mod
     watch = Feature(name="watch", label="watching", off=None, resolve=lambda inputs: None,
                     describe=lambda setting, vocab_size: "", planner_cost=watch_cost)
     listed = (*features.FEATURES[:-1], watch, features.FEATURES[-1])  # after PARK
-    monkeypatch.setattr(planner, "STEP_FEATURES", listed[1:])
+    monkeypatch.setattr(planner.workload, "STEP_FEATURES", listed[1:])
     plans = [ACConfig(ac_mode=ACMode.FULL).resolve(ARGS.n_layers)]
     estimate, = estimate_memory(lambda: Llama(ARGS), lambda p: torch.optim.AdamW(p),
                                 Workload(batch_size=1, seq_len=16, settings=WatchSettings(park=True)), plans)

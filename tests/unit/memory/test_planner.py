@@ -21,10 +21,10 @@ from torchtune_ac.memory.plan import MemoryConfig, PlannerInputs, budget_gib, re
 from torchtune_ac.models.families.gemma3 import GEMMA3_1B
 from torchtune_ac.models.llama import Llama
 from torchtune_ac.memory.features import MemorySettings
+from torchtune_ac.memory.planner.simulation import _simulate
 from torchtune_ac.memory.planner import (
     GiB,
     Workload,
-    _simulate,
     candidate_plans,
     choose_plan,
     describe_setting,
@@ -193,7 +193,7 @@ def test_compiled_blocks_alike_in_parameters_but_not_in_what_they_compute_are_tr
 
 
 def test_a_block_the_compiled_trace_cannot_take_is_planned_as_eager_with_one_warning(monkeypatch, caplog):
-    from torchtune_ac.memory import planner
+    from torchtune_ac.memory.planner import simulation
 
     def fails(block, forward):
         raise RuntimeError("an op the trace does not know\nmore lines")
@@ -202,8 +202,8 @@ def test_a_block_the_compiled_trace_cannot_take_is_planned_as_eager_with_one_war
     workload = Workload(batch_size=1, seq_len=64)
     plans = candidate_plans(8)[:1]
     (eager,) = estimate_memory(tiny, adamw, workload, plans)
-    monkeypatch.setattr(planner, "_aot_block", fails)
-    monkeypatch.setattr(planner, "_WARNED", set())
+    monkeypatch.setattr(simulation, "_aot_block", fails)
+    monkeypatch.setattr(simulation, "_WARNED", set())
     compiled = [estimate_memory(tiny, adamw, dataclasses.replace(workload, compiled=True), plans)[0] for _ in range(2)]
     assert [e.saved_activations for e in compiled] == [eager.saved_activations] * 2
     assert [r.getMessage() for r in caplog.records if r.name == "torchtune_ac.memory"] == [
