@@ -21,6 +21,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 GEMMA3_TINY = {
@@ -30,6 +32,10 @@ GEMMA3_TINY = {
         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
     },
 }
+# A dense layer (mlp_only_layers) before a sparse one, 4 experts of 16 (rows of 64 bytes: torch._grouped_mm's
+# alignment), 2 per token, renormalised.
+QWEN3_MOE_TINY = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "norm_topk_prob": True, "mlp_only_layers": [0]}
 # family -> (config class, model class, config settings that make transformers build exactly our architecture)
 HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
@@ -41,6 +47,7 @@ HF_CLASSES = {
     # with its own RoPE base, then a global layer with linear RoPE scaling; its own attention scale.
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3_TINY),
     "gemma": (GemmaConfig, GemmaForCausalLM, {"head_dim": 16}),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_MOE_TINY),
 }
 FAMILY_NAMES = sorted(HF_CLASSES)
 # Families whose norms scale by (1 + weight).

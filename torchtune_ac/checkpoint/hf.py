@@ -7,11 +7,12 @@ model's names and config.json through its family's adapter and calls these funct
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -43,6 +44,20 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
+class TensorPart(Protocol):
+    """A stored tensor that is one region of a larger tensor of the model: ``whole[region]``, without the dims in
+    ``squeezed`` (each of size 1 in the region). One expert's ``gate_proj.weight`` of a layer's stacked experts is
+    the part ``(experts.gate_up_proj, (e:e+1, 0:h, :), (0,))``. (``models.hf_adapter.StoredPart`` is one.)"""
+
+    whole: str
+    region: tuple[slice, ...]
+    squeezed: tuple[int, ...]
+
+
+def _part_shape(part: TensorPart) -> tuple[int, ...]:
+    return tuple(r.stop - r.start for d, r in enumerate(part.region) if d not in part.squeezed)
+
+
 @dataclass(frozen=True)
 class HFModelFiles:
     """What a Hugging Face checkpoint of a model holds, before it is written.
@@ -54,10 +69,13 @@ class HFModelFiles:
         tensors: Hugging Face tensor name -> the tensor (plain, or a DTensor of a sharded model), one per stored
             tensor.
         config: the config.json to write.
+        parts: stored name -> the region of one of ``tensors`` it holds (a ``TensorPart``): a tensor with parts is
+            written as its parts, in their order, not whole.
     """
 
     tensors: Mapping[str, torch.Tensor]
     config: Mapping[str, Any]
+    parts: Mapping[str, TensorPart] = dataclasses.field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -109,7 +127,7 @@ def load_hf_tensors_(
     targets: Mapping[str, torch.Tensor],
     checkpoint_dir: PathLike,
     *,
-    stored_name: Callable[[str], Optional[str]],
+    stored_name: Callable[[str], "Optional[str | TensorPart]"],
     copies: Mapping[str, str],
 ) -> None:
     """Copy the tensors of a Hugging Face checkpoint into ``targets``, in place, each cast to its target's dtype.
@@ -121,8 +139,9 @@ def load_hf_tensors_(
     Args:
         targets: Hugging Face tensor name -> the tensor to fill (not on meta).
         checkpoint_dir: directory with model.safetensors or a sharded index.
-        stored_name: a name found in the files -> the target name it fills; None for a tensor not loaded (derived,
-            or of another model in the same files).
+        stored_name: a name found in the files -> the target name it fills, or the ``TensorPart`` of a target it
+            fills (one expert of stacked experts: the parts of a target must cover it exactly); None for a tensor not
+            loaded (derived, or of another model in the same files).
         copies: target names that are the same tensor as another (a tied ``lm_head.weight`` -> the embedding):
             a checkpoint may store them, and then they must equal their source; they are not loaded.
 
@@ -134,9 +153,16 @@ def load_hf_tensors_(
     stored: dict[str, StoredTensor] = {}  # target name -> what the files hold for it
     stored_as: dict[str, str] = {}  # target name -> its name in the files
     unexpected = []
+    parts: dict[str, list[tuple[TensorPart, str, StoredTensor]]] = {}  # target name -> its stored parts
     for file_name, tensor in sorted(list_stored_tensors(checkpoint_dir).items()):
         name = stored_name(file_name)
         if name is None:
+            continue
+        if not isinstance(name, str):
+            if name.whole in targets:
+                parts.setdefault(name.whole, []).append((name, file_name, tensor))
+            else:
+                unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
             continue
         if name in targets or name in copies:
             stored[name], stored_as[name] = tensor, file_name
@@ -144,6 +170,9 @@ def load_hf_tensors_(
             unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
     problems = []
     for name, target in targets.items():
+        if name in parts and name not in stored:
+            problems += _part_problems(name, tuple(target.shape), parts[name])
+            continue
         if name not in stored:
             problems.append(f"missing tensor {name}")
             continue
@@ -163,15 +192,56 @@ def load_hf_tensors_(
         if alias in stored:
             _check_copy_equal(stored[alias], stored_as[alias], stored[source], stored_as[source], targets[source])
 
+    for name, found in parts.items():
+        if name in stored:
+            continue
+        local, region = local_region(targets[name])
+        for part, file_name, tensor in found:
+            _copy_part(local, region, part, file_name, tensor)
     by_file: dict[Path, list[str]] = {}
     for name in targets:
-        by_file.setdefault(stored[name].file, []).append(name)
+        if name in stored:
+            by_file.setdefault(stored[name].file, []).append(name)
     for path, names in by_file.items():
         with open_safetensors(path) as f:
             for name in names:
                 local, region = local_region(targets[name])
                 if local.numel():
                     local.copy_(read_region(f, stored_as[name], region))
+
+
+def _part_problems(name: str, shape: tuple[int, ...], found: list[tuple[TensorPart, str, StoredTensor]]) -> list[str]:
+    """What is wrong with the stored parts of target ``name``: a shape that is not its region's, a non-floating
+    dtype, a region stored twice or outside the target, or regions that do not cover it."""
+    problems, regions, covered = [], set(), 0
+    for part, file_name, tensor in found:
+        want = _part_shape(part)
+        if tensor.shape != want:
+            problems.append(f"{tensor.file.name}: {file_name} has shape {list(tensor.shape)}, expected {list(want)}")
+        if not tensor.is_floating:
+            problems.append(f"{tensor.file.name}: {file_name} has dtype {tensor.dtype}, expected a floating point type")
+        key = tuple((r.start, r.stop) for r in part.region)
+        if key in regions or any(r.stop > n for r, n in zip(part.region, shape)):
+            problems.append(f"{tensor.file.name}: {file_name} overlaps another part of {name} or lies outside it")
+        regions.add(key)
+        covered += math.prod(r.stop - r.start for r in part.region)
+    if not problems and covered != math.prod(shape):
+        problems.append(f"missing parts of {name} (the stored ones cover {covered} of its {math.prod(shape)} entries)")
+    return problems
+
+
+def _copy_part(local: torch.Tensor, region: tuple[slice, ...], part: TensorPart, file_name: str,
+               tensor: StoredTensor) -> None:
+    """Copy what of a stored part lies in this process's ``region`` of the target into ``local``."""
+    overlap = [slice(max(a.start, b.start), min(a.stop, b.stop)) for a, b in zip(part.region, region)]
+    if any(o.start >= o.stop for o in overlap):
+        return
+    into_local = tuple(slice(o.start - r.start, o.stop - r.start) for o, r in zip(overlap, region))
+    from_part = tuple(slice(o.start - p.start, o.stop - p.start)
+                      for d, (o, p) in enumerate(zip(overlap, part.region)) if d not in part.squeezed)
+    with open_safetensors(tensor.file) as f:
+        values = read_region(f, file_name, from_part)
+    local[into_local].copy_(values.reshape(local[into_local].shape))
 
 
 def _check_copy_equal(
@@ -230,13 +300,32 @@ def write_hf_files(
     if sharded and processes is None:
         raise ValueError("the model holds DTensors: every rank writes its files together (pass processes)")
     writer = not sharded or leads(processes)
-    nbytes = {name: math.prod(tensor.shape) * tensor.dtype.itemsize for name, tensor in tensors.items()}
+    parts_of: dict[str, list[str]] = {}
+    for part_name, part in files.parts.items():
+        parts_of.setdefault(part.whole, []).append(part_name)
+    nbytes = {}
+    for name, tensor in tensors.items():
+        for stored in parts_of.get(name, [name]):
+            shape = tensor.shape if stored == name else _part_shape(files.parts[stored])
+            nbytes[stored] = math.prod(shape) * tensor.dtype.itemsize
+    gathered: dict[str, torch.Tensor] = {}  # the one whole tensor whose parts are being written
+
+    def full_tensor(name: str) -> torch.Tensor:
+        tensor = tensors[name].detach()
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
     def fetch(names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
-            tensor = tensors[name].detach()
-            full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            part = files.parts.get(name)
+            if part is None:
+                full = full_tensor(name)
+            else:
+                # A whole's parts are consecutive: it is gathered once, for its first part.
+                if part.whole not in gathered:
+                    gathered.clear()
+                    gathered[part.whole] = full_tensor(part.whole)
+                full = gathered[part.whole][part.region].reshape(_part_shape(part)).clone()  # its own storage
             if writer:
                 out[name] = full.to("cpu").contiguous()
         return out

@@ -42,8 +42,9 @@ class HFAdapter(Protocol):
     def to_hf_name(self, name: str) -> str:
         """Our parameter name -> the Hugging Face tensor name. Raises ``ValueError`` for an unknown name."""
 
-    def stored_name(self, config: Mapping[str, Any], name: str) -> Optional[str]:
-        """A tensor found in a checkpoint with this config.json, as ``to_hf_name`` names it; None for a tensor
+    def stored_name(self, config: Mapping[str, Any], name: str) -> Optional[Any]:
+        """A tensor found in a checkpoint with this config.json, as ``to_hf_name`` names it (or a ``StoredPart`` of
+        such a tensor: one expert's projection of a layer's stacked experts); None for a tensor
         that is not loaded: derived, not learned (stored rotary frequencies), or of another model in the same
         files (a multimodal checkpoint's vision tower)."""
 
@@ -63,6 +64,10 @@ class HFAdapter(Protocol):
     def tied_parameters(self, args: Any) -> dict[str, str]:
         """Parameters that are another parameter (``{"output.weight": "tok_embeddings.weight"}`` when
         embeddings are tied): saved once, under the second name."""
+
+    def stored_parts(self, args: Any) -> dict[str, Any]:
+        """Hugging Face tensors saved as regions of one parameter (``hf_adapter.StoredPart``, by the parameter's
+        Hugging Face name), grouped by parameter; ``stored_name`` may likewise return a part on load."""
 
 
 @dataclass(frozen=True)

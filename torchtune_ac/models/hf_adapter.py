@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
@@ -58,6 +58,16 @@ _REQUIRED = object()
 # Keys of an input config.json that state, in another spelling, what ``hf_config_from_args`` writes itself
 # (transformers 5's rope form, the older name of ``dtype``): kept, they could contradict it.
 _RESTATED_KEYS = ("rope_parameters", "torch_dtype")
+
+
+class StoredPart(NamedTuple):
+    """A Hugging Face tensor that is one region of one of our parameters (by its Hugging Face name): ``whole[region]``
+    without the dims in ``squeezed`` (of size 1 there). One expert's ``experts.3.gate_proj.weight`` of a layer's
+    stacked ``experts.gate_up_proj`` is one."""
+
+    whole: str
+    region: tuple[slice, ...]
+    squeezed: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -163,6 +173,11 @@ class LlamaStyleHFAdapter:
 
     def tied_parameters(self, args: LlamaArgs) -> dict[str, str]:
         return {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else {}
+
+    def stored_parts(self, args: LlamaArgs) -> dict[str, StoredPart]:
+        """The Hugging Face tensors written as parts of a parameter (none here: each parameter is one tensor;
+        Qwen3-MoE writes each expert's projections), grouped by the parameter they are parts of."""
+        return {}
 
     # --------------------------------------------------------------------------------------------- config
 

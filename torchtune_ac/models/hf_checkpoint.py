@@ -177,8 +177,9 @@ def hf_model_files(model: nn.Module, *, base_config: Optional[Mapping[str, Any]]
     family = require_family(model, "saving a Hugging Face checkpoint")
     tensors, _ = _hf_tensors(model, family)
     dtype = next(iter(tensors.values())).dtype
-    return HFModelFiles(tensors, family.hf.hf_config_from_args(family.args_of(model), dtype, base_config=base_config,
-                                                               **token_ids))
+    args = family.args_of(model)
+    return HFModelFiles(tensors, family.hf.hf_config_from_args(args, dtype, base_config=base_config, **token_ids),
+                        parts=family.hf.stored_parts(args))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -345,5 +346,5 @@ def save_hf_state_dict(
         args, next(iter(tensors.values())).dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )
-    return save_hf_files(HFModelFiles(tensors, config), out_dir, max_shard_size, overwrite=overwrite,
+    return save_hf_files(HFModelFiles(tensors, config, parts=spec.hf.stored_parts(args)), out_dir, max_shard_size, overwrite=overwrite,
                          tokenizer_dir=tokenizer_dir)

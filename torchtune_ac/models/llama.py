@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtune_ac.models.attention import DocumentRuns, causal_attention, document_runs, document_starts
+from torchtune_ac.models.moe import MoE, MoEArgs
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,9 @@ class LlamaArgs:
       names); None: every layer slides when ``sliding_window`` is set (Mistral 7B v0.1), else every layer is full.
     - ``sliding_rope_theta``: the RoPE base of sliding-window layers, which then use no RoPE scaling (Gemma 3's
       local layers); None: they use ``rope_theta`` and ``rope_scaling`` as full layers do.
+
+    Mixture of experts: ``moe`` (``models/moe.py``): the layers it makes sparse have an ``MoE`` in place of the
+    dense MLP (Qwen3-MoE, gpt-oss); None: every layer is dense.
     """
 
     vocab_size: int
@@ -104,6 +108,7 @@ class LlamaArgs:
     sliding_window: Optional[int] = None
     layer_types: Optional[tuple[str, ...]] = None
     sliding_rope_theta: Optional[float] = None
+    moe: Optional[MoEArgs] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -126,6 +131,8 @@ class LlamaArgs:
         if self.query_pre_attn_scalar is not None and not self.query_pre_attn_scalar > 0:
             problems.append(f"query_pre_attn_scalar={self.query_pre_attn_scalar} must be positive")
         problems += self._attention_pattern_problems()
+        if self.moe is not None:
+            problems += self.moe.problems()
         if problems:
             raise ValueError("invalid Llama model arguments: " + "; ".join(problems))
 
@@ -281,14 +288,15 @@ class TransformerBlock(nn.Module):
     Args:
         args: the model's arguments.
         window: the sliding window of this block's attention (``args.window_of(layer)``); None for full.
+        layer: the block's index: its MLP is a mixture of experts where ``args.moe`` makes that layer sparse.
     """
 
-    def __init__(self, args: LlamaArgs, window: Optional[int] = None) -> None:
+    def __init__(self, args: LlamaArgs, window: Optional[int] = None, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.attn = Attention(args, window)
         self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-        self.mlp = MLP(args.dim, args.intermediate_dim, args.activation)
+        self.mlp = build_mlp(args, layer)
         self.resid_dropout = nn.Dropout(args.resid_dropout)
 
     def forward(
@@ -296,6 +304,13 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         h = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin, runs))
         return h + self.resid_dropout(self.mlp(self.mlp_norm(h)))
+
+
+def build_mlp(args: LlamaArgs, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP: an ``MoE`` where ``args.moe`` makes the layer sparse, else the dense ``MLP``."""
+    if args.moe is not None and args.moe.is_sparse(layer):
+        return MoE(args.dim, args.moe)
+    return MLP(args.dim, args.intermediate_dim, args.activation)
 
 
 def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
@@ -310,10 +325,10 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 class BlockClass(Protocol):
-    """What ``Llama`` needs of a block class: built from the arguments and the block's attention window, called
-    as ``TransformerBlock`` is."""
+    """What ``Llama`` needs of a block class: built from the arguments, the block's attention window and its
+    index, called as ``TransformerBlock`` is."""
 
-    def __call__(self, args: LlamaArgs, window: Optional[int]) -> nn.Module: ...
+    def __call__(self, args: LlamaArgs, window: Optional[int], layer: int) -> nn.Module: ...
 
 
 class OutputProjection(nn.Linear):
@@ -338,14 +353,14 @@ class Llama(nn.Module):
     Args:
         args: the model's arguments.
         block: the block class, ``TransformerBlock`` unless the family's block differs in structure; it is
-            called as ``block(args, args.window_of(layer))`` and its instances as ``TransformerBlock``'s are.
+            called as ``block(args, args.window_of(layer), layer)`` and its instances as ``TransformerBlock``'s are.
     """
 
     def __init__(self, args: LlamaArgs, block: BlockClass = TransformerBlock) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(block(args, args.window_of(layer)) for layer in range(args.n_layers))
+        self.layers = nn.ModuleList(block(args, args.window_of(layer), layer) for layer in range(args.n_layers))
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.output = OutputProjection(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
@@ -448,6 +463,9 @@ class Llama(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
+            elif isinstance(module, MoE):
+                for name, param in module.experts.named_parameters():
+                    module.init_parameter_(name, param, None, std)
 
     @torch.no_grad()
     def init_parameter_(self, name: str, tensor: torch.Tensor, generator: torch.Generator,
@@ -467,5 +485,7 @@ class Llama(nn.Module):
             tensor.normal_(mean=0.0, std=std, generator=generator)
         elif isinstance(owner, nn.Linear) and attr == "bias":
             tensor.zero_()
+        elif owner_name.endswith(".experts") and isinstance(parent := self.get_submodule(owner_name[:-8]), MoE):
+            parent.init_parameter_(attr, tensor, generator, std)
         else:
             raise ValueError(f"no initialisation rule for parameter {name} of {type(owner).__name__}")
