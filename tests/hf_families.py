@@ -12,6 +12,8 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -36,6 +38,10 @@ GEMMA3_TINY = {
 # alignment), 2 per token, renormalised.
 QWEN3_MOE_TINY = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
                   "norm_topk_prob": True, "mlp_only_layers": [0]}
+# gpt-oss: a sliding layer (a 6-token window) then a full one, YaRN as published, 4 experts of 16, 2 per token, and
+# a SwiGLU limit of 0.5 that the random activations reach (7.0, published, they would not).
+GPT_OSS_TINY = {"head_dim": 16, "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 6, "swiglu_limit": 0.5}
 # family -> (config class, model class, config settings that make transformers build exactly our architecture)
 HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
@@ -48,6 +54,7 @@ HF_CLASSES = {
     "gemma3": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA3_TINY),
     "gemma": (GemmaConfig, GemmaForCausalLM, {"head_dim": 16}),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_MOE_TINY),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, GPT_OSS_TINY),
 }
 FAMILY_NAMES = sorted(HF_CLASSES)
 # Families whose norms scale by (1 + weight).

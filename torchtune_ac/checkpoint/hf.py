@@ -25,6 +25,7 @@ from torchtune_ac.checkpoint.files import (
     write_directory,
     write_json,
 )
+from torchtune_ac.checkpoint.mxfp4 import dequantize_mxfp4, dequantized_shape
 from torchtune_ac.checkpoint.safetensors_io import (
     StoredTensor,
     list_stored_tensors,
@@ -52,6 +53,14 @@ class TensorPart(Protocol):
     whole: str
     region: tuple[slice, ...]
     squeezed: tuple[int, ...]
+
+
+class QuantizedPart(Protocol):
+    """A stored tensor that is half of an MXFP4 weight (``checkpoint/mxfp4.py``): its ``role``, ``blocks`` or
+    ``scales``, of the tensor ``whole``. (``models.hf_adapter.QuantizedPart`` is one.)"""
+
+    whole: str
+    role: str
 
 
 def _part_shape(part: TensorPart) -> tuple[int, ...]:
@@ -127,7 +136,7 @@ def load_hf_tensors_(
     targets: Mapping[str, torch.Tensor],
     checkpoint_dir: PathLike,
     *,
-    stored_name: Callable[[str], "Optional[str | TensorPart]"],
+    stored_name: Callable[[str], "Optional[str | TensorPart | QuantizedPart]"],
     copies: Mapping[str, str],
 ) -> None:
     """Copy the tensors of a Hugging Face checkpoint into ``targets``, in place, each cast to its target's dtype.
@@ -140,8 +149,9 @@ def load_hf_tensors_(
         targets: Hugging Face tensor name -> the tensor to fill (not on meta).
         checkpoint_dir: directory with model.safetensors or a sharded index.
         stored_name: a name found in the files -> the target name it fills, or the ``TensorPart`` of a target it
-            fills (one expert of stacked experts: the parts of a target must cover it exactly); None for a tensor not
-            loaded (derived, or of another model in the same files).
+            fills (one expert of stacked experts: the parts of a target must cover it exactly), or the
+            ``QuantizedPart`` of a target stored in MXFP4 (dequantised exactly); None for a tensor not loaded
+            (derived, or of another model in the same files).
         copies: target names that are the same tensor as another (a tied ``lm_head.weight`` -> the embedding):
             a checkpoint may store them, and then they must equal their source; they are not loaded.
 
@@ -154,9 +164,16 @@ def load_hf_tensors_(
     stored_as: dict[str, str] = {}  # target name -> its name in the files
     unexpected = []
     parts: dict[str, list[tuple[TensorPart, str, StoredTensor]]] = {}  # target name -> its stored parts
+    quantized: dict[str, dict[str, tuple[str, StoredTensor]]] = {}  # target name -> role -> its stored half
     for file_name, tensor in sorted(list_stored_tensors(checkpoint_dir).items()):
         name = stored_name(file_name)
         if name is None:
+            continue
+        if hasattr(name, "role"):
+            if name.whole in targets:
+                quantized.setdefault(name.whole, {})[name.role] = (file_name, tensor)
+            else:
+                unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
             continue
         if not isinstance(name, str):
             if name.whole in targets:
@@ -170,6 +187,9 @@ def load_hf_tensors_(
             unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
     problems = []
     for name, target in targets.items():
+        if name in quantized and name not in stored:
+            problems += _quantized_problems(name, tuple(target.shape), quantized[name])
+            continue
         if name in parts and name not in stored:
             problems += _part_problems(name, tuple(target.shape), parts[name])
             continue
@@ -192,6 +212,9 @@ def load_hf_tensors_(
         if alias in stored:
             _check_copy_equal(stored[alias], stored_as[alias], stored[source], stored_as[source], targets[source])
 
+    for name, halves in quantized.items():
+        if name not in stored:
+            _copy_quantized(*local_region(targets[name]), halves)
     for name, found in parts.items():
         if name in stored:
             continue
@@ -228,6 +251,37 @@ def _part_problems(name: str, shape: tuple[int, ...], found: list[tuple[TensorPa
     if not problems and covered != math.prod(shape):
         problems.append(f"missing parts of {name} (the stored ones cover {covered} of its {math.prod(shape)} entries)")
     return problems
+
+
+def _quantized_problems(name: str, shape: tuple[int, ...], halves: Mapping[str, tuple[str, StoredTensor]]) -> list[str]:
+    """What is wrong with an MXFP4 target's stored blocks and scales (missing, of other shapes or dtypes)."""
+    missing = [role for role in ("blocks", "scales") if role not in halves]
+    if missing:
+        return [f"missing tensor {name}_{missing[0]} (MXFP4 weights need their blocks and scales)"]
+    (blocks_name, blocks), (scales_name, scales) = halves["blocks"], halves["scales"]
+    problems = [f"{t.file.name}: {n} has dtype {t.dtype}, expected U8 (MXFP4)"
+                for n, t in ((blocks_name, blocks), (scales_name, scales)) if t.dtype != "U8"]
+    if len(blocks.shape) != 4 or blocks.shape[3] != 16 or scales.shape != blocks.shape[:3]:
+        problems.append(f"{blocks.file.name}: {blocks_name} {list(blocks.shape)} and {scales_name} "
+                        f"{list(scales.shape)} are not MXFP4 blocks [E, rows, groups, 16] and scales [E, rows, groups]")
+    elif dequantized_shape(blocks.shape) != shape:
+        problems.append(f"{blocks.file.name}: {blocks_name} holds a weight of shape "
+                        f"{list(dequantized_shape(blocks.shape))}, expected {list(shape)}")
+    return problems
+
+
+def _copy_quantized(local: torch.Tensor, region: tuple[slice, ...], halves: Mapping[str, tuple[str, StoredTensor]]
+                    ) -> None:
+    """Dequantise what of an MXFP4 weight lies in this process's ``region`` (``[E, cols, rows]``) into ``local``."""
+    if not local.numel():
+        return
+    experts, cols, rows = region
+    (blocks_name, blocks), (scales_name, scales) = halves["blocks"], halves["scales"]
+    with open_safetensors(blocks.file) as f:
+        block_values = read_region(f, blocks_name, (experts, rows, slice(None), slice(None)))
+    with open_safetensors(scales.file) as f:
+        scale_values = read_region(f, scales_name, (experts, rows, slice(None)))
+    local.copy_(dequantize_mxfp4(block_values, scale_values)[:, cols])
 
 
 def _copy_part(local: torch.Tensor, region: tuple[slice, ...], part: TensorPart, file_name: str,

@@ -27,7 +27,7 @@ from typing import Any, Callable, Mapping, NamedTuple, Optional
 import torch
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.llama import LinearRopeScaling, LlamaArgs, RopeScaling
+from torchtune_ac.models.llama import LinearRopeScaling, LlamaArgs, RopeScaling, YarnRopeScaling
 
 _TOP_LEVEL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -47,6 +47,7 @@ VARIANT_FLAGS = {
     "qkv_bias": "q/k/v projection biases",
     "qk_norm": "q/k norms",
     "norm_offset": "norms scaling by norm_offset + weight",
+    "norm_in_float32": "norms scaling in float32",
     "scale_embeddings": "embeddings scaled by sqrt(hidden_size)",
     "activation": "an MLP activation",
 }
@@ -68,6 +69,14 @@ class StoredPart(NamedTuple):
     whole: str
     region: tuple[slice, ...]
     squeezed: tuple[int, ...] = ()
+
+
+class QuantizedPart(NamedTuple):
+    """A Hugging Face tensor that is half of an MXFP4-quantised parameter (by its Hugging Face name): its ``blocks``
+    or its ``scales`` (``role``); the two are dequantised on load (gpt-oss's experts)."""
+
+    whole: str
+    role: str
 
 
 @dataclass(frozen=True)
@@ -345,13 +354,40 @@ def read_value(
     return value
 
 
-def _rope_scaling_config(scaling: Optional[RopeScaling | LinearRopeScaling]) -> Optional[dict[str, Any]]:
+def _rope_scaling_config(
+    scaling: Optional[RopeScaling | LinearRopeScaling | YarnRopeScaling]
+) -> Optional[dict[str, Any]]:
     """config.json's ``rope_scaling`` for ``scaling``."""
     if scaling is None:
         return None
     if isinstance(scaling, LinearRopeScaling):
         return {"rope_type": "linear", "factor": scaling.factor}
+    if isinstance(scaling, YarnRopeScaling):
+        config = {"rope_type": "yarn", **dataclasses.asdict(scaling)}
+        if scaling.attention_factor is None:
+            del config["attention_factor"]
+        return config
     return {"rope_type": "llama3", **dataclasses.asdict(scaling)}
+
+
+def _read_yarn(rope: Mapping[str, Any], max_position_embeddings: Optional[int], problems: list[str],
+               prefix: str) -> Optional[YarnRopeScaling]:
+    """A YaRN ``rope_scaling`` with transformers' defaults; mscale and partial rotary factors are refused."""
+    for key in ("mscale", "mscale_all_dim", "partial_rotary_factor"):
+        if rope.get(key) not in (None, 1, 1.0):
+            problems.append(f"{prefix}{key}={rope[key]!r}: not supported with YaRN")
+    values = dict(
+        factor=read_value(rope, "factor", float, problems, prefix=prefix),
+        original_max_position_embeddings=read_value(rope, "original_max_position_embeddings", int, problems,
+                                                    default=max_position_embeddings, prefix=prefix),
+        beta_fast=read_value(rope, "beta_fast", float, problems, default=32.0, prefix=prefix),
+        beta_slow=read_value(rope, "beta_slow", float, problems, default=1.0, prefix=prefix),
+        truncate=read_value(rope, "truncate", bool, problems, default=True, prefix=prefix),
+        attention_factor=read_value(rope, "attention_factor", float, problems, default=None, prefix=prefix),
+    )
+    if values["factor"] is None or values["original_max_position_embeddings"] is None:
+        return None
+    return YarnRopeScaling(**values)
 
 
 def _read_rope(
@@ -378,6 +414,8 @@ def _read_rope(
     if rope_type == "linear":
         factor = read_value(rope, "factor", float, problems, prefix=prefix)
         return theta, None if factor is None else LinearRopeScaling(factor)
+    if rope_type == "yarn":
+        return theta, _read_yarn(rope, max_position_embeddings, problems, prefix)
     values = {key: read_value(rope, key, float, problems, prefix=prefix) for key in
               ("factor", "low_freq_factor", "high_freq_factor")}
     # transformers falls back to max_position_embeddings too when this key is absent.

@@ -42,6 +42,27 @@ class LinearRopeScaling:
     factor: float
 
 
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN RoPE scaling (``rope_type: yarn`` in Hugging Face configs, gpt-oss), as transformers computes it: each
+    frequency interpolated (divided by ``factor``) or kept by a linear ramp between the dimensions where the
+    original context length makes ``beta_slow`` and ``beta_fast`` rotations, and cos/sin scaled by
+    ``attention_factor`` (by default ``0.1 * ln(factor) + 1``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: Optional[float] = None
+
+    @property
+    def resolved_attention_factor(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+
 # Attention of a layer, by the Hugging Face names (config.json ``layer_types``).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # MLP activations by their Hugging Face names (config.json ``hidden_act``): SwiGLU and GeGLU (tanh approximation).
@@ -66,6 +87,8 @@ class LlamaArgs:
     - ``qk_norm``: an RMSNorm over ``head_dim``, per head, on queries and keys before RoPE (Qwen3, Gemma 3).
     - ``norm_offset``: every RMSNorm scales by ``norm_offset + weight``, in float32 (Gemma's ``1 + w``, with weights
       initialised to 0); 0.0 scales by the weight after casting back, as Llama does.
+    - ``norm_in_float32``: with ``norm_offset`` 0.0, every RMSNorm scales by its weight in float32, then casts back
+      (gpt-oss).
     - ``scale_embeddings``: embeddings are multiplied by ``sqrt(dim)``, rounded to their dtype first (Gemma).
     - ``activation``: the MLP's gate activation, a key of ``ACTIVATIONS`` (``gelu_pytorch_tanh``: Gemma's GeGLU).
     - ``query_pre_attn_scalar``: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` instead of
@@ -93,7 +116,7 @@ class LlamaArgs:
     max_seq_len: int = 4096
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling | LinearRopeScaling] = None
+    rope_scaling: Optional[RopeScaling | LinearRopeScaling | YarnRopeScaling] = None
     tie_embeddings: bool = False
     head_dim: Optional[int] = None
     attn_dropout: float = 0.0
@@ -102,6 +125,7 @@ class LlamaArgs:
     qkv_bias: bool = False
     qk_norm: bool = False
     norm_offset: float = 0.0
+    norm_in_float32: bool = False
     scale_embeddings: bool = False
     activation: str = "silu"
     query_pre_attn_scalar: Optional[float] = None
@@ -168,18 +192,21 @@ class LlamaArgs:
 
 
 def compute_rope_inv_freq(
-    head_dim: int, theta: float, scaling: Optional[RopeScaling | LinearRopeScaling]
+    head_dim: int, theta: float, scaling: Optional[RopeScaling | LinearRopeScaling | YarnRopeScaling]
 ) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, shape ``[head_dim // 2]``, float32, on the CPU.
 
     With a ``RopeScaling``, long wavelengths are divided by ``factor``, short ones are kept, and the band
-    in between is interpolated smoothly (Llama 3.1); with a ``LinearRopeScaling`` every one is divided.
+    in between is interpolated smoothly (Llama 3.1); with a ``LinearRopeScaling`` every one is divided; with a
+    ``YarnRopeScaling``, as transformers' YaRN.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if scaling is None:
         return inv_freq
     if isinstance(scaling, LinearRopeScaling):
         return inv_freq / scaling.factor
+    if isinstance(scaling, YarnRopeScaling):
+        return _yarn_inv_freq(head_dim, theta, scaling)
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -190,6 +217,23 @@ def compute_rope_inv_freq(
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: YarnRopeScaling) -> torch.Tensor:
+    def correction_dim(rotations: float) -> float:  # the dimension where the original context turns this often
+        return head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    kept = 1 - ramp  # the share of each frequency extrapolated (kept as it is)
+    return (1.0 / (scaling.factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -205,22 +249,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32.
 
-    With ``offset`` 0.0 it casts back, then scales by the weight (as Hugging Face Llama and Qwen do); otherwise it
-    scales by ``offset + weight`` in float32, then casts back (as Gemma does, with offset 1). Either way a freshly
+    With ``offset`` 0.0 it casts back, then scales by the weight (as Hugging Face Llama and Qwen do); otherwise, or
+    ``in_float32``, it scales by ``offset + weight`` in float32, then casts back (as Gemma does, with offset 1; as
+    gpt-oss does, with offset 0). Either way a freshly
     initialised norm scales by 1.
     """
 
-    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, in_float32: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.offset = offset
+        self.in_float32 = in_float32 or bool(offset)
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
+        if self.in_float32:
             return (x * (self.offset + self.weight.float())).to(input_dtype)
         return self.weight * x.to(input_dtype)
 
@@ -293,9 +339,9 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, args: LlamaArgs, window: Optional[int] = None, layer: int = 0) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset, args.norm_in_float32)
         self.attn = Attention(args, window)
-        self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset, args.norm_in_float32)
         self.mlp = build_mlp(args, layer)
         self.resid_dropout = nn.Dropout(args.resid_dropout)
 
@@ -361,7 +407,7 @@ class Llama(nn.Module):
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
         self.layers = nn.ModuleList(block(args, args.window_of(layer), layer) for layer in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset, args.norm_in_float32)
         self.output = OutputProjection(args.dim, args.vocab_size, bias=False)
         self.tie_weights()
         # RoPE inverse frequencies ``[head_dim // 2]`` float32, on the model's device: a forward reads them without
@@ -413,7 +459,11 @@ class Llama(nn.Module):
         inv_freq = self.sliding_rope_inv_freq if sliding else self.rope_inv_freq  # [hd/2], float32
         freqs = positions.float().unsqueeze(-1) * inv_freq  # [b, s, hd/2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [b, s, hd]
-        return emb.cos().to(dtype).unsqueeze(1), emb.sin().to(dtype).unsqueeze(1)
+        cos, sin = emb.cos(), emb.sin()
+        scaling = None if sliding else self.args.rope_scaling
+        if isinstance(scaling, YarnRopeScaling):  # YaRN scales the attention through cos/sin (in float32)
+            cos, sin = cos * scaling.resolved_attention_factor, sin * scaling.resolved_attention_factor
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
     def forward(
         self,
@@ -466,6 +516,8 @@ class Llama(nn.Module):
             elif isinstance(module, MoE):
                 for name, param in module.experts.named_parameters():
                     module.init_parameter_(name, param, None, std)
+            elif isinstance(module, Attention) and getattr(module, "sinks", None) is not None:
+                nn.init.normal_(module.sinks, mean=0.0, std=std)  # gpt-oss's attention sinks
 
     @torch.no_grad()
     def init_parameter_(self, name: str, tensor: torch.Tensor, generator: torch.Generator,
@@ -485,6 +537,8 @@ class Llama(nn.Module):
             tensor.normal_(mean=0.0, std=std, generator=generator)
         elif isinstance(owner, nn.Linear) and attr == "bias":
             tensor.zero_()
+        elif isinstance(owner, Attention) and attr == "sinks":
+            tensor.normal_(mean=0.0, std=std, generator=generator)
         elif owner_name.endswith(".experts") and isinstance(parent := self.get_submodule(owner_name[:-8]), MoE):
             parent.init_parameter_(attr, tensor, generator, std)
         else:
