@@ -53,7 +53,7 @@ from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.training.activation_checkpointing import apply_ac_plan, silence_compiled_policy_warning
 from torchtune_ac.training.fsdp import parameter_device, shard_model
 from torchtune_ac.training.dpo import freeze_reference
-from torchtune_ac.training.objective import Objective
+from torchtune_ac.training.objective import Objective, with_load_balancing
 from torchtune_ac.training.step import Stepper
 from torchtune_ac.training.tensor_parallel import apply_tensor_parallel
 
@@ -167,7 +167,7 @@ def build_training(
     # 10. the learning-rate schedule over the stepper's optimizer.
     stepper = memory.build_stepper(make_optimizer, model) if make_optimizer is not None else None
     scheduler = make_scheduler(stepper.optimizer) if make_scheduler is not None and stepper is not None else None
-    return Training(model, stepper, memory.objective(), scheduler)
+    return Training(model, stepper, with_load_balancing(memory.objective(), model), scheduler)
 
 
 def build_reference(model: nn.Module, *, ctx: DistributedContext, dtype: DType, memory: MemoryPlan,

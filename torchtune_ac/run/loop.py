@@ -134,6 +134,7 @@ class Trainer:
                             "target_tokens_per_second": target_tokens_per_second,
                             **validated,
                             **result.extra,
+                            **result.counts,
                         }
                     )
                 progress.update(step=run.progress.step, loss=result.loss, lr=lr, tokens_per_second=tokens_per_second,

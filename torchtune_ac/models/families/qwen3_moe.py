@@ -40,6 +40,15 @@ def _qwen3_moe(dim: int, n_layers: int, n_heads: int, n_kv_heads: int, num_exper
 QWEN3_MOE_30B_A3B = _qwen3_moe(2048, 48, 32, 4, 128, 768, 6144)
 QWEN3_MOE_235B_A22B = _qwen3_moe(4096, 94, 64, 4, 128, 1536, 12_288)
 
+# The CI model (embedded tokenizer's vocabulary): a dense first layer, then 3 sparse ones of 8 experts, 2 per token,
+# trained with the load-balancing loss.
+QWEN3_MOE_TINY = LlamaArgs(
+    vocab_size=512, dim=128, n_layers=4, n_heads=4, n_kv_heads=2, intermediate_dim=352, max_seq_len=512,
+    norm_eps=1e-6, rope_theta=1_000_000.0, model_type="qwen3_moe", qk_norm=True,
+    moe=MoEArgs(num_experts=8, top_k=2, expert_dim=64, router=_ROUTER, dense_layers=(0,), aux_loss=True,
+                aux_loss_coef=0.01),
+)
+
 # Per-expert tensor names in the published checkpoints -> (the fused tensor, which half of it).
 _PER_EXPERT = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
 
@@ -146,6 +155,8 @@ FAMILY = decoder_family(
                                                  "token)."),
         "qwen3_moe_235b_a22b": (QWEN3_MOE_235B_A22B, "Qwen3-235B-A22B (235,093,634,560 parameters, 128 experts, 8 "
                                                      "per token)."),
+        "qwen3_moe_tiny": (QWEN3_MOE_TINY, "The CI mixture of experts (~1.1 M parameters, 8 experts, 2 per token, "
+                                           "with the load-balancing loss)."),
     },
     tensor_parallel=False,
     torchtune_packages=(),
