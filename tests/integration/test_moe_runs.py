@@ -37,3 +37,11 @@ def test_the_tiny_moe_config_trains_packed_with_per_op_ac_and_reports_its_expert
     with torch.no_grad():
         assert_close(ours(tokens), theirs(tokens).logits, terms=llama_terms(ours.args, 16, 0, backward=False),
                      what="logits")
+
+
+def test_the_published_moe_configs_validate_with_their_parameter_counts(capsys) -> None:
+    from torchtune_ac.cli import main
+
+    for config, parameters in (("qwen3_moe/30B_A3B_full", "30,532,122,624"), ("gpt_oss/20B_full", "20,914,757,184")):
+        assert main(["validate", "--config", config]) == 0
+        assert f": {parameters} parameters, " in capsys.readouterr().out

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 # How a router turns logits into weights: softmax over every expert then the top k (Qwen3-MoE, Mixtral), or the
 # top k logits then a softmax over those k (gpt-oss).
@@ -164,7 +165,8 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> tuple[
     """
     flat = experts.flatten()  # [T * k]
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts)
+    # A scatter, not bincount: its shape does not depend on the values (the planner runs this on fake tensors).
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
     return x[order // experts.shape[1]], Dispatch(order=order, experts=flat[order], counts=counts)
 
 
@@ -186,7 +188,7 @@ def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
         return False
     if x.device.type == "cpu":
         dtype_ok = x.dtype in (torch.float32, torch.bfloat16)
-    elif x.device.type == "cuda":
+    elif x.device.type == "cuda" and torch.cuda.is_available():
         dtype_ok = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
     else:
         dtype_ok = False
@@ -199,8 +201,12 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
     expert e) times ``weight [E, K, M]`` -> ``[N, M]``.
 
     ``torch._grouped_mm`` where it runs (``grouped_mm_runs``); elsewhere the rows are padded to the busiest
-    expert's count and multiplied by one ``torch.bmm`` (which reads the counts on the host).
+    expert's count and multiplied by one ``torch.bmm`` (which reads the counts on the host). Fake tensors (the
+    memory planner's) are multiplied by the first expert's weight: the same shapes kept for backward (the rows and
+    the weight), without reading the counts.
     """
+    if isinstance(x, FakeTensor):
+        return x @ weight[0]
     if grouped_mm_runs(x, weight):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
         return torch._grouped_mm(x.contiguous(), weight, offs=offsets)
