@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtune_ac.models.attention import DocumentRuns, causal_attention, document_runs, document_starts
-from torchtune_ac.models.moe import MoE, MoEArgs
+from torchtune_ac.models.moe import GroupedExperts, MoE, MoEArgs
 
 
 @dataclass(frozen=True)
@@ -513,9 +513,12 @@ class Llama(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
-            elif isinstance(module, MoE):
-                for name, param in module.experts.named_parameters():
-                    module.init_parameter_(name, param, None, std)
+            elif isinstance(module, GroupedExperts):  # stacked experts: weights normal, biases zero
+                for name, param in module.named_parameters():
+                    if name.endswith("bias"):
+                        nn.init.zeros_(param)
+                    else:
+                        nn.init.normal_(param, mean=0.0, std=std)
             elif isinstance(module, Attention) and getattr(module, "sinks", None) is not None:
                 nn.init.normal_(module.sinks, mean=0.0, std=std)  # gpt-oss's attention sinks
 
@@ -539,7 +542,9 @@ class Llama(nn.Module):
             tensor.zero_()
         elif isinstance(owner, Attention) and attr == "sinks":
             tensor.normal_(mean=0.0, std=std, generator=generator)
-        elif owner_name.endswith(".experts") and isinstance(parent := self.get_submodule(owner_name[:-8]), MoE):
-            parent.init_parameter_(attr, tensor, generator, std)
+        elif isinstance(owner, GroupedExperts) and attr.endswith("bias"):
+            tensor.zero_()
+        elif isinstance(owner, GroupedExperts):
+            tensor.normal_(mean=0.0, std=std, generator=generator)
         else:
             raise ValueError(f"no initialisation rule for parameter {name} of {type(owner).__name__}")

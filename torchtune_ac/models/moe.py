@@ -323,16 +323,6 @@ class MoE(nn.Module):
         self.router_output = RouterOutput(logits=logits, counts=plan.counts.detach())
         return out.view_as(x)
 
-    @torch.no_grad()
-    def init_parameter_(self, name: str, tensor: torch.Tensor, generator: Optional[torch.Generator],
-                        std: float = 0.02) -> None:
-        """Fill ``tensor`` as parameter ``name`` (relative to this layer) is initialised: weights normal(0, std),
-        biases zero."""
-        if name.endswith("bias"):
-            tensor.zero_()
-        else:
-            tensor.normal_(mean=0.0, std=std, generator=generator)
-
 
 def moe_router_outputs(model: nn.Module) -> list[RouterOutput]:
     """The ``RouterOutput`` of every MoE layer of ``model`` from its latest forward, in layer order."""
