@@ -209,8 +209,17 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
         return x @ weight[0]
     if grouped_mm_runs(x, weight):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        if x.dtype != torch.bfloat16:
+            return _grouped_mm_outside_graphs(x.contiguous(), weight, offsets)
         return torch._grouped_mm(x.contiguous(), weight, offs=offsets)
     return _padded_bmm(x, weight, counts)
+
+
+@torch.compiler.disable
+def _grouped_mm_outside_graphs(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` run eagerly under ``torch.compile``: torch 2.13's shape function for it (what Dynamo
+    traces with) takes bfloat16 only, although the CPU kernel runs float32 too."""
+    return torch._grouped_mm(x, weight, offs=offsets)
 
 
 def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -320,8 +329,16 @@ class MoE(nn.Module):
         weights, experts = route(logits, self.args.router, self.args.top_k)  # [T, k] each
         rows, plan = dispatch(tokens, experts, self.args.num_experts)  # [T * k, dim]
         out = combine(self.experts(rows, plan), plan, weights)  # [T, dim]
-        self.router_output = RouterOutput(logits=logits, counts=plan.counts.detach())
+        _record_router_output(self, RouterOutput(logits=logits, counts=plan.counts.detach()))
         return out.view_as(x)
+
+
+@torch.compiler.disable
+def _record_router_output(layer: MoE, output: RouterOutput) -> None:
+    """Keep what the router did on the layer, outside any compiled graph: a compiled checkpointed block traces
+    its forward as a function without side effects, which would drop this assignment (and leave the record of an
+    earlier forward)."""
+    layer.router_output = output
 
 
 def moe_router_outputs(model: nn.Module) -> list[RouterOutput]:
