@@ -129,3 +129,24 @@ def test_the_load_balancing_loss_is_transformers(masked):
     expected = load_balancing_loss_func(tuple(logits), 6, 2, mask)
     # The same reductions in the same order (float32 sums over the layers): equal bit for bit.
     assert torch.equal(load_balancing_loss(logits, 6, 2, mask), expected)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_a_packed_row_gives_each_document_the_logits_it_has_alone(tmp_path, family):
+    """Packing: attention (gpt-oss's with sinks and a 6-token window included) stays within each document, and
+    routing is per token, so a packed row's logits are each document's own."""
+    from hf_families import write_hf_checkpoint
+    from numerics import llama_terms
+
+    from torchtune_ac.models import load_hf
+
+    model = load_hf(write_hf_checkpoint(family, tmp_path, seed=6)).eval()
+    generator = torch.Generator().manual_seed(1)
+    documents = [torch.randint(0, 96, (1, n), generator=generator) for n in (9, 14)]
+    row = torch.cat(documents, dim=1)
+    document_ids = torch.cat([torch.full((1, d.shape[1]), i) for i, d in enumerate(documents)], dim=1)
+    with torch.no_grad():
+        packed = model(row, document_ids)
+        alone = torch.cat([model(d) for d in documents], dim=1)
+    # The same documents through kernels of other shapes: within rounding.
+    assert_close(packed, alone, terms=llama_terms(model.args, 14, 0, backward=False), what="packed logits")
