@@ -111,7 +111,8 @@ def main() -> None:
         equal[name] = {"outputs_equal": bool(torch.equal(out, reference_out)),
                        "max_grad_difference": worst, "grad_scale": scale}
         if worst > 1e-2 * scale:
-            raise SystemExit(f"bench_moe: {name} differs from the loop beyond rounding: {worst:.3g} (scale {scale:.3g})")
+            raise SystemExit(f"bench_moe: {name} differs from the loop beyond rounding: {worst:.3g} "
+                             f"(scale {scale:.3g})")
 
     times: dict[str, list[float]] = {name: [] for name in SIDES}
     names = list(SIDES)

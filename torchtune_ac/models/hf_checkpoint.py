@@ -346,5 +346,6 @@ def save_hf_state_dict(
         args, next(iter(tensors.values())).dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )
-    return save_hf_files(HFModelFiles(tensors, config, parts=spec.hf.stored_parts(args)), out_dir, max_shard_size, overwrite=overwrite,
+    files = HFModelFiles(tensors, config, parts=spec.hf.stored_parts(args))
+    return save_hf_files(files, out_dir, max_shard_size, overwrite=overwrite,
                          tokenizer_dir=tokenizer_dir)

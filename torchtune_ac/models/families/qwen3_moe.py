@@ -57,7 +57,7 @@ class Qwen3MoeHFAdapter(LlamaStyleHFAdapter):
     """Qwen3-MoE's config.json (its MoE keys) and its experts' tensors, per expert or fused."""
 
     def read_family_keys(self, config: Mapping[str, Any], problems: list[str]) -> dict[str, Any]:
-        # transformers 5 writes num_experts as num_local_experts (its attribute map); the published files as num_experts.
+        # transformers 5 writes num_experts as num_local_experts (its attribute map), the published files num_experts.
         experts_key = "num_experts" if "num_experts" in config else "num_local_experts"
         n_experts = read_value(config, experts_key, int, problems, default=128)
         dense = read_value(config, "mlp_only_layers", list, problems, default=[])
@@ -111,11 +111,11 @@ class Qwen3MoeHFAdapter(LlamaStyleHFAdapter):
         if not (rest and index.isdigit() and tail.endswith(".weight") and projection in _PER_EXPERT):
             return super().stored_name(config, name)
         expert, (whole, half) = int(index), _PER_EXPERT[projection]
-        size = config.get("moe_intermediate_size")
-        if half is None:
-            region = (slice(expert, expert + 1), slice(0, config.get("hidden_size")), slice(0, size))
-        else:
-            region = (slice(expert, expert + 1), slice(half * size, (half + 1) * size), slice(0, config.get("hidden_size")))
+        size, dim = config.get("moe_intermediate_size"), config.get("hidden_size")
+        if half is None:  # down_proj [E, dim, size]
+            region = (slice(expert, expert + 1), slice(0, dim), slice(0, size))
+        else:  # gate_up_proj [E, 2 * size, dim]: the gate's half, then the up's
+            region = (slice(expert, expert + 1), slice(half * size, (half + 1) * size), slice(0, dim))
         return StoredPart(f"{prefix}.mlp.experts.{whole}", region, (0,))
 
     def stored_parts(self, args: LlamaArgs) -> dict[str, StoredPart]:
