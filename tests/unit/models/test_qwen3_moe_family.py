@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import torchtune_ac.models.families.qwen3_moe as qwen3_moe
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import QWEN3_MOE, family_for_hf_config, load_hf, save_hf
+from torchtune_ac.models import QWEN3_MOE, family_for_hf_config, gpt_oss_20b, load_hf, save_hf
 from torchtune_ac.models.llama import MLP
 from torchtune_ac.models.moe import MoE
 
@@ -98,3 +98,14 @@ def test_a_checkpoint_with_another_expert_count_or_a_missing_expert_is_refused(t
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(UserError, match="missing parts of model.layers.1.mlp.experts.gate_up_proj"):
         load_hf(tmp_path)
+
+
+def test_tensor_parallelism_is_refused_in_one_line():
+    from torchtune_ac.training.tensor_parallel import check_tensor_parallel_degree
+
+    for builder in (qwen3_moe.qwen3_moe_tiny, gpt_oss_20b):
+        with torch.device("meta"):
+            model = builder()
+        with pytest.raises(UserError, match=r"tensor_parallel_dim: family \w+ declares no tensor-parallel plan; set "
+                                            "tensor_parallel_dim: 1"):
+            check_tensor_parallel_degree(model, 2)
