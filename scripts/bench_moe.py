@@ -3,6 +3,7 @@
 experts, one matmul each (``loop_experts``), forward + backward, on CPU.
 
     .venv/bin/python scripts/bench_moe.py                    # Qwen3-30B-A3B's expert shape, 128 experts, 8 per token
+                                                             # (fp32: a few minutes on a quiet CPU)
     .venv/bin/python scripts/bench_moe.py --quick            # a tiny shape, to check the script runs
     .venv/bin/python scripts/bench_moe.py --layout gpt_oss --experts 32 --top-k 4 --dim 2880 --expert-dim 2880
 
@@ -85,9 +86,10 @@ def main() -> None:
     parser.add_argument("--top-k", type=int, default=8)
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--expert-dim", type=int, default=768)
-    parser.add_argument("--tokens", type=int, default=2048, help="tokens routed (each to top-k experts)")
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="bf16")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=1024, help="tokens routed (each to top-k experts)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="fp32 by default: a CPU without bf16 matrix units runs bf16 matmuls far slower")
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="a tiny shape and 2 repeats: check the script runs")
     parser.add_argument("--out", type=Path, default=REPO / "bench_results" / "bench_moe.json")
