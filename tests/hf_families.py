@@ -14,6 +14,8 @@ from transformers import (
     Gemma3TextConfig,
     GemmaConfig,
     GemmaForCausalLM,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -25,6 +27,8 @@ from transformers import (
     Qwen2ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 GEMMA3_TINY = {
@@ -47,6 +51,14 @@ PHI3_TINY = {
 # 30, would leave them almost linear and a missing cap unseen).
 GEMMA2_TINY = {"head_dim": 16, "sliding_window": 6, "query_pre_attn_scalar": 24, "attn_logit_softcapping": 2.0,
                "final_logit_softcapping": 1.5}
+# A dense layer (mlp_only_layers) before a sparse one, 4 experts of 16 (rows of 64 bytes: torch._grouped_mm's
+# alignment), 2 per token, renormalised.
+QWEN3_MOE_TINY = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                  "norm_topk_prob": True, "mlp_only_layers": [0]}
+# gpt-oss: a sliding layer (a 6-token window) then a full one, YaRN as published, 4 experts of 16, 2 per token, and
+# a SwiGLU limit of 0.5 that the random activations reach (7.0, published, they would not).
+GPT_OSS_TINY = {"head_dim": 16, "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "sliding_window": 6, "swiglu_limit": 0.5}
 # family -> (config class, model class, config settings that make transformers build exactly our architecture)
 HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
@@ -60,6 +72,8 @@ HF_CLASSES = {
     "gemma": (GemmaConfig, GemmaForCausalLM, {"head_dim": 16}),
     "phi3": (Phi3Config, Phi3ForCausalLM, PHI3_TINY),
     "gemma2": (Gemma2Config, Gemma2ForCausalLM, GEMMA2_TINY),
+    "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_MOE_TINY),
+    "gpt_oss": (GptOssConfig, GptOssForCausalLM, GPT_OSS_TINY),
 }
 FAMILY_NAMES = sorted(HF_CLASSES)
 # Families whose norms scale by (1 + weight).

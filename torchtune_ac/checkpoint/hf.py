@@ -7,11 +7,12 @@ model's names and config.json through its family's adapter and calls these funct
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -24,6 +25,7 @@ from torchtune_ac.checkpoint.files import (
     write_directory,
     write_json,
 )
+from torchtune_ac.checkpoint.mxfp4 import dequantize_mxfp4, dequantized_shape
 from torchtune_ac.checkpoint.safetensors_io import (
     StoredTensor,
     list_stored_tensors,
@@ -43,6 +45,28 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
+class TensorPart(Protocol):
+    """A stored tensor that is one region of a larger tensor of the model: ``whole[region]``, without the dims in
+    ``squeezed`` (each of size 1 in the region). One expert's ``gate_proj.weight`` of a layer's stacked experts is
+    the part ``(experts.gate_up_proj, (e:e+1, 0:h, :), (0,))``. (``models.hf_adapter.StoredPart`` is one.)"""
+
+    whole: str
+    region: tuple[slice, ...]
+    squeezed: tuple[int, ...]
+
+
+class QuantizedPart(Protocol):
+    """A stored tensor that is half of an MXFP4 weight (``checkpoint/mxfp4.py``): its ``role``, ``blocks`` or
+    ``scales``, of the tensor ``whole``. (``models.hf_adapter.QuantizedPart`` is one.)"""
+
+    whole: str
+    role: str
+
+
+def _part_shape(part: TensorPart) -> tuple[int, ...]:
+    return tuple(r.stop - r.start for d, r in enumerate(part.region) if d not in part.squeezed)
+
+
 @dataclass(frozen=True)
 class HFModelFiles:
     """What a Hugging Face checkpoint of a model holds, before it is written.
@@ -56,6 +80,8 @@ class HFModelFiles:
         config: the config.json to write.
         stacked: a stored tensor that is several of ``tensors`` stacked along dim 0 (Phi-3's ``qkv_proj``) -> their
             names, in order; those are stored only as part of it.
+        parts: stored name -> the region of one of ``tensors`` it holds (a ``TensorPart``): a tensor with parts is
+            written as its parts, in their order, not whole.
     """
 
     tensors: Mapping[str, torch.Tensor]
@@ -81,6 +107,7 @@ class HFModelFiles:
             elif stored not in layout:
                 layout[stored] = tuple(self.stacked[stored])
         return layout
+    parts: Mapping[str, TensorPart] = dataclasses.field(default_factory=dict)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -132,7 +159,7 @@ def load_hf_tensors_(
     targets: Mapping[str, torch.Tensor],
     checkpoint_dir: PathLike,
     *,
-    stored_name: Callable[[str], Optional[str]],
+    stored_name: Callable[[str], "Optional[str | TensorPart | QuantizedPart]"],
     copies: Mapping[str, str],
     stacked: Mapping[str, tuple[str, ...]] = {},
 ) -> None:
@@ -145,8 +172,10 @@ def load_hf_tensors_(
     Args:
         targets: Hugging Face tensor name -> the tensor to fill (not on meta).
         checkpoint_dir: directory with model.safetensors or a sharded index.
-        stored_name: a name found in the files -> the target name it fills; None for a tensor not loaded (derived,
-            or of another model in the same files).
+        stored_name: a name found in the files -> the target name it fills, or the ``TensorPart`` of a target it
+            fills (one expert of stacked experts: the parts of a target must cover it exactly), or the
+            ``QuantizedPart`` of a target stored in MXFP4 (dequantised exactly); None for a tensor not loaded
+            (derived, or of another model in the same files).
         copies: target names that are the same tensor as another (a tied ``lm_head.weight`` -> the embedding):
             a checkpoint may store them, and then they must equal their source; they are not loaded.
         stacked: a stored tensor holding several targets stacked along dim 0 (Phi-3's ``qkv_proj``) -> their names,
@@ -168,9 +197,23 @@ def load_hf_tensors_(
         for part in parts:
             whole_shape[part] = (row, *targets[part].shape[1:])
     unexpected = []
+    parts: dict[str, list[tuple[TensorPart, str, StoredTensor]]] = {}  # target name -> its stored parts
+    quantized: dict[str, dict[str, tuple[str, StoredTensor]]] = {}  # target name -> role -> its stored half
     for file_name, tensor in sorted(list_stored_tensors(checkpoint_dir).items()):
         name = stored_name(file_name)
         if name is None:
+            continue
+        if hasattr(name, "role"):
+            if name.whole in targets:
+                quantized.setdefault(name.whole, {})[name.role] = (file_name, tensor)
+            else:
+                unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
+            continue
+        if not isinstance(name, str):
+            if name.whole in targets:
+                parts.setdefault(name.whole, []).append((name, file_name, tensor))
+            else:
+                unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
             continue
         holds = stacked.get(name, (name,))
         # A part of a stacked tensor is read from it only (a q_proj stored on its own is not Phi-3's layout).
@@ -181,8 +224,14 @@ def load_hf_tensors_(
             unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
     problems = []
     for name, target in targets.items():
+        if name in quantized and name not in stored:
+            problems += _quantized_problems(name, tuple(target.shape), quantized[name])
+            continue
+        if name in parts and name not in stored:
+            problems += _part_problems(name, tuple(target.shape), parts[name])
+            continue
         if name not in stored:
-            problem = f"missing tensor {next((s for s, parts in stacked.items() if name in parts), name)}"
+            problem = f"missing tensor {next((s for s, holds in stacked.items() if name in holds), name)}"
         else:
             found, want = stored[name], whole_shape.get(name, tuple(target.shape))
             problem = None
@@ -201,9 +250,19 @@ def load_hf_tensors_(
         if alias in stored:
             _check_copy_equal(stored[alias], stored_as[alias], stored[source], stored_as[source], targets[source])
 
+    for name, halves in quantized.items():
+        if name not in stored:
+            _copy_quantized(*local_region(targets[name]), halves)
+    for name, found in parts.items():
+        if name in stored:
+            continue
+        local, region = local_region(targets[name])
+        for part, file_name, tensor in found:
+            _copy_part(local, region, part, file_name, tensor)
     by_file: dict[Path, list[str]] = {}
     for name in targets:
-        by_file.setdefault(stored[name].file, []).append(name)
+        if name in stored:
+            by_file.setdefault(stored[name].file, []).append(name)
     for path, names in by_file.items():
         with open_safetensors(path) as f:
             for name in names:
@@ -213,6 +272,71 @@ def load_hf_tensors_(
                     region = (slice(rows.start + first_row[name], rows.stop + first_row[name]), *region[1:])
                 if local.numel():
                     local.copy_(read_region(f, stored_as[name], region))
+
+
+def _part_problems(name: str, shape: tuple[int, ...], found: list[tuple[TensorPart, str, StoredTensor]]) -> list[str]:
+    """What is wrong with the stored parts of target ``name``: a shape that is not its region's, a non-floating
+    dtype, a region stored twice or outside the target, or regions that do not cover it."""
+    problems, regions, covered = [], set(), 0
+    for part, file_name, tensor in found:
+        want = _part_shape(part)
+        if tensor.shape != want:
+            problems.append(f"{tensor.file.name}: {file_name} has shape {list(tensor.shape)}, expected {list(want)}")
+        if not tensor.is_floating:
+            problems.append(f"{tensor.file.name}: {file_name} has dtype {tensor.dtype}, expected a floating point type")
+        key = tuple((r.start, r.stop) for r in part.region)
+        if key in regions or any(r.stop > n for r, n in zip(part.region, shape)):
+            problems.append(f"{tensor.file.name}: {file_name} overlaps another part of {name} or lies outside it")
+        regions.add(key)
+        covered += math.prod(r.stop - r.start for r in part.region)
+    if not problems and covered != math.prod(shape):
+        problems.append(f"missing parts of {name} (the stored ones cover {covered} of its {math.prod(shape)} entries)")
+    return problems
+
+
+def _quantized_problems(name: str, shape: tuple[int, ...], halves: Mapping[str, tuple[str, StoredTensor]]) -> list[str]:
+    """What is wrong with an MXFP4 target's stored blocks and scales (missing, of other shapes or dtypes)."""
+    missing = [role for role in ("blocks", "scales") if role not in halves]
+    if missing:
+        return [f"missing tensor {name}_{missing[0]} (MXFP4 weights need their blocks and scales)"]
+    (blocks_name, blocks), (scales_name, scales) = halves["blocks"], halves["scales"]
+    problems = [f"{t.file.name}: {n} has dtype {t.dtype}, expected U8 (MXFP4)"
+                for n, t in ((blocks_name, blocks), (scales_name, scales)) if t.dtype != "U8"]
+    if len(blocks.shape) != 4 or blocks.shape[3] != 16 or scales.shape != blocks.shape[:3]:
+        problems.append(f"{blocks.file.name}: {blocks_name} {list(blocks.shape)} and {scales_name} "
+                        f"{list(scales.shape)} are not MXFP4 blocks [E, rows, groups, 16] and scales [E, rows, groups]")
+    elif dequantized_shape(blocks.shape) != shape:
+        problems.append(f"{blocks.file.name}: {blocks_name} holds a weight of shape "
+                        f"{list(dequantized_shape(blocks.shape))}, expected {list(shape)}")
+    return problems
+
+
+def _copy_quantized(local: torch.Tensor, region: tuple[slice, ...], halves: Mapping[str, tuple[str, StoredTensor]]
+                    ) -> None:
+    """Dequantise what of an MXFP4 weight lies in this process's ``region`` (``[E, cols, rows]``) into ``local``."""
+    if not local.numel():
+        return
+    experts, cols, rows = region
+    (blocks_name, blocks), (scales_name, scales) = halves["blocks"], halves["scales"]
+    with open_safetensors(blocks.file) as f:
+        block_values = read_region(f, blocks_name, (experts, rows, slice(None), slice(None)))
+    with open_safetensors(scales.file) as f:
+        scale_values = read_region(f, scales_name, (experts, rows, slice(None)))
+    local.copy_(dequantize_mxfp4(block_values, scale_values)[:, cols])
+
+
+def _copy_part(local: torch.Tensor, region: tuple[slice, ...], part: TensorPart, file_name: str,
+               tensor: StoredTensor) -> None:
+    """Copy what of a stored part lies in this process's ``region`` of the target into ``local``."""
+    overlap = [slice(max(a.start, b.start), min(a.stop, b.stop)) for a, b in zip(part.region, region)]
+    if any(o.start >= o.stop for o in overlap):
+        return
+    into_local = tuple(slice(o.start - r.start, o.stop - r.start) for o, r in zip(overlap, region))
+    from_part = tuple(slice(o.start - p.start, o.stop - p.start)
+                      for d, (o, p) in enumerate(zip(overlap, part.region)) if d not in part.squeezed)
+    with open_safetensors(tensor.file) as f:
+        values = read_region(f, file_name, from_part)
+    local[into_local].copy_(values.reshape(local[into_local].shape))
 
 
 def _check_copy_equal(
@@ -271,21 +395,44 @@ def write_hf_files(
     if sharded and processes is None:
         raise ValueError("the model holds DTensors: every rank writes its files together (pass processes)")
     writer = not sharded or leads(processes)
-    layout = files.stored_parts()
-    nbytes = {name: sum(math.prod(tensors[part].shape) * tensors[part].dtype.itemsize for part in parts)
-              for name, parts in layout.items()}
+    layout = files.stored_parts()  # stored name -> the tensors it stacks (itself alone, most often)
+    parts_of: dict[str, list[str]] = {}  # a tensor written as its parts (one expert's projection each)
+    for part_name, part in files.parts.items():
+        parts_of.setdefault(part.whole, []).append(part_name)
+    nbytes: dict[str, int] = {}
+    for stored, holds in layout.items():
+        if len(holds) == 1 and holds[0] in parts_of:
+            itemsize = tensors[holds[0]].dtype.itemsize
+            for part_name in parts_of[holds[0]]:
+                nbytes[part_name] = math.prod(_part_shape(files.parts[part_name])) * itemsize
+        else:
+            nbytes[stored] = sum(math.prod(tensors[held].shape) * tensors[held].dtype.itemsize for held in holds)
+    gathered: dict[str, torch.Tensor] = {}  # the one whole tensor whose parts are being written
+
+    def full_tensor(name: str) -> torch.Tensor:
+        tensor = tensors[name].detach()
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
     def fetch(names: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in names:
-            parts = []
-            for part in layout[name]:
-                tensor = tensors[part].detach()
-                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            part = files.parts.get(name)
+            if part is not None:
+                # A whole's parts are consecutive: it is gathered once, for its first part.
+                if part.whole not in gathered:
+                    gathered.clear()
+                    gathered[part.whole] = full_tensor(part.whole)
+                full = gathered[part.whole][part.region].reshape(_part_shape(part)).clone()  # its own storage
                 if writer:
-                    parts.append(full.to("cpu"))
+                    out[name] = full.to("cpu").contiguous()
+                continue
+            stacked = []  # each stacked tensor gathered, and moved to the host, in turn
+            for held in layout[name]:
+                full = full_tensor(held)
+                if writer:
+                    stacked.append(full.to("cpu"))
             if writer:
-                out[name] = (parts[0] if len(parts) == 1 else torch.cat(parts)).contiguous()
+                out[name] = (stacked[0] if len(stacked) == 1 else torch.cat(stacked)).contiguous()
         return out
 
     shards = plan_shards(nbytes, max_bytes)

@@ -433,3 +433,57 @@ def _per_document_attention(
         )  # [1, n_heads, length, hd]
         outs.append(out.squeeze(0).transpose(0, 1))  # [length, n_heads, hd]
     return torch.cat(outs).view(b, s, n_heads, hd)
+
+
+def causal_attention_with_sinks(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sinks: torch.Tensor,
+    *,
+    dropout_p: float,
+    runs: Optional[DocumentRuns],
+    scale: Optional[float] = None,
+    window: Optional[int] = None,
+) -> torch.Tensor:
+    """``causal_attention`` with attention sinks (gpt-oss): each head's softmax has one more logit, ``sinks[h]``,
+    whose value is zero, so a head may attend to nothing.
+
+    ``scaled_dot_product_attention`` has no such logit, so this path is eager and exact: the scores ``[b, h, L, L]``
+    are materialised (per document when packed), masked, joined by the sink, and normalised in float32. It holds
+    ``L * L`` scores per head where the fused kernels hold none: long packed documents cost memory quadratically.
+
+    Args:
+        sinks: ``[n_heads]`` the sink logits; other arguments as ``causal_attention``'s.
+
+    Returns:
+        ``[b, s, n_heads, head_dim]``.
+    """
+    if runs is None:
+        return _sink_attention(q, k, v, sinks, dropout_p, scale, window).transpose(1, 2)
+    b, n_heads, s, hd = q.shape
+    outs = []
+    for q_doc, k_doc, v_doc in zip(*(_as_tokens(x).split(runs.lengths.tolist()) for x in (q, k, v))):
+        # [length, heads, hd] -> [1, heads, length, hd]
+        q_doc, k_doc, v_doc = (x.transpose(0, 1).unsqueeze(0) for x in (q_doc, k_doc, v_doc))
+        out = _sink_attention(q_doc, k_doc, v_doc, sinks, dropout_p, scale, window)  # [1, n_heads, length, hd]
+        outs.append(out.squeeze(0).transpose(0, 1))  # [length, n_heads, hd]
+    return torch.cat(outs).view(b, s, n_heads, hd)
+
+
+def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, dropout_p: float,
+                    scale: Optional[float], window: Optional[int]) -> torch.Tensor:
+    """Eager causal attention with sinks over sequences ``[B, heads, L, hd]`` -> ``[B, n_heads, L, hd]``."""
+    batch, n_heads, length, hd = q.shape
+    group = n_heads // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, n_heads, L, hd]
+    scores = torch.matmul(q, k.transpose(2, 3)) * (hd**-0.5 if scale is None else scale)  # [B, h, L, L]
+    position = torch.arange(length, device=q.device)
+    behind = position.unsqueeze(1) - position.unsqueeze(0)  # [L, L]: query index - key index
+    allowed = behind >= 0 if window is None else (behind >= 0) & (behind < window)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, n_heads, 1, 1).expand(batch, n_heads, length, 1)
+    logits = torch.cat([scores, sink], dim=-1).float()  # [B, h, L, L + 1]
+    probs = F.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1].to(v.dtype)
+    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
+    return torch.matmul(probs, v)

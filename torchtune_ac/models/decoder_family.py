@@ -72,6 +72,7 @@ def decoder_family(
     *,
     block: BlockClass = TransformerBlock,
     block_splits: Optional[Mapping[str, Split]] = None,
+    tensor_parallel: bool = True,
     torchtune_builders: Optional[Mapping[str, TorchtuneBuilder]] = None,
     torchtune_packages: tuple[str, ...] = (),
 ) -> ModelFamily:
@@ -87,6 +88,8 @@ def decoder_family(
         block: its block class, where it differs in structure from ``TransformerBlock``.
         block_splits: how the modules its block adds to ``TransformerBlock``'s run under tensor parallelism
             (``models/tensor_parallel.py``), beside ``TransformerBlock``'s own (``decoder_tensor_parallel_plan``).
+        tensor_parallel: whether its models can be split by tensor parallelism (not a mixture of experts, whose
+            experts are no ``TransformerBlock`` MLP).
         torchtune_builders: the torchtune builders its builders replace (``tune migrate``).
         torchtune_packages: the torchtune model packages of its architecture (``tune migrate``).
 
@@ -114,7 +117,8 @@ def decoder_family(
         shard_groups=_shard_groups,
         init_weights=_init_weights,
         init_parameter=_init_parameter,
-        tensor_parallel_plan=functools.partial(decoder_tensor_parallel_plan, block_splits=dict(block_splits or {})),
+        tensor_parallel_plan=(functools.partial(decoder_tensor_parallel_plan, block_splits=dict(block_splits or {}))
+                              if tensor_parallel else None),
         torchtune_builders=dict(torchtune_builders or {}),
         torchtune_packages=torchtune_packages,
     )

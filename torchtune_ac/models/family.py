@@ -42,8 +42,9 @@ class HFAdapter(Protocol):
     def to_hf_name(self, name: str) -> str:
         """Our parameter name -> the Hugging Face tensor name. Raises ``ValueError`` for an unknown name."""
 
-    def stored_name(self, config: Mapping[str, Any], name: str) -> Optional[str]:
-        """A tensor found in a checkpoint with this config.json, as ``to_hf_name`` names it; None for a tensor
+    def stored_name(self, config: Mapping[str, Any], name: str) -> Optional[Any]:
+        """A tensor found in a checkpoint with this config.json, as ``to_hf_name`` names it (or a ``StoredPart`` of
+        such a tensor: one expert's projection of a layer's stacked experts); None for a tensor
         that is not loaded: derived, not learned (stored rotary frequencies), or of another model in the same
         files (a multimodal checkpoint's vision tower)."""
 
@@ -68,6 +69,10 @@ class HFAdapter(Protocol):
         """Tensors the checkpoint stores stacked along dim 0 as one: the stored name -> the names (``to_hf_name``'s)
         of the model's tensors it holds, in order (Phi-3's ``qkv_proj`` holds ``q_proj``, ``k_proj``, ``v_proj``).
         Empty for most families."""
+
+    def stored_parts(self, args: Any) -> dict[str, Any]:
+        """Hugging Face tensors saved as regions of one parameter (``hf_adapter.StoredPart``, by the parameter's
+        Hugging Face name), grouped by parameter; ``stored_name`` may likewise return a part on load."""
 
 
 @dataclass(frozen=True)

@@ -26,12 +26,18 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import torch
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.llama import LinearRopeScaling, LlamaArgs, LongRopeScaling, RopeScaling
+from torchtune_ac.models.llama import (
+    LinearRopeScaling,
+    LlamaArgs,
+    LongRopeScaling,
+    RopeScaling,
+    YarnRopeScaling,
+)
 
 _TOP_LEVEL_NAMES = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
@@ -51,6 +57,7 @@ VARIANT_FLAGS = {
     "qkv_bias": "q/k/v projection biases",
     "qk_norm": "q/k norms",
     "norm_offset": "norms scaling by norm_offset + weight",
+    "norm_in_float32": "norms scaling in float32",
     "scale_embeddings": "embeddings scaled by sqrt(hidden_size)",
     "activation": "an MLP activation",
 }
@@ -62,6 +69,24 @@ _REQUIRED = object()
 # Keys of an input config.json that state, in another spelling, what ``hf_config_from_args`` writes itself
 # (transformers 5's rope form, the older name of ``dtype``): kept, they could contradict it.
 _RESTATED_KEYS = ("rope_parameters", "torch_dtype")
+
+
+class StoredPart(NamedTuple):
+    """A Hugging Face tensor that is one region of one of our parameters (by its Hugging Face name): ``whole[region]``
+    without the dims in ``squeezed`` (of size 1 there). One expert's ``experts.3.gate_proj.weight`` of a layer's
+    stacked ``experts.gate_up_proj`` is one."""
+
+    whole: str
+    region: tuple[slice, ...]
+    squeezed: tuple[int, ...] = ()
+
+
+class QuantizedPart(NamedTuple):
+    """A Hugging Face tensor that is half of an MXFP4-quantised parameter (by its Hugging Face name): its ``blocks``
+    or its ``scales`` (``role``); the two are dequantised on load (gpt-oss's experts)."""
+
+    whole: str
+    role: str
 
 
 @dataclass(frozen=True)
@@ -176,6 +201,11 @@ class LlamaStyleHFAdapter:
         """Stored name -> the tensors (as ``to_hf_name`` names them) it holds stacked along dim 0, in order."""
         return {f"model.layers.{i}.{name}.weight": tuple(f"model.layers.{i}.{part}.weight" for part in parts)
                 for i in range(args.n_layers) for name, parts in self.stacked}
+
+    def stored_parts(self, args: LlamaArgs) -> dict[str, StoredPart]:
+        """The Hugging Face tensors written as parts of a parameter (none here: each parameter is one tensor;
+        Qwen3-MoE writes each expert's projections), grouped by the parameter they are parts of."""
+        return {}
 
     # --------------------------------------------------------------------------------------------- config
 
@@ -344,7 +374,7 @@ def read_value(
 
 
 def _rope_scaling_config(
-    scaling: Optional[RopeScaling | LinearRopeScaling | LongRopeScaling],
+    scaling: Optional[RopeScaling | LinearRopeScaling | LongRopeScaling | YarnRopeScaling],
 ) -> Optional[dict[str, Any]]:
     """config.json's ``rope_scaling`` for ``scaling`` (LongRoPE's attention factor written out, so that it does not
     depend on ``max_position_embeddings``)."""
@@ -357,7 +387,32 @@ def _rope_scaling_config(
                 "long_factor": list(scaling.long_factor),
                 "original_max_position_embeddings": scaling.original_max_position_embeddings,
                 "attention_factor": scaling.attention_factor}
+    if isinstance(scaling, YarnRopeScaling):
+        config = {"rope_type": "yarn", **dataclasses.asdict(scaling)}
+        if scaling.attention_factor is None:
+            del config["attention_factor"]
+        return config
     return {"rope_type": "llama3", **dataclasses.asdict(scaling)}
+
+
+def _read_yarn(rope: Mapping[str, Any], max_position_embeddings: Optional[int], problems: list[str],
+               prefix: str) -> Optional[YarnRopeScaling]:
+    """A YaRN ``rope_scaling`` with transformers' defaults; mscale and partial rotary factors are refused."""
+    for key in ("mscale", "mscale_all_dim", "partial_rotary_factor"):
+        if rope.get(key) not in (None, 1, 1.0):
+            problems.append(f"{prefix}{key}={rope[key]!r}: not supported with YaRN")
+    values = dict(
+        factor=read_value(rope, "factor", float, problems, prefix=prefix),
+        original_max_position_embeddings=read_value(rope, "original_max_position_embeddings", int, problems,
+                                                    default=max_position_embeddings, prefix=prefix),
+        beta_fast=read_value(rope, "beta_fast", float, problems, default=32.0, prefix=prefix),
+        beta_slow=read_value(rope, "beta_slow", float, problems, default=1.0, prefix=prefix),
+        truncate=read_value(rope, "truncate", bool, problems, default=True, prefix=prefix),
+        attention_factor=read_value(rope, "attention_factor", float, problems, default=None, prefix=prefix),
+    )
+    if values["factor"] is None or values["original_max_position_embeddings"] is None:
+        return None
+    return YarnRopeScaling(**values)
 
 
 def _read_rope(
@@ -386,6 +441,8 @@ def _read_rope(
         return theta, None if factor is None else LinearRopeScaling(factor)
     if rope_type == "longrope":
         return theta, _read_longrope(rope, max_position_embeddings, problems, prefix)
+    if rope_type == "yarn":
+        return theta, _read_yarn(rope, max_position_embeddings, problems, prefix)
     values = {key: read_value(rope, key, float, problems, prefix=prefix) for key in
               ("factor", "low_freq_factor", "high_freq_factor")}
     # transformers falls back to max_position_embeddings too when this key is absent.

@@ -179,7 +179,7 @@ def hf_model_files(model: nn.Module, *, base_config: Optional[Mapping[str, Any]]
     dtype = next(iter(tensors.values())).dtype
     args = family.args_of(model)
     return HFModelFiles(tensors, family.hf.hf_config_from_args(args, dtype, base_config=base_config, **token_ids),
-                        stacked=family.hf.stacked_tensors(args))
+                        stacked=family.hf.stacked_tensors(args), parts=family.hf.stored_parts(args))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -346,5 +346,5 @@ def save_hf_state_dict(
         args, next(iter(tensors.values())).dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )
-    return save_hf_files(HFModelFiles(tensors, config, stacked=spec.hf.stacked_tensors(args)), out_dir,
-                         max_shard_size, overwrite=overwrite, tokenizer_dir=tokenizer_dir)
+    files = HFModelFiles(tensors, config, stacked=spec.hf.stacked_tensors(args), parts=spec.hf.stored_parts(args))
+    return save_hf_files(files, out_dir, max_shard_size, overwrite=overwrite, tokenizer_dir=tokenizer_dir)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtune_ac.models.attention import DocumentRuns, causal_attention, document_runs, document_starts
+from torchtune_ac.models.moe import GroupedExperts, MoE, MoEArgs
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,27 @@ class LongRopeScaling:
     attention_factor: float
 
 
+@dataclass(frozen=True)
+class YarnRopeScaling:
+    """YaRN RoPE scaling (``rope_type: yarn`` in Hugging Face configs, gpt-oss), as transformers computes it: each
+    frequency interpolated (divided by ``factor``) or kept by a linear ramp between the dimensions where the
+    original context length makes ``beta_slow`` and ``beta_fast`` rotations, and cos/sin scaled by
+    ``attention_factor`` (by default ``0.1 * ln(factor) + 1``)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: Optional[float] = None
+
+    @property
+    def resolved_attention_factor(self) -> float:
+        if self.attention_factor is not None:
+            return self.attention_factor
+        return 1.0 if self.factor <= 1 else 0.1 * math.log(self.factor) + 1.0
+
+
 # Attention of a layer, by the Hugging Face names (config.json ``layer_types``).
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # MLP activations by their Hugging Face names (config.json ``hidden_act``): SwiGLU and GeGLU (tanh approximation).
@@ -80,6 +102,8 @@ class LlamaArgs:
     - ``qk_norm``: an RMSNorm over ``head_dim``, per head, on queries and keys before RoPE (Qwen3, Gemma 3).
     - ``norm_offset``: every RMSNorm scales by ``norm_offset + weight``, in float32 (Gemma's ``1 + w``, with weights
       initialised to 0); 0.0 scales by the weight after casting back, as Llama does.
+    - ``norm_in_float32``: with ``norm_offset`` 0.0, every RMSNorm scales by its weight in float32, then casts back
+      (gpt-oss).
     - ``scale_embeddings``: embeddings are multiplied by ``sqrt(dim)``, rounded to their dtype first (Gemma).
     - ``activation``: the MLP's gate activation, a key of ``ACTIVATIONS`` (``gelu_pytorch_tanh``: Gemma's GeGLU).
     - ``query_pre_attn_scalar``: attention scores are scaled by ``query_pre_attn_scalar ** -0.5`` instead of
@@ -99,6 +123,9 @@ class LlamaArgs:
       names); None: every layer slides when ``sliding_window`` is set (Mistral 7B v0.1), else every layer is full.
     - ``sliding_rope_theta``: the RoPE base of sliding-window layers, which then use no RoPE scaling (Gemma 3's
       local layers); None: they use ``rope_theta`` and ``rope_scaling`` as full layers do.
+
+    Mixture of experts: ``moe`` (``models/moe.py``): the layers it makes sparse have an ``MoE`` in place of the
+    dense MLP (Qwen3-MoE, gpt-oss); None: every layer is dense.
     """
 
     vocab_size: int
@@ -110,7 +137,7 @@ class LlamaArgs:
     max_seq_len: int = 4096
     norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: Optional[RopeScaling | LinearRopeScaling | LongRopeScaling] = None
+    rope_scaling: Optional[RopeScaling | LinearRopeScaling | LongRopeScaling | YarnRopeScaling] = None
     tie_embeddings: bool = False
     head_dim: Optional[int] = None
     attn_dropout: float = 0.0
@@ -119,6 +146,7 @@ class LlamaArgs:
     qkv_bias: bool = False
     qk_norm: bool = False
     norm_offset: float = 0.0
+    norm_in_float32: bool = False
     scale_embeddings: bool = False
     activation: str = "silu"
     query_pre_attn_scalar: Optional[float] = None
@@ -128,6 +156,7 @@ class LlamaArgs:
     sliding_rope_theta: Optional[float] = None
     attn_logit_softcapping: Optional[float] = None
     final_logit_softcapping: Optional[float] = None
+    moe: Optional[MoEArgs] = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -154,6 +183,8 @@ class LlamaArgs:
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 problems.append(f"{name}={getattr(self, name)} must be positive")
         problems += self._attention_pattern_problems()
+        if self.moe is not None:
+            problems += self.moe.problems()
         if problems:
             raise ValueError("invalid Llama model arguments: " + "; ".join(problems))
 
@@ -214,8 +245,8 @@ class LlamaArgs:
 
 
 def compute_rope_inv_freq(
-    head_dim: int, theta: float, scaling: Optional[RopeScaling | LinearRopeScaling | LongRopeScaling],
-    long: bool = False,
+    head_dim: int, theta: float,
+    scaling: Optional[RopeScaling | LinearRopeScaling | LongRopeScaling | YarnRopeScaling], long: bool = False,
 ) -> torch.Tensor:
     """Inverse frequencies of the rotary embedding, shape ``[head_dim // 2]``, float32, on the CPU (``head_dim``:
     the dimensions rotated, ``LlamaArgs.rotary_dim``).
@@ -223,6 +254,7 @@ def compute_rope_inv_freq(
     With a ``RopeScaling``, long wavelengths are divided by ``factor``, short ones are kept, and the band
     in between is interpolated smoothly (Llama 3.1); with a ``LinearRopeScaling`` every one is divided; with a
     ``LongRopeScaling`` each by its own factor, of ``long_factor`` when ``long``, else of ``short_factor``.
+    ``YarnRopeScaling``, as transformers' YaRN.
     """
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     if isinstance(scaling, LongRopeScaling):
@@ -233,6 +265,8 @@ def compute_rope_inv_freq(
         return inv_freq
     if isinstance(scaling, LinearRopeScaling):
         return inv_freq / scaling.factor
+    if isinstance(scaling, YarnRopeScaling):
+        return _yarn_inv_freq(head_dim, theta, scaling)
     low_freq_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     high_freq_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv_freq
@@ -243,6 +277,23 @@ def compute_rope_inv_freq(
     smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
     is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(is_medium, smoothed, scaled)
+
+
+def _yarn_inv_freq(head_dim: int, theta: float, scaling: YarnRopeScaling) -> torch.Tensor:
+    def correction_dim(rotations: float) -> float:  # the dimension where the original context turns this often
+        return head_dim * math.log(scaling.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low, high = correction_dim(scaling.beta_fast), correction_dim(scaling.beta_slow)
+    if scaling.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # as transformers: no division by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, head_dim, 2).float() / head_dim)
+    kept = 1 - ramp  # the share of each frequency extrapolated (kept as it is)
+    return (1.0 / (scaling.factor * pos_freqs)) * (1 - kept) + (1.0 / pos_freqs) * kept
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -262,22 +313,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class RMSNorm(nn.Module):
     """Root-mean-square layer norm, computed in float32.
 
-    With ``offset`` 0.0 it casts back, then scales by the weight (as Hugging Face Llama and Qwen do); otherwise it
-    scales by ``offset + weight`` in float32, then casts back (as Gemma does, with offset 1). Either way a freshly
+    With ``offset`` 0.0 it casts back, then scales by the weight (as Hugging Face Llama and Qwen do); otherwise, or
+    ``in_float32``, it scales by ``offset + weight`` in float32, then casts back (as Gemma does, with offset 1; as
+    gpt-oss does, with offset 0). Either way a freshly
     initialised norm scales by 1.
     """
 
-    def __init__(self, dim: int, eps: float, offset: float = 0.0) -> None:
+    def __init__(self, dim: int, eps: float, offset: float = 0.0, in_float32: bool = False) -> None:
         super().__init__()
         self.eps = eps
         self.offset = offset
+        self.in_float32 = in_float32 or bool(offset)
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         input_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
+        if self.in_float32:
             return (x * (self.offset + self.weight.float())).to(input_dtype)
         return self.weight * x.to(input_dtype)
 
@@ -347,14 +400,15 @@ class TransformerBlock(nn.Module):
     Args:
         args: the model's arguments.
         window: the sliding window of this block's attention (``args.window_of(layer)``); None for full.
+        layer: the block's index: its MLP is a mixture of experts where ``args.moe`` makes that layer sparse.
     """
 
-    def __init__(self, args: LlamaArgs, window: Optional[int] = None) -> None:
+    def __init__(self, args: LlamaArgs, window: Optional[int] = None, layer: int = 0) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.attn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset, args.norm_in_float32)
         self.attn = Attention(args, window)
-        self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-        self.mlp = MLP(args.dim, args.intermediate_dim, args.activation)
+        self.mlp_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset, args.norm_in_float32)
+        self.mlp = build_mlp(args, layer)
         self.resid_dropout = nn.Dropout(args.resid_dropout)
 
     def forward(
@@ -362,6 +416,13 @@ class TransformerBlock(nn.Module):
     ) -> torch.Tensor:
         h = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin, runs))
         return h + self.resid_dropout(self.mlp(self.mlp_norm(h)))
+
+
+def build_mlp(args: LlamaArgs, layer: int) -> nn.Module:
+    """Layer ``layer``'s MLP: an ``MoE`` where ``args.moe`` makes the layer sparse, else the dense ``MLP``."""
+    if args.moe is not None and args.moe.is_sparse(layer):
+        return MoE(args.dim, args.moe)
+    return MLP(args.dim, args.intermediate_dim, args.activation)
 
 
 def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
@@ -376,10 +437,10 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
 
 
 class BlockClass(Protocol):
-    """What ``Llama`` needs of a block class: built from the arguments and the block's attention window, called
-    as ``TransformerBlock`` is."""
+    """What ``Llama`` needs of a block class: built from the arguments, the block's attention window and its
+    index, called as ``TransformerBlock`` is."""
 
-    def __call__(self, args: LlamaArgs, window: Optional[int]) -> nn.Module: ...
+    def __call__(self, args: LlamaArgs, window: Optional[int], layer: int) -> nn.Module: ...
 
 
 class OutputProjection(nn.Linear):
@@ -415,15 +476,15 @@ class Llama(nn.Module):
     Args:
         args: the model's arguments.
         block: the block class, ``TransformerBlock`` unless the family's block differs in structure; it is
-            called as ``block(args, args.window_of(layer))`` and its instances as ``TransformerBlock``'s are.
+            called as ``block(args, args.window_of(layer), layer)`` and its instances as ``TransformerBlock``'s are.
     """
 
     def __init__(self, args: LlamaArgs, block: BlockClass = TransformerBlock) -> None:
         super().__init__()
         self.args = args
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleList(block(args, args.window_of(layer)) for layer in range(args.n_layers))
-        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.layers = nn.ModuleList(block(args, args.window_of(layer), layer) for layer in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset, args.norm_in_float32)
         self.output = OutputProjection(args.dim, args.vocab_size, softcap=args.final_logit_softcapping)
         self.tie_weights()
         # RoPE inverse frequencies ``[head_dim // 2]`` float32, on the model's device: a forward reads them without
@@ -488,6 +549,8 @@ class Llama(nn.Module):
         cos, sin = emb.cos(), emb.sin()
         if isinstance(scaling, LongRopeScaling):
             cos, sin = cos * scaling.attention_factor, sin * scaling.attention_factor
+        elif isinstance(scaling, YarnRopeScaling):  # YaRN scales the attention through cos/sin (in float32)
+            cos, sin = cos * scaling.resolved_attention_factor, sin * scaling.resolved_attention_factor
         return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
 
     def forward(
@@ -539,6 +602,14 @@ class Llama(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 module.reset_parameters()
+            elif isinstance(module, GroupedExperts):  # stacked experts: weights normal, biases zero
+                for name, param in module.named_parameters():
+                    if name.endswith("bias"):
+                        nn.init.zeros_(param)
+                    else:
+                        nn.init.normal_(param, mean=0.0, std=std)
+            elif isinstance(module, Attention) and getattr(module, "sinks", None) is not None:
+                nn.init.normal_(module.sinks, mean=0.0, std=std)  # gpt-oss's attention sinks
 
     @torch.no_grad()
     def init_parameter_(self, name: str, tensor: torch.Tensor, generator: torch.Generator,
@@ -558,5 +629,11 @@ class Llama(nn.Module):
             tensor.normal_(mean=0.0, std=std, generator=generator)
         elif isinstance(owner, nn.Linear) and attr == "bias":
             tensor.zero_()
+        elif isinstance(owner, Attention) and attr == "sinks":
+            tensor.normal_(mean=0.0, std=std, generator=generator)
+        elif isinstance(owner, GroupedExperts) and attr.endswith("bias"):
+            tensor.zero_()
+        elif isinstance(owner, GroupedExperts):
+            tensor.normal_(mean=0.0, std=std, generator=generator)
         else:
             raise ValueError(f"no initialisation rule for parameter {name} of {type(owner).__name__}")

@@ -168,8 +168,10 @@ class RunLog:
 
     def write(self, record: Mapping[str, Any]) -> None:
         self.metrics.write(record)
+        # Trackers take scalars: a list (the tokens each expert received) is for metrics.jsonl only.
+        scalars = {key: value for key, value in record.items() if not isinstance(value, list)}
         for tracker in self.trackers:
-            tracker.log(record)
+            tracker.log(scalars)
 
     def close(self, *, succeeded: bool = True) -> None:
         self.metrics.close()

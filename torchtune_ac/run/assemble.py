@@ -41,7 +41,7 @@ from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.runtime.parallelism import TP_DIM, Parallelism
 from torchtune_ac.activation_checkpointing.mechanism import apply_ac_plan, silence_compiled_policy_warning
 from torchtune_ac.training.dpo import freeze_reference
-from torchtune_ac.training.objective import Objective
+from torchtune_ac.training.objective import Objective, with_load_balancing
 from torchtune_ac.training.step import Stepper
 
 
@@ -179,7 +179,8 @@ def build_training(
         load_hf_weights_(model, plan.checkpoint_dir)
     elif load_weights:
         initialize_weights_(model, pristine, dtype=plan.dtype.torch, seed=plan.seed, sharded=sharded)
-    objective = objective if objective is not None else memory.objective(compiled=plan.compile)
+    if objective is None:  # the memory plan's token loss, and a mixture of experts' load-balancing loss
+        objective = with_load_balancing(memory.objective(compiled=plan.compile), model)
     if frozen:
         return AssembledModel(freeze_reference(model), None, objective)
     model.train()

@@ -182,6 +182,7 @@ class TrainingLoop:
                     "target_tokens_per_second": target_tokens_per_second,
                     **validated,
                     **result.extra,
+                    **result.counts,
                 }
             )
         progress.update(step=step, loss=result.loss, lr=lr, tokens_per_second=tokens_per_second,

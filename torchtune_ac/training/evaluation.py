@@ -52,7 +52,7 @@ def evaluate_objective(
             totals[0] += loss.double()
             totals[1] += objective.targets(batch)
             if metrics is not None:
-                totals[2:] += metrics.double()
+                totals[2:] += metrics[:len(names)].double()  # not the objective's counts
         totals = all_reduce_sum(totals, ctx)
     finally:
         model.train(was_training)

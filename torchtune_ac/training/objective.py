@@ -9,7 +9,10 @@ plugs in here without touching the step. An objective with values of its own to 
 it averages the loss, in the same one read of the device.
 
 ``CrossEntropy`` is the default: token cross-entropy from the whole logits. The chunked loss (a memory
-switch, ``torchtune_ac/memory/chunked_loss.py``) gives the same values without the whole logits.
+switch, ``torchtune_ac/memory/chunked_loss.py``) gives the same values without the whole logits. A model with
+mixture-of-experts layers has its objective wrapped (``with_load_balancing``): the load-balancing loss is added
+where the model asks for it, and reported with the tokens each expert received (values an objective sums over
+the step without averaging them: its ``count_shapes``).
 """
 
 from __future__ import annotations
@@ -21,6 +24,9 @@ from typing import Any, Mapping, Optional, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from torchtune_ac.models.families import family_of
+from torchtune_ac.models.moe import load_balancing_loss, moe_router_outputs
 
 IGNORE_INDEX = -100
 # The keys of a batch that the collate code (``data.collate_batch``) counted on the host, and that stay there when
@@ -115,3 +121,62 @@ class CrossEntropy:
 
     def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return cross_entropy_sum(run_model(model, batch), batch["labels"])
+
+
+@dataclass(frozen=True)
+class LoadBalancedObjective:
+    """``inner`` with the mixture-of-experts load-balancing loss (``models.moe.load_balancing_loss``, as
+    transformers computes it over every MoE layer of the forward, every token counted: batches carry no attention
+    mask), added as ``coef * aux_loss`` per target when ``add`` (Hugging Face ``output_router_logits``).
+
+    Reported beside ``inner``'s metrics: ``moe_aux_loss``, averaged over the targets as the loss is, and
+    ``moe_expert_tokens`` ``[MoE layers, experts]``, the token copies each expert received, summed over the step's
+    micro-batches and ranks (a count: ``count_shapes``).
+    """
+
+    inner: Objective
+    num_experts: int
+    top_k: int
+    moe_layers: int
+    coef: float
+    add: bool
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return (*self.inner.metric_names, "moe_aux_loss")
+
+    @property
+    def count_shapes(self) -> dict[str, tuple[int, ...]]:
+        return {"moe_expert_tokens": (self.moe_layers, self.num_experts)}
+
+    def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self.inner.targets(batch)
+
+    def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> LossParts:
+        loss, metrics = split_loss(self.inner(model, batch))
+        routed = moe_router_outputs(model)
+        targets = self.inner.targets(batch).to(torch.float32)
+        with torch.set_grad_enabled(self.add and torch.is_grad_enabled()):
+            aux = load_balancing_loss([r.logits for r in routed], self.num_experts, self.top_k)
+        if self.add:
+            loss = loss + self.coef * aux * targets
+        counts = torch.stack([r.counts for r in routed]).to(torch.float32).flatten()
+        own = [] if metrics is None else [metrics]
+        return LossParts(loss, torch.cat([*own, (aux.detach() * targets).reshape(1), counts]))
+
+
+def with_load_balancing(objective: Objective, model: nn.Module) -> Objective:
+    """``objective`` for ``model``: wrapped in ``LoadBalancedObjective`` where the model has mixture-of-experts layers
+    (its family's arguments carry ``moe``), as it is otherwise."""
+    family = family_of(model)
+    moe = getattr(family.args_of(model), "moe", None) if family is not None else None
+    if moe is None:
+        return objective
+    layers = sum(moe.is_sparse(layer) for layer in range(family.args_of(model).n_layers))
+    return LoadBalancedObjective(objective, moe.num_experts, moe.top_k, layers, moe.aux_loss_coef, moe.aux_loss)
+
+
+def metric_count_shapes(objective: Objective) -> Mapping[str, tuple[int, ...]]:
+    """The values ``objective`` counts (summed over a step, not averaged over its targets): name -> shape, the tail of
+    its ``LossParts.metrics`` after its ``metric_names``, in this order; none for most objectives."""
+    return getattr(objective, "count_shapes", {})

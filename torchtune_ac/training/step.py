@@ -35,6 +35,7 @@ from torchtune_ac.training.objective import (
     LossParts,
     Objective,
     count_target_tokens,
+    metric_count_shapes,
     split_loss,
 )
 
@@ -104,7 +105,8 @@ class StepResult:
     """What one optimizer step did (values are global: summed or averaged over all ranks).
 
     ``extra``: more values for the step's ``metrics.jsonl`` record, a recipe's own (its objective's metrics, each
-    averaged over the step's targets as the loss is).
+    averaged over the step's targets as the loss is). ``counts``: its objective's counts over the step (nested
+    lists of the shapes of its ``count_shapes``: the tokens each expert received), for ``metrics.jsonl`` only.
     """
 
     loss: float
@@ -112,6 +114,7 @@ class StepResult:
     input_tokens: int
     target_tokens: int
     extra: Mapping[str, float] = field(default_factory=dict)
+    counts: Mapping[str, list] = field(default_factory=dict)
 
 
 def move_batch(batch: Mapping[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
@@ -209,7 +212,9 @@ def train_step(
     scale = (ctx.world_size / counts[0].clamp(min=1).double()).float()
 
     checks = FiniteChecks(ctx, len(micro_batches), device, loss_scale=objective.loss_scale)
-    metric_sums = torch.zeros(len(objective.metric_names), device=device)
+    count_shapes = metric_count_shapes(objective)
+    metric_sums = torch.zeros(len(objective.metric_names) + sum(math.prod(s) for s in count_shapes.values()),
+                              device=device)
     loss_sum = accumulate_gradients(model, stepper, micro_batches, scale=scale, objective=objective,
                                     record_loss=checks.record_loss, metric_sums=metric_sums)
     read: list[StepValues] = []
@@ -222,10 +227,16 @@ def train_step(
     targets = max(values.targets, 1)
     # The ranks of a tensor-parallel group read the same batch: the sums counted each of its tokens that many times
     # (the loss and the metrics too, and their means over the targets are right as they are).
+    averaged = len(objective.metric_names)
+    counted = torch.tensor(values.metric_sums[averaged:]).round().long()
+    counts = {}
+    for name, shape in count_shapes.items():
+        counts[name], counted = counted[:math.prod(shape)].view(shape).tolist(), counted[math.prod(shape):]
     return StepResult(
         loss=values.loss_sum / targets,
         grad_norm=values.grad_norm,
         input_tokens=values.input_tokens // ctx.parallelism.tensor,
         target_tokens=values.target_tokens // ctx.parallelism.tensor,
         extra={name: total / targets for name, total in zip(objective.metric_names, values.metric_sums)},
+        counts=counts,
     )

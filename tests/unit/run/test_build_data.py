@@ -22,6 +22,7 @@ from torchtune_ac.models import llama_tiny
 from torchtune_ac.run.phases import build_data
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.training.objective import count_target_tokens, cross_entropy_sum
+from torchtune_ac.runtime.parallelism import Parallelism
 
 MAX_SEQ_LEN = 200  # not a multiple of 64: the longest batches are cut there, not rounded past it
 CPU = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
@@ -142,7 +143,8 @@ def test_the_data_report_is_said_by_rank_0_only_under_tensor_parallelism(tokeniz
     monkeypatch.setattr(phases, "identify_data", lambda *args, **kwargs: {})  # its hashing gathers over the ranks
     cfg = config(max_seq_len=40)  # some samples are cut there: the dataset has a report
     for rank in range(2):
-        ctx = DistributedContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"), tp_degree=2)
+        ctx = DistributedContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"),
+                                 parallelism=Parallelism(2, tensor=2))
         assert ctx.data_parallel_rank == 0
         report = build_data(cfg, tokenizer, ctx).loader.dataset.report
     assert report and [r.getMessage() for r in caplog.records if r.getMessage() == report] == [report]

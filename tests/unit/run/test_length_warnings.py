@@ -8,6 +8,7 @@ import pytest
 
 from torchtune_ac.run.messages import length_warnings
 from torchtune_ac.run.plan import RunLength
+from torchtune_ac.runtime.parallelism import Parallelism
 
 ADAMW = {"_component_": "torch.optim.AdamW", "lr": 0.003}
 HYPER = {"optimizer": ADAMW,
@@ -21,7 +22,7 @@ LEFT_OUT = ("dataset: 4 samples of 20 not trained on in each epoch: the global b
 
 
 def length(*, world_size=1, batch_size=4, accumulation=1, epochs=1, cap=None, samples=None, tp=1) -> RunLength:
-    planned = RunLength(world_size, batch_size, accumulation, epochs, cap, tp_degree=tp)
+    planned = RunLength(Parallelism(world_size, tensor=tp), batch_size, accumulation, epochs, cap)
     if samples is None:  # tune validate: the data not read
         return planned
     # the loader drops the last incomplete batch; tune validate (no world size) counts as on one process

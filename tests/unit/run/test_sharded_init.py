@@ -144,7 +144,7 @@ def test_every_family_initialises_each_parameter_as_init_weights_does(family: st
     a tiny model of every family: what ``init_weights`` leaves constant (norms, biases) bit for bit, and the random
     matrices as normal(0, 0.02), drawn from the generator given."""
     config_class, _, settings = HF_CLASSES[family]
-    model = model_from_hf_config(config_class(**TINY_SHAPE, **settings).to_dict())
+    model = model_from_hf_config(config_class(**{**TINY_SHAPE, **settings}).to_dict())
     torch.manual_seed(0)
     init_weights_(model)
     for name, param in model.named_parameters():

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.families import gemma, gemma2, gemma3, llama, mistral, phi3, qwen2, qwen3
+from torchtune_ac.models.families import gemma, gemma2, gemma3, gpt_oss, llama, mistral, phi3, qwen2, qwen3, qwen3_moe
 from torchtune_ac.models.family import ModelFamily
 
 
@@ -41,7 +41,8 @@ def check_distinct(families: Sequence[ModelFamily]) -> tuple[ModelFamily, ...]:
 
 # Llama first (the decoder the others share), then by name.
 FAMILIES: tuple[ModelFamily, ...] = check_distinct(
-    (llama.FAMILY, gemma.FAMILY, gemma2.FAMILY, gemma3.FAMILY, mistral.FAMILY, phi3.FAMILY, qwen2.FAMILY, qwen3.FAMILY))
+    (llama.FAMILY, gemma.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gpt_oss.FAMILY, mistral.FAMILY, phi3.FAMILY, qwen2.FAMILY,
+     qwen3.FAMILY, qwen3_moe.FAMILY))
 
 
 def family_of(model: nn.Module) -> Optional[ModelFamily]:

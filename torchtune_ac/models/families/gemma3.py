@@ -57,8 +57,8 @@ class Gemma3Block(TransformerBlock):
     """Gemma 3's block: ``h = x + drop(post_attn_norm(attn(attn_norm(x))))``;
     ``out = h + drop(post_mlp_norm(mlp(mlp_norm(h))))``."""
 
-    def __init__(self, args: LlamaArgs, window: Optional[int] = None) -> None:
-        super().__init__(args, window)
+    def __init__(self, args: LlamaArgs, window: Optional[int] = None, layer: int = 0) -> None:
+        super().__init__(args, window, layer)
         self.post_attn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.post_mlp_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
 

@@ -1,0 +1,47 @@
+"""``tune run full_finetune --config tiny/moe``: a mixture of experts trains from random weights with packed rows
+and per-op AC, logs its load-balancing loss and the tokens each expert received, and writes a checkpoint that
+transformers' Qwen3MoeForCausalLM loads."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from finetune_runs import check_success, final_checkpoint, run_tune_in_process
+from numerics import assert_close, llama_terms
+from transformers import Qwen3MoeForCausalLM
+
+from torchtune_ac.models import load_hf
+from torchtune_ac.observability.metrics import read_metrics
+
+
+def test_the_tiny_moe_config_trains_packed_with_per_op_ac_and_reports_its_experts(tmp_path: Path) -> None:
+    output_dir = tmp_path / "run"
+    check_success(run_tune_in_process([
+        "run", "full_finetune", "--config", "tiny/moe", f"output_dir={output_dir}", "max_steps_per_epoch=2",
+        "batch_size=4", "dataset.packed=true", "ac_mode=selective", "ac_option=op"]))
+    records = read_metrics(output_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        # Balanced routing gives E * sum_e (k / E) * (1 / E) = k = 2.
+        assert math.isfinite(record["moe_aux_loss"]) and 1.5 < record["moe_aux_loss"] < 4
+        expert_tokens = record["moe_expert_tokens"]
+        assert len(expert_tokens) == 3 and all(len(layer) == 8 for layer in expert_tokens)  # 3 sparse layers
+        # Dropless: every token reaches its 2 experts in every sparse layer.
+        assert all(sum(layer) == 2 * record["tokens"] for layer in expert_tokens)
+    checkpoint = final_checkpoint(output_dir)
+    ours = load_hf(checkpoint).eval()
+    theirs = Qwen3MoeForCausalLM.from_pretrained(checkpoint, attn_implementation="eager").eval()
+    tokens = torch.randint(0, 512, (1, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert_close(ours(tokens), theirs(tokens).logits, terms=llama_terms(ours.args, 16, 0, backward=False),
+                     what="logits")
+
+
+def test_the_published_moe_configs_validate_with_their_parameter_counts(capsys) -> None:
+    from torchtune_ac.cli import main
+
+    for config, parameters in (("qwen3_moe/30B_A3B_full", "30,532,122,624"), ("gpt_oss/20B_full", "20,914,757,184")):
+        assert main(["validate", "--config", config]) == 0
+        assert f": {parameters} parameters, " in capsys.readouterr().out

@@ -1,0 +1,376 @@
+"""The mixture-of-experts layer: each token goes to k of a layer's experts, and every expert of the layer runs in
+one grouped matmul.
+
+Four steps, each a function of its own so that expert parallelism can shard the experts' leading dimension and
+put an all-to-all around ``compute_experts`` (dispatch to the experts' ranks, combine back):
+
+1. ``route``: the router's logits ``[T, E]`` -> each token's k experts and their weights;
+2. ``dispatch``: the tokens' copies ``[T * k, dim]`` sorted by expert, with the number each expert received;
+3. ``compute_experts``: every expert's gated MLP over its rows, one grouped matmul per projection
+   (``grouped_mm``: ``torch._grouped_mm`` where it runs, else a padded batched matmul);
+4. ``combine``: each token's k outputs, weighted and summed, back in token order.
+
+Routing is dropless: every token reaches its k experts, whatever their load (no capacity factor). A family
+declares its router (``RouterSpec``) and how its experts' weights are laid out (``ExpertLayout``) as data; the
+weights are held in that layout, the Hugging Face one, so they load by name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+
+# How a router turns logits into weights: softmax over every expert then the top k (Qwen3-MoE, Mixtral), or the
+# top k logits then a softmax over those k (gpt-oss).
+ROUTER_SCORINGS = ("softmax_topk", "topk_softmax")
+# The experts' gate activations: SwiGLU (silu), and gpt-oss's clamped SwiGLU (``x * sigmoid(alpha * x)`` on a gate
+# clamped above at ``limit``, times ``up + 1`` with up clamped to [-limit, limit]).
+EXPERT_ACTIVATIONS = ("silu", "clamped_swiglu")
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """A family's router.
+
+    Attributes:
+        scoring: one of ``ROUTER_SCORINGS``.
+        norm_topk_prob: with ``softmax_topk``, the k weights are divided by their sum (Qwen3-MoE's ``norm_topk_prob``).
+        bias: the router's linear layer has a bias (gpt-oss).
+    """
+
+    scoring: str = "softmax_topk"
+    norm_topk_prob: bool = False
+    bias: bool = False
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a family holds its experts' weights (the Hugging Face layout in memory), and their activation.
+
+    ``gate_up_proj`` holds the gate and up projections of every expert, ``down_proj`` the down projections:
+
+    - ``in_out``: ``[E, in, out]`` (gpt-oss: ``gate_up_proj [E, dim, 2 * expert_dim]``); False: ``[E, out, in]``,
+      each expert's as an ``nn.Linear`` holds it (Qwen3-MoE: ``gate_up_proj [E, 2 * expert_dim, dim]``);
+    - ``interleaved``: gate and up columns alternate (gpt-oss); False: the gate's half, then the up's;
+    - ``bias``: ``gate_up_proj_bias [E, 2 * expert_dim]`` and ``down_proj_bias [E, dim]`` (gpt-oss);
+    - ``activation``: one of ``EXPERT_ACTIVATIONS``, with ``swiglu_alpha`` and ``swiglu_limit`` for the clamped one.
+    """
+
+    in_out: bool = False
+    interleaved: bool = False
+    bias: bool = False
+    activation: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """A model's mixture-of-experts layers.
+
+    Attributes:
+        num_experts: E, experts per MoE layer.
+        top_k: k, experts per token.
+        expert_dim: each expert's hidden size (Hugging Face ``moe_intermediate_size``).
+        router: the router.
+        experts: the experts' layout and activation.
+        sparse_step: every ``sparse_step``-th layer is an MoE layer (``decoder_sparse_step``), but those in
+            ``dense_layers`` (``mlp_only_layers``), which keep the dense MLP.
+        dense_layers: layers with the dense MLP whatever ``sparse_step`` says.
+        aux_loss: add the load-balancing loss to the objective (Hugging Face ``output_router_logits``).
+        aux_loss_coef: its weight (``router_aux_loss_coef``).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_dim: int
+    router: RouterSpec = RouterSpec()
+    experts: ExpertLayout = ExpertLayout()
+    sparse_step: int = 1
+    dense_layers: tuple[int, ...] = ()
+    aux_loss: bool = False
+    aux_loss_coef: float = 0.001
+
+    def problems(self) -> list[str]:
+        """What is wrong with these arguments (empty when nothing is)."""
+        problems = []
+        for name in ("num_experts", "top_k", "expert_dim", "sparse_step"):
+            if getattr(self, name) <= 0:
+                problems.append(f"moe.{name}={getattr(self, name)} must be positive")
+        if self.top_k > self.num_experts > 0:
+            problems.append(f"moe.top_k={self.top_k} must be at most num_experts={self.num_experts}")
+        if self.router.scoring not in ROUTER_SCORINGS:
+            problems.append(f"moe.router.scoring={self.router.scoring!r} must be one of {', '.join(ROUTER_SCORINGS)}")
+        if self.experts.activation not in EXPERT_ACTIVATIONS:
+            problems.append(f"moe.experts.activation={self.experts.activation!r} must be one of "
+                            f"{', '.join(EXPERT_ACTIVATIONS)}")
+        if self.aux_loss_coef < 0:
+            problems.append(f"moe.aux_loss_coef={self.aux_loss_coef} must not be negative")
+        return problems
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer ``layer`` is an MoE layer (as transformers' Qwen3-MoE decides it)."""
+        return layer not in self.dense_layers and (layer + 1) % self.sparse_step == 0
+
+
+# ----------------------------------------------------------------------------------------------------- routing
+
+
+def route(logits: torch.Tensor, spec: RouterSpec, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's experts and weights, from the router's logits ``[T, E]``.
+
+    Returns:
+        ``(weights [T, k] in the logits' dtype, experts [T, k] int64)``.
+    """
+    if spec.scoring == "topk_softmax":
+        top, experts = torch.topk(logits, top_k, dim=-1)
+        return F.softmax(top, dim=-1, dtype=top.dtype), experts
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, experts = torch.topk(probs, top_k, dim=-1)
+    if spec.norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), experts
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Where each token's copies went (``dispatch``), for ``compute_experts`` and ``combine``.
+
+    Attributes:
+        order: ``[T * k]`` int64: the (token, slot) pair, flattened, that each sorted row is a copy of.
+        experts: ``[T * k]`` int64: the expert of each sorted row (ascending).
+        counts: ``[E]`` int64: rows each expert received.
+    """
+
+    order: torch.Tensor
+    experts: torch.Tensor
+    counts: torch.Tensor
+
+
+def dispatch(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, Dispatch]:
+    """The tokens' copies sorted by expert (stably: within an expert, in token order).
+
+    Args:
+        x: ``[T, dim]`` tokens.
+        experts: ``[T, k]`` each token's experts.
+        num_experts: E.
+
+    Returns:
+        ``(rows [T * k, dim], dispatch)``.
+    """
+    flat = experts.flatten()  # [T * k]
+    order = torch.argsort(flat, stable=True)
+    # A scatter, not bincount: its shape does not depend on the values (the planner runs this on fake tensors).
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return x[order // experts.shape[1]], Dispatch(order=order, experts=flat[order], counts=counts)
+
+
+def combine(rows: torch.Tensor, plan: Dispatch, weights: torch.Tensor) -> torch.Tensor:
+    """Each token's k expert outputs, weighted and summed: ``rows [T * k, dim]`` (sorted by expert) -> ``[T, dim]``."""
+    tokens, k = weights.shape
+    unsorted = torch.empty_like(rows).index_copy_(0, plan.order, rows)  # [T * k, dim] in (token, slot) order
+    return (unsorted.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+# ------------------------------------------------------------------------------------------- grouped compute
+
+
+def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes ``x [N, K] @ weight [E, K, M]`` here: this torch has it, on the CPU in
+    float32 or bfloat16, on CUDA in bfloat16 on compute capability 9.0 or newer; and the rows of both operands are
+    multiples of 16 bytes (its alignment rule)."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if x.device.type == "cpu":
+        dtype_ok = x.dtype in (torch.float32, torch.bfloat16)
+    elif x.device.type == "cuda" and torch.cuda.is_available():
+        dtype_ok = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    else:
+        dtype_ok = False
+    itemsize = x.dtype.itemsize
+    return dtype_ok and x.dtype == weight.dtype and all((d * itemsize) % 16 == 0 for d in weight.shape[1:])
+
+
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Every expert's rows times its weight, in one call: ``x [N, K]`` (rows sorted by expert, ``counts[e]`` of
+    expert e) times ``weight [E, K, M]`` -> ``[N, M]``.
+
+    ``torch._grouped_mm`` where it runs (``grouped_mm_runs``); elsewhere the rows are padded to the busiest
+    expert's count and multiplied by one ``torch.bmm`` (which reads the counts on the host). Fake tensors (the
+    memory planner's) are multiplied by the first expert's weight: the same shapes kept for backward (the rows and
+    the weight), without reading the counts.
+    """
+    if isinstance(x, FakeTensor):
+        return x @ weight[0]
+    if grouped_mm_runs(x, weight):
+        offsets = torch.cumsum(counts, 0, dtype=torch.int32)
+        if x.dtype != torch.bfloat16:
+            return _grouped_mm_outside_graphs(x.contiguous(), weight, offsets)
+        return torch._grouped_mm(x.contiguous(), weight, offs=offsets)
+    return _padded_bmm(x, weight, counts)
+
+
+@torch.compiler.disable
+def _grouped_mm_outside_graphs(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm`` run eagerly under ``torch.compile``: torch 2.13's shape function for it (what Dynamo
+    traces with) takes bfloat16 only, although the CPU kernel runs float32 too."""
+    return torch._grouped_mm(x, weight, offs=offsets)
+
+
+def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    num_experts, n = weight.shape[0], x.shape[0]
+    expert = torch.repeat_interleave(torch.arange(num_experts, device=x.device), counts, output_size=n)  # [N]
+    starts = torch.cumsum(counts, 0) - counts  # [E]
+    slot = torch.arange(n, device=x.device) - starts[expert]  # [N]: the row's place within its expert
+    width = int(counts.max()) if n else 0
+    padded = x.new_zeros(num_experts, width, x.shape[1]).index_put((expert, slot), x)  # [E, width, K]
+    return torch.bmm(padded, weight)[expert, slot]  # [E, width, M] -> [N, M]
+
+
+def expert_activation(gate_up: torch.Tensor, layout: ExpertLayout) -> torch.Tensor:
+    """The gated hidden state ``[N, expert_dim]`` from the gate and up projections ``[N, 2 * expert_dim]``."""
+    if layout.interleaved:
+        gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    else:
+        gate, up = gate_up.chunk(2, dim=-1)
+    if layout.activation == "silu":
+        return F.silu(gate) * up
+    limit = layout.swiglu_limit
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * layout.swiglu_alpha))
+
+
+class GroupedExperts(nn.Module):
+    """The experts of one MoE layer, their weights stacked on a leading dimension of E (which expert parallelism
+    shards), in the family's ``ExpertLayout``."""
+
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.layout = args.experts
+        e, h = args.num_experts, args.expert_dim
+        gate_up, down = ((e, dim, 2 * h), (e, h, dim)) if self.layout.in_out else ((e, 2 * h, dim), (e, dim, h))
+        self.gate_up_proj = nn.Parameter(torch.empty(gate_up))
+        self.down_proj = nn.Parameter(torch.empty(down))
+        if self.layout.bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(e, 2 * h))
+            self.down_proj_bias = nn.Parameter(torch.empty(e, dim))
+        else:
+            self.gate_up_proj_bias = self.down_proj_bias = None
+
+    def _in_out(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight if self.layout.in_out else weight.transpose(1, 2)  # [E, in, out]
+
+    def forward(self, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+        return compute_experts(self, rows, plan)
+
+
+def compute_experts(experts: GroupedExperts, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+    """Every expert's gated MLP over its rows: ``rows [N, dim]`` sorted by expert -> ``[N, dim]``."""
+    gate_up = grouped_mm(rows, experts._in_out(experts.gate_up_proj), plan.counts)  # [N, 2 * expert_dim]
+    if experts.gate_up_proj_bias is not None:
+        gate_up = gate_up + experts.gate_up_proj_bias[plan.experts]
+    hidden = expert_activation(gate_up, experts.layout)  # [N, expert_dim]
+    out = grouped_mm(hidden, experts._in_out(experts.down_proj), plan.counts)  # [N, dim]
+    if experts.down_proj_bias is not None:
+        out = out + experts.down_proj_bias[plan.experts]
+    return out
+
+
+def loop_experts(experts: GroupedExperts, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+    """``compute_experts`` by a Python loop over the experts, one matmul each: the reference the grouped path is
+    tested and measured against (``scripts/bench_moe.py``)."""
+    outs = []
+    for e, expert_rows in enumerate(rows.split(plan.counts.tolist())):
+        gate_up = expert_rows @ experts._in_out(experts.gate_up_proj)[e]
+        if experts.gate_up_proj_bias is not None:
+            gate_up = gate_up + experts.gate_up_proj_bias[e]
+        out = expert_activation(gate_up, experts.layout) @ experts._in_out(experts.down_proj)[e]
+        if experts.down_proj_bias is not None:
+            out = out + experts.down_proj_bias[e]
+        outs.append(out)
+    return torch.cat(outs)
+
+
+# -------------------------------------------------------------------------------------------------- the layer
+
+
+@dataclass(frozen=True)
+class RouterOutput:
+    """What one MoE layer's router did in the latest forward: its logits ``[T, E]`` (with their graph, for the
+    load-balancing loss) and the rows each expert received ``[E]``."""
+
+    logits: torch.Tensor
+    counts: torch.Tensor
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP: ``[b, s, dim]`` -> ``[b, s, dim]``.
+
+    After each forward, ``router_output`` holds what its router did (``RouterOutput``), which the load-balancing
+    loss and the expert metrics read (``moe_router_outputs``).
+    """
+
+    def __init__(self, dim: int, args: MoEArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.router = nn.Linear(dim, args.num_experts, bias=args.router.bias)
+        self.experts = GroupedExperts(dim, args)
+        self.router_output: Optional[RouterOutput] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])  # [T, dim]
+        logits = self.router(tokens)  # [T, E]
+        weights, experts = route(logits, self.args.router, self.args.top_k)  # [T, k] each
+        rows, plan = dispatch(tokens, experts, self.args.num_experts)  # [T * k, dim]
+        out = combine(self.experts(rows, plan), plan, weights)  # [T, dim]
+        _record_router_output(self, RouterOutput(logits=logits, counts=plan.counts.detach()))
+        return out.view_as(x)
+
+
+@torch.compiler.disable
+def _record_router_output(layer: MoE, output: RouterOutput) -> None:
+    """Keep what the router did on the layer, outside any compiled graph: a compiled checkpointed block traces
+    its forward as a function without side effects, which would drop this assignment (and leave the record of an
+    earlier forward)."""
+    layer.router_output = output
+
+
+def moe_router_outputs(model: nn.Module) -> list[RouterOutput]:
+    """The ``RouterOutput`` of every MoE layer of ``model`` from its latest forward, in layer order."""
+    return [m.router_output for m in model.modules() if isinstance(m, MoE) and m.router_output is not None]
+
+
+def load_balancing_loss(logits: list[torch.Tensor], num_experts: int, top_k: int,
+                        mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The load-balancing loss over every MoE layer's router logits, as transformers computes it
+    (``load_balancing_loss_func``, the Switch Transformer's): ``E * sum_e f_e * P_e``, where ``f_e`` is the share of
+    top-k assignments to expert e and ``P_e`` its mean router probability, both over every layer's tokens at once.
+
+    Args:
+        logits: each layer's ``[T, E]`` router logits.
+        num_experts: E.
+        top_k: k.
+        mask: ``[T]``, 1 for the tokens counted (transformers' attention mask); None counts every token.
+
+    Returns:
+        A float32 0-d tensor.
+    """
+    device = logits[0].device
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    prob_sums = torch.zeros(num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    flat_mask = None if mask is None else mask.reshape(-1).to(device=device, dtype=torch.float32)
+    for layer_logits in logits:
+        probs = F.softmax(layer_logits.float(), dim=-1)
+        _, selected = torch.topk(probs, top_k, dim=-1)
+        weight = torch.ones_like(probs[:, 0]) if flat_mask is None else flat_mask
+        counts = counts.scatter_add(0, selected.reshape(-1), weight.repeat_interleave(top_k))
+        prob_sums = prob_sums + (probs * weight.unsqueeze(-1)).sum(dim=0)
+        rows = rows + weight.sum()
+    return (counts / rows * (prob_sums / rows)).sum() * num_experts
