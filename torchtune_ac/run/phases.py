@@ -196,13 +196,13 @@ def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset,
     Args:
         reference: the frozen reference model (``assemble.build_reference``).
         dataset: the pairs (training or validation).
-        batch_size: pairs per process per forward.
+        batch_size: pairs (packed: rows) per process per forward.
         ctx: this rank's place in the run.
         pad_id: the tokenizer's padding id.
         n_chunks: the resolved ``loss_chunks``.
         padding: how batches are padded (``pad_to_multiple_of``, ``max_length``), as the training batches are.
     """
-    logps = torch.zeros(len(dataset), 2, dtype=torch.float64, device=ctx.device)  # [pairs, (chosen, rejected)]
+    logps = torch.zeros(dataset.pair_count, 2, dtype=torch.float64, device=ctx.device)  # [pairs, (chosen, rejected)]
     # A tensor-parallel group computes its share together; its first rank alone writes it down.
     batches = evaluation_batches(dataset, batch_size=batch_size, pad_id=pad_id, rank=ctx.data_parallel_rank,
                                  world_size=ctx.data_parallel_size, collate=PAIRS.collate, blank=PAIRS.blank,
@@ -212,7 +212,8 @@ def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset,
         first = index * global_batch + ctx.data_parallel_rank * batch_size
         pairs = reference_logps(reference, move_batch(batch, ctx.device), n_chunks).double()  # [2b]
         count = max(0, min(batch_size, len(dataset) - first)) if ctx.reads_for_its_group else 0  # the rest: fillers
-        logps[first:first + count] = torch.stack(pairs.chunk(2), dim=1)[:count]  # [b, 2]
+        lo, hi = dataset.pair_range(first, first + count)  # a packed dataset's rows hold several pairs each
+        logps[lo:hi] = torch.stack(pairs.chunk(2), dim=1)[:hi - lo]  # [pairs, 2]
     dataset.set_reference_logps(all_reduce_sum(logps, ctx).cpu())
 
 
