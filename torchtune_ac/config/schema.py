@@ -171,5 +171,8 @@ class FullDPOConfig(FullFinetuneConfig):
         return self.ref_checkpoint_dir if self.ref_checkpoint_dir is not None else self.checkpoint_dir
 
     def preference_step(self) -> Optional[PreferenceStep]:
-        """Pairs, two rows each, and the reference model when it stays resident."""
+        """Pairs, two rows each, and the reference model when it stays resident. Packed pairs
+        (``dataset.packed: true``) are planned the same: a row of up to ``2 * max_seq_len`` tokens holds what a
+        padded pair's two rows of ``max_seq_len`` hold at most, and per-document attention spans no more than
+        ``max_seq_len`` tokens, so the padded worst case bounds it."""
         return PreferenceStep(resident_reference=self.dpo.reference is ReferenceMode.RESIDENT)

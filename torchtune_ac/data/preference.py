@@ -234,6 +234,18 @@ class PreferenceDataset(Dataset):
         self._reference = array("d", logps.double().flatten().tolist())
 
 
+class PairPackingReport(PackingReport):
+    """What packing made of preference pairs: ``samples`` pairs into ``rows`` of ``max_seq_len`` (twice the
+    config's) tokens."""
+
+    def unchanged(self) -> Optional[str]:
+        if self.samples < 2 or self.rows != self.samples:
+            return None
+        return (f"packing changed nothing: each of the {self.rows:,} rows of {self.max_seq_len} tokens (2 x "
+                f"max_seq_len={self.max_seq_len // 2}) holds one pair (none fit beside the one before it), "
+                f"{100 * self.fill:.1f} % filled on average; raise max_seq_len, or set packed: false")
+
+
 class PackedPreferenceDataset(PreferenceDataset):
     """Preference pairs packed into rows (``packed: true``, see the module docstring): a sample is a row
     ``{"tokens", "labels", "document_ids", "pairs"}``, its pairs' chosen and rejected sequences one after the other
@@ -278,8 +290,8 @@ class PackedPreferenceDataset(PreferenceDataset):
     def finish(self) -> None:
         """Close the last row and count what packing made."""
         self.close_row()
-        self.packing = PackingReport(samples=self.pair_count, rows=len(self), tokens=self._tokens,
-                                     max_seq_len=self.row_len)
+        self.packing = PairPackingReport(samples=self.pair_count, rows=len(self), tokens=self._tokens,
+                                         max_seq_len=self.row_len)
 
     def __len__(self) -> int:
         return len(self._rows)
