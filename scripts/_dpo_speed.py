@@ -66,8 +66,8 @@ def synthesise_pairs(n_pairs: int, scale: float, seed: int, out: Path) -> dict:
     rng = random.Random(seed)
     pairs, drawn = [], {"prompt": [], "chosen": [], "rejected": []}
     for _ in range(n_pairs):
-        lengths = {"prompt": draw_length(rng, PROMPT_LENGTHS, scale),
-                   "chosen": draw_length(rng, ANSWER_LENGTHS, scale), "rejected": draw_length(rng, ANSWER_LENGTHS, scale)}
+        lengths = {"prompt": draw_length(rng, PROMPT_LENGTHS, scale), "chosen": draw_length(rng, ANSWER_LENGTHS, scale),
+                   "rejected": draw_length(rng, ANSWER_LENGTHS, scale)}
         pair = {name: text_of_length(rng, prompts if name == "prompt" else answers, n, hf_tokenizer)
                 for name, n in lengths.items()}
         if pair["chosen"] == pair["rejected"]:
@@ -121,7 +121,8 @@ def run_ours(side: str, settings: dict, out: Path) -> dict:
     from torchtune_ac.data import EMBEDDED_TOKENIZER_DIR
 
     batch = settings["batch_size"]
-    overrides = [f"model._component_=torchtune_ac.models.{settings['model']}", f"checkpoint_dir={settings['checkpoint']}",
+    overrides = [f"model._component_=torchtune_ac.models.{settings['model']}",
+                 f"checkpoint_dir={settings['checkpoint']}",
                  f"tokenizer.path={EMBEDDED_TOKENIZER_DIR}", f"dataset.source={settings['pairs']}", "dataset_val=null",
                  "run_val_every_n_steps=null", f"max_seq_len={settings['max_length']}", "shuffle=false",
                  "max_steps_per_epoch=null", "epochs=1", "enable_activation_checkpointing=false",
@@ -198,7 +199,8 @@ def plot_speed(speed: dict, path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     sides = list(speed["runs"])
     left.bar(sides, [speed["best_tokens_per_s"][s] for s in sides], color=["tab:grey", "tab:blue", "tab:orange"])
-    left.set(ylabel="tokens/s (best epoch)", title=f"DPO on CPU: {speed['model']} fp32, {speed['batch_pairs']} pairs/step")
+    left.set(ylabel="tokens/s (best epoch)",
+             title=f"DPO on CPU: {speed['model']} fp32, {speed['batch_pairs']} pairs/step")
     right.bar(sides, [max(r["peak_gib"] for r in speed["runs"][s]) for s in sides],
               color=["tab:grey", "tab:blue", "tab:orange"])
     right.set(ylabel="peak resident set (GiB)", title="memory (the process's peak)")

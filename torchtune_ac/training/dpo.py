@@ -184,7 +184,8 @@ class DPOObjective:
 
     Batches are ``collate_preference_batch``'s: ``2b`` rows, chosen then rejected, and ``reference_logps`` when they
     were precomputed; or packed rows (``collate_packed_pairs``), whose ``sequence_ids`` number the same ``2p``
-    sequences in the same order. ``targets`` counts the pairs with a target (an evaluation's filler pairs count for nothing).
+    sequences in the same order. ``targets`` counts the pairs with a target (an evaluation's filler pairs count for
+    nothing).
 
     Attributes:
         config: the ``dpo`` keys.

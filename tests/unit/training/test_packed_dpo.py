@@ -34,11 +34,11 @@ BOTH = llama_terms(ARGS, MAX_SEQ_LEN, 18 * MAX_SEQ_LEN)
 @pytest.fixture(scope="module")
 def datasets(tmp_path_factory):
     """The same 9 pairs (strings and message lists, one truncated), padded and packed, and the tokenizer."""
-    records = [{"prompt": f"What is {i} + {i}?", "chosen": str(2 * i) + " because" * i, "rejected": f"{2 * i + 1} or so"}
-               for i in range(6)]
-    records += [{"chosen": [{"role": "user", "content": "name a fruit"}, {"role": "assistant", "content": f"apple {i}"}],
-                 "rejected": [{"role": "user", "content": "name a fruit"}, {"role": "assistant", "content": "stone"}]}
-                for i in range(2)]
+    records = [{"prompt": f"What is {i} + {i}?", "chosen": str(2 * i) + " because" * i,
+                "rejected": f"{2 * i + 1} or so"} for i in range(6)]
+    question = {"role": "user", "content": "name a fruit"}
+    records += [{"chosen": [question, {"role": "assistant", "content": f"apple {i}"}],
+                 "rejected": [question, {"role": "assistant", "content": "stone"}]} for i in range(2)]
     records.append({"prompt": "tell me a long story " * 6, "chosen": "once upon a time " * 8, "rejected": "no"})
     path = tmp_path_factory.mktemp("pairs") / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
