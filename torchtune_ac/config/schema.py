@@ -149,7 +149,9 @@ class FullDPOConfig(FullFinetuneConfig):
 
     dataset: Component = config_key(
         doc="The preference pairs: torchtune_ac.data.preference_dataset with its source (prompt/chosen/rejected "
-        "strings, or chosen/rejected message lists sharing their prompt).", positional=1,
+        "strings, or chosen/rejected message lists sharing their prompt); packed: true packs whole pairs into rows "
+        "of up to 2 x max_seq_len tokens, each sequence a document of its own (batch_size then counts rows).",
+        positional=1,
         recipe_kwargs=("max_seq_len",))
     ref_checkpoint_dir: Optional[str] = config_key(
         None, doc="The Hugging Face checkpoint of the reference model; null: the policy's starting weights "
