@@ -1,9 +1,10 @@
-"""Benchmark the DPO recipe on CPU: does it learn a preference it was not shown, and what does a resident reference
-model cost in memory?
+"""Benchmark the DPO recipe on CPU: does it learn a preference it was not shown, what does a resident reference
+model cost in memory, and how fast are padded and packed DPO against TRL?
 
-    .venv/bin/python scripts/bench_dpo.py                              # both parts
+    .venv/bin/python scripts/bench_dpo.py                              # learning and memory
     .venv/bin/python scripts/bench_dpo.py --only learning --steps 300
     .venv/bin/python scripts/bench_dpo.py --only memory --repeats 2
+    .venv/bin/python scripts/bench_dpo.py --only speed --repeats 2     # padded, packed and TRL (needs trl)
 
 1. learning: ``tune run full_dpo --config tiny/dpo`` (the embedded 1.6 M-parameter model from its random weights)
    for ``--steps`` steps on the embedded synthetic pairs, whose chosen answer is the bare answer and whose rejected
@@ -15,7 +16,13 @@ model cost in memory?
    fresh processes: each run's peak resident set (``metrics.jsonl``'s ``peak_memory_gib``, the process's
    ``ru_maxrss``, set-up and the precomputing pass included), next to what ``tune plan`` plans for each.
 
-Writes ``bench_results/bench_dpo.json`` and ``docs/images/bench_dpo.png``.
+3. speed (``--only speed``, ``_dpo_speed.py``): padded DPO, packed DPO (``dataset.packed: true``) and TRL 1.16's
+   ``DPOTrainer`` on the same model (saved with ``save_hf``, loaded by both), the same pairs with UltraFeedback's
+   length spread made from the embedded pairs, about the same pairs a step, fp32: tokens/s and the peak resident
+   set, interleaved A/B/C/C/B/A in fresh processes. Targets: packed >= 1.3x padded, and faster than TRL.
+
+Writes ``bench_results/bench_dpo.json`` and ``docs/images/bench_dpo.png`` (speed: ``bench_dpo_speed.json`` and
+``bench_dpo_speed.png``).
 """
 
 from __future__ import annotations
@@ -41,13 +48,21 @@ GiB = 2**30
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("learning", "memory"), help="run one part")
+    parser.add_argument("--only", choices=("learning", "memory", "speed"), help="run one part (speed only this way)")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps of the learning run")
     parser.add_argument("--val-every", type=int, default=25, help="validate every N steps")
     parser.add_argument("--memory-steps", type=int, default=4, help="steps of each memory run")
     parser.add_argument("--repeats", type=int, default=1, help="A/B/B/A rounds of the memory runs")
-    parser.add_argument("--out-json", type=Path, default=REPO / "bench_results" / "bench_dpo.json")
-    parser.add_argument("--out-png", type=Path, default=REPO / "docs" / "images" / "bench_dpo.png")
+    parser.add_argument("--model", default="llama_small", help="speed: the model (a torchtune_ac.models builder)")
+    parser.add_argument("--pairs", type=int, default=256, help="speed: pairs of one epoch")
+    parser.add_argument("--batch-size", type=int, default=8, help="speed: pairs a step")
+    parser.add_argument("--max-seq-len", type=int, default=512, help="speed: max_seq_len (TRL's max_length)")
+    parser.add_argument("--length-scale", type=float, default=0.25,
+                        help="speed: UltraFeedback's lengths times this (0.25: a median answer of 65 tokens)")
+    parser.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) // 2), help="speed: threads")
+    parser.add_argument("--seed", type=int, default=0, help="speed: the seed of the drawn lengths")
+    parser.add_argument("--out-json", type=Path, help="default: bench_results/bench_dpo.json (speed: _speed.json)")
+    parser.add_argument("--out-png", type=Path, help="default: docs/images/bench_dpo.png (speed: _speed.png)")
     return parser.parse_args(argv)
 
 
@@ -154,6 +169,18 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
+    suffix = "_speed" if args.only == "speed" else ""
+    args.out_json = args.out_json or REPO / "bench_results" / f"bench_dpo{suffix}.json"
+    args.out_png = args.out_png or REPO / "docs" / "images" / f"bench_dpo{suffix}.png"
+    if args.only == "speed":
+        from _dpo_speed import format_speed, plot_speed, run_speed
+
+        with tempfile.TemporaryDirectory(prefix="bench_dpo_speed-") as root:
+            report = {"machine": machine(), "speed": run_speed(args, Path(root))}
+        report["machine"]["load_average_after"] = os.getloadavg()
+        write_report(report, format_speed(report["speed"]), args.out_json,
+                     lambda r, path: plot_speed(r["speed"], path), args.out_png)
+        return
     report = {"machine": machine()}
     with tempfile.TemporaryDirectory(prefix="bench_dpo-") as root:
         if args.only in (None, "learning"):

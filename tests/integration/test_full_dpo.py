@@ -144,6 +144,23 @@ def test_a_precomputed_reference_trains_as_a_resident_one(tmp_path: Path, plain_
                                  lrs=[r["lr"] for r in expected], terms=TERMS)
 
 
+def test_packed_pairs_train_from_ln2_with_a_precomputed_reference_and_plan(tmp_path: Path, capsys) -> None:
+    from torchtune_ac.cli import main
+
+    # Rows of 2 x 128 tokens: three or four of the embedded pairs each.
+    check_success(run_tune_in_process(dpo_argv(tmp_path, "max_seq_len=128", "max_steps_per_epoch=2", "batch_size=1",
+                                               "dataset.packed=true", "dpo.reference=precomputed", "dataset_val=null",
+                                               "run_val_every_n_steps=null")))
+    first = read_metrics(tmp_path)[0]
+    assert first["tokens"] <= 256 and first["target_tokens"] > 0
+    # One row of several pairs: its reference came from another forward over the same row, so the log-ratios are
+    # 0 within rounding; every pair's loss ln 2 within that.
+    assert_close(first["loss"], math.log(2), terms=TERMS, what="the first loss")
+    assert first["rewards_accuracy"] == pytest.approx(0.5, abs=0.5)
+    assert main(["plan", "--config", "tiny/dpo", "dataset.packed=true", "max_seq_len=64"]) == 0
+    assert "full " in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------------------ stop, resume, 2 processes
 
 RESUME_STEPS, SAVE_EVERY = 6, 2

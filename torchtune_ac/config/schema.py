@@ -182,7 +182,9 @@ class FullDPOConfig(FullFinetuneConfig):
 
     dataset: Component = config_key(
         doc="The preference pairs: torchtune_ac.data.preference_dataset with its source (prompt/chosen/rejected "
-        "strings, or chosen/rejected message lists sharing their prompt).", positional=1,
+        "strings, or chosen/rejected message lists sharing their prompt); packed: true packs whole pairs into rows "
+        "of up to 2 x max_seq_len tokens, each sequence a document of its own (batch_size then counts rows).",
+        positional=1,
         recipe_kwargs=("max_seq_len",))
     ref_checkpoint_dir: Optional[str] = config_key(
         None, doc="The Hugging Face checkpoint of the reference model; null: the policy's starting weights "
@@ -206,5 +208,8 @@ class FullDPOConfig(FullFinetuneConfig):
         return self.ref_checkpoint_dir if self.ref_checkpoint_dir is not None else self.checkpoint_dir
 
     def preference_step(self) -> Optional[PreferenceStep]:
-        """Pairs, two rows each, and the reference model when it stays resident."""
+        """Pairs, two rows each, and the reference model when it stays resident. Packed pairs
+        (``dataset.packed: true``) are planned the same: a row of up to ``2 * max_seq_len`` tokens holds what a
+        padded pair's two rows of ``max_seq_len`` hold at most, and per-document attention spans no more than
+        ``max_seq_len`` tokens, so the padded worst case bounds it."""
         return PreferenceStep(resident_reference=self.dpo.reference is ReferenceMode.RESIDENT)

@@ -28,6 +28,14 @@ prompt first loses tokens after its BOS, until the pair fits or the prompt is do
 (default: half of ``max_seq_len``); then each answer loses its end. What that cost is counted and said once at
 start-up, as for the other datasets.
 
+Packed (``packed: true``, which needs ``max_seq_len``): the pairs, truncated as above, go in order into rows of up
+to ``2 * max_seq_len`` tokens (room for the longest pair), each pair's chosen sequence then its rejected one, each
+a document of its own (``document_ids``: it attends only to itself, its positions restart). A pair is never split
+across rows: one that does not fit the rest of a row starts the next. A row is as long as its pairs (the batch pads
+to its longest row), so the padding of the unpacked batches, each pair's two rows padded to the batch's longest
+sequence, is gone. Each sequence's log-probability is summed over its own tokens (``sequence_ids``), and the loss
+pairs each chosen sequence with its rejected one, as unpacked.
+
 A record is refused, in one line naming it, when a column is missing or of the wrong type, an answer is empty,
 chosen and rejected are the same, or (message lists) they do not end with an assistant turn, have different
 prompts, or have no prompt at all.
@@ -56,7 +64,7 @@ from torchtune_ac.data.datasets import (
     resolve_max_seq_len,
 )
 from torchtune_ac.data.embedded import EMBEDDED_PREFERENCE_DIR
-from torchtune_ac.data.samples import IGNORE_INDEX, TokenizedDataset
+from torchtune_ac.data.samples import IGNORE_INDEX, PackingReport, TokenizedDataset
 from torchtune_ac.data.sources import (
     JSON_SUFFIXES,
     Record,
@@ -211,16 +219,110 @@ class PreferenceDataset(Dataset):
             sample["reference_logps"] = [chosen, rejected]
         return sample
 
+    @property
+    def pair_count(self) -> int:
+        """How many pairs it holds (one a sample)."""
+        return len(self)
+
+    def pair_range(self, start: int, stop: int) -> tuple[int, int]:
+        """The pairs of samples ``start`` to ``stop``: the same numbers (a packed dataset's rows hold several)."""
+        return min(start, len(self)), min(stop, len(self))
+
     def set_reference_logps(self, logps: torch.Tensor) -> None:
         """Keep the reference model's log-probabilities with the pairs.
 
         Args:
-            logps: ``[len, 2]``: each pair's chosen and rejected answer's summed log-probability; NaN for a pair
-                that was not computed, because the run does not read it (reading it raises).
+            logps: ``[pair_count, 2]``: each pair's chosen and rejected answer's summed log-probability; NaN for a
+                pair that was not computed, because the run does not read it (reading it raises).
         """
-        if tuple(logps.shape) != (len(self), 2):
-            raise ValueError(f"reference log-probabilities of shape {tuple(logps.shape)}, expected ({len(self)}, 2)")
+        if tuple(logps.shape) != (self.pair_count, 2):
+            raise ValueError(f"reference log-probabilities of shape {tuple(logps.shape)}, expected "
+                             f"({self.pair_count}, 2)")
         self._reference = array("d", logps.double().flatten().tolist())
+
+
+class PairPackingReport(PackingReport):
+    """What packing made of preference pairs: ``samples`` pairs into ``rows`` of ``max_seq_len`` (twice the
+    config's) tokens."""
+
+    def unchanged(self) -> Optional[str]:
+        if self.samples < 2 or self.rows != self.samples:
+            return None
+        return (f"packing changed nothing: each of the {self.rows:,} rows of {self.max_seq_len} tokens (2 x "
+                f"max_seq_len={self.max_seq_len // 2}) holds one pair (none fit beside the one before it), "
+                f"{100 * self.fill:.1f} % filled on average; raise max_seq_len, or set packed: false")
+
+
+class PackedPreferenceDataset(PreferenceDataset):
+    """Preference pairs packed into rows (``packed: true``, see the module docstring): a sample is a row
+    ``{"tokens", "labels", "document_ids", "pairs"}``, its pairs' chosen and rejected sequences one after the other
+    (documents ``2k`` and ``2k + 1`` are its ``k``-th pair's), ``pairs`` how many; plus ``"reference_logps"``, a
+    ``[chosen, rejected]`` per pair, once computed."""
+
+    def __init__(self, row_len: int) -> None:
+        super().__init__()
+        self.row_len = row_len
+        self._rows = TokenizedDataset(("tokens", "labels", "document_ids"))
+        self._pair_offsets = array("q", [0])  # row r holds pairs _pair_offsets[r] to _pair_offsets[r + 1]
+        self._row: dict[str, list[int]] = {"tokens": [], "labels": [], "document_ids": []}
+        self._pending = 0  # pairs in the row being filled
+        self._tokens = 0
+        self.packing: Optional[PackingReport] = None
+
+    def append(self, sample: dict[str, list[int]]) -> None:
+        """Add one pair (a ``pair_sample`` no longer than ``row_len``): to the row being filled when it fits, else
+        to a new one."""
+        length = len(sample["chosen_tokens"]) + len(sample["rejected_tokens"])
+        if length > self.row_len:
+            raise ValueError(f"pair of {length} tokens does not fit a row of {self.row_len}; truncate it first")
+        if len(self._row["tokens"]) + length > self.row_len:
+            self.close_row()
+        for side, name in enumerate(ANSWERS):
+            tokens = sample[f"{name}_tokens"]
+            self._row["tokens"] += tokens
+            self._row["labels"] += sample[f"{name}_labels"]
+            self._row["document_ids"] += [2 * self._pending + side] * len(tokens)
+        self._pending += 1
+        self._tokens += length
+
+    def close_row(self) -> None:
+        """Store the row being filled (called once more after the last pair: ``finish``)."""
+        if not self._pending:
+            return
+        self._rows.append(self._row)
+        self._pair_offsets.append(self._pair_offsets[-1] + self._pending)
+        self._row = {"tokens": [], "labels": [], "document_ids": []}
+        self._pending = 0
+
+    def finish(self) -> None:
+        """Close the last row and count what packing made."""
+        self.close_row()
+        self.packing = PairPackingReport(samples=self.pair_count, rows=len(self), tokens=self._tokens,
+                                         max_seq_len=self.row_len)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    @property
+    def pair_count(self) -> int:
+        return self._pair_offsets[-1]
+
+    def pair_range(self, start: int, stop: int) -> tuple[int, int]:
+        """The pairs of rows ``start`` to ``stop``."""
+        return self._pair_offsets[min(start, len(self))], self._pair_offsets[min(stop, len(self))]
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        sample: dict[str, Any] = dict(self._rows[index])
+        index %= len(self)
+        first, last = self._pair_offsets[index], self._pair_offsets[index + 1]
+        sample["pairs"] = last - first
+        if self._reference is not None:
+            if math.isnan(self._reference[2 * first]):
+                raise ValueError(f"row {index} has no precomputed reference log-probabilities: the run was not to "
+                                 "read it")
+            sample["reference_logps"] = [[self._reference[2 * i], self._reference[2 * i + 1]]
+                                         for i in range(first, last)]
+        return sample
 
 
 def collate_preference_batch(samples: Sequence[dict[str, Any]], *, pad_id: int, pad_to_multiple_of: int = 1,
@@ -232,8 +334,11 @@ def collate_preference_batch(samples: Sequence[dict[str, Any]], *, pad_id: int, 
         What ``collate_batch`` returns for the ``2b`` rows (``tokens``, ``labels``, the host's ``target_count``),
         plus ``reference_logps`` ``[2b]`` (float32, chosen then rejected) when the samples carry them. A pair whose
         labels are all ignored (as ``evaluation_batches`` fills a last batch with) counts for nothing
-        (``training.dpo.pair_mask``).
+        (``training.dpo.pair_mask``). Packed rows are collated by ``collate_packed_pairs``.
     """
+    if "pairs" in samples[0]:
+        return collate_packed_pairs(samples, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of,
+                                    max_length=max_length)
     rows = ([{"tokens": s["chosen_tokens"], "labels": s["chosen_labels"]} for s in samples]
             + [{"tokens": s["rejected_tokens"], "labels": s["rejected_labels"]} for s in samples])
     batch = collate_batch(rows, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, max_length=max_length)
@@ -244,9 +349,39 @@ def collate_preference_batch(samples: Sequence[dict[str, Any]], *, pad_id: int, 
     return batch
 
 
+def collate_packed_pairs(samples: Sequence[dict[str, Any]], *, pad_id: int, pad_to_multiple_of: int = 1,
+                         max_length: Optional[int] = None) -> dict[str, torch.Tensor]:
+    """Stack packed rows (``PackedPreferenceDataset``'s) holding ``p`` pairs in all, right-padded to one length.
+
+    Returns:
+        What ``collate_batch`` returns for the rows (``tokens``, ``labels``, ``document_ids``, the host's
+        ``target_count`` and ``document_lengths``), plus ``sequence_ids`` ``[b, s]``: the sequence each position
+        belongs to, the chosen ones numbered ``0 .. p-1`` then the rejected ones ``p .. 2p-1`` in pair order (as the
+        unpacked batch's rows are; padding says 0 and has no target), the host's ``sequence_count`` (``2p``, 0-d),
+        and ``reference_logps`` ``[2p]`` when the rows carry them.
+    """
+    batch = collate_batch([{key: s[key] for key in ("tokens", "labels", "document_ids")} for s in samples],
+                          pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, max_length=max_length)
+    pairs = torch.tensor([s["pairs"] for s in samples])  # [b]
+    n_pairs = int(pairs.sum())
+    first_pair = (pairs.cumsum(0) - pairs)[:, None]  # [b, 1]: the row's first pair's number in the batch
+    documents = batch["document_ids"]  # [b, s]: 2k, 2k+1 for the row's k-th pair; 2 * pairs and up: padding
+    sequence_ids = (documents % 2) * n_pairs + first_pair + documents // 2
+    batch["sequence_ids"] = torch.where(documents < 2 * pairs[:, None], sequence_ids, 0)
+    batch["sequence_count"] = torch.tensor(2 * n_pairs)
+    if "reference_logps" in samples[0]:
+        reference = torch.tensor([pair for s in samples for pair in s["reference_logps"]], dtype=torch.float64)
+        batch["reference_logps"] = reference.t().flatten().float()  # [2p]: chosen..., rejected...
+    return batch
+
+
 def blank_preference_sample(sample: dict[str, Any]) -> dict[str, Any]:
-    """A pair that counts for nothing (every label ignored): what fills the last batch of an evaluation pass."""
+    """A pair (or a packed row of pairs) that counts for nothing (every label ignored): what fills the last batch
+    of an evaluation pass."""
     blank = dict(sample)
+    if "labels" in sample:
+        blank["labels"] = [IGNORE_INDEX] * len(sample["labels"])
+        return blank
     for name in ANSWERS:
         blank[f"{name}_labels"] = [IGNORE_INDEX] * len(sample[f"{name}_labels"])
     return blank
@@ -371,6 +506,7 @@ def preference_dataset(
     template: str = "plain",
     max_seq_len: Optional[int] = None,
     max_prompt_len: Optional[int] = None,
+    packed: bool = False,
     split: str = "train",
 ) -> PreferenceDataset:
     """Preference pairs (see the module docstring for the formats, truncation and refusals).
@@ -386,10 +522,12 @@ def preference_dataset(
         max_seq_len: The longest sequence (prompt and answer); defaults to ``tokenizer.max_seq_len``.
         max_prompt_len: Truncation cuts a prompt down to no fewer tokens than this; defaults to half of
             ``max_seq_len``.
+        packed: Pack the pairs into rows of up to ``2 * max_seq_len`` tokens, each sequence a document of its own
+            (see the module docstring); needs ``max_seq_len``.
         split: Split of a folder or Hub dataset.
 
     Returns:
-        The pairs, each a chosen and a rejected sequence.
+        The pairs, each a chosen and a rejected sequence (packed: rows of pairs).
 
     Raises:
         UserError: for a bad file, record, column, ``column_map``, ``conversation_style``, ``template``,
@@ -397,7 +535,7 @@ def preference_dataset(
     """
     return build_preference_dataset(prepare_preference_dataset(
         tokenizer, source=source, column_map=column_map, conversation_style=conversation_style, template=template,
-        max_seq_len=max_seq_len, max_prompt_len=max_prompt_len, split=split))
+        max_seq_len=max_seq_len, max_prompt_len=max_prompt_len, packed=packed, split=split))
 
 
 @dataclass(frozen=True)
@@ -413,6 +551,7 @@ class PreparedPairs:
     max_prompt_len: int
     source_files: Optional[SourceFiles]
     text_columns: TextColumns
+    packed: bool = False
 
     def build(self) -> "PreferenceDataset":
         return build_preference_dataset(self)
@@ -420,7 +559,7 @@ class PreparedPairs:
 
 def prepare_preference_dataset(
     tokenizer: Tokenizer, *, source: Sources, column_map: Optional[dict[str, str]], conversation_style: str,
-    template: str, max_seq_len: Optional[int], max_prompt_len: Optional[int], split: str,
+    template: str, max_seq_len: Optional[int], max_prompt_len: Optional[int], split: str, packed: bool = False,
 ) -> PreparedPairs:
     """:func:`preference_dataset`'s records and encoding (its arguments, all given)."""
     if conversation_style not in CONVERSATION_STYLES:
@@ -428,7 +567,7 @@ def prepare_preference_dataset(
     if template not in TEXT_TEMPLATES:
         raise UserError(f"template={template!r}: must be one of {', '.join(TEXT_TEMPLATES)}")
     columns = resolve_column_map(column_map, PREFERENCE_COLUMNS)
-    max_seq_len = resolve_max_seq_len(max_seq_len, tokenizer, packed=False)
+    max_seq_len = resolve_max_seq_len(max_seq_len, tokenizer, packed=packed)
     max_prompt_len = resolve_max_prompt_len(max_prompt_len, max_seq_len)
     records = load_records(source, suffixes=JSON_SUFFIXES, split=split)
     text = TextColumns()
@@ -438,7 +577,7 @@ def prepare_preference_dataset(
                          tokenizer=tokenizer, text=text)
 
     return PreparedPairs(describe_source(source), records, encode, max_seq_len, max_prompt_len,
-                         source_files(source, split), text)
+                         source_files(source, split), text, packed)
 
 
 def resolve_max_prompt_len(max_prompt_len: Optional[int], max_seq_len: Optional[int]) -> int:
@@ -464,7 +603,7 @@ def build_preference_dataset(prepared: PreparedPairs) -> PreferenceDataset:
         UserError: a record that cannot be encoded (naming it), or no pair is left.
     """
     report = PreferenceReport(prepared.source, prepared.max_seq_len, prepared.max_prompt_len)
-    dataset = PreferenceDataset()
+    dataset = PackedPreferenceDataset(2 * prepared.max_seq_len) if prepared.packed else PreferenceDataset()
     for record in prepared.records:
         pair = truncate_pair(prepared.encode(record), max_seq_len=prepared.max_seq_len,
                              max_prompt_len=prepared.max_prompt_len, report=report)
@@ -475,6 +614,8 @@ def build_preference_dataset(prepared: PreparedPairs) -> PreferenceDataset:
     if len(dataset) == 0:
         raise UserError(f"{prepared.source}: none of the {report.pairs} pairs is left: every one differs only past "
                         f"max_seq_len={prepared.max_seq_len} (raise it)")
+    if isinstance(dataset, PackedPreferenceDataset):
+        dataset.finish()
     converted = prepared.text_columns.describe()
     dataset.report = report.describe(extra=[converted] if converted else [])
     dataset.source, dataset.source_files = prepared.source, prepared.source_files

@@ -11,6 +11,7 @@ A stop signal during the pass ends the run between two of its batches, before tr
 from __future__ import annotations
 
 import gc
+import itertools
 import logging
 from typing import Any, Callable, Optional, Sequence
 
@@ -53,17 +54,23 @@ def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset,
     Args:
         reference: the frozen reference model (``assemble.build_reference``).
         dataset: the pairs (training or validation).
-        batch_size: pairs per process per forward.
+        batch_size: samples (pairs, or packed rows of pairs) per process per forward.
         ctx: this rank's place in the run.
         pad_id: the tokenizer's padding id.
         n_chunks: the resolved ``loss_chunks``.
         padding: how batches are padded (``pad_to_multiple_of``, ``max_length``), as the training batches are.
-        indices: the pairs to compute (``pairs_read``); the others are left NaN, and reading one raises. None: all.
+        indices: the samples to compute (``pairs_read``); the others' pairs are left NaN, and reading one raises.
+            None: all.
         after_batch: called on every rank after each batch with (batches done, batches in all); it may raise to end
             the pass (a stop signal).
     """
-    pairs = dataset if indices is None else Subset(dataset, list(indices))
-    logps = torch.zeros(len(pairs), 2, dtype=torch.float64, device=ctx.device)  # [pairs, (chosen, rejected)]
+    samples = list(range(len(dataset))) if indices is None else list(indices)
+    pairs = dataset if indices is None else Subset(dataset, samples)
+    # The pairs each sample holds (one, or a packed row's several), in the samples' order: where each sample's
+    # pairs go in ``logps``.
+    spans = [dataset.pair_range(i, i + 1) for i in samples]
+    ends = [0, *itertools.accumulate(stop - start for start, stop in spans)]
+    logps = torch.zeros(ends[-1], 2, dtype=torch.float64, device=ctx.device)  # [pairs, (chosen, rejected)]
     # A tensor-parallel group computes its share together; its first rank alone writes it down.
     batches = evaluation_batches(pairs, batch_size=batch_size, pad_id=pad_id, rank=ctx.data_parallel_rank,
                                  world_size=ctx.data_parallel_size, collate=PAIRS.collate, blank=PAIRS.blank,
@@ -74,13 +81,14 @@ def precompute_reference_logps(reference: nn.Module, dataset: PreferenceDataset,
         first = index * global_batch + ctx.data_parallel_rank * batch_size
         computed = reference_logps(reference, move_batch(batch, ctx.device), n_chunks).double()  # [2b]
         count = max(0, min(batch_size, len(pairs) - first)) if ctx.reads_for_its_group else 0  # the rest: fillers
-        logps[first:first + count] = torch.stack(computed.chunk(2), dim=1)[:count]  # [b, 2]
+        low, high = ends[min(first, len(samples))], ends[min(first + count, len(samples))]
+        logps[low:high] = torch.stack(computed.chunk(2), dim=1)[:high - low]  # [pairs, 2]
         if after_batch is not None:
             after_batch(index + 1, total)
     logps = all_reduce_sum(logps, ctx).cpu()
     if indices is not None:
-        every = torch.full((len(dataset), 2), float("nan"), dtype=torch.float64)
-        every[torch.tensor(list(indices), dtype=torch.long)] = logps
+        every = torch.full((dataset.pair_count, 2), float("nan"), dtype=torch.float64)
+        every[torch.tensor([pair for start, stop in spans for pair in range(start, stop)], dtype=torch.long)] = logps
         logps = every
     dataset.set_reference_logps(logps)
 

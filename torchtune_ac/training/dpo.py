@@ -146,13 +146,33 @@ def dpo_loss(policy_logps: torch.Tensor, reference_logps: torch.Tensor, config: 
     return PairTerms(losses, config.beta * chosen_ratio.detach(), config.beta * rejected_ratio.detach())
 
 
+def batch_sequences(batch: Mapping[str, torch.Tensor]) -> tuple[Optional[torch.Tensor], int]:
+    """A batch's ``sequence_ids`` and how many sequences it holds: a packed batch's (``collate_packed_pairs``), or
+    None and its rows (``collate_preference_batch``: a sequence a row)."""
+    if "sequence_ids" in batch:
+        return batch["sequence_ids"], int(batch["sequence_count"])  # a host value: no synchronisation
+    return None, batch["labels"].shape[0]
+
+
+def answer_tokens(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``[2p]`` each answer's target count, chosen then rejected."""
+    sequence_ids, n_sequences = batch_sequences(batch)
+    targets = batch["labels"] != IGNORE_INDEX
+    if sequence_ids is None:
+        return targets.sum(dim=1)
+    return targets.new_zeros(n_sequences, dtype=torch.long).index_add_(0, sequence_ids.flatten(),
+                                                                       targets.flatten().long())
+
+
 def answer_logps(model: nn.Module, batch: Mapping[str, torch.Tensor], n_chunks: int) -> torch.Tensor:
-    """Every row's summed log-probability of its labels under ``model``: ``[rows]`` float32, from the whole logits
-    (``n_chunks`` 1) or through ``ChunkedSequenceLogProbs``."""
+    """Every answer's summed log-probability of its labels under ``model``: ``[2p]`` float32 (a row's, or a packed
+    sequence's), from the whole logits (``n_chunks`` 1) or through ``ChunkedSequenceLogProbs``."""
+    sequence_ids, n_sequences = batch_sequences(batch)
     if n_chunks > 1:
-        head = ChunkedSequenceLogProbs(batch["labels"], n_chunks, host_target_count(batch))
+        head = ChunkedSequenceLogProbs(batch["labels"], n_chunks, host_target_count(batch), sequence_ids,
+                                       n_sequences)
         return run_model(model, batch, head=head)
-    return sequence_logps(run_model(model, batch), batch["labels"])
+    return sequence_logps(run_model(model, batch), batch["labels"], sequence_ids, n_sequences)
 
 
 def freeze_reference(model: nn.Module) -> nn.Module:
@@ -172,7 +192,9 @@ class DPOObjective:
     """The step's objective (``training/objective.py``) for preference pairs.
 
     Batches are ``collate_preference_batch``'s: ``2b`` rows, chosen then rejected, and ``reference_logps`` when they
-    were precomputed. ``targets`` counts the pairs with a target (an evaluation's filler pairs count for nothing).
+    were precomputed; or packed rows (``collate_packed_pairs``), whose ``sequence_ids`` number the same ``2p``
+    sequences in the same order. ``targets`` counts the pairs with a target (an evaluation's filler pairs count for
+    nothing).
 
     Attributes:
         config: the ``dpo`` keys.
@@ -190,7 +212,7 @@ class DPOObjective:
         return "dpo.beta", self.config.beta
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return pair_mask(batch["labels"]).sum()
+        return pair_mask(answer_tokens(batch)).sum()
 
     def reference_logps(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The batch's precomputed reference log-probabilities, or the resident reference's."""
@@ -203,9 +225,9 @@ class DPOObjective:
     def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> LossParts:
         reference = self.reference_logps(batch)  # first: its forward's memory is gone before the policy's
         policy = answer_logps(model, batch, self.n_chunks)
-        labels = batch["labels"]
-        terms = dpo_loss(policy, reference, self.config, answer_tokens=(labels != IGNORE_INDEX).sum(dim=1))
-        valid = pair_mask(labels).float()  # [b]
+        tokens = answer_tokens(batch)  # [2p]
+        terms = dpo_loss(policy, reference, self.config, answer_tokens=tokens)
+        valid = pair_mask(tokens).float()  # [p]
         chosen, rejected = terms.rewards_chosen, terms.rewards_rejected
         accuracy = (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
         policy_chosen, policy_rejected = policy.detach().chunk(2)
@@ -213,6 +235,6 @@ class DPOObjective:
         return LossParts((terms.losses * valid).sum(), (metrics * valid).sum(dim=1))  # [6, b] -> [6]
 
 
-def pair_mask(labels: torch.Tensor) -> torch.Tensor:
-    """``[b]`` bool: the pairs of a ``[2b, s]`` batch whose chosen row has a target."""
-    return (labels[: labels.shape[0] // 2] != IGNORE_INDEX).any(dim=1)
+def pair_mask(answer_tokens: torch.Tensor) -> torch.Tensor:
+    """``[p]`` bool: the pairs whose chosen answer has a target, from ``answer_tokens`` ``[2p]``."""
+    return answer_tokens[: answer_tokens.shape[0] // 2] > 0

@@ -33,7 +33,8 @@ IGNORE_INDEX = -100
 # the batch moves to the device (``step.move_batch``): reading them costs no host synchronisation.
 #   target_count: 0-d, the labels that are not ``IGNORE_INDEX`` (the chunked loss needs the number on the host)
 #   document_lengths: [n_documents], a packed batch's documents, row after row (its attention needs them there)
-HOST_KEYS = frozenset({"target_count", "document_lengths"})
+#   sequence_count: 0-d, a packed preference batch's sequences (``data.preference.collate_packed_pairs``)
+HOST_KEYS = frozenset({"target_count", "document_lengths", "sequence_count"})
 
 
 @dataclass(frozen=True)

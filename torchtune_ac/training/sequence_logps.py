@@ -26,19 +26,26 @@ import torch.nn.functional as F
 from torchtune_ac.training.objective import IGNORE_INDEX
 
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Each row's summed log-probability of its labels, from the whole logits, in float32.
+def sequence_logps(logits: torch.Tensor, labels: torch.Tensor, sequence_ids: Optional[torch.Tensor] = None,
+                   n_sequences: Optional[int] = None) -> torch.Tensor:
+    """Each row's (or each packed sequence's) summed log-probability of its labels, from the whole logits, in
+    float32.
 
     Args:
         logits: ``[b, s, vocab]``.
         labels: ``[b, s]``, shifted (``labels[:, i]`` follows ``tokens[:, i]``); ``IGNORE_INDEX`` counts for nothing.
+        sequence_ids: ``[b, s]``, the sequence each position's label is summed into (a packed batch's); None: its
+            row.
+        n_sequences: how many sequences ``sequence_ids`` numbers (with it).
 
     Returns:
-        ``[b]`` float32.
+        ``[b]`` float32, or ``[n_sequences]``.
     """
     per_token = -F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=IGNORE_INDEX,
                                  reduction="none")  # [b * s], 0 where ignored
-    return per_token.view(labels.shape).sum(dim=1)
+    if sequence_ids is None:
+        return per_token.view(labels.shape).sum(dim=1)
+    return per_token.new_zeros(n_sequences).index_add_(0, sequence_ids.flatten(), per_token)
 
 
 def _soft_cap(logits: torch.Tensor, softcap: Optional[float]) -> torch.Tensor:
@@ -115,14 +122,19 @@ class ChunkedSequenceLogProbs:
         n_chunks: how many pieces the target positions are split into.
         n_targets: how many labels are not ``IGNORE_INDEX``, counted on the host (the batch's ``target_count``), so
             nothing waits for the device; None: counted here (a host synchronisation on a GPU).
+        sequence_ids: ``[b, s]``, the sequence each label is summed into (a packed batch's, ``sequence_logps``);
+            None: its row.
+        n_sequences: how many sequences ``sequence_ids`` numbers (with it).
     """
 
     labels: torch.Tensor
     n_chunks: int
     n_targets: Optional[int] = None
+    sequence_ids: Optional[torch.Tensor] = None
+    n_sequences: Optional[int] = None
 
     def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
-        """``[b]`` float32 summed log-probabilities.
+        """``[b]`` (or ``[n_sequences]``) float32 summed log-probabilities.
 
         Args:
             hidden: ``[b, s, dim]``, the final norm's output.
@@ -136,6 +148,9 @@ class ChunkedSequenceLogProbs:
         # The target positions in order (a stable sort of a 0/1 key), as the chunked token loss gathers them.
         order = torch.argsort(ignored.to(torch.uint8), stable=True)[:n_targets]  # [n]
         targets = labels.index_select(0, order)  # [n]
-        rows = torch.div(order, seq_len, rounding_mode="floor")  # [n]
+        if self.sequence_ids is None:
+            rows = torch.div(order, seq_len, rounding_mode="floor")  # [n]
+        else:
+            rows, n_rows = self.sequence_ids.flatten().index_select(0, order), self.n_sequences
         hidden = hidden.flatten(0, 1).index_select(0, order)  # [n, dim]
         return _ChunkedSequenceLogProbs.apply(hidden, weight, targets, rows, n_rows, self.n_chunks, softcap)

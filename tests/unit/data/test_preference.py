@@ -217,9 +217,9 @@ def test_an_evaluation_pass_fills_its_last_batch_with_pairs_that_count_for_nothi
     assert [b["tokens"].shape[0] for b in batches] == [4, 4]  # 2 pairs a batch: the last one's second a filler
     assert (batches[1]["labels"][[1, 3]] == M).all()  # the filler's chosen and rejected rows
     assert (batches[1]["labels"][[0, 2]] != M).any(dim=1).all()
-    from torchtune_ac.training.dpo import pair_mask
+    from torchtune_ac.training.dpo import answer_tokens, pair_mask
 
-    assert pair_mask(batches[1]["labels"]).tolist() == [True, False]
+    assert pair_mask(answer_tokens(batches[1])).tolist() == [True, False]
 
 
 def test_a_list_of_sources_reads_one_after_the_other(tmp_path, tokenizer):
