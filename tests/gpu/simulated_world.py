@@ -55,7 +55,8 @@ def simulate_rank_zero(config: str, overrides: Sequence[str], *, world_size: int
 
     Returns:
         ``planned_*``: ``tune plan``'s estimate for the config's AC setting (GiB); ``parameters_gib`` and
-        ``optimizer_gib``: what rank 0 holds after the step (its shards, counted from the tensors);
+        ``optimizer_gib``: what rank 0 holds after the step (its shards, counted from the tensors; the optimizer's
+        state without its scalar step counters);
         ``peak_allocated_gib`` (CUDA only: the caching allocator's peak, from before the build); ``finite``:
         whether the fake collectives' outputs gave a finite loss (they need not); ``seconds``.
     """
@@ -92,7 +93,7 @@ def simulate_rank_zero(config: str, overrides: Sequence[str], *, world_size: int
         torch.cuda.synchronize()
     optimizer_state = [t for optimizer in training.stepper.optimizers_to_checkpoint()
                        for state in optimizer.state.values() for t in state.values()
-                       if isinstance(t, torch.Tensor)]
+                       if isinstance(t, torch.Tensor) and t.dim() > 0]  # not the step counters
     result = {"config": config, "world_size": world_size, "device": str(device), "finite": finite,
               "ac": wanted, "seconds": round(time.perf_counter() - start, 2),
               "parameters_gib": local_bytes(training.model.parameters()) / GiB,
