@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
 from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
 from torchtune_ac.config.meta_model import build_meta_model
-from torchtune_ac.memory.planner import describe_setting
+from torchtune_ac.memory.planner import describe_setting, estimate_memory
 from torchtune_ac.run.assemble import build_training
+from torchtune_ac.run.plan import planner_inputs, resolve_run_plan
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.runtime.non_finite import NonFiniteError
 from torchtune_ac.training.step import train_step
@@ -54,7 +54,7 @@ def simulate_rank_zero(config: str, overrides: Sequence[str], *, world_size: int
     """One step of rank 0 of ``world_size`` (``fake_world`` must be entered), with what it held against the plan.
 
     Returns:
-        ``planned_*``: ``tune plan``'s estimate for the config's AC setting (GiB); ``parameters_gib`` and
+        ``planned_*``: the planner's estimate for the config's AC setting (GiB), ``tune plan --nproc N``'s row; ``parameters_gib`` and
         ``optimizer_gib``: what rank 0 holds after the step (its shards, counted from the tensors; the optimizer's
         state without its scalar step counters);
         ``peak_allocated_gib`` (CUDA only: the caching allocator's peak, from before the build); ``finite``:
@@ -62,12 +62,12 @@ def simulate_rank_zero(config: str, overrides: Sequence[str], *, world_size: int
     """
     recipe = load_recipe(resolve_recipe_path("full_finetune"))
     cfg = load_recipe_config(recipe, config, list(overrides), [])
-    table = recipe.plan(cfg, world_size=world_size, budget_gib=None)
-    plan = table.run_plan
-    wanted = describe_setting(resolve_ac_plan(enable_activation_checkpointing=cfg.ac.enable_activation_checkpointing,
-                                              ac_mode=cfg.ac.ac_mode, ac_option=cfg.ac.ac_option,
-                                              n_layers=plan.model.layers))
-    (estimate,) = [e for e in table.estimates if describe_setting(e.plan) == wanted]
+    model = build_meta_model(cfg.model, None)
+    plan = resolve_run_plan(cfg, model, world_size=world_size)
+    # tune plan's row for the config's own AC setting, as its table computes it (the other rows left out).
+    inputs = planner_inputs(cfg, plan.parallelism, torch.device("cpu"))
+    workload = inputs.workload.with_settings(plan.memory.settings, clip_grad_norm=cfg.clip_grad_norm)
+    (estimate,) = estimate_memory(inputs.build_model, inputs.make_optimizer, workload, [plan.memory.ac])
     ctx = DistributedContext(0, world_size, 0, device, parallelism=plan.parallelism)
     on_cuda = device.type == "cuda"
     if on_cuda:
@@ -76,7 +76,7 @@ def simulate_rank_zero(config: str, overrides: Sequence[str], *, world_size: int
         torch.cuda.reset_peak_memory_stats()
         before = torch.cuda.memory_allocated()
     start = time.perf_counter()
-    training = build_training(build_meta_model(cfg.model, None), plan, ctx=ctx,
+    training = build_training(model, plan, ctx=ctx,
                               mesh=plan.parallelism.build_mesh(device.type),
                               make_optimizer=cfg.optimizer.instantiate)
     generator = torch.Generator().manual_seed(0)
@@ -95,11 +95,11 @@ def simulate_rank_zero(config: str, overrides: Sequence[str], *, world_size: int
                        for state in optimizer.state.values() for t in state.values()
                        if isinstance(t, torch.Tensor) and t.dim() > 0]  # not the step counters
     result = {"config": config, "world_size": world_size, "device": str(device), "finite": finite,
-              "ac": wanted, "seconds": round(time.perf_counter() - start, 2),
+              "ac": describe_setting(plan.memory.ac), "seconds": round(time.perf_counter() - start, 2),
               "parameters_gib": local_bytes(training.model.parameters()) / GiB,
               "optimizer_gib": local_bytes(optimizer_state) / GiB,
               "planned_parameters_gib": estimate.parameters / GiB, "planned_optimizer_gib": estimate.optimizer / GiB,
-              "planned_total_gib": estimate.total / GiB, "planned_device_gib": estimate.device / GiB}
+              "planned_total_gib": estimate.total / GiB}
     if on_cuda:
         result["peak_allocated_gib"] = (torch.cuda.max_memory_allocated() - before) / GiB
         result["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GiB
