@@ -45,7 +45,8 @@ def test_tune_run_cuda_overrides_validate_and_its_plan_helper_runs(tmp_path: Pat
         for ac in sorted(gpu_test.AC):
             args = gpu_test.overrides(tmp_path / "out", embedded_checkpoint, documents, packed, ac)
             validate(*args)
-            if packed:  # the plan of a packed bf16 CUDA run (varlen_attn's K/V copies counted where torch makes them)
+            if packed and ac != "none":  # the plan of a packed bf16 CUDA run (varlen_attn's K/V copies counted
+                # where torch makes them); each call plans every AC setting, so two calls show the helper works
                 planned[ac] = gpu_test.planned_step_bytes(args)
     # llama_small (32 M parameters) in bf16 with AdamW: more than its weights, gradients and bf16 states (8 bytes a
     # parameter); per-op AC keeps the matmuls' outputs, which full AC recomputes.
