@@ -5,6 +5,9 @@ CPU test reaches: CUDA streams, bf16 mixed precision (fp32 storage, bf16 gathers
 step in backward and activation offloading to pinned host memory. Where it does not, the probe's test fails with
 gloo's own message (recorded in ``gpu_tests.json``) and the runs are skipped, saying so.
 
+The 1-rank reference is not sharded (one process shards only for a feature that works through FSDP2), so it
+computes in fp32 where the 2 ranks gather bf16: the bound is bf16's rounding, 2**16 times float32's.
+
 Each world is ``torch.multiprocessing`` processes on a free port; the 1-rank run is the reference."""
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from torchtune_ac.models.llama import Llama, LlamaArgs
 ARGS = LlamaArgs(vocab_size=1024, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_dim=512, max_seq_len=128)
 STEPS, LR, SEQ, BATCH = 3, 1e-3, 128, 4
 COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast")
+DEVICE = torch.device("cuda", 0)  # every rank's
 
 
 def free_port() -> int:
@@ -35,23 +39,24 @@ def free_port() -> int:
 
 def join(rank: int, world: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.cuda.set_device(0)  # every rank on the one GPU
+    if DEVICE.type == "cuda":
+        torch.cuda.set_device(DEVICE)  # every rank on the one GPU
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
 def probe(rank: int, world: int, port: int, out: str) -> None:
     join(rank, world, port)
     results = {}
-    x = torch.full((4,), float(rank + 1), device="cuda")
+    x = torch.full((4,), float(rank + 1), device=DEVICE)
     for name in COLLECTIVES:
         try:
             if name == "all_gather_into_tensor":
-                got = torch.empty(4 * world, device="cuda")
+                got = torch.empty(4 * world, device=DEVICE)
                 dist.all_gather_into_tensor(got, x)
                 ok = got.tolist() == [float(r + 1) for r in range(world) for _ in range(4)]
             elif name == "reduce_scatter_tensor":
-                got = torch.empty(2, device="cuda")
-                dist.reduce_scatter_tensor(got, torch.arange(4.0, device="cuda"))
+                got = torch.empty(2, device=DEVICE)
+                dist.reduce_scatter_tensor(got, torch.arange(2.0 * world, device=DEVICE))
                 ok = got.tolist() == [world * v for v in (2 * rank, 2 * rank + 1)]
             elif name == "all_reduce":
                 got = x.clone()
@@ -82,13 +87,13 @@ def train(rank: int, world: int, port: int, out: str, tensor: int) -> None:
 
     join(rank, world, port)
     torch.backends.cuda.matmul.allow_tf32 = False
-    device = torch.device("cuda", 0)
+    device = DEVICE
     parallelism = Parallelism(world, tensor=tensor)
     with torch.device("meta"):
         model = Llama(ARGS)
     memory = resolve_memory_plan(ACConfig(ac_mode=ACMode("full")),
                                  MemoryConfig(optimizer_in_bwd=True, enable_activation_offloading=True), model,
-                                 clip_grad_norm=None, dtype=torch.float32, device="cuda")
+                                 clip_grad_norm=None, dtype=torch.float32, device=device.type)
     plan = AssemblyPlan(dtype=DType.FP32, memory=memory, fsdp=FSDPConfig(param_dtype=DType.BF16),
                         parallelism=parallelism, seed=0)
     ctx = DistributedContext(rank, world, 0, device, parallelism=parallelism)
@@ -104,7 +109,8 @@ def train(rank: int, world: int, port: int, out: str, tensor: int) -> None:
         losses.append(train_step(training.model, training.stepper, [batch], ctx=ctx,
                                  objective=training.objective).loss)
     if rank == 0:
-        Path(out).write_text(json.dumps({"losses": losses, "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30}))
+        Path(out).write_text(json.dumps({"losses": losses, "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30
+                                               if device.type == "cuda" else 0.0}))
     dist.destroy_process_group()
 
 
