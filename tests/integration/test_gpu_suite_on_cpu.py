@@ -161,3 +161,19 @@ def test_gpu_peer_inputs_and_our_side_validate_and_its_report_reads_both_logs(tm
     assert summary["tokens_per_second_ratio"] == 1.5 and summary["peak_allocated_ratio"] == 0.9
     assert summary["ours"]["plan_over_allocated"] == 1.0 and summary["torchtune"]["runs"] == 1
     assert summary["ours"]["mfu"] == pytest.approx(1e12 * 150.0 / 1000e12)  # 1e12 FLOP a token
+
+
+@pytest.mark.parametrize("case", ["dpo-resident", "dpo-precomputed", "world8-8b", "world8-70b"])
+def test_dpo_and_world8_cuda_overrides_validate(case: str, tmp_path: Path, embedded_checkpoint: Path) -> None:
+    """The overrides of ``test_dpo_cuda`` and ``test_fake_world_cuda`` through ``tune validate``, as written."""
+    stage, variant = case.split("-")
+    if stage == "dpo":
+        dpo = import_from(REPO / "tests" / "gpu", "test_dpo_cuda")
+        argv = ["--recipe", "full_dpo", "--config", "tiny/dpo",
+                *dpo.overrides(tmp_path / "out", embedded_checkpoint, variant)]
+    else:
+        world = import_from(REPO / "tests" / "gpu", "test_fake_world_cuda")
+        config, extra = world.CONFIGS[variant]
+        argv = ["--config", config, *world.random_init_overrides(tmp_path, embedded_checkpoint, "cuda"), *extra]
+    result = run_tune_in_process(["validate", *argv])
+    assert result.returncode == 0, result.stderr[-3000:]
