@@ -18,13 +18,11 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from planned import plan_config
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
-from torchtune_ac.config.meta_model import build_meta_model
-from torchtune_ac.memory.planner import describe_setting, estimate_memory
+from torchtune_ac.memory.planner import describe_setting
 from torchtune_ac.run.assemble import build_training
-from torchtune_ac.run.plan import planner_inputs, resolve_run_plan
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.runtime.non_finite import NonFiniteError
 from torchtune_ac.training.step import train_step
@@ -60,14 +58,7 @@ def simulate_rank_zero(config: str, overrides: Sequence[str], *, world_size: int
         ``peak_allocated_gib`` (CUDA only: the caching allocator's peak, from before the build); ``finite``:
         whether the fake collectives' outputs gave a finite loss (they need not); ``seconds``.
     """
-    recipe = load_recipe(resolve_recipe_path("full_finetune"))
-    cfg = load_recipe_config(recipe, config, list(overrides), [])
-    model = build_meta_model(cfg.model, None)
-    plan = resolve_run_plan(cfg, model, world_size=world_size)
-    # tune plan's row for the config's own AC setting, as its table computes it (the other rows left out).
-    inputs = planner_inputs(cfg, plan.parallelism, torch.device("cpu"))
-    workload = inputs.workload.with_settings(plan.memory.settings, clip_grad_norm=cfg.clip_grad_norm)
-    (estimate,) = estimate_memory(inputs.build_model, inputs.make_optimizer, workload, [plan.memory.ac])
+    cfg, plan, model, estimate = plan_config("full_finetune", config, overrides, world_size=world_size)
     ctx = DistributedContext(0, world_size, 0, device, parallelism=plan.parallelism)
     on_cuda = device.type == "cuda"
     if on_cuda:

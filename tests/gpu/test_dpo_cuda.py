@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+from planned import plan_config
 
 from torchtune_ac.embedded import CACHE_ENV_VAR, ensure_embedded_checkpoint
 from torchtune_ac.observability.metrics import read_metrics
@@ -38,18 +39,7 @@ def overrides(output_dir: Path, tokenizer: Path, reference: str, device: str = "
 
 def planned_step_bytes(args: list[str]) -> int:
     """``tune plan``'s estimate of the DPO step for the config's AC setting (the allocator's part of it)."""
-    from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
-    from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
-    from torchtune_ac.memory.planner import describe_setting
-
-    recipe = load_recipe(resolve_recipe_path("full_dpo"))
-    cfg = load_recipe_config(recipe, "tiny/dpo", args, [])
-    table = recipe.plan(cfg, world_size=1, budget_gib=None)
-    wanted = describe_setting(resolve_ac_plan(enable_activation_checkpointing=cfg.ac.enable_activation_checkpointing,
-                                              ac_mode=cfg.ac.ac_mode, ac_option=cfg.ac.ac_option,
-                                              n_layers=table.run_plan.model.layers))
-    (estimate,) = [e for e in table.estimates if describe_setting(e.plan) == wanted]
-    return estimate.total
+    return plan_config("full_dpo", "tiny/dpo", args, world_size=1)[3].total
 
 
 def reference_release(device: torch.device, model: str = "llama_small") -> dict[str, int]:

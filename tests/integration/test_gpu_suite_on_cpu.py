@@ -177,3 +177,12 @@ def test_dpo_and_world8_cuda_overrides_validate(case: str, tmp_path: Path, embed
         argv = ["--config", config, *world.random_init_overrides(tmp_path, embedded_checkpoint, "cuda"), *extra]
     result = run_tune_in_process(["validate", *argv])
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def test_the_dpo_plan_helper_counts_a_resident_reference(tmp_path: Path, embedded_checkpoint: Path) -> None:
+    """``test_dpo_cuda.planned_step_bytes`` on a CPU: the resident reference's weights (``llama_small``, 32 M
+    parameters in fp32 here) are planned beside the policy; the precomputed one is not, and nothing else differs."""
+    dpo = import_from(REPO / "tests" / "gpu", "test_dpo_cuda")
+    planned = {reference: dpo.planned_step_bytes(dpo.overrides(tmp_path, embedded_checkpoint, reference, "cpu"))
+               for reference in ("resident", "precomputed")}
+    assert 4 * 31.9e6 <= planned["resident"] - planned["precomputed"] <= 4 * 32.1e6, planned  # its fp32 weights
