@@ -105,7 +105,8 @@ def write_inputs(args: argparse.Namespace, work: Path) -> dict:
 
 
 def common_settings(args: argparse.Namespace) -> dict:
-    return {"batch_size": args.batch_size, "seq_len": args.seq_len, "dtype": "bf16", "optimizer": "torchao.optim.AdamW8bit",
+    return {"batch_size": args.batch_size, "seq_len": args.seq_len, "dtype": "bf16",
+            "optimizer": "torchao.optim.AdamW8bit",
             "lr": 2e-5, "optimizer_in_bwd": True, "activation_checkpointing": "full", "loss_chunks": 8,
             "compile": args.compile, "steps": args.steps, "warmup": args.warmup}
 
@@ -343,9 +344,11 @@ def summarize(report: dict) -> dict:
         if "peak_allocated_gib" in ours:
             ours["plan_over_allocated"] = plan["planned_gib"] / ours["peak_allocated_gib"]
         if report.get("peak_tflops"):
-            ours["mfu"] = plan["step_flops"] / tokens_per_step * ours["tokens_per_second"] / (report["peak_tflops"] * 1e12)
+            flops_per_token = plan["step_flops"] / tokens_per_step
+            ours["mfu"] = flops_per_token * ours["tokens_per_second"] / (report["peak_tflops"] * 1e12)
     if "ours" in summary and "torchtune" in summary:
-        summary["tokens_per_second_ratio"] = summary["ours"]["tokens_per_second"] / summary["torchtune"]["tokens_per_second"]
+        summary["tokens_per_second_ratio"] = (summary["ours"]["tokens_per_second"]
+                                              / summary["torchtune"]["tokens_per_second"])
         if "peak_allocated_gib" in summary["ours"] and "peak_allocated_gib" in summary["torchtune"]:
             summary["peak_allocated_ratio"] = (summary["ours"]["peak_allocated_gib"]
                                                / summary["torchtune"]["peak_allocated_gib"])

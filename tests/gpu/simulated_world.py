@@ -52,7 +52,8 @@ def simulate_rank_zero(config: str, overrides: Sequence[str], *, world_size: int
     """One step of rank 0 of ``world_size`` (``fake_world`` must be entered), with what it held against the plan.
 
     Returns:
-        ``planned_*``: the planner's estimate for the config's AC setting (GiB), ``tune plan --nproc N``'s row; ``parameters_gib`` and
+        ``planned_*``: the planner's estimate for the config's AC setting (GiB), ``tune plan --nproc N``'s row;
+        ``parameters_gib`` and
         ``optimizer_gib``: what rank 0 holds after the step (its shards, counted from the tensors; the optimizer's
         state without its scalar step counters);
         ``peak_allocated_gib`` (CUDA only: the caching allocator's peak, from before the build); ``finite``:

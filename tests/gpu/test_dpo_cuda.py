@@ -69,7 +69,8 @@ def reference_release(device: torch.device, model: str = "llama_small") -> dict[
             torch.cuda.synchronize()
         counts = {"before": torch.cuda.memory_allocated() if on_cuda else 0}
         reference = build_reference(copy.deepcopy(meta), AssemblyPlan(dtype=dtype, memory=memory, seed=0),
-                                    ctx=DistributedContext(0, 1, 0, device), mesh=Parallelism(1).build_mesh(device.type),
+                                    ctx=DistributedContext(0, 1, 0, device),
+                                    mesh=Parallelism(1).build_mesh(device.type),
                                     checkpoint_dir=None)
         storages = [weakref.ref(getattr(p, "_local_tensor", p)) for p in reference.parameters()]  # a DTensor's shard
         sizes = [p.numel() * p.element_size() for p in reference.parameters()]

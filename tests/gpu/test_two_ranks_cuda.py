@@ -111,8 +111,8 @@ def train(rank: int, world: int, port: int, out: str, tensor: int) -> None:
         losses.append(train_step(training.model, training.stepper, [batch], ctx=ctx,
                                  objective=training.objective).loss)
     if rank == 0:
-        Path(out).write_text(json.dumps({"losses": losses, "peak_allocated_gib": torch.cuda.max_memory_allocated() / 2**30
-                                               if device.type == "cuda" else 0.0}))
+        peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else 0.0
+        Path(out).write_text(json.dumps({"losses": losses, "peak_allocated_gib": peak}))
     dist.destroy_process_group()
 
 
