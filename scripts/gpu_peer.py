@@ -13,8 +13,8 @@ runs first on a cold GPU.
 
 * ours: ``tune run full_finetune --config llama3/8B_full_single_device`` with those overrides. Its figures are
   ``metrics.jsonl``'s (``tokens_per_second``, ``peak_memory_gib`` allocated, ``peak_memory_reserved_gib``), with
-  ``tune plan``'s estimate of the step and the MFU (the plan's floating-point work of the step, recomputation
-  left out, over the step time, against the device's dense bf16 peak).
+  ``tune plan``'s estimate of the step and the MFU (``bench_train.py``'s count: 6 FLOP per parameter and token
+  and attention over the whole row, recomputation left out, against the device's dense bf16 peak).
 * torchtune: its ``full_finetune_single_device`` recipe through its Python API (``FullFinetuneRecipeSingleDevice``:
   ``setup``, ``train``, ``cleanup``, as its ``recipe_main`` calls them), with its config
   ``llama3/8B_full_single_device`` and overrides to the same settings. Its end-of-epoch save (16 GB here) is replaced
@@ -126,16 +126,29 @@ def ours_overrides(args: argparse.Namespace, work: Path, output_dir: Path) -> li
 
 
 def plan_ours(overrides: list[str]) -> dict:
-    """``tune plan``'s estimate of our step for full AC (GiB) and the step's floating-point work."""
+    """``tune plan``'s row for our step (full AC), computed as its table computes it, the other rows left out (GiB),
+    and the model's training FLOPs per token as ``bench_train.py`` counts them for its MFU (6 per parameter and
+    attention over the whole row, PaLM's count; recomputation left out)."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "scripts"))
+    from bench_train import model_flops_per_token
+
     from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
-    from torchtune_ac.memory.planner import describe_setting
+    from torchtune_ac.config.meta_model import build_meta_model
+    from torchtune_ac.memory.planner import estimate_memory
+    from torchtune_ac.run.plan import planner_inputs, process_fixed_bytes, resolve_run_plan
 
     recipe = load_recipe(resolve_recipe_path("full_finetune"))
     cfg = load_recipe_config(recipe, "llama3/8B_full_single_device", overrides, [])
-    table = recipe.plan(cfg, world_size=1, budget_gib=None)
-    (estimate,) = [e for e in table.estimates if describe_setting(e.plan) == "full"]
-    return {"planned_gib": estimate.total / GiB, "planned_device_gib": estimate.device / GiB,
-            "step_flops": estimate.flops}
+    model = build_meta_model(cfg.model, cfg.checkpoint_dir)
+    plan = resolve_run_plan(cfg, model, world_size=1)
+    inputs = planner_inputs(cfg, plan.parallelism, torch.device("cpu"))
+    workload = inputs.workload.with_settings(plan.memory.settings, clip_grad_norm=cfg.clip_grad_norm)
+    (estimate,) = estimate_memory(inputs.build_model, inputs.make_optimizer, workload, [plan.memory.ac])
+    fixed, _ = process_fixed_bytes(cfg.device)
+    return {"planned_gib": estimate.total / GiB, "planned_device_gib": (estimate.total + fixed) / GiB,
+            "flops_per_token": model_flops_per_token(model, cfg.max_seq_len)}
 
 
 def run_ours(args: argparse.Namespace, work: Path, index: int) -> dict:
@@ -328,7 +341,6 @@ def main(argv: Optional[list[str]] = None) -> dict:
 def summarize(report: dict) -> dict:
     """Each side's mean tokens/s and largest peaks over its runs, ours against the plan, its MFU, and the ratio."""
     summary: dict = {}
-    tokens_per_step = report["settings"]["batch_size"] * report["settings"]["seq_len"]
     for side in ("ours", "torchtune"):
         runs = [r for r in report["runs"] if r["side"] == side and "error" not in r]
         if not runs:
@@ -344,8 +356,7 @@ def summarize(report: dict) -> dict:
         if "peak_allocated_gib" in ours:
             ours["plan_over_allocated"] = plan["planned_gib"] / ours["peak_allocated_gib"]
         if report.get("peak_tflops"):
-            flops_per_token = plan["step_flops"] / tokens_per_step
-            ours["mfu"] = flops_per_token * ours["tokens_per_second"] / (report["peak_tflops"] * 1e12)
+            ours["mfu"] = plan["flops_per_token"] * ours["tokens_per_second"] / (report["peak_tflops"] * 1e12)
     if "ours" in summary and "torchtune" in summary:
         summary["tokens_per_second_ratio"] = (summary["ours"]["tokens_per_second"]
                                               / summary["torchtune"]["tokens_per_second"])

@@ -142,6 +142,10 @@ def test_gpu_peer_inputs_and_our_side_validate_and_its_report_reads_both_logs(tm
     result = run_tune_in_process(["validate", "--config", "llama3/8B_full_single_device",
                                   *peer.ours_overrides(args, tmp_path, tmp_path / "ours")])
     assert result.returncode == 0, result.stderr[-3000:]
+    plan = peer.plan_ours(peer.ours_overrides(args, tmp_path, tmp_path / "ours"))
+    parameters = 2 * peer.TINY["vocab_size"] * peer.TINY["dim"]  # the embedding and the head, most of the tiny model
+    assert 6 * parameters < plan["flops_per_token"] < 6 * 1.1 * parameters
+    assert plan["planned_device_gib"] > plan["planned_gib"] > 0
     overrides = peer.torchtune_overrides(args, tmp_path, tmp_path / "tt", inputs)
     assert f"checkpointer.checkpoint_files=[{','.join(inputs['checkpoint_files'])}]" in overrides
     logs = tmp_path / "tt" / "logs"
@@ -153,7 +157,7 @@ def test_gpu_peer_inputs_and_our_side_validate_and_its_report_reads_both_logs(tm
     rows = peer.read_disk_log(logs)
     assert [r["tokens_per_second_per_gpu"] for r in rows] == [100.0, 120.0] and rows[1]["peak_memory_reserved"] == 42.5
     report = {"settings": peer.common_settings(args), "peak_tflops": 1000.0,
-              "plan": {"planned_gib": 45.0, "planned_device_gib": 46.0, "step_flops": 64 * 2 * 1e12},
+              "plan": {"planned_gib": 45.0, "planned_device_gib": 46.0, "flops_per_token": 1e12},
               "runs": [{"side": "ours", "tokens_per_second": 150.0, "peak_allocated_gib": 45.0},
                        {"side": "torchtune", "tokens_per_second": 100.0, "peak_allocated_gib": 50.0},
                        {"side": "torchtune", "error": "exit 1"}]}
