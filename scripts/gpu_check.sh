@@ -29,8 +29,8 @@
 #              offloading (passed in both GPU runs so far; the default run needs its time)        (40 s)
 # The default run's limits add up to 530 s, under 9 minutes with the unpacking and the report; --full adds
 # offload and the unpacked benchmark (150 s) and doubles the limits it names, 1,065 s: more than one command's
-# 10 minutes, so run it as two: --full --only dpo,two_ranks,world8,planner,compiled,offload and
-# --full --only llama8b,bench.
+# 10 minutes and most of a second loan, so run it as three commands (env included, 415, 310 and 330 s):
+# --full --only dpo,two_ranks,world8,planner,compiled,offload; --full --only llama8b; --full --only bench.
 #
 # --only env,compiled,...: those stages alone (a rerun of what failed; env always runs, it is cheap).
 # --list: print the tests each pytest stage selects ("STAGE test-id", with --full and --only as given) and
