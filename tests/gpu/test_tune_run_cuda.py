@@ -23,7 +23,8 @@ from torchtune_ac.observability.metrics import read_metrics
 MAX_RECOMPILES = 2
 PLAN_TOLERANCE = 0.15
 GiB = 2**30
-AC = {"full": ("ac_mode=full", "ac_option=null"), "per_op": ("ac_mode=selective", "ac_option=op")}
+AC = {"full": ("ac_mode=full", "ac_option=null"), "per_op": ("ac_mode=selective", "ac_option=op"),
+      "none": ("ac_mode=none", "ac_option=null")}
 
 
 def overrides(output_dir: Path, tokenizer: Path, documents: Path, packed: bool, ac: str, compiled: bool = True
@@ -36,7 +37,7 @@ def overrides(output_dir: Path, tokenizer: Path, documents: Path, packed: bool, 
             f"compile={str(compiled).lower()}", "~dataset.train_on_input",
             "dataset._component_=torchtune_ac.data.text_dataset", f"+dataset.source={documents}",
             f"dataset.packed={str(packed).lower()}", "max_seq_len=512", "batch_size=8", "max_steps_per_epoch=12",
-            "enable_activation_checkpointing=true", *AC[ac], "log_every_n_steps=1", "optimizer.fused=true"]
+            f"enable_activation_checkpointing={str(ac != 'none').lower()}", *AC[ac], "log_every_n_steps=1", "optimizer.fused=true"]
 
 
 @pytest.fixture(scope="module")

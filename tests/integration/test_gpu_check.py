@@ -3,7 +3,7 @@ minutes, so what a CPU can show fails here first.
 
 * Bad arguments exit 2 with one line, before anything is written; without CUDA the check stops at once (exit 1).
 * ``--list``: every ``cuda``-marked test of the suite is in exactly one pytest stage of ``--full``, and the default
-  run leaves out only ``tune run`` settings (its documented subset). A new ``cuda`` test in a file no stage names,
+  run leaves out only ``tune run`` settings (its documented subset) and the ``offload`` stage. A new ``cuda`` test in a file no stage names,
   or a ``-k`` expression that no longer matches the test ids, fails here.
 * The report turns each stage's JUnit XML into counts, and a stage whose XML is missing or cut short (pytest killed
   while writing it) is named, the other stages still reported.
@@ -32,7 +32,8 @@ def gpu_check(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("args", [["--bogus"], ["--out"], ["--out="], ["--only"], ["--only="],
-                                  ["--only", "fast,nope"], ["--out", "OUT", "--only", "compile"]])
+                                  ["--only", "fast,nope"], ["--out", "OUT", "--only", "compile"],
+                                  ["--only", "two"]])
 def test_bad_arguments_exit_2_with_one_line_and_write_nothing(args: list[str], tmp_path: Path) -> None:
     before = written_by_default()
     result = gpu_check(*[str(tmp_path / a) if a == "OUT" else a for a in args])
@@ -95,20 +96,45 @@ def cuda_tests() -> set[str]:
     return {line for line in result.stdout.splitlines() if re.match(r"^tests/\S+::\S+$", line)}
 
 
+PYTEST_STAGES = ["compiled", "dpo", "fast", "offload", "planner", "two_ranks", "world8"]
+
+
 @pytest.mark.slow
-def test_every_cuda_test_is_in_exactly_one_stage_and_the_default_run_drops_only_tune_runs() -> None:
+def test_every_cuda_test_is_in_exactly_one_stage_and_the_default_run_drops_only_tune_runs_and_offload() -> None:
     expected = cuda_tests()
     full = stage_selection("--full")
-    assert sorted(full) == ["compiled", "fast", "offload"]
+    assert sorted(full) == PYTEST_STAGES
     listed = [test for tests in full.values() for test in tests]
     assert len(listed) == len(set(listed)), "a test in two stages"
     assert set(listed) == expected, (sorted(expected - set(listed)), sorted(set(listed) - expected))
-    # The default run differs in the compiled stage alone, and leaves out some tune run settings, nothing else.
-    default = stage_selection("--only", "compiled")
-    assert set(default) == {"compiled"}
-    left_out = set(full["compiled"]) - set(default["compiled"])
-    assert set(default["compiled"]) < set(full["compiled"]) and left_out
-    assert all(test.startswith("tests/gpu/test_tune_run_cuda.py::") for test in left_out), left_out
+    # The default run leaves out the offload stage, and some tune run settings of the planner and compiled stages.
+    default = stage_selection()
+    assert sorted(default) == [stage for stage in PYTEST_STAGES if stage != "offload"]
+    for stage in default:
+        assert set(default[stage]) <= set(full[stage]), stage
+        left_out = set(full[stage]) - set(default[stage])
+        assert all(test.startswith("tests/gpu/test_tune_run_cuda.py::") for test in left_out), (stage, left_out)
+    # The planner stage is the compiled no-AC and per-op runs, packed by default, unpacked too with --full.
+    assert sorted(t.rsplit("[", 1)[1] for t in full["planner"]) == [
+        "packed-none-compiled]", "packed-per_op-compiled]", "unpacked-none-compiled]", "unpacked-per_op-compiled]"]
+    assert sorted(t.rsplit("[", 1)[1] for t in default["planner"]) == ["packed-none-compiled]",
+                                                                       "packed-per_op-compiled]"]
+    # --only names a stage's own tests alone.
+    assert stage_selection("--only", "two_ranks,world8") == {k: default[k] for k in ("two_ranks", "world8")}
+
+
+def test_the_stage_limits_of_the_default_run_add_up_to_under_9_minutes() -> None:
+    """The limits the script passes to ``timeout`` in a default run (each stage's own ``run_stage``/``pytest_stage``
+    call, --full's branch left out), against its header's sum and 9 minutes."""
+    text = SCRIPT.read_text()
+    body = re.sub(r'if \[ "\$FULL" -eq 1 \]; then\n(.*?)\nelse\n', "", text, flags=re.S)  # the default branches
+    body = re.sub(r'if \[ "\$FULL" -eq 1 \]; then\n.*?\nfi\n', "", body, flags=re.S)
+    limits = {m.group(1): int(m.group(2) or m.group(3)) for m in re.finditer(
+        r"^\s*(?:run_stage|pytest_stage) (\w+) (?:\$\(\((\d+) \* scale\)\)|(\d+))", body, flags=re.M)}
+    assert sorted(limits) == sorted(["env", "fast", "dpo", "two_ranks", "world8", "planner", "compiled", "llama8b",
+                                     "bench"])
+    assert sum(limits.values()) == 530 and f"add up to {sum(limits.values())} s" in text
+    assert sum(limits.values()) < 9 * 60
 
 
 # ---------------------------------------------------------------------------------------------------- the report
