@@ -1,7 +1,7 @@
 """``bench_train.py --profile``: where one CPU training step of ``--against``'s workload spends its time, and its MFU.
 
-The run is the recipe's own (``FullFinetuneRecipe.setup``: the config, the model, the memory plan, the data, all as
-``tune run`` builds them); its steps are ``train_step`` on the recipe's batches. After warm-up steps:
+The run is the recipe's own (``run/setup.py``'s ``setup_training``: the config, the model, the memory plan, the data,
+all as ``tune run`` builds them); its steps are ``train_step`` on the recipe's batches. After warm-up steps:
 
   * the matmul peak: the best of several ``torch.mm`` of two 4096 x 4096 fp32 matrices, on this process's threads,
     measured between the steps (what a dense fp32 kernel reaches on this machine, in the same conditions);
@@ -97,13 +97,13 @@ def profile_workload(config: Path, overrides: Sequence[str], *, warmup: int, ste
     from torchtune_ac.registry import find_recipe
 
     from torchtune_ac.run.session import open_run
+    from torchtune_ac.run.setup import setup_training
 
     recipe_module = cli.load_recipe(find_recipe("full_finetune").path)
     cfg = cli.load_recipe_config(recipe_module, str(config), list(overrides), [], to_run=True)
     with open_run(cfg) as run:
-        recipe = recipe_module.FullFinetuneRecipe(cfg, run)
-        trainer = recipe.setup()
-        report = _profile_steps(cfg, recipe.training, run.ctx, trainer.data.loader, warmup=warmup, steps=steps)
+        trainer = setup_training(run)
+        report = _profile_steps(cfg, trainer.training, run.ctx, trainer.data.loader, warmup=warmup, steps=steps)
         run.close(succeeded=True)
     return report
 

@@ -500,10 +500,12 @@ import sys
 
 from torchtune_ac.registry import recipes_dir
 
+from torchtune_ac.run import loop
+
 spec = importlib.util.spec_from_file_location("full_finetune_base", recipes_dir() / "full_finetune.py")
 base = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(base)
-CONFIG_SCHEMA, preflight, run, calls, real_step = base.CONFIG_SCHEMA, base.preflight, base.run, [], base.train_step
+CONFIG_SCHEMA, preflight, run, calls, real_step = base.CONFIG_SCHEMA, base.preflight, base.run, [], loop.train_step
 
 
 def failing_step(*args, **kwargs):
@@ -513,7 +515,7 @@ def failing_step(*args, **kwargs):
     return real_step(*args, **kwargs)
 
 
-base.train_step = failing_step
+loop.train_step = failing_step  # the step every recipe's loop takes
 
 if __name__ == "__main__":
     from torchtune_ac.cli import recipe_main

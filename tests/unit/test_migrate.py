@@ -127,7 +127,8 @@ def test_phi_configs_take_the_phi3_family_and_phi4s_tokenizer_folder():
     ("torchtune.models.llama3.lora_llama3_8b", "torchtune.models.llama3.llama3_8b"),
     ("torchtune.models.llama3_2.qlora_llama3_2_1b", "torchtune.models.llama3_2.llama3_2_1b"),
     ("torchtune.models.qwen2_5.lora_qwen2_5_3b", "torchtune.models.qwen2_5.qwen2_5_3b"),  # from_hf_config here
-    ("torchtune.models.phi3.lora_phi3_mini", None),  # no full model of it here
+    ("torchtune.models.phi3.lora_phi3_mini", "torchtune.models.phi3.phi3_mini"),
+    ("torchtune.models.llama3_2_vision.lora_llama3_2_vision_11b", None),  # no full model of it here
 ])
 def test_an_adapter_model_is_refused_saying_adapters_are_not_supported(builder, full):
     """It listed the 31 supported builders, and never said that LoRA and QLoRA are not supported here."""

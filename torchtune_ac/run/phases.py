@@ -78,21 +78,31 @@ class Batching:
 
     collate: Callable[..., dict[str, torch.Tensor]] = collate_batch
     blank: Callable[[dict[str, Any]], dict[str, Any]] = blank_sample
-    keys: tuple[str, ...] = ("tokens", "labels")
+    keys: tuple[tuple[str, ...], ...] = (("tokens", "labels"),)
     kind: str = "samples (tokens and labels)"
+    not_keys: tuple[str, ...] = ("pairs",)
 
     def check_kind(self, dataset: Any, key: str, path: str) -> None:
-        """Raise ``UserError`` when ``dataset``'s first sample lacks ``keys`` (a builder of another recipe's data)."""
-        missing = [name for name in self.keys if len(dataset) and name not in dataset[0]]
-        if missing:
-            raise UserError(f"{key}: {path} gives samples without {', '.join(missing)}: not the {self.kind} this "
-                            "recipe trains on (full_finetune trains on samples, full_dpo on preference pairs)")
+        """Raise ``UserError`` when ``dataset``'s first sample holds none of ``keys``' sets whole, or one of
+        ``not_keys`` (a builder of another recipe's data)."""
+        if not len(dataset):
+            return
+        sample = dataset[0]
+        if any(all(name in sample for name in names) for names in self.keys) and not any(
+                name in sample for name in self.not_keys):
+            return
+        missing = [name for name in self.keys[0] if name not in sample]
+        what = f"without {', '.join(missing)}" if missing else f"holding {', '.join(n for n in self.not_keys if n in sample)}"
+        raise UserError(f"{key}: {path} gives samples {what}: not the {self.kind} this recipe trains on "
+                        "(full_finetune trains on samples, full_dpo on preference pairs)")
 
 
 SAMPLES = Batching()  # tokens and labels, one row a sample
-PAIRS = Batching(collate_preference_batch, blank_preference_sample,  # preference pairs: chosen rows, rejected rows
-                 keys=("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels"),
-                 kind="preference pairs")
+# Preference pairs: chosen rows, rejected rows; or packed, rows of whole pairs (each sequence a document).
+PAIRS = Batching(collate_preference_batch, blank_preference_sample,
+                 keys=(("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels"),
+                       ("tokens", "labels", "pairs")),
+                 kind="preference pairs", not_keys=())
 
 
 @dataclass

@@ -147,6 +147,10 @@ class LoadBalancedObjective:
         return (*self.inner.metric_names, "moe_aux_loss")
 
     @property
+    def loss_scale(self) -> Optional[tuple[str, float]]:
+        return self.inner.loss_scale
+
+    @property
     def count_shapes(self) -> dict[str, tuple[int, ...]]:
         return {"moe_expert_tokens": (self.moe_layers, self.num_experts)}
 

@@ -441,8 +441,8 @@ def test_on_a_gpu_under_fsdp2_the_step_in_backward_has_its_temporaries_in_a_pool
                                Llama(args), clip_grad_norm=None, optimizer=OptimizerSpec("torch.optim.AdamW"))
     transient = []
     for on_gpu in (False, cuda):
-        workload = Workload(batch_size=2, seq_len=64, world_size=world_size, cuda=on_gpu).with_settings(
-            {**plan.settings, "cpu_offload": cpu_offload})
+        workload = Workload(batch_size=2, seq_len=64, parallelism=Parallelism(world_size), cuda=on_gpu).with_settings(
+            plan.settings).with_settings({"cpu_offload": cpu_offload})
         estimate, = estimate_memory(lambda: Llama(args), adamw, workload, [plan.ac])
         transient.append(estimate.transient)
     expected = 2 * 4096 * 64 * 4 // world_size if (world_size > 1 and in_bwd and cuda and not cpu_offload) else 0
