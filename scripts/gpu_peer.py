@@ -132,7 +132,7 @@ def plan_ours(overrides: list[str]) -> dict:
     import torch
 
     sys.path.insert(0, str(REPO / "scripts"))
-    from bench_train import model_flops_per_token
+    from bench_train import step_model_flops
 
     from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
     from torchtune_ac.config.meta_model import build_meta_model
@@ -148,7 +148,9 @@ def plan_ours(overrides: list[str]) -> dict:
     (estimate,) = estimate_memory(inputs.build_model, inputs.make_optimizer, workload, [plan.memory.ac])
     fixed, _ = process_fixed_bytes(cfg.device)
     return {"planned_gib": estimate.total / GiB, "planned_device_gib": (estimate.total + fixed) / GiB,
-            "flops_per_token": model_flops_per_token(model, cfg.max_seq_len)}
+            # one unpacked row of max_seq_len tokens: its attention is over the whole row
+            "flops_per_token": step_model_flops(model, {"tokens": torch.zeros(1, cfg.max_seq_len, dtype=torch.long)},
+                                                whole_rows=True) / cfg.max_seq_len}
 
 
 def run_ours(args: argparse.Namespace, work: Path, index: int) -> dict:
