@@ -80,7 +80,12 @@ def test_split_global_batch_trains_like_one_batch(
 
 # Llama is covered above (the embedded model); every other family, from a tiny checkpoint transformers wrote, but
 # Gemma 2: its block and shard groups are Gemma 3's, and its soft-caps act within each process (it trains against one
-# process in tests/unit/training/test_tensor_parallel.py).
+# process in tests/unit/training/test_tensor_parallel.py). The mixtures of experts run with their experts split over
+# the 2 processes (expert_parallel_dim=2: each token sent to its experts' process and back by all-to-all); plain FSDP2
+# of a mixture of experts, and EP x FSDP2, are in test_expert_parallel_runs.py.
+MIXTURES_OF_EXPERTS = ("qwen3_moe", "gpt_oss")
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("family", [name for name in FAMILY_NAMES if name not in ("llama", "gemma2")])
 def test_every_family_trains_alike_on_2_processes_and_1(family: str, tmp_path: Path, embedded_checkpoint: Path) -> None:
@@ -88,8 +93,9 @@ def test_every_family_trains_alike_on_2_processes_and_1(family: str, tmp_path: P
                                      tie_word_embeddings=family == "qwen2")
     overrides = ("model._component_=torchtune_ac.models.from_hf_config", f"checkpoint_dir={checkpoint}",
                  f"tokenizer.path={embedded_checkpoint}")
+    split = ("expert_parallel_dim=2",) if family in MIXTURES_OF_EXPERTS else ()
     one = _run(tmp_path / "one", *overrides, nproc=1, batch_size=4, accumulation=1)
-    two = _run(tmp_path / "two", *overrides, nproc=2, batch_size=2, accumulation=1)
+    two = _run(tmp_path / "two", *overrides, *split, nproc=2, batch_size=2, accumulation=1)
     with torch.device("meta"):
         args = from_hf_config(checkpoint).args
     _assert_same_training(tmp_path / "two", two, tmp_path / "one", one, terms=llama_terms(args, 64, 4 * 64))

@@ -68,12 +68,16 @@ def _resolve_aten_ops(names: tuple[str, ...], namespace: str = "aten") -> frozen
 # the all-gathers before each block's column-split projections, the reduce-scatters after its row-split ones, and
 # all-reduces. Recomputing them would send the block's traffic again in backward; their outputs are activations of
 # the block's size divided among the group, like the matmuls' own.
+# A mixture of experts' grouped matmul (every expert of a layer in one call) is a matmul too; expert parallelism's
+# all-to-alls (the tokens to their experts' processes and back, and the counts that size them) are collectives of
+# the routed rows: saved, a recomputed block does not send its tokens again.
 # Everything else (norms, rotary, SiLU, element-wise products, dropout) is cheap to recompute.
 SAVED_OPS = _resolve_aten_ops(
     (
         "mm.default",
         "addmm.default",
         "bmm.default",
+        "_grouped_mm.default",
         "_scaled_dot_product_flash_attention_for_cpu.default",
         "_scaled_dot_product_flash_attention.default",
         "_scaled_dot_product_efficient_attention.default",
@@ -81,7 +85,8 @@ SAVED_OPS = _resolve_aten_ops(
     )
 ) | VARLEN_OPS | (
     _resolve_aten_ops(
-        ("all_gather_into_tensor.default", "reduce_scatter_tensor.default", "all_reduce.default", "wait_tensor.default"),
+        ("all_gather_into_tensor.default", "reduce_scatter_tensor.default", "all_reduce.default",
+         "all_to_all_single.default", "wait_tensor.default"),
         namespace="_c10d_functional",
     )
     if torch.distributed.is_available()

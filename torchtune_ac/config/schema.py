@@ -164,6 +164,13 @@ class FullFinetuneConfig:
         "the norms and residuals along the sequence between them; FSDP2 shards over the rest (the world size must "
         "be replicate_degree x shard x this). It must divide the model's heads, key/value heads and MLP width, and "
         "max_seq_len. 1: none.", minimum=1, torchtune=SAME)
+    expert_parallel_dim: int = config_key(
+        1, doc="Expert parallelism (a mixture of experts): each MoE layer's experts are split over this many "
+        "consecutive processes, and each token is sent to its experts' process and back with an all-to-all. The "
+        "processes of a group read their own batches; FSDP2 shards the experts over the processes that hold the same "
+        "ones (world size / replicate_degree / this), the other layers over all. It must divide the number of experts "
+        "and world size / replicate_degree; not with tensor_parallel_dim. 1: none (FSDP2 gathers every expert of a "
+        "layer on every process).", minimum=1)
 
     # Keys of another built-in recipe, named when a config of it is given to this one (``config/validation.py``).
     keys_of_other_recipes: ClassVar[Mapping[str, str]] = {"dpo": "full_dpo", "ref_checkpoint_dir": "full_dpo"}

@@ -79,8 +79,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
         # () for plain tensors; FSDP2's shard dimension; with tensor parallelism the shard and tp dimensions (a
         # norm's weight is split over the first only). Summed over those dimensions' processes, and no others (the
         # replicas of HSDP hold the same shard, and the tp ranks the same replicated weight).
-        self._squared_norms: dict[tuple[int, ...], torch.Tensor] = {}
-        self._mesh: Optional[DeviceMesh] = None
+        # (mesh dimension names, split dimensions) -> the squared norm of this rank's shards split over them.
+        self._squared_norms: dict[tuple[tuple[str, ...], tuple[int, ...]], torch.Tensor] = {}
+        self._meshes: dict[tuple[str, ...], DeviceMesh] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(opt)) for (_, p), opt in zip(params, self.optimizers)]
 
     def _share_groups_of(self, index: int) -> Callable[[torch.optim.Optimizer], None]:
@@ -98,12 +99,14 @@ class OptimizerInBackward(torch.optim.Optimizer):
             grad = param.grad
             local = grad.to_local() if isinstance(grad, DTensor) else grad
             dims = split_dims(grad) if isinstance(grad, DTensor) else ()
+            # Keyed by mesh too: an expert-parallel model's experts are split over another mesh than the rest.
+            key = (tuple(grad.device_mesh.mesh_dim_names or ()) if dims else (), dims)
             if dims:
-                self._mesh = grad.device_mesh
+                self._meshes[key[0]] = grad.device_mesh
             # A float32 reduction, not a float32 copy of the gradient (that would double its memory).
             squared = torch.linalg.vector_norm(local.detach(), dtype=torch.float32).square()
-            earlier = self._squared_norms.get(dims)
-            self._squared_norms[dims] = squared if earlier is None else earlier + squared
+            earlier = self._squared_norms.get(key)
+            self._squared_norms[key] = squared if earlier is None else earlier + squared
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -126,16 +129,16 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """
         if not self._squared_norms:
             raise RuntimeError("no parameter was stepped in backward: call begin_micro_batch(final=True) first")
-        if self._mesh is not None:
+        if self._meshes:
             # Reduced where the mesh's groups have their backend: with fsdp.cpu_offload the gradients (and their
             # squared norms) are on the CPU, while the mesh is CUDA's, whose groups beyond a 1-D mesh over every
             # rank may be split from NCCL alone (torch's split_group), with no backend for a CPU tensor.
-            device = torch.device(self._mesh.device_type)
+            device = torch.device(next(iter(self._meshes.values())).device_type)
         total = torch.zeros((), dtype=torch.float32, device=device)
-        for dims in sorted(self._squared_norms):  # the same order on every rank
-            squared = self._squared_norms[dims].to(device)
+        for names, dims in sorted(self._squared_norms):  # the same order on every rank
+            squared = self._squared_norms[names, dims].to(device)
             for dim in dims:
-                dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self._mesh.get_group(dim))
+                dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self._meshes[names].get_group(dim))
             total += squared
         self._squared_norms = {}
         return total.sqrt()

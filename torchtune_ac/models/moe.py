@@ -18,7 +18,7 @@ weights are held in that layout, the Hugging Face one, so they load by name.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -262,24 +262,39 @@ class GroupedExperts(nn.Module):
             self.down_proj_bias = nn.Parameter(torch.empty(e, dim))
         else:
             self.gate_up_proj_bias = self.down_proj_bias = None
+        # Expert parallelism's exchange (``parallel/expert_parallel.py``), which holds this process's experts only
+        # and runs them over the rows other processes send it; None: every expert is here.
+        self.exchange: Optional[Callable[[GroupedExperts, torch.Tensor, Dispatch], torch.Tensor]] = None
 
     def _in_out(self, weight: torch.Tensor) -> torch.Tensor:
         return weight if self.layout.in_out else weight.transpose(1, 2)  # [E, in, out]
 
     def forward(self, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+        if self.exchange is not None:
+            return self.exchange(self, rows, plan)
         return compute_experts(self, rows, plan)
 
 
 def compute_experts(experts: GroupedExperts, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
-    """Every expert's gated MLP over its rows: ``rows [N, dim]`` sorted by expert -> ``[N, dim]``."""
-    gate_up = grouped_mm(rows, experts._in_out(experts.gate_up_proj), plan.counts)  # [N, 2 * expert_dim]
+    """Every expert's gated MLP over its rows: ``rows [N, dim]`` sorted by expert -> ``[N, dim]``.
+
+    The experts are those this process holds: all of them, or under expert parallelism its share of the leading
+    dimension (DTensor weights, of which the local part is used; ``plan`` then counts local experts)."""
+    gate_up = grouped_mm(rows, experts._in_out(_local(experts.gate_up_proj)), plan.counts)  # [N, 2 * expert_dim]
     if experts.gate_up_proj_bias is not None:
-        gate_up = gate_up + experts.gate_up_proj_bias[plan.experts]
+        gate_up = gate_up + _local(experts.gate_up_proj_bias)[plan.experts]
     hidden = expert_activation(gate_up, experts.layout)  # [N, expert_dim]
-    out = grouped_mm(hidden, experts._in_out(experts.down_proj), plan.counts)  # [N, dim]
+    out = grouped_mm(hidden, experts._in_out(_local(experts.down_proj)), plan.counts)  # [N, dim]
     if experts.down_proj_bias is not None:
-        out = out + experts.down_proj_bias[plan.experts]
+        out = out + _local(experts.down_proj_bias)[plan.experts]
     return out
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """This process's part of an expert weight (a DTensor split over experts), or the weight itself. (Asked of the
+    tensor, not by type: the models import nothing of torch.distributed.)"""
+    to_local = getattr(weight, "to_local", None)
+    return to_local() if to_local is not None else weight
 
 
 def loop_experts(experts: GroupedExperts, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
@@ -339,6 +354,11 @@ def _record_router_output(layer: MoE, output: RouterOutput) -> None:
     its forward as a function without side effects, which would drop this assignment (and leave the record of an
     earlier forward)."""
     layer.router_output = output
+
+
+def moe_args_of(model: nn.Module) -> Optional[MoEArgs]:
+    """The ``MoEArgs`` of ``model``'s mixture-of-experts layers (None: a dense model)."""
+    return next((m.args for m in model.modules() if isinstance(m, MoE)), None)
 
 
 def moe_router_outputs(model: nn.Module) -> list[RouterOutput]:

@@ -18,7 +18,8 @@ from torchtune_ac.config_key import config_key
 from torchtune_ac.models.families import shard_groups, transformer_blocks
 from torchtune_ac.parallel.tensor_parallel import sum_replicated_gradients_in_reduce_dtype
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.runtime.parallelism import TP_DIM, data_parallel_mesh
+from torchtune_ac.parallel.expert_parallel import expert_modules
+from torchtune_ac.runtime.parallelism import EP_DIM, TP_DIM, data_parallel_mesh, expert_data_parallel_mesh
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig = FSDPConfi
     Args:
         model: a model of a known family, or one with a ``layers`` ``nn.ModuleList`` of blocks.
         mesh: the run's mesh (``Parallelism.build_mesh``, built once per run): FSDP2 shards over all its dimensions
-            but ``tp`` (a tensor-parallel run has split the model over ``tp`` first).
+            but ``tp`` (a tensor-parallel run has split the model over ``tp`` first); an expert-parallel run's
+            experts, split over ``ep`` first, over ``expert_shard`` (and ``replicate``).
         fsdp: resharding after forward, the mixed-precision dtypes of gathered parameters and of the gradient
             reduce-scatter, and the replicate degree.
         options: more ``fully_shard`` keyword arguments, as the memory switches give them (``offload_policy``).
@@ -86,7 +88,17 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig = FSDPConfi
             its backward; with no backward, for the rest of the run: on Llama 3 8B, the embedding and the output
             layer whole on every rank.)
     """
-    common = dict(mesh=data_parallel_mesh(mesh), mp_policy=mixed_precision_policy(fsdp, dtype), **options)
+    dense_mesh = data_parallel_mesh(mesh)
+    common = dict(mesh=dense_mesh, mp_policy=mixed_precision_policy(fsdp, dtype), **options)
+    if EP_DIM in (mesh.mesh_dim_names or ()):
+        # Expert parallelism split each layer's experts over "ep": each process's share is sharded over the
+        # processes that hold the same experts, a group of its own inside its block's. Each expert's gradient
+        # already sums its whole expert-parallel group's tokens (the all-to-all's backward), so it is divided by
+        # every data-parallel process, as the dense layers' are, not only by those it is reduced over.
+        for experts in expert_modules(model):
+            fully_shard(experts, **{**common, "mesh": expert_data_parallel_mesh(mesh)},
+                        reshard_after_forward=fsdp.reshard_after_forward or frozen)
+            experts.set_gradient_divide_factor(float(dense_mesh.size()))
     for block in transformer_blocks(model):
         fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward or frozen, **common)
     groups = shard_groups(model)

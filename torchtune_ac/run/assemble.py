@@ -1,14 +1,15 @@
 """The order in which a run applies its plan to a model, in one function: ``build_training``.
 
     1. activation checkpointing  2. activation offloading  3. compile  4. tensor parallelism
-    5. FSDP2  6. materialise  7. load or initialise  8. optimizer  9. stepper  10. scheduler
+    5. expert parallelism  6. FSDP2  7. materialise  8. load or initialise  9. optimizer  10. stepper
+    11. scheduler
 
 Every step is a mechanism of its own module, called here by name (AC's and the memory features' in ``memory/``
-and ``training/``, tensor parallelism's and FSDP2's in ``parallel/``), and guarded by the plan: the parallelism
+and ``training/``, tensor, expert parallelism's and FSDP2's in ``parallel/``), and guarded by the plan: the parallelism
 value says which splits run, over the one device mesh of the run (``build_mesh``). The order is the one that works
 for 1 and N processes: AC first, so that compile traces each checkpointed forward (per-op policy included) and
-FSDP2's hooks wrap the checkpointed blocks; tensor parallelism before FSDP2, which shards over the other mesh
-dimensions; nothing is materialised before sharding, so no rank ever holds the full model, and the initial weights
+FSDP2's hooks wrap the checkpointed blocks; tensor and expert parallelism before FSDP2, which shards over the other
+mesh dimensions; nothing is materialised before sharding, so no rank ever holds the full model, and the initial weights
 are the same for any world size and device (``weights.py``). The optimizer comes after FSDP2: it steps the sharded
 parameters, and the step in backward hooks them.
 
@@ -33,12 +34,13 @@ from torchtune_ac.models import load_hf_weights_
 from torchtune_ac.models.families import parameter_initializer, retie_parameters, transformer_blocks
 from torchtune_ac.models.llama import TransformerBlock
 from torchtune_ac.parallel.fsdp import FSDPConfig, parameter_device, shard_model
+from torchtune_ac.parallel.expert_parallel import apply_expert_parallel
 from torchtune_ac.parallel.tensor_parallel import apply_tensor_parallel
 from torchtune_ac.run.plan import RunPlan
 from torchtune_ac.run.weights import initialize_weights_
 from torchtune_ac.runtime.distributed import DistributedContext, join_world_of_one
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.runtime.parallelism import TP_DIM, Parallelism
+from torchtune_ac.runtime.parallelism import EP_DIM, TP_DIM, Parallelism
 from torchtune_ac.activation_checkpointing.mechanism import apply_ac_plan, silence_compiled_policy_warning
 from torchtune_ac.training.dpo import freeze_reference
 from torchtune_ac.training.objective import Objective, with_load_balancing
@@ -163,18 +165,22 @@ def build_training(
     #    mesh's "tp" dimension by the family's plan (the run's plan checked the degree).
     if parallelism.tensor_parallel:
         apply_tensor_parallel(model, mesh[TP_DIM])
-    # 5. FSDP2: each block, the family's other groups, then the root, over the mesh's other dimensions; CPU offload
+    # 5. Expert parallelism: before FSDP2, each mixture-of-experts layer's experts split over the mesh's "ep"
+    #    dimension, its tokens exchanged by all-to-all (the run's plan checked the degree against the experts).
+    if parallelism.expert_parallel:
+        apply_expert_parallel(model, mesh[EP_DIM])
+    # 6. FSDP2: each block, the family's other groups, then the root, over the mesh's other dimensions; CPU offload
     #    keeps the shards on the host. One process shards too when a feature works through FSDP2 (a world of one);
     #    a TP run is always sharded: FSDP2, even over dimensions of size 1, turns the split layers' partial
     #    gradients of the norms into whole ones.
     if sharded:
         shard_model(model, mesh, plan.fsdp, options, dtype=plan.dtype, frozen=frozen)
-    # 6. Materialise: allocate every parameter (this rank's shard) on its device, buffers where the model computes.
+    # 7. Materialise: allocate every parameter (this rank's shard) on its device, buffers where the model computes.
     model.to_empty(device=parameter_device(options, ctx.device))
     place_buffers_(model, ctx.device)
     if not sharded:
         retie_parameters(model)  # FSDP keeps ties through to_empty; a plain module does not
-    # 7. Load or initialise: the checkpoint's weights (each rank reads only its shard), or drawn from the seed.
+    # 8. Load or initialise: the checkpoint's weights (each rank reads only its shard), or drawn from the seed.
     if load_weights and plan.checkpoint_dir is not None:
         load_hf_weights_(model, plan.checkpoint_dir)
     elif load_weights:
@@ -185,10 +191,10 @@ def build_training(
         return AssembledModel(freeze_reference(model), None, objective)
     model.train()
 
-    # 8. Optimizer, over the sharded parameters, and 9. stepper, that steps them (after backward, or in it: the
+    # 9. Optimizer, over the sharded parameters, and 10. stepper, that steps them (after backward, or in it: the
     #    optimizer-in-backward switch builds both at once).
     stepper = memory.build_stepper(make_optimizer, model) if make_optimizer is not None else None
-    # 10. Scheduler: the learning-rate schedule over the stepper's optimizer.
+    # 11. Scheduler: the learning-rate schedule over the stepper's optimizer.
     scheduler = make_scheduler(stepper.optimizer) if make_scheduler is not None and stepper is not None else None
     return AssembledModel(model, stepper, objective, scheduler)
 

@@ -34,6 +34,7 @@ from torchtune_ac.memory.feature import OptimizerSpec
 from torchtune_ac.memory.plan import MemoryConfig, MemoryPlan, PlannerInputs, resolve_memory_plan
 from torchtune_ac.memory.planner import MemoryEstimate, PreferenceStep, Workload
 from torchtune_ac.models.families import family_of, transformer_blocks
+from torchtune_ac.models.moe import moe_args_of
 from torchtune_ac.runtime.distributed import resolve_device
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.runtime.process_memory import (
@@ -562,10 +563,31 @@ def resolve_parallelism(cfg: RunConfig, model: Optional[nn.Module], world_size: 
     Raises:
         UserError: in one line naming the keys and the numbers.
     """
-    parallelism = Parallelism(world_size, replicate=cfg.fsdp.replicate_degree, tensor=cfg.tensor_parallel_dim)
+    parallelism = Parallelism(world_size, replicate=cfg.fsdp.replicate_degree, tensor=cfg.tensor_parallel_dim,
+                              expert=cfg.expert_parallel_dim)
     if model is not None:
+        _check_experts(model, parallelism)
         _check_tensor_parallel(cfg, model, parallelism.tensor)
     return parallelism
+
+
+def _check_experts(model: nn.Module, parallelism: Parallelism) -> None:
+    """Refuse, in one line naming the numbers, an expert-parallel degree the model's experts cannot be split by
+    (it must divide the experts of each layer; a dense model has none to split), and tensor parallelism on a
+    mixture of experts (its experts have no tensor-parallel plan)."""
+    args = moe_args_of(model)
+    if args is None:
+        if parallelism.expert_parallel:
+            raise UserError(f"expert_parallel_dim={parallelism.expert}: the model has no mixture-of-experts layers "
+                            "to split; use expert_parallel_dim: 1")
+        return
+    if parallelism.tensor_parallel:
+        raise UserError(f"tensor_parallel_dim={parallelism.tensor}: a mixture of experts ({args.num_experts} experts "
+                        "a layer) does not run under tensor parallelism; use tensor_parallel_dim: 1, and "
+                        "expert_parallel_dim to split its experts")
+    if args.num_experts % parallelism.expert:
+        raise UserError(f"expert_parallel_dim={parallelism.expert}: must divide the model's {args.num_experts} "
+                        "experts a layer (each process of a group holds as many)")
 
 
 def _check_tensor_parallel(cfg: RunConfig, model: nn.Module, degree: int) -> None:

@@ -219,8 +219,9 @@ def test_the_in_backward_norm_is_reduced_on_the_device_of_the_mesh(monkeypatch):
             return None
 
     optimizer = OptimizerInBackward(torch.nn.Linear(2, 2).named_parameters(), adamw)
-    optimizer._squared_norms = {(): torch.tensor(5.0), (0,): torch.tensor(4.0)}  # on the CPU, as offloaded
-    optimizer._mesh = MetaMesh()
+    # Keyed by (mesh dimension names, split dimensions); on the CPU, as offloaded.
+    optimizer._squared_norms = {((), ()): torch.tensor(5.0), (("shard",), (0,)): torch.tensor(4.0)}
+    optimizer._meshes = {("shard",): MetaMesh()}
     reduced = []
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None, group=None: reduced.append(tensor))
     norm = optimizer.total_norm(torch.device("cpu"))

@@ -1,0 +1,100 @@
+"""Expert parallelism (``expert_parallel_dim``): each mixture-of-experts layer's experts split over the mesh's
+``ep`` dimension, each token sent to its experts' process and back by an all-to-all.
+
+    route -> dispatch (sort by expert) -> all-to-all -> compute_experts (local) -> all-to-all back -> combine
+
+Each process of an expert-parallel group reads its own batch and routes its own tokens (``models/moe.py``). The
+copies it sorted by expert go, in one all-to-all, to the processes that hold those experts: process ``r`` holds
+experts ``[r * E/N, (r + 1) * E/N)``. Each process runs its experts over every row it received, in one grouped
+matmul, and a second all-to-all returns the results to the processes their tokens came from, which weigh and sum
+them as without parallelism. Routing stays dropless: the all-to-alls' splits are the counts the router made, so
+no token is dropped or padded (the splits are read on the host, one synchronisation a layer and forward).
+
+The experts' weights become DTensors sharded on their leading (expert) dimension over ``ep``; FSDP2 then shards
+each process's experts over the processes that hold the same ones (``parallel/fsdp.py``) and scales their
+gradients as the dense layers' (each expert's gradient sums the contributions of every process of the group).
+A checkpoint holds the whole tensors, whatever the layout (DCP and Hugging Face files alike).
+
+Backward sends the gradients of the rows back along the same routes (the all-to-alls' autograd form). Per-op
+activation checkpointing saves both all-to-alls' outputs (``activation_checkpointing/mechanism.py``), so a
+recomputed block does not send its tokens again; full AC recomputes the block, exchanges included.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed._functional_collectives as funcol
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard, distribute_tensor
+
+from torchtune_ac.models.moe import MoE, Dispatch, GroupedExperts, compute_experts
+
+
+class ExpertAllToAll:
+    """The exchange a ``GroupedExperts`` runs instead of computing every expert (its ``exchange``): its rows to
+    their experts' processes, its local experts over what it received, the results back.
+
+    Args:
+        group: the expert-parallel group (the mesh's ``ep`` dimension).
+        degree: its size, which divides the layer's experts.
+    """
+
+    def __init__(self, group: ProcessGroup, degree: int) -> None:
+        self.group = group
+        self.degree = degree
+
+    @torch.compiler.disable
+    def __call__(self, experts: GroupedExperts, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
+        """``rows [N, dim]`` sorted by (global) expert, ``plan`` their counts -> each row's expert output ``[N, dim]``,
+        in the same order. Kept out of compiled graphs: the splits are data."""
+        degree = self.degree
+        local = plan.counts.numel() // degree
+        if isinstance(rows, FakeTensor):
+            # The memory planner's fake tensors: the counts cannot be read. A balanced router sends and receives as
+            # many rows as it routed (the planner adds its margin for imbalance to what the experts keep).
+            local_plan = Dispatch(order=plan.order, experts=plan.experts.remainder(local), counts=plan.counts[:local])
+            return compute_experts(experts, rows, local_plan)
+        # Each process's count for each expert, to the expert's process: received[r, j] = rows process r sends to
+        # this process's expert j.
+        received = funcol.all_to_all_single(plan.counts, None, None, self.group).view(degree, local)
+        sent = plan.counts.view(degree, local).sum(dim=1)  # rows to each process
+        splits = torch.cat([sent, received.sum(dim=1)]).tolist()  # one host synchronisation for both directions
+        send_splits, receive_splits = splits[:degree], splits[degree:]
+        arrived = funcol.all_to_all_single_autograd(rows, receive_splits, send_splits, self.group)
+        # Arrived by source process, then by expert within each: sort by expert (stably) for the grouped matmul.
+        expert_ids = torch.arange(local, device=rows.device).repeat(degree)
+        ids = torch.repeat_interleave(expert_ids, received.flatten(), output_size=sum(receive_splits))
+        order = torch.argsort(ids, stable=True)
+        local_plan = Dispatch(order=order, experts=ids[order], counts=received.sum(dim=0))
+        out = compute_experts(experts, arrived[order], local_plan)
+        unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back in arrival order
+        return funcol.all_to_all_single_autograd(unsorted, send_splits, receive_splits, self.group)
+
+
+def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
+    """Split every mixture-of-experts layer of ``model`` over ``ep_mesh`` (the run mesh's ``ep`` dimension), in
+    place: its experts' weights become DTensors sharded on the expert dimension, and the layer exchanges its rows
+    with an all-to-all (``ExpertAllToAll``).
+
+    Call on the meta-device model, after activation checkpointing and compile, before FSDP2 (the run's plan
+    checked that the degree divides the experts).
+    """
+    exchange = ExpertAllToAll(ep_mesh.get_group(), ep_mesh.size())
+    for module in model.modules():
+        if not isinstance(module, MoE):
+            continue
+        experts = module.experts
+        for name, param in list(experts.named_parameters(recurse=False)):
+            # src_data_rank=None: each process takes its own chunk, nothing is sent (the weights are loaded later).
+            split = distribute_tensor(param.data, ep_mesh, [Shard(0)], src_data_rank=None)
+            experts.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
+        experts.exchange = exchange
+
+
+def expert_modules(model: nn.Module) -> list[GroupedExperts]:
+    """Every mixture-of-experts layer's experts, in layer order (what FSDP2 shards over the processes that hold the
+    same experts)."""
+    return [module.experts for module in model.modules() if isinstance(module, MoE)]
