@@ -94,6 +94,18 @@ SAVED_OPS = _resolve_aten_ops(
 )
 
 
+# Per-op AC replays a block's ops by counting each op's calls in forward and in the recompute, and refuses a call
+# it did not count in forward. FSDP2's profiler annotations are no tensor computation, yet their number differs
+# between the two when an FSDP2 group sits inside a checkpointed block (expert parallelism's experts: the recompute,
+# run in backward, enters "FSDP::root_pre_forward" as well; pytorch/pytorch#185178, torchtitan#3427). torch's
+# checkpoint already leaves a few such ops out of its count (``SAC_IGNORED_OPS``); these join them, for every
+# checkpointed region of the process: an annotation is run, never saved, either way.
+torch.utils.checkpoint.SAC_IGNORED_OPS.update({
+    torch.ops.profiler._record_function_enter_new.default,
+    torch.ops.profiler._record_function_exit._RecordFunction,
+})
+
+
 def save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     """Per-op AC policy: keep outputs of matrix multiplies, attention and collectives, recompute every other op.
 

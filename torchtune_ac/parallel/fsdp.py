@@ -19,7 +19,13 @@ from torchtune_ac.models.families import shard_groups, transformer_blocks
 from torchtune_ac.parallel.tensor_parallel import sum_replicated_gradients_in_reduce_dtype
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.parallel.expert_parallel import expert_modules
-from torchtune_ac.runtime.parallelism import EP_DIM, TP_DIM, data_parallel_mesh, expert_data_parallel_mesh
+from torchtune_ac.runtime.parallelism import (
+    EP_DIM,
+    EXPERT_SHARD_DIM,
+    TP_DIM,
+    data_parallel_mesh,
+    expert_data_parallel_mesh,
+)
 
 
 @dataclass(frozen=True)
@@ -99,6 +105,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, fsdp: FSDPConfig = FSDPConfi
             fully_shard(experts, **{**common, "mesh": expert_data_parallel_mesh(mesh)},
                         reshard_after_forward=fsdp.reshard_after_forward or frozen)
             experts.set_gradient_divide_factor(float(dense_mesh.size()))
+            if mesh.device_type == "cpu" and mesh[EXPERT_SHARD_DIM].size() > 1:
+                # A divisor other than the group's size makes the reduce-scatter a pre-multiplied sum, which gloo
+                # does not have: a sum then a division instead. (Not over a group of one, which FSDP2 divides
+                # without a collective, and would divide again after the sum: torch 2.13.)
+                experts.set_force_sum_reduction_for_comms(True)
     for block in transformer_blocks(model):
         fully_shard(block, reshard_after_forward=fsdp.reshard_after_forward or frozen, **common)
     groups = shard_groups(model)

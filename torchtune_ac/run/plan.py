@@ -84,6 +84,7 @@ class RunConfig(Protocol):
     metric_logger: Optional[Component]
     fsdp: FSDPConfig
     tensor_parallel_dim: int
+    expert_parallel_dim: int
 
     def preference_step(self) -> Optional[PreferenceStep]:
         """What the planner simulates instead of the token loss: a preference step (DPO), or None."""
@@ -323,10 +324,15 @@ class RunPlan:
             layout = f"sharded over {parallelism.shard} process(es)"
         else:
             layout = f"HSDP: {replicas} replicas x {parallelism.shard} shards"
+        mesh = parallelism.mesh_shape
+        on_mesh = " on mesh " + " x ".join(f"{name} {size}" for name, size in mesh.items()) if mesh else ""
         if tp > 1:
-            mesh = parallelism.mesh_shape
-            layout += (f", each layer split over {tp} (tensor parallel)"
-                       + (" on mesh " + " x ".join(f"{name} {size}" for name, size in mesh.items()) if mesh else ""))
+            layout += f", each layer split over {tp} (tensor parallel){on_mesh}"
+        if parallelism.expert_parallel:
+            experts = (f"the {parallelism.expert_shard} process(es) holding the same ones"
+                       if parallelism.expert_shard is not None else "the processes holding the same ones")
+            layout += (f", each MoE layer's experts split over {parallelism.expert} (expert parallel) and sharded over "
+                       f"{experts}{on_mesh}")
         return f"{layout}; gradients reduced in {reduce}"
 
     def describe_length(self) -> str:
