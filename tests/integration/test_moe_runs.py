@@ -1,6 +1,6 @@
 """``tune run full_finetune --config tiny/moe``: a mixture of experts trains from random weights with packed rows
 and per-op AC, logs its load-balancing loss and the tokens each expert received, and writes a checkpoint that
-transformers' Qwen3MoeForCausalLM loads."""
+transformers' Qwen3MoeForCausalLM loads; ``full_dpo`` trains it with its experts split over 2 processes."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 from pathlib import Path
 
 import torch
-from finetune_runs import check_success, final_checkpoint, run_tune_in_process
+from finetune_runs import check_success, final_checkpoint, run_tune_in_process, run_tune_subprocess
 from numerics import assert_close, llama_terms
 from transformers import Qwen3MoeForCausalLM
 
@@ -45,3 +45,19 @@ def test_the_published_moe_configs_validate_with_their_parameter_counts(capsys) 
     for config, parameters in (("qwen3_moe/30B_A3B_full", "30,532,122,624"), ("gpt_oss/20B_full", "20,914,757,184")):
         assert main(["validate", "--config", config]) == 0
         assert f": {parameters} parameters, " in capsys.readouterr().out
+
+
+def test_dpo_trains_a_mixture_of_experts_split_over_2_processes_with_its_load_balancing_loss(tmp_path: Path) -> None:
+    """``full_dpo`` on the tiny MoE with its experts split over 2 processes (EP 2), packed pairs, per-op AC and the
+    precomputed reference: the load-balancing loss is added to the DPO loss, as TRL's DPOTrainer adds it. At the
+    first step the policy is the reference, so its DPO loss is ln 2 exactly: the loss is ln 2 + coef x aux."""
+    output_dir = tmp_path / "dpo"
+    check_success(run_tune_subprocess([
+        "run", "--nproc_per_node", "2", "full_dpo", "--config", "tiny/dpo", f"output_dir={output_dir}",
+        "model._component_=torchtune_ac.models.qwen3_moe_tiny", "checkpoint_dir=null",
+        "tokenizer.path=${embedded_checkpoint:}", "max_steps_per_epoch=2", "expert_parallel_dim=2",
+        "dpo.reference=precomputed", "dataset.packed=true", "max_seq_len=256", "ac_mode=selective", "ac_option=op"]))
+    first, second = read_metrics(output_dir)
+    assert math.isclose(first["loss"], math.log(2) + 0.01 * first["moe_aux_loss"], rel_tol=1e-5), first
+    assert all(len(layer) == 8 for layer in first["moe_expert_tokens"])
+    assert second["loss"] < first["loss"] and math.isfinite(second["moe_aux_loss"])

@@ -185,8 +185,10 @@ def build_training(
         load_hf_weights_(model, plan.checkpoint_dir)
     elif load_weights:
         initialize_weights_(model, pristine, dtype=plan.dtype.torch, seed=plan.seed, sharded=sharded)
-    if objective is None:  # the memory plan's token loss, and a mixture of experts' load-balancing loss
-        objective = with_load_balancing(memory.objective(compiled=plan.compile), model)
+    # The recipe's objective (DPO's) or the memory plan's token loss; a mixture of experts adds its load-balancing
+    # loss to either, as transformers' and TRL's trainers do.
+    objective = with_load_balancing(objective if objective is not None else memory.objective(compiled=plan.compile),
+                                    model)
     if frozen:
         return AssembledModel(freeze_reference(model), None, objective)
     model.train()
