@@ -45,9 +45,11 @@ def test_saved_against_reports_are_redrawn_and_other_files_refused(tmp_path: Pat
 
 def test_bench_moe_quick_finds_the_grouped_path_equal_to_the_loop(tmp_path: Path) -> None:
     out = tmp_path / "bench_moe.json"
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_moe.py"), "--quick", "--dtype", "fp32",
-                             "--threads", "1", "--out", str(out)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_moe.py"), "--only", "kernels", "--quick",
+                             "--dtype", "fp32", "--threads", "1", "--out", str(out), "--png", str(tmp_path / "m.png")],
+                            capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(out.read_text())
+    report = json.loads(out.read_text())["kernels"]
     assert report["grouped_mm_runs"] is True  # CPU float32: torch._grouped_mm
     assert report["same_numbers"]["grouped"]["outputs_equal"] and report["same_numbers"]["padded_bmm"]["outputs_equal"]
+    assert (tmp_path / "m.png").stat().st_size > 0
