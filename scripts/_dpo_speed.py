@@ -14,7 +14,7 @@ A log-normal has that shape (a hump and a long right tail); what matters for pad
 within a batch, which sigma sets. No UltraFeedback data is read (nothing is downloaded): the text is the embedded
 pairs' prompts and answers strung together until the drawn length, in tokens of the embedded tokenizer.
 
-Every side does the same work a step, in fp32 on ``--threads`` threads: the same token ids (ours: BOS, prompt,
+The sides are made alike, in fp32 on ``--threads`` threads: the same token ids (ours: BOS, prompt,
 answer, EOS, truncated by our ``preference_dataset``; TRL is handed those ids, its own tokenization skipped), the same
 pairs in the same order (``shuffle: false``; TRL's sampler ``sequential``; a last partial batch dropped by both), a
 resident reference run forward every step (``dpo.reference: resident``; TRL given a ``ref_model``, nothing
