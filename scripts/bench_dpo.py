@@ -21,8 +21,8 @@ model cost in memory, and how fast are padded and packed DPO against TRL?
    with UltraFeedback's length spread made from the embedded pairs, in the same order, about the same pairs a step,
    a resident reference, fp32: tokens/s over the steps after a warm-up, and the peak resident set, interleaved
    A/B/C/C/B/A in fresh processes (each ``--repeats`` adds one such round). The defaults (``llama_small``, 32 pairs,
-   4 a step, ``max_seq_len`` 512, the first step of 8 not timed, one thread) are sized for about 5 minutes on 2
-   quiet cores. Targets: packed >= 1.3x padded, and faster than TRL.
+   4 a step, ``max_seq_len`` 512, the first step of 8 not timed, half the cores' threads) are sized for about 5
+   minutes on 2 quiet cores. Targets: packed >= 1.3x padded, and faster than TRL.
 
 Writes ``bench_results/bench_dpo.json`` and ``docs/images/bench_dpo.png`` (speed: ``bench_dpo_speed.json`` and
 ``bench_dpo_speed.png``).
