@@ -31,13 +31,14 @@ the process's peak resident set. Each step's answer tokens, as the run counted t
 ``completion_mask``), are checked against the pairs the bench assigns to that step, so the three sides are known to
 have trained the same pairs.
 
-Why TRL's side once seemed not to finish: it is not slower by much, the runs were too long. At the old defaults
-(256 pairs, 8 a step, ``max_seq_len`` 512, ``--repeats 2``: twelve runs of a whole epoch) a padded epoch alone took
-about 8 minutes on one thread (about 16 s a step: 8 pairs pad to about 2.6 times their real tokens), and TRL came
-third. TRL's own costs beside the same work: its LM head (``add_fused_lm_head``) scores every position on a CPU
-(only the answers' on Triton devices) and also computes entropy, mean logits and top-1 for its logged metrics, and
-its attention gets a padding mask (transformers' SDPA with an explicit mask) where ours is causal only. Its
-preprocessing (``dataset.map`` tokenizing prompt and prompt-plus-answer) is set-up, never timed, and skipped here.
+Why TRL's side once did not finish: the runs were too long, not TRL stalling. At the old defaults (256 pairs, 8 a
+step, ``max_seq_len`` 512, ``--repeats 2``: twelve runs of a whole epoch) a padded epoch alone is 32 steps, about 8
+minutes on one thread at the 16 s a step measured with 96 pairs (8 pairs pad to about 2.6 times their real tokens),
+and TRL came third. TRL's own costs beside the same work: its LM head (``add_fused_lm_head``) scores every position
+on a CPU (only the answers' on Triton devices), recomputes the projection in backward, and also computes entropy,
+mean logits and top-1 for its logged metrics; and its model is given the batch's padding mask, where ours is causal
+only. Its preprocessing (``dataset.map`` tokenizing prompt and prompt-plus-answer) is set-up, never timed, and
+skipped here.
 """
 
 from __future__ import annotations
