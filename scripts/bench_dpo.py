@@ -4,7 +4,7 @@ model cost in memory, and how fast are padded and packed DPO against TRL?
     .venv/bin/python scripts/bench_dpo.py                              # learning and memory
     .venv/bin/python scripts/bench_dpo.py --only learning --steps 300
     .venv/bin/python scripts/bench_dpo.py --only memory --repeats 2
-    .venv/bin/python scripts/bench_dpo.py --only speed --repeats 2     # padded, packed and TRL (needs trl)
+    .venv/bin/python scripts/bench_dpo.py --only speed                 # padded, packed and TRL (needs trl)
 
 1. learning: ``tune run full_dpo --config tiny/dpo`` (the embedded 1.6 M-parameter model from its random weights)
    for ``--steps`` steps on the embedded synthetic pairs, whose chosen answer is the bare answer and whose rejected
@@ -17,9 +17,12 @@ model cost in memory, and how fast are padded and packed DPO against TRL?
    ``ru_maxrss``, set-up and the precomputing pass included), next to what ``tune plan`` plans for each.
 
 3. speed (``--only speed``, ``_dpo_speed.py``): padded DPO, packed DPO (``dataset.packed: true``) and TRL 1.16's
-   ``DPOTrainer`` on the same model (saved with ``save_hf``, loaded by both), the same pairs with UltraFeedback's
-   length spread made from the embedded pairs, about the same pairs a step, fp32: tokens/s and the peak resident
-   set, interleaved A/B/C/C/B/A in fresh processes. Targets: packed >= 1.3x padded, and faster than TRL.
+   ``DPOTrainer`` on the same model (saved with ``save_hf``, loaded by both), the same token ids of the same pairs
+   with UltraFeedback's length spread made from the embedded pairs, in the same order, about the same pairs a step,
+   a resident reference, fp32: tokens/s over the steps after a warm-up, and the peak resident set, interleaved
+   A/B/C/C/B/A in fresh processes (each ``--repeats`` adds one such round). The defaults (``llama_small``, 32 pairs,
+   4 a step, ``max_seq_len`` 512, the first step of 8 not timed, half the cores' threads) are sized for about 5
+   minutes on 2 quiet cores. Targets: packed >= 1.3x padded, and faster than TRL.
 
 Writes ``bench_results/bench_dpo.json`` and ``docs/images/bench_dpo.png`` (speed: ``bench_dpo_speed.json`` and
 ``bench_dpo_speed.png``).
@@ -54,8 +57,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--memory-steps", type=int, default=4, help="steps of each memory run")
     parser.add_argument("--repeats", type=int, default=1, help="A/B/B/A rounds of the memory runs")
     parser.add_argument("--model", default="llama_small", help="speed: the model (a torchtune_ac.models builder)")
-    parser.add_argument("--pairs", type=int, default=256, help="speed: pairs of one epoch")
-    parser.add_argument("--batch-size", type=int, default=8, help="speed: pairs a step")
+    parser.add_argument("--pairs", type=int, default=32, help="speed: pairs of one epoch (each run trains them once)")
+    parser.add_argument("--batch-size", type=int, default=4, help="speed: pairs a step")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="speed: first steps of each run not timed")
     parser.add_argument("--max-seq-len", type=int, default=512, help="speed: max_seq_len (TRL's max_length)")
     parser.add_argument("--length-scale", type=float, default=0.25,
                         help="speed: UltraFeedback's lengths times this (0.25: a median answer of 65 tokens)")

@@ -53,3 +53,24 @@ def test_bench_moe_quick_finds_the_grouped_path_equal_to_the_loop(tmp_path: Path
     assert report["grouped_mm_runs"] is True  # CPU float32: torch._grouped_mm
     assert report["same_numbers"]["grouped"]["outputs_equal"] and report["same_numbers"]["padded_bmm"]["outputs_equal"]
     assert (tmp_path / "m.png").stat().st_size > 0
+
+
+def test_dpo_speed_times_the_steps_after_warm_up_and_refuses_steps_that_held_other_pairs() -> None:
+    """``bench_dpo.py --only speed``'s reading of a run: the steps after the warm-up, their pairs (in order, or a
+    packed step's rows' pairs) and real tokens; a run whose steps' answer tokens are not those pairs' is refused."""
+    import _dpo_speed
+
+    data = {"pair_tokens": [10, 20, 30, 40, 50, 60], "answer_tokens": [4, 8, 12, 16, 20, 24],
+            "row_pairs": [(0, 2), (2, 3), (3, 6)]}
+    padded = {"step_seconds": [9.0, 2.0, 3.0], "step_answer_tokens": [12, 28, 44], "peak_gib": 1.0, "batch_size": 2}
+    reading = _dpo_speed.account("padded", padded, data, warmup=1)
+    assert (reading["steps"], reading["pairs"], reading["tokens"], reading["seconds"]) == (2, 4, 180, 5.0)
+    assert reading["tokens_per_s"] == 36.0 and reading["warmup_s"] == 9.0
+    packed = {"step_seconds": [5.0, 1.5, 2.5], "step_answer_tokens": [12, 12, 60], "peak_gib": 1.0, "batch_size": 1}
+    reading = _dpo_speed.account("packed", packed, data, warmup=1)
+    assert (reading["steps"], reading["pairs"], reading["tokens"], reading["seconds"]) == (2, 4, 180, 4.0)
+    shuffled = {**padded, "step_answer_tokens": [28, 12, 44]}
+    with pytest.raises(RuntimeError, match="not those of the pairs in order"):
+        _dpo_speed.account("trl", shuffled, data, warmup=1)
+    with pytest.raises(RuntimeError, match="none left after 3 warm-up"):
+        _dpo_speed.account("padded", padded, data, warmup=3)
