@@ -33,6 +33,7 @@ modelled), and memory an allocator keeps beyond live tensors (fragmentation, cac
 
 from torchtune_ac.memory.planner.workload import (
     GiB,
+    ROUTED_ROWS_MARGIN,
     STRIDES,
     PHASES,
     BACKWARD_PHASES,
@@ -59,6 +60,7 @@ __all__ = [
     "MemoryEstimate",
     "PHASES",
     "PreferenceStep",
+    "ROUTED_ROWS_MARGIN",
     "STRIDES",
     "Workload",
     "candidate_plans",

@@ -345,8 +345,9 @@ def _simulate(
         for hook in hooks:
             hook.remove()
         expert_ids = {id(p) for p in experts}
+        # Their state tensors, not the step counters (one a parameter, however many experts it holds).
         expert_states = [v for opt in optimizers for p, s in opt.state.items() if id(p) in expert_ids
-                         for v in s.values() if isinstance(v, torch.Tensor)]
+                         for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         return _Simulation(
             n_blocks=len(blocks), parameters=_nbytes(params), optimizer=_nbytes(states), batch=_nbytes(inputs),
             saved_activations=saved[0], flops=tracker.flops, peaks=tracker.peaks,
