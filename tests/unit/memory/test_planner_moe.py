@@ -26,7 +26,7 @@ from torchtune_ac.memory.planner.experts import SimulatedExpertExchange
 from torchtune_ac.memory.planner.simulation import _LiveStorages, _simulate
 from torchtune_ac.models.families.qwen3_moe import QWEN3_MOE_TINY
 from torchtune_ac.models.llama import Llama
-from torchtune_ac.models.moe import MoE, MoEArgs
+from torchtune_ac.models.moe import MoE, MoEArgs, grouped_mm
 from torchtune_ac.parallel.expert_parallel import ExpertAllToAll
 from torchtune_ac.runtime.parallelism import Parallelism
 
@@ -126,6 +126,30 @@ def test_the_simulated_exchange_holds_what_the_real_all_to_alls_hold(world_of_on
     for measured, planned, alone in zip(real, simulated, without):
         assert abs(measured - planned) <= 256
         assert measured - alone >= 1000 * 2 * 96 * 4 // 2  # at least half a buffer of the routed rows
+
+
+def test_the_planner_s_grouped_matmul_holds_what_the_real_one_holds_in_bf16():
+    """On fake bfloat16 tensors ``grouped_mm`` runs ``torch._grouped_mm`` itself: forward and backward peak as on
+    real tensors (a slice of the first expert's weight would hold a zeroed whole weight more in backward), and its
+    FLOPs are counted: the forward and the two products of backward, 2 N K M each."""
+    experts, k, m, n = 8, 64, 96, 1000
+    peaks, flops = [], 0
+    for fake in (False, True):
+        with FakeTensorMode() if fake else contextlib.nullcontext():
+            weight = torch.nn.Parameter(torch.randn(experts, m, k, dtype=torch.bfloat16))  # [E, out, in]
+            x = torch.randn(n, k, dtype=torch.bfloat16, requires_grad=True)
+            counts = torch.full((experts,), n // experts, dtype=torch.long)
+            if fake:
+                tracker = _LiveStorages(1, set())
+                tracker.known = {t.untyped_storage()._cdata for t in [weight, x, counts]}
+            else:
+                tracker = _RealStorages([weight, x, counts])
+            with tracker:
+                grouped_mm(x, weight.transpose(1, 2), counts).backward(torch.ones(n, m, dtype=torch.bfloat16))
+            peaks.append(tracker.peaks["forward"].value if fake else tracker.peak)
+            flops = tracker.flops if fake else flops
+    assert peaks[1] == peaks[0]
+    assert flops == 3 * 2 * n * k * m
 
 
 # -------------------------------------------------------------------------------------- the state per process

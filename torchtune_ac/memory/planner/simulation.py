@@ -182,6 +182,8 @@ class _LiveStorages(TorchDispatchMode):
         count = flop_registry.get(func.overloadpacket)
         if count is not None:
             self.flops += count(*args, **kwargs, out_val=out)
+        elif func is _GROUPED_MM:  # which flop_counter has no formula for: [N, K] x [E, K, M], or [K, N] x [N, M]
+            self.flops += 2 * args[0].numel() * args[1].shape[-1]
         if func is _WAIT_TENSOR:
             # A collective's wait returns its input in a run (the same memory); on fake tensors its output has a
             # storage of its own, which takes over the input's bytes.
@@ -208,6 +210,7 @@ class _LiveStorages(TorchDispatchMode):
         return out
 
 
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None) and torch.ops.aten._grouped_mm.default
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default if torch.distributed.is_available() else None
 
 
