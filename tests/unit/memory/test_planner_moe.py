@@ -170,6 +170,27 @@ def test_parameters_gradients_and_optimizer_state_are_the_whole_model_over_every
     assert after_backward[0].grads == pytest.approx(whole / WORLD, rel=1e-12)
 
 
+def test_the_step_in_backward_s_pool_on_a_gpu_holds_an_expert_s_temporaries_as_its_shard():
+    """On a GPU under FSDP2 the step in backward's temporaries have a pool of their own (``in_backward_stream_pool``):
+    the most one parameter's step holds, on its shard. With EP 4 of 4 processes a process's experts are not
+    sharded further (``expert_shard`` 1): AdamW's two temporaries of its gate and up projections (2 of the 8 experts,
+    [2, 128, 128] in fp32) whole, more than the output layer's on a quarter of it."""
+    from torchtune_ac.activation_checkpointing.config import ACConfig
+    from torchtune_ac.activation_checkpointing.mechanism import ACMode
+    from torchtune_ac.memory.feature import OptimizerSpec
+    from torchtune_ac.memory.plan import MemoryConfig, resolve_memory_plan
+
+    plan = resolve_memory_plan(ACConfig(ac_mode=ACMode.FULL), MemoryConfig(optimizer_in_bwd=True, loss_chunks=4),
+                               Llama(ARGS), clip_grad_norm=None, optimizer=OptimizerSpec("torch.optim.AdamW"))
+    transient = []
+    for cuda in (False, True):
+        workload = dataclasses.replace(_workload(4), cuda=cuda).with_settings(plan.settings)
+        transient.append(estimate_memory(lambda: Llama(ARGS), adamw, workload, [plan.ac])[0].transient)
+    gate_up = 2 * 2 * ARGS.moe.expert_dim * ARGS.dim * 4  # this process's 2 experts' [2 * expert_dim, dim]
+    assert 2 * gate_up > 2 * ARGS.vocab_size * ARGS.dim * 4 // WORLD
+    assert transient[1] - transient[0] == 2 * gate_up
+
+
 # ---------------------------------------------------------------------------------- FSDP2's gathered experts
 
 

@@ -1,5 +1,5 @@
-"""Expert parallelism in the simulated step: each MoE layer holds one process's share of its experts, and its rows
-go through the all-to-alls of ``parallel/expert_parallel.py``, with an assumed split of the rows (``simulate_expert_parallel``).
+"""Expert parallelism in the simulated step (``simulate_expert_parallel``): each MoE layer holds one process's share
+of its experts, and its rows go through the all-to-alls of ``parallel/expert_parallel.py``, their split assumed.
 
 The all-to-alls are torch's functional collectives themselves, which run on fake tensors without a process group:
 the simulation allocates their buffers (each direction, forward and backward) and per-op AC saves their outputs as

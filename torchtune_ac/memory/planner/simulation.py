@@ -202,8 +202,12 @@ class _LiveStorages(TorchDispatchMode):
                             self.expert_temporaries.add(key)
                             self._expert_opt += storage.nbytes()
                         if self.phase in BACKWARD_PHASES:
+                            # As many bytes as the shard degree divides into a process's: an expert's temporaries
+                            # are shards over expert_shard.
+                            held = self._opt - self._expert_opt + self._expert_opt * (self.shard_degree
+                                                                                    / self.expert_shard_degree)
                             self.optimizer_temporaries_in_backward = max(self.optimizer_temporaries_in_backward,
-                                                                         self._opt)
+                                                                         held)
                     # The Python storage object lives exactly as long as its memory (PyObject preservation).
                     weakref.finalize(storage, self._free, key)
         self._record()
@@ -272,7 +276,8 @@ class _Simulation:
     block_input: int  # bytes of a block's input, one micro-batch's hidden state
     logits: int  # bytes of one micro-batch's whole logits in float32 ([rows, seq_len, vocab])
     varlen_kv_copy: int = 0  # bytes of one block's K/V copies for varlen_attn, one micro-batch (Workload.varlen)
-    optimizer_temporaries_in_backward: int = 0  # the most a step in backward held at once, unsharded
+    # The most a step in backward held at once, unsharded (experts' temporaries scaled so that shard divides them).
+    optimizer_temporaries_in_backward: float = 0
     # Under expert parallelism (``experts.simulate_expert_parallel``): the experts this process holds (E / ep of
     # each layer's), of every simulated block and of the largest one, and their optimizer state; 0 without.
     expert_parameters: int = 0
