@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import weakref
 
@@ -45,9 +46,16 @@ def _workload(expert: int, margin: float = 1.0, world: int = WORLD) -> Workload:
                     routed_rows_margin=margin)
 
 
+@functools.lru_cache(maxsize=None)  # the estimates are values; several tests ask for the same ones
 def _estimate(expert: int, mode: str = "full", margin: float = 1.0, world: int = WORLD):
     plan = {p.mode.value: p for p in candidate_plans(ARGS.n_layers)}[mode]
     return estimate_memory(lambda: Llama(ARGS), adamw, _workload(expert, margin, world), [plan])[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _full_ac_step(expert: int):
+    """The simulated step with full AC on ``WORLD`` processes (the whole model: no extrapolation)."""
+    return _simulate(lambda: Llama(ARGS), adamw, "full", None, None, _workload(expert))
 
 
 def _bytes(params) -> int:
@@ -164,8 +172,7 @@ def test_parameters_gradients_and_optimizer_state_are_the_whole_model_over_every
     assert split.parameters == alone.parameters == math.ceil(whole / WORLD)
     assert split.optimizer == alone.optimizer  # AdamW's two states of every parameter, and its step counters
     assert alone.optimizer == math.ceil((2 * whole + 4 * len(list(Llama(ARGS).parameters()))) / WORLD)
-    after_backward = [_simulate(lambda: Llama(ARGS), adamw, "full", None, None, _workload(ep)).peaks["optimizer step"]
-                      for ep in (1, expert)]
+    after_backward = [_full_ac_step(ep).peaks["optimizer step"] for ep in (1, expert)]
     assert after_backward[1].grads == pytest.approx(after_backward[0].grads, rel=1e-12)
     assert after_backward[0].grads == pytest.approx(whole / WORLD, rel=1e-12)
 
@@ -198,7 +205,7 @@ def _fsdp_part(expert: int):
     """The estimate's FSDP2 share of its transient (gathered parameters and the reduce-scatter input): its
     transient less the simulated step's temporaries at the peak and the batch."""
     estimate = _estimate(expert)
-    simulation = _simulate(lambda: Llama(ARGS), adamw, "full", None, None, _workload(expert))
+    simulation = _full_ac_step(expert)
     return estimate.transient - simulation.peaks[estimate.peak_phase].other - simulation.batch
 
 
