@@ -395,7 +395,8 @@ def test_a_shown_session_prints_what_the_page_shows(page, line, argv, shown, tmp
 
 def test_the_pages_show_a_session():
     assert [(page.name, argv[:4], len(shown)) for page, _, argv, shown in SESSIONS] == [
-        ("memory.md", ["tune", "plan", "--config", "llama3/8B_full"], 8)]
+        ("memory.md", ["tune", "plan", "--config", "llama3/8B_full"], 8),
+        ("moe.md", ["tune", "plan", "--config", "qwen3_moe/30B_A3B_full"], 7)]
 
 
 # ---------------------------------------------------------------------------------------------- links

@@ -202,10 +202,12 @@ def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> t
 
     ``torch._grouped_mm`` where it runs (``grouped_mm_runs``); elsewhere the rows are padded to the busiest
     expert's count and multiplied by one ``torch.bmm`` (which reads the counts on the host). Fake tensors (the
-    memory planner's) are multiplied by the first expert's weight: the same shapes kept for backward (the rows and
-    the weight), without reading the counts.
+    memory planner's) in bfloat16 take ``torch._grouped_mm`` too, which allocates as on real ones; in other dtypes
+    (its shape function takes bfloat16 only) they are multiplied by the first expert's weight: the same shapes kept
+    for backward (the rows and the weight), without reading the counts, but a backward that holds one more tensor
+    of the weight's size (the slice's gradient, zeros of the whole weight) than the grouped one.
     """
-    if isinstance(x, FakeTensor):
+    if isinstance(x, FakeTensor) and x.dtype != torch.bfloat16:
         return x @ weight[0]
     if grouped_mm_runs(x, weight):
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)

@@ -23,6 +23,7 @@ from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.memory.planner import (
     GiB,
     MemoryEstimate,
+    Workload,
     candidate_plans,
     describe_setting,
     estimate_memory,
@@ -30,6 +31,7 @@ from torchtune_ac.memory.planner import (
     switch_ablation,
 )
 from torchtune_ac.models.families import transformer_blocks
+from torchtune_ac.models.moe import moe_args_of
 from torchtune_ac.run.plan import (
     RunPlan,
     RunConfig,
@@ -73,6 +75,8 @@ class MemoryTable:
     # A tensor-parallel degree to try when nothing fits (None: the run has one already, or the model none).
     suggested_tp: Optional[int] = None
     compiled: bool = False  # compile: true (the legend says how compiled blocks are simulated)
+    # A mixture of experts: what the estimate assumes of its routed rows (added to the assumptions; "": dense).
+    routed_rows: str = ""
 
     def _fits(self, estimate: MemoryEstimate) -> str:
         if self.budget_gib is None:
@@ -153,7 +157,7 @@ class MemoryTable:
                 out.append(f"{label:<{width}} {e.optimizer / scale:>9.2f} {e.total / scale:>7.2f} "
                            f"{e.device / scale:>7.2f} {e.host / scale:>7.2f}{self._fits(e)}")
         out.extend(f"Note: {note}" for note in self.notes)
-        out.append(f"Assumptions: {ASSUMPTIONS}.")
+        out.append(f"Assumptions: {ASSUMPTIONS}{'; ' + self.routed_rows if self.routed_rows else ''}.")
         return out
 
 
@@ -220,7 +224,21 @@ def memory_table(cfg: RunConfig, *, world_size: int, budget_gib: Optional[float]
              f"{cfg.optimizer.path.rsplit('.', 1)[-1]}; {switches}")
     blas, blas_how = cublas_workspace_bytes(planned_device(cfg.device))
     return MemoryTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size), tuple(ablation),
-                       fixed_how, blas_how if blas else "", not_applicable, run_plan, suggested_tp, cfg.compile)
+                       fixed_how, blas_how if blas else "", not_applicable, run_plan, suggested_tp, cfg.compile,
+                       routed_rows_assumption(model, workload))
+
+
+def routed_rows_assumption(model: torch.nn.Module, workload: Workload) -> str:
+    """What the estimate assumes of a mixture of experts' routed rows, in words ("" for a dense model)."""
+    args = moe_args_of(model)
+    if args is None:
+        return ""
+    if not workload.parallelism.expert_parallel:
+        return (f"each process's experts compute its own tokens' {args.top_k} copies (top_k), whatever the router "
+                "does (no expert parallelism)")
+    return (f"under expert parallelism each process's experts receive {workload.routed_rows_margin:g}x the rows a "
+            f"balanced router sends them (its own tokens' {args.top_k} copies: routing is dropless, and a router "
+            "out of balance sends a process more), and the all-to-all buffers are sized alike")
 
 
 def draw_memory_table(table: MemoryTable, path: Path) -> Path:

@@ -26,6 +26,11 @@ stay gathered through forward and backward (``reshard_after_forward`` is false f
 gathered parameters (the one running and the one prefetched; every block when
 ``fsdp.reshard_after_forward`` is false), and one block's unsharded gradients in the reduce dtype.
 
+Expert parallelism (``experts.py``): the simulated process holds its ``E / ep`` experts of each MoE layer and sends
+its rows through the all-to-alls on fake tensors, receiving ``ROUTED_ROWS_MARGIN`` times a balanced router's share;
+its experts' gradients are sharded over ``expert_shard``, the whole model's state over ``shard`` as without it,
+and FSDP2 gathers only its own experts, in a group of their own (docs/moe.md, "Planning memory").
+
 Assumptions (``tune plan`` prints them): every position of every row is a target (the loss's worst case),
 rows are ``max_seq_len`` long, parameters compute in their storage dtype (FSDP mixed precision is not
 modelled), and memory an allocator keeps beyond live tensors (fragmentation, caching) is not included.
@@ -33,6 +38,7 @@ modelled), and memory an allocator keeps beyond live tensors (fragmentation, cac
 
 from torchtune_ac.memory.planner.workload import (
     GiB,
+    ROUTED_ROWS_MARGIN,
     STRIDES,
     PHASES,
     BACKWARD_PHASES,
@@ -59,6 +65,7 @@ __all__ = [
     "MemoryEstimate",
     "PHASES",
     "PreferenceStep",
+    "ROUTED_ROWS_MARGIN",
     "STRIDES",
     "Workload",
     "candidate_plans",

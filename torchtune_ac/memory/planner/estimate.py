@@ -47,26 +47,34 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
              for phase in PHASES}
     phase = max(PHASES, key=lambda p: peaks[p][0])
     _, other, grads, acts = peaks[phase]
-    parameters = at_depth(lambda s: s.parameters)
+    # Under expert parallelism the simulated process held its E / ep experts of each layer: the whole model (what
+    # FSDP2 shards, ep x expert_shard = shard processes for the experts as for the rest) has ep times as many.
+    ep = workload.parallelism.expert
+    simulated = at_depth(lambda s: s.parameters)
+    parameters = simulated + (ep - 1) * at_depth(lambda s: s.expert_parameters)
+    optimizer = at_depth(lambda s: s.optimizer + (ep - 1) * s.expert_optimizer)
     sharded = workload.world_size > 1 or bool(cpu_offload.shard_options(workload.settings.cpu_offload))
     gathered = 0
     fsdp_extra = 0.0
     if sharded:
         root = shallow.root_parameters
-        blocks = parameters - root if not workload.fsdp.reshard_after_forward else 2 * shallow.block_parameters
-        gathered = root + blocks
         reduce_factor = workload.fsdp.resolved_reduce_dtype(workload.dtype).torch.itemsize / workload.dtype.torch.itemsize
-        # Gathered parameters beyond the resident shards (the groups outside the blocks counted gathered throughout),
-        # and the reduce-scatter input of the largest group.
-        largest_group = max(shallow.block_parameters, shallow.largest_outer_group)
-        fsdp_extra = gathered * (n - 1) / n + largest_group * reduce_factor
+        if ep == 1:
+            blocks = parameters - root if not workload.fsdp.reshard_after_forward else 2 * shallow.block_parameters
+            gathered = root + blocks
+            # Gathered parameters beyond the resident shards (the groups outside the blocks counted gathered
+            # throughout), and the reduce-scatter input of the largest group.
+            largest_group = max(shallow.block_parameters, shallow.largest_outer_group)
+            fsdp_extra = gathered * (n - 1) / n + largest_group * reduce_factor
+        else:
+            gathered, fsdp_extra = _expert_parallel_gathered(shallow, workload, simulated, at_depth, reduce_factor)
     # Tensor parallelism splits every parameter (and its gradient and optimizer state) over tp more processes, and
     # the activations of the split layers: the simulation ran the whole model, so its parts are divided by tp, and
     # what stays whole on every rank of a group is added back (tensor_parallel_share).
     tp = workload.parallelism.tensor
     device = {
         "parameters": parameters / n / tp,
-        "optimizer": at_depth(lambda s: s.optimizer) / n / tp,
+        "optimizer": optimizer / n / tp,
         "gradients": grads / tp,
         "activations": acts / tp,
         "transient": (other + fsdp_extra) / tp + shallow.batch + workload.blas_workspaces,
@@ -89,7 +97,7 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
     for feature, setting in workload.feature_settings():
         sizes = ModelSizes(parameters=math.ceil(parameters), root_parameters=shallow.root_parameters,
                            largest_block=shallow.block_parameters,
-                           optimizer_state=math.ceil(at_depth(lambda s: s.optimizer)), world_size=n * tp,
+                           optimizer_state=math.ceil(optimizer), world_size=n * tp,
                            shapes=shapes, dtype=workload.dtype.torch, sharded=sharded,
                            gathered_parameters=math.ceil(gathered / tp),
                            checkpointed_blocks=len(plan.checkpointed_blocks), block_input=shallow.block_input,
@@ -120,6 +128,28 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         host=math.ceil(sum(host.values())),
         host_parts={category: math.ceil(nbytes) for category, nbytes in host.items()},
     )
+
+
+def _expert_parallel_gathered(shallow: _Simulation, workload: Workload, simulated: float,
+                              at_depth: Callable[[Callable[[_Simulation], float]], float],
+                              reduce_factor: float) -> tuple[float, float]:
+    """What FSDP2 holds gathered under expert parallelism (unsharded), and what that and its reduce-scatter input
+    add beyond the resident shards. Each layer's experts are a group of their own: a process gathers only its
+    E / ep experts (over the ``expert_shard`` processes that hold the same ones), the dense rest of a block over
+    ``shard`` as in a dense model. The experts' gathered copy is counted whole: FSDP2 copies a process's own shard
+    into it too, with ``expert_shard`` 1 as well (``FSDPParamGroup.wait_for_unshard``)."""
+    n = workload.shard_degree
+    root = shallow.root_parameters
+    if workload.fsdp.reshard_after_forward:  # the running block and the prefetched one
+        experts = 2 * shallow.block_expert_parameters
+        dense = 2 * (shallow.block_parameters - shallow.block_expert_parameters)
+    else:
+        experts = at_depth(lambda s: s.expert_parameters)
+        dense = simulated - root - experts
+    largest_group = max(shallow.block_parameters - shallow.block_expert_parameters, shallow.block_expert_parameters,
+                        shallow.largest_outer_group)
+    extra = (root + dense) * (n - 1) / n + experts + largest_group * reduce_factor
+    return root + dense + experts, extra
 
 
 def in_backward_stream_pool(shallow: _Simulation, workload: Workload, sharded: bool) -> int:

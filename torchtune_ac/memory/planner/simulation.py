@@ -28,6 +28,7 @@ from torchtune_ac.activation_checkpointing.mechanism import (
     is_checkpointed,
 )
 from torchtune_ac.training.step import accumulate_gradients
+from torchtune_ac.memory.planner.experts import simulate_expert_parallel
 from torchtune_ac.memory.planner.workload import (
     PHASES,
     BACKWARD_PHASES,
@@ -54,10 +55,18 @@ class _LiveStorages(TorchDispatchMode):
     sharded gradients and broken down by kind.
     """
 
-    def __init__(self, shard_degree: int, root_parameters: set[int], *, sharded: bool = False) -> None:
+    def __init__(self, shard_degree: int, root_parameters: set[int], *, sharded: bool = False,
+                 expert_parameters: Sequence[torch.Tensor] = (), expert_shard_degree: Optional[int] = None) -> None:
         super().__init__()
         self.shard_degree = shard_degree  # processes a parameter is sharded over
         self.root_parameters = root_parameters  # ids of the parameters outside the blocks
+        # Under expert parallelism the experts this process holds are sharded over fewer processes (expert_shard):
+        # their gradients, and the optimizer's temporaries of their shapes, are divided by that degree instead.
+        self.expert_parameters = {id(p) for p in expert_parameters}
+        self.expert_shapes = {tuple(p.shape) for p in expert_parameters}
+        self.expert_shard_degree = expert_shard_degree or shard_degree
+        self.expert_grads: set[int] = set()
+        self.expert_temporaries: set[int] = set()
         # Under FSDP2 the root's gradients are reduced only when backward ends, so an optimizer stepping in backward
         # (which frees each gradient at once here) takes them only then: until then they are whole on every process.
         self.sharded = sharded
@@ -75,6 +84,7 @@ class _LiveStorages(TorchDispatchMode):
         self.block_input = 0  # bytes of a block's input (the hidden state of one micro-batch)
         self.flops = 0
         self._live = self._grad = self._root_grad = self._act = self._opt = 0
+        self._expert_grad = self._expert_opt = 0
         self.optimizer_temporaries_in_backward = 0  # the most bytes an optimizer stepping in backward held at once
         self.paused = False  # ops run but are not counted (tracing a compiled block's graphs)
 
@@ -93,9 +103,15 @@ class _LiveStorages(TorchDispatchMode):
         if key in self.root_grads:
             self.root_grads.discard(key)
             self._root_grad -= nbytes
+        if key in self.expert_grads:
+            self.expert_grads.discard(key)
+            self._expert_grad -= nbytes
         if key in self.optimizer_temporaries:
             self.optimizer_temporaries.discard(key)
             self._opt -= nbytes
+        if key in self.expert_temporaries:
+            self.expert_temporaries.discard(key)
+            self._expert_opt -= nbytes
         if key in self.activations:
             self.activations.discard(key)
             self._act -= nbytes
@@ -104,8 +120,10 @@ class _LiveStorages(TorchDispatchMode):
         # Under FSDP2 a block's gradients are reduce-scattered as its backward ends; the root's (embedding,
         # output) only at the end of backward: until the optimizer step they are whole on every process.
         sharded = self._grad if self.phase == "optimizer step" else self._grad - self._root_grad
-        grads = self._grad - sharded * (1 - 1 / self.shard_degree)
-        value = self._live - self._grad + grads - self._opt * (1 - 1 / self.shard_degree)
+        n, n_experts = self.shard_degree, self.expert_shard_degree
+        grads = self._grad - (sharded - self._expert_grad) * (1 - 1 / n) - self._expert_grad * (1 - 1 / n_experts)
+        value = (self._live - self._grad + grads - (self._opt - self._expert_opt) * (1 - 1 / n)
+                 - self._expert_opt * (1 - 1 / n_experts))
         # In a forward, what is live is (mostly) being saved for backward: count it as activations.
         acts = self._live - self._grad if self.phase == "forward" else self._act
         peak = self.peaks[self.phase]
@@ -130,6 +148,9 @@ class _LiveStorages(TorchDispatchMode):
             if id(param) in self.root_parameters:
                 self.root_grads.add(key)
                 self._root_grad += self.live[key]
+            if id(param) in self.expert_parameters:
+                self.expert_grads.add(key)
+                self._expert_grad += self.live[key]
             if key in self.activations:  # the chunked loss computes the output weight's gradient in forward
                 self.activations.discard(key)
                 self._act -= self.live[key]
@@ -161,6 +182,12 @@ class _LiveStorages(TorchDispatchMode):
         count = flop_registry.get(func.overloadpacket)
         if count is not None:
             self.flops += count(*args, **kwargs, out_val=out)
+        elif func is _GROUPED_MM:  # which flop_counter has no formula for: [N, K] x [E, K, M], or [K, N] x [N, M]
+            self.flops += 2 * args[0].numel() * args[1].shape[-1]
+        if func is _WAIT_TENSOR:
+            # A collective's wait returns its input in a run (the same memory); on fake tensors its output has a
+            # storage of its own, which takes over the input's bytes.
+            self._free(args[0].untyped_storage()._cdata)
         for leaf in tree_flatten(out)[0]:
             if isinstance(leaf, torch.Tensor):
                 storage = leaf.untyped_storage()
@@ -171,13 +198,24 @@ class _LiveStorages(TorchDispatchMode):
                     if self.in_optimizer:
                         self.optimizer_temporaries.add(key)
                         self._opt += storage.nbytes()
+                        if tuple(leaf.shape) in self.expert_shapes:  # an expert's (its state's temporaries)
+                            self.expert_temporaries.add(key)
+                            self._expert_opt += storage.nbytes()
                         if self.phase in BACKWARD_PHASES:
+                            # As many bytes as the shard degree divides into a process's: an expert's temporaries
+                            # are shards over expert_shard.
+                            held = self._opt - self._expert_opt + self._expert_opt * (self.shard_degree
+                                                                                    / self.expert_shard_degree)
                             self.optimizer_temporaries_in_backward = max(self.optimizer_temporaries_in_backward,
-                                                                         self._opt)
+                                                                         held)
                     # The Python storage object lives exactly as long as its memory (PyObject preservation).
                     weakref.finalize(storage, self._free, key)
         self._record()
         return out
+
+
+_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None) and torch.ops.aten._grouped_mm.default
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default if torch.distributed.is_available() else None
 
 
 def _assume_every_position_a_target(func: Any, args: tuple, kwargs: dict) -> Optional[torch.Tensor]:
@@ -238,7 +276,13 @@ class _Simulation:
     block_input: int  # bytes of a block's input, one micro-batch's hidden state
     logits: int  # bytes of one micro-batch's whole logits in float32 ([rows, seq_len, vocab])
     varlen_kv_copy: int = 0  # bytes of one block's K/V copies for varlen_attn, one micro-batch (Workload.varlen)
-    optimizer_temporaries_in_backward: int = 0  # the most a step in backward held at once, unsharded
+    # The most a step in backward held at once, unsharded (experts' temporaries scaled so that shard divides them).
+    optimizer_temporaries_in_backward: float = 0
+    # Under expert parallelism (``experts.simulate_expert_parallel``): the experts this process holds (E / ep of
+    # each layer's), of every simulated block and of the largest one, and their optimizer state; 0 without.
+    expert_parameters: int = 0
+    block_expert_parameters: int = 0
+    expert_optimizer: int = 0
 
 
 def _simulate(
@@ -255,12 +299,16 @@ def _simulate(
         blocks = transformer_blocks(model)
         if n_blocks is not None:
             del blocks[n_blocks:]  # every block alike: a shallower model of the same blocks
+        block_shapes = _shapes(list(blocks[0].parameters()))  # whole, before expert parallelism splits the experts
         apply_ac_plan(model, _plan(mode, option, len(blocks)))
+        ep = workload.parallelism.expert
+        experts = simulate_expert_parallel(model, ep, workload.routed_rows_margin) if ep > 1 else []
         params = list(model.parameters())
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
         sharded = workload.world_size > 1 or bool(cpu_offload.shard_options(workload.settings.cpu_offload))
         tracker = _LiveStorages(workload.shard_degree, {id(p) for p in params if id(p) not in in_blocks},
-                                sharded=sharded)
+                                sharded=sharded, expert_parameters=experts,
+                                expert_shard_degree=workload.parallelism.expert_shard)
         if workload.compiled:
             _simulate_compiled_blocks(blocks, tracker)
         # Registered before an optimizer in backward registers its own: a gradient is seen before it is freed.
@@ -304,6 +352,10 @@ def _simulate(
             stepper.update(model, workload.clip_grad_norm)
         for hook in hooks:
             hook.remove()
+        expert_ids = {id(p) for p in experts}
+        # Their state tensors, not the step counters (one a parameter, however many experts it holds).
+        expert_states = [v for opt in optimizers for p, s in opt.state.items() if id(p) in expert_ids
+                         for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         return _Simulation(
             n_blocks=len(blocks), parameters=_nbytes(params), optimizer=_nbytes(states), batch=_nbytes(inputs),
             saved_activations=saved[0], flops=tracker.flops, peaks=tracker.peaks,
@@ -311,11 +363,15 @@ def _simulate(
             root_parameters=_nbytes([p for p in params if id(p) not in in_blocks]),
             largest_outer_group=_largest_outer_group(model, in_blocks),
             root_shapes=_shapes([p for p in params if id(p) not in in_blocks]),
-            block_shapes=_shapes(list(blocks[0].parameters())),
+            block_shapes=block_shapes,
             block_input=tracker.block_input,
             logits=workload.rows * workload.seq_len * vocab * 4,
             varlen_kv_copy=_varlen_kv_copy(blocks[0], workload) if workload.varlen else 0,
             optimizer_temporaries_in_backward=tracker.optimizer_temporaries_in_backward,
+            expert_parameters=_nbytes(experts),
+            block_expert_parameters=max(_nbytes([p for p in block.parameters() if id(p) in expert_ids])
+                                        for block in blocks),
+            expert_optimizer=_nbytes(expert_states),
         )
 
 
@@ -334,6 +390,8 @@ def _objective(build_model: Callable[[], nn.Module], workload: Workload,
         reference = freeze_reference(build_model())
         if n_blocks is not None:
             del transformer_blocks(reference)[n_blocks:]
+        if workload.parallelism.expert > 1:
+            simulate_expert_parallel(reference, workload.parallelism.expert, workload.routed_rows_margin)
     return DPOObjective(DPOConfig(), n_chunks=chunks, reference=reference), reference
 
 

@@ -23,6 +23,14 @@ from torchtune_ac.activation_checkpointing.mechanism import (
 GiB = 2**30
 # Strides of selective AC worth a row, besides none, per-op and full (one row per distinct block count).
 STRIDES = (2, 4)
+# The rows a process's experts receive under expert parallelism, as a multiple of a balanced router's share (its own
+# tokens' k copies, T * k). Routing is dropless: a busy process computes every row sent to it. The Switch
+# Transformer trains with capacity factors of 1.0 to 1.25 and drops what overflows them; a dropless process holds
+# what it would drop, so the plan takes half again the balanced share, above that range. A process's share sums
+# E / ep experts' loads, so it strays less from balance than one expert's does; a router further from balance than
+# 1.5x on a process is what the load-balancing loss (router_aux_loss_coef) is for. Without expert parallelism a
+# process computes exactly its own tokens' copies, whatever the router does: no margin.
+ROUTED_ROWS_MARGIN = 1.5
 PHASES = ("forward", "loss backward", "blocks backward", "rest of backward", "optimizer step")
 BACKWARD_PHASES = ("loss backward", "blocks backward", "rest of backward")
 
@@ -80,6 +88,8 @@ class Workload:
     # The run's device is a GPU: its caching allocator keeps a pool per stream, and under FSDP2 the step in
     # backward runs on the reduce-scatter's stream (``in_backward_stream_pool``).
     cuda: bool = False
+    # Under expert parallelism: the rows this process's experts receive, as a multiple of a balanced router's.
+    routed_rows_margin: float = ROUTED_ROWS_MARGIN
 
     @property
     def rows(self) -> int:
