@@ -17,7 +17,8 @@ A checkpoint holds the whole tensors, whatever the layout (DCP and Hugging Face 
 
 Backward sends the gradients of the rows back along the same routes (the all-to-alls' autograd form). Per-op
 activation checkpointing saves both all-to-alls' outputs (``activation_checkpointing/mechanism.py``), so a
-recomputed block does not send its tokens again; full AC recomputes the block, exchanges included.
+recomputed block does not send its tokens again; full AC recomputes the block, exchanges included. The memory
+planner simulates this exchange op for op on fake tensors (``memory/planner/experts.py``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ from __future__ import annotations
 import torch
 import torch.distributed._functional_collectives as funcol
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
@@ -52,11 +52,6 @@ class ExpertAllToAll:
         in the same order. Kept out of compiled graphs: the splits are data."""
         degree = self.degree
         local = plan.counts.numel() // degree
-        if isinstance(rows, FakeTensor):
-            # The memory planner's fake tensors: the counts cannot be read. A balanced router sends and receives as
-            # many rows as it routed (the planner adds its margin for imbalance to what the experts keep).
-            local_plan = Dispatch(order=plan.order, experts=plan.experts.remainder(local), counts=plan.counts[:local])
-            return compute_experts(experts, rows, local_plan)
         # Each process's count for each expert, to the expert's process: received[r, j] = rows process r sends to
         # this process's expert j.
         received = funcol.all_to_all_single(plan.counts, None, None, self.group).view(degree, local)
