@@ -170,10 +170,17 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> tuple[
     return x[order // experts.shape[1]], Dispatch(order=order, experts=flat[order], counts=counts)
 
 
+def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
+    """The permutation that undoes ``order``: ``x[order][inverse_permutation(order)]`` is ``x``. Rows are put back by
+    gathering with it, not by ``index_copy_`` into ``order``'s places, which keeps its whole source for backward
+    (a gather keeps only its indices)."""
+    return torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+
+
 def combine(rows: torch.Tensor, plan: Dispatch, weights: torch.Tensor) -> torch.Tensor:
     """Each token's k expert outputs, weighted and summed: ``rows [T * k, dim]`` (sorted by expert) -> ``[T, dim]``."""
     tokens, k = weights.shape
-    unsorted = torch.empty_like(rows).index_copy_(0, plan.order, rows)  # [T * k, dim] in (token, slot) order
+    unsorted = rows[inverse_permutation(plan.order)]  # [T * k, dim] in (token, slot) order
     return (unsorted.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
 

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchtune_ac.models.moe import MoE, Dispatch, GroupedExperts, compute_experts
+from torchtune_ac.models.moe import Dispatch, GroupedExperts, MoE, compute_experts, inverse_permutation
 
 
 class ExpertAllToAll:
@@ -65,7 +65,7 @@ class ExpertAllToAll:
         order = torch.argsort(ids, stable=True)
         local_plan = Dispatch(order=order, experts=ids[order], counts=received.sum(dim=0))
         out = compute_experts(experts, arrived[order], local_plan)
-        unsorted = torch.empty_like(out).index_copy_(0, order, out)  # back in arrival order
+        unsorted = out[inverse_permutation(order)]  # back in arrival order
         return funcol.all_to_all_single_autograd(unsorted, send_splits, receive_splits, self.group)
 
 

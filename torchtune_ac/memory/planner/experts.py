@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from torchtune_ac.models.moe import Dispatch, GroupedExperts, MoE, compute_experts
+from torchtune_ac.models.moe import Dispatch, GroupedExperts, MoE, compute_experts, inverse_permutation
 
 # The all-to-alls' group, by name: the functional collectives on fake tensors never look it up.
 _SIMULATED_GROUP = "planner_expert_parallel"
@@ -56,7 +56,7 @@ class SimulatedExpertExchange:
         order = torch.argsort(ids, stable=True)
         local_plan = Dispatch(order=order, experts=ids[order], counts=counts.sum(dim=0))
         out = compute_experts(experts, arrived[order], local_plan)
-        unsorted = torch.empty_like(out).index_copy_(0, order, out)
+        unsorted = out[inverse_permutation(order)]
         return _exchange(unsorted, send_splits, receive_splits)  # [sent, dim]
 
 
