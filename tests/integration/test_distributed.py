@@ -18,7 +18,7 @@ from finetune_runs import (
     run_tune_subprocess,
     tune_run_argv,
 )
-from hf_families import FAMILY_NAMES, write_hf_checkpoint
+from hf_families import write_hf_checkpoint
 from numerics import assert_steps_alike, assert_weights_trained_alike, llama_terms
 
 from torchtune_ac.models import from_hf_config
@@ -78,19 +78,26 @@ def test_split_global_batch_trains_like_one_batch(
     _assert_same_training(tmp_path, records, *one_batch_run)
 
 
-# Llama is covered above (the embedded model); every other family, from a tiny checkpoint transformers wrote, but
-# Gemma 2: its block and shard groups are Gemma 3's, and its soft-caps act within each process (it trains against one
-# process in tests/unit/training/test_tensor_parallel.py). The mixtures of experts run with their experts split over
-# the 2 processes (expert_parallel_dim=2: each token sent to its experts' process and back by all-to-all); plain FSDP2
-# of a mixture of experts, and EP x FSDP2, are in test_expert_parallel_runs.py.
+# Llama is covered above (the embedded model). Through tune run on 2 processes, from a tiny checkpoint transformers
+# wrote, each kind of block and checkpoint layout once: Gemma 3 (the richest dense block: q/k norms, offset norms,
+# post-norms, GeGLU, scaled and tied embeddings, sliding windows), Phi-3 (q/k/v and gate/up stacked in the checkpoint)
+# and both mixtures of experts (gpt-oss: attention and expert biases). The other dense families' blocks are parts of
+# these: Mistral's is Llama's; Qwen2's is Llama's with q/k/v biases (gpt-oss's here) and tied embeddings (Gemma 3's
+# here); Qwen3's adds q/k norms (Gemma 3's, Qwen3-MoE's here); Gemma's is Gemma 3's without q/k and post-norms. Every
+# family's logits, round trip and AC gradients match transformers' (tests/unit/checkpoint/test_family_parity.py);
+# Qwen3 and Gemma 2 train under tensor parallelism on 2 gloo ranks against one process
+# (tests/unit/training/test_tensor_parallel.py; Gemma 2's soft-caps act within each process). The mixtures of experts
+# run with their experts split over the 2 processes (expert_parallel_dim=2: each token sent to its experts' process
+# and back by all-to-all); plain FSDP2 of a mixture of experts, and EP x FSDP2, are in test_expert_parallel_runs.py.
 MIXTURES_OF_EXPERTS = ("qwen3_moe", "gpt_oss")
+TWO_PROCESS_FAMILIES = ("gemma3", "phi3", *MIXTURES_OF_EXPERTS)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", [name for name in FAMILY_NAMES if name not in ("llama", "gemma2")])
+@pytest.mark.parametrize("family", TWO_PROCESS_FAMILIES)
 def test_every_family_trains_alike_on_2_processes_and_1(family: str, tmp_path: Path, embedded_checkpoint: Path) -> None:
     checkpoint = write_hf_checkpoint(family, tmp_path / "checkpoint", seed=5, vocab_size=512,
-                                     tie_word_embeddings=family == "qwen2")
+                                     tie_word_embeddings=family == "gemma3")
     overrides = ("model._component_=torchtune_ac.models.from_hf_config", f"checkpoint_dir={checkpoint}",
                  f"tokenizer.path={embedded_checkpoint}")
     split = ("expert_parallel_dim=2",) if family in MIXTURES_OF_EXPERTS else ()
