@@ -18,7 +18,7 @@ from finetune_runs import (
     run_tune_subprocess,
     tune_run_argv,
 )
-from hf_families import FAMILY_NAMES, write_hf_checkpoint
+from hf_families import write_hf_checkpoint
 from numerics import assert_steps_alike, assert_weights_trained_alike, llama_terms
 
 from torchtune_ac.models import from_hf_config
@@ -66,7 +66,7 @@ def one_batch_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[
     "split",
     [
         pytest.param((2, 2, 1), id="2_processes_x_2", marks=pytest.mark.distributed),
-        pytest.param((2, 1, 2), id="2_processes_x_1_x_2_accumulation", marks=pytest.mark.distributed),
+        # 2 processes x 1 row x 2 accumulation micro-batches: the packed test below.
         pytest.param((1, 2, 2), id="1_process_x_2_x_2_accumulation", marks=pytest.mark.numerics),
     ],
 )
@@ -78,19 +78,26 @@ def test_split_global_batch_trains_like_one_batch(
     _assert_same_training(tmp_path, records, *one_batch_run)
 
 
-# Llama is covered above (the embedded model); every other family, from a tiny checkpoint transformers wrote, but
-# Gemma 2: its block and shard groups are Gemma 3's, and its soft-caps act within each process (it trains against one
-# process in tests/unit/training/test_tensor_parallel.py). The mixtures of experts run with their experts split over
-# the 2 processes (expert_parallel_dim=2: each token sent to its experts' process and back by all-to-all); plain FSDP2
-# of a mixture of experts, and EP x FSDP2, are in test_expert_parallel_runs.py.
+# Llama is covered above (the embedded model). Through tune run on 2 processes, from a tiny checkpoint transformers
+# wrote, each kind of block and checkpoint layout once: Gemma 3 (the richest dense block: q/k norms, offset norms,
+# post-norms, GeGLU, scaled and tied embeddings, sliding windows), Phi-3 (q/k/v and gate/up stacked in the checkpoint)
+# and both mixtures of experts (gpt-oss: attention and expert biases). The other dense families' blocks are parts of
+# these: Mistral's is Llama's; Qwen2's is Llama's with q/k/v biases (gpt-oss's here) and tied embeddings (Gemma 3's
+# here); Qwen3's adds q/k norms (Gemma 3's, Qwen3-MoE's here); Gemma's is Gemma 3's without q/k and post-norms. Every
+# family's logits, round trip and AC gradients match transformers' (tests/unit/checkpoint/test_family_parity.py);
+# Qwen3 and Gemma 2 train under tensor parallelism on 2 gloo ranks against one process
+# (tests/unit/training/test_tensor_parallel.py; Gemma 2's soft-caps act within each process). The mixtures of experts
+# run with their experts split over the 2 processes (expert_parallel_dim=2: each token sent to its experts' process
+# and back by all-to-all); plain FSDP2 of a mixture of experts, and EP x FSDP2, are in test_expert_parallel_runs.py.
 MIXTURES_OF_EXPERTS = ("qwen3_moe", "gpt_oss")
+TWO_PROCESS_FAMILIES = ("gemma3", "phi3", *MIXTURES_OF_EXPERTS)
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("family", [name for name in FAMILY_NAMES if name not in ("llama", "gemma2")])
+@pytest.mark.parametrize("family", TWO_PROCESS_FAMILIES)
 def test_every_family_trains_alike_on_2_processes_and_1(family: str, tmp_path: Path, embedded_checkpoint: Path) -> None:
     checkpoint = write_hf_checkpoint(family, tmp_path / "checkpoint", seed=5, vocab_size=512,
-                                     tie_word_embeddings=family == "qwen2")
+                                     tie_word_embeddings=family == "gemma3")
     overrides = ("model._component_=torchtune_ac.models.from_hf_config", f"checkpoint_dir={checkpoint}",
                  f"tokenizer.path={embedded_checkpoint}")
     split = ("expert_parallel_dim=2",) if family in MIXTURES_OF_EXPERTS else ()
@@ -112,9 +119,11 @@ def test_the_memory_switches_train_alike_on_2_processes_and_1(tmp_path: Path) ->
 
 
 @pytest.mark.distributed
-def test_packed_rows_train_alike_on_2_processes(tmp_path: Path) -> None:
-    """Packed attention (one causal call per document) under FSDP2: 2 processes x 2 rows = 1 process x 4 rows."""
+def test_packed_rows_train_alike_on_2_processes_with_accumulation(tmp_path: Path) -> None:
+    """Packed attention (one causal call per document) under FSDP2, with gradient accumulation: 2 processes x 1 row
+    x 2 micro-batches = 1 process x 4 rows (each micro-batch's summed loss divided by the step's target tokens over
+    every micro-batch and process)."""
     one = _run(tmp_path / "one", *PACKED, nproc=1, batch_size=4, accumulation=1)
-    two = _run(tmp_path / "two", *PACKED, nproc=2, batch_size=2, accumulation=1)
+    two = _run(tmp_path / "two", *PACKED, nproc=2, batch_size=1, accumulation=2)
     assert all(record["tokens"] == 4 * 128 for record in one)  # every row packed to exactly max_seq_len
     _assert_same_training(tmp_path / "two", two, tmp_path / "one", one, terms=PACKED_TERMS)

@@ -64,8 +64,9 @@ class Schedule:
         return self.epochs * self.steps_per_epoch
 
 
-# Killed after two saves, mid-epoch, with 48 steps (seconds of work) of margin.
-LONG = Schedule(epochs=3, steps_per_epoch=20, save_every=5, kill_after=12)
+# Killed after two saves, mid-epoch (the resumed run then crosses an epoch boundary), with 22 steps and 4 saves
+# (seconds of work) of margin.
+LONG = Schedule(epochs=2, steps_per_epoch=16, save_every=4, kill_after=10)
 # torchao's runs: killed after the first save, with 5 steps of margin (each a few seconds).
 SHORT = Schedule(epochs=2, steps_per_epoch=4, save_every=2, kill_after=3, dropout=False)
 
@@ -141,10 +142,12 @@ def _check_kill_and_resume(tmp_path: Path, nproc: int, *extra: str, schedule: Sc
     return result.stderr
 
 
+# The step in backward resumes exactly on 2 processes below, and its state saved by 2 processes resumes on 1 (the
+# 8-bit test): the checkpoint's code is the same for 1 process (DCP without a process group), so one process is
+# killed with the step after backward alone.
 @pytest.mark.slow
-@pytest.mark.parametrize("extra", [(), IN_BACKWARD], ids=["step_after_backward", "step_in_backward"])
-def test_killed_single_process_run_resumes_exactly(tmp_path: Path, extra: tuple[str, ...]) -> None:
-    _check_kill_and_resume(tmp_path, 1, *extra)
+def test_killed_single_process_run_resumes_exactly(tmp_path: Path) -> None:
+    _check_kill_and_resume(tmp_path, 1)
 
 
 @pytest.mark.slow

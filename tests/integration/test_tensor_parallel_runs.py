@@ -1,6 +1,6 @@
 """Tensor parallelism through ``tune run``: ``tensor_parallel_dim: 2`` on 2 processes (gloo) trains as 1 process
 does, for Llama, Qwen3, Gemma 3 and Phi-3; so do FSDP 2 x TP 2 and HSDP 2 x TP 2 on 4; and a run resumes across the
-layouts (TP 2 -> 1 process, 1 process -> TP 2, FSDP 2 x TP 2 -> FSDP 4).
+layouts (TP 2 -> 1 process, 1 process -> TP 2, FSDP 2 x TP 2 -> HSDP 2 x TP 2).
 
 The global batch is the same in every layout (4 rows a step: a tensor-parallel group reads one share together),
 so the runs are comparable step for step; they add in other orders (the split matrix multiplies and the loss on
@@ -91,20 +91,16 @@ def test_tp_2_trains_as_one_process_and_resumes_on_one_and_back(tmp_path: Path, 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_fsdp_2_x_tp_2_trains_as_one_process_and_resumes_as_fsdp_4(tmp_path: Path, one_process) -> None:
+def test_fsdp_2_x_tp_2_trains_as_one_process_and_resumes_as_hsdp_2_x_tp_2(tmp_path: Path, one_process) -> None:
+    """4 processes: the 3-D meshes. FSDP 2 x TP 2 for 3 steps, resumed (DCP, another mesh) as HSDP 2 x TP 2 for 3
+    more: all 6 steps, and the final weights, as 1 process's. (A TP checkpoint resumed without TP: TP 2 -> 1 process
+    above; FSDP 4: test_expert_parallel_runs.py's EP 2 x FSDP2 2 -> FSDP2 4.)"""
     one_dir, one = one_process
     grid = _run(tmp_path / "grid", nproc=4, tp=2)  # mesh shard 2 x tp 2
     _assert_same_training(grid, one)
-    flat = _run(tmp_path / "grid", nproc=4, epochs=2, resume=True)  # FSDP over 4, no TP
-    _assert_same_training(flat, one, weights=(tmp_path / "grid", one_dir))
-
-
-@pytest.mark.slow
-@pytest.mark.distributed
-def test_hsdp_2_x_tp_2_trains_as_one_process(tmp_path: Path, one_process) -> None:
-    one_dir, one = one_process
-    hsdp = _run(tmp_path / "hsdp", "fsdp.replicate_degree=2", nproc=4, tp=2)  # mesh replicate 2 x shard 1 x tp 2
-    _assert_same_training(hsdp, one)
+    # mesh replicate 2 x shard 1 x tp 2
+    hsdp = _run(tmp_path / "grid", "fsdp.replicate_degree=2", nproc=4, tp=2, epochs=2, resume=True)
+    _assert_same_training(hsdp, one, weights=(tmp_path / "grid", one_dir))
 
 
 @pytest.mark.slow

@@ -1,6 +1,7 @@
 """The Gemma (1) family: builders (published shapes, exact parameter counts) and config.json translation. Logits,
 round trip and AC against transformers' GemmaForCausalLM are in ``tests/unit/checkpoint/test_family_parity.py``;
-2 processes against 1 in ``tests/integration/test_distributed.py``."""
+its block on 2 processes against 1 is Gemma 3's less the q/k and post-norms (Gemma 3 in
+``tests/integration/test_distributed.py``)."""
 
 import dataclasses
 import json

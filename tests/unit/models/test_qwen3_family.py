@@ -1,6 +1,7 @@
 """The Qwen3 family: builders (published shapes, exact parameter counts) and config.json translation. Logits,
 round trip and AC against transformers' Qwen3ForCausalLM are in ``tests/unit/checkpoint/test_family_parity.py``;
-2 processes against 1 in ``tests/integration/test_distributed.py``."""
+tensor parallelism on 2 ranks against 1 process in ``tests/unit/training/test_tensor_parallel.py`` (q/k norms through
+tune run on 2 processes: Gemma 3's and Qwen3-MoE's in ``tests/integration/test_distributed.py``)."""
 
 import dataclasses
 import inspect
