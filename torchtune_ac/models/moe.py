@@ -306,19 +306,6 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     return to_local() if to_local is not None else weight
 
 
-def compute_arrived_experts(experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """``compute_experts`` over rows that arrived from other processes (expert parallelism's exchange): ``rows
-    [N, dim]`` by source process, then by expert within each, ``counts [sources, local experts]`` the rows each
-    source sent each of this process's experts. Sorted by expert (stably) for the grouped matmul, and the outputs
-    put back in arrival order."""
-    sources, local = counts.shape
-    expert_ids = torch.arange(local, device=rows.device).repeat(sources)
-    ids = torch.repeat_interleave(expert_ids, counts.flatten(), output_size=rows.shape[0])
-    order = torch.argsort(ids, stable=True)
-    out = compute_experts(experts, rows[order], Dispatch(order=order, experts=ids[order], counts=counts.sum(dim=0)))
-    return out[inverse_permutation(order)]
-
-
 def loop_experts(experts: GroupedExperts, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
     """``compute_experts`` by a Python loop over the experts, one matmul each: the reference the grouped path is
     tested and measured against (``scripts/bench_moe.py``)."""

@@ -30,7 +30,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchtune_ac.models.moe import Dispatch, GroupedExperts, MoE, compute_arrived_experts
+from torchtune_ac.models.moe import Dispatch, GroupedExperts, MoE, compute_experts, inverse_permutation
 
 
 class ExpertAllToAll:
@@ -59,8 +59,14 @@ class ExpertAllToAll:
         splits = torch.cat([sent, received.sum(dim=1)]).tolist()  # one host synchronisation for both directions
         send_splits, receive_splits = splits[:degree], splits[degree:]
         arrived = funcol.all_to_all_single_autograd(rows, receive_splits, send_splits, self.group)
-        out = compute_arrived_experts(experts, arrived, received)  # in arrival order
-        return funcol.all_to_all_single_autograd(out, send_splits, receive_splits, self.group)
+        # Arrived by source process, then by expert within each: sort by expert (stably) for the grouped matmul.
+        expert_ids = torch.arange(local, device=rows.device).repeat(degree)
+        ids = torch.repeat_interleave(expert_ids, received.flatten(), output_size=sum(receive_splits))
+        order = torch.argsort(ids, stable=True)
+        local_plan = Dispatch(order=order, experts=ids[order], counts=received.sum(dim=0))
+        out = compute_experts(experts, arrived[order], local_plan)
+        unsorted = out[inverse_permutation(order)]  # back in arrival order
+        return funcol.all_to_all_single_autograd(unsorted, send_splits, receive_splits, self.group)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:

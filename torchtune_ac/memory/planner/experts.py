@@ -15,7 +15,7 @@ import math
 import torch
 from torch import nn
 
-from torchtune_ac.models.moe import Dispatch, GroupedExperts, MoE, compute_arrived_experts
+from torchtune_ac.models.moe import Dispatch, GroupedExperts, MoE, compute_experts, inverse_permutation
 
 # The all-to-alls' group, by name: the functional collectives on fake tensors never look it up.
 _SIMULATED_GROUP = "planner_expert_parallel"
@@ -51,8 +51,13 @@ class SimulatedExpertExchange:
         send_splits, receive_splits = _split(sent, degree), _split(received, degree)
         counts = _exchange(plan.counts, [local] * degree, [local] * degree).view(degree, local)
         arrived = _exchange(rows, receive_splits, send_splits)  # [received, dim]
-        out = compute_arrived_experts(experts, arrived, counts)
-        return _exchange(out, send_splits, receive_splits)  # [sent, dim]
+        expert_ids = torch.arange(local, device=rows.device).repeat(degree)
+        ids = torch.repeat_interleave(expert_ids, counts.flatten(), output_size=received)
+        order = torch.argsort(ids, stable=True)
+        local_plan = Dispatch(order=order, experts=ids[order], counts=counts.sum(dim=0))
+        out = compute_experts(experts, arrived[order], local_plan)
+        unsorted = out[inverse_permutation(order)]
+        return _exchange(unsorted, send_splits, receive_splits)  # [sent, dim]
 
 
 def simulate_expert_parallel(model: nn.Module, degree: int, margin: float) -> list[nn.Parameter]:
