@@ -6,8 +6,9 @@ subprocess. No test reaches the Hub: ``HF_HUB_OFFLINE=1``. A run that picks PyTo
 (``ATEN_CPU_CAPABILITY``, as ``scripts/test.sh --numerics`` does) gets a fresh inductor cache there too.
 
 This folder is on ``sys.path`` (pytest puts a conftest's folder there), so unit and integration tests share
-``hf_families`` (tiny random checkpoints made with transformers' own classes) and ``tracker_readers``. So is
-``scripts/``, whose ``_measure`` (bytes kept for backward, peak resident memory) the planner's tests measure with.
+``hf_families`` (tiny random checkpoints made with transformers' own classes) and ``tracker_readers``. So are
+``scripts/`` (``gen_docs``) and ``scripts/bench/``, whose ``_measure`` (bytes kept for backward, peak resident
+memory) the planner's tests measure with.
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = str(Path(__file__).resolve().parent.parent / "scripts")
-sys.path.insert(0, SCRIPTS)
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+SCRIPT_PATHS = [str(SCRIPTS), str(SCRIPTS / "bench")]
+sys.path[:0] = SCRIPT_PATHS
 pytest.register_assert_rewrite("hf_families", "numerics")
 
 _ENV_DIRS = {
@@ -42,8 +44,8 @@ def pytest_configure(config) -> None:
         os.environ[name] = os.path.join(root, folder)
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["WANDB_MODE"] = "offline"
-    # Subprocesses that measure memory import scripts/_measure too.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [SCRIPTS, os.environ.get("PYTHONPATH")]))
+    # Subprocesses that measure memory import scripts/bench/_measure too.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [*SCRIPT_PATHS, os.environ.get("PYTHONPATH")]))
     if "ATEN_CPU_CAPABILITY" in os.environ and "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         # Inductor's on-disk cache is not keyed by the capability: a kernel cached by a vectorised run fails to
         # compile under ATEN_CPU_CAPABILITY=default ("'at::vec' has not been declared"). Compile afresh.

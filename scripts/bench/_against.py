@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).resolve().parent / "_step_worker.py"
 
 # The workload: 6,557,952 parameters, 8 query heads sharing 4 K/V heads, the embedded tokenizer's

@@ -1,6 +1,6 @@
 """What the benchmark scripts share: charts drawn without a display, and one way to write a report.
 
-Each ``scripts/bench_*.py`` measures something different; how it ends is the same: print the table, write the JSON
+Each ``scripts/bench/bench_*.py`` measures something different; how it ends is the same: print the table, write the JSON
 into ``bench_results/``, draw the PNG, and say where both went.
 """
 

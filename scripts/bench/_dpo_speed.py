@@ -51,7 +51,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SIDES = ("padded", "packed", "trl")
 PROMPT_LENGTHS = (110, 0.9, 8, 2048)  # median, sigma, min, max (tokens, before --length-scale)
 ANSWER_LENGTHS = (260, 0.75, 4, 2048)
@@ -211,7 +211,8 @@ def run_ours(side: str, settings: dict, out: Path) -> dict:
 def run_trl(settings: dict, out: Path) -> dict:
     worker = {key: settings[key] for key in ("checkpoint", "batch_size", "max_length", "lr", "weight_decay", "threads")}
     worker.update(output_dir=str(out), tokenizer=settings["tokenizer"], pairs=settings["tokenized_pairs"])
-    done = subprocess.run([sys.executable, str(REPO / "scripts" / "_dpo_trl_worker.py"), json.dumps(worker)],
+    worker_script = Path(__file__).resolve().parent / "_dpo_trl_worker.py"
+    done = subprocess.run([sys.executable, str(worker_script), json.dumps(worker)],
                           check=True, capture_output=True, text=True, env=env(settings["threads"]), cwd=REPO)
     result = json.loads(done.stdout.strip().splitlines()[-1])
     result["batch_size"] = settings["batch_size"]

@@ -1,7 +1,7 @@
 """TRL's ``DPOTrainer`` over the pairs of ``bench_dpo.py --only speed``, in a process of its own (its peak resident
 set is its own): one side of that comparison.
 
-    python scripts/_dpo_trl_worker.py SETTINGS_JSON
+    python scripts/bench/_dpo_trl_worker.py SETTINGS_JSON
 
 ``SETTINGS_JSON`` names the HF checkpoint (written with ``save_hf``, the same weights ``tune run`` starts from), the
 pairs already tokenized (``prompt_ids``/``chosen_ids``/``rejected_ids`` per line: the token ids our

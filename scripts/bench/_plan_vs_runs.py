@@ -45,7 +45,7 @@ CHOSE = re.compile(r"auto -> .*?estimated (?P<estimate>[\d.]+) GiB of")
 
 def _tune(argv: list[str], cwd: Path) -> tuple[str, str, int]:
     """``tune ARGV`` in a fresh process: its stdout, stderr and peak resident set in bytes."""
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
         process = subprocess.Popen([sys.executable, "-m", "torchtune_ac.cli", *argv], cwd=cwd, env=env, stdout=out,
                                    stderr=err)

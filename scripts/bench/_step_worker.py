@@ -1,6 +1,6 @@
 """A ``tune run`` that steps only when handed the turn: one side of ``bench_train.py --against`` (``_against.py``).
 
-    python scripts/_step_worker.py GO_FD REPORT_FD run full_finetune --config ... [overrides]
+    python scripts/bench/_step_worker.py GO_FD REPORT_FD run full_finetune --config ... [overrides]
 
 Runs ``torchtune_ac.cli.main`` of whichever checkout is first on ``PYTHONPATH`` (the revision or the working
 tree), with ``torchtune_ac.training.step.train_step`` wrapped before the recipe imports it:

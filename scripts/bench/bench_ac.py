@@ -1,7 +1,7 @@
 """Benchmark activation checkpointing settings: activation memory vs. step time, on CPU.
 
-    .venv/bin/python scripts/bench_ac.py                      # llama_small, batch 4, seq 1024, fp32 (~6 min on 2 cores)
-    .venv/bin/python scripts/bench_ac.py --seq-len 256 --repeats 2 --settings none,full,op
+    .venv/bin/python scripts/bench/bench_ac.py                      # llama_small, batch 4, seq 1024, fp32 (~6 min on 2 cores)
+    .venv/bin/python scripts/bench/bench_ac.py --seq-len 256 --repeats 2 --settings none,full,op
 
 For each setting (none, full, selective every k-th block, selective per-op) it measures, with a fresh model
 built from the same seed and the same batch:
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from _benchlib import pyplot, save_figure, write_report  # noqa: E402

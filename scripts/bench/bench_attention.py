@@ -1,8 +1,8 @@
 """Benchmark packed attention: one causal call per document against the dense document mask it replaced, on CPU.
 
-    .venv/bin/python scripts/bench_attention.py                 # llama_small, fp32, 2 threads (~8 min on 2 busy cores)
-    .venv/bin/python scripts/bench_attention.py --repeats 3 --steps 3 --step-settings none
-    .venv/bin/python scripts/bench_attention.py --step-settings none+compile,op+compile   # compile: true
+    .venv/bin/python scripts/bench/bench_attention.py                 # llama_small, fp32, 2 threads (~8 min on 2 busy cores)
+    .venv/bin/python scripts/bench/bench_attention.py --repeats 3 --steps 3 --step-settings none
+    .venv/bin/python scripts/bench/bench_attention.py --step-settings none+compile,op+compile   # compile: true
 
 Two measurements. In each, every side is run once per round, in an order that rotates from round to round, so
 that drift of a shared machine lands on every side alike; next to the median, the fastest run (interference
@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from _benchlib import pyplot, save_figure, write_report  # noqa: E402

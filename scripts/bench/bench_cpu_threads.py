@@ -1,9 +1,9 @@
 """The CPU thread settings side by side, on a quiet machine and beside busy processes: the time of
 ``tune run full_finetune --config tiny/full max_steps_per_epoch=20``.
 
-    .venv/bin/python scripts/bench_cpu_threads.py            # 3 rounds, quiet and beside 4 busy processes
-    .venv/bin/python scripts/bench_cpu_threads.py --quick    # 1 round of 2-step runs beside 2: checks the script
-    .venv/bin/python scripts/bench_cpu_threads.py --nproc 2  # tune run --nproc_per_node 2
+    .venv/bin/python scripts/bench/bench_cpu_threads.py            # 3 rounds, quiet and beside 4 busy processes
+    .venv/bin/python scripts/bench/bench_cpu_threads.py --quick    # 1 round of 2-step runs beside 2: checks the script
+    .venv/bin/python scripts/bench/bench_cpu_threads.py --nproc 2  # tune run --nproc_per_node 2
 
 Three settings, each a real ``tune run`` process:
 
@@ -40,7 +40,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from _benchlib import pyplot, save_figure, write_report  # noqa: E402
@@ -230,7 +230,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parse_args(argv)
     started = time.strftime("%Y-%m-%d %H:%M:%S")
     measured = measure(args)
-    report = {"config": {"command": "scripts/bench_cpu_threads.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    report = {"config": {"command": "scripts/bench/bench_cpu_threads.py "
+                         + " ".join(sys.argv[1:] if argv is None else argv),
                          "date": started, "rounds": args.rounds, "steps": args.steps, "busy": args.busy,
                          "nproc": args.nproc, "cpus": os.cpu_count(), "before_threads": measured["before_threads"],
                          "revision": subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,

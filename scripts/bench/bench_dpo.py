@@ -1,10 +1,10 @@
 """Benchmark the DPO recipe on CPU: does it learn a preference it was not shown, what does a resident reference
 model cost in memory, and how fast are padded and packed DPO against TRL?
 
-    .venv/bin/python scripts/bench_dpo.py                              # learning and memory
-    .venv/bin/python scripts/bench_dpo.py --only learning --steps 300
-    .venv/bin/python scripts/bench_dpo.py --only memory --repeats 2
-    .venv/bin/python scripts/bench_dpo.py --only speed                 # padded, packed and TRL (needs trl)
+    .venv/bin/python scripts/bench/bench_dpo.py                              # learning and memory
+    .venv/bin/python scripts/bench/bench_dpo.py --only learning --steps 300
+    .venv/bin/python scripts/bench/bench_dpo.py --only memory --repeats 2
+    .venv/bin/python scripts/bench/bench_dpo.py --only speed                 # padded, packed and TRL (needs trl)
 
 1. learning: ``tune run full_dpo --config tiny/dpo`` (the embedded 1.6 M-parameter model from its random weights)
    for ``--steps`` steps on the embedded synthetic pairs, whose chosen answer is the bare answer and whose rejected
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from _benchlib import pyplot, save_figure, write_report  # noqa: E402

@@ -3,10 +3,10 @@
 ``--optimizers``, the optimizer state's precision: fp32 AdamW against torchao's 8-bit and 4-bit AdamW and bf16
 weights with stochastic rounding.
 
-    .venv/bin/python scripts/bench_memory.py                 # llama_small_32k, batch 4 x 1024, fp32 (~10 min)
-    .venv/bin/python scripts/bench_memory.py --seq-len 256 --repeats 1      # a quick look
-    .venv/bin/python scripts/bench_memory.py --optimizers    # the optimizers (an hour or more on 2 cores)
-    .venv/bin/python scripts/bench_memory.py --ablation      # the switches added one by one (~10 min)
+    .venv/bin/python scripts/bench/bench_memory.py                 # llama_small_32k, batch 4 x 1024, fp32 (~10 min)
+    .venv/bin/python scripts/bench/bench_memory.py --seq-len 256 --repeats 1      # a quick look
+    .venv/bin/python scripts/bench/bench_memory.py --optimizers    # the optimizers (an hour or more on 2 cores)
+    .venv/bin/python scripts/bench/bench_memory.py --ablation      # the switches added one by one (~10 min)
 
 For every setting and round, a fresh model (same seed) and AdamW run one warm-up step (which allocates the
 optimizer state), then one measured step of ``train_step`` (forward, loss, backward, optimizer step), with:
@@ -54,7 +54,7 @@ import psutil
 import torch
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from _benchlib import pyplot, save_figure, write_report  # noqa: E402

@@ -1,12 +1,12 @@
 """Benchmark mixtures of experts on CPU: the experts' compute of one MoE layer (grouped matmul against a loop), and
 expert parallelism against FSDP2 on 2 processes.
 
-    .venv/bin/python scripts/bench_moe.py                    # both parts (~5 min on a quiet 2-core machine)
-    .venv/bin/python scripts/bench_moe.py --quick            # tiny shapes, to check the script runs
-    .venv/bin/python scripts/bench_moe.py --only kernels --experts 128 --top-k 8 --dim 2048 --expert-dim 768
+    .venv/bin/python scripts/bench/bench_moe.py                    # both parts (~5 min on a quiet 2-core machine)
+    .venv/bin/python scripts/bench/bench_moe.py --quick            # tiny shapes, to check the script runs
+    .venv/bin/python scripts/bench/bench_moe.py --only kernels --experts 128 --top-k 8 --dim 2048 --expert-dim 768
                                                              # Qwen3-30B-A3B's expert shape (minutes)
-    .venv/bin/python scripts/bench_moe.py --only kernels --layout gpt_oss --experts 32 --top-k 4 --dim 2880 --expert-dim 2880
-    .venv/bin/python scripts/bench_moe.py --only parallel --repeats 2
+    .venv/bin/python scripts/bench/bench_moe.py --only kernels --layout gpt_oss --experts 32 --top-k 4 --dim 2880 --expert-dim 2880
+    .venv/bin/python scripts/bench/bench_moe.py --only parallel --repeats 2
 
 1. kernels: all experts in one grouped matmul per projection (``torchtune_ac.models.moe.compute_experts``:
    ``torch._grouped_mm`` on the CPU) against a Python loop over the experts, one matmul each (``loop_experts``),
@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from _benchlib import pyplot, save_figure, write_report  # noqa: E402

@@ -1,8 +1,8 @@
 """How accurate is the memory planner? Its estimates against real CPU training steps, side by side.
 
-    .venv/bin/python scripts/bench_plan.py                      # llama_small and llama_small_32k (~10 min)
-    .venv/bin/python scripts/bench_plan.py --models llama_small --seq-len 512
-    .venv/bin/python scripts/bench_plan.py --runs     # tune plan against whole tune runs, budget or not, TP 2 too (~16 min)
+    .venv/bin/python scripts/bench/bench_plan.py                      # llama_small and llama_small_32k (~10 min)
+    .venv/bin/python scripts/bench/bench_plan.py --models llama_small --seq-len 512
+    .venv/bin/python scripts/bench/bench_plan.py --runs     # tune plan against whole tune runs, budget or not, TP 2 too (~16 min)
 
 For each model and every AC setting ``tune plan`` lists (none, per-op, every k-th block, full), with the loss
 chunked as the model's default says:
@@ -14,7 +14,7 @@ chunked as the model's default says:
 Targets: activations within 10 %, step peaks within 15 %. Writes JSON and prints the table.
 
 With ``--runs``, whole ``tune run`` processes against ``tune plan``, with ``ac_mode: auto`` and a budget and without
-one (``scripts/_plan_vs_runs.py``).
+one (``scripts/bench/_plan_vs_runs.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from _benchlib import leave_spawned_rank, write_report  # noqa: E402
@@ -254,7 +254,7 @@ def main() -> None:
 
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         rows = _plan_vs_runs.run_plan_vs_runs(seed=0, progress=lambda text: print(text, file=sys.stderr, flush=True))
-        report = {"command": "scripts/bench_plan.py " + " ".join(sys.argv[1:]), "date": started, "rows": rows,
+        report = {"command": "scripts/bench/bench_plan.py " + " ".join(sys.argv[1:]), "date": started, "rows": rows,
                   "steps_per_run": _plan_vs_runs.STEPS, "torch": torch.__version__, "machine": platform.machine(),
                   "cpu_count": os.cpu_count(), "threads": torch.get_num_threads()}
         write_report(report, _plan_vs_runs.format_rows(rows), args.out_json)

@@ -1,7 +1,7 @@
 """Benchmark saving an FSDP2-sharded model as a Hugging Face checkpoint: rank 0's memory and time.
 
-    .venv/bin/python scripts/bench_save.py                  # models of 0.4, 0.8, 1.5 GB (fp32), 2 gloo processes
-    .venv/bin/python scripts/bench_save.py --layers 4,8 --shard-size 50MB
+    .venv/bin/python scripts/bench/bench_save.py                  # models of 0.4, 0.8, 1.5 GB (fp32), 2 gloo processes
+    .venv/bin/python scripts/bench/bench_save.py --layers 4,8 --shard-size 50MB
 
 For models of several depths (dim 1024, vocabulary 32000, so a 125 MiB embedding), two ways of writing the same
 checkpoint, each in a fresh pair of processes:
@@ -35,7 +35,7 @@ import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from _benchlib import leave_spawned_rank, pyplot, save_figure, write_report  # noqa: E402

@@ -1,7 +1,7 @@
 """Benchmark soft-capped attention (Gemma 2) against SDPA on the same shapes, one layer, forward + backward.
 
-    .venv/bin/python scripts/bench_softcap_attention.py                        # CUDA if present, else CPU
-    .venv/bin/python scripts/bench_softcap_attention.py --device cpu --seq-lens 256 --repeats 2   # a quick check
+    .venv/bin/python scripts/bench/bench_softcap_attention.py                        # CUDA if present, else CPU
+    .venv/bin/python scripts/bench/bench_softcap_attention.py --device cpu --seq-lens 256 --repeats 2   # a quick check
 
 Sides, each ``torchtune_ac.models.attention.causal_attention`` on the same q, k, v (Gemma 2 2B's heads by default:
 8 query heads, 4 K/V heads, head dim 256, scale 256 ** -0.5):
@@ -36,7 +36,7 @@ from typing import Callable, Optional
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from _benchlib import write_report  # noqa: E402

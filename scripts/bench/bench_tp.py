@@ -1,8 +1,8 @@
 """Benchmark tensor parallelism: per-process activation memory on CPU, tokens per second on GPUs.
 
-    .venv/bin/python scripts/bench_tp.py                             # CPU, gloo: TP 1 vs TP 2, one long sequence
-    .venv/bin/python scripts/bench_tp.py --seq-len 4096 --repeats 1  # shorter
-    torchrun --nproc_per_node 2 scripts/bench_tp.py --device cuda    # 2 GPUs: TP 2 vs FSDP 2 on llama3_2_1b
+    .venv/bin/python scripts/bench/bench_tp.py                             # CPU, gloo: TP 1 vs TP 2, one long sequence
+    .venv/bin/python scripts/bench/bench_tp.py --seq-len 4096 --repeats 1  # shorter
+    torchrun --nproc_per_node 2 scripts/bench/bench_tp.py --device cuda    # 2 GPUs: TP 2 vs FSDP 2 on llama3_2_1b
 
 CPU (the default): a tiny Llama (``--dim``, ``--layers``) at one long sequence, trained with the chunked loss (the
 loss tensor parallelism computes on vocabulary shards), in one process (TP 1) and in two gloo processes splitting
@@ -26,7 +26,7 @@ GPUs on the same sequences, half as many distinct tokens per step). Reports toke
 memory above what was allocated before it. Not run yet: no machine with 2 GPUs was at hand when this was written;
 ``--throughput`` on a CPU (gloo, a tiny model) runs the same code as a check:
 
-    torchrun --nproc_per_node 2 scripts/bench_tp.py --throughput --model llama_tiny --seq-len 256 --steps 2
+    torchrun --nproc_per_node 2 scripts/bench/bench_tp.py --throughput --model llama_tiny --seq-len 256 --steps 2
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from _benchlib import leave_spawned_rank, write_report  # noqa: E402
@@ -319,7 +319,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         settings = {f"tp{tp}": (tp, {**base, "loss_chunks": 8}) for tp in (1, 2)}
     started = time.time()
     report = {
-        "command": "scripts/bench_tp.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "scripts/bench/bench_tp.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": time.strftime("%Y-%m-%d"),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs",
         "load_average_before": os.getloadavg(),

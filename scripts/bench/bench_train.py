@@ -1,15 +1,15 @@
 """Benchmark the recipe's training step: against a git revision of this project, against a plain Hugging Face
 transformers training loop, and on a GPU.
 
-    .venv/bin/python scripts/bench_train.py --against main --quick   # this checkout against main (~2 min, 2 cores)
-    .venv/bin/python scripts/bench_train.py --against HEAD~1         # the same, 2 x A B B A, longer runs (~6 min)
-    .venv/bin/python scripts/bench_train.py                     # llama_small, batch 4 x 1024, fp32 (~10 min, 2 cores)
-    .venv/bin/python scripts/bench_train.py --seq-len 128 --steps 2
-    .venv/bin/python scripts/bench_train.py --redraw bench_results/bench_train_against/06_*_quiet.json  # charts of saved runs
+    .venv/bin/python scripts/bench/bench_train.py --against main --quick   # this checkout against main (~2 min, 2 cores)
+    .venv/bin/python scripts/bench/bench_train.py --against HEAD~1         # the same, 2 x A B B A, longer runs (~6 min)
+    .venv/bin/python scripts/bench/bench_train.py                     # llama_small, batch 4 x 1024, fp32 (~10 min, 2 cores)
+    .venv/bin/python scripts/bench/bench_train.py --seq-len 128 --steps 2
+    .venv/bin/python scripts/bench/bench_train.py --redraw bench_results/bench_train_against/06_*_quiet.json  # charts of saved runs
 
 With ``--against REV`` the working tree (B) and ``REV`` (A, checked out in a temporary ``git worktree``) run the same
 workload as real ``tune run`` processes, interleaved A B B A: a 6.6 M-parameter grouped-query Llama, packed rows of
-512 tokens, batch 4, fp32, AdamW, on CPU (``scripts/_against.py``). It prints the ratio of median step times
+512 tokens, batch 4, fp32, AdamW, on CPU (``scripts/bench/_against.py``). It prints the ratio of median step times
 (B / A: below 1, the working tree is faster) and of peak resident sets. Run it before landing any change to the
 step's path (model, attention, loss, optimizer, allocator, data collation). ``--ac`` and ``--set key=value``
 change the workload on both sides.
@@ -32,7 +32,7 @@ the ratio ours / HF; the target is a ratio >= 1 for every setting. Two cross-che
 reported next to it: the same ratio from each side's fastest step, and from median process CPU time per step.
 Writes a JSON file and a bar chart.
 
-With ``--device cuda`` (``scripts/gpu_check.sh`` runs it) it measures the recipe's step alone on the GPU, in bf16
+With ``--device cuda`` (``scripts/gpu/gpu_check.sh`` runs it) it measures the recipe's step alone on the GPU, in bf16
 with ``compile`` by default, for each AC setting: tokens/s, MFU (the model's FLOPs per second, counted as
 ``6 x parameters x tokens`` plus attention's ``12 x layers x heads x head_dim x sum(length^2)`` over the documents
 of each row, recompute not counted, over the device's dense bf16 peak; ``mfu_whole_rows`` counts attention over
@@ -40,7 +40,7 @@ whole rows, as the figures before 2026-11-29 did), and the peak allocated and re
 step's estimate plus the process's fixed cost measured before the model, as ``tune plan`` counts it). Targets: MFU
 >= 40 % on a 1B-class model; the estimate within 15 % of the reserved peak.
 
-    python scripts/bench_train.py --device cuda --model llama3_2_1b --batch-size 4 --seq-len 2048 \
+    python scripts/bench/bench_train.py --device cuda --model llama3_2_1b --batch-size 4 --seq-len 2048 \
         --out-json bench_results/gpu_bench_train.json
 """
 
@@ -65,7 +65,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from _benchlib import pyplot, save_figure, write_report  # noqa: E402
@@ -548,7 +548,7 @@ def format_cuda_table(report: dict) -> str:
 
 
 def run_against(args: argparse.Namespace) -> None:
-    """``--against REV``: the working tree against ``REV``, interleaved A B B A (see ``scripts/_against.py``)."""
+    """``--against REV``: the working tree against ``REV``, interleaved A B B A (see ``scripts/bench/_against.py``)."""
     import _against
 
     # --quick: 10 steps per run (the first 2 untimed); otherwise 25 (3 untimed).
@@ -559,7 +559,7 @@ def run_against(args: argparse.Namespace) -> None:
                               rounds=args.rounds, seed=args.seed,
                               progress=lambda text: print(text, file=sys.stderr, flush=True))
     report["config"] = {
-        "command": "scripts/bench_train.py " + " ".join(sys.argv[1:]), "date": started,
+        "command": "scripts/bench/bench_train.py " + " ".join(sys.argv[1:]), "date": started,
         "workload": {"model": _against.WORKLOAD_ARGS, "batch_size": _against.BATCH_SIZE,
                      "seq_len": _against.SEQ_LEN, "packed": True, "dtype": "fp32", "optimizer": "torch.optim.AdamW"},
         "overrides": overrides, "overrides_a": args.set_a, "steps_per_run": steps, "untimed_steps_per_run": warmup,
@@ -604,7 +604,7 @@ def _uptime() -> str:
 
 
 def run_profile(args: argparse.Namespace) -> None:
-    """``--profile``: one step's time by share, and its MFU (see ``scripts/_profile_step.py``)."""
+    """``--profile``: one step's time by share, and its MFU (see ``scripts/bench/_profile_step.py``)."""
     import _against
     import _profile_step
 
@@ -614,7 +614,7 @@ def run_profile(args: argparse.Namespace) -> None:
         config = _against.write_workload(Path(tmp), args.seed)
         report = _profile_step.profile_workload(config, [f"output_dir={tmp}/run", *overrides], warmup=args.warmup + 1,
                                                 steps=args.steps)
-    report["config"] = {"command": "scripts/bench_train.py " + " ".join(sys.argv[1:]), "date": started,
+    report["config"] = {"command": "scripts/bench/bench_train.py " + " ".join(sys.argv[1:]), "date": started,
                         "revision": _against.describe_working_tree(), "overrides": overrides,
                         "torch": torch.__version__, "cpu": _cpu_name(), "cpus": os.cpu_count(), "uptime": _uptime()}
     out_json = args.out_json if args.out_json != DEFAULT_JSON else REPO / "bench_results" / "bench_train_profile.json"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, staged to fit a short loan of a GPU machine (docs/distributed.md, "Running on GPUs").
 #
-#   ./scripts/gpu_check.sh [--out DIR] [--full] [--only STAGE,...] [--list]
-#   PYTHON=/opt/torch/.venv/bin/python3 ./scripts/gpu_check.sh --out "$OUT"
+#   ./scripts/gpu/gpu_check.sh [--out DIR] [--full] [--only STAGE,...] [--list]
+#   PYTHON=/opt/torch/.venv/bin/python3 ./scripts/gpu/gpu_check.sh --out "$OUT"
 #
 # Stages, in order; each runs under `timeout -s INT` (pytest still writes its JUnit XML when it is stopped), and a
 # stage that fails or runs out of time does not stop the next. Limits of the default run (--full's in brackets):
@@ -21,7 +21,7 @@
 #   compiled   compiled varlen attention and FlexAttention (Gemma 2's soft-cap); the other tune runs
 #              (default: packed full AC compiled;
 #              --full: unpacked, and every eager one)                                        40 s  (80)
-#   llama8b    scripts/gpu_peer.py: Llama 3 8B, 8-bit AdamW stepped in backward, full AC, bf16, 2 x 2048:
+#   llama8b    scripts/gpu/gpu_peer.py: Llama 3 8B, 8-bit AdamW stepped in backward, full AC, bf16, 2 x 2048:
 #              ours (plan against the peaks, MFU) and torchtune 0.6.1's recipe, one after the other,
 #              tokens/s and peaks side by side (--full: two rounds, ours/torchtune/torchtune/ours) 140 s (280)
 #   bench      bench_train.py on llama3_2_1b, bf16, compiled, packed 4 x 2048, full AC and none: tokens/s,
@@ -41,12 +41,12 @@
 # and recorded figures by stage, the device named; rewritten after each pytest stage from their JUnit XML, kept
 # outside DIR), gpu_peer.json, gpu_bench_train.json (--full: gpu_bench_train_unpacked.json), gpu_check.log.
 #
-# PYTHON: the interpreter with CUDA torch (default: python3). Wheels in .whl/ (./scripts/gpu_wheels.sh fetches
+# PYTHON: the interpreter with CUDA torch (default: python3). Wheels in .whl/ (./scripts/gpu/gpu_wheels.sh fetches
 # them where pip works) are unpacked with `python -m zipfile`, not pip, into a private folder on PYTHONPATH; those
 # in .whl/peer/ (torchtune 0.6.1 and its needs) into another, first on the llama8b stage's path alone.
 set -uo pipefail
 CALLER_DIR="$PWD"  # a relative --out is the caller's; the default, bench_results/, the repository's
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT_DIR=bench_results
 FULL=0
 ONLY=""
@@ -133,12 +133,12 @@ pytest_stage() {  # name limit_s pytest-arguments...
   [ -n "${STATUS[$name]:-}" ] || return 0
   # gpu_tests.json from every pytest stage so far: a command stopped later still leaves the stages before it.
   XMLS+=("$XML_DIR/gpu_$name.xml")
-  "$PY" scripts/gpu_report.py --out "$OUT_DIR/gpu_tests.json" "${XMLS[@]}" 2>&1 | tee -a "$LOG"
+  "$PY" scripts/gpu/gpu_report.py --out "$OUT_DIR/gpu_tests.json" "${XMLS[@]}" 2>&1 | tee -a "$LOG"
 }
 [ "$LIST" -eq 1 ] || XML_DIR="$(mktemp -d /tmp/gpu_check_xml.XXXXXX)"  # each stage's JUnit XML, merged into gpu_tests.json
 XMLS=()
 
-run_stage env 30 "$PY" scripts/gpu_env.py --out "$OUT_DIR"
+run_stage env 30 "$PY" scripts/gpu/gpu_env.py --out "$OUT_DIR"
 pytest_stage fast 40 tests/gpu/test_fsdp_nccl_cuda.py tests/gpu/test_chunked_loss_cuda.py tests/gpu/test_memory_cuda.py \
   tests/gpu/test_packed_attention_cuda.py tests/unit/models/test_packed_attention.py -k "not compiled"
 pytest_stage dpo 40 tests/gpu/test_dpo_cuda.py
@@ -155,9 +155,9 @@ else
   pytest_stage compiled 40 tests/gpu/test_packed_attention_cuda.py tests/gpu/test_tune_run_cuda.py \
     tests/gpu/test_softcap_attention_cuda.py -k "(compiled and not tune_run) or [packed-full-compiled]"
 fi
-PEER=(scripts/gpu_peer.py --out "$OUT_DIR" --rounds $((FULL + 1)))
+PEER=(scripts/gpu/gpu_peer.py --out "$OUT_DIR" --rounds $((FULL + 1)))
 run_stage llama8b $((140 * scale)) env PYTHONPATH="${PEER_SITE:+$PEER_SITE:}$PYTHONPATH" "$PY" "${PEER[@]}"
-BENCH=(scripts/bench_train.py --device cuda --model "${GPU_CHECK_MODEL:-llama3_2_1b}" --batch-size 4 --seq-len 2048
+BENCH=(scripts/bench/bench_train.py --device cuda --model "${GPU_CHECK_MODEL:-llama3_2_1b}" --batch-size 4 --seq-len 2048
        --steps 5 --warmup 2 --settings full,none)
 run_stage bench $((75 * scale)) "$PY" "${BENCH[@]}" --packed --out-json "$OUT_DIR/gpu_bench_train.json"
 if [ "$FULL" -eq 1 ]; then

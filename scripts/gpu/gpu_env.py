@@ -1,6 +1,6 @@
-"""The GPU check's first stage (``scripts/gpu_check.sh``): what this machine is, in one JSON file, before any test.
+"""The GPU check's first stage (``scripts/gpu/gpu_check.sh``): what this machine is, in one JSON file, before any test.
 
-    python scripts/gpu_env.py --out DIR      # writes DIR/gpu_env.json and prints it
+    python scripts/gpu/gpu_env.py --out DIR      # writes DIR/gpu_env.json and prints it
 
 Records the interpreter, torch, CUDA, NCCL, the device and its capability, the packages the suite needs (and
 which are missing), ``varlen_attn``'s signature and what ``models.attention.VARLEN_SUPPORT`` detected from it, a
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 PACKAGES = ("transformers", "safetensors", "tokenizers", "omegaconf", "hydra", "antlr4", "torchao", "datasets", "tqdm",

@@ -1,8 +1,8 @@
 """Llama 3 8B on one GPU, this project against torchtune 0.6.1 on the same GPU, shape and settings, in one run.
 
-    python scripts/gpu_peer.py --out DIR                       # the GPU check's llama8b stage: ours, torchtune
-    python scripts/gpu_peer.py --out DIR --rounds 2            # --full: ours, torchtune, torchtune, ours
-    python scripts/gpu_peer.py --out DIR --model tiny --device cpu --steps 2 --warmup 1   # the plumbing on a CPU
+    python scripts/gpu/gpu_peer.py --out DIR                       # the GPU check's llama8b stage: ours, torchtune
+    python scripts/gpu/gpu_peer.py --out DIR --rounds 2            # --full: ours, torchtune, torchtune, ours
+    python scripts/gpu/gpu_peer.py --out DIR --model tiny --device cpu --steps 2 --warmup 1   # the plumbing on a CPU
 
 Both sides train the same random-init Llama 3 8B (written once as a Hugging Face checkpoint that both load), on the
 same documents (random words, each longer than a row), unpacked rows of ``--seq-len`` tokens, batch ``--batch-size``,
@@ -42,7 +42,7 @@ import traceback
 from pathlib import Path
 from typing import Optional
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 GiB = 2**30
@@ -131,7 +131,7 @@ def plan_ours(overrides: list[str]) -> dict:
     attention over the whole row, PaLM's count; recomputation left out)."""
     import torch
 
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "bench"))
     from bench_train import step_model_flops
 
     from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
@@ -303,7 +303,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     except ImportError:
         report["torchao"] = None
     if args.device == "cuda":
-        sys.path.insert(0, str(REPO / "scripts"))
+        sys.path.insert(0, str(REPO / "scripts" / "bench"))
         from bench_train import device_peak_tflops
 
         name = torch.cuda.get_device_name()

@@ -4,7 +4,7 @@ device, torch and CUDA versions named. A stage stopped at its time limit still w
 is listed as missing, and one whose XML cannot be parsed (pytest killed while writing it) as unreadable, with the
 parser's error: the other stages are still reported.
 
-    python scripts/gpu_report.py --out bench_results/gpu_tests.json DIR/gpu_fast.xml DIR/gpu_offload.xml ...
+    python scripts/gpu/gpu_report.py --out bench_results/gpu_tests.json DIR/gpu_fast.xml DIR/gpu_offload.xml ...
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The GPU suite (``scripts/gpu_check.sh``): every test here is marked ``cuda`` and skipped without a CUDA device.
+"""The GPU suite (``scripts/gpu/gpu_check.sh``): every test here is marked ``cuda`` and skipped without a CUDA device.
 
 The helpers of the CPU tests (the dense attention oracle, the ``tune run`` helpers, the numerics rule) are shared.
 """

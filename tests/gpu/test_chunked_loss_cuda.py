@@ -5,7 +5,7 @@ Both sides compute the logits from the same bf16 hidden states and weight; the w
 float32 for the cross-entropy, as the chunked side does per chunk. The matmuls round their bf16 products
 differently per chunk shape, so the comparison is at bf16's relative precision of the largest value (2e-2);
 the peak must drop by most of the float32 logits' bytes. The time is printed (``-s``) and not asserted:
-``scripts/gpu_check.sh`` records it."""
+``scripts/gpu/gpu_check.sh`` records it."""
 
 from __future__ import annotations
 

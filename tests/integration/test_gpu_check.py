@@ -1,4 +1,4 @@
-"""The GPU check's plumbing, on a CPU (``scripts/gpu_check.sh``, ``scripts/gpu_report.py``): a GPU is lent for
+"""The GPU check's plumbing, on a CPU (``scripts/gpu/gpu_check.sh``, ``scripts/gpu/gpu_report.py``): a GPU is lent for
 minutes, so what a CPU can show fails here first.
 
 * Bad arguments exit 2 with one line, before anything is written; without CUDA the check stops at once (exit 1).
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPT = REPO / "scripts" / "gpu_check.sh"
+SCRIPT = REPO / "scripts" / "gpu" / "gpu_check.sh"
 
 
 def gpu_check(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
@@ -165,7 +165,7 @@ def test_the_report_counts_each_stage_keeps_figures_and_names_missing_and_unread
     (tmp_path / "gpu_offload.xml").write_text(whole[: len(whole) // 2])  # killed while writing it
     (tmp_path / "gpu_bench.xml").write_text("")
     out = tmp_path / "report" / "gpu_tests.json"
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_report.py"), "--out", str(out),
+    result = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu" / "gpu_report.py"), "--out", str(out),
                              *(str(tmp_path / f"gpu_{stage}.xml") for stage in ("fast", "offload", "compiled", "bench"))],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr

@@ -1,6 +1,6 @@
 """What the GPU suite and the GPU check call that needs no GPU, called here on a CPU.
 
-A GPU is lent for minutes (``scripts/gpu_check.sh``), and on a CPU every ``cuda`` test is skipped, so a renamed
+A GPU is lent for minutes (``scripts/gpu/gpu_check.sh``), and on a CPU every ``cuda`` test is skipped, so a renamed
 function, a changed signature or a config key that no longer validates would first show there. These tests make
 the same calls on the CPU: ``test_tune_run_cuda``'s overrides through ``tune validate`` and its planner helper,
 ``test_offload``'s CUDA overrides, ``gpu_env.py``'s 1B-class build and ``bench_train.py --device cuda``'s whole
@@ -64,14 +64,14 @@ def test_offload_cuda_overrides_validate(overrides: tuple[str, ...], tmp_path: P
 
 
 def test_gpu_env_build_runs_the_recipe_build() -> None:
-    gpu_env = import_from(REPO / "scripts", "gpu_env")
+    gpu_env = import_from(REPO / "scripts" / "gpu", "gpu_env")
     seconds = gpu_env.build_seconds("llama_tiny", device=torch.device("cpu"))
     assert 0 < seconds < 600
 
 
 def test_bench_train_cuda_path_runs_with_the_memory_counters_stubbed(tmp_path: Path, monkeypatch) -> None:
     """The gpu_check's setting (packed rows, bf16, AC full and none), tiny and eager."""
-    bench_train = import_from(REPO / "scripts", "bench_train")
+    bench_train = import_from(REPO / "scripts" / "bench", "bench_train")
     monkeypatch.setattr(bench_train, "CUDA_DEVICE", torch.device("cpu"))
     stubs = {"is_available": lambda: True, "synchronize": lambda *a, **k: None, "empty_cache": lambda *a, **k: None,
              "reset_peak_memory_stats": lambda *a, **k: None, "max_memory_allocated": lambda *a, **k: 2**30,
@@ -105,7 +105,7 @@ def test_bench_train_cuda_path_runs_with_the_memory_counters_stubbed(tmp_path: P
 def test_mfu_counts_each_packed_documents_attention_not_the_whole_row() -> None:
     """``bench_train``'s FLOPs of a step: 6 per parameter and token, and attention per document, sum(L_i^2) a
     layer and query head (``12 x head_dim`` each); ``whole_rows`` is the count of the H100 figures, row_len^2."""
-    bench_train = import_from(REPO / "scripts", "bench_train")
+    bench_train = import_from(REPO / "scripts" / "bench", "bench_train")
     from torchtune_ac.models.llama import Llama, LlamaArgs
 
     args = LlamaArgs(vocab_size=128, dim=64, n_layers=3, n_heads=4, n_kv_heads=2, intermediate_dim=96,
@@ -153,7 +153,7 @@ def test_gpu_peer_inputs_and_our_side_validate_and_its_report_reads_both_logs(tm
     """``gpu_peer.py``'s inputs for the tiny model, our side's overrides through ``tune validate``, torchtune's
     ``DiskLogger`` lines read back, and the summary's MFU and ratios (the runs themselves need the GPU, or a minute
     and a half of CPU each: ``--model tiny --device cpu`` runs them)."""
-    peer = import_from(REPO / "scripts", "gpu_peer")
+    peer = import_from(REPO / "scripts" / "gpu", "gpu_peer")
     args = peer.parse_args(["--out", str(tmp_path / "out"), "--model", "tiny", "--device", "cpu", "--seq-len", "64",
                             "--steps", "2", "--warmup", "1"])
     inputs = peer.write_inputs(args, tmp_path)

@@ -9,8 +9,10 @@ from pathlib import Path
 
 import pytest
 
-# Files starting with "_" are libraries the scripts share, not scripts.
-SCRIPTS = sorted(s for s in (Path(__file__).resolve().parents[2] / "scripts").glob("*.py") if not s.name.startswith("_"))
+# Every script, at the top and in scripts/bench/ and scripts/gpu/; files starting with "_" are libraries the scripts
+# share, not scripts.
+SCRIPTS = sorted(s for s in (Path(__file__).resolve().parents[2] / "scripts").rglob("*.py")
+                 if not s.name.startswith("_"))
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
@@ -27,7 +29,7 @@ SAVED = REPO / "bench_results" / "bench_train_against" / "06_default_vs_regresse
 def test_saved_against_reports_are_redrawn_and_other_files_refused(tmp_path: Path) -> None:
     """``bench_train.py --redraw``: a saved ``--against`` report becomes a chart (nothing is run); a report of
     another kind, or a missing file, is refused in one line."""
-    bench = [sys.executable, str(REPO / "scripts" / "bench_train.py"), "--redraw"]
+    bench = [sys.executable, str(REPO / "scripts" / "bench" / "bench_train.py"), "--redraw"]
     png = tmp_path / "chart.png"
     drawn = subprocess.run(bench + [str(SAVED), str(SAVED), "--out-png", str(png)], capture_output=True, text=True,
                            timeout=120)
@@ -45,7 +47,8 @@ def test_saved_against_reports_are_redrawn_and_other_files_refused(tmp_path: Pat
 
 def test_bench_moe_quick_finds_the_grouped_path_equal_to_the_loop(tmp_path: Path) -> None:
     out = tmp_path / "bench_moe.json"
-    result = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_moe.py"), "--only", "kernels", "--quick",
+    bench_moe = REPO / "scripts" / "bench" / "bench_moe.py"
+    result = subprocess.run([sys.executable, str(bench_moe), "--only", "kernels", "--quick",
                              "--dtype", "fp32", "--threads", "1", "--out", str(out), "--png", str(tmp_path / "m.png")],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -93,7 +93,7 @@ def test_a_stale_page_is_found(tmp_path):
 # script's arguments are parsed by the script's own parser (its work never starts); a shell script exists, is
 # executable and still reads every flag shown. A typo'd config, a removed flag or a misspelt key fails the test.
 
-PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PAGES = [REPO / "README.md", REPO / "scripts" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 HAND_WRITTEN = [page for page in PAGES if page.relative_to(REPO).as_posix() not in gen_docs.PAGES]
 LANGUAGES = {"sh", "python", "yaml", "text"}
 _COMMAND = re.compile(r"^(\$ )?(tune |\./scripts/|(\S*/)?python3? scripts/|[A-Z_]+=\S+ \./scripts/)")
@@ -290,13 +290,13 @@ def test_every_command_a_page_shows_is_checked(page, monkeypatch):
 def test_the_pages_show_commands():
     """The extraction finds what the pages show (a test over nothing would pass)."""
     readme = [" ".join(argv) for _, argv in shown_commands(REPO / "README.md")]
-    assert readme[:5] == ["./scripts/quickstart.sh", "./scripts/test.sh", "./scripts/gpu_wheels.sh 3.12",
-                          "./scripts/gpu_check.sh --out $OUT", "tune ls"]  # the GPU check's command (issue 28)
+    assert readme[:5] == ["./scripts/quickstart.sh", "./scripts/test.sh", "./scripts/gpu/gpu_wheels.sh 3.12",
+                          "./scripts/gpu/gpu_check.sh --out $OUT", "tune ls"]  # the GPU check's command (issue 28)
     assert "tune run --nproc_per_node 4 full_finetune --config my.yaml checkpoint_dir=/models/Meta-Llama-3-8B" in readme
     distributed = [argv for _, argv in shown_commands(REPO / "docs" / "distributed.md")]
     assert ["tune", "run", "--nnodes", "2", "--nproc_per_node", "8", "--rdzv-backend", "c10d", "--rdzv-endpoint",
             "host:29500", "full_finetune", "--config", "llama3_1/8B_full", "fsdp.replicate_degree=2"] in distributed
-    assert ["./scripts/gpu_check.sh", "--out", "$OUT"] in distributed
+    assert ["./scripts/gpu/gpu_check.sh", "--out", "$OUT"] in distributed
     memory = [argv for _, argv in shown_commands(REPO / "docs" / "memory.md")]
     assert memory == [["tune", "plan", "--config", "llama3/8B_full", "--nproc", "4", "--budget-gib", "40", "--png",
                        "plan.png"]]
@@ -305,8 +305,8 @@ def test_the_pages_show_commands():
 def test_the_commands_named_in_prose_are_found():
     memory = [" ".join(argv) for _, argv in inline_commands(REPO / "docs" / "memory.md")]
     assert "tune plan --config llama3_1/70B_full --nproc 8" in memory
-    assert "python scripts/bench_memory.py --optimizers --repeats 1 --seq-len 512" in memory
-    assert "python scripts/bench_memory.py --ablation --model llama_small --batch-size 2 --seq-len 1024" in memory
+    assert "python scripts/bench/bench_memory.py --optimizers --repeats 1 --seq-len 512" in memory
+    assert "python scripts/bench/bench_memory.py --ablation --model llama_small --batch-size 2 --seq-len 1024" in memory
     setup = [" ".join(argv) for _, argv in inline_commands(REPO / "docs" / "setup.md")]
     assert "./scripts/test.sh --numerics" in setup
     usage = [" ".join(argv) for _, argv in inline_commands(REPO / "docs" / "usage.md")]
@@ -323,8 +323,8 @@ def test_the_commands_named_in_prose_are_found():
     ("tune cp llama3/8B_ful my.yaml", "no such built-in config or recipe"),
     ("./scripts/test.sh --numeric", "does not read --numeric"),
     ("./scripts/tests.sh", "no such executable script"),
-    (".venv/bin/python scripts/bench_ac.py --repeats five", "the script's parser refused it"),
-    (".venv/bin/python scripts/bench_ac.py --repeat 5", "--repeat: not a flag of bench_ac.py"),
+    (".venv/bin/python scripts/bench/bench_ac.py --repeats five", "the script's parser refused it"),
+    (".venv/bin/python scripts/bench/bench_ac.py --repeat 5", "--repeat: not a flag of bench_ac.py"),
     ("tune plan --config tiny/full --budget 40", "--budget: not a flag of tune plan"),
 ])
 def test_a_wrong_command_fails_the_check(command, error, monkeypatch, capsys):
@@ -485,6 +485,26 @@ def test_the_python_path_check_can_fail():
     assert unresolved_python_paths("`torchtune_ac.training.metric_logging.WandBLogger`, torchtune_ac.models.load_hf, "
                                    "torchtune_ac.models.no_such") == [
         "torchtune_ac.models.no_such", "torchtune_ac.training.metric_logging.WandBLogger"]
+
+
+SCRIPTS_DIR = REPO / "scripts"
+BENCHMARKS = sorted([*(SCRIPTS_DIR / "bench").glob("bench_*.py"), SCRIPTS_DIR / "gpu" / "gpu_peer.py"])
+
+
+def test_the_scripts_readme_names_every_script():
+    """``scripts/README.md`` says what each file of ``scripts/`` is for: a script added without a line fails."""
+    text = (SCRIPTS_DIR / "README.md").read_text()
+    scripts = sorted(path for path in SCRIPTS_DIR.rglob("*") if path.suffix in (".py", ".sh"))
+    assert len(scripts) >= 30
+    assert [path.name for path in scripts if f"`{path.name}`" not in text] == []
+
+
+def test_the_benchmarks_page_lists_every_benchmark():
+    """docs/benchmarks.md's table has a row for every benchmark, named by its path."""
+    rows = [line for line in (REPO / "docs" / "benchmarks.md").read_text().splitlines() if line.startswith("| `")]
+    assert len(BENCHMARKS) >= 12
+    assert [path.relative_to(REPO).as_posix() for path in BENCHMARKS
+            if not any(row.startswith(f"| `{path.relative_to(REPO).as_posix()}` |") for row in rows)] == []
 
 
 def test_the_readme_is_short_and_opens_with_the_set_up():

@@ -308,7 +308,7 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
 
 def loop_experts(experts: GroupedExperts, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
     """``compute_experts`` by a Python loop over the experts, one matmul each: the reference the grouped path is
-    tested and measured against (``scripts/bench_moe.py``)."""
+    tested and measured against (``scripts/bench/bench_moe.py``)."""
     outs = []
     for e, expert_rows in enumerate(rows.split(plan.counts.tolist())):
         gate_up = expert_rows @ experts._in_out(experts.gate_up_proj)[e]

@@ -124,7 +124,7 @@ class MemoryEstimate:
     sharded; a DPO step's resident ``reference`` model too), the ``gradients`` alive, the saved ``activations`` still alive, and ``transient`` (the rest:
     backward temporaries, a block's recompute, the loss's gradients, FSDP's gathered parameters and reduce
     buffers, the batch). ``saved_activations`` is what one micro-batch's forward keeps for backward (what
-    ``scripts/_measure.py`` measures); ``extra_flops`` is the share of
+    ``scripts/bench/_measure.py`` measures); ``extra_flops`` is the share of
     floating-point work the plan adds by recomputing (0.21 = +21 %); ``peak_phase`` is where the peak falls.
     """
 
