@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up .venv (created or reused) and run the whole test suite, slow and distributed tests included.
-# Extra arguments go to pytest, e.g. ./scripts/test.sh -m "not slow" -x
+# Set up .venv (created or reused) and run the whole test suite, slow and distributed tests included, in 2
+# pytest-xdist workers of one OpenMP thread each (tests/conftest.py), a file to a worker (--dist loadfile: a file's
+# module fixtures are built once). Extra arguments go to pytest, e.g. ./scripts/test.sh -m "not slow" -x;
+# TEST_WORKERS=1 runs the tests in this one process instead (no xdist), TEST_WORKERS=4 in 4 workers.
 #
 # ./scripts/test.sh --numerics [pytest arguments]: the portability check instead. It runs only the tests that
 # compare floats (marker `numerics`, the rule in tests/numerics.py) with ATEN_CPU_CAPABILITY=default, PyTorch's
@@ -21,6 +23,10 @@ if [ "${1:-}" = "--numerics" ]; then
     export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/torchinductor_$(id -un)_default}"
   fi
   echo "test.sh: numerics tests with ATEN_CPU_CAPABILITY=$ATEN_CPU_CAPABILITY"
-  exec python -m pytest -m numerics "$@"
+  set -- -m numerics "$@"
+fi
+WORKERS="${TEST_WORKERS:-2}"
+if [ "$WORKERS" -gt 1 ]; then
+  set -- -n "$WORKERS" --dist loadfile "$@"
 fi
 exec python -m pytest "$@"

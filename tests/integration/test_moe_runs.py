@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from finetune_runs import check_success, final_checkpoint, run_tune_in_process, run_tune_subprocess
 from numerics import assert_close, llama_terms
@@ -47,6 +48,7 @@ def test_the_published_moe_configs_validate_with_their_parameter_counts(capsys) 
         assert f": {parameters} parameters, " in capsys.readouterr().out
 
 
+@pytest.mark.distributed
 def test_dpo_trains_a_mixture_of_experts_split_over_2_processes_with_its_load_balancing_loss(tmp_path: Path) -> None:
     """``full_dpo`` on the tiny MoE with its experts split over 2 processes (EP 2), packed pairs, per-op AC and the
     precomputed reference: the load-balancing loss is added to the DPO loss, as TRL's DPOTrainer adds it. At the

@@ -164,6 +164,7 @@ def _ranks_meet_a_foreign_lock(rank: int, out: str, result_dir: str) -> None:
     dist.barrier()
 
 
+@pytest.mark.distributed
 def test_every_rank_hears_rank_zeros_refusal(tmp_path):
     out = tmp_path / "out"
     write_lock(out, host="node-17.cluster", pid=1234)

@@ -83,6 +83,7 @@ def sharded_reference(rank: int, out: str) -> None:
         torch.save(result, out)
 
 
+@pytest.mark.distributed
 def test_sharded_over_2_processes_every_group_reshards_after_its_forward(tmp_path):
     out = tmp_path / "result.pt"
     run_on_gloo_ranks(sharded_reference, str(out), store_dir=tmp_path)
