@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -41,7 +40,12 @@ sys.path.insert(0, str(REPO))
 from _benchlib import leave_spawned_rank, pyplot, save_figure, write_report  # noqa: E402
 from _measure import track_peak_rss  # noqa: E402
 
+from torchtune_ac.activation_checkpointing.config import ACConfig  # noqa: E402
+from torchtune_ac.memory.plan import MemoryPlan  # noqa: E402
 from torchtune_ac.models import Llama, LlamaArgs, load_hf, save_hf, save_hf_state_dict  # noqa: E402
+from torchtune_ac.run.assemble import AssemblyPlan, build_training  # noqa: E402
+from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
+from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 
 MODES = ("full_gather", "per_shard")
 WORLD_SIZE = 2
@@ -72,14 +76,14 @@ def model_args(layers: int) -> LlamaArgs:
                      intermediate_dim=2816, max_seq_len=2048)
 
 
-def sharded_model(args: LlamaArgs) -> Llama:
-    """Built on meta, sharded per block and at the root, each rank's shard filled from a per-rank seed."""
+def sharded_model(args: LlamaArgs) -> torch.nn.Module:
+    """Built on meta and sharded as a run shards it (``build_training``: FSDP2 per block, then the root), each
+    rank's shard filled from a per-rank seed (the values do not matter to a save, only their bytes)."""
     with torch.device("meta"):
         model = Llama(args)
-    for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
-    model.to_empty(device="cpu")
+    ctx = DistributedContext(dist.get_rank(), WORLD_SIZE, 0, torch.device("cpu"))
+    plan = AssemblyPlan(DType.FP32, MemoryPlan(ACConfig().resolve(args.n_layers)))
+    model = build_training(model, plan, ctx=ctx, load_weights=False).model
     generator = torch.Generator().manual_seed(dist.get_rank())
     with torch.no_grad():
         for param in model.parameters():

@@ -57,44 +57,30 @@ from _measure import return_freed_memory_to_os, track_peak_rss  # noqa: E402
 
 from torchtune_ac import models  # noqa: E402
 from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective, loss_objective  # noqa: E402
-from torchtune_ac.models.families import family_of, retie_parameters, transformer_blocks  # noqa: E402
+from torchtune_ac.memory.plan import MemoryPlan  # noqa: E402
+from torchtune_ac.models.families import family_of, transformer_blocks  # noqa: E402
 from torchtune_ac.models.families.llama import FAMILY as LLAMA  # noqa: E402
 from torchtune_ac.models.families.llama import LLAMA_TINY  # noqa: E402
-from torchtune_ac.run.weights import initialize_weights_  # noqa: E402
+from torchtune_ac.run.assemble import AssembledModel, AssemblyPlan, build_training  # noqa: E402
 from torchtune_ac.runtime.allocator import use_expandable_segments_by_default  # noqa: E402
 from torchtune_ac.runtime.distributed import DistributedContext  # noqa: E402
 from torchtune_ac.runtime.parallelism import Parallelism  # noqa: E402
-from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType  # noqa: E402
 from torchtune_ac.activation_checkpointing.config import resolve_ac_plan  # noqa: E402
-from torchtune_ac.activation_checkpointing.mechanism import apply_ac_plan  # noqa: E402
-from torchtune_ac.parallel.fsdp import shard_model  # noqa: E402
 from torchtune_ac.training.objective import IGNORE_INDEX  # noqa: E402
-from torchtune_ac.training.step import OptimizerStepper, train_step  # noqa: E402
-from torchtune_ac.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
+from torchtune_ac.training.step import train_step  # noqa: E402
 
 OUT_JSON = REPO / "bench_results" / "bench_tp.json"
 
 
-def build(meta_model: torch.nn.Module, device: torch.device, dtype: DType, mesh: Any, tp: int, *,
-          ac_mode: str = "none", compile_blocks: bool = False) -> torch.nn.Module:
-    """The run's order: AC -> compile -> TP -> FSDP2 -> allocate -> initialise (mesh None: one plain process)."""
-    model = meta_model.to(dtype.torch)
-    blocks = transformer_blocks(model)
-    apply_ac_plan(model, resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=ac_mode, ac_option=None,
-                                         n_layers=len(blocks)))
-    if compile_blocks:
-        for block in blocks:
-            block.compile()
-    if mesh is not None:
-        if tp > 1:
-            apply_tensor_parallel(model, mesh["tp"])
-        shard_model(model, mesh, FSDPConfig(), dtype=dtype)
-    model.to_empty(device=device)
-    if mesh is None:
-        retie_parameters(model)
-    initialize_weights_(model, None, dtype=dtype.torch, seed=0, sharded=mesh is not None)
-    return model
+def build(meta_model: torch.nn.Module, ctx: DistributedContext, dtype: DType, mesh: Any, make_optimizer, *,
+          ac_mode: str = "none", compile_blocks: bool = False) -> AssembledModel:
+    """The model through the run's order (``build_training``: AC -> compile -> TP -> FSDP2 -> allocate ->
+    initialise, then the optimizer), split as ``ctx.parallelism`` says over ``mesh`` (None: one plain process)."""
+    ac = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=ac_mode, ac_option=None,
+                         n_layers=len(transformer_blocks(meta_model)))
+    plan = AssemblyPlan(dtype=dtype, memory=MemoryPlan(ac), compile=compile_blocks, seed=0)
+    return build_training(meta_model, plan, ctx=ctx, mesh=mesh, make_optimizer=make_optimizer)
 
 
 def make_batch(vocab_size: int, rows: int, seq_len: int, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
@@ -123,9 +109,9 @@ def cpu_rank(rank: int, world_size: int, store: Optional[str], options: dict, ou
         meta = LLAMA.build(args)
     parallelism = Parallelism(world_size, tensor=world_size)  # one tensor-parallel group
     mesh = parallelism.build_mesh("cpu") if world_size > 1 else None
-    model = build(meta, cpu, DType.FP32, mesh, world_size)
     ctx = DistributedContext(rank, world_size, 0, cpu, parallelism=parallelism)
-    stepper = OptimizerStepper(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    assembled = build(meta, ctx, DType.FP32, mesh, lambda params: torch.optim.AdamW(params, lr=1e-4))
+    model, stepper = assembled.model, assembled.stepper
     objective = loss_objective(options["loss_chunks"])
     batch = make_batch(args.vocab_size, 1, options["seq_len"], cpu, seed=0)
     train_step(model, stepper, [batch], ctx=ctx, objective=objective)  # warm-up: optimizer state, caches
@@ -233,13 +219,14 @@ def run_throughput(options: dict) -> Optional[dict]:
             meta = builder(max_seq_len=options["seq_len"])
         parallelism = Parallelism(world_size, tensor=tp)
         mesh = parallelism.build_mesh(device.type)
-        model = build(meta, device, dtype, mesh, tp, ac_mode="full", compile_blocks=options["compile"])
-        stepper = OptimizerStepper(torch.optim.AdamW(model.parameters(), lr=1e-5, fused=cuda))
+        # The context of the layout: under TP 2 the two ranks are one group (its token counts are not doubled).
+        ctx = DistributedContext(rank, world_size, rank, device, parallelism=parallelism)
+        assembled = build(meta, ctx, dtype, mesh, lambda params: torch.optim.AdamW(params, lr=1e-5, fused=cuda),
+                          ac_mode="full", compile_blocks=options["compile"])
         # FSDP 2: each rank its own rows; TP 2: both ranks the same rows (one data-parallel rank).
         dp_rank = rank if tp == 1 else 0
-        # The context of the layout: under TP 2 the two ranks are one group (its token counts are not doubled).
-        layouts[name] = {"model": model, "stepper": stepper, "dp_rank": dp_rank, "times": [], "step_peak": 0,
-                         "ctx": DistributedContext(rank, world_size, rank, device, parallelism=parallelism)}
+        layouts[name] = {"model": assembled.model, "stepper": assembled.stepper, "dp_rank": dp_rank, "times": [],
+                         "step_peak": 0, "ctx": ctx}
     vocab = family_of(layouts["fsdp2"]["model"]).args_of(layouts["fsdp2"]["model"]).vocab_size
     for step in range(options["warmup"] + options["steps"]):
         for name in (("fsdp2", "tp2") if step % 2 == 0 else ("tp2", "fsdp2")):

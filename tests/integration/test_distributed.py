@@ -79,17 +79,18 @@ def test_split_global_batch_trains_like_one_batch(
 
 
 # Llama is covered above (the embedded model). Through tune run on 2 processes, from a tiny checkpoint transformers
-# wrote, each kind of block and checkpoint layout once: Gemma 3 (the richest dense block: q/k norms, offset norms,
-# post-norms, GeGLU, scaled and tied embeddings, sliding windows), Phi-3 (q/k/v and gate/up stacked in the checkpoint)
-# and both mixtures of experts (gpt-oss: attention and expert biases). The other dense families' blocks are parts of
-# these: Mistral's is Llama's; Qwen2's is Llama's with q/k/v biases (gpt-oss's here) and tied embeddings (Gemma 3's
-# here); Qwen3's adds q/k norms (Gemma 3's, Qwen3-MoE's here); Gemma's is Gemma 3's without q/k and post-norms. Every
-# family's logits, round trip and AC gradients match transformers' (tests/unit/checkpoint/test_family_parity.py);
+# wrote, each kind of block and checkpoint layout once: Gemma 3 (the richest dense block: q/k norms, offset norms, post-
+# norms, GeGLU, scaled and tied embeddings, sliding windows), Phi-3 (q/k/v and gate/up stacked in the checkpoint) and
+# gpt-oss (attention and expert biases, sinks). Qwen3-MoE's EP 2 on 2 processes, from a checkpoint transformers wrote,
+# trains as 1 process in test_expert_parallel_runs.py (its export and resumes too). The other dense families' blocks are
+# parts of these: Mistral's is Llama's; Qwen2's is Llama's with q/k/v biases (gpt-oss's here) and tied embeddings (Gemma
+# 3's here); Qwen3's adds q/k norms (Gemma 3's here); Gemma's is Gemma 3's without q/k and post-norms.
+# Every family's logits, round trip and AC gradients match transformers' (tests/unit/checkpoint/test_family_parity.py);
 # Qwen3 and Gemma 2 train under tensor parallelism on 2 gloo ranks against one process
-# (tests/unit/training/test_tensor_parallel.py; Gemma 2's soft-caps act within each process). The mixtures of experts
-# run with their experts split over the 2 processes (expert_parallel_dim=2: each token sent to its experts' process
-# and back by all-to-all); plain FSDP2 of a mixture of experts, and EP x FSDP2, are in test_expert_parallel_runs.py.
-MIXTURES_OF_EXPERTS = ("qwen3_moe", "gpt_oss")
+# (tests/unit/training/test_tensor_parallel.py; Gemma 2's soft-caps act within each process). The mixture of experts
+# runs with its experts split over the 2 processes (expert_parallel_dim=2: each token sent to its experts' process and
+# back by all-to-all); plain FSDP2 of a mixture of experts, and EP x FSDP2, are in test_expert_parallel_runs.py.
+MIXTURES_OF_EXPERTS = ("gpt_oss",)
 TWO_PROCESS_FAMILIES = ("gemma3", "phi3", *MIXTURES_OF_EXPERTS)
 
 

@@ -16,6 +16,7 @@ from typing import Optional
 
 import pytest
 import torch
+import torch.distributed as dist
 from gloo_testlib import run_on_gloo_ranks
 from safetensors.torch import load_file
 from torch import nn
@@ -30,18 +31,16 @@ from torchtune_ac.checkpoint import (
     save_checkpoint,
 )
 from torchtune_ac.models import hf_model_files, save_hf
-from torchtune_ac.models.families import retie_parameters
 from torchtune_ac.models.families.llama import FAMILY as LLAMA
 from torchtune_ac.models.families.llama import LLAMA_TINY
-from torchtune_ac.run.weights import initialize_weights_
+from torchtune_ac.run.assemble import AssemblyPlan, build_training
 from torchtune_ac.runtime.distributed import DistributedContext
-from torchtune_ac.parallel.fsdp import FSDPConfig
+from torchtune_ac.activation_checkpointing.config import ACConfig
+from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.parallel.fsdp import shard_model
 from torchtune_ac.training.objective import IGNORE_INDEX
-from torchtune_ac.training.step import OptimizerStepper, train_step
-from torchtune_ac.parallel.tensor_parallel import apply_tensor_parallel
+from torchtune_ac.training.step import Stepper, train_step
 
 pytestmark = pytest.mark.distributed
 
@@ -51,24 +50,19 @@ FULL = StateDictOptions(full_state_dict=True)
 CPU = torch.device("cpu")
 
 
-def _model(tp: int = 1, world_size: int = 1) -> tuple[nn.Module, OptimizerStepper]:
-    """The model on ``world_size`` ranks, ``tp`` of them splitting each layer (FSDP2 over the rest); one plain
-    process for a world of 1."""
+def _model(tp: int = 1, world_size: int = 1) -> tuple[nn.Module, Stepper]:
+    """The model on ``world_size`` ranks through the run's order (``build_training``), ``tp`` of them splitting each
+    layer (FSDP2 over the rest); one plain process for a world of 1."""
     with torch.device("meta"):
         model = LLAMA.build(ARGS)
-    if world_size > 1:
-        mesh = Parallelism(world_size, tensor=tp).build_mesh("cpu")
-        if tp > 1:
-            apply_tensor_parallel(model, mesh["tp"])
-        shard_model(model, mesh, FSDPConfig(), dtype=DType.FP32)
-    model.to_empty(device=CPU)
-    if world_size == 1:
-        retie_parameters(model)
-    initialize_weights_(model, None, dtype=torch.float32, seed=3, sharded=world_size > 1)
-    return model, OptimizerStepper(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    parallelism = Parallelism(world_size, tensor=tp)
+    ctx = DistributedContext(dist.get_rank() if world_size > 1 else 0, world_size, 0, CPU, parallelism=parallelism)
+    plan = AssemblyPlan(DType.FP32, MemoryPlan(ACConfig().resolve(ARGS.n_layers)), seed=3)
+    assembled = build_training(model, plan, ctx=ctx, make_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+    return assembled.model, assembled.stepper
 
 
-def _step(model: nn.Module, stepper: OptimizerStepper, ctx: DistributedContext, dp_rank: int, dp_degree: int,
+def _step(model: nn.Module, stepper: Stepper, ctx: DistributedContext, dp_rank: int, dp_degree: int,
           seed: int) -> None:
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, ARGS.vocab_size, (4, 16), generator=generator)
@@ -78,19 +72,19 @@ def _step(model: nn.Module, stepper: OptimizerStepper, ctx: DistributedContext, 
     train_step(model, stepper, [{"tokens": tokens[rows], "labels": labels[rows]}], ctx=ctx)
 
 
-def _save(output_dir: Path, model: nn.Module, stepper: OptimizerStepper, step: int,
+def _save(output_dir: Path, model: nn.Module, stepper: Stepper, step: int,
           ctx: Optional[DistributedContext] = None) -> Path:
     return save_checkpoint(output_dir, model=model, hf_files=hf_model_files(model), optimizers=[stepper.optimizer],
                            state=RecipeState(Progress(step, 0, step), SHAPE, hyperparameters={}, data={}),
                            processes=ctx)
 
 
-def _load(output_dir: Path, model: nn.Module, stepper: OptimizerStepper,
+def _load(output_dir: Path, model: nn.Module, stepper: Stepper,
           ctx: Optional[DistributedContext] = None) -> None:
     load_checkpoint(list_checkpoints(output_dir)[-1], model=model, optimizers=[stepper.optimizer], processes=ctx)
 
 
-def _full_state(model: nn.Module, stepper: OptimizerStepper) -> dict:
+def _full_state(model: nn.Module, stepper: Stepper) -> dict:
     return {"model": get_model_state_dict(model, options=FULL),
             "optimizer": get_optimizer_state_dict(model, [stepper.optimizer], options=FULL)["state"]}
 

@@ -21,8 +21,9 @@ from typing import Any
 
 import pytest
 import torch
+import parallel_testlib
 from gloo_testlib import run_on_gloo_ranks
-from numerics import assert_steps_alike, llama_terms
+from parallel_testlib import CPU, assert_trains_as_one_process, batch, rows
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -30,8 +31,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
 from torchtune_ac.activation_checkpointing.mechanism import apply_ac_plan
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective
-from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.models.families import transformer_blocks
 from torchtune_ac.models.families.gpt_oss import FAMILY as GPT_OSS
 from torchtune_ac.models.families.gpt_oss import GPT_OSS_20B
@@ -39,19 +38,15 @@ from torchtune_ac.models.families.llama import FAMILY as LLAMA
 from torchtune_ac.models.families.llama import LLAMA_TINY
 from torchtune_ac.models.families.qwen3_moe import FAMILY as QWEN3_MOE
 from torchtune_ac.models.families.qwen3_moe import QWEN3_MOE_TINY
+from torchtune_ac.models.family import ModelFamily
 from torchtune_ac.models.llama import LlamaArgs
 from torchtune_ac.models.moe import MoE
 from torchtune_ac.parallel.expert_parallel import apply_expert_parallel
-from torchtune_ac.parallel.fsdp import FSDPConfig, shard_model
+from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.run.plan import resolve_parallelism
 from torchtune_ac.run.weights import initialize_weights_
-from torchtune_ac.runtime.distributed import DistributedContext
-from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.runtime.parallelism import EP_DIM, Parallelism
-from torchtune_ac.training.objective import IGNORE_INDEX, CrossEntropy
-from torchtune_ac.training.step import train_step
 
-CPU = torch.device("cpu")
 _SMALL = dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, max_seq_len=64)
 TINY = {
     # Both layers sparse, 4 experts of 32, 2 per token, without the load-balancing loss (each process's own is
@@ -66,8 +61,6 @@ TINY = {
         moe=dataclasses.replace(GPT_OSS_20B.moe, num_experts=4, top_k=2, expert_dim=32)),
 }
 FAMILIES = {"qwen3_moe": QWEN3_MOE, "gpt_oss": GPT_OSS}
-ROWS, LENGTH, STEPS = 4, 32, 3
-DOCUMENTS = (10, 15, 7)  # each packed row
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -134,82 +127,16 @@ def test_a_degree_the_model_cannot_be_split_by_is_refused_in_one_line(model, key
 
 
 @dataclass(frozen=True)
-class Case:
-    """One training run: a tiny model (a key of ``TINY``) and how it is trained."""
-
-    model: str
-    packed: bool = False
-    loss_chunks: int = 1
-    ac_mode: str = "none"
-    ac_option: Any = None
-    in_backward: bool = False
-    compile: bool = False
-    optimizer: str = "adamw"  # or "adamw8bit": torchao's
+class Case(parallel_testlib.Case):
+    """One training run of a tiny mixture of experts (a key of ``TINY``)."""
 
     @property
     def args(self) -> LlamaArgs:
         return TINY[self.model]
 
-
-def _batch(case: Case, step: int) -> dict[str, torch.Tensor]:
-    generator = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, case.args.vocab_size, (ROWS, LENGTH), generator=generator)
-    labels = torch.roll(tokens, -1, dims=1)
-    labels[:, -1] = IGNORE_INDEX
-    batch = {"tokens": tokens, "labels": labels}
-    if case.packed:
-        row = torch.cat([torch.full((n,), i) for i, n in enumerate(DOCUMENTS)])
-        batch["document_ids"] = row.expand(ROWS, LENGTH).clone()
-        batch["document_lengths"] = torch.tensor(DOCUMENTS * ROWS)
-    return batch
-
-
-def _rows(batch: dict[str, torch.Tensor], first: int, count: int) -> dict[str, torch.Tensor]:
-    out = {key: value[first:first + count] for key, value in batch.items() if key != "document_lengths"}
-    if "document_lengths" in batch:
-        per_row = len(DOCUMENTS)
-        out["document_lengths"] = batch["document_lengths"][first * per_row:(first + count) * per_row]
-    return out
-
-
-def build_model(case: Case, mesh=None) -> nn.Module:
-    """The model in the run's order: meta -> AC -> compile -> EP -> FSDP2 -> allocate -> initialise (the same
-    weights for any split). ``mesh`` None: one plain process."""
-    with torch.device("meta"):
-        model = FAMILIES[case.model].build(case.args)
-    blocks = transformer_blocks(model)
-    apply_ac_plan(model, resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=case.ac_mode,
-                                         ac_option=case.ac_option, n_layers=len(blocks)))
-    if case.compile:
-        for block in blocks:
-            block.compile(backend="aot_eager")  # traced as inductor's would be, in seconds
-    if mesh is not None:
-        apply_expert_parallel(model, mesh[EP_DIM])
-        shard_model(model, mesh, FSDPConfig(), dtype=DType.FP32)
-    model.to_empty(device=CPU)
-    initialize_weights_(model, None, dtype=torch.float32, seed=7, sharded=mesh is not None)
-    return model
-
-
-def train(case: Case, model: nn.Module, ctx: DistributedContext) -> tuple[list[float], list[float]]:
-    """STEPS steps of AdamW on the global batches, this process taking its rows; the losses and gradient norms."""
-    if case.optimizer == "adamw":
-        optimizer = torch.optim.AdamW
-    else:
-        import torchao.optim  # only where it is used: importing torchao takes seconds
-
-        optimizer = torchao.optim.AdamW8bit
-    stepper = build_optimizer(lambda params: optimizer(params, lr=1e-2), model, in_backward=case.in_backward)
-    objective = ChunkedCrossEntropyObjective(case.loss_chunks) if case.loss_chunks > 1 else CrossEntropy()
-    share = ROWS // ctx.world_size
-    losses, norms = [], []
-    for step in range(STEPS):
-        batch = _rows(_batch(case, step), ctx.rank * share, share)
-        result = train_step(model, stepper, [batch], ctx=ctx, objective=objective,
-                            clip_grad_norm=None if case.in_backward else 1.0)
-        losses.append(result.loss)
-        norms.append(result.grad_norm)
-    return losses, norms
+    @property
+    def family(self) -> ModelFamily:
+        return FAMILIES[self.model]
 
 
 def _check_split(model: nn.Module, case: Case, mesh) -> None:
@@ -236,16 +163,12 @@ def check_against_one_process(rank: int, world_size: int,
         # torchao compiles its update per parameter shape (minutes on a CPU): eagerly here, the same arithmetic.
         torch.compile = lambda function=None, **options: function
     for (replicate, expert), cases in runs:
-        mesh = Parallelism(world_size, replicate=replicate, expert=expert).build_mesh("cpu")
+        parallelism = Parallelism(world_size, replicate=replicate, expert=expert)
+        mesh = parallelism.build_mesh("cpu")
         for case in cases:
-            expected = train(case, build_model(case), DistributedContext(0, 1, 0, CPU))
-            model = build_model(case, mesh)
-            _check_split(model, case, mesh)
-            losses, norms = train(case, model, DistributedContext(rank, world_size, 0, CPU))
-            terms = llama_terms(case.args, LENGTH, ROWS * LENGTH)
-            what = f"{case} on (replicate, expert) = {(replicate, expert)}"
-            assert_steps_alike(losses, expected[0], terms=terms, what=f"{what}: loss")
-            assert_steps_alike(norms, expected[1], terms=terms, what=f"{what}: gradient norm")
+            # Expert parallelism does not change how the data is split: every process reads its own rows.
+            assert_trains_as_one_process(case, rank, world_size, parallelism, mesh, dp_rank=rank, dp_degree=world_size,
+                                         check_split=lambda model: _check_split(model, case, mesh))
 
 
 TWO_RANK_CASES = (
@@ -305,7 +228,7 @@ def check_backward_all_to_alls(rank: int, world_size: int) -> None:
         apply_expert_parallel(model, mesh[EP_DIM])
         model.to_empty(device=CPU)
         initialize_weights_(model, None, dtype=torch.float32, seed=7, sharded=True)
-        loss = model(_rows(_batch(case, 0), rank * 2, 2)["tokens"]).float().square().mean()
+        loss = model(rows(batch(case, 0), rank * 2, 2)["tokens"]).float().square().mean()
         with _AllToAllsIssued() as counter:
             loss.backward()
         issued[mode] = counter.counts["all_to_all_single"]

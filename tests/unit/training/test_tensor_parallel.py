@@ -17,22 +17,19 @@ import logging
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+import parallel_testlib
 from gloo_testlib import TIMEOUT, run_on_gloo_ranks
-from numerics import assert_steps_alike, llama_terms
+from parallel_testlib import CPU, assert_trains_as_one_process, batch, build_model
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.activation_offloading import apply_activation_offloading
-from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropyObjective
-from torchtune_ac.memory.optimizer_in_backward import build_optimizer
-from torchtune_ac.models.families import retie_parameters, transformer_blocks
+from torchtune_ac.models.families import transformer_blocks
 from torchtune_ac.models.families.gemma2 import FAMILY as GEMMA2
 from torchtune_ac.models.families.gemma2 import GEMMA2_2B
 from torchtune_ac.models.families.gemma3 import FAMILY as GEMMA3
@@ -43,6 +40,7 @@ from torchtune_ac.models.families.phi3 import FAMILY as PHI3
 from torchtune_ac.models.families.phi3 import PHI4_14B
 from torchtune_ac.models.families.qwen3 import FAMILY as QWEN3
 from torchtune_ac.models.families.qwen3 import QWEN3_0_6B
+from torchtune_ac.models.family import ModelFamily
 from torchtune_ac.models.llama import LlamaArgs, RMSNorm
 from torchtune_ac.models.tensor_parallel import Split, tensor_parallel_problem
 from torchtune_ac.run.weights import initialize_weights_
@@ -53,11 +51,9 @@ from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
 from torchtune_ac.activation_checkpointing.mechanism import apply_ac_plan
 from torchtune_ac.parallel.fsdp import shard_model
-from torchtune_ac.training.objective import IGNORE_INDEX, CrossEntropy
-from torchtune_ac.training.step import OptimizerStepper, train_step
+from torchtune_ac.training.step import train_step
 from torchtune_ac.parallel.tensor_parallel import apply_tensor_parallel, check_sequence_length, parallel_style
 
-CPU = torch.device("cpu")
 # Tiny models of each family, their flags kept (q/k norms; Gemma 3's offset norms, GeGLU, scaled and tied
 # embeddings, sliding windows of 8 tokens on layer 0, a global layer 1). Llama's vocabulary is uneven under 2 x 2.
 TINY = {
@@ -81,8 +77,7 @@ TINY = {
     "llama_512": dataclasses.replace(LLAMA_TINY, vocab_size=256, dim=512, n_layers=1, intermediate_dim=512),
 }
 FAMILIES = {"llama": LLAMA, "qwen3": QWEN3, "gemma3": GEMMA3, "phi3": PHI3, "gemma2": GEMMA2}
-ROWS, LENGTH, STEPS = 4, 32, 3
-DOCUMENTS = (10, 15, 7)  # each packed row; Gemma 3's 15-token document is longer than its window
+# Rows, steps and packed documents: parallel_testlib's (Gemma 3's 15-token document is longer than its window).
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -186,116 +181,39 @@ def test_a_sequence_the_degree_does_not_divide_is_refused() -> None:
 
 
 @dataclass(frozen=True)
-class Case:
-    """One training run: a tiny model (a key of ``TINY``) and how it is trained."""
-
-    model: str
-    packed: bool = False
-    loss_chunks: int = 1  # > 1: the chunked loss, on the vocabulary shards under TP
-    ac_mode: str = "none"
-    ac_option: Any = None
-    in_backward: bool = False
-    compile: bool = False
-    offload: bool = False  # activation offloading (on a CPU its hooks copy within host memory)
-    optimizer: str = "adamw"  # or "adamw8bit": torchao's
+class Case(parallel_testlib.Case):
+    """One training run of a tiny model (a key of ``TINY``)."""
 
     @property
     def args(self) -> LlamaArgs:
         return TINY[self.model]
 
-
-def _batch(case: Case, step: int) -> dict[str, torch.Tensor]:
-    """Step ``step``'s global batch: ROWS x LENGTH random tokens, packed as DOCUMENTS per row when asked."""
-    generator = torch.Generator().manual_seed(100 + step)
-    tokens = torch.randint(0, case.args.vocab_size, (ROWS, LENGTH), generator=generator)
-    labels = torch.roll(tokens, -1, dims=1)
-    labels[:, -1] = IGNORE_INDEX
-    batch = {"tokens": tokens, "labels": labels}
-    if case.packed:
-        row = torch.cat([torch.full((n,), i) for i, n in enumerate(DOCUMENTS)])
-        batch["document_ids"] = row.expand(ROWS, LENGTH).clone()
-        batch["document_lengths"] = torch.tensor(DOCUMENTS * ROWS)
-    return batch
+    @property
+    def family(self) -> ModelFamily:
+        return next(f for f in FAMILIES.values() if f.hf.model_type == self.args.model_type)
 
 
-def _rows(batch: dict[str, torch.Tensor], first: int, count: int) -> dict[str, torch.Tensor]:
-    out = {key: value[first:first + count] for key, value in batch.items() if key != "document_lengths"}
-    if "document_lengths" in batch:
-        per_row = len(DOCUMENTS)
-        out["document_lengths"] = batch["document_lengths"][first * per_row:(first + count) * per_row]
-    return out
-
-
-def build_model(case: Case, mesh=None) -> nn.Module:
-    """The model in the run's order: meta -> AC -> compile -> TP -> FSDP2 -> allocate -> initialise (the same
-    weights for any split). ``mesh`` None: one plain process."""
-    family = next(f for f in FAMILIES.values() if f.hf.model_type == case.args.model_type)
-    with torch.device("meta"):
-        model = family.build(case.args)
-    blocks = transformer_blocks(model)
-    apply_ac_plan(model, resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=case.ac_mode,
-                                         ac_option=case.ac_option, n_layers=len(blocks)))
-    if case.offload:
-        apply_activation_offloading(model)
-    if case.compile:
-        for block in blocks:
-            # aot_eager: Dynamo and AOTAutograd trace the block with its TP hooks and collectives as inductor's
-            # would, in seconds where inductor's CPU code generation takes minutes.
-            block.compile(backend="aot_eager")
-    if mesh is not None:
-        apply_tensor_parallel(model, mesh["tp"])
-        shard_model(model, mesh, FSDPConfig(), dtype=DType.FP32)
-    model.to_empty(device=CPU)
-    if mesh is None:
-        retie_parameters(model)
-    initialize_weights_(model, None, dtype=torch.float32, seed=7, sharded=mesh is not None)
-    return model
-
-
-def train(case: Case, model: nn.Module, ctx: DistributedContext, dp_rank: int, dp_degree: int
-          ) -> tuple[list[float], list[float]]:
-    """STEPS steps of AdamW on the global batches, this data-parallel rank taking its rows; the losses and
-    gradient norms."""
-    optimizer = torch.optim.AdamW if case.optimizer == "adamw" else _adamw8bit()
-    stepper = build_optimizer(lambda params: optimizer(params, lr=1e-2), model, in_backward=case.in_backward)
-    objective = ChunkedCrossEntropyObjective(case.loss_chunks) if case.loss_chunks > 1 else CrossEntropy()
-    share = ROWS // dp_degree
-    losses, norms = [], []
-    for step in range(STEPS):
-        batch = _rows(_batch(case, step), dp_rank * share, share)
-        result = train_step(model, stepper, [batch], ctx=ctx, objective=objective,
-                            clip_grad_norm=None if case.in_backward else 1.0)
-        losses.append(result.loss)
-        norms.append(result.grad_norm)
-    return losses, norms
-
-
-def check_against_one_process(rank: int, world_size: int, meshes: tuple[tuple[int, int], ...],
-                              cases: tuple[Case, ...]) -> None:
-    """Each case trained on each mesh ``(replicate, shard, tp)`` (given as ``(replicate, tp)``) and by this process
-    alone, compared step by step. Reductions over the shard and tp dimensions (the gradient norm) take one
+def check_against_one_process(rank: int, world_size: int,
+                              runs: tuple[tuple[tuple[int, int], tuple[Case, ...]], ...]) -> None:
+    """Each run's cases trained on its mesh ``(replicate, shard, tp)`` (given as ``(replicate, tp)``) and by one
+    process, compared step by step. Reductions over the shard and tp dimensions (the gradient norm) take one
     collective over the flattened group, never one per dimension (which DTensor warns of)."""
     warned: list[str] = []
     redistribute = logging.getLogger("torch.distributed.tensor._redistribute")
     handler = logging.Handler()
     handler.emit = lambda record: warned.append(record.getMessage())
     redistribute.addHandler(handler)
-    for replicate, tp in meshes:
-        mesh = Parallelism(world_size, replicate=replicate, tensor=tp).build_mesh("cpu")
+    for (replicate, tp), cases in runs:
+        parallelism = Parallelism(world_size, replicate=replicate, tensor=tp)
+        mesh = parallelism.build_mesh("cpu")
         # Every group of the mesh, the flattened one included, waits as long as the run's group.
         for group in [mesh.get_group(name) for name in (*mesh.mesh_dim_names, "shard_tp")]:
             assert group._get_backend(CPU).options._timeout == TIMEOUT, group.group_desc
-        dp_degree = world_size // tp
         for case in cases:
-            expected = train(case, build_model(case), DistributedContext(0, 1, 0, CPU), 0, 1)
-            model = build_model(case, mesh)
-            _check_split(model, case.args, mesh)
             # Ranks of one tensor-parallel group are consecutive: they share a data-parallel rank and its rows.
-            losses, norms = train(case, model, DistributedContext(rank, world_size, 0, CPU), rank // tp, dp_degree)
-            terms = llama_terms(case.args, LENGTH, ROWS * LENGTH)
-            what = f"{case} on (replicate, tp) = {(replicate, tp)}"
-            assert_steps_alike(losses, expected[0], terms=terms, what=f"{what}: loss")
-            assert_steps_alike(norms, expected[1], terms=terms, what=f"{what}: gradient norm")
+            assert_trains_as_one_process(case, rank, world_size, parallelism, mesh, dp_rank=rank // tp,
+                                         dp_degree=world_size // tp,
+                                         check_split=lambda model: _check_split(model, case.args, mesh))
     redistribute.removeHandler(handler)
     assert not [message for message in warned if "sequential all_reduce" in message], warned
 
@@ -336,13 +254,7 @@ TWO_RANK_CASES = (
 @pytest.mark.slow
 def test_two_ranks_of_tensor_parallelism_train_as_one_process(tmp_path: Path) -> None:
     """TP 2 (FSDP2 over the mesh's shard dimension of 1) against one process, for Llama, Qwen3, Gemma 3 and 2."""
-    run_on_gloo_ranks(check_against_one_process, 2, ((1, 2),), TWO_RANK_CASES, store_dir=tmp_path)
-
-
-def _adamw8bit() -> type:
-    import torchao.optim  # only where it is used: importing torchao takes seconds
-
-    return torchao.optim.AdamW8bit
+    run_on_gloo_ranks(check_against_one_process, 2, (((1, 2), TWO_RANK_CASES),), store_dir=tmp_path)
 
 
 def check_low_bit_state(rank: int, world_size: int) -> None:
@@ -353,12 +265,12 @@ def check_low_bit_state(rank: int, world_size: int) -> None:
     arithmetic, by making ``torch.compile`` the identity in this short-lived rank process."""
     torch.compile = lambda function=None, **options: function
     case = Case("llama_512", optimizer="adamw8bit")
-    check_against_one_process(rank, world_size, ((1, 2),), (case,))
-    model = build_model(case, Parallelism(world_size, tensor=2).build_mesh("cpu"))
-    optimizer = _adamw8bit()(model.parameters(), lr=1e-2)
-    train_step(model, OptimizerStepper(optimizer), [_batch(case, 0)], ctx=DistributedContext(rank, world_size, 0, CPU))
-    weight = transformer_blocks(model)[0].attn.o_proj.weight
-    state = optimizer.state[weight]["exp_avg"]
+    check_against_one_process(rank, world_size, (((1, 2), (case,)),))
+    parallelism, ctx = Parallelism(world_size, tensor=2), DistributedContext(rank, world_size, 0, CPU)
+    assembled = build_model(case, ctx, parallelism, parallelism.build_mesh("cpu"))
+    train_step(assembled.model, assembled.stepper, [batch(case, 0)], ctx=ctx)
+    weight = transformer_blocks(assembled.model)[0].attn.o_proj.weight
+    state = assembled.stepper.optimizer.state[weight]["exp_avg"]
     assert isinstance(state, DTensor) and state.placements == weight.placements
     assert type(state.to_local()).__name__ == "OptimState8bit" and state.to_local().shape == weight.to_local().shape
 
@@ -372,9 +284,12 @@ def test_low_bit_optimizer_state_on_split_weights(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_fsdp_and_hsdp_with_tensor_parallelism_train_as_one_process(tmp_path: Path) -> None:
-    """4 ranks: FSDP2 over 2 x TP 2, then HSDP (2 replicas of 1 shard) x TP 2, the 3-D mesh."""
-    cases = (Case("llama", packed=True, loss_chunks=2), Case("gemma3", in_backward=True))
-    run_on_gloo_ranks(check_against_one_process, 4, ((1, 2), (2, 2)), cases, store_dir=tmp_path, world_size=4)
+    """4 ranks: FSDP2 over 2 x TP 2 with the step in backward (its gradient norm over a shard dimension of 2 and
+    the tp one), then HSDP (2 replicas of 1 shard) x TP 2, the 3-D mesh, on packed rows and vocabulary shards.
+    (Each layout once: both train plain Llama as one process through ``tune run`` in test_tensor_parallel_runs.py,
+    and each feature runs under TP 2 in the 2-rank test above.)"""
+    runs = (((1, 2), (Case("gemma3", in_backward=True),)), ((2, 2), (Case("llama", packed=True, loss_chunks=2),)))
+    run_on_gloo_ranks(check_against_one_process, 4, runs, store_dir=tmp_path, world_size=4)
 
 
 class _Norms(nn.Module):
@@ -442,7 +357,7 @@ def check_backward_collectives(rank: int, world_size: int) -> None:
         apply_tensor_parallel(model, mesh["tp"])
         model.to_empty(device=CPU)
         initialize_weights_(model, None, dtype=torch.float32, seed=7, sharded=True)
-        loss = model(_batch(case, 0)["tokens"]).float().square().mean()
+        loss = model(batch(case, 0)["tokens"]).float().square().mean()
         with _CollectivesIssued() as counter:
             loss.backward()
         issued[mode] = counter.counts
