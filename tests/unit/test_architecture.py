@@ -120,6 +120,74 @@ def test_the_test_can_fail(tmp_path, monkeypatch):
     assert torchtune_ac_imports("models") == {"models/bad.py": {"training"}}
 
 
+def module_graph(package: Path) -> dict[str, set[str]]:
+    """module -> the modules of ``package`` it imports, by dotted name, from every ``import`` statement: at module
+    level, in a function, under ``TYPE_CHECKING`` alike (an import moved out of sight is still an edge). ``from a
+    import b`` names the module ``a.b`` where there is one, else ``a``."""
+    def name_of(path: Path) -> str:
+        parts = path.relative_to(package.parent).with_suffix("").parts
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    files = {name_of(path): path for path in sorted(package.rglob("*.py"))}
+    graph = {}
+    for module, path in files.items():
+        here = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                edges |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = here.split(".")[:len(here.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([base] if base else []))
+                edges |= {f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base for alias in node.names}
+        graph[module] = {edge for edge in edges if edge in files and edge != module}
+    return graph
+
+
+def import_circle(graph: dict[str, set[str]]) -> list[str]:
+    """One circle of imports in ``graph``, as the modules around it (the first again at the end); [] if none."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(module: str) -> list[str]:
+        state[module] = 1
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                return path[path.index(target):] + [target]
+            if target not in state and (circle := visit(target)):
+                return circle
+        path.pop()
+        state[module] = 2
+        return []
+
+    for module in sorted(graph):
+        if module not in state and (circle := visit(module)):
+            return circle
+    return []
+
+
+def test_no_module_imports_itself_through_others():
+    """No circle of imports anywhere in the package, not even one held apart by an import inside a function or
+    under ``TYPE_CHECKING``: any runtime use of such an edge fails at import. A name two modules share moves down
+    to a module both import."""
+    assert import_circle(module_graph(PACKAGE)) == []
+
+
+def test_a_circle_hidden_under_type_checking_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    for path in (package / "__init__.py", package / "sub" / "__init__.py"):
+        path.write_text("")
+    (package / "sub" / "a.py").write_text("from pkg.sub.b import B\n")
+    (package / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n")
+    (package / "c.py").write_text("def f():\n    from pkg.sub import a\n")
+    assert module_graph(package)["pkg.c"] == {"pkg.sub.a"}
+    assert import_circle(module_graph(package)) == ["pkg.sub.a", "pkg.sub.b", "pkg.sub.a"]
+
+
 def test_compat_s_path_table_imports_nothing_of_ours():
     assert torchtune_ac_imports("compat")["compat/torchtune/paths.py"] == set()
 

@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections import defaultdict
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    _CachedTorchDispatchMode,
+    _CachingTorchDispatchMode,
+    checkpoint,
+)
 
 from torchtune_ac.models.attention import VARLEN_OPS
 from torchtune_ac.models.families import transformer_blocks
@@ -98,12 +104,38 @@ SAVED_OPS = _resolve_aten_ops(
 # it did not count in forward. FSDP2's profiler annotations are no tensor computation, yet their number differs
 # between the two when an FSDP2 group sits inside a checkpointed block (expert parallelism's experts: the recompute,
 # run in backward, enters "FSDP::root_pre_forward" as well; pytorch/pytorch#185178, torchtitan#3427). torch's
-# checkpoint already leaves a few such ops out of its count (``SAC_IGNORED_OPS``); these join them, for every
-# checkpointed region of the process: an annotation is run, never saved, either way.
-torch.utils.checkpoint.SAC_IGNORED_OPS.update({
+# checkpoint leaves a few such ops out of its count (its global ``SAC_IGNORED_OPS``); our regions leave these out
+# too, in their own dispatch modes (``_selective_contexts``), so other checkpointed regions of the process keep
+# torch's count.
+PROFILER_OPS = frozenset({
     torch.ops.profiler._record_function_enter_new.default,
     torch.ops.profiler._record_function_exit._RecordFunction,
 })
+
+
+class _IgnoringProfilerOps:
+    """Runs ``PROFILER_OPS`` uncounted and unsaved, as torch runs its own ``SAC_IGNORED_OPS``; anything else as the
+    per-op AC mode it is mixed into."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Optional[dict] = None) -> Any:
+        if func in PROFILER_OPS:
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+class _Caching(_IgnoringProfilerOps, _CachingTorchDispatchMode):
+    """Per-op AC's forward mode (runs the policy, stores what it saves), profiler annotations uncounted."""
+
+
+class _Cached(_IgnoringProfilerOps, _CachedTorchDispatchMode):
+    """Per-op AC's recompute mode (hands back what forward stored), profiler annotations uncounted."""
+
+
+def _selective_contexts(policy: Callable[..., CheckpointPolicy]) -> tuple[_Caching, _Cached]:
+    """The two modes of a per-op checkpointed region (``create_selective_checkpoint_contexts(policy)``'s, sharing
+    one storage), each leaving ``PROFILER_OPS`` out of its count."""
+    storage: dict[Any, dict[int, Any]] = defaultdict(dict)
+    return _Caching(policy, storage), _Cached(policy, storage)
 
 
 def save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -180,7 +212,7 @@ class CheckpointedForward:
         self.original_forward = forward
         # Only per-op AC passes a context_fn: torch.compile traces checkpoint() with or without one, but not
         # with an explicit no-op one.
-        self.extra = {} if policy is None else {"context_fn": functools.partial(create_selective_checkpoint_contexts, policy)}
+        self.extra = {} if policy is None else {"context_fn": functools.partial(_selective_contexts, policy)}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(self.original_forward, *args, use_reentrant=False, **self.extra, **kwargs)

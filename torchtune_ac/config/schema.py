@@ -22,7 +22,7 @@ from torchtune_ac.config.components import Component
 from torchtune_ac.config_key import config_key
 from torchtune_ac.data import PreferenceDataset, TokenizedDataset
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.plan import MemoryConfig
+from torchtune_ac.memory.feature import MemoryConfig
 from torchtune_ac.memory.planner import PreferenceStep
 from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S
 from torchtune_ac.parallel.fsdp import FSDPConfig

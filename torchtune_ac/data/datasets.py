@@ -30,10 +30,10 @@ from torchtune_ac.data.samples import (
     count_of,
     describe_samples,
 )
+from torchtune_ac.data.records import Record
 from torchtune_ac.data.sources import (
     JSON_SUFFIXES,
     TEXT_SUFFIXES,
-    Record,
     SourceFiles,
     describe_json_type,
     load_records,

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Optional
 
-from torchtune_ac.data.sources import Record, not_utf8
+from torchtune_ac.data.records import Record, not_utf8
 from torchtune_ac.errors import UserError
 
 # Seconds to wait for the Hub's answer to the one request that tells whether it can be reached.

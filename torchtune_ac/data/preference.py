@@ -65,9 +65,9 @@ from torchtune_ac.data.datasets import (
 )
 from torchtune_ac.data.embedded import EMBEDDED_PREFERENCE_DIR
 from torchtune_ac.data.samples import IGNORE_INDEX, PackingReport, TokenizedDataset
+from torchtune_ac.data.records import Record
 from torchtune_ac.data.sources import (
     JSON_SUFFIXES,
-    Record,
     SourceFiles,
     describe_json_type,
     load_records,

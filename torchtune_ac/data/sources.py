@@ -16,8 +16,16 @@ import re
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
+from torchtune_ac.data.hf_sources import (
+    check_one_format,
+    folder_files,
+    read_hf_file,
+    read_hf_folder,
+    read_hub_dataset,
+)
+from torchtune_ac.data.records import Record, not_utf8
 from torchtune_ac.errors import UnavailableError, UserError
 
 JSON_SUFFIXES = (".json", ".jsonl")
@@ -60,8 +68,6 @@ def source_files(source: str | list[str], split: str = "train") -> Optional[Sour
     if path.is_file():
         return SourceFiles(path.parent, (path.name,))
     if path.is_dir():
-        from torchtune_ac.data.hf_sources import folder_files
-
         return SourceFiles(path, tuple(folder_files(path, split)))
     return None
 
@@ -79,17 +85,7 @@ def check_folder_formats(source: Any) -> None:
         return
     if not isinstance(source, str) or not Path(source).expanduser().is_dir():
         return
-    from torchtune_ac.data.hf_sources import check_one_format
-
     check_one_format(source, Path(source).expanduser())
-
-
-@dataclass(frozen=True)
-class Record:
-    """One record of a source file: ``value`` is a dict (JSON/JSONL) or a document string (.txt)."""
-
-    location: str
-    value: Any
 
 
 def describe_json_type(value: Any) -> str:
@@ -112,20 +108,6 @@ def data_suffix(path: Path) -> str:
     if path.suffix.lower() == GZIP_SUFFIX:
         return Path(path.stem).suffix.lower()
     return path.suffix.lower()
-
-
-def not_utf8(source: str, lines: Iterable[bytes]) -> UserError:
-    """The error for a file that is not UTF-8 text: the first line that does not decode, and where in it (a byte
-    offset into the file means little to whoever opens it in an editor)."""
-    for lineno, line in enumerate(lines, start=1):
-        try:
-            line.decode("utf-8")
-        except UnicodeDecodeError as err:
-            column = len(line[:err.start].decode("utf-8", errors="replace")) + 1
-            return UserError(f"{source}:{lineno}: not UTF-8 text: byte {line[err.start]:#04x} at column {column} "
-                             f"({err.reason}); the file must be UTF-8 encoded: convert it, for example with iconv -f "
-                             "LATIN1 -t UTF-8")
-    return UserError(f"{source}: not UTF-8 text; the file must be UTF-8 encoded")
 
 
 def read_source_text(source: str, *, suffixes: tuple[str, ...]) -> tuple[Path, str]:
@@ -199,16 +181,10 @@ def load_records(source: str | list[str], *, suffixes: tuple[str, ...] = JSON_SU
     if path.is_file() and suffix in HF_SUFFIXES and path.suffix.lower() == GZIP_SUFFIX:
         raise UserError(f"{source}: a compressed {suffix} file is not read; decompress it (gunzip {source})")
     if path.is_file() and suffix in HF_SUFFIXES:
-        from torchtune_ac.data.hf_sources import read_hf_file
-
         return read_hf_file(source, path)
     if path.is_dir():
-        from torchtune_ac.data.hf_sources import read_hf_folder
-
         return read_hf_folder(source, path, split)
     if is_hub_name(source, suffixes):
-        from torchtune_ac.data.hf_sources import read_hub_dataset
-
         return read_hub_dataset(source, split)
     return read_records(source, suffixes=suffixes + HF_SUFFIXES)
 

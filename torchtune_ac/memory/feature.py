@@ -3,7 +3,7 @@ setting, declared in a ``Feature`` by the feature's own module, beside its mecha
 
 A feature (activation checkpointing, the optimizer state's precision, the optimizer step in backward, the chunked
 loss, activation offloading, CPU offload) is listed once, in ``features.py``. Its keys are written in the schema's
-groups (``MemoryConfig``, ``FSDPConfig``, ``ACConfig``); ``resolve`` turns them into its *setting*, a plain value
+groups (``MemoryConfig``, here below the plan that lists the features; ``FSDPConfig``; ``ACConfig``); ``resolve`` turns them into its *setting*, a plain value
 the ``MemoryPlan`` holds under the feature's name.
 
 What a feature does to the run is not a hook here: the run applies each mechanism by name, in the one written order
@@ -15,18 +15,35 @@ only what a simulation cannot see (``planner_cost``) and what it would suggest w
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
 
 from torchtune_ac.activation_checkpointing.config import ACConfig
+from torchtune_ac.config_key import config_key
 from torchtune_ac.parallel.fsdp import FSDPConfig
 
-if TYPE_CHECKING:  # memory/plan.py, which holds MemoryConfig, lists the features declared with this module
-    from torchtune_ac.memory.plan import MemoryConfig
-
 MakeOptimizer = Callable[[Iterable[nn.Parameter]], Any]
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """The memory features' top-level config keys (activation checkpointing's are ``ACConfig``; CPU offload's is
+    ``fsdp.cpu_offload``)."""
+
+    optimizer_in_bwd: bool = config_key(
+        False, doc="Step each parameter's optimizer in backward, as soon as its gradient is final, and free the "
+        "gradient at once: the whole model's gradients never exist together. Needs clip_grad_norm: null.",
+        torchtune="same")
+    loss_chunks: Optional[int] = config_key(
+        None, doc="Compute the loss's output projection and cross-entropy this many chunks of targets at a time, "
+        "never the whole logits; null: 8 for a vocabulary of 32,000 tokens or more, else 1 (the whole logits).",
+        minimum=1)
+    enable_activation_offloading: bool = config_key(
+        False, doc="Keep what checkpointed blocks save for backward in pinned host memory, copied back a block ahead "
+        "in backward; CUDA only, with activation checkpointing.", torchtune="same")
+
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 ``MemoryPlan``, a frozen value the run applies (``run/assemble.py``), ``tune validate`` prints (``describe``) and the
 memory planner estimates.
 
-The features are listed in ``features.py``; their top-level keys are ``MemoryConfig``'s fields (below), their
+The features are listed in ``features.py``; their top-level keys are ``MemoryConfig``'s fields (``feature.py``), their
 ``fsdp.*`` key is ``FSDPConfig``'s (``runtime/distributed.py``) and activation checkpointing's are ``ACConfig``'s
 (``activation_checkpointing/config.py``).
 
@@ -20,11 +20,10 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 import torch
 from torch import nn
 
-from torchtune_ac.config_key import config_key
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory import cpu_offload, optimizer_state
 from torchtune_ac.memory.chunked_loss import loss_objective
-from torchtune_ac.memory.feature import Feature, MakeOptimizer, OptimizerSpec, ResolveInputs
+from torchtune_ac.memory.feature import Feature, MakeOptimizer, MemoryConfig, OptimizerSpec, ResolveInputs
 from torchtune_ac.memory.features import ACTIVATION_CHECKPOINTING, FEATURES, MemorySettings
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.memory.planner import GiB, MemoryEstimate, Workload, choose_plan
@@ -38,24 +37,6 @@ from torchtune_ac.training.step import Stepper
 # ac_mode: auto without a budget, on CUDA: this share of the device is left out of the budget, for what the
 # estimate does not hold (the caching allocator's fragmentation, buffers NCCL allocates at its first collectives).
 CUDA_BUDGET_MARGIN = 0.10
-
-
-@dataclass(frozen=True)
-class MemoryConfig:
-    """The memory features' top-level config keys (activation checkpointing's are ``ACConfig``; CPU offload's is
-    ``fsdp.cpu_offload``)."""
-
-    optimizer_in_bwd: bool = config_key(
-        False, doc="Step each parameter's optimizer in backward, as soon as its gradient is final, and free the "
-        "gradient at once: the whole model's gradients never exist together. Needs clip_grad_norm: null.",
-        torchtune="same")
-    loss_chunks: Optional[int] = config_key(
-        None, doc="Compute the loss's output projection and cross-entropy this many chunks of targets at a time, "
-        "never the whole logits; null: 8 for a vocabulary of 32,000 tokens or more, else 1 (the whole logits).",
-        minimum=1)
-    enable_activation_offloading: bool = config_key(
-        False, doc="Keep what checkpointed blocks save for backward in pinned host memory, copied back a block ahead "
-        "in backward; CUDA only, with activation checkpointing.", torchtune="same")
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,8 @@ from torchtune_ac.config.schema import Device, FSDPConfig
 from torchtune_ac.data.samples import count_of
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.feature import OptimizerSpec
-from torchtune_ac.memory.plan import MemoryConfig, MemoryPlan, PlannerInputs, resolve_memory_plan
+from torchtune_ac.memory.feature import MemoryConfig
+from torchtune_ac.memory.plan import MemoryPlan, PlannerInputs, resolve_memory_plan
 from torchtune_ac.memory.planner import MemoryEstimate, PreferenceStep, Workload
 from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.models.moe import moe_args_of

@@ -17,9 +17,11 @@ from torchtune_ac.models.attention import document_runs
 from torchtune_ac.models.llama import Llama, LlamaArgs, positions_from_document_ids
 from torchtune_ac.activation_checkpointing.config import ACConfigError, resolve_ac_plan, setup_activation_checkpointing
 from torchtune_ac.activation_checkpointing.mechanism import (
+    PROFILER_OPS,
     SAVED_OPS,
     ACMode,
     ACPlan,
+    CheckpointedForward,
     _resolve_aten_ops,
     apply_ac_plan,
     is_checkpointed,
@@ -189,6 +191,30 @@ def test_saved_ops_are_resolved_and_a_typo_fails_loudly():
         assert save_matmuls_and_attention(None, op) is CheckpointPolicy.PREFER_RECOMPUTE
     with pytest.raises(AttributeError):
         _resolve_aten_ops(("mmm.default",))
+
+
+def test_our_regions_leave_profiler_annotations_uncounted_and_torch_s_set_alone():
+    """A recompute may run more profiler annotations than its forward did (FSDP2's root pre-forward inside a
+    recomputed block): our per-op regions leave them out of the count, torch's own refuse the recompute, and
+    importing and running ours leaves torch's process-wide ``SAC_IGNORED_OPS`` as torch ships it."""
+    calls = []
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        calls.append(None)
+        for _ in calls:  # forward annotates once, the recompute twice
+            with torch.autograd.profiler.record_function("annotation"):
+                pass
+        return (x @ x).sin()
+
+    x = torch.randn(4, 4, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    CheckpointedForward(forward, save_matmuls_and_attention)(x).sum().backward()
+    expected = torch.autograd.grad((x @ x).sin().sum(), x)[0]
+    assert len(calls) == 2 and torch.equal(x.grad, expected)  # the same ops replayed: bit-exact
+    assert PROFILER_OPS.isdisjoint(torch.utils.checkpoint.SAC_IGNORED_OPS)
+    calls.clear()
+    torch_contexts = functools.partial(create_selective_checkpoint_contexts, save_matmuls_and_attention)
+    with pytest.raises(RuntimeError, match="_record_function"):
+        checkpoint(forward, x, use_reentrant=False, context_fn=torch_contexts).sum().backward()
 
 
 @pytest.mark.parametrize(

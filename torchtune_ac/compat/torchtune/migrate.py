@@ -26,7 +26,7 @@ from torchtune_ac.config.schema import FullFinetuneConfig
 from torchtune_ac.config.loading import ADAPTER_NAME
 from torchtune_ac.config.validation import torchtune_marker
 from torchtune_ac.errors import UserError
-from torchtune_ac.memory.plan import MemoryConfig
+from torchtune_ac.memory.feature import MemoryConfig
 from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.activation_checkpointing.config import ACConfig
 from torchtune_ac.activation_checkpointing.mechanism import ACMode
