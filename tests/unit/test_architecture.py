@@ -21,7 +21,8 @@ pure mapping above config (whose key tables it derives from the schema and the f
 that config's component loader reads (``paths.py``, which imports nothing).
 
 Within ``models``, one module composes the families' adapters with checkpoint's file code
-(``models/hf_checkpoint.py``) and the package exports it; no other model file knows checkpointing.
+(``models/hf_checkpoint.py``) and the package exports it; the other model files import from ``checkpoint`` only its
+pure vocabulary of stored layouts (``layout.py``, and the MXFP4 decoder), in which a family declares its storage.
 """
 
 from __future__ import annotations
@@ -59,6 +60,8 @@ EXCEPTIONS = {
 }
 # The model files that may import checkpoint: the one composing module, and the package that exports it.
 MODELS_USING_CHECKPOINT = {"models/hf_checkpoint.py", "models/__init__.py"}
+# What any model file may import from checkpoint: the pure vocabulary a family declares its storage in.
+STORAGE_VOCABULARY = {"torchtune_ac.checkpoint.layout", "torchtune_ac.checkpoint.mxfp4"}
 
 
 def imported_modules(path: Path) -> list[str]:
@@ -95,8 +98,21 @@ def test_each_package_imports_only_the_layers_below_it(package):
 
 
 def test_only_the_hugging_face_module_of_models_knows_checkpointing():
-    for path, targets in torchtune_ac_imports("models").items():
-        assert "checkpoint" not in targets or path in MODELS_USING_CHECKPOINT, path
+    for path in sorted((PACKAGE / "models").rglob("*.py")):
+        if str(path.relative_to(PACKAGE)) in MODELS_USING_CHECKPOINT:
+            continue
+        for name in imported_modules(path):
+            assert not name.startswith("torchtune_ac.checkpoint") or name in STORAGE_VOCABULARY, (path, name)
+
+
+def test_the_storage_vocabulary_holds_no_file_code():
+    """What model files may import from checkpoint reads and writes nothing: no file, no collective."""
+    for module in sorted(STORAGE_VOCABULARY):
+        path = PACKAGE.parent / (module.replace(".", "/") + ".py")
+        for name in imported_modules(path):
+            assert not name.startswith("torch.distributed") and name.split(".")[0] not in (
+                "os", "shutil", "json", "safetensors"), (path, name)
+            assert not name.startswith("torchtune_ac.") or name in STORAGE_VOCABULARY, (path, name)
 
 
 def test_models_define_no_module_getattr():

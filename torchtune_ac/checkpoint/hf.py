@@ -1,18 +1,20 @@
 """Hugging Face checkpoint files: reading config.json, loading named tensors in place (each rank reads only its
 own region), and writing a checkpoint (one output shard at a time for a sharded model).
 
-Everything here is in Hugging Face tensor names and knows no model family: ``torchtune_ac.models`` translates a
-model's names and config.json through its family's adapter and calls these functions (``load_hf``, ``save_hf``).
+Everything here is in Hugging Face tensor names and knows no model family: how parameters are stored (whole,
+stacked, in parts, encoded) comes in as a ``StoredLayout`` (``checkpoint/layout.py``), which the reader and the
+writer each walk; ``torchtune_ac.models`` builds it through the model's family and calls these functions
+(``load_hf``, ``save_hf``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import shutil
-from dataclasses import dataclass, field
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Protocol
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -25,9 +27,15 @@ from torchtune_ac.checkpoint.files import (
     write_directory,
     write_json,
 )
-from torchtune_ac.checkpoint.mxfp4 import dequantize_mxfp4, dequantized_shape
-from torchtune_ac.checkpoint.safetensors_io import (
+from torchtune_ac.checkpoint.layout import (
+    Piece,
+    Region,
+    StoredLayout,
     StoredTensor,
+    by_stored_name,
+    match_stored,
+)
+from torchtune_ac.checkpoint.safetensors_io import (
     list_stored_tensors,
     local_region,
     open_safetensors,
@@ -45,28 +53,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
-class TensorPart(Protocol):
-    """A stored tensor that is one region of a larger tensor of the model: ``whole[region]``, without the dims in
-    ``squeezed`` (each of size 1 in the region). One expert's ``gate_proj.weight`` of a layer's stacked experts is
-    the part ``(experts.gate_up_proj, (e:e+1, 0:h, :), (0,))``. (``models.hf_adapter.StoredPart`` is one.)"""
-
-    whole: str
-    region: tuple[slice, ...]
-    squeezed: tuple[int, ...]
-
-
-class QuantizedPart(Protocol):
-    """A stored tensor that is half of an MXFP4 weight (``checkpoint/mxfp4.py``): its ``role``, ``blocks`` or
-    ``scales``, of the tensor ``whole``. (``models.hf_adapter.QuantizedPart`` is one.)"""
-
-    whole: str
-    role: str
-
-
-def _part_shape(part: TensorPart) -> tuple[int, ...]:
-    return tuple(r.stop - r.start for d, r in enumerate(part.region) if d not in part.squeezed)
-
-
 @dataclass(frozen=True)
 class HFModelFiles:
     """What a Hugging Face checkpoint of a model holds, before it is written.
@@ -75,39 +61,15 @@ class HFModelFiles:
     holds the model's parameters, which ``to_empty`` replaces).
 
     Attributes:
-        tensors: Hugging Face tensor name -> the tensor (plain, or a DTensor of a sharded model), one per stored
-            tensor or part of one.
+        tensors: Hugging Face name -> the parameter (plain, or a DTensor of a sharded model).
         config: the config.json to write.
-        stacked: a stored tensor that is several of ``tensors`` stacked along dim 0 (Phi-3's ``qkv_proj``) -> their
-            names, in order; those are stored only as part of it.
-        parts: stored name -> the region of one of ``tensors`` it holds (a ``TensorPart``): a tensor with parts is
-            written as its parts, in their order, not whole.
+        layout: how the parameters are stored (``checkpoint/layout.py``): each stored tensor is written from the
+            pieces of the parameters its first way names.
     """
 
     tensors: Mapping[str, torch.Tensor]
     config: Mapping[str, Any]
-    stacked: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
-
-    def stored_parts(self) -> dict[str, tuple[str, ...]]:
-        """Each tensor to store -> the names of ``tensors`` it is made of, in the order of ``tensors``.
-
-        Raises:
-            ValueError: a stacked tensor names a part ``tensors`` lacks.
-        """
-        for name, parts in self.stacked.items():
-            missing = [part for part in parts if part not in self.tensors]
-            if missing:
-                raise ValueError(f"{name} stacks {missing}, which are not among the tensors")
-        part_of = {part: name for name, parts in self.stacked.items() for part in parts}
-        layout: dict[str, tuple[str, ...]] = {}
-        for name in self.tensors:
-            stored = part_of.get(name)
-            if stored is None:
-                layout[name] = (name,)
-            elif stored not in layout:
-                layout[stored] = tuple(self.stacked[stored])
-        return layout
-    parts: Mapping[str, TensorPart] = dataclasses.field(default_factory=dict)
+    layout: StoredLayout
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -159,199 +121,83 @@ def load_hf_tensors_(
     targets: Mapping[str, torch.Tensor],
     checkpoint_dir: PathLike,
     *,
-    stored_name: Callable[[str], "Optional[str | TensorPart | QuantizedPart]"],
+    layout: StoredLayout,
+    stored_name: Callable[[str], Optional[str]],
     copies: Mapping[str, str],
-    stacked: Mapping[str, tuple[str, ...]] = {},
 ) -> None:
     """Copy the tensors of a Hugging Face checkpoint into ``targets``, in place, each cast to its target's dtype.
 
     Targets may be plain tensors or DTensors (a model built on meta, ``fully_shard``-ed, then ``to_empty``): each
-    process reads only the region of each tensor it holds. Every name, shape and dtype is checked from the file
-    headers, and a stored copy compared with its source, before any data is copied.
+    process reads only the region of each stored tensor that holds its own region of each target. Every name, shape
+    and dtype is checked from the file headers against ``layout`` (``match_stored``), and a stored copy compared
+    with its source, before any data is copied.
 
     Args:
         targets: Hugging Face tensor name -> the tensor to fill (not on meta).
         checkpoint_dir: directory with model.safetensors or a sharded index.
-        stored_name: a name found in the files -> the target name it fills, or the ``TensorPart`` of a target it
-            fills (one expert of stacked experts: the parts of a target must cover it exactly), or the
-            ``QuantizedPart`` of a target stored in MXFP4 (dequantised exactly); None for a tensor not loaded
+        layout: how the targets are stored (``checkpoint/layout.py``), the same names as ``targets``.
+        stored_name: a name found in the files -> the name ``layout`` gives it; None for a tensor not loaded
             (derived, or of another model in the same files).
         copies: target names that are the same tensor as another (a tied ``lm_head.weight`` -> the embedding):
             a checkpoint may store them, and then they must equal their source; they are not loaded.
-        stacked: a stored tensor holding several targets stacked along dim 0 (Phi-3's ``qkv_proj``) -> their names,
-            in order: each fills its target from its own rows.
 
     Raises:
         UserError: missing or unreadable files, missing or unexpected tensors, shape mismatches, a non-floating
             dtype, or a stored copy that differs from its source (naming the file and tensor).
+        ValueError: ``layout`` is of other tensors than ``targets``.
     """
     checkpoint_dir = require_directory(checkpoint_dir, "checkpoint directory")
-    stored: dict[str, StoredTensor] = {}  # target name -> what the files hold for it
-    stored_as: dict[str, str] = {}  # target name -> its name in the files
-    first_row: dict[str, int] = {}  # target name -> its first row in a stacked tensor
-    whole_shape: dict[str, tuple[int, ...]] = {}  # target name -> the shape of what holds it
-    for name, parts in stacked.items():
-        row = 0
-        for part in parts:
-            first_row[part], row = row, row + targets[part].shape[0]
-        for part in parts:
-            whole_shape[part] = (row, *targets[part].shape[1:])
-    unexpected = []
-    parts: dict[str, list[tuple[TensorPart, str, StoredTensor]]] = {}  # target name -> its stored parts
-    quantized: dict[str, dict[str, tuple[str, StoredTensor]]] = {}  # target name -> role -> its stored half
-    for file_name, tensor in sorted(list_stored_tensors(checkpoint_dir).items()):
-        name = stored_name(file_name)
-        if name is None:
-            continue
-        if hasattr(name, "role"):
-            if name.whole in targets:
-                quantized.setdefault(name.whole, {})[name.role] = (file_name, tensor)
-            else:
-                unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
-            continue
-        if not isinstance(name, str):
-            if name.whole in targets:
-                parts.setdefault(name.whole, []).append((name, file_name, tensor))
-            else:
-                unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
-            continue
-        holds = stacked.get(name, (name,))
-        # A part of a stacked tensor is read from it only (a q_proj stored on its own is not Phi-3's layout).
-        if name not in first_row and all(held in targets or held in copies for held in holds):
-            for held in holds:
-                stored[held], stored_as[held] = tensor, file_name
-        else:
-            unexpected.append(f"{tensor.file.name}: unexpected tensor {file_name}")
-    problems = []
-    for name, target in targets.items():
-        if name in quantized and name not in stored:
-            problems += _quantized_problems(name, tuple(target.shape), quantized[name])
-            continue
-        if name in parts and name not in stored:
-            problems += _part_problems(name, tuple(target.shape), parts[name])
-            continue
-        if name not in stored:
-            problem = f"missing tensor {next((s for s, holds in stacked.items() if name in holds), name)}"
-        else:
-            found, want = stored[name], whole_shape.get(name, tuple(target.shape))
-            problem = None
-            if found.shape != want:
-                problem = f"{found.file.name}: {stored_as[name]} has shape {list(found.shape)}, expected {list(want)}"
-            elif not found.is_floating:
-                problem = (f"{found.file.name}: {stored_as[name]} has dtype {found.dtype}, expected a floating point "
-                           "type")
-        if problem is not None and problem not in problems:  # once for a stacked tensor, not once per part
-            problems.append(problem)
-    problems += unexpected
+    if layout.ways.keys() != targets.keys():
+        raise ValueError(f"the layout is of other tensors than the targets: {sorted(layout.ways.keys() ^ targets)}")
+    found = by_stored_name(list_stored_tensors(checkpoint_dir), stored_name)
+    chosen, problems = match_stored(layout, found, copies)
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise UserError(f"{checkpoint_dir}: " + "; ".join(problems[:5]) + more)
     for alias, source in copies.items():
-        if alias in stored:
-            _check_copy_equal(stored[alias], stored_as[alias], stored[source], stored_as[source], targets[source])
+        if alias in found:
+            (piece,) = chosen[source]  # a tied parameter is stored whole
+            _check_copy_equal(found[alias], found[piece.stored], targets[source])
+    with ExitStack() as files:
+        opened: dict[Path, Any] = {}
 
-    for name, halves in quantized.items():
-        if name not in stored:
-            _copy_quantized(*local_region(targets[name]), halves)
-    for name, found in parts.items():
-        if name in stored:
-            continue
-        local, region = local_region(targets[name])
-        for part, file_name, tensor in found:
-            _copy_part(local, region, part, file_name, tensor)
-    by_file: dict[Path, list[str]] = {}
-    for name in targets:
-        if name in stored:
-            by_file.setdefault(stored[name].file, []).append(name)
-    for path, names in by_file.items():
-        with open_safetensors(path) as f:
-            for name in names:
-                local, region = local_region(targets[name])
-                if name in first_row:  # its rows of the stacked tensor
-                    rows = region[0]
-                    region = (slice(rows.start + first_row[name], rows.stop + first_row[name]), *region[1:])
-                if local.numel():
-                    local.copy_(read_region(f, stored_as[name], region))
+        def read(name: str, region: Region) -> torch.Tensor:
+            tensor = found[name]
+            if tensor.file not in opened:
+                opened[tensor.file] = files.enter_context(open_safetensors(tensor.file))
+            return read_region(opened[tensor.file], tensor.name, region)
+
+        for target, way in chosen.items():
+            local, region = local_region(targets[target])
+            for piece in way:
+                _copy_piece(local, region, piece, read)
 
 
-def _part_problems(name: str, shape: tuple[int, ...], found: list[tuple[TensorPart, str, StoredTensor]]) -> list[str]:
-    """What is wrong with the stored parts of target ``name``: a shape that is not its region's, a non-floating
-    dtype, a region stored twice or outside the target, or regions that do not cover it."""
-    problems, regions, covered = [], set(), 0
-    for part, file_name, tensor in found:
-        want = _part_shape(part)
-        if tensor.shape != want:
-            problems.append(f"{tensor.file.name}: {file_name} has shape {list(tensor.shape)}, expected {list(want)}")
-        if not tensor.is_floating:
-            problems.append(f"{tensor.file.name}: {file_name} has dtype {tensor.dtype}, expected a floating point type")
-        key = tuple((r.start, r.stop) for r in part.region)
-        if key in regions or any(r.stop > n for r, n in zip(part.region, shape)):
-            problems.append(f"{tensor.file.name}: {file_name} overlaps another part of {name} or lies outside it")
-        regions.add(key)
-        covered += math.prod(r.stop - r.start for r in part.region)
-    if not problems and covered != math.prod(shape):
-        problems.append(f"missing parts of {name} (the stored ones cover {covered} of its {math.prod(shape)} entries)")
-    return problems
-
-
-def _quantized_problems(name: str, shape: tuple[int, ...], halves: Mapping[str, tuple[str, StoredTensor]]) -> list[str]:
-    """What is wrong with an MXFP4 target's stored blocks and scales (missing, of other shapes or dtypes)."""
-    missing = [role for role in ("blocks", "scales") if role not in halves]
-    if missing:
-        return [f"missing tensor {name}_{missing[0]} (MXFP4 weights need their blocks and scales)"]
-    (blocks_name, blocks), (scales_name, scales) = halves["blocks"], halves["scales"]
-    problems = [f"{t.file.name}: {n} has dtype {t.dtype}, expected U8 (MXFP4)"
-                for n, t in ((blocks_name, blocks), (scales_name, scales)) if t.dtype != "U8"]
-    if len(blocks.shape) != 4 or blocks.shape[3] != 16 or scales.shape != blocks.shape[:3]:
-        problems.append(f"{blocks.file.name}: {blocks_name} {list(blocks.shape)} and {scales_name} "
-                        f"{list(scales.shape)} are not MXFP4 blocks [E, rows, groups, 16] and scales [E, rows, groups]")
-    elif dequantized_shape(blocks.shape) != shape:
-        problems.append(f"{blocks.file.name}: {blocks_name} holds a weight of shape "
-                        f"{list(dequantized_shape(blocks.shape))}, expected {list(shape)}")
-    return problems
-
-
-def _copy_quantized(local: torch.Tensor, region: tuple[slice, ...], halves: Mapping[str, tuple[str, StoredTensor]]
-                    ) -> None:
-    """Dequantise what of an MXFP4 weight lies in this process's ``region`` (``[E, cols, rows]``) into ``local``."""
-    if not local.numel():
-        return
-    experts, cols, rows = region
-    (blocks_name, blocks), (scales_name, scales) = halves["blocks"], halves["scales"]
-    with open_safetensors(blocks.file) as f:
-        block_values = read_region(f, blocks_name, (experts, rows, slice(None), slice(None)))
-    with open_safetensors(scales.file) as f:
-        scale_values = read_region(f, scales_name, (experts, rows, slice(None)))
-    local.copy_(dequantize_mxfp4(block_values, scale_values)[:, cols])
-
-
-def _copy_part(local: torch.Tensor, region: tuple[slice, ...], part: TensorPart, file_name: str,
-               tensor: StoredTensor) -> None:
-    """Copy what of a stored part lies in this process's ``region`` of the target into ``local``."""
-    overlap = [slice(max(a.start, b.start), min(a.stop, b.stop)) for a, b in zip(part.region, region)]
+def _copy_piece(local: torch.Tensor, region: Region, piece: Piece,
+                read: Callable[[str, Region], torch.Tensor]) -> None:
+    """Copy what of ``piece`` lies in this process's ``region`` of its target into ``local`` (that region)."""
+    overlap = tuple(slice(max(a.start, b.start), min(a.stop, b.stop)) for a, b in zip(piece.region, region))
     if any(o.start >= o.stop for o in overlap):
         return
     into_local = tuple(slice(o.start - r.start, o.stop - r.start) for o, r in zip(overlap, region))
-    from_part = tuple(slice(o.start - p.start, o.stop - p.start)
-                      for d, (o, p) in enumerate(zip(overlap, part.region)) if d not in part.squeezed)
-    with open_safetensors(tensor.file) as f:
-        values = read_region(f, file_name, from_part)
+    stored_region = piece.stored_region(overlap)
+    values = read(piece.stored, stored_region) if piece.decoder is None else piece.decoder.read(
+        piece.stored, stored_region, read)
     local[into_local].copy_(values.reshape(local[into_local].shape))
 
 
-def _check_copy_equal(
-    copy: StoredTensor, copy_name: str, source: StoredTensor, source_name: str, target: torch.Tensor
-) -> None:
-    """A tied checkpoint may still carry the alias (``lm_head.weight``); accept it only if it is the source."""
+def _check_copy_equal(copy: StoredTensor, source: StoredTensor, target: torch.Tensor) -> None:
+    """A tied checkpoint may still carry the alias (``lm_head.weight``); accept it only if it is the source (stored
+    whole: a tied parameter is)."""
     if copy.shape != source.shape:
         raise UserError(
-            f"{copy.file}: {copy_name} has shape {list(copy.shape)}, but it is tied to {source_name} of shape "
+            f"{copy.file}: {copy.name} has shape {list(copy.shape)}, but it is tied to {source.name} of shape "
             f"{list(source.shape)}"
         )
     _, region = local_region(target)
     with open_safetensors(copy.file) as f_copy, open_safetensors(source.file) as f_source:
-        if not torch.equal(read_region(f_copy, copy_name, region), read_region(f_source, source_name, region)):
-            raise UserError(f"{copy.file}: {copy_name} differs from {source_name}, but the model ties them")
+        if not torch.equal(read_region(f_copy, copy.name, region), read_region(f_source, source.name, region)):
+            raise UserError(f"{copy.file}: {copy.name} differs from {source.name}, but the model ties them")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -372,10 +218,10 @@ def write_hf_files(
 
     DTensors among ``files.tensors`` (a model sharded with FSDP2) make this a collective call: every rank of
     ``processes`` calls it, each output shard's tensors are gathered (``full_tensor``), and rank 0 alone moves them
-    to CPU, writes
-    them and drops them before the next shard is gathered, so it holds at most one shard (``max_shard_size``, or
-    one tensor larger than that) of full tensors, and every rank one full tensor on its device. Plain tensors are
-    written by the caller.
+    to CPU, writes them and drops them before the next shard is gathered, so it holds at most one shard
+    (``max_shard_size``, or one tensor larger than that) of full tensors, and every rank one full parameter on its
+    device. Each stored tensor is made from the pieces ``files.layout`` writes it from. Plain tensors are written by
+    the caller.
 
     Args:
         files: the tensors and config.json (``torchtune_ac.models.hf_model_files``).
@@ -390,51 +236,14 @@ def write_hf_files(
         ValueError: DTensors but no ``processes``.
     """
     max_bytes = parse_shard_size(max_shard_size)
-    tensors = files.tensors
-    sharded = any(isinstance(t, DTensor) for t in tensors.values())
+    sharded = any(isinstance(t, DTensor) for t in files.tensors.values())
     if sharded and processes is None:
         raise ValueError("the model holds DTensors: every rank writes its files together (pass processes)")
     writer = not sharded or leads(processes)
-    layout = files.stored_parts()  # stored name -> the tensors it stacks (itself alone, most often)
-    parts_of: dict[str, list[str]] = {}  # a tensor written as its parts (one expert's projection each)
-    for part_name, part in files.parts.items():
-        parts_of.setdefault(part.whole, []).append(part_name)
-    nbytes: dict[str, int] = {}
-    for stored, holds in layout.items():
-        if len(holds) == 1 and holds[0] in parts_of:
-            itemsize = tensors[holds[0]].dtype.itemsize
-            for part_name in parts_of[holds[0]]:
-                nbytes[part_name] = math.prod(_part_shape(files.parts[part_name])) * itemsize
-        else:
-            nbytes[stored] = sum(math.prod(tensors[held].shape) * tensors[held].dtype.itemsize for held in holds)
-    gathered: dict[str, torch.Tensor] = {}  # the one whole tensor whose parts are being written
-
-    def full_tensor(name: str) -> torch.Tensor:
-        tensor = tensors[name].detach()
-        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-    def fetch(names: list[str]) -> dict[str, torch.Tensor]:
-        out = {}
-        for name in names:
-            part = files.parts.get(name)
-            if part is not None:
-                # A whole's parts are consecutive: it is gathered once, for its first part.
-                if part.whole not in gathered:
-                    gathered.clear()
-                    gathered[part.whole] = full_tensor(part.whole)
-                full = gathered[part.whole][part.region].reshape(_part_shape(part)).clone()  # its own storage
-                if writer:
-                    out[name] = full.to("cpu").contiguous()
-                continue
-            stacked = []  # each stacked tensor gathered, and moved to the host, in turn
-            for held in layout[name]:
-                full = full_tensor(held)
-                if writer:
-                    stacked.append(full.to("cpu"))
-            if writer:
-                out[name] = (stacked[0] if len(stacked) == 1 else torch.cat(stacked)).contiguous()
-        return out
-
+    written = files.layout.written()  # stored name -> its pieces
+    nbytes = {stored: math.prod(files.layout.stored_shapes[stored]) * files.tensors[pieces[0].target].dtype.itemsize
+              for stored, pieces in written.items()}
+    fetch = _stored_tensors(files.tensors, written, files.layout.stored_shapes, writer)
     shards = plan_shards(nbytes, max_bytes)
     if not writer:
         for shard in shards:
@@ -463,6 +272,41 @@ def write_hf_files(
             for shard in shards[fetched:]:
                 fetch(shard)
         raise
+
+
+def _stored_tensors(
+    tensors: Mapping[str, torch.Tensor], written: Mapping[str, tuple[Piece, ...]],
+    shapes: Mapping[str, tuple[int, ...]], writer: bool,
+) -> Callable[[list[str]], dict[str, torch.Tensor]]:
+    """``fetch(names)``: the stored tensors ``names``, on the host, made from the pieces of the parameters (each
+    gathered, when a DTensor, once for its consecutive pieces: one full parameter held at a time); on a rank that
+    does not write, only the gathers, and nothing returned."""
+    gathered: dict[str, torch.Tensor] = {}  # the parameter whose pieces are being written
+
+    def full(name: str) -> torch.Tensor:
+        if name not in gathered:
+            gathered.clear()
+            tensor = tensors[name].detach()
+            gathered[name] = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        return gathered[name]
+
+    def make(stored: str) -> Optional[torch.Tensor]:
+        pieces = written[stored]
+        if len(pieces) == 1 and pieces[0].shape == shapes[stored] == tuple(tensors[pieces[0].target].shape):
+            whole = full(pieces[0].target)  # stored as itself: no copy on a host
+            return whole.to("cpu").contiguous() if writer else None
+        out = torch.empty(shapes[stored], dtype=tensors[pieces[0].target].dtype) if writer else None
+        for piece in pieces:
+            values = full(piece.target)[piece.region]
+            if out is not None:
+                out[piece.stored_region(piece.region)] = values.reshape(piece.shape)
+        return out
+
+    def fetch(names: list[str]) -> dict[str, torch.Tensor]:
+        made = {name: make(name) for name in names}
+        return made if writer else {}
+
+    return fetch
 
 
 def check_full_tensors(tensors: Mapping[str, torch.Tensor]) -> None:

@@ -8,7 +8,6 @@ tensor (``safe_open(...).get_slice``).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -19,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from torchtune_ac.checkpoint.files import read_json, write_json
+from torchtune_ac.checkpoint.layout import Region, StoredTensor
 from torchtune_ac.errors import UnavailableError, UserError
 
 WEIGHTS_FILE = "model.safetensors"
@@ -35,20 +35,6 @@ _SIZE_UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
-Region = tuple[slice, ...]
-
-
-@dataclass(frozen=True)
-class StoredTensor:
-    """Where a tensor of a checkpoint lives, and what its header says."""
-
-    file: Path
-    shape: tuple[int, ...]
-    dtype: str  # safetensors dtype code, e.g. "BF16"
-
-    @property
-    def is_floating(self) -> bool:
-        return self.dtype == "BF16" or self.dtype.startswith("F")
 
 
 def open_safetensors(path: Path):
@@ -64,7 +50,7 @@ def _read_headers(path: Path) -> dict[str, StoredTensor]:
         out = {}
         for name in f.keys():
             part = f.get_slice(name)
-            out[name] = StoredTensor(path, tuple(part.get_shape()), part.get_dtype())
+            out[name] = StoredTensor(path, name, tuple(part.get_shape()), part.get_dtype())
         return out
 
 

@@ -25,6 +25,8 @@ from torchtune_ac.models.hf_checkpoint import (
     read_hf_args,
     save_hf,
     save_hf_state_dict,
+    stored_layout,
+    stored_tensor_problems,
 )
 from torchtune_ac.models.llama import LinearRopeScaling, Llama, LlamaArgs, LongRopeScaling, RopeScaling
 
@@ -51,6 +53,8 @@ __all__ = [
     "read_hf_args",
     "save_hf",
     "save_hf_state_dict",
+    "stored_layout",
+    "stored_tensor_problems",
     "transformer_blocks",
 ]
 

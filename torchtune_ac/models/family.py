@@ -6,8 +6,9 @@ A family declares:
 - the ``model_type`` its models carry in their arguments (a model's family is found by it, not by its class)
   and the config.json ``model_type`` values it reads;
 - its named builders, and the torchtune builders they replace (``tune migrate`` reads them);
-- a pure Hugging Face adapter (``HFAdapter``): parameter names both ways and ``config.json`` to and from the
-  model's arguments, with no file or network access;
+- a pure Hugging Face adapter (``HFAdapter``): parameter names both ways, how its checkpoints store them (as
+  data, in ``checkpoint/layout.py``'s vocabulary) and ``config.json`` to and from the model's arguments, with no
+  file or network access;
 - which modules are its transformer blocks (activation checkpointing and FSDP2 act on them), and which of its
   other modules FSDP2 shards as groups of their own (the embeddings; the final norm with the output layer);
 - how its weights are initialised;
@@ -28,6 +29,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 import torch
 from torch import nn
 
+from torchtune_ac.checkpoint.layout import StorageRule
 from torchtune_ac.models.tensor_parallel import TensorParallelPlan
 
 
@@ -38,15 +40,17 @@ class HFAdapter(Protocol):
     model_type: str
     #: every config.json ``model_type`` this adapter reads (``model_type`` first).
     model_types_read: tuple[str, ...]
+    #: how its checkpoints store the parameters not stored whole under their ``to_hf_name`` names, as data
+    #: (``checkpoint/layout.py``'s rules: stacked, split in parts, encoded); empty for most families.
+    storage: tuple[StorageRule, ...]
 
     def to_hf_name(self, name: str) -> str:
         """Our parameter name -> the Hugging Face tensor name. Raises ``ValueError`` for an unknown name."""
 
-    def stored_name(self, config: Mapping[str, Any], name: str) -> Optional[Any]:
-        """A tensor found in a checkpoint with this config.json, as ``to_hf_name`` names it (or a ``StoredPart`` of
-        such a tensor: one expert's projection of a layer's stacked experts); None for a tensor
-        that is not loaded: derived, not learned (stored rotary frequencies), or of another model in the same
-        files (a multimodal checkpoint's vision tower)."""
+    def stored_name(self, config: Mapping[str, Any], name: str) -> Optional[str]:
+        """A tensor found in a checkpoint with this config.json -> its name in the family's stored layout (the name
+        itself, most often); None for a tensor that is not loaded: derived, not learned (stored rotary
+        frequencies), or of another model in the same files (a multimodal checkpoint's vision tower)."""
 
     def args_from_hf_config(self, config: Mapping[str, Any], **overrides: Any) -> Any:
         """The model's arguments from a parsed config.json. Raises ``UserError`` listing every problem."""
@@ -64,15 +68,6 @@ class HFAdapter(Protocol):
     def tied_parameters(self, args: Any) -> dict[str, str]:
         """Parameters that are another parameter (``{"output.weight": "tok_embeddings.weight"}`` when
         embeddings are tied): saved once, under the second name."""
-
-    def stacked_tensors(self, args: Any) -> dict[str, tuple[str, ...]]:
-        """Tensors the checkpoint stores stacked along dim 0 as one: the stored name -> the names (``to_hf_name``'s)
-        of the model's tensors it holds, in order (Phi-3's ``qkv_proj`` holds ``q_proj``, ``k_proj``, ``v_proj``).
-        Empty for most families."""
-
-    def stored_parts(self, args: Any) -> dict[str, Any]:
-        """Hugging Face tensors saved as regions of one parameter (``hf_adapter.StoredPart``, by the parameter's
-        Hugging Face name), grouped by parameter; ``stored_name`` may likewise return a part on load."""
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,10 @@ Hugging Face names one prefix away, the same for every family here::
     norm.weight                        model.norm.weight
     output.weight                      lm_head.weight   (absent when embeddings are tied)
 
-A family whose checkpoints store some of these stacked as one tensor (Phi-3's ``self_attn.qkv_proj``, q/k/v one
-above the other) declares them (``stacked``); the checkpoint code reads and writes each one's rows of it.
+A family whose checkpoints store some parameters otherwise than whole under these names declares how, as data
+(``storage``: rules of ``checkpoint/layout.py``, the checkpoint's pure vocabulary of stored layouts): several
+stacked as one tensor (Phi-3's ``self_attn.qkv_proj``), one stored as several (Qwen3-MoE's experts), one read
+through a decoder (gpt-oss's MXFP4); the checkpoint code reads and writes every layout by walking one map.
 
 The config.json keys are shared too; what differs between families (``model_type``, the variant flags every model
 of the family has, which keys must be refused, what extra keys transformers needs) is a field of
@@ -26,10 +28,11 @@ import dataclasses
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
 
+from torchtune_ac.checkpoint.layout import StorageRule
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.llama import (
     LinearRopeScaling,
@@ -71,24 +74,6 @@ _REQUIRED = object()
 _RESTATED_KEYS = ("rope_parameters", "torch_dtype")
 
 
-class StoredPart(NamedTuple):
-    """A Hugging Face tensor that is one region of one of our parameters (by its Hugging Face name): ``whole[region]``
-    without the dims in ``squeezed`` (of size 1 there). One expert's ``experts.3.gate_proj.weight`` of a layer's
-    stacked ``experts.gate_up_proj`` is one."""
-
-    whole: str
-    region: tuple[slice, ...]
-    squeezed: tuple[int, ...] = ()
-
-
-class QuantizedPart(NamedTuple):
-    """A Hugging Face tensor that is half of an MXFP4-quantised parameter (by its Hugging Face name): its ``blocks``
-    or its ``scales`` (``role``); the two are dequantised on load (gpt-oss's experts)."""
-
-    whole: str
-    role: str
-
-
 @dataclass(frozen=True)
 class Refusal:
     """A config.json key whose value this adapter cannot honour: ``refuse(value)`` says why, or None if fine."""
@@ -123,9 +108,8 @@ class LlamaStyleHFAdapter:
             besides ``default``.
         block_names: our block's submodule prefixes -> Hugging Face's.
         activation_key: the config.json key holding the MLP activation.
-        stacked: weights a checkpoint of the family stores stacked along dim 0 as one tensor, per block: its
-            Hugging Face name -> the Hugging Face names of our weights it holds, in order, without ``.weight``
-            (Phi-3's ``self_attn.qkv_proj`` holds ``self_attn.q_proj``, ``self_attn.k_proj``, ``self_attn.v_proj``).
+        storage: how its checkpoints store the parameters not stored whole under their own (``to_hf_name``'s)
+            names: ``Stacked``, ``Split``, ``Encoded`` rules (``checkpoint/layout.py``).
     """
 
     model_type: str
@@ -136,7 +120,7 @@ class LlamaStyleHFAdapter:
     rope_types: tuple[str, ...] = ("llama3",)
     block_names: tuple[tuple[str, str], ...] = LLAMA_BLOCK_NAMES
     activation_key: str = "hidden_act"
-    stacked: tuple[tuple[str, tuple[str, ...]], ...] = ()
+    storage: tuple[StorageRule, ...] = ()
 
     def __post_init__(self) -> None:
         unknown = self.variant.keys() - VARIANT_FLAGS.keys()
@@ -196,16 +180,6 @@ class LlamaStyleHFAdapter:
 
     def tied_parameters(self, args: LlamaArgs) -> dict[str, str]:
         return {"output.weight": "tok_embeddings.weight"} if args.tie_embeddings else {}
-
-    def stacked_tensors(self, args: LlamaArgs) -> dict[str, tuple[str, ...]]:
-        """Stored name -> the tensors (as ``to_hf_name`` names them) it holds stacked along dim 0, in order."""
-        return {f"model.layers.{i}.{name}.weight": tuple(f"model.layers.{i}.{part}.weight" for part in parts)
-                for i in range(args.n_layers) for name, parts in self.stacked}
-
-    def stored_parts(self, args: LlamaArgs) -> dict[str, StoredPart]:
-        """The Hugging Face tensors written as parts of a parameter (none here: each parameter is one tensor;
-        Qwen3-MoE writes each expert's projections), grouped by the parameter they are parts of."""
-        return {}
 
     # --------------------------------------------------------------------------------------------- config
 

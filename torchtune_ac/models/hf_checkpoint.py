@@ -1,10 +1,11 @@
 """Hugging Face checkpoints <-> models of any known family: the family's pure adapter composed with the file code
 of ``torchtune_ac.checkpoint``.
 
-The adapter (``models/families``) says what a model's tensors are called and what its config.json holds;
-``torchtune_ac.checkpoint.hf`` reads and writes named tensors and config.json files, and knows no family. This
-module is the one place in ``models/`` that calls file code: it holds no file or collective code itself, and
-nothing else in ``models/`` imports ``checkpoint`` (``tests/unit/test_architecture.py``).
+The adapter (``models/families``) says what a model's tensors are called, how its checkpoints store them (as data,
+compiled here into the model's ``StoredLayout``) and what its config.json holds; ``torchtune_ac.checkpoint.hf``
+reads and writes the stored tensors by walking that layout, and knows no family. This module is the one place in
+``models/`` that calls file code: it holds no file or collective code itself, and the rest of ``models/`` imports
+from ``checkpoint`` only its pure vocabulary of stored layouts (``tests/unit/test_architecture.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from torchtune_ac.checkpoint.hf import (
     read_hf_config,
     save_hf_files,
 )
+from torchtune_ac.checkpoint.layout import StoredLayout, StoredTensor, build_layout, by_stored_name, match_stored
 from torchtune_ac.component_marker import config_component
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.families import FAMILIES, args_from_hf_config, require_family, retie_parameters
@@ -159,6 +161,44 @@ def _hf_tensors(model: nn.Module, family: ModelFamily) -> tuple[dict[str, torch.
             {hf.to_hf_name(alias): hf.to_hf_name(source) for alias, source in tied.items()})
 
 
+def stored_layout(model: nn.Module) -> StoredLayout:
+    """How a Hugging Face checkpoint stores ``model``'s parameters (by Hugging Face name; a model on meta will do):
+    its family's ``storage`` rules compiled against the parameters' shapes.
+
+    Raises:
+        UserError: a model of no known family.
+    """
+    family = require_family(model, "a Hugging Face checkpoint")
+    return _stored_layout(family, _hf_tensors(model, family)[0])
+
+
+def _stored_layout(family: ModelFamily, tensors: Mapping[str, torch.Tensor]) -> StoredLayout:
+    return build_layout({name: tuple(t.shape) for name, t in tensors.items()}, family.hf.storage)
+
+
+def stored_tensor_problems(model: nn.Module, headers: Mapping[str, StoredTensor], config: Mapping[str, Any]
+                           ) -> list[str]:
+    """What a checkpoint lacks or holds wrong for ``model``, from its headers alone (what loading checks first).
+
+    Args:
+        model: a model of a known family (on meta will do).
+        headers: the checkpoint's tensors (``torchtune_ac.checkpoint.safetensors_io.list_stored_tensors``).
+        config: its parsed config.json (``read_hf_config``), which tells the family which tensors are loaded.
+
+    Returns:
+        One line per missing tensor (or missing parts of a parameter stored in several), shape or dtype that the
+        family's stored layout does not expect, and unexpected tensor, each naming its file; empty when the
+        headers match the model.
+
+    Raises:
+        UserError: a model of no known family.
+    """
+    family = require_family(model, "a Hugging Face checkpoint")
+    tensors, tied = _hf_tensors(model, family)
+    found = by_stored_name(headers, lambda name: family.hf.stored_name(config, name))
+    return match_stored(_stored_layout(family, tensors), found, tied)[1]
+
+
 def hf_model_files(model: nn.Module, *, base_config: Optional[Mapping[str, Any]] = None,
                    **token_ids: Any) -> HFModelFiles:
     """What a Hugging Face checkpoint of ``model`` holds: its tensors by Hugging Face name, and its config.json
@@ -178,8 +218,8 @@ def hf_model_files(model: nn.Module, *, base_config: Optional[Mapping[str, Any]]
     tensors, _ = _hf_tensors(model, family)
     dtype = next(iter(tensors.values())).dtype
     args = family.args_of(model)
-    return HFModelFiles(tensors, family.hf.hf_config_from_args(args, dtype, base_config=base_config, **token_ids),
-                        stacked=family.hf.stacked_tensors(args), parts=family.hf.stored_parts(args))
+    config = family.hf.hf_config_from_args(args, dtype, base_config=base_config, **token_ids)
+    return HFModelFiles(tensors, config, _stored_layout(family, tensors))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -214,8 +254,8 @@ def load_hf_weights_(model: nn.Module, checkpoint_dir: PathLike) -> None:
         if target.is_meta:
             raise ValueError(f"{ours[hf_name]} is on the meta device: call model.to_empty(device=...) before loading")
     config = read_hf_config(checkpoint_dir)
-    load_hf_tensors_(targets, checkpoint_dir, stored_name=lambda name: family.hf.stored_name(config, name),
-                     copies=tied, stacked=family.hf.stacked_tensors(family.args_of(model)))
+    load_hf_tensors_(targets, checkpoint_dir, layout=_stored_layout(family, targets),
+                     stored_name=lambda name: family.hf.stored_name(config, name), copies=tied)
 
 
 def load_hf(
@@ -346,5 +386,5 @@ def save_hf_state_dict(
         args, next(iter(tensors.values())).dtype, bos_token_id=bos_token_id, eos_token_id=eos_token_id,
         pad_token_id=pad_token_id,
     )
-    files = HFModelFiles(tensors, config, stacked=spec.hf.stacked_tensors(args), parts=spec.hf.stored_parts(args))
+    files = HFModelFiles(tensors, config, _stored_layout(spec, tensors))
     return save_hf_files(files, out_dir, max_shard_size, overwrite=overwrite, tokenizer_dir=tokenizer_dir)

@@ -17,10 +17,12 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from torchtune_ac.checkpoint.layout import Encoded
+from torchtune_ac.checkpoint.mxfp4 import MXFP4
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.attention import DocumentRuns, causal_attention_with_sinks
 from torchtune_ac.models.decoder_family import decoder_family
-from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter, QuantizedPart, read_value
+from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter, read_value
 from torchtune_ac.models.llama import Attention, LlamaArgs, TransformerBlock, YarnRopeScaling, apply_rope
 from torchtune_ac.models.moe import ExpertLayout, MoEArgs, RouterSpec
 
@@ -77,7 +79,7 @@ class GptOssBlock(TransformerBlock):
 
 
 class GptOssHFAdapter(LlamaStyleHFAdapter):
-    """gpt-oss's config.json (attention biases, the attention pattern, the experts) and its MXFP4 expert tensors."""
+    """gpt-oss's config.json (attention biases, the attention pattern, the experts)."""
 
     def args_from_hf_config(self, config: Mapping[str, Any], **overrides: Any) -> LlamaArgs:
         # gpt-oss has q/k/v/o biases (a variant flag and GptOssAttention), which the shared reader refuses.
@@ -141,12 +143,6 @@ class GptOssHFAdapter(LlamaStyleHFAdapter):
         config.update(output_router_logits=args.moe.aux_loss, router_aux_loss_coef=args.moe.aux_loss_coef)
         return config
 
-    def stored_name(self, config: Mapping[str, Any], name: str) -> Optional[Any]:
-        for role in ("blocks", "scales"):
-            if name.endswith(f"_{role}") and ".mlp.experts." in name:
-                return QuantizedPart(name.removesuffix(f"_{role}"), role)
-        return super().stored_name(config, name)
-
 
 FAMILY = decoder_family(
     __name__,
@@ -157,6 +153,8 @@ FAMILY = decoder_family(
         variant={"qkv_bias": True, "norm_in_float32": True},
         rope_types=("yarn",),
         extra_config={"attention_bias": True},
+        # Written in the model's dtype; the published checkpoints' MXFP4 experts are read too.
+        storage=(Encoded("mlp.experts.gate_up_proj", MXFP4), Encoded("mlp.experts.down_proj", MXFP4)),
     ),
     {
         "gpt_oss_20b": (GPT_OSS_20B, "gpt-oss-20b (20,914,757,184 parameters, 32 experts, 4 per token)."),

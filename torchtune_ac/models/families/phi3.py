@@ -16,6 +16,7 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from torchtune_ac.checkpoint.layout import Stacked
 from torchtune_ac.models.decoder_family import decoder_family
 from torchtune_ac.models.family import TorchtuneBuilder
 from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter, read_value
@@ -91,8 +92,11 @@ FAMILY = decoder_family(
         model_type="phi3",
         architecture_name="Phi3ForCausalLM",
         rope_types=("longrope",),
-        stacked=(("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
-                 ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj"))),
+        storage=(
+            Stacked("self_attn.qkv_proj.weight",
+                    ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight")),
+            Stacked("mlp.gate_up_proj.weight", ("mlp.gate_proj.weight", "mlp.up_proj.weight")),
+        ),
     ),
     {
         "phi3_mini": (PHI3_MINI, "Phi-3 mini 4k (3,821,079,552 parameters; a 2,047-token sliding window)."),

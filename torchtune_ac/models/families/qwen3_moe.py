@@ -16,10 +16,10 @@ from typing import Any, Mapping, Optional
 
 import torch
 
+from torchtune_ac.checkpoint.layout import EACH, Split
 from torchtune_ac.models.decoder_family import decoder_family
 from torchtune_ac.models.family import TorchtuneBuilder
-from torchtune_ac.models.hf_adapter import LLAMA_BLOCK_NAMES, LlamaStyleHFAdapter, Refusal, StoredPart, read_value, \
-    refuse_truthy
+from torchtune_ac.models.hf_adapter import LLAMA_BLOCK_NAMES, LlamaStyleHFAdapter, Refusal, read_value, refuse_truthy
 from torchtune_ac.models.llama import LlamaArgs
 from torchtune_ac.models.moe import MoEArgs, RouterSpec
 
@@ -48,10 +48,6 @@ QWEN3_MOE_TINY = LlamaArgs(
     moe=MoEArgs(num_experts=8, top_k=2, expert_dim=64, router=_ROUTER, dense_layers=(0,), aux_loss=True,
                 aux_loss_coef=0.01),
 )
-
-# Per-expert tensor names in the published checkpoints -> (the fused tensor, which half of it).
-_PER_EXPERT = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
-
 
 class Qwen3MoeHFAdapter(LlamaStyleHFAdapter):
     """Qwen3-MoE's config.json (its MoE keys) and its experts' tensors, per expert or fused."""
@@ -104,37 +100,6 @@ class Qwen3MoeHFAdapter(LlamaStyleHFAdapter):
         config.update(output_router_logits=args.moe.aux_loss, router_aux_loss_coef=args.moe.aux_loss_coef)
         return config
 
-    def stored_name(self, config: Mapping[str, Any], name: str) -> Optional[Any]:
-        prefix, _, rest = name.partition(".mlp.experts.")
-        index, _, tail = rest.partition(".")
-        projection = tail.removesuffix(".weight")
-        if not (rest and index.isdigit() and tail.endswith(".weight") and projection in _PER_EXPERT):
-            return super().stored_name(config, name)
-        expert, (whole, half) = int(index), _PER_EXPERT[projection]
-        size, dim = config.get("moe_intermediate_size"), config.get("hidden_size")
-        if half is None:  # down_proj [E, dim, size]
-            region = (slice(expert, expert + 1), slice(0, dim), slice(0, size))
-        else:  # gate_up_proj [E, 2 * size, dim]: the gate's half, then the up's
-            region = (slice(expert, expert + 1), slice(half * size, (half + 1) * size), slice(0, dim))
-        return StoredPart(f"{prefix}.mlp.experts.{whole}", region, (0,))
-
-    def stored_parts(self, args: LlamaArgs) -> dict[str, StoredPart]:
-        moe, parts = args.moe, {}
-        h, dim = moe.expert_dim, args.dim
-        for layer in range(args.n_layers):
-            if not moe.is_sparse(layer):
-                continue
-            prefix = f"model.layers.{layer}.mlp.experts"
-            for e in range(moe.num_experts):
-                for projection, half in (("gate_proj", 0), ("up_proj", 1)):
-                    parts[f"{prefix}.{e}.{projection}.weight"] = StoredPart(
-                        f"{prefix}.gate_up_proj", (slice(e, e + 1), slice(half * h, (half + 1) * h), slice(0, dim)),
-                        (0,))
-            for e in range(moe.num_experts):
-                parts[f"{prefix}.{e}.down_proj.weight"] = StoredPart(
-                    f"{prefix}.down_proj", (slice(e, e + 1), slice(0, dim), slice(0, h)), (0,))
-        return parts
-
 
 FAMILY = decoder_family(
     __name__,
@@ -149,6 +114,12 @@ FAMILY = decoder_family(
         # The router is Hugging Face's ``mlp.gate``.
         block_names=(*LLAMA_BLOCK_NAMES[:3], ("mlp.router.", "mlp.gate."), ("mlp.", "mlp.")),
         extra_config={"attention_bias": False, "use_sliding_window": False, "sliding_window": None},
+        # One tensor per expert and projection, as published (written so); transformers 5's fused ones read too.
+        storage=(
+            Split("mlp.experts.gate_up_proj", "mlp.experts.{0}.{1}.weight", (EACH, ("gate_proj", "up_proj")),
+                  whole_too=True),
+            Split("mlp.experts.down_proj", "mlp.experts.{0}.down_proj.weight", (EACH,), whole_too=True),
+        ),
     ),
     {
         "qwen3_moe_30b_a3b": (QWEN3_MOE_30B_A3B, "Qwen3-30B-A3B (30,532,122,624 parameters, 128 experts, 8 per "
