@@ -611,11 +611,11 @@ def build_preference_dataset(prepared: PreparedPairs) -> PreferenceDataset:
             report.identical_after_cut += 1
             continue
         dataset.append(pair_sample(pair))
-    if len(dataset) == 0:
+    if isinstance(dataset, PackedPreferenceDataset):
+        dataset.finish()  # the last row is stored only now: until then the pairs that fill it are not counted
+    if dataset.pair_count == 0:
         raise UserError(f"{prepared.source}: none of the {report.pairs} pairs is left: every one differs only past "
                         f"max_seq_len={prepared.max_seq_len} (raise it)")
-    if isinstance(dataset, PackedPreferenceDataset):
-        dataset.finish()
     converted = prepared.text_columns.describe()
     dataset.report = report.describe(extra=[converted] if converted else [])
     dataset.source, dataset.source_files = prepared.source, prepared.source_files
