@@ -137,6 +137,37 @@ def test_packed_loss_metrics_and_gradients_equal_padded(datasets, ac, n_chunks):
     assert_all_close(grads, expected_grads, terms=BOTH, what="gradient")
 
 
+SHORT_PAIRS = [("What is 1 + 1?", "2", "Maybe 3."), ("What is 2 + 2?", "4", "Maybe 5."),
+               ("What is 3 + 3?", "6", "Maybe 7."), ("Capital of France?", "Paris", "Rome, I think."),
+               ("Colour of the sky?", "Blue", "Green."), ("What is 5 - 2?", "3", "Maybe 4."),
+               ("Opposite of hot?", "Cold", "Warm.")]
+
+
+def test_short_pairs_that_all_fit_one_row_pack_and_score_as_padded(tmp_path):
+    """Seven short pairs fit one row of 2 x 256 tokens: packing refused them ("none of the 7 pairs is left: every one
+    differs only past max_seq_len=256"), as it did a single pair, because the one row was stored only after the
+    emptiness check."""
+    path = tmp_path / "seven.jsonl"
+    path.write_text("".join(json.dumps(dict(prompt=p, chosen=c, rejected=r)) + "\n" for p, c, r in SHORT_PAIRS))
+    tokenizer = load_tokenizer(EMBEDDED_TOKENIZER_DIR)
+    padded = preference_dataset(tokenizer, source=str(path), max_seq_len=256)
+    packed = preference_dataset(tokenizer, source=str(path), max_seq_len=256, packed=True)
+    assert len(packed) == 1 and packed.pair_count == len(padded) == 7 and packed[0]["pairs"] == 7
+    (path := tmp_path / "one.jsonl").write_text(json.dumps(dict(zip(("prompt", "chosen", "rejected"),
+                                                                    SHORT_PAIRS[0]))) + "\n")
+    one = preference_dataset(tokenizer, source=str(path), max_seq_len=256, packed=True)
+    assert len(one) == 1 and one.pair_count == 1
+    policy = build_random_llama(ARGS, seed=0).train()
+    objective = DPOObjective(DPOConfig(beta=0.5), reference=freeze_reference(build_random_llama(ARGS, seed=5)))
+    expected, expected_grads = objective_and_grads(copy.deepcopy(policy), objective, padded_batch(padded, tokenizer))
+    ours, grads = objective_and_grads(copy.deepcopy(policy), objective, packed_batch(packed, tokenizer))
+    row = len(packed[0]["tokens"])  # every sequence of the pairs, attended over and summed
+    forward = llama_terms(ARGS, row, row, backward=False)
+    assert_close(ours.loss, expected.loss, terms=forward, magnitude=9.0, what="loss")
+    assert_close(ours.metrics, expected.metrics, terms=forward, what="metrics")
+    assert_all_close(grads, expected_grads, terms=llama_terms(ARGS, row, row), what="gradient")
+
+
 @pytest.mark.numerics
 def test_ipo_counts_each_packed_answer_s_own_tokens(datasets):
     padded, packed, tokenizer = datasets
