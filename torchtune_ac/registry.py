@@ -78,7 +78,8 @@ class Recipe:
                             if config_recipe(path) == self.name))
 
 
-RECIPES: tuple[Recipe, ...] = (Recipe("full_finetune"), Recipe("full_dpo"))
+RECIPES: tuple[Recipe, ...] = (Recipe("full_finetune"), Recipe("full_dpo"), Recipe("lora_finetune"),
+                               Recipe("lora_dpo"))
 
 
 def _shipped_dir(package: str, source_folder: str) -> Path:

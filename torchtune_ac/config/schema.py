@@ -22,6 +22,7 @@ from torchtune_ac.config.components import Component
 from torchtune_ac.config_key import config_key
 from torchtune_ac.data import PreferenceDataset, TokenizedDataset
 from torchtune_ac.errors import UserError
+from torchtune_ac.lora.config import AdapterConfig
 from torchtune_ac.memory.plan import MemoryConfig
 from torchtune_ac.memory.planner import PreferenceStep
 from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S
@@ -30,7 +31,8 @@ from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.activation_checkpointing.config import ACConfig
 from torchtune_ac.training.dpo import DPOConfig, ReferenceMode
 
-__all__ = ["Device", "DType", "FSDPConfig", "FullDPOConfig", "FullFinetuneConfig"]
+__all__ = ["Device", "DType", "FSDPConfig", "FullDPOConfig", "FullFinetuneConfig", "LoRADPOConfig",
+           "LoRAFinetuneConfig"]
 
 
 class Device(str, enum.Enum):
@@ -173,7 +175,8 @@ class FullFinetuneConfig:
         "layer on every process).", minimum=1)
 
     # Keys of another built-in recipe, named when a config of it is given to this one (``config/validation.py``).
-    keys_of_other_recipes: ClassVar[Mapping[str, str]] = {"dpo": "full_dpo", "ref_checkpoint_dir": "full_dpo"}
+    keys_of_other_recipes: ClassVar[Mapping[str, str]] = {"dpo": "full_dpo", "ref_checkpoint_dir": "full_dpo",
+                                                          "adapter": "lora_finetune"}
 
     def __post_init__(self) -> None:
         check_dataset_kinds(self, "full_finetune", SAMPLES, PAIRS, "full_dpo")
@@ -198,7 +201,7 @@ class FullDPOConfig(FullFinetuneConfig):
         "(checkpoint_dir, or without it the seed's random ones). A resume keeps the reference it started from.",
         non_empty=True)
     dpo: DPOConfig = config_key(doc="The DPO loss and its reference (see its keys).", default_factory=DPOConfig)
-    keys_of_other_recipes: ClassVar[Mapping[str, str]] = {}
+    keys_of_other_recipes: ClassVar[Mapping[str, str]] = {"adapter": "lora_dpo"}
 
     def __post_init__(self) -> None:
         check_dataset_kinds(self, "full_dpo", PAIRS, SAMPLES, "full_finetune")
@@ -220,3 +223,50 @@ class FullDPOConfig(FullFinetuneConfig):
         padded pair's two rows of ``max_seq_len`` hold at most, and per-document attention spans no more than
         ``max_seq_len`` tokens, so the padded worst case bounds it."""
         return PreferenceStep(resident_reference=self.dpo.reference is ReferenceMode.RESIDENT)
+
+
+ADAPTER_DOC = ("Low-rank adapters on a frozen base: LoRA or DoRA, their rank, scale and targets (PEFT's names), "
+               "QLoRA's NF4 base, a PEFT folder to start from and the merged export (see its keys).")
+
+
+def check_adapter_parallelism(cfg: FullFinetuneConfig, recipe: str) -> None:
+    """Refuse the splits adapters do not run under (one line each)."""
+    if cfg.tensor_parallel_dim > 1:
+        raise UserError(f"tensor_parallel_dim={cfg.tensor_parallel_dim}: the {recipe} recipe does not run under tensor "
+                        "parallelism (its adapters are not split by the family's plan); use tensor_parallel_dim: 1 "
+                        "(FSDP2, fsdp.replicate_degree for HSDP: the adapters train on a fraction of the memory)")
+    if cfg.expert_parallel_dim > 1:
+        raise UserError(f"expert_parallel_dim={cfg.expert_parallel_dim}: the {recipe} recipe does not run under "
+                        "expert parallelism yet; use expert_parallel_dim: 1 (FSDP2 shards the frozen experts)")
+
+
+@dataclass(frozen=True)
+class LoRAFinetuneConfig(FullFinetuneConfig):
+    """Config of the ``lora_finetune`` recipe: ``full_finetune``'s keys and the adapters (``adapter:``)."""
+
+    adapter: AdapterConfig = config_key(doc=ADAPTER_DOC, default_factory=AdapterConfig)
+    keys_of_other_recipes: ClassVar[Mapping[str, str]] = {"dpo": "lora_dpo", "ref_checkpoint_dir": "full_dpo"}
+
+    def __post_init__(self) -> None:
+        check_dataset_kinds(self, "lora_finetune", SAMPLES, PAIRS, "lora_dpo")
+        check_adapter_parallelism(self, "lora_finetune")
+
+
+@dataclass(frozen=True)
+class LoRADPOConfig(FullDPOConfig):
+    """Config of the ``lora_dpo`` recipe: ``full_dpo``'s keys and the adapters; the reference is the base with the
+    adapters off (no second model)."""
+
+    adapter: AdapterConfig = config_key(doc=ADAPTER_DOC, default_factory=AdapterConfig)
+    keys_of_other_recipes: ClassVar[Mapping[str, str]] = {}
+
+    def __post_init__(self) -> None:
+        check_dataset_kinds(self, "lora_dpo", PAIRS, SAMPLES, "lora_finetune")
+        check_adapter_parallelism(self, "lora_dpo")
+        if self.ref_checkpoint_dir is not None:
+            raise UserError(f"ref_checkpoint_dir={self.ref_checkpoint_dir}: the lora_dpo recipe's reference is its "
+                            "base with the adapters off (checkpoint_dir); set ref_checkpoint_dir: null, or use "
+                            "full_dpo for another reference")
+        if self.dpo.reference is not ReferenceMode.RESIDENT:
+            raise UserError(f"dpo.reference={self.dpo.reference.value}: the lora_dpo recipe's reference is its own "
+                            "base with the adapters off, which costs no memory to keep; set dpo.reference: resident")

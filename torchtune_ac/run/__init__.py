@@ -6,9 +6,9 @@
     checks.py     the plan against this machine and the files                                      (check_run)
     setup.py      the set-up every recipe shares: a recipe names its batching and its objective    (run_recipe)
     assemble.py   the run's one device mesh, and the one order that applies the plan:             (build_training)
-                      1. activation checkpointing  2. activation offloading  3. compile  4. tensor parallelism
-                      5. expert parallelism  6. FSDP2  7. materialise  8. load or initialise  9. optimizer
-                      10. stepper  11. scheduler
+                      1. adapters  2. activation checkpointing  3. activation offloading  4. compile
+                      5. tensor parallelism  6. expert parallelism  7. FSDP2  8. materialise  9. load or initialise
+                      10. optimizer  11. stepper  12. scheduler
     weights.py    the initial weights without a checkpoint, the same for any sharding
     phases.py     the data, validation data, resume choice and restore
     reference.py  DPO's precomputed reference: one pass over the pairs the run reads, then freed (precompute_reference)

@@ -1,15 +1,17 @@
 """The order in which a run applies its plan to a model, in one function: ``build_training``.
 
-    1. activation checkpointing  2. activation offloading  3. compile  4. tensor parallelism
-    5. expert parallelism  6. FSDP2  7. materialise  8. load or initialise  9. optimizer  10. stepper
-    11. scheduler
+    1. adapters  2. activation checkpointing  3. activation offloading  4. compile  5. tensor parallelism
+    6. expert parallelism  7. FSDP2  8. materialise  9. load or initialise  10. optimizer  11. stepper
+    12. scheduler
 
 Every step is a mechanism of its own module, called here by name (AC's and the memory features' in ``memory/``
 and ``training/``, tensor, expert parallelism's and FSDP2's in ``parallel/``), and guarded by the plan: the parallelism
 value says which splits run, over the one device mesh of the run (``build_mesh``). The order is the one that works
 for 1 and N processes: AC first, so that compile traces each checkpointed forward (per-op policy included) and
 FSDP2's hooks wrap the checkpointed blocks; tensor and expert parallelism before FSDP2, which shards over the other
-mesh dimensions; nothing is materialised before sharding, so no rank ever holds the full model, and the initial weights
+mesh dimensions; the adapters before all of them, so that AC's policy, compile and FSDP2 see the adapted linears
+as the model's own (the adapters' values drawn once the base is loaded: step 0 is the base); nothing is
+materialised before sharding, so no rank ever holds the full model, and the initial weights
 are the same for any world size and device (``weights.py``). The optimizer comes after FSDP2: it steps the sharded
 parameters, and the step in backward hooks them.
 
@@ -27,6 +29,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from torchtune_ac.lora.config import AdapterConfig
+from torchtune_ac.lora.mechanism import apply_adapters
+from torchtune_ac.lora.weights import load_or_initialize_adapters_
 from torchtune_ac.memory.activation_offloading import apply_activation_offloading
 from torchtune_ac.memory.feature import MakeOptimizer
 from torchtune_ac.memory.plan import MemoryPlan
@@ -58,6 +63,7 @@ class AssemblyPlan:
         fsdp: FSDP2's settings (used when the model is sharded).
         parallelism: how the processes split the work; None: the context's (``DistributedContext.parallelism``).
         compile: ``torch.compile`` each block in place (state_dict keys unchanged).
+        adapter: low-rank adapters on the frozen base (``torchtune_ac/lora/``); None: every parameter trains.
         checkpoint_dir: the Hugging Face checkpoint whose weights are loaded; None to initialise from ``seed``.
         seed: seeds the global RNG (dropout) and the initialisation without a checkpoint.
     """
@@ -69,6 +75,7 @@ class AssemblyPlan:
     compile: bool = False
     checkpoint_dir: Optional[str] = None
     seed: int = 0
+    adapter: Optional[AdapterConfig] = None
 
 
 Plan = Union[RunPlan, AssemblyPlan]
@@ -149,42 +156,49 @@ def build_training(
     model = model.to(plan.dtype.torch)
     blocks = transformer_blocks(model)
 
-    # 1. Activation checkpointing: the chosen blocks recompute their activations in backward.
+    # 1. Adapters: the chosen linears wrapped with low-rank adapters, everything else frozen (a reference, built
+    #    from its own meta model, has none).
+    if plan.adapter is not None and not frozen:
+        apply_adapters(model, plan.adapter, loss_chunks=memory.settings.loss_chunks)
+    # 2. Activation checkpointing: the chosen blocks recompute their activations in backward.
     if not frozen:
         apply_ac_plan(model, memory.ac)
-    # 2. Activation offloading: what those blocks keep for backward waits in pinned host memory.
+    # 3. Activation offloading: what those blocks keep for backward waits in pinned host memory.
     if memory.offloads_activations and not frozen:
         apply_activation_offloading(model)
-    # 3. Compile: each block in place (it traces the checkpointed forward, per-op policy included).
+    # 4. Compile: each block in place (it traces the checkpointed forward, per-op policy included).
     if plan.compile and not frozen:
         if memory.ac.policy is not None and all(isinstance(b, TransformerBlock) for b in blocks):
             silence_compiled_policy_warning()
         for block in blocks:
             block.compile()
-    # 4. Tensor parallelism: before FSDP2, each block's heads and MLP columns, and the vocabulary, split over the
+    # 5. Tensor parallelism: before FSDP2, each block's heads and MLP columns, and the vocabulary, split over the
     #    mesh's "tp" dimension by the family's plan (the run's plan checked the degree).
     if parallelism.tensor_parallel:
         apply_tensor_parallel(model, mesh[TP_DIM])
-    # 5. Expert parallelism: before FSDP2, each mixture-of-experts layer's experts split over the mesh's "ep"
+    # 6. Expert parallelism: before FSDP2, each mixture-of-experts layer's experts split over the mesh's "ep"
     #    dimension, its tokens exchanged by all-to-all (the run's plan checked the degree against the experts).
     if parallelism.expert_parallel:
         apply_expert_parallel(model, mesh[EP_DIM])
-    # 6. FSDP2: each block, the family's other groups, then the root, over the mesh's other dimensions; CPU offload
+    # 7. FSDP2: each block, the family's other groups, then the root, over the mesh's other dimensions; CPU offload
     #    keeps the shards on the host. One process shards too when a feature works through FSDP2 (a world of one);
     #    a TP run is always sharded: FSDP2, even over dimensions of size 1, turns the split layers' partial
     #    gradients of the norms into whole ones.
     if sharded:
         shard_model(model, mesh, plan.fsdp, options, dtype=plan.dtype, frozen=frozen)
-    # 7. Materialise: allocate every parameter (this rank's shard) on its device, buffers where the model computes.
+    # 8. Materialise: allocate every parameter (this rank's shard) on its device, buffers where the model computes.
     model.to_empty(device=parameter_device(options, ctx.device))
     place_buffers_(model, ctx.device)
     if not sharded:
         retie_parameters(model)  # FSDP keeps ties through to_empty; a plain module does not
-    # 8. Load or initialise: the checkpoint's weights (each rank reads only its shard), or drawn from the seed.
+    # 9. Load or initialise: the checkpoint's weights (each rank reads only its shard), or drawn from the seed.
     if load_weights and plan.checkpoint_dir is not None:
         load_hf_weights_(model, plan.checkpoint_dir)
     elif load_weights:
         initialize_weights_(model, pristine, dtype=plan.dtype.torch, seed=plan.seed, sharded=sharded)
+    if load_weights and plan.adapter is not None and not frozen:
+        # ...then the adapters: PEFT's values (B zero), or a PEFT folder's; QLoRA's base stored in NF4.
+        load_or_initialize_adapters_(model, plan.adapter, seed=plan.seed)
     # The recipe's objective (DPO's) or the memory plan's token loss; a mixture of experts adds its load-balancing
     # loss to either, as transformers' and TRL's trainers do.
     objective = with_load_balancing(objective if objective is not None else memory.objective(compiled=plan.compile),
@@ -193,10 +207,10 @@ def build_training(
         return AssembledModel(freeze_reference(model), None, objective)
     model.train()
 
-    # 9. Optimizer, over the sharded parameters, and 10. stepper, that steps them (after backward, or in it: the
-    #    optimizer-in-backward switch builds both at once).
+    # 10. Optimizer, over the sharded parameters that train (the adapters alone, with adapters), and 11. stepper,
+    #     that steps them (after backward, or in it: the optimizer-in-backward switch builds both at once).
     stepper = memory.build_stepper(make_optimizer, model) if make_optimizer is not None else None
-    # 11. Scheduler: the learning-rate schedule over the stepper's optimizer.
+    # 12. Scheduler: the learning-rate schedule over the stepper's optimizer.
     scheduler = make_scheduler(stepper.optimizer) if make_scheduler is not None and stepper is not None else None
     return AssembledModel(model, stepper, objective, scheduler)
 

@@ -30,6 +30,8 @@ from torchtune_ac.config.components import Component
 from torchtune_ac.config.schema import Device, FSDPConfig
 from torchtune_ac.data.samples import count_of
 from torchtune_ac.errors import UserError
+from torchtune_ac.lora.config import AdapterConfig, adapter_record
+from torchtune_ac.lora.mechanism import check_adapters
 from torchtune_ac.memory.feature import OptimizerSpec
 from torchtune_ac.memory.plan import MemoryConfig, MemoryPlan, PlannerInputs, resolve_memory_plan
 from torchtune_ac.memory.planner import MemoryEstimate, PreferenceStep, Workload
@@ -259,6 +261,8 @@ class RunPlan:
         hyperparameters: the optimizer's and the schedule's settings, recorded in every checkpoint; a resume takes
             its own config's and says what changed.
         checkpoint_dir: the Hugging Face checkpoint the run starts from (None: random initialisation).
+        adapter: the low-rank adapters on a frozen base (``lora_finetune``, ``lora_dpo``), checked against the
+            model; None: every parameter trains.
         seed: seeds the initialisation without a checkpoint, dropout and the data's order.
         output_dir: where the run writes.
         notes: what resolving found worth a warning (one sentence each).
@@ -280,6 +284,7 @@ class RunPlan:
     seed: int
     output_dir: str
     notes: tuple[str, ...] = ()
+    adapter: Optional[AdapterConfig] = None
 
     @property
     def world_size(self) -> Optional[int]:
@@ -359,6 +364,7 @@ class RunPlan:
         length = self.length
         return [
             ("model", f"{self.model.builder}: {self.model.parameters:,} parameters, {self.model.layers} layers"),
+            *([("adapter", self.adapter.describe())] if self.adapter is not None else []),
             *self.memory.describe(),
             ("dtype / device", f"{self.dtype.value} / {self.device}"
                                + (f" ({self.device_type})" if self.device == Device.AUTO.value and self.device_type
@@ -520,6 +526,7 @@ def resolve_run_plan(cfg: RunConfig, model: nn.Module, *, world_size: Optional[i
     facts = model_facts(model, cfg.model.path)
     memory = _resolve_memory(cfg, model, parallelism, device, notes, auto_choice)
     notes += _positions_note(cfg, facts)
+    adapter = _resolve_adapter(cfg, model, memory, parallelism)
     if world_size == 1 and cfg.fsdp != FSDPConfig() and not memory.shard_options():
         notes.append("fsdp.*: these settings apply only when the run has more than one process (FSDP2)")
     if device is None:
@@ -531,7 +538,8 @@ def resolve_run_plan(cfg: RunConfig, model: nn.Module, *, world_size: Optional[i
                    "max_seq_len": cfg.max_seq_len,
                    # Not its source: the files are identified by their content (RecipeState.data), wherever they lie.
                    "dataset": {key: value for key, value in cfg.dataset.as_config().items() if key != "source"},
-                   "tokenizer": cfg.tokenizer.as_config(), **memory.resume_record()}
+                   "tokenizer": cfg.tokenizer.as_config(), **memory.resume_record(),
+                   **({"adapter": adapter_record(adapter)} if adapter is not None else {})}
     hyperparameters = {"optimizer": cfg.optimizer.as_config(),
                        "lr_scheduler": cfg.lr_scheduler.as_config() if cfg.lr_scheduler is not None else None}
     return RunPlan(
@@ -552,7 +560,23 @@ def resolve_run_plan(cfg: RunConfig, model: nn.Module, *, world_size: Optional[i
         seed=cfg.seed,
         output_dir=cfg.output_dir,
         notes=tuple(notes),
+        adapter=adapter,
     )
+
+
+def _resolve_adapter(cfg: RunConfig, model: nn.Module, memory: MemoryPlan,
+                     parallelism: Parallelism) -> Optional[AdapterConfig]:
+    """The ``adapter:`` section of a recipe whose schema has one (``lora_finetune``, ``lora_dpo``), checked against
+    the meta model before any weight is loaded; None for the others."""
+    adapter = getattr(cfg, "adapter", None)  # a schema field of the adapter recipes only
+    if adapter is None:
+        return None
+    check_adapters(model, adapter, loss_chunks=memory.settings.loss_chunks)
+    if adapter.quantize_base is not None and ((parallelism.world_size or 1) > 1 or memory.shard_options()):
+        raise UserError(f"adapter.quantize_base={adapter.quantize_base.value}: the NF4 base runs on one process, "
+                        "not sharded (no FSDP2 feature: CPU offload, a world of one); set adapter.quantize_base: "
+                        "null to shard a LoRA run")
+    return adapter
 
 
 def resolve_parallelism(cfg: RunConfig, model: Optional[nn.Module], world_size: Optional[int]) -> Parallelism:

@@ -1,0 +1,62 @@
+"""Preference tuning by DPO with low-rank adapters (LoRA, DoRA; QLoRA with an NF4 base) of a Llama-style model: one
+device, or N processes sharded with FSDP2.
+
+    tune run lora_dpo --config tiny/lora_dpo
+    tune run --nproc_per_node 2 lora_dpo --config tiny/lora_dpo
+
+What is this recipe's own: its data (preference pairs, as ``full_dpo``'s) and its objective (the DPO loss of
+``training/dpo.py``) against its reference, which is the policy's own base with the adapters off
+(``lora.adapters_off``): no second model, as TRL does with a PEFT model. The adapters are the run layer's, as for
+``lora_finetune``.
+
+SIGTERM or a first Ctrl-C stops the run after the current step with a checkpoint (exit 143); a non-finite loss
+or gradient norm stops it before the optimizer takes it in, saving nothing (exit 3).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Optional
+
+from torchtune_ac.config.schema import LoRADPOConfig
+from torchtune_ac.lora.reference import BaseAsReference
+from torchtune_ac.run import preflight as library
+from torchtune_ac.run.phases import PAIRS
+from torchtune_ac.run.setup import SetupParts, run_recipe
+from torchtune_ac.training.dpo import DPOObjective
+
+CONFIG_SCHEMA = LoRADPOConfig
+plan, check_launch = library.plan, library.check_launch
+log = logging.getLogger("torchtune_ac.lora_dpo")
+
+
+def describe_reference(cfg: LoRADPOConfig) -> str:
+    """``tune validate``'s and the log's line on the loss and its reference."""
+    return (f"{cfg.dpo.loss_type.value} loss, beta {cfg.dpo.beta:g}; reference: the base with the adapters off "
+            "(no second model)")
+
+
+def preflight(cfg: LoRADPOConfig, *, strict: bool = True, world_size: Optional[int] = 1) -> list[tuple[str, str]]:
+    """``tune validate``'s lines: the run layer's, and what this recipe adds (the loss and its reference)."""
+    return [("dpo", describe_reference(cfg)), *library.preflight(cfg, strict=strict, world_size=world_size)]
+
+
+def dpo_objective(cfg: LoRADPOConfig, parts: SetupParts) -> BaseAsReference:
+    """The DPO loss against the base: each batch's reference log-probabilities come from the policy itself with
+    its adapters off, under ``no_grad``, before its own forward."""
+    if parts.run.ctx.is_rank_zero:
+        log.info("dpo: %s", describe_reference(cfg))
+    return BaseAsReference(DPOObjective(cfg.dpo, n_chunks=parts.plan.memory.settings.loss_chunks, reference=None))
+
+
+def run(cfg: LoRADPOConfig) -> None:
+    """Tune the adapters on preference pairs with the DPO loss (see the module docstring)."""
+    run_recipe(cfg, batching=PAIRS, make_objective=functools.partial(dpo_objective, cfg))
+
+
+if __name__ == "__main__":
+    from torchtune_ac.cli import recipe_main
+
+    sys.exit(recipe_main())

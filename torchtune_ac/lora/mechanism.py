@@ -1,0 +1,266 @@
+"""The adapters' mechanism: which linears are targets (``find_targets``), wrapping them in place (``apply_adapters``,
+the written order's slot), their PEFT initialisation once the base is loaded (``initialize_adapters_``), QLoRA's
+NF4 base (``quantize_base_``), switching them off (``adapters_off``: DPO's reference) and the merged weights.
+
+A wrapped linear keeps its class's behaviour and its own ``weight`` and ``bias`` under the same names (the base's
+state_dict keys, the checkpoint loader, FSDP2's groups and the per-op AC policy see the same linear), and gains
+``lora_a`` ``[r, in]``, ``lora_b`` ``[out, r]`` and, for DoRA, ``lora_magnitude`` ``[out]``, as PEFT's
+``lora_A``, ``lora_B`` and ``lora_magnitude_vector``. The forward is PEFT 0.21's (``peft/tuners/lora/layer.py``'s
+``Linear.forward``, ``dora.py``'s ``DoraLinearLayer.forward``), written from its arithmetic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchtune_ac.errors import UserError
+from torchtune_ac.lora.config import AdapterConfig, AdapterKind, QuantizeBase
+
+# NF4 as torchao quantises it (torchtune's QLoRA used the same): blocks of 64 weights, their scales quantised in
+# blocks of 256.
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+OUTPUT = "output"  # the output projection's module name (PEFT's lm_head)
+
+
+class AdaptedLinear(nn.Linear):
+    """A linear with a low-rank adapter (see the module docstring): made by ``apply_adapters`` from an ``nn.Linear``
+    (or the output projection), never built directly."""
+
+    lora_a: nn.Linear
+    lora_b: nn.Linear
+    lora_magnitude: Optional[nn.Parameter]
+    lora_scale: float
+    lora_dropout: nn.Module
+    adapters_enabled: bool
+
+    def base_forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def adapted(self, x: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """``base`` (the base linear's output on ``x``) plus the adapter's update: LoRA's ``s B A drop(x)``, or
+        DoRA's rescaling of the rows of ``W + s B A`` to ``lora_magnitude`` (PEFT's arithmetic, the norm detached)."""
+        if not self.adapters_enabled:
+            return base
+        if self.lora_magnitude is None:
+            return base + self.lora_b(self.lora_a(self.lora_dropout(x))) * self.lora_scale
+        dropped = self.lora_dropout(x)
+        if dropped is not x:  # PEFT recomputes the base's part on the dropped input (without the bias)
+            base_part = F.linear(dropped, self.dense_weight().to(x.dtype))
+        else:
+            base_part = base - self.bias if self.bias is not None else base
+        delta = self.lora_b.weight @ self.lora_a.weight  # [out, r] @ [r, in]
+        norm = torch.linalg.norm(self.dense_weight().to(x.dtype) + self.lora_scale * delta.detach().to(x.dtype),
+                                 dim=1).detach()  # [out]
+        factor = (self.lora_magnitude / norm).view(1, -1)
+        return base + (factor - 1) * base_part + factor * self.lora_b(self.lora_a(dropped)) * self.lora_scale
+
+    def dense_weight(self) -> torch.Tensor:
+        """The base weight in dense form (an NF4 weight dequantised)."""
+        weight = self.weight
+        return weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: D401 - nn.Module's
+        return self.adapted(x, self.base_forward(x))
+
+
+class AdaptedOutput(AdaptedLinear):
+    """The output projection with an adapter: the update is added to the logits before the softcap, as PEFT's
+    ``lm_head`` adapter is (transformers applies the cap after the layer)."""
+
+    softcap: Optional[float]
+
+    def forward(self, x: torch.Tensor, head=None) -> torch.Tensor:
+        if head is not None:
+            raise RuntimeError("an adapter on the output projection does not run under the chunked loss")
+        logits = self.adapted(x, self.base_forward(x))
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+
+
+def find_targets(model: nn.Module, config: AdapterConfig) -> dict[str, nn.Linear]:
+    """The linears ``config`` names, by their module names in ``model``: each whose last name part is in
+    ``targets`` (PEFT's suffix match; a mixture of experts' experts are not linears), and the output projection
+    with ``output``.
+
+    Raises:
+        UserError: a target that matches nothing, naming the linears' names that exist.
+    """
+    found: dict[str, nn.Linear] = {}
+    available: set[str] = set()
+    matched: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and name != OUTPUT:
+            leaf = name.rsplit(".", 1)[-1]
+            available.add(leaf)
+            if leaf in config.targets:
+                found[name] = module
+                matched.add(leaf)
+    missing = [t for t in config.targets if t not in matched]
+    if missing:
+        raise UserError(f"adapter.targets: {', '.join(missing)} match(es) no linear of this model; its linears are "
+                        f"{', '.join(sorted(available))} (and output: adapter.output)")
+    if config.output:
+        output = getattr(model, OUTPUT, None)
+        if not isinstance(output, nn.Linear):
+            raise UserError("adapter.output=true: this model has no output projection of its own")
+        found[OUTPUT] = output
+    return found
+
+
+def check_adapters(model: nn.Module, config: AdapterConfig, *, loss_chunks: int = 1) -> dict[str, nn.Linear]:
+    """Everything about ``config`` that the meta model can answer, before any weight is loaded (see
+    ``find_targets``): the output's adapter against tied embeddings and the chunked loss, NF4's block sizes.
+
+    Raises:
+        UserError: one line, naming the key.
+    """
+    targets = find_targets(model, config)
+    if config.output:
+        embeddings = getattr(model, "tok_embeddings", None)
+        if embeddings is not None and embeddings.weight is model.output.weight:
+            raise UserError("adapter.output=true: this model ties its output projection to its embeddings; PEFT "
+                            "adapts lm_head alone, which would untie them: set adapter.output: false")
+        if loss_chunks > 1:
+            raise UserError(f"adapter.output=true: the chunked loss (loss_chunks={loss_chunks}) computes the logits "
+                            "from the output weight itself; set loss_chunks: 1 or adapter.output: false")
+    if config.quantize_base is QuantizeBase.NF4:
+        for name, linear in targets.items():
+            if name == OUTPUT:
+                raise UserError("adapter.quantize_base=nf4 with adapter.output=true: the output projection stays in "
+                                "dtype (as torchtune's QLoRA); set adapter.output: false")
+            numel = linear.weight.numel()
+            if numel % (NF4_BLOCK * NF4_SCALER_BLOCK):
+                raise UserError(f"adapter.quantize_base=nf4: {name}.weight {tuple(linear.weight.shape)} has {numel} "
+                                f"weights, not a multiple of {NF4_BLOCK} x {NF4_SCALER_BLOCK} (torchao's NF4 blocks); "
+                                "drop its name from adapter.targets or set adapter.quantize_base: null")
+    return targets
+
+
+def apply_adapters(model: nn.Module, config: AdapterConfig, *, loss_chunks: int = 1) -> dict[str, AdaptedLinear]:
+    """Wrap the chosen linears of ``model`` (on any device: the meta one in a run) in place, and freeze every other
+    parameter: the adapters are the only trainable ones. Their values are drawn later (``initialize_adapters_``).
+
+    Returns:
+        The adapted linears by module name.
+    """
+    targets = check_adapters(model, config, loss_chunks=loss_chunks)
+    model.requires_grad_(False)
+    adapted: dict[str, AdaptedLinear] = {}
+    for name, linear in targets.items():
+        weight = linear.weight
+        out_features, in_features = weight.shape
+        factory = {"device": weight.device, "dtype": weight.dtype}
+        linear.__class__ = AdaptedOutput if name == OUTPUT else AdaptedLinear
+        linear.lora_a = nn.Linear(in_features, config.rank, bias=False, **factory)
+        linear.lora_b = nn.Linear(config.rank, out_features, bias=False, **factory)
+        linear.lora_magnitude = (nn.Parameter(torch.empty(out_features, **factory))
+                                 if config.kind is AdapterKind.DORA else None)
+        linear.lora_dropout = nn.Dropout(config.dropout) if config.dropout else nn.Identity()
+        linear.lora_scale = config.scale
+        linear.adapters_enabled = True
+        adapted[name] = linear
+    return adapted
+
+
+def adapted_linears(model: nn.Module) -> Iterator[tuple[str, AdaptedLinear]]:
+    """``model``'s adapted linears, by module name (in a sharded or compiled model too)."""
+    for name, module in model.named_modules():
+        if isinstance(module, AdaptedLinear):
+            yield clean_name(name), module
+
+
+def clean_name(name: str) -> str:
+    """A module name without the wrappers' parts (``torch.compile``'s ``_orig_mod``)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def is_adapter_parameter(name: str) -> bool:
+    """Whether a parameter name (``model.named_parameters()``) is an adapter's."""
+    leaf = name.rsplit(".", 2)
+    return "lora_a" in leaf or "lora_b" in leaf or name.endswith(".lora_magnitude")
+
+
+@torch.no_grad()
+def initialize_adapters_(model: nn.Module, *, seed: int) -> None:
+    """PEFT's initialisation, once the base weights are in place: A Kaiming-uniform (``a = sqrt(5)``, as
+    ``nn.Linear`` and PEFT), B zero, DoRA's magnitude the norms of the base's rows, so the model computes the base
+    exactly. A is drawn whole, in module order, from a generator seeded by ``seed``: the same values on any number
+    of processes (each keeps its shard)."""
+    generator = torch.Generator().manual_seed(seed)
+    for _, linear in adapted_linears(model):
+        a = linear.lora_a.weight
+        full = torch.empty(a.shape, dtype=torch.float32)
+        # kaiming_uniform_(a=sqrt(5)): gain sqrt(2 / 6), bound gain * sqrt(3 / fan_in) = 1 / sqrt(fan_in)
+        bound = 1 / math.sqrt(a.shape[1])
+        full.uniform_(-bound, bound, generator=generator)
+        copy_whole_(a, full)
+        linear.lora_b.weight.zero_()
+        if linear.lora_magnitude is not None:
+            weight = whole(linear.weight)
+            weight = weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
+            copy_whole_(linear.lora_magnitude, torch.linalg.norm(weight.float(), dim=1))
+
+
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole: a sharded DTensor gathered."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def copy_whole_(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set ``param`` (a plain tensor, or a DTensor this rank holds a shard of) to the whole ``value``."""
+    if hasattr(param, "device_mesh"):
+        from torch.distributed.tensor import distribute_tensor
+
+        value = distribute_tensor(value.to(param.dtype), param.device_mesh, param.placements)
+        param.to_local().copy_(value.to_local())
+    else:
+        param.copy_(value.to(param.dtype))
+
+
+@torch.no_grad()
+def quantize_base_(model: nn.Module) -> int:
+    """QLoRA: every adapted linear's base weight stored as torchao's ``NF4Tensor`` (frozen, dequantised for each
+    matmul). Runs on a model that is not sharded, after its weights are loaded.
+
+    Returns:
+        How many weights were quantised.
+    """
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    count = 0
+    for _, linear in adapted_linears(model):
+        weight = linear.weight
+        linear.weight = nn.Parameter(to_nf4(weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
+        count += weight.numel()
+    return count
+
+
+@contextlib.contextmanager
+def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` computing its base alone inside the block (DPO's reference: TRL's ``disable_adapter()``)."""
+    linears = [linear for _, linear in adapted_linears(model)]
+    for linear in linears:
+        linear.adapters_enabled = False
+    try:
+        yield model
+    finally:
+        for linear in linears:
+            linear.adapters_enabled = True
+
+
+@torch.no_grad()
+def merged_weight(linear: AdaptedLinear) -> torch.Tensor:
+    """The base weight with the adapter merged in (PEFT's ``merge``): ``W + s B A`` for LoRA, each row of it rescaled
+    to the magnitude for DoRA; whole tensors (call on gathered weights), in the base's dtype."""
+    weight = linear.dense_weight()
+    dtype = weight.dtype
+    weight = weight.float()
+    merged = weight + linear.lora_scale * (linear.lora_b.weight.float() @ linear.lora_a.weight.float())
+    if linear.lora_magnitude is not None:
+        merged = merged * (linear.lora_magnitude.float() / torch.linalg.norm(merged, dim=1)).view(-1, 1)
+    return merged.to(dtype)
