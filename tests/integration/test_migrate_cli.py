@@ -313,21 +313,34 @@ LORA_ARGS = """  lora_attn_modules: ['q_proj', 'v_proj', 'output_proj']
 """
 
 
-@pytest.mark.parametrize("builder, quantize_base", [("torchtune.models.llama3_1.lora_llama3_1_8b", None),
-                                                    ("torchtune.models.llama3_1.qlora_llama3_1_8b", "nf4")])
-def test_an_adapter_config_migrates_for_lora_finetune(tmp_path, capsys, builder, quantize_base):
-    """torchtune 0.6.1's llama3_1/8B_lora and 8B_qlora_single_device, as files: the full model's builder and the
-    adapter section, launched with lora_finetune."""
+@pytest.mark.parametrize("builder, quantize_base, recipe", [
+    ("torchtune.models.llama3_1.lora_llama3_1_8b", None, "lora_finetune"),
+    ("torchtune.models.llama3_1.qlora_llama3_1_8b", "nf4", "lora_finetune"),
+    ("torchtune.models.llama3_1.lora_llama3_1_8b", None, "lora_dpo"),
+])
+def test_an_adapter_config_migrates_and_validates(tmp_path, capsys, builder, quantize_base, recipe):
+    """torchtune 0.6.1's llama3_1/8B_lora, 8B_qlora_single_device and 8B_lora_dpo, as files: the full model's
+    builder and the adapter section, valid for lora_finetune or lora_dpo (the adapters found on the model)."""
     source = tmp_path / "torchtune.yaml"
-    source.write_text(torchtune_yaml(builder, "Meta-Llama-3.1-8B-Instruct", distributed=quantize_base is None,
-                                     lora=LORA_ARGS))
+    text = torchtune_yaml(builder, "Meta-Llama-3.1-8B-Instruct", distributed=quantize_base is None, lora=LORA_ARGS)
+    if recipe == "lora_dpo":  # its DPO loss and pairs (torchtune's LoRA DPO configs have no ref_checkpointer)
+        text = text.replace("torchtune.modules.loss.CEWithChunkedOutputLoss", "torchtune.rlhf.loss.DPOLoss")
+        text = text.replace("torchtune.datasets.alpaca_dataset", "torchtune.datasets.stack_exchange_paired_dataset")
+        text = text.replace("  packed: False  # True increases speed\n", "")
+    source.write_text(text)
     out, report = migrate(tmp_path, source, capsys)
     text = out.read_text()
-    assert f"#   tune run lora_finetune --config {out}\n" in text
-    assert f"#   tune run --nproc_per_node 4 lora_finetune --config {out}" in text
+    assert f"#   tune run {recipe} --config {out}\n" in text
+    assert f"#   tune run --nproc_per_node 4 {recipe} --config {out}" in text
     migrated = yaml.safe_load(text)
     assert migrated["model"] == {"_component_": "torchtune_ac.models.llama3_1_8b"}
     assert migrated["adapter"] == {"kind": "lora", "rank": 8, "alpha": 16, "dropout": 0.0,
                                    "targets": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
                                    "output": False, "quantize_base": quantize_base, "save_merged": True}
     assert ": model." not in report  # every LoRA argument is carried over
+    assert main(["validate", "--config", str(out)]) == 0, capsys.readouterr().err
+    validated = capsys.readouterr().out
+    assert f"is valid for recipe {recipe}" in validated
+    base = "NF4 (QLoRA)" if quantize_base else "in dtype"
+    assert (f"lora rank 8, alpha 16 on q_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; base frozen, {base}"
+            in validated)

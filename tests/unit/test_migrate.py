@@ -4,6 +4,7 @@ on what was not carried over or was corrected."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib
 
 import pytest
@@ -17,6 +18,8 @@ from torchtune_ac.compat.torchtune.migrate import (
     migrate_torchtune_config,
     torchtune_marker,
 )
+from torchtune_ac.config.schema import LoRADPOConfig, LoRAFinetuneConfig
+from torchtune_ac.config.validation import validate_config
 from torchtune_ac.errors import UserError
 
 CKPT = "/models/Llama-3.2-1B-Instruct"
@@ -615,6 +618,10 @@ def test_each_torchtune_adapter_config(row):
     full = f"torchtune.models.{package}.{lora_builder.split('lora_', 1)[1]}"  # lora_llama3_1_8b -> llama3_1_8b
     assert migration.config["model"] == {"_component_": MODEL_BUILDERS.get(full, FROM_HF_CONFIG)}
     assert not any(note.key.startswith("model.") for note in migration.notes if not note.carried)
+    # It passes the recipe's schema, the adapter section as written.
+    schema = LoRADPOConfig if migration.recipe == "lora_dpo" else LoRAFinetuneConfig
+    typed = validate_config(migration.config, schema, source=row[0])
+    assert dataclasses.asdict(typed.adapter) == {**adapter, "checkpoint_dir": None}
 
 
 @pytest.mark.parametrize("name, adapter", [
