@@ -58,6 +58,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
@@ -76,7 +77,8 @@ from torchtune_ac.checkpoint.files import (
     write_directory,
     write_pointer,
 )
-from torchtune_ac.checkpoint.hf import CONFIG_FILE, HFModelFiles, write_hf_files
+from torchtune_ac.checkpoint.hf import CONFIG_FILE, HFModelFiles, copy_tokenizer_files, write_hf_files
+from torchtune_ac.checkpoint.peft import AdapterFiles, write_adapter_files
 from torchtune_ac.checkpoint.manifest import (
     MANIFEST_FILE,
     check_against_manifest,
@@ -99,6 +101,9 @@ _TRAINER_STATE = f"{RECIPE_STATE_DIR}/{TRAINER_STATE_FILE}"
 # What a param group holds besides its hyper-parameters.
 _GROUP_MEMBERS = ("params", "param_names")
 log = logging.getLogger(__name__)
+# The recipe state holds what trains: a frozen base (adapters, torchtune_ac/lora/) is read again from checkpoint_dir
+# on resume, not saved a second time; for full training this is every parameter.
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
 
 
 @dataclass(frozen=True)
@@ -296,9 +301,10 @@ def save_checkpoint(
     output_dir: str | Path,
     *,
     model: nn.Module,
-    hf_files: HFModelFiles,
+    hf_files: Optional[HFModelFiles],
     optimizers: Sequence[torch.optim.Optimizer],
     state: RecipeState,
+    adapter_files: Optional[AdapterFiles] = None,
     keep_last_n: Optional[int] = None,
     tokenizer_dir: Optional[str | Path] = None,
     chat_template: Optional[str] = None,
@@ -315,8 +321,10 @@ def save_checkpoint(
 
     Args:
         model: the model, whose parameters the recipe state holds.
-        hf_files: the model's Hugging Face tensors and config.json (``torchtune_ac.models.hf_model_files``).
+        hf_files: the model's Hugging Face tensors and config.json (``torchtune_ac.models.hf_model_files``); None: a
+            run with adapters that saves them alone (the tokenizer's files are still copied).
         state: where the run stands and what a resume checks (``trainer_state.json``).
+        adapter_files: a run's adapters, written as a PEFT adapter folder (``checkpoint/peft.py``); None: none.
         keep_last_n: keep this many newest checkpoints whole and delete the others; None keeps every
             checkpoint's Hugging Face files and the recipe state of the newest ``RESUMABLE_KEPT``.
         tokenizer_dir: the tokenizer files to copy into the checkpoint.
@@ -338,11 +346,18 @@ def save_checkpoint(
         processes.barrier()  # before any rank writes there
 
     def write(tmp: Path) -> None:
-        run_on_every_rank(
-            lambda: write_hf_files(hf_files, tmp, tokenizer_dir=tokenizer_dir, chat_template=chat_template,
-                                   processes=processes),
-            where=tmp, processes=processes,
-        )
+        if hf_files is not None:
+            run_on_every_rank(
+                lambda: write_hf_files(hf_files, tmp, tokenizer_dir=tokenizer_dir, chat_template=chat_template,
+                                       processes=processes),
+                where=tmp, processes=processes,
+            )
+        elif tokenizer_dir is not None:
+            run_on_every_rank(lambda: copy_tokenizer_files(tokenizer_dir, tmp, chat_template=chat_template)
+                              if leads(processes) else None, where=tmp, processes=processes)
+        if adapter_files is not None:
+            run_on_every_rank(lambda: write_adapter_files(adapter_files, tmp, processes=processes), where=tmp,
+                              processes=processes)
         run_on_every_rank(
             lambda: _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizers=optimizers,
                                        state=state, processes=processes),
@@ -413,7 +428,8 @@ def _save_recipe_state(
     processes: Optional[DistributedContext],
 ) -> None:
     """Model + optimizer through DCP (every rank its shard), each rank's RNG state; rank 0 trainer_state.json."""
-    tensors = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
+    tensors = {"model": get_model_state_dict(model, options=TRAINED_ONLY),
+               "optimizer": get_optimizer_state_dict(model, optimizers)}
     with _single_process_dcp_quiet():
         dcp.save(tensors, checkpoint_id=state_dir, no_dist=not together(processes))
     rank = processes.rank if processes is not None else 0
@@ -501,10 +517,11 @@ def load_checkpoint(
     state_dir = checkpoint / RECIPE_STATE_DIR
     # Copied before the state dict is built: DCP loads a tensor-valued setting (torchao's lr) into it in place.
     built = [[_hyperparameters_of(group) for group in optimizer.param_groups] for optimizer in optimizers]
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizers)}
+    state = {"model": get_model_state_dict(model, options=TRAINED_ONLY),
+             "optimizer": get_optimizer_state_dict(model, optimizers)}
     with _single_process_dcp_quiet():
         dcp.load(state, checkpoint_id=state_dir, no_dist=not together(processes))
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=TRAINED_ONLY)
     set_optimizer_state_dict(model, optimizers, state["optimizer"])
     for optimizer, groups in zip(optimizers, built):
         for group, hyperparameters in zip(optimizer.param_groups, groups, strict=True):

@@ -211,6 +211,7 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
 
 
+@torch.no_grad()
 def copy_whole_(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set ``param`` (a plain tensor, or a DTensor this rank holds a shard of) to the whole ``value``."""
     if hasattr(param, "device_mesh"):
@@ -241,6 +242,23 @@ def quantize_base_(model: nn.Module) -> int:
 
 
 @contextlib.contextmanager
+def base_only(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` without its adapters' modules and parameters inside the block: what a Hugging Face checkpoint of
+    the base holds (loading the base, writing the merged model)."""
+    hidden = []
+    for _, linear in adapted_linears(model):
+        hidden.append((linear, linear._modules.pop("lora_a"), linear._modules.pop("lora_b"),
+                       linear._parameters.pop("lora_magnitude", None)))
+    try:
+        yield model
+    finally:
+        for linear, lora_a, lora_b, magnitude in hidden:
+            linear._modules["lora_a"], linear._modules["lora_b"] = lora_a, lora_b
+            if magnitude is not None:
+                linear._parameters["lora_magnitude"] = magnitude
+
+
+@contextlib.contextmanager
 def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` computing its base alone inside the block (DPO's reference: TRL's ``disable_adapter()``)."""
     linears = [linear for _, linear in adapted_linears(model)]
@@ -254,13 +272,35 @@ def adapters_off(model: nn.Module) -> Iterator[nn.Module]:
 
 
 @torch.no_grad()
+def merge_rows(weight: torch.Tensor, lora_b: torch.Tensor, lora_a: torch.Tensor, magnitude: Optional[torch.Tensor],
+               scale: float) -> torch.Tensor:
+    """Rows of the base weight with the adapter merged in (PEFT's ``merge``): ``W + s B A`` for LoRA, each row of
+    it rescaled to its magnitude for DoRA; computed in float32, returned in ``weight``'s dtype.
+
+    Args:
+        weight: ``[rows, in]`` (all the base's rows, or this rank's shard of them).
+        lora_b: ``[rows, r]``, the same rows of B.
+        lora_a: ``[r, in]``, A whole.
+        magnitude: ``[rows]``, the same rows of DoRA's magnitude; None for LoRA.
+    """
+    merged = weight.float() + scale * (lora_b.float() @ lora_a.float())
+    if magnitude is not None:
+        merged = merged * (magnitude.float() / torch.linalg.norm(merged, dim=1)).view(-1, 1)
+    return merged.to(weight.dtype)
+
+
 def merged_weight(linear: AdaptedLinear) -> torch.Tensor:
-    """The base weight with the adapter merged in (PEFT's ``merge``): ``W + s B A`` for LoRA, each row of it rescaled
-    to the magnitude for DoRA; whole tensors (call on gathered weights), in the base's dtype."""
-    weight = linear.dense_weight()
-    dtype = weight.dtype
-    weight = weight.float()
-    merged = weight + linear.lora_scale * (linear.lora_b.weight.float() @ linear.lora_a.weight.float())
-    if linear.lora_magnitude is not None:
-        merged = merged * (linear.lora_magnitude.float() / torch.linalg.norm(merged, dim=1)).view(-1, 1)
-    return merged.to(dtype)
+    """``linear``'s merged weight (``merge_rows``) as its base weight is held: a plain tensor, or a DTensor of this
+    rank's rows when FSDP2 shards it (B and DoRA's magnitude are split along the same rows; A is gathered)."""
+    weight, magnitude = linear.weight, linear.lora_magnitude
+    if not hasattr(weight, "device_mesh"):
+        return merge_rows(linear.dense_weight(), linear.lora_b.weight, linear.lora_a.weight, magnitude,
+                          linear.lora_scale)
+    from torch.distributed.tensor import DTensor
+
+    for other in (linear.lora_b.weight, magnitude):
+        if other is not None and other.placements != weight.placements:
+            raise ValueError(f"the adapter's rows are split as {other.placements}, the base's as {weight.placements}")
+    rows = merge_rows(weight.to_local(), linear.lora_b.weight.to_local(), whole(linear.lora_a.weight),
+                      None if magnitude is None else magnitude.to_local(), linear.lora_scale)
+    return DTensor.from_local(rows, weight.device_mesh, weight.placements, shape=weight.shape, stride=weight.stride())

@@ -214,7 +214,7 @@ def build_optimizer(
     reduced gradients.
 
     Args:
-        make_optimizer: the config's optimizer, called with the parameters (all, or one at a time).
+        make_optimizer: the config's optimizer, called with the parameters that train (all, or one at a time).
         model: the model to train.
         in_backward: step each parameter in backward.
 
@@ -224,7 +224,8 @@ def build_optimizer(
     if in_backward:
         return InBackwardStepper(OptimizerInBackward(model.named_parameters(), lambda params: make_optimizer(params),
                                                      wait_for_gradient=offloaded_gradient_wait(model)))
-    return OptimizerStepper(make_optimizer(model.parameters()))
+    # Only what trains has state: a frozen base (adapters, ``torchtune_ac/lora/``) has none.
+    return OptimizerStepper(make_optimizer([p for p in model.parameters() if p.requires_grad]))
 
 
 # ----------------------------------------------------------------------------------------------------- the feature

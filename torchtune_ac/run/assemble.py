@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchtune_ac.lora.config import AdapterConfig
-from torchtune_ac.lora.mechanism import apply_adapters
+from torchtune_ac.lora.mechanism import apply_adapters, base_only
 from torchtune_ac.lora.weights import load_or_initialize_adapters_
 from torchtune_ac.memory.activation_offloading import apply_activation_offloading
 from torchtune_ac.memory.feature import MakeOptimizer
@@ -192,10 +192,11 @@ def build_training(
     if not sharded:
         retie_parameters(model)  # FSDP keeps ties through to_empty; a plain module does not
     # 9. Load or initialise: the checkpoint's weights (each rank reads only its shard), or drawn from the seed.
-    if load_weights and plan.checkpoint_dir is not None:
-        load_hf_weights_(model, plan.checkpoint_dir)
-    elif load_weights:
-        initialize_weights_(model, pristine, dtype=plan.dtype.torch, seed=plan.seed, sharded=sharded)
+    with base_only(model):  # the base's weights alone: what the checkpoint holds
+        if load_weights and plan.checkpoint_dir is not None:
+            load_hf_weights_(model, plan.checkpoint_dir)
+        elif load_weights:
+            initialize_weights_(model, pristine, dtype=plan.dtype.torch, seed=plan.seed, sharded=sharded)
     if load_weights and plan.adapter is not None and not frozen:
         # ...then the adapters: PEFT's values (B zero), or a PEFT folder's; QLoRA's base stored in NF4.
         load_or_initialize_adapters_(model, plan.adapter, seed=plan.seed)

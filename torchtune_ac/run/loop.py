@@ -20,6 +20,7 @@ import torch
 
 from torchtune_ac.checkpoint import Progress, RecipeState, read_hf_config, save_checkpoint
 from torchtune_ac.errors import RunStopped
+from torchtune_ac.lora.export import adapter_files, merged_model_files
 from torchtune_ac.models import hf_model_files
 from torchtune_ac.observability.metric_logging import open_run_log
 from torchtune_ac.observability.metrics import MemoryPeaks
@@ -192,12 +193,18 @@ class TrainingLoop:
         """A checkpoint of the current step (every rank takes part): the model as a Hugging Face checkpoint with the
         tokenizer's files, and the recipe state a resume continues from (what the run's plan says a resume keeps,
         the hyper-parameters and the data's identity)."""
-        run, model, tokenizer = self.run, self.training.model, self.tokenizer
+        run, model, tokenizer, adapter = self.run, self.training.model, self.tokenizer, self.plan.adapter
+        token_ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
+        # With adapters: they alone, as a PEFT folder, and the merged model when asked (``torchtune_ac/lora/``).
+        hf_files = (hf_model_files(model, base_config=self.base_config, **token_ids) if adapter is None
+                    else merged_model_files(model, base_config=self.base_config, **token_ids) if adapter.save_merged
+                    else None)
         path = save_checkpoint(
             run.cfg.output_dir,
             model=model,
-            hf_files=hf_model_files(model, base_config=self.base_config, bos_token_id=tokenizer.bos_id,
-                                    eos_token_id=tokenizer.eos_id),
+            hf_files=hf_files,
+            adapter_files=(None if adapter is None
+                           else adapter_files(model, adapter, base_model=self.plan.checkpoint_dir)),
             optimizers=self.training.stepper.optimizers_to_checkpoint(),
             state=RecipeState(run.progress, self.plan.resume_shape(), dict(self.plan.hyperparameters),
                                self.data.identity),

@@ -31,7 +31,7 @@ from torchtune_ac.config.schema import Device, FSDPConfig
 from torchtune_ac.data.samples import count_of
 from torchtune_ac.errors import UserError
 from torchtune_ac.lora.config import AdapterConfig, adapter_record
-from torchtune_ac.lora.mechanism import check_adapters
+from torchtune_ac.lora.weights import check_adapter_start
 from torchtune_ac.memory.feature import OptimizerSpec
 from torchtune_ac.memory.plan import MemoryConfig, MemoryPlan, PlannerInputs, resolve_memory_plan
 from torchtune_ac.memory.planner import MemoryEstimate, PreferenceStep, Workload
@@ -571,7 +571,7 @@ def _resolve_adapter(cfg: RunConfig, model: nn.Module, memory: MemoryPlan,
     adapter = getattr(cfg, "adapter", None)  # a schema field of the adapter recipes only
     if adapter is None:
         return None
-    check_adapters(model, adapter, loss_chunks=memory.settings.loss_chunks)
+    check_adapter_start(model, adapter, loss_chunks=memory.settings.loss_chunks)
     if adapter.quantize_base is not None and ((parallelism.world_size or 1) > 1 or memory.shard_options()):
         raise UserError(f"adapter.quantize_base={adapter.quantize_base.value}: the NF4 base runs on one process, "
                         "not sharded (no FSDP2 feature: CPU offload, a world of one); set adapter.quantize_base: "

@@ -98,7 +98,8 @@ def setup_training(run: Run, *, batching: Batching = SAMPLES,
     resume_from = choose_resume(cfg, ctx).checkpoint
     training = build_training(
         model, plan, ctx=ctx, mesh=mesh, objective=objective,
-        load_weights=resume_from is None,  # a resume loads its own
+        # A resume loads its own; with adapters, only those: the frozen base is read from checkpoint_dir again.
+        load_weights=resume_from is None or plan.adapter is not None,
         make_optimizer=cfg.optimizer.instantiate,
         make_scheduler=None if cfg.lr_scheduler is None else (
             lambda optimizer: cfg.lr_scheduler.instantiate(optimizer, num_training_steps=plan.length.total_steps)),
