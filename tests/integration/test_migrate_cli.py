@@ -18,8 +18,9 @@ from torchtune_ac.registry import builtin_config_path
 
 
 def torchtune_yaml(builder: str, model_dir: str, *, distributed: bool, meta_checkpoint: bool = False,
-                   loss: str = "torchtune.modules.loss.CEWithChunkedOutputLoss") -> str:
-    """A torchtune 0.6 full fine-tuning config, laid out as its shipped llama3*/*_full*.yaml are."""
+                   loss: str = "torchtune.modules.loss.CEWithChunkedOutputLoss", lora: str = "") -> str:
+    """A torchtune 0.6 full fine-tuning config, laid out as its shipped llama3*/*_full*.yaml are (``lora``: the
+    LoRA builder arguments under ``model``, as its *_lora*.yaml have them)."""
     if meta_checkpoint:
         checkpointer = f"""checkpointer:
   _component_: torchtune.training.FullModelMetaCheckpointer
@@ -83,7 +84,7 @@ shuffle: True
 # Model Arguments
 model:
   _component_: {builder}
-
+{lora}
 {checkpointer}
 resume_from_checkpoint: False
 
@@ -301,3 +302,45 @@ def test_other_families_migrate_and_validate(tmp_path, capsys, builder, tokenize
     assert main(["validate", "--config", str(out)]) == 0, capsys.readouterr().err
     if builder in CHECKPOINT_CONFIGS:
         assert f"from_hf_config: {CHECKPOINT_CONFIGS[builder][2]} parameters" in capsys.readouterr().out
+
+
+LORA_ARGS = """  lora_attn_modules: ['q_proj', 'v_proj', 'output_proj']
+  apply_lora_to_mlp: True
+  apply_lora_to_output: False
+  lora_rank: 8  # higher increases accuracy and memory
+  lora_alpha: 16  # usually alpha=2*rank
+  lora_dropout: 0.0
+"""
+
+
+@pytest.mark.parametrize("builder, quantize_base, recipe", [
+    ("torchtune.models.llama3_1.lora_llama3_1_8b", None, "lora_finetune"),
+    ("torchtune.models.llama3_1.qlora_llama3_1_8b", "nf4", "lora_finetune"),
+    ("torchtune.models.llama3_1.lora_llama3_1_8b", None, "lora_dpo"),
+])
+def test_an_adapter_config_migrates_and_validates(tmp_path, capsys, builder, quantize_base, recipe):
+    """torchtune 0.6.1's llama3_1/8B_lora, 8B_qlora_single_device and 8B_lora_dpo, as files: the full model's
+    builder and the adapter section, valid for lora_finetune or lora_dpo (the adapters found on the model)."""
+    source = tmp_path / "torchtune.yaml"
+    text = torchtune_yaml(builder, "Meta-Llama-3.1-8B-Instruct", distributed=quantize_base is None, lora=LORA_ARGS)
+    if recipe == "lora_dpo":  # its DPO loss and pairs (torchtune's LoRA DPO configs have no ref_checkpointer)
+        text = text.replace("torchtune.modules.loss.CEWithChunkedOutputLoss", "torchtune.rlhf.loss.DPOLoss")
+        text = text.replace("torchtune.datasets.alpaca_dataset", "torchtune.datasets.stack_exchange_paired_dataset")
+        text = text.replace("  packed: False  # True increases speed\n", "")
+    source.write_text(text)
+    out, report = migrate(tmp_path, source, capsys)
+    text = out.read_text()
+    assert f"#   tune run {recipe} --config {out}\n" in text
+    assert f"#   tune run --nproc_per_node 4 {recipe} --config {out}" in text
+    migrated = yaml.safe_load(text)
+    assert migrated["model"] == {"_component_": "torchtune_ac.models.llama3_1_8b"}
+    assert migrated["adapter"] == {"kind": "lora", "rank": 8, "alpha": 16, "dropout": 0.0,
+                                   "targets": ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                                   "output": False, "quantize_base": quantize_base, "save_merged": True}
+    assert ": model." not in report  # every LoRA argument is carried over
+    assert main(["validate", "--config", str(out)]) == 0, capsys.readouterr().err
+    validated = capsys.readouterr().out
+    assert f"is valid for recipe {recipe}" in validated
+    base = "NF4 (QLoRA)" if quantize_base else "in dtype"
+    assert (f"lora rank 8, alpha 16 on q_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; base frozen, {base}"
+            in validated)

@@ -1,6 +1,8 @@
-"""``tune migrate``: turn a torchtune (0.6) full fine-tuning config into a torchtune_ac config: ``full_finetune_*``
-configs into ``full_finetune`` ones, ``full_dpo_distributed`` configs (a ``ref_checkpointer``, a DPO loss, a
-preference dataset) into ``full_dpo`` ones.
+"""``tune migrate``: turn a torchtune (0.6) config into a torchtune_ac config: ``full_finetune_*`` configs into
+``full_finetune`` ones, ``full_dpo_distributed`` configs (a ``ref_checkpointer``, a DPO loss, a preference dataset)
+into ``full_dpo`` ones, and their adapter twins (a ``lora_``/``qlora_`` model builder: ``lora_finetune_*``,
+``qat_lora_finetune_distributed``, ``lora_dpo_*``) into ``lora_finetune`` and ``lora_dpo`` ones, the builder's LoRA
+arguments as the ``adapter`` section.
 
 Everything torchtune-specific lives here: the tables from torchtune's components and keys to ours, and the
 notes on what could not be carried over (the model builders come from the families, each declaring the torchtune
@@ -106,6 +108,18 @@ DPO_LOSSES = ("torchtune.rlhf.loss.DPOLoss", "torchtune.modules.rlhf.loss.DPOLos
 RLHF_LOSSES = "torchtune.rlhf.loss."
 METRIC_LOGGERS = "torchtune.training.metric_logging."
 
+# torchtune's LoRA builder arguments -> the adapter section. Its attention names -> PEFT's target_modules names (the
+# adapter section's), in PEFT's order; apply_lora_to_mlp adds the three MLP projections (torchtune's w1, w3, w2).
+LORA_ATTN_TARGETS = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
+LORA_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+ADAPTER_TARGET_ORDER = (*LORA_ATTN_TARGETS.values(), *LORA_MLP_TARGETS)
+# torchtune's LoRA builders' defaults (every lora_* builder of 0.6.1 shares them).
+LORA_DEFAULTS = {"lora_rank": 8, "lora_alpha": 16, "lora_dropout": 0.0, "apply_lora_to_mlp": False,
+                 "apply_lora_to_output": False, "use_dora": False, "quantize_base": False}
+LORA_MODEL_ARGS = ("lora_attn_modules", *LORA_DEFAULTS)
+# Knowledge distillation configs (knowledge_distillation_*): a teacher beside the LoRA student.
+DISTILLATION_KEYS = ("teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio")
+
 # Keys copied unchanged: same name and meaning here, as the schema marks them (``torchtune: same``). The memory
 # switches' keys (ours, top-level) are written when they differ from our default.
 SAME_KEYS = tuple(f.name for f in dataclasses.fields(FullFinetuneConfig) if f.metadata.get("torchtune") == "same")
@@ -131,6 +145,10 @@ _NOT_CARRIED_OVER = {
     "enable_async_checkpointing": "checkpoints are written synchronously",
     "cudnn_deterministic_mode": "not configurable",
     "collate_fn": "batches are padded, or packed rows when dataset.packed is true; the collate function is fixed",
+    "quantizer": "quantization-aware training is not supported: the model trains against its unquantised weights "
+    "(no fake quantisation), so the result is not prepared for that quantizer",
+    "low_cpu_ram": "not configurable (torchtune's QLoRA option to keep the state dict off host memory while "
+    "quantising)",
 }
 _SCHEMA_KEYS = {f.name for f in dataclasses.fields(FullFinetuneConfig)} | set(MEMORY_KEYS) | set(AC_KEYS) | set(FSDP_KEYS)
 UNSUPPORTED_KEYS = {key: why for key, why in _NOT_CARRIED_OVER.items() if key not in _SCHEMA_KEYS}
@@ -144,12 +162,14 @@ HARMLESS_VALUES = {
     "enable_async_checkpointing": (False, None),
     "cudnn_deterministic_mode": (False, None),
     "collate_fn": (None, "torchtune.data.padded_collate_sft"),
+    "low_cpu_ram": (False, None),
 }
 
 # Key order and blank-line-separated sections of the YAML we write (as in the shipped configs).
 OUTPUT_SECTIONS = (
     ("output_dir", "checkpoint_dir", "resume_from_checkpoint", "ref_checkpoint_dir"),
     ("model", "tokenizer", "dataset", "max_seq_len", "dataset_val", "run_val_every_n_steps", "batch_size_val"),
+    ("adapter",),
     ("dpo",),
     ("seed", "shuffle", "batch_size", "epochs", "max_steps_per_epoch", "gradient_accumulation_steps",
      "clip_grad_norm", "optimizer", "lr_scheduler", *MEMORY_KEYS),
@@ -181,8 +201,8 @@ class MigrationNote:
 @dataclass(frozen=True)
 class Migration:
     """Our config (plain values, in our key order), the notes about what changed or was left behind, the recipe
-    it is for (``full_finetune`` or ``full_dpo``), and the user's own components it names (``--allow-component``
-    each, to run it)."""
+    it is for (``full_finetune``, ``full_dpo``, ``lora_finetune`` or ``lora_dpo``), and the user's own components it
+    names (``--allow-component`` each, to run it)."""
 
     config: dict[str, Any]
     notes: tuple[MigrationNote, ...]
@@ -192,6 +212,13 @@ class Migration:
     def flags(self) -> str:
         """The ``--allow-component`` flags its commands need ("" when none)."""
         return "".join(f" --allow-component {path}" for path in self.allow)
+
+
+def adapter_builder(tt: Mapping[str, Any]) -> Optional[str]:
+    """The model builder of a torchtune adapter config (``lora_llama3_1_8b``, ``qlora_qwen2_5_7b``, ...), or None."""
+    model = tt.get("model")
+    path = model.get(COMPONENT_KEY) if isinstance(model, Mapping) else None
+    return path if isinstance(path, str) and ADAPTER_NAME.search(path.rsplit(".", 1)[-1]) else None
 
 
 def is_preference_config(tt: Mapping[str, Any]) -> bool:
@@ -208,6 +235,7 @@ class _Migrator:
     def __init__(self, tt: Mapping[str, Any]) -> None:
         self.tt = tt
         self.preference = is_preference_config(tt)
+        self.adapter = adapter_builder(tt) is not None
         self.out: dict[str, Any] = {}
         self.notes: list[MigrationNote] = []
         self.handled: set[str] = set()
@@ -224,6 +252,10 @@ class _Migrator:
         self.notes.append(MigrationNote(key, message, carried=True))
 
     def run(self) -> Migration:
+        distillation = [key for key in DISTILLATION_KEYS if key in self.tt]
+        if distillation:
+            raise UserError(f"{distillation[0]}: a knowledge distillation config (torchtune's "
+                            "knowledge_distillation_* recipes); distillation has no recipe in torchtune_ac")
         self.migrate_output_and_checkpoint()
         if self.preference:
             self.migrate_reference()
@@ -251,8 +283,8 @@ class _Migrator:
                 self.dropped(key, UNSUPPORTED_KEYS[key] + suffix)
             else:
                 self.dropped(key, "no such setting in torchtune_ac")
-        return Migration(_ordered(self.out), tuple(self.notes), "full_dpo" if self.preference else "full_finetune",
-                         tuple(dict.fromkeys(self.allow)))
+        recipe = f"{'lora' if self.adapter else 'full'}_{'dpo' if self.preference else 'finetune'}"
+        return Migration(_ordered(self.out), tuple(self.notes), recipe, tuple(dict.fromkeys(self.allow)))
 
     # ------------------------------------------------------------------------------------- sections
 
@@ -315,7 +347,10 @@ class _Migrator:
             "model.safetensors.index.json when sharded)",
             "recipe_checkpoint": "resume_from_checkpoint continues from the newest checkpoint in output_dir",
             "model_type": "the architecture comes from `model`, checked against checkpoint_dir/config.json",
-            "adapter_checkpoint": "adapters (LoRA) are not supported: this is full fine-tuning",
+            "adapter_checkpoint": "torchtune read it only to resume (with resume_from_checkpoint), which here "
+            "continues from the newest checkpoint in output_dir; to start from an adapter, set adapter.checkpoint_dir "
+            "to a PEFT adapter folder (adapter_config.json and adapter_model.safetensors, which torchtune 0.6 wrote "
+            "beside adapter_model.pt)" if self.adapter else "a full fine-tuning config trains no adapters",
             "safe_serialization": "checkpoints are always written as safetensors",
         }
         files = checkpointer.get("checkpoint_files")
@@ -333,7 +368,13 @@ class _Migrator:
 
     def migrate_reference(self) -> None:
         """``ref_checkpointer`` (full_dpo_distributed's reference weights) as ``ref_checkpoint_dir``: left out (the
-        reference is the starting weights) when it is the checkpointer's folder."""
+        reference is the starting weights) when it is the checkpointer's folder. LoRA DPO's reference is the base
+        with its adapters off: no ``ref_checkpointer`` is read."""
+        if self.adapter:
+            if self.take("ref_checkpointer") is not None:
+                self.dropped("ref_checkpointer", "lora_dpo's reference is the base model with its adapters off (no "
+                             "second model in memory): its weights are checkpoint_dir's")
+            return
         reference = self.take("ref_checkpointer")
         if not isinstance(reference, Mapping) or reference.get("checkpoint_dir") is None:
             raise UserError("ref_checkpointer.checkpoint_dir: missing; the reference model's weights are needed (its "
@@ -351,6 +392,17 @@ class _Migrator:
     def migrate_model(self) -> None:
         model = self.take("model")
         path = model.get(COMPONENT_KEY) if isinstance(model, Mapping) else None
+        if self.adapter:
+            # lora_llama3_1_8b, qlora_qwen2_5_7b: the full model's builder, and its LoRA arguments as the adapter.
+            package, name = path.rsplit(".", 1)
+            full = f"{package}.{ADAPTER_NAME.sub('', name, count=1).lstrip('_')}"
+            if full not in MODEL_BUILDERS and _architecture_of(full) is None:
+                packages = ", ".join(sorted(p.rsplit(".", 1)[-1] for p in MODEL_PACKAGES))
+                raise UserError(f"model._component_={path}: an adapter on a model with no equivalent in torchtune_ac "
+                                f"(adapters go on the full models of {packages})")
+            self.migrate_adapter(path, model)
+            model = {**{k: v for k, v in model.items() if k not in LORA_MODEL_ARGS}, COMPONENT_KEY: full}
+            path = full
         family = _architecture_of(path)
         if path in MODEL_BUILDERS:
             ours = MODEL_BUILDERS[path]
@@ -360,14 +412,6 @@ class _Migrator:
             ours = FROM_HF_CONFIG
             self.changed("model._component_", f"{path.rsplit('.', 1)[-1]} is a {family} model with no builder of "
                          "its own here: from_hf_config builds the one checkpoint_dir's config.json describes")
-        elif isinstance(path, str) and ADAPTER_NAME.search(path.rsplit(".", 1)[-1]):
-            full = ADAPTER_NAME.sub("", path.rsplit(".", 1)[-1], count=1).lstrip("_")
-            package = path.rsplit(".", 1)[0]
-            instead = (f"; to train every weight instead, set model._component_={package}.{full} and migrate again "
-                       "(full fine-tuning needs more memory: see tune plan)"
-                       if f"{package}.{full}" in MODEL_BUILDERS or _architecture_of(f"{package}.{full}") else "")
-            raise UserError(f"model._component_={path}: an adapter (LoRA, QLoRA, DoRA) model; adapters are not "
-                            f"supported here, only full fine-tuning{instead}")
         elif _is_moe_builder(path):
             raise UserError(f"model._component_={path}: a mixture-of-experts builder; tune migrate does not carry "
                             "torchtune's MoE models over: start from this product's own MoE configs (tune cp "
@@ -382,6 +426,36 @@ class _Migrator:
         for name in model:
             if name != COMPONENT_KEY:
                 self.dropped(f"model.{name}", f"not an argument of {ours}")
+
+    def migrate_adapter(self, path: str, model: Mapping[str, Any]) -> None:
+        """A torchtune LoRA builder's arguments (``lora_attn_modules``, ``apply_lora_to_mlp``, ``lora_rank``, ...,
+        ``use_dora``, ``quantize_base`` or a ``qlora_`` builder) and ``save_adapter_weights_only`` as the
+        ``adapter`` section."""
+        args = {**LORA_DEFAULTS, **{k: v for k, v in model.items() if k in LORA_MODEL_ARGS}}
+        attention = args.get("lora_attn_modules")
+        if not isinstance(attention, list):
+            raise UserError(f"model.lora_attn_modules={_show(attention)}: expected a list of "
+                            f"{', '.join(LORA_ATTN_TARGETS)} (the attention projections that get LoRA)")
+        unknown = [name for name in attention if name not in LORA_ATTN_TARGETS]
+        if unknown:
+            raise UserError(f"model.lora_attn_modules: {unknown[0]!r} is not one of torchtune's attention "
+                            f"projections ({', '.join(LORA_ATTN_TARGETS)})")
+        targets = {LORA_ATTN_TARGETS[name] for name in attention}
+        if args["apply_lora_to_mlp"]:
+            targets |= set(LORA_MLP_TARGETS)
+        quantized = path.rsplit(".", 1)[-1].startswith("qlora_") or bool(args["quantize_base"])
+        # torchtune saved the merged model beside the adapters unless told not to.
+        adapter_only = self.take("save_adapter_weights_only", False)
+        self.out["adapter"] = {
+            "kind": "dora" if args["use_dora"] else "lora",
+            "rank": args["lora_rank"],
+            "alpha": args["lora_alpha"],
+            "dropout": args["lora_dropout"],
+            "targets": [name for name in ADAPTER_TARGET_ORDER if name in targets],
+            "output": bool(args["apply_lora_to_output"]),
+            "quantize_base": "nf4" if quantized else None,
+            "save_merged": not adapter_only,
+        }
 
     def migrate_tokenizer(self) -> None:
         tokenizer = self.take("tokenizer")
@@ -693,6 +767,9 @@ class _Migrator:
             self.changed(key, message)
 
     def migrate_fsdp(self) -> None:
+        if self.take("fsdp") is not None:
+            self.dropped("fsdp", "torchtune's recipes never read an fsdp section (they read the top-level fsdp_* "
+                         "keys), and neither is it carried over")
         defaults = FSDPConfig()
         for torchtune_key, key in FSDP_KEYS.items():
             value = self.take(torchtune_key)
