@@ -25,9 +25,9 @@ from typing import Optional
 from torch import nn
 
 from torchtune_ac.config.schema import FullDPOConfig
+from torchtune_ac.data.batching import PAIRS
 from torchtune_ac.run import preflight as library
 from torchtune_ac.run.assemble import build_reference
-from torchtune_ac.run.phases import PAIRS
 from torchtune_ac.run.reference import precompute_reference
 from torchtune_ac.run.setup import SetupParts, run_recipe
 from torchtune_ac.training.dpo import DPOObjective, ReferenceMode, describe_dpo

@@ -18,8 +18,8 @@ from __future__ import annotations
 import sys
 
 from torchtune_ac.config.schema import FullFinetuneConfig
+from torchtune_ac.data.batching import SAMPLES
 from torchtune_ac.run import preflight as library
-from torchtune_ac.run.phases import SAMPLES
 from torchtune_ac.run.setup import run_recipe
 
 CONFIG_SCHEMA = FullFinetuneConfig

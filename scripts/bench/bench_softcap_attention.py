@@ -43,7 +43,7 @@ from _benchlib import write_report  # noqa: E402
 
 from torchtune_ac.models.attention import (  # noqa: E402
     _per_document_attention,
-    _softcapped_attention,
+    _explicit_attention,
     causal_attention,
     document_runs,
 )
@@ -118,7 +118,7 @@ def make_case(args: argparse.Namespace, seq_len: int, window: Optional[int], n_d
 
     def explicit(q, k, v):
         if runs is None:
-            out = _softcapped_attention(q, k, v, dropout_p=0.0, gqa=gqa, softcap=args.softcap, **options)
+            out = _explicit_attention(q, k, v, dropout_p=0.0, gqa=gqa, softcap=args.softcap, **options)
             return out.transpose(1, 2)
         return _per_document_attention(q, k, v, runs=runs, dropout_p=0.0, gqa=gqa, softcap=args.softcap, **options)
 

@@ -28,7 +28,7 @@ ARGS = dataclasses.replace(GEMMA2_2B, vocab_size=VOCAB, dim=256, n_layers=2, n_h
 def explicit_scores(q, k, v, *, runs, gqa, scale, window, softcap, kernel=None):
     """The explicit-scores path, standing in for FlexAttention."""
     if runs is None:
-        return attention._softcapped_attention(q, k, v, dropout_p=0.0, gqa=gqa, scale=scale, window=window,
+        return attention._explicit_attention(q, k, v, dropout_p=0.0, gqa=gqa, scale=scale, window=window,
                                                softcap=softcap).transpose(1, 2)
     return attention._per_document_attention(q, k, v, runs=runs, dropout_p=0.0, gqa=gqa, scale=scale, window=window,
                                              softcap=softcap)
@@ -62,7 +62,7 @@ def test_compiled_flex_attention_equals_the_explicit_scores_in_bf16(monkeypatch,
            if packed else None)
     tokens = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(1)).cuda()
     with monkeypatch.context() as patch:
-        patch.setattr(attention, "flex_softcapped_attention", explicit_scores)
+        patch.setattr(attention, "flex_explicit_attention", explicit_scores)
         expected_logits, expected_grads = forward_backward(build(), tokens, ids)
     calls = []
     compiled = attention._COMPILED_FLEX_ATTENTION

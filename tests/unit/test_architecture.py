@@ -240,17 +240,19 @@ def test_which_process_this_is_is_answered_by_the_one_context():
 
 def test_the_parallelism_is_decided_once_and_held_once():
     """The degrees are checked against the world size in one place (``Parallelism``), the config's
-    ``tensor_parallel_dim`` becomes a degree in one place (``resolve_parallelism``), and nothing asks torch for the
-    world size or a rank but the one function that describes an initialised group (``process_group_context``)."""
-    checks, reads, asks = [], [], []
+    ``tensor_parallel_dim`` and ``expert_parallel_dim`` each become a degree in one place (``resolve_parallelism``),
+    and nothing asks torch for the world size or a rank but the one function that describes an initialised group
+    (``process_group_context``)."""
+    checks, asks = [], []
+    reads: dict[str, list[str]] = {"cfg.tensor_parallel_dim": [], "cfg.expert_parallel_dim": []}
     for path in _source_files():
         relative = str(path.relative_to(PACKAGE))
         text = path.read_text()
         if re.search(r"world_size\s*%\s*\(", text):
             checks.append(relative)
-        if "cfg.tensor_parallel_dim" in text:
-            reads.append(relative)
+        for key, readers in reads.items():
+            readers += [relative] * text.count(key)
         asks += [relative] * len(re.findall(r"dist\.get_(?:world_size|rank)\(", text))
     assert checks == ["runtime/parallelism.py"]
-    assert reads == ["run/plan.py"] and Path(PACKAGE / "run/plan.py").read_text().count("cfg.tensor_parallel_dim") == 1
+    assert reads == {"cfg.tensor_parallel_dim": ["run/plan.py"], "cfg.expert_parallel_dim": ["run/plan.py"]}
     assert asks == ["runtime/distributed.py", "runtime/distributed.py"]

@@ -6,7 +6,7 @@ carry over. Nothing downstream reads raw config keys: recipes receive these data
 settings on whole (``cfg.ac``, ``cfg.memory``, ``cfg.fsdp``).
 
 Groups of keys are written beside the subsystem that uses them, and composed here: ``ACConfig``
-(``activation_checkpointing/config.py``), ``MemoryConfig`` (``memory/plan.py``) and ``FSDPConfig`` (``runtime/distributed.py``,
+(``activation_checkpointing/config.py``), ``MemoryConfig`` (``memory/feature.py``) and ``FSDPConfig`` (``parallel/fsdp.py``,
 the ``fsdp.*`` keys). A group marked ``flatten`` keeps its keys at the top level of the YAML (``ac_mode: full``,
 not ``ac: {mode: full}``), as torchtune names them.
 """
@@ -20,7 +20,7 @@ from typing import ClassVar, Mapping, Optional
 
 from torchtune_ac.config.components import Component
 from torchtune_ac.config_key import config_key
-from torchtune_ac.data import PreferenceDataset, TokenizedDataset
+from torchtune_ac.data.batching import PAIRS, SAMPLES, Batching
 from torchtune_ac.errors import UserError
 from torchtune_ac.lora.config import AdapterConfig
 from torchtune_ac.memory.feature import MemoryConfig
@@ -44,12 +44,8 @@ class Device(str, enum.Enum):
 # A key torchtune has too, with the same name and meaning: tune migrate copies it unchanged.
 SAME = "same"
 
-# What each recipe trains on: the type its dataset builders return, what it is called, and the builders.
-SAMPLES = (TokenizedDataset, "samples", "torchtune_ac.data.instruct_dataset, chat_dataset or text_dataset")
-PAIRS = (PreferenceDataset, "preference pairs", "torchtune_ac.data.preference_dataset")
-
-
-def check_dataset_kinds(cfg: "FullFinetuneConfig", recipe: str, wanted: tuple, other: tuple, other_recipe: str) -> None:
+def check_dataset_kinds(cfg: "FullFinetuneConfig", recipe: str, wanted: Batching, other: Batching,
+                        other_recipe: str) -> None:
     """Refuse a ``dataset`` or ``dataset_val`` whose builder returns the other recipe's kind of data (read from its
     return annotation; a builder without one is checked on its first sample, ``phases.build_data``).
 
@@ -64,10 +60,11 @@ def check_dataset_kinds(cfg: "FullFinetuneConfig", recipe: str, wanted: tuple, o
             returned = typing.get_type_hints(component.target()).get("return")
         except Exception:  # noqa: BLE001 - an annotation that cannot be resolved says nothing: checked at run time
             continue
-        if isinstance(returned, type) and issubclass(returned, other[0]) and not issubclass(returned, wanted[0]):
-            raise UserError(f"{key}: {component.path} makes {other[1]}, which the {other_recipe} recipe trains on; "
-                            f"the {recipe} recipe trains on {wanted[1]} ({wanted[2]}): run this config with "
-                            f"`tune run {other_recipe}`, or give {key} a builder of {wanted[1]}")
+        if (isinstance(returned, type) and issubclass(returned, other.dataset_type)
+                and not issubclass(returned, wanted.dataset_type)):
+            raise UserError(f"{key}: {component.path} makes {other.kind}, which the {other_recipe} recipe trains on; "
+                            f"the {recipe} recipe trains on {wanted.kind} ({wanted.builders}): run this config with "
+                            f"`tune run {other_recipe}`, or give {key} a builder of {wanted.kind}")
 
 
 @dataclass(frozen=True)

@@ -33,14 +33,13 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.feature import Alternative, Feature, ResolveInputs
 from torchtune_ac.parallel.fsdp import offloaded_gradient_wait
+from torchtune_ac.training.gradient_norm import GradientNorm
 from torchtune_ac.training.step import NormCheck, OptimizerStepper
 
 
@@ -53,6 +52,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
         wait_for_gradient: called with a parameter before its hook reads the gradient, to wait until the gradient
             is in place (``parallel.fsdp.offloaded_gradient_wait``: FSDP2's copy into host memory with CPU
             offload); None: the gradient is in place when the hook runs.
+        mesh: the run's device mesh, over which the gradient norm is summed (``training/gradient_norm.py``); None:
+            the one the parameters are sharded over, or none.
     """
 
     def __init__(
@@ -60,6 +61,7 @@ class OptimizerInBackward(torch.optim.Optimizer):
         named_parameters: Iterable[tuple[str, nn.Parameter]],
         make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         wait_for_gradient: Optional[Callable[[torch.Tensor], None]] = None,
+        mesh: Optional[DeviceMesh] = None,
     ) -> None:
         params = [(name, p) for name, p in named_parameters if p.requires_grad]
         if not params:
@@ -75,13 +77,9 @@ class OptimizerInBackward(torch.optim.Optimizer):
             optimizer.register_load_state_dict_post_hook(self._share_groups_of(index))
         self._wait_for_gradient = wait_for_gradient
         self._final_micro_batch = True
-        # Squared norms of this rank's gradient shards, summed by the mesh dimensions the gradients are split over:
-        # () for plain tensors; FSDP2's shard dimension; with tensor parallelism the shard and tp dimensions (a
-        # norm's weight is split over the first only). Summed over those dimensions' processes, and no others (the
-        # replicas of HSDP hold the same shard, and the tp ranks the same replicated weight).
-        # (mesh dimension names, split dimensions) -> the squared norm of this rank's shards split over them.
-        self._squared_norms: dict[tuple[tuple[str, ...], tuple[int, ...]], torch.Tensor] = {}
-        self._meshes: dict[tuple[str, ...], DeviceMesh] = {}
+        self.gradient_norm = GradientNorm((p for _, p in params), mesh)
+        # The norms of this rank's pieces of the gradients its hooks stepped this step, by part (``local_norms``).
+        self._norms: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
         self._hooks = [p.register_post_accumulate_grad_hook(self._hook(opt)) for (_, p), opt in zip(params, self.optimizers)]
 
     def _share_groups_of(self, index: int) -> Callable[[torch.optim.Optimizer], None]:
@@ -96,17 +94,8 @@ class OptimizerInBackward(torch.optim.Optimizer):
                 return  # let the gradient accumulate; the last micro-batch steps
             if self._wait_for_gradient is not None:
                 self._wait_for_gradient(param)
-            grad = param.grad
-            local = grad.to_local() if isinstance(grad, DTensor) else grad
-            dims = split_dims(grad) if isinstance(grad, DTensor) else ()
-            # Keyed by mesh too: an expert-parallel model's experts are split over another mesh than the rest.
-            key = (tuple(grad.device_mesh.mesh_dim_names or ()) if dims else (), dims)
-            if dims:
-                self._meshes[key[0]] = grad.device_mesh
-            # A float32 reduction, not a float32 copy of the gradient (that would double its memory).
-            squared = torch.linalg.vector_norm(local.detach(), dtype=torch.float32).square()
-            earlier = self._squared_norms.get(key)
-            self._squared_norms[key] = squared if earlier is None else earlier + squared
+            for norms, measured in zip(self._norms, self.gradient_norm.local_norms((param,))):
+                norms += measured
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
 
@@ -116,32 +105,23 @@ class OptimizerInBackward(torch.optim.Optimizer):
         """Say whether the coming backward is the last of this optimizer step (the one that steps)."""
         self._final_micro_batch = final
         if final:
-            self._squared_norms = {}
+            self._norms = ([], [])
 
     def total_norm(self, device: torch.device) -> torch.Tensor:
-        """The total gradient norm of the step the hooks just took, a 0-d tensor (all ranks call this: the
-        squared norms of each rank's shards are summed over the processes of the mesh dimensions that split them,
-        once per piece: not over HSDP's replicas, nor over the tensor-parallel ranks for a replicated weight). No
-        host synchronisation.
+        """The total gradient norm of the step the hooks just took, a 0-d tensor (all ranks call this:
+        ``GradientNorm.total``). No host synchronisation.
+
+        Args:
+            device: where the norm goes without a mesh (with one, it is reduced on the mesh's device).
 
         Raises:
             RuntimeError: no hook ran (a backward without ``begin_micro_batch(final=True)`` before it).
         """
-        if not self._squared_norms:
+        if not any(self._norms):
             raise RuntimeError("no parameter was stepped in backward: call begin_micro_batch(final=True) first")
-        if self._meshes:
-            # Reduced where the mesh's groups have their backend: with fsdp.cpu_offload the gradients (and their
-            # squared norms) are on the CPU, while the mesh is CUDA's, whose groups beyond a 1-D mesh over every
-            # rank may be split from NCCL alone (torch's split_group), with no backend for a CPU tensor.
-            device = torch.device(next(iter(self._meshes.values())).device_type)
-        total = torch.zeros((), dtype=torch.float32, device=device)
-        for names, dims in sorted(self._squared_norms):  # the same order on every rank
-            squared = self._squared_norms[names, dims].to(device)
-            for dim in dims:
-                dist.all_reduce(squared, op=dist.ReduceOp.SUM, group=self._meshes[names].get_group(dim))
-            total += squared
-        self._squared_norms = {}
-        return total.sqrt()
+        norms, self._norms = self._norms, ([], [])
+        total = self.gradient_norm.total(norms)
+        return total if self.gradient_norm.groups is not None else total.to(device)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # noqa: D401
@@ -166,13 +146,6 @@ class OptimizerInBackward(torch.optim.Optimizer):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-
-
-def split_dims(tensor: DTensor) -> tuple[int, ...]:
-    """The mesh dimensions over which ``tensor``'s local pieces differ: those it is sharded over (FSDP2's shard
-    dimension; tensor parallelism's too for a split weight), not those holding replicas. (FSDP2 shards a weight
-    that tensor parallelism split on the same dimension with a ``_StridedShard``, which ``is_shard()`` denies.)"""
-    return tuple(dim for dim, placement in enumerate(tensor.placements) if not placement.is_replicate())
 
 
 class InBackwardStepper:
@@ -206,7 +179,8 @@ def optimizers_to_checkpoint(stepper: Any) -> list[torch.optim.Optimizer]:
 
 
 def build_optimizer(
-    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], model: nn.Module, *, in_backward: bool
+    make_optimizer: Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer], model: nn.Module, *, in_backward: bool,
+    mesh: Optional[DeviceMesh] = None,
 ) -> Any:
     """The stepper of ``model``'s parameters: one optimizer over all of them stepped after backward, or, with
     ``in_backward``, one per parameter stepped in backward (``OptimizerInBackward``). Build it after
@@ -217,15 +191,17 @@ def build_optimizer(
         make_optimizer: the config's optimizer, called with the parameters that train (all, or one at a time).
         model: the model to train.
         in_backward: step each parameter in backward.
+        mesh: the run's device mesh (``Parallelism.build_mesh``), over which the gradient norm is summed; None: the
+            one the parameters are sharded over, or none.
 
     Returns:
         A ``training.step.Stepper``; its ``optimizer`` is what an LR scheduler drives.
     """
     if in_backward:
         return InBackwardStepper(OptimizerInBackward(model.named_parameters(), lambda params: make_optimizer(params),
-                                                     wait_for_gradient=offloaded_gradient_wait(model)))
+                                                     wait_for_gradient=offloaded_gradient_wait(model), mesh=mesh))
     # Only what trains has state: a frozen base (adapters, ``torchtune_ac/lora/``) has none.
-    return OptimizerStepper(make_optimizer([p for p in model.parameters() if p.requires_grad]))
+    return OptimizerStepper(make_optimizer([p for p in model.parameters() if p.requires_grad]), mesh)
 
 
 # ----------------------------------------------------------------------------------------------------- the feature

@@ -3,7 +3,7 @@
 memory planner estimates.
 
 The features are listed in ``features.py``; their top-level keys are ``MemoryConfig``'s fields (``feature.py``), their
-``fsdp.*`` key is ``FSDPConfig``'s (``runtime/distributed.py``) and activation checkpointing's are ``ACConfig``'s
+``fsdp.*`` key is ``FSDPConfig``'s (``parallel/fsdp.py``) and activation checkpointing's are ``ACConfig``'s
 (``activation_checkpointing/config.py``).
 
 ``ac_mode: auto`` is resolved here too, last, once the other features are known: the memory planner
@@ -19,6 +19,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory import cpu_offload, optimizer_state
@@ -104,10 +105,13 @@ class MemoryPlan:
         step)."""
         return optimizer_state.optimizer_factory(self.settings.optimizer_state, make_optimizer)
 
-    def build_stepper(self, make_optimizer: MakeOptimizer, model: nn.Module) -> Stepper:
+    def build_stepper(self, make_optimizer: MakeOptimizer, model: nn.Module,
+                      mesh: Optional[DeviceMesh] = None) -> Stepper:
         """Who steps the model's parameters, built with ``wrap_optimizer``'s factory: after backward or, with
-        ``optimizer_in_bwd``, in it. Build it after ``fully_shard``."""
-        return build_optimizer(self.wrap_optimizer(make_optimizer), model, in_backward=self.settings.optimizer_in_bwd)
+        ``optimizer_in_bwd``, in it; the gradient norm summed over ``mesh``, the run's (None: the parameters'
+        own, or none). Build it after ``fully_shard``."""
+        return build_optimizer(self.wrap_optimizer(make_optimizer), model, in_backward=self.settings.optimizer_in_bwd,
+                               mesh=mesh)
 
     def objective(self, compiled: bool = False) -> Objective:
         """What the step computes: the chunked loss (its chunks compiled in a run that compiles, ``compiled``), or

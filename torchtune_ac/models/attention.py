@@ -23,15 +23,16 @@ document) takes the same paths: ``varlen_attn`` with ``window_size=(W - 1, 0)``,
 A sequence of at most W tokens is plain causal attention, and is computed exactly as without a window.
 
 Soft-capped attention (``softcap`` C: scores become ``C * tanh(score / C)`` before the mask and the softmax,
-Gemma 2) is a score modification no SDPA or Flash Attention kernel of torch has, so it takes paths of its own:
+Gemma 2) and attention sinks (``sinks``: one more logit per head in its softmax, valued zero, gpt-oss) change the
+scores in ways no SDPA or Flash Attention kernel of torch takes, so they share paths of their own:
 
-* CUDA, no attention dropout: FlexAttention (``flex_attention``, compiled once per process) with the cap as its
-  ``score_mod`` and the causal, sliding-window and document structure as its block mask, packed or not: one
-  fused call over the batch, nothing ``[s, s]`` kept;
+* CUDA, no attention dropout: FlexAttention (``flex_explicit_attention``, compiled once per process) with the cap
+  as its ``score_mod``, the causal, sliding-window and document structure as its block mask, packed or not, and
+  the sinks applied to its output through its log-sum-exp: one fused call over the batch, nothing ``[s, s]`` kept;
 * otherwise (CPU, where torch 2.13's FlexAttention has no backward; attention dropout, which it lacks): the
-  scores computed explicitly (``_softcapped_attention``: scale, cap, mask, float32 softmax, as transformers'
-  eager Gemma 2 does), over the whole row, or one document at a time for packed rows. It holds ``[heads, L, L]``
-  scores per sequence of L tokens, as SDPA's math kernel does.
+  scores computed explicitly (``_explicit_attention``: scale, cap, mask, sinks, float32 softmax, as transformers'
+  eager Gemma 2 and gpt-oss do), over the whole row, or one document at a time for packed rows. It holds
+  ``[heads, L, L]`` scores per sequence of L tokens, as SDPA's math kernel does; grouped K/V are not copied.
 
 Under ``torch.compile`` (``block.compile()``) the per-document loop runs eagerly (``torch.compiler.disable``):
 its trip count and slice sizes change with every batch, so tracing it would recompile per batch. Without AC a
@@ -52,7 +53,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
 
 try:
     from torch.nn.attention.varlen import varlen_attn  # torch 2.9 or newer
@@ -202,6 +203,7 @@ def causal_attention(
     scale: Optional[float] = None,
     window: Optional[int] = None,
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Causal attention, within each document when ``runs`` is given, and within ``window`` tokens when set.
 
@@ -214,29 +216,27 @@ def causal_attention(
         window: W, for sliding-window attention: a query sees itself and the W - 1 tokens before it; None: every
             earlier token (of its document).
         softcap: C, for soft-capped scores ``C * tanh(score * scale / C)``; None: plain scores.
+        sinks: ``[n_heads]`` attention sinks (gpt-oss): one more logit per head in its softmax, valued zero, so a
+            head may attend to nothing; None: none.
 
     Returns:
         ``[b, s, n_heads, head_dim]``.
     """
     gqa = k.shape[1] != q.shape[1]
-    if softcap is not None and q.is_cuda and dropout_p == 0.0:
-        return flex_softcapped_attention(q, k, v, runs=runs, gqa=gqa, scale=scale, window=window, softcap=softcap)
-    if softcap is not None:
-        if runs is None:
-            out = _softcapped_attention(q, k, v, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window,
-                                        softcap=softcap)
-            return out.transpose(1, 2)  # [b, s, n_heads, hd]
-        return _per_document_attention(q, k, v, runs=runs, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window,
-                                       softcap=softcap)
+    explicit = dict(softcap=softcap, sinks=sinks) if softcap is not None or sinks is not None else None
+    if explicit is not None and q.is_cuda and dropout_p == 0.0:
+        return flex_explicit_attention(q, k, v, runs=runs, gqa=gqa, scale=scale, window=window, **explicit)
     if runs is None:
-        out = _causal_sdpa(q, k, v, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window)
+        kernel = _causal_sdpa if explicit is None else functools.partial(_explicit_attention, **explicit)
+        out = kernel(q, k, v, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window)
         return out.transpose(1, 2)  # [b, s, n_heads, hd]
-    if runs.varlen_device and dropout_p == 0.0 and q.dtype in _VARLEN_DTYPES:
+    if explicit is None and runs.varlen_device and dropout_p == 0.0 and q.dtype in _VARLEN_DTYPES:
         missing = VARLEN_SUPPORT.lacks(gqa=gqa)
         if not missing:
             return _varlen_document_attention(q, k, v, runs, gqa, scale, window)
         _announce_per_document_fallback(missing)
-    return _per_document_attention(q, k, v, runs=runs, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window)
+    return _per_document_attention(q, k, v, runs=runs, dropout_p=dropout_p, gqa=gqa, scale=scale, window=window,
+                                   **(explicit or {}))
 
 
 def _causal_sdpa(
@@ -261,7 +261,7 @@ def _causal_sdpa(
     return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p, enable_gqa=gqa, scale=scale)
 
 
-def _softcapped_attention(
+def _explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -270,26 +270,34 @@ def _softcapped_attention(
     gqa: bool,
     scale: Optional[float],
     window: Optional[int],
-    softcap: float,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
-    """Causal attention over sequences ``[b, heads, L, hd]`` with soft-capped scores, computed explicitly: scale,
-    ``C * tanh(score / C)``, the causal (and band) mask, a float32 softmax, dropout, then the values (transformers'
-    eager Gemma 2, op for op). Grouped K/V are broadcast to their query heads, never copied."""
+    """Causal attention over sequences ``[b, heads, L, hd]`` with the scores computed explicitly: scale, the cap
+    ``C * tanh(score / C)`` with ``softcap``, the causal (and band) mask, each head's sink logit joined to its row
+    with ``sinks``, a float32 softmax, dropout, then the values (transformers' eager Gemma 2 and gpt-oss, op for op).
+    Grouped K/V are never copied: each K/V head's query heads are stacked along the rows of one matmul."""
     b, n_heads, length, hd = q.shape
     n_kv = k.shape[1]
-    group = n_heads // n_kv if gqa else 1
-    # Query head h reads K/V head h // group (SDPA's enable_gqa grouping): [b, n_kv, group, L, hd].
-    q = q.reshape(b, n_kv, group, length, hd)
-    scores = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * (hd**-0.5 if scale is None else scale)
-    scores = torch.tanh(scores / softcap) * softcap  # [b, n_kv, group, L, L]
+    group = n_heads // n_kv  # query head h reads K/V head h // group (SDPA's enable_gqa grouping)
+    q = q.reshape(b, n_kv, group * length, hd)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * (hd**-0.5 if scale is None else scale)  # [b, n_kv, group*L, L]
+    scores = scores.view(b, n_kv, group, length, length)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     position = torch.arange(length, device=q.device)
     behind = position.unsqueeze(1) - position.unsqueeze(0)  # [L, L]: query index - key index
     allowed = behind >= 0 if window is None else (behind >= 0) & (behind < window)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        sink = sinks.to(scores.dtype).view(1, n_kv, group, 1, 1).expand(b, n_kv, group, length, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
     if dropout_p:
         probs = F.dropout(probs, p=dropout_p)
-    return torch.matmul(probs, v.unsqueeze(2)).reshape(b, n_heads, length, hd)
+    out = torch.matmul(probs.reshape(b, n_kv, group * length, length), v)  # [b, n_kv, group * L, hd]
+    return out.view(b, n_heads, length, hd)
 
 
 def _document_index(runs: DocumentRuns, b: int, s: int) -> torch.Tensor:
@@ -316,7 +324,7 @@ def _flex_block_mask(runs: Optional[DocumentRuns], window: Optional[int], b: int
     return create_block_mask(mask_mod, None if document is None else b, None, s, s, device=device)
 
 
-def flex_softcapped_attention(
+def flex_explicit_attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -325,11 +333,13 @@ def flex_softcapped_attention(
     gqa: bool,
     scale: Optional[float],
     window: Optional[int],
-    softcap: float,
+    softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
     kernel: Optional[Callable[..., torch.Tensor]] = None,
 ) -> torch.Tensor:
-    """Soft-capped causal attention as one FlexAttention call over the batch (shapes as in ``causal_attention``,
-    no dropout): the cap is its ``score_mod``, the causal, window and document structure its block mask.
+    """``_explicit_attention`` as one FlexAttention call over the batch (shapes as in ``causal_attention``, no
+    dropout): the cap is its ``score_mod``, the causal, window and document structure its block mask, and the
+    sinks rescale its output by its log-sum-exp.
 
     Args:
         kernel: the ``flex_attention`` to call; None: the compiled one (``kernel=flex_attention`` runs it
@@ -341,8 +351,16 @@ def flex_softcapped_attention(
         return torch.tanh(score / softcap) * softcap
 
     block_mask = _flex_block_mask(runs, window, b, s, q.device)
-    out = (kernel or _COMPILED_FLEX_ATTENTION)(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale,
-                                                 enable_gqa=gqa)  # [b, n_heads, s, hd]
+    options = dict(score_mod=None if softcap is None else score_mod, block_mask=block_mask, scale=scale, enable_gqa=gqa)
+    call = kernel or _COMPILED_FLEX_ATTENTION
+    if sinks is None:
+        out = call(q, k, v, **options)  # [b, n_heads, s, hd]
+    else:
+        out, aux = call(q, k, v, return_aux=AuxRequest(lse=True), **options)
+        # A head's sink, one more logit of its softmax valued zero, takes its share from every key's: what is left
+        # of the output is exp(lse) / (exp(lse) + exp(sink)), in float32.
+        left = torch.sigmoid(aux.lse - sinks.to(aux.lse.dtype).view(1, n_heads, 1))  # [b, n_heads, s]
+        out = (out * left.unsqueeze(-1)).to(q.dtype)
     return out.transpose(1, 2)  # [b, s, n_heads, hd]
 
 
@@ -418,11 +436,13 @@ def _per_document_attention(
     scale: Optional[float],
     window: Optional[int],
     softcap: Optional[float] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One causal ``scaled_dot_product_attention`` call per document (shapes as in ``causal_attention``), or one
-    ``_softcapped_attention`` with ``softcap``."""
+    ``_explicit_attention`` with ``softcap`` or ``sinks``."""
     b, n_heads, s, hd = q.shape
-    kernel = _causal_sdpa if softcap is None else functools.partial(_softcapped_attention, softcap=softcap)
+    kernel = (_causal_sdpa if softcap is None and sinks is None
+              else functools.partial(_explicit_attention, softcap=softcap, sinks=sinks))
     outs = []
     lengths = runs.lengths.tolist()  # on the CPU: no synchronisation
     for q_doc, k_doc, v_doc in zip(*(_as_tokens(x).split(lengths) for x in (q, k, v))):
@@ -433,57 +453,3 @@ def _per_document_attention(
         )  # [1, n_heads, length, hd]
         outs.append(out.squeeze(0).transpose(0, 1))  # [length, n_heads, hd]
     return torch.cat(outs).view(b, s, n_heads, hd)
-
-
-def causal_attention_with_sinks(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sinks: torch.Tensor,
-    *,
-    dropout_p: float,
-    runs: Optional[DocumentRuns],
-    scale: Optional[float] = None,
-    window: Optional[int] = None,
-) -> torch.Tensor:
-    """``causal_attention`` with attention sinks (gpt-oss): each head's softmax has one more logit, ``sinks[h]``,
-    whose value is zero, so a head may attend to nothing.
-
-    ``scaled_dot_product_attention`` has no such logit, so this path is eager and exact: the scores ``[b, h, L, L]``
-    are materialised (per document when packed), masked, joined by the sink, and normalised in float32. It holds
-    ``L * L`` scores per head where the fused kernels hold none: long packed documents cost memory quadratically.
-
-    Args:
-        sinks: ``[n_heads]`` the sink logits; other arguments as ``causal_attention``'s.
-
-    Returns:
-        ``[b, s, n_heads, head_dim]``.
-    """
-    if runs is None:
-        return _sink_attention(q, k, v, sinks, dropout_p, scale, window).transpose(1, 2)
-    b, n_heads, s, hd = q.shape
-    outs = []
-    for q_doc, k_doc, v_doc in zip(*(_as_tokens(x).split(runs.lengths.tolist()) for x in (q, k, v))):
-        # [length, heads, hd] -> [1, heads, length, hd]
-        q_doc, k_doc, v_doc = (x.transpose(0, 1).unsqueeze(0) for x in (q_doc, k_doc, v_doc))
-        out = _sink_attention(q_doc, k_doc, v_doc, sinks, dropout_p, scale, window)  # [1, n_heads, length, hd]
-        outs.append(out.squeeze(0).transpose(0, 1))  # [length, n_heads, hd]
-    return torch.cat(outs).view(b, s, n_heads, hd)
-
-
-def _sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, dropout_p: float,
-                    scale: Optional[float], window: Optional[int]) -> torch.Tensor:
-    """Eager causal attention with sinks over sequences ``[B, heads, L, hd]`` -> ``[B, n_heads, L, hd]``."""
-    batch, n_heads, length, hd = q.shape
-    group = n_heads // k.shape[1]
-    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [B, n_heads, L, hd]
-    scores = torch.matmul(q, k.transpose(2, 3)) * (hd**-0.5 if scale is None else scale)  # [B, h, L, L]
-    position = torch.arange(length, device=q.device)
-    behind = position.unsqueeze(1) - position.unsqueeze(0)  # [L, L]: query index - key index
-    allowed = behind >= 0 if window is None else (behind >= 0) & (behind < window)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    sink = sinks.to(scores.dtype).view(1, n_heads, 1, 1).expand(batch, n_heads, length, 1)
-    logits = torch.cat([scores, sink], dim=-1).float()  # [B, h, L, L + 1]
-    probs = F.softmax(logits - logits.amax(dim=-1, keepdim=True), dim=-1)[..., :-1].to(v.dtype)
-    probs = F.dropout(probs, p=dropout_p, training=dropout_p > 0)
-    return torch.matmul(probs, v)

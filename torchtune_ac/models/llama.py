@@ -359,6 +359,7 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         self.scale = None if args.query_pre_attn_scalar is None else args.query_pre_attn_scalar**-0.5
         self.softcap = args.attn_logit_softcapping
+        self.sinks: Optional[nn.Parameter] = None  # a family's learned sink logit per head (gpt-oss)
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns]
@@ -375,7 +376,7 @@ class Attention(nn.Module):
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [b, n_kv, s, hd]
         out = causal_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, runs=runs, scale=self.scale, window=self.window,
-            softcap=self.softcap,
+            softcap=self.softcap, sinks=self.sinks,
         )  # [b, s, n_heads, hd]
         return self.o_proj(out.reshape(b, s, -1))  # [b, s, n_heads * hd] in
 
@@ -608,7 +609,7 @@ class Llama(nn.Module):
                         nn.init.zeros_(param)
                     else:
                         nn.init.normal_(param, mean=0.0, std=std)
-            elif isinstance(module, Attention) and getattr(module, "sinks", None) is not None:
+            elif isinstance(module, Attention) and module.sinks is not None:
                 nn.init.normal_(module.sinks, mean=0.0, std=std)  # gpt-oss's attention sinks
 
     @torch.no_grad()

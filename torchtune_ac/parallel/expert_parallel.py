@@ -88,8 +88,3 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             experts.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
         experts.exchange = exchange
 
-
-def expert_modules(model: nn.Module) -> list[GroupedExperts]:
-    """Every mixture-of-experts layer's experts, in layer order (what FSDP2 shards over the processes that hold the
-    same experts)."""
-    return [module.experts for module in model.modules() if isinstance(module, MoE)]

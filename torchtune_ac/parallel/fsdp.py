@@ -15,10 +15,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from torchtune_ac.config_key import config_key
-from torchtune_ac.models.families import shard_groups, transformer_blocks
+from torchtune_ac.models.families import expert_modules, shard_groups, transformer_blocks
 from torchtune_ac.parallel.tensor_parallel import sum_replicated_gradients_in_reduce_dtype
 from torchtune_ac.runtime.dtypes import DType
-from torchtune_ac.parallel.expert_parallel import expert_modules
 from torchtune_ac.runtime.parallelism import (
     EP_DIM,
     EXPERT_SHARD_DIM,

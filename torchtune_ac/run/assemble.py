@@ -210,7 +210,7 @@ def build_training(
 
     # 10. Optimizer, over the sharded parameters that train (the adapters alone, with adapters), and 11. stepper,
     #     that steps them (after backward, or in it: the optimizer-in-backward switch builds both at once).
-    stepper = memory.build_stepper(make_optimizer, model) if make_optimizer is not None else None
+    stepper = memory.build_stepper(make_optimizer, model, mesh) if make_optimizer is not None else None
     # 12. Scheduler: the learning-rate schedule over the stepper's optimizer.
     scheduler = make_scheduler(stepper.optimizer) if make_scheduler is not None and stepper is not None else None
     return AssembledModel(model, stepper, objective, scheduler)

@@ -33,9 +33,10 @@ from torchtune_ac.checkpoint import (
     load_checkpoint,
     read_trainer_state,
 )
-from torchtune_ac.data import blank_preference_sample, build_dataloader, collate_batch, collate_preference_batch
+from torchtune_ac.data import build_dataloader
+from torchtune_ac.data.batching import SAMPLES, Batching
 from torchtune_ac.data.collate import COMPILED_LENGTH_MULTIPLE
-from torchtune_ac.data.sampler import blank_sample, evaluation_batches
+from torchtune_ac.data.sampler import evaluation_batches
 from torchtune_ac.data.samples import count_of, describe_samples
 from torchtune_ac.errors import UserError
 from torchtune_ac.memory.optimizer_state import layout_of, state_bytes
@@ -67,42 +68,6 @@ def choose_resume(cfg: RunConfig, ctx: DistributedContext) -> ResumeChoice:
     for skipped in choice.skipped:
         log.warning("resume: %s", skipped)
     return choice
-
-
-@dataclass(frozen=True)
-class Batching:
-    """How a recipe's samples become batches: ``collate`` makes a batch (called with ``pad_id``,
-    ``pad_to_multiple_of`` and ``max_length``), ``blank`` a copy of a sample that counts for nothing (what fills the
-    last batch of a validation pass); ``keys``: what every sample holds, and ``kind`` what such samples are called
-    (a dataset of another kind is refused before anything heavy: ``check_kind``)."""
-
-    collate: Callable[..., dict[str, torch.Tensor]] = collate_batch
-    blank: Callable[[dict[str, Any]], dict[str, Any]] = blank_sample
-    keys: tuple[tuple[str, ...], ...] = (("tokens", "labels"),)
-    kind: str = "samples (tokens and labels)"
-    not_keys: tuple[str, ...] = ("pairs",)
-
-    def check_kind(self, dataset: Any, key: str, path: str) -> None:
-        """Raise ``UserError`` when ``dataset``'s first sample holds none of ``keys``' sets whole, or one of
-        ``not_keys`` (a builder of another recipe's data)."""
-        if not len(dataset):
-            return
-        sample = dataset[0]
-        if any(all(name in sample for name in names) for names in self.keys) and not any(
-                name in sample for name in self.not_keys):
-            return
-        missing = [name for name in self.keys[0] if name not in sample]
-        what = f"without {', '.join(missing)}" if missing else f"holding {', '.join(n for n in self.not_keys if n in sample)}"
-        raise UserError(f"{key}: {path} gives samples {what}: not the {self.kind} this recipe trains on "
-                        "(full_finetune trains on samples, full_dpo on preference pairs)")
-
-
-SAMPLES = Batching()  # tokens and labels, one row a sample
-# Preference pairs: chosen rows, rejected rows; or packed, rows of whole pairs (each sequence a document).
-PAIRS = Batching(collate_preference_batch, blank_preference_sample,
-                 keys=(("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels"),
-                       ("tokens", "labels", "pairs")),
-                 kind="preference pairs", not_keys=())
 
 
 @dataclass

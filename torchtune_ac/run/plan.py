@@ -18,25 +18,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
 
 from torchtune_ac.checkpoint import RunShape
-from torchtune_ac.config.meta_model import count_parameters
+from torchtune_ac.config.meta_model import ModelFacts, model_facts
 from torchtune_ac.config.components import Component
 from torchtune_ac.config.schema import Device, FSDPConfig
 from torchtune_ac.data.samples import count_of
 from torchtune_ac.errors import UserError
 from torchtune_ac.lora.config import AdapterConfig, adapter_record
 from torchtune_ac.lora.weights import check_adapter_start
-from torchtune_ac.memory.feature import OptimizerSpec
-from torchtune_ac.memory.feature import MemoryConfig
+from torchtune_ac.memory.feature import MemoryConfig, OptimizerSpec
 from torchtune_ac.memory.plan import MemoryPlan, PlannerInputs, resolve_memory_plan
 from torchtune_ac.memory.planner import MemoryEstimate, PreferenceStep, Workload
-from torchtune_ac.models.families import family_of, transformer_blocks
 from torchtune_ac.models.moe import moe_args_of
 from torchtune_ac.runtime.distributed import resolve_device
 from torchtune_ac.runtime.dtypes import DType
@@ -91,39 +89,6 @@ class RunConfig(Protocol):
 
     def preference_step(self) -> Optional[PreferenceStep]:
         """What the planner simulates instead of the token loss: a preference step (DPO), or None."""
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What the one meta build of the model says.
-
-    Attributes:
-        builder: the ``model`` component's path.
-        parameters: distinct parameters (a tied weight once).
-        layers: transformer blocks.
-        vocab_size: the vocabulary its loss projects to (None for a model of no known family).
-        positions: the positions it was trained for (its family's ``max_seq_len``; None when unknown).
-        architecture: what defines its weights, as its family's adapter says (empty for no known family); a resume
-            must keep it.
-    """
-
-    builder: str
-    parameters: int
-    layers: int
-    vocab_size: Optional[int]
-    positions: Optional[int]
-    architecture: Mapping[str, Any] = field(default_factory=dict)
-
-
-def model_facts(model: nn.Module, builder: str) -> ModelFacts:
-    """The facts of ``model`` (built on the meta device by the ``builder`` component)."""
-    family = family_of(model)
-    args = family.args_of(model) if family is not None else None
-    architecture = family.hf.architecture(args) if family is not None else {}
-    # As it reads back from trainer_state.json (tuples become lists), so a resume compares like with like.
-    architecture = json.loads(json.dumps(architecture))
-    return ModelFacts(builder, count_parameters(model), len(transformer_blocks(model)),
-                      architecture.get("vocab_size"), getattr(args, "max_seq_len", None), architecture)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,8 @@ from torchtune_ac.data.preference import PreferenceDataset
 from torchtune_ac.data.sampler import evaluation_batches
 from torchtune_ac.data.samples import count_of
 from torchtune_ac.run import messages
-from torchtune_ac.run.phases import PAIRS, RunData, ValidationData
+from torchtune_ac.data.batching import PAIRS
+from torchtune_ac.run.phases import RunData, ValidationData
 from torchtune_ac.run.plan import RunLength
 from torchtune_ac.run.session import Run
 from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum

@@ -24,9 +24,8 @@ from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.run import messages
 from torchtune_ac.run.assemble import build_mesh, build_training
 from torchtune_ac.run.loop import TrainingLoop
+from torchtune_ac.data.batching import SAMPLES, Batching
 from torchtune_ac.run.phases import (
-    SAMPLES,
-    Batching,
     RunData,
     ValidationData,
     build_data,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from torchtune_ac.errors import UserError
@@ -25,6 +26,8 @@ from torchtune_ac.errors import UserError
 # "shard", and each layer's experts, split over "ep", over "expert_shard" (the ranks that hold the same experts).
 REPLICATE_DIM, SHARD_DIM, TP_DIM = "replicate", "shard", "tp"
 EXPERT_SHARD_DIM, EP_DIM = "expert_shard", "ep"
+# The shard and tp dimensions flattened into one (with tensor parallelism): a split weight's pieces differ over it.
+SHARD_TP_DIM = f"{SHARD_DIM}_{TP_DIM}"
 
 
 @dataclass(frozen=True)
@@ -175,7 +178,7 @@ class Parallelism:
                 # the two in one collective only where that group exists: otherwise DTensor reduces over one
                 # dimension, then the other, which warns on every rank, and the ranks may round the sum in
                 # different orders.
-                groups.append(mesh[(SHARD_DIM, TP_DIM)]._flatten(f"{SHARD_DIM}_{TP_DIM}").get_group())
+                groups.append(mesh[(SHARD_DIM, TP_DIM)]._flatten(SHARD_TP_DIM).get_group())
             if self.expert > 1:
                 # The dense layers shard over every process of a replica: the two dimensions as one.
                 groups.append(mesh[(EXPERT_SHARD_DIM, EP_DIM)]._flatten(SHARD_DIM).get_group())
@@ -230,3 +233,36 @@ def expert_data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
     ``replicate`` and ``expert_shard``, the processes that hold the same experts."""
     rest = tuple(name for name in mesh.mesh_dim_names or () if name in (REPLICATE_DIM, EXPERT_SHARD_DIM))
     return mesh[rest] if len(rest) > 1 else mesh[rest[0]]
+
+
+@dataclass(frozen=True)
+class GradientGroups:
+    """The process groups over which the pieces of a gradient differ, on the run's mesh (``gradient_groups``): a
+    gradient's total norm sums its pieces' squared norms over these, and over no other process (HSDP's replicas
+    hold the same pieces, and so do the tensor-parallel ranks of a weight it did not split).
+
+    Attributes:
+        shard: every parameter's: FSDP2's shard dimension, which with expert parallelism is the flattened
+            ``expert_shard`` x ``ep``, over which the experts' pieces differ too; None: one process.
+        shard_tp: a weight tensor parallelism split: ``shard`` x ``tp`` (the flattened group ``build_mesh``
+            makes); None without tensor parallelism (or over one process).
+        device_type: where the squared norms are reduced: the mesh's device (with ``fsdp.cpu_offload`` the
+            gradients are on the host, and a CUDA mesh's sub-groups may have no backend for a host tensor).
+    """
+
+    shard: Optional[ProcessGroup]
+    shard_tp: Optional[ProcessGroup]
+    device_type: str
+
+
+def gradient_groups(mesh: DeviceMesh) -> GradientGroups:
+    """``GradientGroups`` of the run's ``mesh`` (``Parallelism.build_mesh``); a group of one process is None (there
+    is nothing to sum over)."""
+    names = mesh.mesh_dim_names or ()
+    if not names:  # FSDP2's own one-dimensional mesh (``fully_shard`` given none): the shard dimension alone
+        shard, shard_tp = mesh.get_group(), None
+    else:
+        shard = mesh.get_group(SHARD_DIM)
+        shard_tp = mesh.get_group(SHARD_TP_DIM) if TP_DIM in names else None
+    return GradientGroups(*(group if group is not None and group.size() > 1 else None for group in (shard, shard_tp)),
+                          device_type=mesh.device_type)

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Mapping, Optional, Protocol, Sequence
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
 
 from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
 from torchtune_ac.runtime.non_finite import FiniteChecks, StepValues
+from torchtune_ac.training.gradient_norm import GradientNorm
 from torchtune_ac.training.objective import (
     HOST_KEYS,
     CrossEntropy,
@@ -76,17 +77,24 @@ class Stepper(Protocol):
 
 
 class OptimizerStepper:
-    """Steps ``optimizer`` once after backward, after clipping (the ordinary step)."""
+    """Steps ``optimizer`` once after backward, after clipping (the ordinary step).
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    Args:
+        optimizer: over the model's (sharded) parameters.
+        mesh: the run's device mesh, over which the gradient norm is summed (``GradientNorm``); None: the one the
+            parameters are sharded over, or none.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, mesh: Optional[DeviceMesh] = None) -> None:
         self.optimizer = optimizer
+        self.gradient_norm = GradientNorm((p for group in optimizer.param_groups for p in group["params"]), mesh)
 
     def begin_micro_batch(self, *, final: bool) -> None:
         return None
 
     def update(self, model: nn.Module, clip_grad_norm: Optional[float],
                check_norm: Optional[NormCheck] = None) -> torch.Tensor:
-        norm = clip_gradients_(model.parameters(), clip_grad_norm)
+        norm = self.gradient_norm.clip_(model.parameters(), clip_grad_norm)
         if check_norm is not None:
             check_norm(norm, stepped=False)
         self.optimizer.step()
@@ -95,34 +103,6 @@ class OptimizerStepper:
 
     def optimizers_to_checkpoint(self) -> list[torch.optim.Optimizer]:
         return [self.optimizer]
-
-
-def clip_gradients_(parameters: Iterable[torch.Tensor], max_norm: Optional[float]) -> torch.Tensor:
-    """Scale the gradients of ``parameters`` so that their total norm is at most ``max_norm`` (None: only measure
-    it), in place; returns the total norm before clipping, a plain 0-d tensor.
-
-    Gradients sharded over one device mesh (or none) take torch's ``clip_grad_norm_``. An expert-parallel model's
-    experts are sharded over another mesh than its dense layers (``parallel/expert_parallel.py``), over which
-    DTensor does not add norms: each mesh's norm is taken apart and the two are added, and every shard is scaled
-    by the same coefficient.
-    """
-    params = [p for p in parameters if p.grad is not None]
-    by_mesh: dict[Any, list[torch.Tensor]] = {}
-    for param in params:
-        by_mesh.setdefault(param.grad.device_mesh if isinstance(param.grad, DTensor) else None, []).append(param)
-    limit = max_norm if max_norm is not None else math.inf
-    if len(by_mesh) <= 1:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm=limit)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
-    norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in group], 2.0)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack([n.to(norms[0].device) for n in norms]))
-    coefficient = (limit / (total + 1e-6)).clamp(max=1.0)  # as torch's clip_grads_with_norm_
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params]
-    torch._foreach_mul_(grads, coefficient.to(grads[0].device))
-    return total
 
 
 @dataclass(frozen=True)

@@ -444,7 +444,7 @@ def test_a_recipe_refuses_the_other_recipes_data_naming_both():
 
 
 def test_a_builder_without_a_return_annotation_is_checked_on_its_first_sample():
-    from torchtune_ac.run.phases import PAIRS, SAMPLES
+    from torchtune_ac.data.batching import PAIRS, SAMPLES
 
     samples = [{"tokens": [1, 2], "labels": [2, -100]}]
     SAMPLES.check_kind(samples, "dataset", "my.builder")

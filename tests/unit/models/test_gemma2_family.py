@@ -22,9 +22,9 @@ from torchtune_ac.memory.chunked_loss import ChunkedCrossEntropy
 from torchtune_ac.models import GEMMA2, family_for_hf_config, family_of, load_hf
 from torchtune_ac.models.attention import (
     _per_document_attention,
-    _softcapped_attention,
+    _explicit_attention,
     document_runs,
-    flex_softcapped_attention,
+    flex_explicit_attention,
 )
 from torchtune_ac.models.families.gemma3 import Gemma3Block
 from torchtune_ac.training.objective import IGNORE_INDEX, cross_entropy_sum
@@ -150,12 +150,12 @@ def test_flex_attention_computes_the_explicit_kernels_attention(packed, window):
     runs = document_runs(torch.tensor([[0] * 7 + [1] * 17, [0] * 20 + [1] * 4])) if packed else None
     options = dict(gqa=True, scale=0.3, window=window, softcap=2.0)
     expected = (_per_document_attention(q, k, v, runs=runs, dropout_p=0.0, **options) if packed
-                else _softcapped_attention(q, k, v, dropout_p=0.0, **options).transpose(1, 2))
+                else _explicit_attention(q, k, v, dropout_p=0.0, **options).transpose(1, 2))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "flex_attention called without torch.compile")  # meant: unfused here
-        actual = flex_softcapped_attention(q, k, v, runs=runs, kernel=flex_attention, **options)
+        actual = flex_explicit_attention(q, k, v, runs=runs, kernel=flex_attention, **options)
     assert_close(actual, expected, terms=hd + 2 * s, what="attention")
-    capped, uncapped = (_softcapped_attention(q, k, v, dropout_p=0.0, **{**options, "softcap": cap})
+    capped, uncapped = (_explicit_attention(q, k, v, dropout_p=0.0, **{**options, "softcap": cap})
                         for cap in (2.0, 1e4))
     assert (capped - uncapped).abs().max() > 1e-2  # the cap bends these scores
 

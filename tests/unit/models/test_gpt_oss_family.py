@@ -3,18 +3,27 @@ the published MXFP4 expert weights dequantised on load as transformers dequantis
 against transformers' GptOssForCausalLM are in ``tests/unit/checkpoint/test_family_parity.py``."""
 
 import json
+import warnings
 
 import pytest
 import torch
 from hf_families import write_hf_checkpoint
+from numerics import assert_close
 from safetensors.torch import load_file, save_file
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from torch.nn.attention.flex_attention import flex_attention
 from transformers import GptOssConfig
 
 import torchtune_ac.models.families.gpt_oss as gpt_oss
 from torchtune_ac.errors import UserError
 from torchtune_ac.models import GPT_OSS, family_for_hf_config, load_hf, save_hf
+from torchtune_ac.models.attention import (
+    _explicit_attention,
+    _per_document_attention,
+    document_runs,
+    flex_explicit_attention,
+)
 from torchtune_ac.models.llama import Llama, compute_rope_inv_freq
 
 PARAMETER_COUNTS = {"gpt_oss_20b": 20_914_757_184, "gpt_oss_120b": 116_829_156_672}
@@ -106,3 +115,29 @@ def test_mxfp4_weights_without_their_scales_are_refused(tmp_path):
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(UserError, match="missing tensor model.layers.1.mlp.experts.down_proj_scales"):
         load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["rows", "packed"])
+def test_flex_attention_with_sinks_computes_the_explicit_kernels_attention(packed):
+    """gpt-oss's CUDA path (FlexAttention, its output rescaled through its log-sum-exp for the sinks) against the
+    explicit scores (the sink a logit of each head's softmax), forward, uncompiled on the CPU (where FlexAttention
+    has no backward), grouped K/V and a window within packed documents."""
+    generator = torch.Generator().manual_seed(4)
+    b, s, hd = 2, 24, 16
+    q = torch.randn(b, 4, s, hd, generator=generator)
+    k, v = (torch.randn(b, 2, s, hd, generator=generator) for _ in range(2))
+    sinks = torch.randn(4, generator=generator) * 2
+    runs = document_runs(torch.tensor([[0] * 7 + [1] * 17, [0] * 20 + [1] * 4])) if packed else None
+    options = dict(gqa=True, scale=None, window=5)
+
+    def explicit(sinks):
+        if packed:
+            return _per_document_attention(q, k, v, runs=runs, dropout_p=0.0, sinks=sinks, **options)
+        return _explicit_attention(q, k, v, dropout_p=0.0, sinks=sinks, **options).transpose(1, 2)
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "flex_attention called without torch.compile")  # meant: unfused here
+        actual = flex_explicit_attention(q, k, v, runs=runs, kernel=flex_attention, sinks=sinks, **options)
+    expected = explicit(sinks)
+    assert_close(actual, expected, terms=hd + 2 * s, what="attention with sinks")
+    assert (expected - explicit(None)).abs().max() > 1e-2  # the sinks take a visible share

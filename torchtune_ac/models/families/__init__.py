@@ -20,6 +20,7 @@ from torch import nn
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.families import gemma, gemma2, gemma3, gpt_oss, llama, mistral, phi3, qwen2, qwen3, qwen3_moe
 from torchtune_ac.models.family import ModelFamily
+from torchtune_ac.models.moe import GroupedExperts, MoE
 
 
 def check_distinct(families: Sequence[ModelFamily]) -> tuple[ModelFamily, ...]:
@@ -136,6 +137,12 @@ def transformer_blocks(model: nn.Module) -> nn.ModuleList:
         "activation checkpointing and sharding need a model whose 'layers' attribute is a non-empty nn.ModuleList "
         f"of transformer blocks; {type(model).__name__} has {found}"
     )
+
+
+def expert_modules(model: nn.Module) -> list[GroupedExperts]:
+    """Every mixture-of-experts layer's experts, in layer order (what expert parallelism splits, and FSDP2 shards
+    over the processes that hold the same experts)."""
+    return [module.experts for module in model.modules() if isinstance(module, MoE)]
 
 
 def shard_groups(model: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:

@@ -5,7 +5,7 @@ biases and the clamped SwiGLU (``(up + 1) * gate * sigmoid(alpha * gate)``, the 
 ``swiglu_limit``, up to [-limit, limit]), their weights ``[E, in, out]`` with gate and up columns interleaved, as
 transformers holds them; RMSNorms scaling in float32; layers alternating sliding-window (128) and full attention;
 YaRN RoPE; biases on q, k, v and o. What is structure (``GptOssBlock``, here): each attention head's learned sink
-logit. Sinks have no fused kernel: their attention is eager and exact (``attention.causal_attention_with_sinks``).
+logit, which ``attention.causal_attention`` takes as ``sinks`` (FlexAttention on CUDA, explicit scores elsewhere).
 
 Checkpoints: the bf16 layout (``mlp.experts.gate_up_proj``, ``..._bias``, ``down_proj``, ``..._bias``, as
 transformers saves it) loads and is written. The published checkpoints store the experts' weights in MXFP4
@@ -20,10 +20,9 @@ import torch
 from torchtune_ac.checkpoint.layout import Encoded
 from torchtune_ac.checkpoint.mxfp4 import MXFP4
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.attention import DocumentRuns, causal_attention_with_sinks
 from torchtune_ac.models.decoder_family import decoder_family
 from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter, read_value
-from torchtune_ac.models.llama import Attention, LlamaArgs, TransformerBlock, YarnRopeScaling, apply_rope
+from torchtune_ac.models.llama import Attention, LlamaArgs, TransformerBlock, YarnRopeScaling
 from torchtune_ac.models.moe import ExpertLayout, MoEArgs, RouterSpec
 
 _ROUTER = RouterSpec(scoring="topk_softmax", bias=True)
@@ -59,15 +58,6 @@ class GptOssAttention(Attention):
         self.o_proj = torch.nn.Linear(self.n_heads * self.head_dim, args.dim, bias=True)
         self.sinks = torch.nn.Parameter(torch.empty(self.n_heads))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                runs: Optional[DocumentRuns]) -> torch.Tensor:
-        b, s, _ = x.shape
-        q = apply_rope(self.q_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2), cos, sin)  # [b, n_heads, s, hd]
-        k = apply_rope(self.k_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2), cos, sin)  # [b, n_kv, s, hd]
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, n_kv, s, hd]
-        out = causal_attention_with_sinks(q, k, v, self.sinks, dropout_p=self.dropout if self.training else 0.0,
-                                          runs=runs, window=self.window)  # [b, s, n_heads, hd]
-        return self.o_proj(out.reshape(b, s, -1))
 
 
 class GptOssBlock(TransformerBlock):
