@@ -30,12 +30,13 @@ from finetune_runs import (
     tune_run_argv,
 )
 from hf_families import write_hf_checkpoint
-from numerics import assert_steps_alike, assert_weights_trained_alike, llama_terms, assert_close
+from numerics import assert_close, assert_steps_alike, assert_weights_trained_alike, llama_terms
 from transformers import Qwen3MoeForCausalLM
 
 from torchtune_ac.checkpoint.recipe_state import list_checkpoints
 from torchtune_ac.models import from_hf_config, load_hf
 from torchtune_ac.observability.metrics import read_metrics
+from torchtune_ac.parallel.expert_parallel import busiest_rank_load
 
 STEPS = 3
 COMMON = ("max_seq_len=64", f"max_steps_per_epoch={STEPS}", "lr_scheduler=null",
@@ -97,6 +98,9 @@ def test_ep_2_trains_as_one_process_exports_its_weights_and_resumes_on_one_and_b
     # experts' rows) holds one process's weights after them, in the published layout, which transformers loads.
     ep = _run(tmp_path / "ep", checkpoint, embedded_checkpoint, nproc=2, ep=2)
     exported = final_checkpoint(tmp_path / "ep")
+    # Each layer's busiest process against the mean, from the experts' counts; only under expert parallelism.
+    assert all(r["moe_ep_rank_load"] == busiest_rank_load(r["moe_expert_tokens"], 2) for r in ep)
+    assert all(min(r["moe_ep_rank_load"]) >= 1.0 for r in ep) and "moe_ep_rank_load" not in one[0]
     _assert_same_training(ep, one, terms, weights=(exported, after_3))
     ours = load_hf(exported).eval()
     theirs = Qwen3MoeForCausalLM.from_pretrained(exported, attn_implementation="eager").eval()

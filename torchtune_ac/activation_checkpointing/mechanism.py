@@ -38,6 +38,7 @@ from torch.utils.checkpoint import (
 
 from torchtune_ac.models.attention import VARLEN_OPS
 from torchtune_ac.models.families import transformer_blocks
+from torchtune_ac.models.moe import MoE
 
 OP_OPTION = "op"
 
@@ -74,10 +75,21 @@ def _resolve_aten_ops(names: tuple[str, ...], namespace: str = "aten") -> frozen
 # the all-gathers before each block's column-split projections, the reduce-scatters after its row-split ones, and
 # all-reduces. Recomputing them would send the block's traffic again in backward; their outputs are activations of
 # the block's size divided among the group, like the matmuls' own.
-# A mixture of experts' grouped matmul (every expert of a layer in one call) is a matmul too; expert parallelism's
+# A mixture of experts' grouped matmul (every expert of a layer in one call; in float32 through our op of torch's
+# kernel, ``models/moe.py``) is a matmul too; expert parallelism's
 # all-to-alls (the tokens to their experts' processes and back, and the counts that size them) are collectives of
 # the routed rows: saved, a recomputed block does not send its tokens again.
 # Everything else (norms, rotary, SiLU, element-wise products, dropout) is cheap to recompute.
+# The collectives a block may run as functional collectives, each result then waited for.
+COLLECTIVE_OPS = (
+    _resolve_aten_ops(
+        ("all_gather_into_tensor.default", "reduce_scatter_tensor.default", "all_reduce.default",
+         "all_to_all_single.default", "wait_tensor.default"),
+        namespace="_c10d_functional",
+    )
+    if torch.distributed.is_available()
+    else frozenset()
+)
 SAVED_OPS = _resolve_aten_ops(
     (
         "mm.default",
@@ -89,15 +101,7 @@ SAVED_OPS = _resolve_aten_ops(
         "_scaled_dot_product_efficient_attention.default",
         "_scaled_dot_product_cudnn_attention.default",
     )
-) | VARLEN_OPS | (
-    _resolve_aten_ops(
-        ("all_gather_into_tensor.default", "reduce_scatter_tensor.default", "all_reduce.default",
-         "all_to_all_single.default", "wait_tensor.default"),
-        namespace="_c10d_functional",
-    )
-    if torch.distributed.is_available()
-    else frozenset()
-)
+) | VARLEN_OPS | _resolve_aten_ops(("grouped_mm.default",), namespace="torchtune_ac") | COLLECTIVE_OPS
 
 
 # Per-op AC replays a block's ops by counting each op's calls in forward and in the recompute, and refuses a call
@@ -149,6 +153,15 @@ def save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> 
         ``MUST_SAVE`` for ops in ``SAVED_OPS``, else ``PREFER_RECOMPUTE``.
     """
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def save_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Full AC's policy in a mixture-of-experts block: keep the collectives' outputs, recompute every other op. Under
+    expert parallelism they are the all-to-alls that send the block's tokens to their experts and back (and the
+    counts that size them): the recompute computes everything again but sends nothing again, so backward's traffic
+    is the gradients' alone. (Tensor parallelism, whose collectives are the others, does not run with experts; a
+    block without collectives keeps nothing.)"""
+    return CheckpointPolicy.MUST_SAVE if op in COLLECTIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @dataclass(frozen=True)
@@ -251,7 +264,10 @@ def apply_ac_plan(model: nn.Module, plan: ACPlan) -> None:
             "apply an AC plan once per model"
         )
     for i in plan.checkpointed_blocks:
-        layers[i].forward = CheckpointedForward(layers[i].forward, plan.policy)
+        policy = plan.policy
+        if policy is None and plan.mode is ACMode.FULL and any(isinstance(m, MoE) for m in layers[i].modules()):
+            policy = save_collectives  # an expert-parallel exchange is not sent again (``save_collectives``)
+        layers[i].forward = CheckpointedForward(layers[i].forward, policy)
 
 
 _COMPILED_POLICY_WARNING = "context_fn is passed to torch.utils.checkpoint under torch.compile"

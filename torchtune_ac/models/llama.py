@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol
+from typing import Callable, Optional, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -396,7 +396,8 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """Pre-norm block: ``h = x + drop(attn(norm(x)))``; ``out = h + drop(mlp(norm(h)))``.
+    """Pre-norm block: ``h = x + drop(attn(norm(x)))``; ``out = h + drop(mlp(norm(h)))``. A mixture-of-experts
+    block returns ``(out, router logits, counts)`` (``MoE``), which ``Llama`` keeps on the layer.
 
     Args:
         args: the model's arguments.
@@ -414,8 +415,11 @@ class TransformerBlock(nn.Module):
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns] = None
-    ) -> torch.Tensor:
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         h = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin, runs))
+        if isinstance(self.mlp, MoE):  # its output, and its router's logits and counts, handed on to the decoder
+            out, logits, counts = self.mlp(self.mlp_norm(h))
+            return h + self.resid_dropout(out), logits, counts
         return h + self.resid_dropout(self.mlp(self.mlp_norm(h)))
 
 
@@ -590,6 +594,9 @@ class Llama(nn.Module):
         for index, layer in enumerate(self.layers):
             cos, sin = sliding if self.args.window_of(index) is not None else full
             h = layer(h, cos, sin, runs)
+            if isinstance(h, tuple):  # a mixture-of-experts block: its output, and what its router did
+                h, logits, counts = h
+                layer.mlp.record_router_output(logits, counts)
         return self.output(self.norm(h), head)  # [b, s, vocab], or the head's result
 
     @torch.no_grad()

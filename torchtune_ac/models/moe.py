@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor
 
 # How a router turns logits into weights: softmax over every expert then the top k (Qwen3-MoE, Mixtral), or the
 # top k logits then a softmax over those k (gpt-oss).
@@ -168,7 +167,8 @@ def dispatch(x: torch.Tensor, experts: torch.Tensor, num_experts: int) -> tuple[
     order = torch.argsort(flat, stable=True)
     # A scatter, not bincount: its shape does not depend on the values (the planner runs this on fake tensors).
     counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
-    return x[order // experts.shape[1]], Dispatch(order=order, experts=flat[order], counts=counts)
+    rows = x.index_select(0, torch.div(order, experts.shape[1], rounding_mode="floor"))  # [T * k, dim]
+    return rows, Dispatch(order=order, experts=flat.index_select(0, order), counts=counts)
 
 
 def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
@@ -181,55 +181,91 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
 def combine(rows: torch.Tensor, plan: Dispatch, weights: torch.Tensor) -> torch.Tensor:
     """Each token's k expert outputs, weighted and summed: ``rows [T * k, dim]`` (sorted by expert) -> ``[T, dim]``."""
     tokens, k = weights.shape
-    unsorted = rows[inverse_permutation(plan.order)]  # [T * k, dim] in (token, slot) order
+    unsorted = rows.index_select(0, inverse_permutation(plan.order))  # [T * k, dim] in (token, slot) order
     return (unsorted.view(tokens, k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
 
 # ------------------------------------------------------------------------------------------- grouped compute
 
 
-def grouped_mm_runs(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether ``torch._grouped_mm`` takes ``x [N, K] @ weight [E, K, M]`` here: this torch has it, on the CPU in
-    float32 or bfloat16, on CUDA in bfloat16 on compute capability 9.0 or newer; and the rows of both operands are
-    multiples of 16 bytes (its alignment rule)."""
+# The experts' kernels: torch's grouped matmul (``torch._grouped_mm``), where it has a kernel of its own, or the
+# rows padded to the busiest expert's count and multiplied by one ``torch.bmm``.
+GROUPED, PADDED_BMM = "grouped", "padded_bmm"
+EXPERT_KERNELS = (GROUPED, PADDED_BMM)
+# The CUDA compute capabilities (majors) where torch 2.13's ``_grouped_mm`` has its fast kernel in bfloat16: Hopper
+# (sm90) and Blackwell's datacenter parts (sm100). Elsewhere (Ampere, Ada, sm120, and any float32 on CUDA) torch
+# runs a loop over the groups with a host synchronisation, and the experts take the padded batched matmul.
+GROUPED_MM_CUDA_MAJORS = (9, 10)
+
+
+def choose_expert_kernel(device_type: str, dtype: torch.dtype, capability: Optional[tuple[int, int]],
+                         inner_dims: tuple[int, ...]) -> str:
+    """The experts' kernel for a run (one of ``EXPERT_KERNELS``), as torch would run it: grouped on a CPU in float32
+    or bfloat16, on CUDA in bfloat16 on ``GROUPED_MM_CUDA_MAJORS``, and where the weights' rows (``inner_dims``,
+    every expert weight's last two dimensions) are multiples of 16 bytes (its alignment rule); else padded.
+
+    Args:
+        device_type: ``"cpu"`` or ``"cuda"`` (any other: padded).
+        dtype: the experts' compute dtype.
+        capability: the CUDA device's compute capability (ignored on a CPU).
+        inner_dims: the expert weights' dimensions after the leading one.
+    """
     if not hasattr(torch, "_grouped_mm"):
-        return False
-    if x.device.type == "cpu":
-        dtype_ok = x.dtype in (torch.float32, torch.bfloat16)
-    elif x.device.type == "cuda" and torch.cuda.is_available():
-        dtype_ok = x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+        return PADDED_BMM
+    if device_type == "cpu":
+        dtype_ok = dtype in (torch.float32, torch.bfloat16)
+    elif device_type == "cuda":
+        dtype_ok = dtype == torch.bfloat16 and capability is not None and capability[0] in GROUPED_MM_CUDA_MAJORS
     else:
         dtype_ok = False
-    itemsize = x.dtype.itemsize
-    return dtype_ok and x.dtype == weight.dtype and all((d * itemsize) % 16 == 0 for d in weight.shape[1:])
+    aligned = all((d * dtype.itemsize) % 16 == 0 for d in inner_dims)
+    return GROUPED if dtype_ok and aligned else PADDED_BMM
 
 
-def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def grouped_mm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor, kernel: str = GROUPED) -> torch.Tensor:
     """Every expert's rows times its weight, in one call: ``x [N, K]`` (rows sorted by expert, ``counts[e]`` of
-    expert e) times ``weight [E, K, M]`` -> ``[N, M]``.
+    expert e) times ``weight [E, K, M]`` -> ``[N, M]``, by ``kernel`` (``choose_expert_kernel``).
 
-    ``torch._grouped_mm`` where it runs (``grouped_mm_runs``); elsewhere the rows are padded to the busiest
-    expert's count and multiplied by one ``torch.bmm`` (which reads the counts on the host). Fake tensors (the
-    memory planner's) in bfloat16 take ``torch._grouped_mm`` too, which allocates as on real ones; in other dtypes
-    (its shape function takes bfloat16 only) they are multiplied by the first expert's weight: the same shapes kept
-    for backward (the rows and the weight), without reading the counts, but a backward that holds one more tensor
-    of the weight's size (the slice's gradient, zeros of the whole weight) than the grouped one.
+    Grouped: ``torch._grouped_mm``, in float32 through ``torchtune_ac::grouped_mm`` (the same kernel, with a shape
+    function that takes float32, which ``torch.compile`` and the planner's fake tensors trace; torch's own takes
+    bfloat16 only). Padded: the rows padded to the busiest expert's count and multiplied by one ``torch.bmm``,
+    which reads that count on the host.
     """
-    if isinstance(x, FakeTensor) and x.dtype != torch.bfloat16:
-        return x @ weight[0]
-    if grouped_mm_runs(x, weight):
+    if kernel == GROUPED:
         offsets = torch.cumsum(counts, 0, dtype=torch.int32)
-        if x.dtype != torch.bfloat16:
-            return _grouped_mm_outside_graphs(x.contiguous(), weight, offsets)
-        return torch._grouped_mm(x.contiguous(), weight, offs=offsets)
+        if x.dtype == torch.bfloat16:
+            return torch._grouped_mm(x.contiguous(), weight, offs=offsets)
+        return grouped_mm_op(x.contiguous(), weight, offsets)
     return _padded_bmm(x, weight, counts)
 
 
-@torch.compiler.disable
-def _grouped_mm_outside_graphs(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """``torch._grouped_mm`` run eagerly under ``torch.compile``: torch 2.13's shape function for it (what Dynamo
-    traces with) takes bfloat16 only, although the CPU kernel runs float32 too."""
-    return torch._grouped_mm(x, weight, offs=offsets)
+@torch.library.custom_op("torchtune_ac::grouped_mm", mutates_args=())
+def grouped_mm_op(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm(a, b, offs=offsets)``: ``[N, K] x [E, K, M] -> [N, M]``, or ``[K, N] x [N, M] ->
+    [E, K, M]`` (groups along N: the weights' gradient)."""
+    return torch._grouped_mm(a, b, offs=offsets)
+
+
+@grouped_mm_op.register_fake
+def _grouped_mm_shape(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offsets.shape[0], a.shape[0], b.shape[-1])
+
+
+def _grouped_mm_setup(ctx: Any, inputs: tuple, output: torch.Tensor) -> None:
+    a, b, offsets = inputs
+    ctx.save_for_backward(a, b, offsets)
+
+
+def _grouped_mm_backward(ctx: Any, grad: torch.Tensor) -> tuple:
+    a, b, offsets = ctx.saved_tensors  # the forward's [N, K] x [E, K, M] (the only form it is called with)
+    grad_a = grouped_mm_op(grad, b.transpose(1, 2), offsets) if ctx.needs_input_grad[0] else None  # [N, K]
+    grad_b = grouped_mm_op(a.t(), grad, offsets) if ctx.needs_input_grad[1] else None  # [E, K, M]
+    return grad_a, grad_b, None
+
+
+grouped_mm_op.register_autograd(_grouped_mm_backward, setup_context=_grouped_mm_setup)
 
 
 def _padded_bmm(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -275,6 +311,14 @@ class GroupedExperts(nn.Module):
         # Expert parallelism's exchange (``parallel/expert_parallel.py``), which holds this process's experts only
         # and runs them over the rows other processes send it; None: every expert is here.
         self.exchange: Optional[Callable[[GroupedExperts, torch.Tensor, Dispatch], torch.Tensor]] = None
+        # The kernel, chosen once: here for a CPU in the default dtype, again for the run's device and dtype when
+        # the model is placed on it (``choose_expert_kernels_``).
+        self.kernel = choose_expert_kernel("cpu", torch.get_default_dtype(), None, self.inner_dims)
+
+    @property
+    def inner_dims(self) -> tuple[int, ...]:
+        """Every expert weight's dimensions after the leading (expert) one."""
+        return (*self.gate_up_proj.shape[1:], *self.down_proj.shape[1:])
 
     def _in_out(self, weight: torch.Tensor) -> torch.Tensor:
         return weight if self.layout.in_out else weight.transpose(1, 2)  # [E, in, out]
@@ -290,14 +334,27 @@ def compute_experts(experts: GroupedExperts, rows: torch.Tensor, plan: Dispatch)
 
     The experts are those this process holds: all of them, or under expert parallelism its share of the leading
     dimension (DTensor weights, of which the local part is used; ``plan`` then counts local experts)."""
-    gate_up = grouped_mm(rows, experts._in_out(_local(experts.gate_up_proj)), plan.counts)  # [N, 2 * expert_dim]
+    kernel, n = experts.kernel, rows.shape[0]
+    gate_up = grouped_mm(rows, experts._in_out(_local(experts.gate_up_proj)), plan.counts, kernel)  # [N, 2 * h]
     if experts.gate_up_proj_bias is not None:
-        gate_up = gate_up + _local(experts.gate_up_proj_bias)[plan.experts]
+        # Each expert's bias repeated over its rows: its backward sums each expert's rows, where a gather by
+        # expert would accumulate one duplicate index per row.
+        gate_up = gate_up + _local(experts.gate_up_proj_bias).repeat_interleave(plan.counts, dim=0, output_size=n)
     hidden = expert_activation(gate_up, experts.layout)  # [N, expert_dim]
-    out = grouped_mm(hidden, experts._in_out(_local(experts.down_proj)), plan.counts)  # [N, dim]
+    out = grouped_mm(hidden, experts._in_out(_local(experts.down_proj)), plan.counts, kernel)  # [N, dim]
     if experts.down_proj_bias is not None:
-        out = out + _local(experts.down_proj_bias)[plan.experts]
+        out = out + _local(experts.down_proj_bias).repeat_interleave(plan.counts, dim=0, output_size=n)
     return out
+
+
+def choose_expert_kernels_(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Choose every MoE layer's experts' kernel (``choose_expert_kernel``) for ``device`` and ``dtype``, once, when
+    the model is placed on its device (the capability is asked here, not in a forward that may be compiled)."""
+    device = torch.device(device)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    for module in model.modules():
+        if isinstance(module, GroupedExperts):
+            module.kernel = choose_expert_kernel(device.type, dtype, capability, module.inner_dims)
 
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
@@ -305,6 +362,20 @@ def _local(weight: torch.Tensor) -> torch.Tensor:
     tensor, not by type: the models import nothing of torch.distributed.)"""
     to_local = getattr(weight, "to_local", None)
     return to_local() if to_local is not None else weight
+
+
+def compute_arrived_experts(experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``compute_experts`` over rows that arrived from other processes (expert parallelism's exchange, run or
+    simulated): ``rows [N, dim]`` by source process, then by expert within each, ``counts [sources, local experts]``
+    the rows each source sent each of this process's experts. Sorted by expert (stably) for the grouped matmul, and
+    the outputs put back in arrival order."""
+    sources, local = counts.shape
+    expert_ids = torch.arange(local, device=rows.device).repeat(sources)
+    ids = torch.repeat_interleave(expert_ids, counts.flatten(), output_size=rows.shape[0])  # [N]
+    order = torch.argsort(ids, stable=True)
+    plan = Dispatch(order=order, experts=ids.index_select(0, order), counts=counts.sum(dim=0))
+    out = compute_experts(experts, rows.index_select(0, order), plan)
+    return out.index_select(0, inverse_permutation(order))
 
 
 def loop_experts(experts: GroupedExperts, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
@@ -335,10 +406,12 @@ class RouterOutput:
 
 
 class MoE(nn.Module):
-    """A mixture-of-experts MLP: ``[b, s, dim]`` -> ``[b, s, dim]``.
+    """A mixture-of-experts MLP: ``[b, s, dim]`` -> ``([b, s, dim], router logits [T, E], counts [E])``.
 
-    After each forward, ``router_output`` holds what its router did (``RouterOutput``), which the load-balancing
-    loss and the expert metrics read (``moe_router_outputs``).
+    What the router did is returned, not kept by the layer in its forward: a checkpointed block traced by
+    ``torch.compile`` may have no side effect, so its block hands it on (``TransformerBlock``) and the decoder keeps
+    it on the layer as ``router_output`` (``record_router_output``), which the load-balancing loss and the expert
+    metrics read (``moe_router_outputs``).
     """
 
     def __init__(self, dim: int, args: MoEArgs) -> None:
@@ -348,22 +421,17 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(dim, args)
         self.router_output: Optional[RouterOutput] = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         tokens = x.reshape(-1, x.shape[-1])  # [T, dim]
         logits = self.router(tokens)  # [T, E]
         weights, experts = route(logits, self.args.router, self.args.top_k)  # [T, k] each
         rows, plan = dispatch(tokens, experts, self.args.num_experts)  # [T * k, dim]
         out = combine(self.experts(rows, plan), plan, weights)  # [T, dim]
-        _record_router_output(self, RouterOutput(logits=logits, counts=plan.counts.detach()))
-        return out.view_as(x)
+        return out.view_as(x), logits, plan.counts.detach()
 
-
-@torch.compiler.disable
-def _record_router_output(layer: MoE, output: RouterOutput) -> None:
-    """Keep what the router did on the layer, outside any compiled graph: a compiled checkpointed block traces
-    its forward as a function without side effects, which would drop this assignment (and leave the record of an
-    earlier forward)."""
-    layer.router_output = output
+    def record_router_output(self, logits: torch.Tensor, counts: torch.Tensor) -> None:
+        """Keep what the router did in the latest forward (outside any compiled or checkpointed region)."""
+        self.router_output = RouterOutput(logits=logits, counts=counts)
 
 
 def moe_args_of(model: nn.Module) -> Optional[MoEArgs]:

@@ -17,7 +17,7 @@ A checkpoint holds the whole tensors, whatever the layout (DCP and Hugging Face 
 
 Backward sends the gradients of the rows back along the same routes (the all-to-alls' autograd form). Per-op
 activation checkpointing saves both all-to-alls' outputs (``activation_checkpointing/mechanism.py``), so a
-recomputed block does not send its tokens again; full AC recomputes the block, exchanges included. The memory
+recomputed block does not send its tokens again; full AC keeps them too (``save_collectives``). The memory
 planner simulates this exchange op for op on fake tensors (``memory/planner/experts.py``).
 """
 
@@ -30,12 +30,15 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
-from torchtune_ac.models.moe import Dispatch, GroupedExperts, MoE, compute_experts, inverse_permutation
+from torchtune_ac.models.moe import Dispatch, GroupedExperts, MoE, compute_arrived_experts
 
 
 class ExpertAllToAll:
     """The exchange a ``GroupedExperts`` runs instead of computing every expert (its ``exchange``): its rows to
     their experts' processes, its local experts over what it received, the results back.
+
+    The memory planner runs this same exchange on fake tensors (``memory/planner/experts.py``), with its two
+    methods that touch the processes replaced: ``exchange_counts`` and ``splits``.
 
     Args:
         group: the expert-parallel group (the mesh's ``ep`` dimension).
@@ -50,23 +53,29 @@ class ExpertAllToAll:
     def __call__(self, experts: GroupedExperts, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
         """``rows [N, dim]`` sorted by (global) expert, ``plan`` their counts -> each row's expert output ``[N, dim]``,
         in the same order. Kept out of compiled graphs: the splits are data."""
-        degree = self.degree
-        local = plan.counts.numel() // degree
-        # Each process's count for each expert, to the expert's process: received[r, j] = rows process r sends to
-        # this process's expert j.
-        received = funcol.all_to_all_single(plan.counts, None, None, self.group).view(degree, local)
-        sent = plan.counts.view(degree, local).sum(dim=1)  # rows to each process
-        splits = torch.cat([sent, received.sum(dim=1)]).tolist()  # one host synchronisation for both directions
-        send_splits, receive_splits = splits[:degree], splits[degree:]
-        arrived = funcol.all_to_all_single_autograd(rows, receive_splits, send_splits, self.group)
-        # Arrived by source process, then by expert within each: sort by expert (stably) for the grouped matmul.
-        expert_ids = torch.arange(local, device=rows.device).repeat(degree)
-        ids = torch.repeat_interleave(expert_ids, received.flatten(), output_size=sum(receive_splits))
-        order = torch.argsort(ids, stable=True)
-        local_plan = Dispatch(order=order, experts=ids[order], counts=received.sum(dim=0))
-        out = compute_experts(experts, arrived[order], local_plan)
-        unsorted = out[inverse_permutation(order)]  # back in arrival order
-        return funcol.all_to_all_single_autograd(unsorted, send_splits, receive_splits, self.group)
+        local = plan.counts.numel() // self.degree
+        # received[r, j]: the rows process r sends to this process's expert j.
+        received = self.exchange_counts(plan.counts).view(self.degree, local)
+        send_splits, receive_splits = self.splits(rows, plan.counts, received)
+        arrived = self.all_to_all(rows, receive_splits, send_splits)  # by source process, then by expert
+        out = compute_arrived_experts(experts, arrived, received)  # in arrival order
+        return self.all_to_all(out, send_splits, receive_splits)
+
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Each process's count for each expert, to the expert's process: ``[E]`` -> ``[degree * E / degree]``."""
+        return funcol.all_to_all_single(counts, None, None, self.group)
+
+    def splits(self, rows: torch.Tensor, counts: torch.Tensor, received: torch.Tensor) -> tuple[list[int], list[int]]:
+        """The rows this process sends to each process, and receives from each, from its experts' ``counts [E]``
+        and ``received [degree, E / degree]`` (read on the host: one synchronisation for both directions)."""
+        sent = counts.view(self.degree, -1).sum(dim=1)
+        splits = torch.cat([sent, received.sum(dim=1)]).tolist()
+        return splits[:self.degree], splits[self.degree:]
+
+    def all_to_all(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+        """``rows`` split by ``input_splits`` to the group's processes, ``output_splits`` of theirs received, with
+        the gradients sent back in backward."""
+        return funcol.all_to_all_single_autograd(rows, output_splits, input_splits, self.group)
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -88,3 +97,14 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> None:
             experts.register_parameter(name, nn.Parameter(split, requires_grad=param.requires_grad))
         experts.exchange = exchange
 
+
+def busiest_rank_load(expert_tokens: list[list[float]], degree: int) -> list[float]:
+    """Per MoE layer, the rows the busiest process of an expert-parallel group received against the group's mean
+    (1.0: balanced; the planner assumes ``ROUTED_ROWS_MARGIN``), from ``moe_expert_tokens`` (each layer's rows per
+    expert, summed over a step): process ``r`` holds experts ``[r * E/degree, (r + 1) * E/degree)``."""
+    loads = []
+    for layer in expert_tokens:
+        per_rank = torch.tensor(layer, dtype=torch.float64).view(degree, -1).sum(dim=1)
+        mean = float(per_rank.mean())
+        loads.append(round(float(per_rank.max()) / mean, 4) if mean > 0 else 1.0)
+    return loads

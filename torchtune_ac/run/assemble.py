@@ -32,21 +32,22 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchtune_ac.lora.config import AdapterConfig
 from torchtune_ac.lora.mechanism import apply_adapters, base_only
 from torchtune_ac.lora.weights import load_or_initialize_adapters_
+from torchtune_ac.activation_checkpointing.mechanism import ACMode, apply_ac_plan, silence_compiled_policy_warning
 from torchtune_ac.memory.activation_offloading import apply_activation_offloading
 from torchtune_ac.memory.feature import MakeOptimizer
 from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models import load_hf_weights_
 from torchtune_ac.models.families import parameter_initializer, retie_parameters, transformer_blocks
 from torchtune_ac.models.llama import TransformerBlock
-from torchtune_ac.parallel.fsdp import FSDPConfig, parameter_device, shard_model
+from torchtune_ac.models.moe import choose_expert_kernels_
 from torchtune_ac.parallel.expert_parallel import apply_expert_parallel
+from torchtune_ac.parallel.fsdp import FSDPConfig, parameter_device, shard_model
 from torchtune_ac.parallel.tensor_parallel import apply_tensor_parallel
 from torchtune_ac.run.plan import RunPlan
 from torchtune_ac.run.weights import initialize_weights_
 from torchtune_ac.runtime.distributed import DistributedContext, join_world_of_one
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.runtime.parallelism import EP_DIM, TP_DIM, Parallelism
-from torchtune_ac.activation_checkpointing.mechanism import apply_ac_plan, silence_compiled_policy_warning
 from torchtune_ac.training.dpo import freeze_reference
 from torchtune_ac.training.objective import Objective, with_load_balancing
 from torchtune_ac.training.step import Stepper
@@ -168,7 +169,7 @@ def build_training(
         apply_activation_offloading(model)
     # 4. Compile: each block in place (it traces the checkpointed forward, per-op policy included).
     if plan.compile and not frozen:
-        if memory.ac.policy is not None and all(isinstance(b, TransformerBlock) for b in blocks):
+        if memory.ac.mode is not ACMode.NONE and all(isinstance(b, TransformerBlock) for b in blocks):
             silence_compiled_policy_warning()
         for block in blocks:
             block.compile()
@@ -189,6 +190,7 @@ def build_training(
     # 8. Materialise: allocate every parameter (this rank's shard) on its device, buffers where the model computes.
     model.to_empty(device=parameter_device(options, ctx.device))
     place_buffers_(model, ctx.device)
+    choose_expert_kernels_(model, ctx.device, plan.dtype.torch)  # the experts' matmul, as torch runs it there
     if not sharded:
         retie_parameters(model)  # FSDP keeps ties through to_empty; a plain module does not
     # 9. Load or initialise: the checkpoint's weights (each rank reads only its shard), or drawn from the seed.

@@ -21,10 +21,12 @@ import torch
 from torchtune_ac.checkpoint import Progress, RecipeState, read_hf_config, save_checkpoint
 from torchtune_ac.errors import RunStopped
 from torchtune_ac.lora.export import adapter_files, merged_model_files
+from torchtune_ac.memory.planner.workload import ROUTED_ROWS_MARGIN
 from torchtune_ac.models import hf_model_files
 from torchtune_ac.observability.metric_logging import open_run_log
 from torchtune_ac.observability.metrics import MemoryPeaks
 from torchtune_ac.observability.progress import ProgressReporter
+from torchtune_ac.parallel.expert_parallel import busiest_rank_load
 from torchtune_ac.run import messages
 from torchtune_ac.run.assemble import AssembledModel
 from torchtune_ac.run.phases import RunData, ValidationData
@@ -55,6 +57,7 @@ class TrainingLoop:
         self.run, self.plan, self.training, self.data = run, plan, training, data
         self.tokenizer, self.validation = tokenizer, validation
         self.tokenizer_dir = Path(tokenizer.path).parent  # its files go into every checkpoint
+        self.warned_expert_load = False  # a layer past the planner's routed-rows margin, warned once a run
         # The saved config.json keeps every key of the one the run started from that training did not change.
         self.base_config = read_hf_config(plan.checkpoint_dir) if plan.checkpoint_dir is not None else None
 
@@ -184,10 +187,28 @@ class TrainingLoop:
                     **validated,
                     **result.extra,
                     **result.counts,
+                    **self.expert_load(result.counts),
                 }
             )
         progress.update(step=step, loss=result.loss, lr=lr, tokens_per_second=tokens_per_second,
                         target_tokens_per_second=target_tokens_per_second, val_loss=val_loss, extra=result.extra)
+
+    def expert_load(self, counts: Mapping[str, Any]) -> dict[str, list[float]]:
+        """Under expert parallelism, ``moe_ep_rank_load``: per MoE layer, the busiest process's received rows against
+        the mean (``busiest_rank_load``), with a warning, once a run, when a layer passes the margin the memory
+        planner sized the experts' buffers for."""
+        degree = self.plan.parallelism.expert
+        if degree <= 1 or "moe_expert_tokens" not in counts:
+            return {}
+        loads = busiest_rank_load(counts["moe_expert_tokens"], degree)
+        if max(loads) > ROUTED_ROWS_MARGIN and not self.warned_expert_load:
+            self.warned_expert_load = True
+            layer = loads.index(max(loads))
+            log.warning("step %d: MoE layer %d's busiest expert-parallel process received %.2fx the mean of its "
+                        "group's rows, past the %.1fx tune plan assumed: its memory estimate may be low "
+                        "(moe_ep_rank_load in metrics.jsonl)", self.run.progress.step, layer, loads[layer],
+                        ROUTED_ROWS_MARGIN)
+        return {"moe_ep_rank_load": loads}
 
     def save(self) -> Path:
         """A checkpoint of the current step (every rank takes part): the model as a Hugging Face checkpoint with the

@@ -116,7 +116,7 @@ def _layer_memory(exchange, *, fake: bool, per_op: bool) -> tuple[float, float]:
             tracker = _RealStorages([*layer.parameters(), x])
         context = lambda: create_selective_checkpoint_contexts(save_matmuls_and_attention)  # noqa: E731
         with tracker:
-            y = checkpoint(layer, x, use_reentrant=False, context_fn=context) if per_op else layer(x)
+            y = (checkpoint(layer, x, use_reentrant=False, context_fn=context) if per_op else layer(x))[0]
             saved = tracker.mark_activations() if fake else tracker.now
             y.sum().backward()
         return saved, tracker.peaks["forward"].value if fake else tracker.peak

@@ -241,3 +241,58 @@ def check_backward_all_to_alls(rank: int, world_size: int) -> None:
 def test_per_op_ac_does_not_repeat_the_all_to_alls_in_backward(tmp_path: Path) -> None:
     """Per-op AC keeps the all-to-alls' outputs: its recompute under EP 2 sends no token again."""
     run_on_gloo_ranks(check_backward_all_to_alls, 2, store_dir=tmp_path)
+
+
+# moe_expert_tokens (per layer, rows per expert) and the EP degree -> each layer's busiest process against the mean.
+RANK_LOADS = [
+    ([[4, 4, 4, 4]], 2, [1.0]),  # balanced
+    ([[3, 2, 1, 2], [0, 0, 1, 3]], 2, [1.25, 2.0]),  # 5 of 8 rows on process 0; all 4 on process 1
+    ([[1, 2, 3, 6]], 4, [2.0]),  # 6 of 12 on process 3, the mean 3
+    ([[0, 0]], 2, [1.0]),  # no rows: balanced
+]
+
+
+@pytest.mark.parametrize("expert_tokens, degree, expected", RANK_LOADS)
+def test_the_busiest_rank_load_against_the_mean(expert_tokens, degree, expected):
+    from torchtune_ac.parallel.expert_parallel import busiest_rank_load
+
+    assert busiest_rank_load(expert_tokens, degree) == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("mode, option", [("none", None), ("selective", "op"), ("full", None)])
+def test_no_ac_mode_sends_the_tokens_again_in_backward(mode, option):
+    """EP on a world of one (each all-to-all sends to itself), a tiny Qwen3-MoE of 3 MoE layers: forward runs 3
+    all-to-alls a layer (the counts, the rows out, the rows back); backward runs the rows' gradients' 2 a layer and
+    nothing more under every AC mode: per-op AC and full AC keep the all-to-alls' outputs (full AC recomputed the
+    block's exchange before, 5 a layer in backward)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from torchtune_ac.activation_checkpointing.mechanism import ACMode, ac_plan, apply_ac_plan
+    from torchtune_ac.models import qwen3_moe_tiny
+    from torchtune_ac.parallel.expert_parallel import apply_expert_parallel
+
+    class CountAllToAlls(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += func.__name__.startswith("all_to_all_single")
+            return func(*args, **(kwargs or {}))
+
+    torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model = qwen3_moe_tiny()
+        model.init_weights()
+        apply_ac_plan(model, ac_plan(ACMode(mode), option, len(model.layers)))
+        apply_expert_parallel(model, init_device_mesh("cpu", (1,), mesh_dim_names=("ep",)))
+        with CountAllToAlls() as forward:
+            logits = model(torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(0)))
+        with CountAllToAlls() as backward:
+            logits.float().square().mean().backward()
+    finally:
+        torch.distributed.destroy_process_group()
+    moe_layers = 3
+    assert (forward.count, backward.count) == (3 * moe_layers, 2 * moe_layers)

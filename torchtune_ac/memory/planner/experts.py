@@ -15,7 +15,8 @@ import math
 import torch
 from torch import nn
 
-from torchtune_ac.models.moe import Dispatch, GroupedExperts, MoE, compute_experts, inverse_permutation
+from torchtune_ac.models.moe import MoE
+from torchtune_ac.parallel.expert_parallel import ExpertAllToAll
 
 # The all-to-alls' group, by name: the functional collectives on fake tensors never look it up.
 _SIMULATED_GROUP = "planner_expert_parallel"
@@ -31,8 +32,8 @@ def _split(total: int, parts: int) -> list[int]:
     return [total // parts + (i < total % parts) for i in range(parts)]
 
 
-class SimulatedExpertExchange:
-    """``ExpertAllToAll`` (``parallel/expert_parallel.py``) op for op on fake tensors, with the rows' split assumed:
+class SimulatedExpertExchange(ExpertAllToAll):
+    """``ExpertAllToAll`` (``parallel/expert_parallel.py``) itself on fake tensors, with the rows' split assumed:
     this process sends its ``N`` routed rows evenly to the ``degree`` processes and receives ``ceil(margin * N)``.
 
     Args:
@@ -41,23 +42,19 @@ class SimulatedExpertExchange:
     """
 
     def __init__(self, degree: int, margin: float) -> None:
-        self.degree = degree
+        super().__init__(group=None, degree=degree)
         self.margin = margin
 
-    def __call__(self, experts: GroupedExperts, rows: torch.Tensor, plan: Dispatch) -> torch.Tensor:
-        degree, sent = self.degree, rows.shape[0]
-        local = plan.counts.numel() // degree
-        received = math.ceil(self.margin * sent)
-        send_splits, receive_splits = _split(sent, degree), _split(received, degree)
-        counts = _exchange(plan.counts, [local] * degree, [local] * degree).view(degree, local)
-        arrived = _exchange(rows, receive_splits, send_splits)  # [received, dim]
-        expert_ids = torch.arange(local, device=rows.device).repeat(degree)
-        ids = torch.repeat_interleave(expert_ids, counts.flatten(), output_size=received)
-        order = torch.argsort(ids, stable=True)
-        local_plan = Dispatch(order=order, experts=ids[order], counts=counts.sum(dim=0))
-        out = compute_experts(experts, arrived[order], local_plan)
-        unsorted = out[inverse_permutation(order)]
-        return _exchange(unsorted, send_splits, receive_splits)  # [sent, dim]
+    def exchange_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        local = counts.numel() // self.degree
+        return _exchange(counts, [local] * self.degree, [local] * self.degree)
+
+    def splits(self, rows: torch.Tensor, counts: torch.Tensor, received: torch.Tensor) -> tuple[list[int], list[int]]:
+        sent = rows.shape[0]
+        return _split(sent, self.degree), _split(math.ceil(self.margin * sent), self.degree)
+
+    def all_to_all(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+        return _exchange(rows, output_splits, input_splits)
 
 
 def simulate_expert_parallel(model: nn.Module, degree: int, margin: float) -> list[nn.Parameter]:

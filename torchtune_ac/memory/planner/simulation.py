@@ -182,7 +182,7 @@ class _LiveStorages(TorchDispatchMode):
         count = flop_registry.get(func.overloadpacket)
         if count is not None:
             self.flops += count(*args, **kwargs, out_val=out)
-        elif func is _GROUPED_MM:  # which flop_counter has no formula for: [N, K] x [E, K, M], or [K, N] x [N, M]
+        elif func in _GROUPED_MMS:  # which flop_counter has no formula for: [N, K] x [E, K, M], or [K, N] x [N, M]
             self.flops += 2 * args[0].numel() * args[1].shape[-1]
         if func is _WAIT_TENSOR:
             # A collective's wait returns its input in a run (the same memory); on fake tensors its output has a
@@ -214,7 +214,8 @@ class _LiveStorages(TorchDispatchMode):
         return out
 
 
-_GROUPED_MM = getattr(torch.ops.aten, "_grouped_mm", None) and torch.ops.aten._grouped_mm.default
+# torch's grouped matmul, and ours of its kernel in float32 (``models/moe.py``).
+_GROUPED_MMS = (torch.ops.aten._grouped_mm.default, torch.ops.torchtune_ac.grouped_mm.default)
 _WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default if torch.distributed.is_available() else None
 
 
@@ -551,8 +552,9 @@ def _phase_hooks(blocks: nn.ModuleList, tracker: _LiveStorages) -> list[Any]:
         if x.requires_grad:
             x.register_hook(lambda grad: tracker.enter("rest of backward"))
 
-    def last_output(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        output.register_hook(lambda grad: tracker.enter("blocks backward"))
+    def last_output(module: nn.Module, args: tuple, output: Any) -> None:
+        hidden = output[0] if isinstance(output, tuple) else output  # an MoE block's: its output, then its router's
+        hidden.register_hook(lambda grad: tracker.enter("blocks backward"))
 
     return [blocks[0].register_forward_pre_hook(first_input), blocks[-1].register_forward_hook(last_output)]
 
