@@ -59,20 +59,27 @@ class _ChunkedSequenceLogProbs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor,
-                n_rows: int, n_chunks: int, softcap: Optional[float]) -> torch.Tensor:
-        # hidden: [n, dim]; weight: [vocab, dim]; targets, rows: [n]
+                n_rows: int, n_chunks: int, softcap: Optional[float], temperature: float = 1.0,
+                entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # hidden: [n, dim]; weight: [vocab, dim]; targets, rows: [n]; entropy: [n], filled when given (no gradient)
         out = torch.zeros(n_rows, dtype=torch.float32, device=hidden.device)
         log_norms = []
+        start = 0
         for h, y, r in zip(hidden.tensor_split(n_chunks), targets.tensor_split(n_chunks), rows.tensor_split(n_chunks)):
             if not len(y):
                 log_norms.append(torch.empty(0, dtype=torch.float32, device=hidden.device))
                 continue
             logits = _soft_cap(F.linear(h, weight).float(), softcap)  # [c, vocab]
+            if temperature != 1.0:
+                logits.div_(temperature)
             log_norm = torch.logsumexp(logits, dim=-1)  # [c]
             out.index_add_(0, r, logits.gather(1, y[:, None]).squeeze(1) - log_norm)
+            if entropy is not None:  # H = logsumexp - sum(p * logits)
+                entropy[start:start + len(y)] = log_norm - (logits - log_norm[:, None]).exp_().mul_(logits).sum(-1)
             log_norms.append(log_norm)
+            start += len(y)
             del logits
-        ctx.n_chunks, ctx.softcap = n_chunks, softcap
+        ctx.n_chunks, ctx.softcap, ctx.temperature = n_chunks, softcap, temperature
         if ctx.needs_input_grad[0] or ctx.needs_input_grad[1]:
             ctx.save_for_backward(hidden, weight, targets, rows, torch.cat(log_norms))
         return out
@@ -93,9 +100,11 @@ class _ChunkedSequenceLogProbs(torch.autograd.Function):
             logits = F.linear(h, weight).float()  # [c, vocab]
             unit = None if ctx.softcap is None else logits.div_(ctx.softcap).tanh_()
             capped = logits if unit is None else unit * ctx.softcap
+            if ctx.temperature != 1.0:  # the log-softmax of logits / T: its gradient carries 1 / T
+                capped = capped.div_(ctx.temperature)
             grad_logits = capped.sub_(z[:, None]).exp_().neg_()  # -softmax
             grad_logits[torch.arange(len(y), device=y.device), y] += 1.0
-            grad_logits = grad_logits.mul_(g[:, None])
+            grad_logits = grad_logits.mul_(g[:, None] if ctx.temperature == 1.0 else g[:, None] / ctx.temperature)
             if unit is not None:
                 grad_logits.mul_(unit.square_().neg_().add_(1.0))  # d(C tanh(x / C)) / dx = 1 - tanh^2
             grad_logits = grad_logits.to(weight.dtype)
@@ -106,7 +115,7 @@ class _ChunkedSequenceLogProbs(torch.autograd.Function):
                 grad_weight.addmm_(grad_logits.t(), h)
             del grad_logits
             start += len(y)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -154,3 +163,39 @@ class ChunkedSequenceLogProbs:
             rows, n_rows = self.sequence_ids.flatten().index_select(0, order), self.n_sequences
         hidden = hidden.flatten(0, 1).index_select(0, order)  # [n, dim]
         return _ChunkedSequenceLogProbs.apply(hidden, weight, targets, rows, n_rows, self.n_chunks, softcap)
+
+
+@dataclass(frozen=True)
+class ChunkedTokenLogProbs:
+    """An output head for the model: each label's own log-probability (not summed), ``[b, s]`` float32 with 0 where
+    the label is ``IGNORE_INDEX``, from the logits divided by ``temperature``, projected chunk by chunk as
+    ``ChunkedSequenceLogProbs`` does (every target its own "row"). GRPO's per-token ratios need them.
+
+    Attributes:
+        labels: ``[b, s]`` targets, ``IGNORE_INDEX`` where there is none.
+        n_chunks: how many pieces the target positions are split into.
+        temperature: the sampling temperature the log-probabilities are taken at (TRL's ``temperature``).
+        n_targets: the labels that are not ``IGNORE_INDEX``, counted on the host; None: counted here.
+        entropy: a ``[b, s]`` float32 buffer filled with each target position's entropy (detached), or None.
+    """
+
+    labels: torch.Tensor
+    n_chunks: int
+    temperature: float = 1.0
+    n_targets: Optional[int] = None
+    entropy: Optional[torch.Tensor] = None
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
+        labels = self.labels.flatten()  # [b * s]
+        kept = labels != IGNORE_INDEX
+        n_targets = self.n_targets if self.n_targets is not None else int(kept.sum())
+        order = torch.argsort((~kept).to(torch.uint8), stable=True)[:n_targets]  # [n], row-major order
+        targets = labels.index_select(0, order)
+        rows = torch.arange(n_targets, device=labels.device)
+        flat_entropy = None if self.entropy is None else hidden.new_zeros(n_targets, dtype=torch.float32)
+        per_target = _ChunkedSequenceLogProbs.apply(hidden.flatten(0, 1).index_select(0, order), weight, targets,
+                                                    rows, n_targets, self.n_chunks, softcap, self.temperature,
+                                                    flat_entropy)  # [n]
+        if flat_entropy is not None:
+            self.entropy.view(-1).index_copy_(0, order, flat_entropy)
+        return per_target.new_zeros(labels.shape).index_add(0, order, per_target).view(self.labels.shape)
