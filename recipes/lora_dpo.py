@@ -23,7 +23,7 @@ from typing import Optional
 from torchtune_ac.config.schema import LoRADPOConfig
 from torchtune_ac.lora.reference import BaseAsReference
 from torchtune_ac.run import preflight as library
-from torchtune_ac.run.phases import PAIRS
+from torchtune_ac.data.batching import PAIRS
 from torchtune_ac.run.setup import SetupParts, run_recipe
 from torchtune_ac.training.dpo import DPOObjective
 

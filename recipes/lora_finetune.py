@@ -19,7 +19,7 @@ import sys
 
 from torchtune_ac.config.schema import LoRAFinetuneConfig
 from torchtune_ac.run import preflight as library
-from torchtune_ac.run.phases import SAMPLES
+from torchtune_ac.data.batching import SAMPLES
 from torchtune_ac.run.setup import run_recipe
 
 CONFIG_SCHEMA = LoRAFinetuneConfig

@@ -47,11 +47,12 @@ ALLOWED = {
     "training": LEAVES | {"models", "runtime", "parallel", "activation_checkpointing"},
     "memory": LEAVES | {"models", "runtime", "parallel", "activation_checkpointing", "training"},
     "embedded": LEAVES | {"models", "data", "checkpoint"},
+    "lora": LEAVES | {"models", "checkpoint", "training"},
     "compat": LEAVES | {"config", "memory", "models", "parallel", "runtime", "activation_checkpointing", "training"},
     "config": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "activation_checkpointing", "training",
-                        "memory", "observability", "registry", "embedded"},
+                        "memory", "observability", "registry", "embedded", "lora"},
     "run": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "activation_checkpointing", "training",
-                     "memory", "observability", "config"},
+                     "memory", "observability", "config", "lora"},
     "generate": LEAVES | {"checkpoint", "data", "models"},
 }
 # The component loader reads torchtune's mirrored paths from compat's table (which imports nothing of ours).
