@@ -6,9 +6,9 @@ carry over. Nothing downstream reads raw config keys: recipes receive these data
 settings on whole (``cfg.ac``, ``cfg.memory``, ``cfg.fsdp``).
 
 Groups of keys are written beside the subsystem that uses them, and composed here: ``ACConfig``
-(``activation_checkpointing/config.py``), ``MemoryConfig`` (``memory/feature.py``) and ``FSDPConfig`` (``parallel/fsdp.py``,
-the ``fsdp.*`` keys). A group marked ``flatten`` keeps its keys at the top level of the YAML (``ac_mode: full``,
-not ``ac: {mode: full}``), as torchtune names them.
+(``activation_checkpointing/config.py``), ``MemoryConfig`` (``memory/feature.py``) and ``FSDPConfig``
+(``parallel/fsdp.py``, the ``fsdp.*`` keys). A group marked ``flatten`` keeps its keys at the top level of the YAML
+(``ac_mode: full``, not ``ac: {mode: full}``), as torchtune names them.
 """
 
 from __future__ import annotations

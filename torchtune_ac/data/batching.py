@@ -49,7 +49,8 @@ class Batching:
                 name in sample for name in self.not_keys):
             return
         missing = [name for name in self.keys[0] if name not in sample]
-        what = f"without {', '.join(missing)}" if missing else f"holding {', '.join(n for n in self.not_keys if n in sample)}"
+        held = [name for name in self.not_keys if name in sample]
+        what = f"without {', '.join(missing)}" if missing else f"holding {', '.join(held)}"
         raise UserError(f"{key}: {path} gives samples {what}: not the {self.kind} this recipe trains on "
                         "(full_finetune trains on samples, full_dpo on preference pairs)")
 

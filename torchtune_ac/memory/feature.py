@@ -3,8 +3,8 @@ setting, declared in a ``Feature`` by the feature's own module, beside its mecha
 
 A feature (activation checkpointing, the optimizer state's precision, the optimizer step in backward, the chunked
 loss, activation offloading, CPU offload) is listed once, in ``features.py``. Its keys are written in the schema's
-groups (``MemoryConfig``, here below the plan that lists the features; ``FSDPConfig``; ``ACConfig``); ``resolve`` turns them into its *setting*, a plain value
-the ``MemoryPlan`` holds under the feature's name.
+groups (``MemoryConfig``, here, below the plan that lists the features; ``FSDPConfig``; ``ACConfig``);
+``resolve`` turns them into its *setting*, a plain value the ``MemoryPlan`` holds under the feature's name.
 
 What a feature does to the run is not a hook here: the run applies each mechanism by name, in the one written order
 (``run/assemble.py``), and the planner's simulated step does the same (``planner/simulation.py``). A feature gives the planner

@@ -22,6 +22,7 @@ from torchtune_ac.memory.chunked_loss import loss_objective
 from torchtune_ac.memory.optimizer_in_backward import OptimizerInBackward, build_optimizer
 from torchtune_ac.models import Llama
 from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.runtime.parallelism import GradientGroups
 from torchtune_ac.training import cosine_schedule_with_warmup
 from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.training.step import train_step
@@ -212,17 +213,11 @@ def test_the_in_backward_norm_is_reduced_on_the_device_of_the_mesh(monkeypatch):
     (beyond a 1-D mesh over every rank) may be split from NCCL alone: the norms are reduced on the mesh's device.
     A mesh of the meta device stands in for CUDA's here."""
 
-    class MetaMesh:
-        device_type = "meta"
-
-        def get_group(self, dim: int) -> None:
-            return None
-
     optimizer = OptimizerInBackward(torch.nn.Linear(2, 2).named_parameters(), adamw)
-    # Keyed by (mesh dimension names, split dimensions); on the CPU, as offloaded.
-    optimizer._squared_norms = {((), ()): torch.tensor(5.0), (("shard",), (0,)): torch.tensor(4.0)}
-    optimizer._meshes = {("shard",): MetaMesh()}
+    # Norms of a weight and of a split one, on the CPU, as offloaded; the groups of a mesh of the meta device.
+    optimizer._norms = ([torch.tensor(5.0).sqrt()], [torch.tensor(2.0)])
+    optimizer.gradient_norm.groups = GradientGroups(shard=object(), shard_tp=object(), device_type="meta")
     reduced = []
     monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, op=None, group=None: reduced.append(tensor))
     norm = optimizer.total_norm(torch.device("cpu"))
-    assert [tensor.device.type for tensor in reduced] == ["meta"] and norm.device.type == "meta"
+    assert [tensor.device.type for tensor in reduced] == ["meta", "meta"] and norm.device.type == "meta"

@@ -100,8 +100,9 @@ def dense_attention_oracle(
     remaining = list(dropout_masks or [])
     n_documents = len(document_spans(document_ids))
 
-    def oracle(q, k, v, *, dropout_p, runs, scale=None, window=None, softcap=None):
+    def oracle(q, k, v, *, dropout_p, runs, scale=None, window=None, softcap=None, sinks=None):
         assert runs is not None, "the oracle stands in for packed attention only"
+        assert sinks is None, "the oracle has no attention sinks"
         dropout = None
         if dropout_p > 0.0:
             assert len(remaining) >= n_documents, "no recorded dropout masks left for this layer"
