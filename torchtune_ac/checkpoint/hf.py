@@ -9,6 +9,7 @@ writer each walk; ``torchtune_ac.models`` builds it through the model's family a
 
 from __future__ import annotations
 
+import itertools
 import math
 import shutil
 from contextlib import ExitStack
@@ -158,19 +159,34 @@ def load_hf_tensors_(
         if alias in found:
             (piece,) = chosen[source]  # a tied parameter is stored whole
             _check_copy_equal(found[alias], found[piece.stored], targets[source])
-    with ExitStack() as files:
-        opened: dict[Path, Any] = {}
+    _read_pieces(targets, chosen, found)
 
-        def read(name: str, region: Region) -> torch.Tensor:
-            tensor = found[name]
-            if tensor.file not in opened:
-                opened[tensor.file] = files.enter_context(open_safetensors(tensor.file))
-            return read_region(opened[tensor.file], tensor.name, region)
 
-        for target, way in chosen.items():
-            local, region = local_region(targets[target])
-            for piece in way:
-                _copy_piece(local, region, piece, read)
+def _read_pieces(targets: Mapping[str, torch.Tensor], chosen: Mapping[str, tuple[Piece, ...]],
+                 found: Mapping[str, StoredTensor]) -> None:
+    """Copy each target's pieces into it (this process's region of it), one file open at a time (and the other
+    sources of a decoded piece)."""
+    regions = {target: local_region(targets[target]) for target in chosen}
+    pieces = sorted(((str(found[p.sources[0]].file), target, p) for target, way in chosen.items() for p in way),
+                    key=lambda item: item[0])
+    for _, group in itertools.groupby(pieces, key=lambda item: item[0]):
+        with ExitStack() as files:
+            read = _reader(found, files)
+            for _, target, piece in group:
+                _copy_piece(*regions[target], piece, read)
+
+
+def _reader(found: Mapping[str, StoredTensor], files: ExitStack) -> Callable[[str, Region], torch.Tensor]:
+    """``read(name, region)``: a region of stored tensor ``name``, its file opened once, kept open in ``files``."""
+    opened: dict[Path, Any] = {}
+
+    def read(name: str, region: Region) -> torch.Tensor:
+        tensor = found[name]
+        if tensor.file not in opened:
+            opened[tensor.file] = files.enter_context(open_safetensors(tensor.file))
+        return read_region(opened[tensor.file], tensor.name, region)
+
+    return read
 
 
 def _copy_piece(local: torch.Tensor, region: Region, piece: Piece,

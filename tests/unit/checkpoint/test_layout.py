@@ -98,8 +98,10 @@ def test_a_non_floating_tensor_and_bad_mxfp4_halves_are_named():
 
 @pytest.mark.parametrize("family", FAMILIES, ids=lambda f: f.name)
 def test_every_family_s_map_accepts_the_headers_it_writes_and_names_what_is_missing(family):
+    # Its tiny model where it has one (Qwen3-MoE's: the 30B's 18,432 expert tensors take seconds to match).
+    builder = next((b for name, b in family.builders.items() if "tiny" in name), next(iter(family.builders.values())))
     with torch.device("meta"):
-        model = next(iter(family.builders.values()))()
+        model = builder()
     layout = stored_layout(model)
     written = {name: layout.stored_shapes[name] for name in layout.written()}
     config = family.hf.hf_config_from_args(family.args_of(model), torch.bfloat16)
