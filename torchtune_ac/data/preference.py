@@ -109,17 +109,27 @@ class PreferenceReport:
         """One line on what was cut or dropped (and ``extra`` parts), or None when there is nothing to say."""
         parts = []
         if self.prompts_cut:
-            parts.append(f"{self.prompts_cut:,} of {self.pairs:,} pairs are longer than max_seq_len={self.max_seq_len}"
-                         f" and had their prompt's start cut (down to at least max_prompt_len={self.max_prompt_len}"
-                         f" tokens), losing {self.prompt_tokens_lost:,} prompt tokens")
+            one = self.prompts_cut == 1
+            parts.append(f"{self.prompts_cut:,} of {self.pairs:,} pairs {'is' if one else 'are'} longer than "
+                         f"max_seq_len={self.max_seq_len} and had {'its' if one else 'their'} prompt's start cut (down "
+                         f"to at least max_prompt_len={self.max_prompt_len} tokens), losing "
+                         f"{_count(self.prompt_tokens_lost, 'prompt token')}")
         if self.answers_cut:
-            parts.append(f"{self.answers_cut:,} answers lost their end to max_seq_len={self.max_seq_len}, "
-                         f"{self.answer_tokens_lost:,} of {self.answer_tokens:,} answer tokens (trained without "
-                         "their end and EOS)")
+            one = self.answers_cut == 1
+            parts.append(f"{_count(self.answers_cut, 'answer')} lost {'its' if one else 'their'} end to max_seq_len="
+                         f"{self.max_seq_len}, {self.answer_tokens_lost:,} of {self.answer_tokens:,} answer tokens "
+                         f"(trained without {'its' if one else 'their'} end and EOS)")
         if self.identical_after_cut:
-            parts.append(f"{self.identical_after_cut:,} pairs differ only past max_seq_len and were dropped")
+            one = self.identical_after_cut == 1
+            parts.append(f"{_count(self.identical_after_cut, 'pair')} {'differs' if one else 'differ'} only past "
+                         f"max_seq_len and {'was' if one else 'were'} dropped")
         parts += extra
         return f"data {self.source}: " + "; ".join(parts) if parts else None
+
+
+def _count(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: "1 pair", "2 pairs"."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def truncate_pair(pair: EncodedPair, *, max_seq_len: Optional[int], max_prompt_len: int,
@@ -614,8 +624,9 @@ def build_preference_dataset(prepared: PreparedPairs) -> PreferenceDataset:
     if isinstance(dataset, PackedPreferenceDataset):
         dataset.finish()  # the last row is stored only now: until then the pairs that fill it are not counted
     if dataset.pair_count == 0:
-        raise UserError(f"{prepared.source}: none of the {report.pairs} pairs is left: every one differs only past "
-                        f"max_seq_len={prepared.max_seq_len} (raise it)")
+        lost = ("its only pair differs only past" if report.pairs == 1 else
+                f"none of the {report.pairs:,} pairs is left: every one differs only past")
+        raise UserError(f"{prepared.source}: {lost} max_seq_len={prepared.max_seq_len} (raise it)")
     converted = prepared.text_columns.describe()
     dataset.report = report.describe(extra=[converted] if converted else [])
     dataset.source, dataset.source_files = prepared.source, prepared.source_files

@@ -121,8 +121,10 @@ def test_truncation_is_counted_and_said_once(tmp_path, tokenizer, caplog):
     assert len(ds) == 2
     assert max(len(ds[0]["chosen_tokens"]), len(ds[0]["rejected_tokens"])) == 32
     assert ds[0]["chosen_tokens"][0] == tokenizer.bos_id
-    assert ds.report.startswith(f"data {tmp_path / 'p.jsonl'}: 1 of 2 pairs are longer than max_seq_len=32")
-    assert "1 answers lost their end" in ds.report
+    # One of each: "1 of 2 pairs is", "1 answer lost its end" (were "are", "1 answers lost their end").
+    assert ds.report.startswith(f"data {tmp_path / 'p.jsonl'}: 1 of 2 pairs is longer than max_seq_len=32 and had "
+                                "its prompt's start cut")
+    assert "; 1 answer lost its end to max_seq_len=32, " in ds.report
     with caplog.at_level("WARNING"):
         build_dataloader(ds, batch_size=1, pad_id=tokenizer.pad_id, collate=collate_preference_batch)
     assert [r.getMessage() for r in caplog.records] == [ds.report]
@@ -142,7 +144,16 @@ def test_pairs_that_differ_only_past_max_seq_len_are_dropped_and_counted(tmp_pat
                {"prompt": "p", "chosen": "a", "rejected": "b"}]
     ds = preference_dataset(tokenizer, source=write_jsonl(tmp_path / "p.jsonl", records), max_seq_len=5,
                             max_prompt_len=2)
-    assert len(ds) == 1 and "1 pairs differ only past max_seq_len and were dropped" in ds.report
+    assert len(ds) == 1 and ds.report.endswith("1 pair differs only past max_seq_len and was dropped")  # not "1 pairs"
+    twice = preference_dataset(tokenizer, source=write_jsonl(tmp_path / "q.jsonl", [records[0], *records]),
+                               max_seq_len=5, max_prompt_len=2)
+    assert twice.report.endswith("2 pairs differ only past max_seq_len and were dropped")
+    for source, lost in ((write_jsonl(tmp_path / "one.jsonl", records[:1]), "its only pair differs only past"),
+                         (write_jsonl(tmp_path / "two.jsonl", records[:1] * 2),
+                          "none of the 2 pairs is left: every one differs only past")):
+        with pytest.raises(UserError) as refused:
+            preference_dataset(tokenizer, source=source, max_seq_len=5, max_prompt_len=2)
+        assert str(refused.value) == f"{source}: {lost} max_seq_len=5 (raise it)"
 
 
 @pytest.mark.parametrize(
