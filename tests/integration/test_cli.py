@@ -796,3 +796,50 @@ def test_validate_without_a_tokenizer_still_says_the_data_is_missing(tmp_path, c
     assert warnings == [f"tokenizer path {tmp_path / 'tok'} does not exist",
                         f"dataset source {tmp_path / 'a.jsonl'} does not exist",
                         f"dataset_val: dataset source {tmp_path / 'b.jsonl'} does not exist"]
+
+
+def test_validate_refuses_what_the_load_refuses_from_the_headers_in_the_run_s_words(tmp_path, capsys,
+                                                                                    embedded_checkpoint, monkeypatch):
+    """A checkpoint missing one tensor, and a mixture of experts whose config.json says 16 experts while its files
+    hold 8, passed tune validate (it read the headers without comparing them with the model); tune run refused both
+    once the model was built. Validate now says the run's line, reading no weight."""
+    from safetensors.torch import load_file, save_file
+
+    from finetune_runs import run_tune_in_process
+    from torchtune_ac.models import qwen3_moe_tiny, save_hf
+
+    missing = tmp_path / "missing"
+    shutil.copytree(embedded_checkpoint, missing)
+    tensors = load_file(missing / "model.safetensors")
+    del tensors["model.layers.1.mlp.gate_proj.weight"]
+    save_file(tensors, missing / "model.safetensors", metadata={"format": "pt"})
+    moe = save_hf(qwen3_moe_tiny(), tmp_path / "moe")
+    config = json.loads((moe / "config.json").read_text())
+    (moe / "config.json").write_text(json.dumps({**config, "num_experts": 2 * config["num_experts"]}))
+    cases = {missing: ("tiny/full", []),
+             moe: ("tiny/full", ["model._component_=torchtune_ac.models.from_hf_config",
+                                 f"tokenizer.path={embedded_checkpoint}"])}
+    lines = {}
+    for folder, (config_name, overrides) in cases.items():
+        run = run_tune_in_process(["run", "full_finetune", "--config", config_name, f"checkpoint_dir={folder}",
+                                   f"output_dir={tmp_path / 'out' / folder.name / 'run'}", "max_steps_per_epoch=1",
+                                   *overrides])
+        assert run.returncode == 2
+        lines[folder] = [line for line in run.stderr.splitlines() if line.startswith("tune: error: ")]
+        assert len(lines[folder]) == 1
+    assert lines[missing][0] == f"tune: error: {missing}: missing tensor model.layers.1.mlp.gate_proj.weight"
+    assert lines[moe][0].startswith(f"tune: error: {moe}: model.safetensors: model.layers.1.mlp.")
+    assert "missing parts of model.layers.2.mlp.experts.gate_up_proj (the stored ones cover 131072 of its 262144 " \
+           "entries)" in lines[moe][0]
+    capsys.readouterr()
+
+    def no_weight_read(*args, **kwargs):
+        raise AssertionError("tune validate read a weight")
+
+    monkeypatch.setattr("torchtune_ac.checkpoint.hf.open_safetensors", no_weight_read)
+    for folder, (config_name, overrides) in cases.items():
+        assert main(["validate", "--config", config_name, f"checkpoint_dir={folder}",
+                     f"output_dir={tmp_path / 'out' / folder.name / 'validate'}", *overrides]) == 2
+        assert capsys.readouterr().err == lines[folder][0] + "\n"
+    assert main(["validate", "--config", "tiny/full", f"checkpoint_dir={embedded_checkpoint}",
+                 f"output_dir={tmp_path / 'o'}"]) == 0  # headers only: the intact checkpoint passes unread

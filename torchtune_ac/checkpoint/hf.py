@@ -162,6 +162,7 @@ def load_hf_tensors_(
     stored_name: Callable[[str], "Optional[str | TensorPart | QuantizedPart]"],
     copies: Mapping[str, str],
     stacked: Mapping[str, tuple[str, ...]] = {},
+    headers_only: bool = False,
 ) -> None:
     """Copy the tensors of a Hugging Face checkpoint into ``targets``, in place, each cast to its target's dtype.
 
@@ -180,6 +181,8 @@ def load_hf_tensors_(
             a checkpoint may store them, and then they must equal their source; they are not loaded.
         stacked: a stored tensor holding several targets stacked along dim 0 (Phi-3's ``qkv_proj``) -> their names,
             in order: each fills its target from its own rows.
+        headers_only: stop after the checks of the file headers, reading no weight (``tune validate``; targets may
+            be on the meta device, and a stored copy is not compared).
 
     Raises:
         UserError: missing or unreadable files, missing or unexpected tensors, shape mismatches, a non-floating
@@ -246,6 +249,8 @@ def load_hf_tensors_(
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise UserError(f"{checkpoint_dir}: " + "; ".join(problems[:5]) + more)
+    if headers_only:
+        return
     for alias, source in copies.items():
         if alias in stored:
             _check_copy_equal(stored[alias], stored_as[alias], stored[source], stored_as[source], targets[source])
