@@ -370,6 +370,9 @@ def read_value(
     if not isinstance(value, kind) or (kind is not bool and isinstance(value, bool)):
         problems.append(f"{prefix}{key}={value!r}: must be {kind.__name__}")
         return None
+    if kind is float and not math.isfinite(value):  # JSON's NaN and Infinity, which Python's json reads
+        problems.append(f"{prefix}{key}={value!r}: must be a finite number")
+        return None
     return value
 
 

@@ -17,6 +17,7 @@ weights are held in that layout, the Hugging Face one, so they load by name.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -109,8 +110,8 @@ class MoEArgs:
         if self.experts.activation not in EXPERT_ACTIVATIONS:
             problems.append(f"moe.experts.activation={self.experts.activation!r} must be one of "
                             f"{', '.join(EXPERT_ACTIVATIONS)}")
-        if self.aux_loss_coef < 0:
-            problems.append(f"moe.aux_loss_coef={self.aux_loss_coef} must not be negative")
+        if not self.aux_loss_coef >= 0 or math.isinf(self.aux_loss_coef):
+            problems.append(f"moe.aux_loss_coef={self.aux_loss_coef} must be a finite number, not negative")
         return problems
 
     def is_sparse(self, layer: int) -> bool:

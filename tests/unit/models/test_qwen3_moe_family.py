@@ -11,9 +11,9 @@ from safetensors.torch import load_file, save_file
 
 import torchtune_ac.models.families.qwen3_moe as qwen3_moe
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import QWEN3_MOE, family_for_hf_config, gpt_oss_20b, load_hf, save_hf
+from torchtune_ac.models import QWEN3_MOE, family_for_hf_config, gpt_oss_20b, load_hf, read_hf_args, save_hf
 from torchtune_ac.models.llama import MLP
-from torchtune_ac.models.moe import MoE
+from torchtune_ac.models.moe import MoE, MoEArgs
 
 PARAMETER_COUNTS = {"qwen3_moe_30b_a3b": 30_532_122_624, "qwen3_moe_235b_a22b": 235_093_634_560}
 # Qwen/Qwen3-30B-A3B's config.json (the keys that matter).
@@ -62,6 +62,18 @@ def test_unsupported_configs_name_the_key(change, message):
     with pytest.raises(UserError, match="qwen3_moe config") as info:
         QWEN3_MOE.hf.args_from_hf_config({**PUBLISHED_30B, **change})
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_a_non_finite_router_aux_loss_coef_is_refused_naming_the_key_and_the_file(tmp_path, value):
+    """NaN and Infinity (which Python's json reads) passed, and the run stopped with exit 3 after step 1."""
+    (tmp_path / "config.json").write_text(json.dumps({**PUBLISHED_30B, "router_aux_loss_coef": value}))
+    with pytest.raises(UserError) as info:
+        read_hf_args(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path / 'config.json'}: ")
+    assert f"router_aux_loss_coef={value!r}: must be a finite number" in str(info.value)
+    assert MoEArgs(num_experts=8, top_k=2, expert_dim=16, aux_loss_coef=value).problems() == [
+        f"moe.aux_loss_coef={value} must be a finite number, not negative"]
 
 
 def test_a_checkpoint_with_fused_experts_loads_and_saves_per_expert_as_published(tmp_path):
