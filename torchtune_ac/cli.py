@@ -439,7 +439,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "(a step simulated under fake tensors: no weights, no memory), and which one fits a budget.")
     plan.add_argument("--recipe", default=None, help="recipe whose schema applies (default: the one the config's "
                       "launch comment names, else full_finetune)")
-    plan.add_argument("--nproc", type=int_at_least(1), default=1, help="processes the run will use (FSDP2)")
+    plan.add_argument("--nproc", type=int_at_least(1), default=None,
+                      help="processes the run will use (default: the fewest the config's parallel degrees need, "
+                      "1 without any)")
     plan.add_argument("--budget-gib", dest="budget_gib", type=_positive_float, default=None,
                       help="memory per process to fit in (default: the config's ac_memory_budget_gib)")
     plan.add_argument("--png", default=None, metavar="PATH", help="also draw the estimates as a PNG at PATH")

@@ -46,9 +46,10 @@ RECIPE_INTERFACE = ("CONFIG_SCHEMA", "preflight", "run")  # RecipeModule's membe
 class PlannedRecipe(RecipeModule, Protocol):
     """A recipe whose step the memory planner can simulate: ``tune plan`` answers for its configs."""
 
-    def plan(self, cfg: Any, *, world_size: int, budget_gib: Optional[float]) -> Any:
+    def plan(self, cfg: Any, *, world_size: Optional[int], budget_gib: Optional[float]) -> Any:
         """The run's plan and the memory per process of every activation checkpointing setting (a
-        ``run.memory_table.MemoryTable``); ``budget_gib`` None: the config's own budget, if any."""
+        ``run.memory_table.MemoryTable``); ``world_size`` None: no ``--nproc``, the fewest processes the config's
+        parallel degrees run on; ``budget_gib`` None: the config's own budget, if any."""
 
 
 @runtime_checkable

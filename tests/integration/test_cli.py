@@ -233,6 +233,20 @@ def test_plan_says_what_it_does_not_model(tmp_path, capsys):
         assert "Note:" not in capsys.readouterr().out
 
 
+def test_plan_without_nproc_plans_for_the_processes_the_config_s_degrees_need(capsys):
+    """tune plan of an EP config without --nproc said "world size 1", which the user never chose."""
+    moe = ["--config", "tiny/full", "model._component_=torchtune_ac.models.qwen3_moe_tiny", "checkpoint_dir=null",
+           "tokenizer.path=${embedded_checkpoint:}", "expert_parallel_dim=2", "max_seq_len=64"]
+    assert main(["plan", *moe]) == 0
+    title = capsys.readouterr().out.splitlines()[0]
+    assert title.startswith("torchtune_ac.models.qwen3_moe_tiny: 1,057,152 parameters; 2 process(es) (2 shards, EP 2)")
+    assert title.endswith("(--nproc not given: planned for 2 processes, the fewest for expert_parallel_dim=2; pass "
+                          "--nproc for another count)")
+    assert main(["plan", *moe, "--nproc", "1"]) == 2  # a world size the user chose is still checked
+    assert "expert_parallel_dim=2: must divide the processes each replica shards over (world size 1" in \
+        capsys.readouterr().err
+
+
 def test_auto_says_what_its_estimate_does_not_model(tmp_path, monkeypatch):
     from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
 

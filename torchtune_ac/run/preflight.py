@@ -5,6 +5,7 @@ printed; and the few checks the launcher makes before it starts the processes.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -72,11 +73,20 @@ def _length_bound(plan: RunPlan, found: Findings) -> RunLength:
         return length
 
 
-def plan(cfg: RunConfig, *, world_size: int, budget_gib: Optional[float]) -> MemoryTable:
-    """``tune plan``: the run's plan and the memory per process of every AC setting for its step (``budget_gib``
-    None: the config's ``ac_memory_budget_gib``)."""
+def plan(cfg: RunConfig, *, world_size: Optional[int], budget_gib: Optional[float]) -> MemoryTable:
+    """``tune plan``: the run's plan and the memory per process of every AC setting for its step (``world_size``
+    None: the fewest processes the config's parallel degrees run on, said in the title; ``budget_gib`` None: the
+    config's ``ac_memory_budget_gib``)."""
     budget = budget_gib if budget_gib is not None else cfg.ac.ac_memory_budget_gib
-    return memory_table(cfg, world_size=world_size, budget_gib=budget)
+    if world_size is not None:
+        return memory_table(cfg, world_size=world_size, budget_gib=budget)
+    degrees = resolve_parallelism(cfg, None, None)
+    table = memory_table(cfg, world_size=degrees.fewest_processes, budget_gib=budget)
+    if degrees.fewest_processes == 1:
+        return table
+    return dataclasses.replace(table, title=f"{table.title} (--nproc not given: planned for "
+                                            f"{degrees.fewest_processes} processes, the fewest for "
+                                            f"{degrees.describe_degrees()}; pass --nproc for another count)")
 
 
 def check_launch(cfg: RunConfig, *, world_size: Optional[int], nproc_per_node: int) -> None:

@@ -106,6 +106,18 @@ class Parallelism:
         return self.tensor > 1
 
     @property
+    def fewest_processes(self) -> int:
+        """The smallest world size these degrees run on: one of each (an expert-parallel group within one
+        replica's shards, a tensor-parallel group within one shard)."""
+        return self.replicate * self.tensor * self.expert * self.context
+
+    def describe_degrees(self) -> str:
+        """The degrees above 1, as the config's keys: ``expert_parallel_dim=8`` (empty when there are none)."""
+        return ", ".join(f"{key}={degree}" for key, degree in (
+            ("fsdp.replicate_degree", self.replicate), ("tensor_parallel_dim", self.tensor),
+            ("expert_parallel_dim", self.expert)) if degree > 1)
+
+    @property
     def multi_process(self) -> bool:
         """More than one process (a world size not known counts as several: it is a launch's)."""
         return self.world_size is None or self.world_size > 1
