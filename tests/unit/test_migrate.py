@@ -94,7 +94,7 @@ def test_model_builders(torchtune_builder, ours):
 @pytest.mark.parametrize(
     "builder",
     ["torchtune.models.llama3_2_vision.llama3_2_vision_11b", "mymodels.build",
-     "torchtune.models.llama2.llama2_reward_7b", "torchtune.models.qwen3.qwen3_moe_30b_a3b_base"],
+     "torchtune.models.llama2.llama2_reward_7b"],
 )
 def test_model_without_equivalent_is_refused_listing_what_is_supported(builder):
     with pytest.raises(UserError) as info:
@@ -103,6 +103,18 @@ def test_model_without_equivalent_is_refused_listing_what_is_supported(builder):
     assert message.startswith(f"model._component_={builder}: no equivalent in torchtune_ac; supported: ")
     assert "llama3_2_1b" in message and "qwen2_5_0_5b" in message and "mistral_7b" in message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("builder", ["torchtune.models.qwen3.qwen3_moe_30b_a3b_base",
+                                     "torchtune.models.llama4.llama4_scout_17b_16e"])
+def test_a_moe_builder_is_refused_pointing_at_the_product_s_moe_configs(builder):
+    """The line listed the dense builders and said "any other full model of ... qwen3" is converted."""
+    with pytest.raises(UserError) as info:
+        migrate_torchtune_config(torchtune_config(model={"_component_": builder}))
+    assert str(info.value) == (
+        f"model._component_={builder}: a mixture-of-experts builder; tune migrate does not carry torchtune's MoE models "
+        "over: start from this product's own MoE configs (tune cp qwen3_moe/30B_A3B_full my.yaml, or "
+        "gpt_oss/20B_full; docs/moe.md), which train Qwen3-MoE and gpt-oss checkpoints")
 
 
 def test_phi_configs_take_the_phi3_family_and_phi4s_tokenizer_folder():

@@ -368,6 +368,11 @@ class _Migrator:
                        if f"{package}.{full}" in MODEL_BUILDERS or _architecture_of(f"{package}.{full}") else "")
             raise UserError(f"model._component_={path}: an adapter (LoRA, QLoRA, DoRA) model; adapters are not "
                             f"supported here, only full fine-tuning{instead}")
+        elif _is_moe_builder(path):
+            raise UserError(f"model._component_={path}: a mixture-of-experts builder; tune migrate does not carry "
+                            "torchtune's MoE models over: start from this product's own MoE configs (tune cp "
+                            "qwen3_moe/30B_A3B_full my.yaml, or gpt_oss/20B_full; docs/moe.md), which train "
+                            "Qwen3-MoE and gpt-oss checkpoints")
         else:
             supported = ", ".join(sorted(p.rsplit(".", 1)[-1] for p in MODEL_BUILDERS))
             packages = ", ".join(sorted(p.rsplit(".", 1)[-1] for p in MODEL_PACKAGES))
@@ -844,6 +849,14 @@ def _architecture_of(path: Optional[str]) -> Optional[str]:
     if package not in MODEL_PACKAGES or _NOT_A_FULL_MODEL.search(name):
         return None
     return MODEL_PACKAGES[package]
+
+
+def _is_moe_builder(path: Optional[str]) -> bool:
+    """A torchtune builder of a mixture of experts (``qwen3_moe_30b_a3b_base``, Llama 4's ``llama4_scout_17b_16e``)."""
+    if not isinstance(path, str) or "." not in path:
+        return False
+    package, name = path.rsplit(".", 1)
+    return package.startswith("torchtune.models.") and bool(re.search(r"moe|^llama4_", name))
 
 
 def _same_path(a: Any, b: Any) -> Optional[bool]:
