@@ -83,6 +83,11 @@ def test_a_stale_lock_of_this_host_is_taken_over_with_a_warning(tmp_path, caplog
     assert f"took over the lock of a run that is no longer running (host {socket.gethostname()}, pid {pid}" \
         in caplog.text
     assert not (tmp_path / OUTPUT_LOCK_FILE).exists()
+    # docs/reliability.md says what a kill -9 of rank 0 leaves, and quotes this line, in the run's words.
+    line = caplog.records[-1].getMessage().replace(str(tmp_path), "/runs/a").replace(socket.gethostname(), "h")
+    line = line.replace(f"pid {pid}", "pid 4242").replace("2026-01-01T00:00:00Z", "2026-12-06T02:40:00Z")
+    page = (Path(__file__).parents[3] / "docs" / "reliability.md").read_text()
+    assert "`kill -9` of rank 0" in page and f"\n{line}\n" in page
 
 
 def test_a_reused_pid_is_stale_when_the_process_started_at_another_time(tmp_path):
