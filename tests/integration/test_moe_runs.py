@@ -59,5 +59,9 @@ def test_dpo_trains_a_mixture_of_experts_split_over_2_processes_with_its_load_ba
         "dpo.reference=precomputed", "dataset.packed=true", "max_seq_len=256", "ac_mode=selective", "ac_option=op"]))
     first, second = read_metrics(output_dir)
     assert math.isclose(first["loss"], math.log(2) + 0.01 * first["moe_aux_loss"], rel_tol=1e-5), first
+    # The two terms logged apart: the DPO loss, ln 2 at the first step, and the auxiliary term; loss is their sum.
+    assert math.isclose(first["dpo_loss"], math.log(2), rel_tol=1e-5), first
+    assert math.isclose(first["moe_aux_term"], 0.01 * first["moe_aux_loss"], rel_tol=1e-5), first
+    assert math.isclose(first["loss"], first["dpo_loss"] + first["moe_aux_term"], rel_tol=1e-6), first
     assert all(len(layer) == 8 for layer in first["moe_expert_tokens"])
     assert second["loss"] < first["loss"] and math.isfinite(second["moe_aux_loss"])

@@ -302,6 +302,7 @@ class ChunkedCrossEntropyObjective:
     n_chunks: int
     compiled: bool = False
     metric_names = ()
+    loss_name = "ce_loss"
     loss_scale = None
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:

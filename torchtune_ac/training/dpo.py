@@ -206,6 +206,7 @@ class DPOObjective:
     n_chunks: int = 1
     reference: Optional[nn.Module] = None
     metric_names = DPO_METRICS
+    loss_name = "dpo_loss"
 
     @property
     def loss_scale(self) -> tuple[str, float]:

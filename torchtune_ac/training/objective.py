@@ -56,11 +56,14 @@ class Objective(Protocol):
     Attributes:
         metric_names: what the ``LossParts.metrics`` of ``__call__`` sum, in order; empty when it returns the loss
             alone.
+        loss_name: what its loss is called where another term is added to it (``LoadBalancedObjective`` logs it
+            apart): ``ce_loss``, ``dpo_loss``.
         loss_scale: the config key that scales the loss and its gradient, with its value (DPO's ``dpo.beta``), named
             when they are not finite; None when the config has none.
     """
 
     metric_names: tuple[str, ...]
+    loss_name: str
     loss_scale: Optional[tuple[str, float]]
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -115,6 +118,7 @@ class CrossEntropy:
     Batches hold ``tokens`` and ``labels`` ``[b, s]`` and, when packed, ``document_ids``."""
 
     metric_names = ()
+    loss_name = "ce_loss"
     loss_scale = None
 
     def targets(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -130,9 +134,11 @@ class LoadBalancedObjective:
     transformers computes it over every MoE layer of the forward, every token counted: batches carry no attention
     mask), added as ``coef * aux_loss`` per target when ``add`` (Hugging Face ``output_router_logits``).
 
-    Reported beside ``inner``'s metrics: ``moe_aux_loss``, averaged over the targets as the loss is, and
-    ``moe_expert_tokens`` ``[MoE layers, experts]``, the token copies each expert received, summed over the step's
-    micro-batches and ranks (a count: ``count_shapes``).
+    Reported beside ``inner``'s metrics: ``moe_aux_loss``, averaged over the targets as the loss is; when it is
+    added, the two terms of the loss apart, ``inner``'s own (its ``loss_name``: ``dpo_loss``, ``ce_loss``) and
+    ``moe_aux_term`` (``coef * moe_aux_loss``), which sum to the loss; and ``moe_expert_tokens``
+    ``[MoE layers, experts]``, the token copies each expert received, summed over the step's micro-batches and ranks
+    (a count: ``count_shapes``).
     """
 
     inner: Objective
@@ -144,7 +150,11 @@ class LoadBalancedObjective:
 
     @property
     def metric_names(self) -> tuple[str, ...]:
-        return (*self.inner.metric_names, "moe_aux_loss")
+        return (*self.inner.metric_names, "moe_aux_loss", *((self.inner.loss_name, "moe_aux_term") if self.add else ()))
+
+    @property
+    def loss_name(self) -> str:
+        return self.inner.loss_name
 
     @property
     def loss_scale(self) -> Optional[tuple[str, float]]:
@@ -163,11 +173,14 @@ class LoadBalancedObjective:
         targets = self.inner.targets(batch).to(torch.float32)
         with torch.set_grad_enabled(self.add and torch.is_grad_enabled()):
             aux = load_balancing_loss([r.logits for r in routed], self.num_experts, self.top_k)
+        terms = []  # the loss's two terms apart, when the aux loss is added: inner's own, then coef * aux
         if self.add:
-            loss = loss + self.coef * aux * targets
+            term = self.coef * aux * targets
+            terms = [loss.detach().reshape(1), term.detach().reshape(1)]
+            loss = loss + term
         counts = torch.stack([r.counts for r in routed]).to(torch.float32).flatten()
         own = [] if metrics is None else [metrics]
-        return LossParts(loss, torch.cat([*own, (aux.detach() * targets).reshape(1), counts]))
+        return LossParts(loss, torch.cat([*own, (aux.detach() * targets).reshape(1), *terms, counts]))
 
 
 def with_load_balancing(objective: Objective, model: nn.Module) -> Objective:
