@@ -8,7 +8,10 @@ start (``decide_threads``, pure):
 
 - threads: the cores it may use (its CPU affinity, physical cores only, and its cgroup's CPU quota), divided among
   the processes of the node (``tune run --nproc_per_node N``), less the share of them other processes kept busy
-  while it looked (``read_cpu_view``: 50 ms of ``/proc/stat``);
+  while it looked (``read_cpu_view``: the median of 5 looks of 60 ms at ``/proc/stat``, so that a burst at start,
+  another process starting or ending, fills fewer than half of them and does not cost a quiet run its threads,
+  while load that lasts fills them all; issue 51: one 50 ms look, about 5 clock ticks a core, let 3 busy ticks
+  halve a quiet run's threads);
 - ``GOMP_SPINCOUNT=10000``: a thread sleeps after 10,000 spins, so load that comes later costs less (issue 44: 30 s
   instead of 48-69; on a quiet machine 4.7 s, as with the default).
 
@@ -28,14 +31,15 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, MutableMapping, Optional
+from typing import Mapping, MutableMapping, Optional, Sequence
 
 THREAD_VARS = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 SPIN_COUNT = 10_000
 # What tune set, and why, as JSON: the launcher's workers read it (their variables are tune's, not the user's),
 # and the run's log says it.
 DECIDED_VAR = "TORCHTUNE_AC_CPU_THREADS"
-SAMPLE_S = 0.05
+SAMPLE_S = 0.06  # one look: about 6 clock ticks a core at Linux's 100 Hz
+LOOKS = 5
 
 
 @dataclass(frozen=True)
@@ -88,11 +92,20 @@ def decide_threads(view: CpuView, environ: Mapping[str, str], nproc_per_node: in
     return ThreadSettings(environment, users, why)
 
 
-def read_cpu_view(sample_s: float = SAMPLE_S) -> CpuView:
-    """This process's CPUs, its quota, and how busy other processes keep them (``sample_s`` seconds of
-    ``/proc/stat`` while this process sleeps; the 1-minute load average where there is no ``/proc``)."""
+def read_cpu_view(sample_s: float = SAMPLE_S, looks: int = LOOKS) -> CpuView:
+    """This process's CPUs, its quota, and how busy other processes keep them: the median share of ``looks``
+    consecutive looks of ``sample_s`` seconds at ``/proc/stat`` while this process sleeps (``typical_busy``); the
+    1-minute load average where there is no ``/proc``."""
     cpus = _affinity()
-    return CpuView(cores=_physical_cores(cpus), quota=_cgroup_quota(), busy=_busy_share(cpus, sample_s))
+    return CpuView(cores=_physical_cores(cpus), quota=_cgroup_quota(),
+                   busy=typical_busy(_busy_shares(cpus, sample_s, looks)))
+
+
+def typical_busy(shares: Sequence[float]) -> float:
+    """The busy share a run decides by, of several looks: their median (the lower of the two middle ones for an
+    even count), so that a burst filling fewer than half of the looks is not taken for load that lasts."""
+    ordered = sorted(shares)
+    return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
 
 
 def set_thread_defaults(environ: Optional[MutableMapping[str, str]] = None, *, nproc_per_node: int = 1,
@@ -218,22 +231,26 @@ def _cgroup_quota(root: Path = Path("/")) -> Optional[float]:
     return None
 
 
-def _busy_share(cpus: list[int], sample_s: float) -> float:
-    """The share of ``cpus`` busy over ``sample_s`` seconds (this process sleeps meanwhile); without ``/proc``,
-    the 1-minute load average over the machine's CPUs."""
+def _busy_shares(cpus: list[int], sample_s: float, looks: int) -> list[float]:
+    """The share of ``cpus`` busy in each of ``looks`` consecutive spans of ``sample_s`` seconds (this process
+    sleeps meanwhile); without ``/proc``, the 1-minute load average over the machine's CPUs, once."""
     before = _cpu_times(cpus)
     if before is None:
         try:
-            return min(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+            return [min(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))]
         except OSError:
-            return 0.0
-    time.sleep(sample_s)
-    after = _cpu_times(cpus)
-    if after is None:
-        return 0.0
-    busy = after[0] - before[0]
-    total = after[1] - before[1]
-    return min(1.0, max(0.0, busy / total)) if total > 0 else 0.0
+            return [0.0]
+    shares = []
+    for _ in range(looks):
+        time.sleep(sample_s)
+        after = _cpu_times(cpus)
+        if after is None:
+            break
+        busy, total = after[0] - before[0], after[1] - before[1]
+        if total > 0:
+            shares.append(min(1.0, max(0.0, busy / total)))
+        before = after
+    return shares
 
 
 def _cpu_times(cpus: list[int]) -> Optional[tuple[int, int]]:

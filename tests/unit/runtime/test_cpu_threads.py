@@ -163,8 +163,34 @@ def test_cpus_kept_busy_by_other_processes_read_as_busy() -> None:
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in cpus]
     try:
         time.sleep(0.5)  # started and spinning
-        assert cpu_threads._busy_share(cpus, 0.2) > 0.8
+        assert min(cpu_threads._busy_shares(cpus, 0.1, 2)) > 0.8
     finally:
         for process in busy:
             process.kill()
             process.wait()
+
+
+def ticks(*busy_shares: float, per_look: int = 12):
+    """``_cpu_times`` of 2 CPUs over looks of ``per_look`` clock ticks: (busy, total) since boot before each look and
+    after it, each look's busy share given."""
+    busy, total, times = 1000, 4000, [(1000, 4000)]
+    for share in busy_shares:
+        busy, total = busy + round(share * per_look), total + per_look
+        times.append((busy, total))
+    return iter(times)
+
+
+@pytest.mark.parametrize("shares, threads", [
+    ((1.0, 0.0, 0.0, 0.0, 0.0), "2"),  # a burst in the first look (issue 51: 3 busy ticks decided the whole run)
+    ((0.5, 0.75, 0.0, 0.0, 0.1), "2"),  # a burst over two looks
+    ((1.0, 0.9, 1.0, 0.8, 1.0), "1"),  # load that lasts (issue 44: beside 4 busy processes) still costs threads
+    ((0.5, 1.0, 0.0, 1.0, 0.75), "1"),  # load most of the time
+])
+def test_a_burst_at_start_does_not_cost_a_quiet_run_its_threads(monkeypatch, shares, threads) -> None:
+    times = ticks(*shares)
+    monkeypatch.setattr(cpu_threads, "_cpu_times", lambda cpus: next(times))
+    monkeypatch.setattr(cpu_threads, "_physical_cores", lambda cpus: 2)
+    monkeypatch.setattr(cpu_threads, "_cgroup_quota", lambda: None)
+    view = cpu_threads.read_cpu_view(sample_s=0.0)
+    assert decide_threads(view, {}).environment["OMP_NUM_THREADS"] == threads
+    assert cpu_threads.typical_busy(shares) == sorted(shares)[2]
