@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,6 +209,10 @@ def test_a_huge_beta_stops_naming_dpo_beta_and_one_that_cannot_be_finite_is_refu
     assert caught.value.what == "gradient norm" and caught.value.loss_scale == ("dpo.beta", 1e30)
     line = str(diverged(caught.value, Progress(), None, announce=True))
     assert "lower dpo.beta (now 1e+30: it scales the loss and its gradient) or the learning rate" in line
+    # Decided and documented (issue 51): docs/preference-tuning.md says what such a run does, in its words.
+    page = (Path(__file__).parents[3] / "docs" / "preference-tuning.md").read_text()
+    assert "**A huge `dpo.beta`.**" in page
+    assert "lower dpo.beta (now 1e+30: it scales the loss and its gradient) or the learning\nrate" in page
     for config, message in [(dict(beta=1e39), "dpo.beta=1e+39: the loss multiplies the log-ratios by it in float32"),
                             (dict(beta=1e-39, loss_type=DPOLossType.IPO),
                              "dpo.beta=1e-39: IPO's target margin 1 / (2 beta) is not finite in float32")]:
