@@ -125,6 +125,7 @@ def load_hf_tensors_(
     layout: StoredLayout,
     stored_name: Callable[[str], Optional[str]],
     copies: Mapping[str, str],
+    headers_only: bool = False,
 ) -> None:
     """Copy the tensors of a Hugging Face checkpoint into ``targets``, in place, each cast to its target's dtype.
 
@@ -141,6 +142,8 @@ def load_hf_tensors_(
             (derived, or of another model in the same files).
         copies: target names that are the same tensor as another (a tied ``lm_head.weight`` -> the embedding):
             a checkpoint may store them, and then they must equal their source; they are not loaded.
+        headers_only: stop after the checks of the file headers, reading no weight (``tune validate``; targets may
+            be on the meta device, and a stored copy is not compared).
 
     Raises:
         UserError: missing or unreadable files, missing or unexpected tensors, shape mismatches, a non-floating
@@ -155,6 +158,8 @@ def load_hf_tensors_(
     if problems:
         more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
         raise UserError(f"{checkpoint_dir}: " + "; ".join(problems[:5]) + more)
+    if headers_only:
+        return
     for alias, source in copies.items():
         if alias in found:
             (piece,) = chosen[source]  # a tied parameter is stored whole

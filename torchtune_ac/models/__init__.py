@@ -17,6 +17,7 @@ from torchtune_ac.models.families import (
 from torchtune_ac.models.family import HFAdapter, ModelFamily, TorchtuneBuilder
 from torchtune_ac.models.hf_checkpoint import (
     check_checkpoint_matches,
+    check_checkpoint_tensors,
     from_hf_config,
     hf_model_files,
     llama_from_hf_config,
@@ -42,6 +43,7 @@ __all__ = [
     "TorchtuneBuilder",
     "args_from_hf_config",
     "check_checkpoint_matches",
+    "check_checkpoint_tensors",
     "family_for_hf_config",
     "family_of",
     "from_hf_config",

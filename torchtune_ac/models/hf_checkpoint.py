@@ -246,16 +246,32 @@ def load_hf_weights_(model: nn.Module, checkpoint_dir: PathLike) -> None:
             tensor that differs from its source.
         ValueError: the model is still on the meta device, or its tied weights were untied.
     """
+    _load_hf_weights(model, checkpoint_dir, headers_only=False)
+
+
+def check_checkpoint_tensors(model: nn.Module, checkpoint_dir: PathLike) -> None:
+    """Check a Hugging Face checkpoint against ``model`` (on the meta device or not) as ``load_hf_weights_`` does
+    before it copies anything: its config.json, and every name, shape and dtype from the file headers; no weight is
+    read (``tune validate``).
+
+    Raises:
+        UserError: as ``load_hf_weights_``, in the same words, but for a tied copy's values, which are not read.
+    """
+    _load_hf_weights(model, checkpoint_dir, headers_only=True)
+
+
+def _load_hf_weights(model: nn.Module, checkpoint_dir: PathLike, *, headers_only: bool) -> None:
     family = require_family(model, "a Hugging Face checkpoint (checkpoint_dir)")
     check_checkpoint_matches(model, checkpoint_dir)
     targets, tied = _hf_tensors(model, family)
     ours = {family.hf.to_hf_name(name): name for name in model.state_dict()}
     for hf_name, target in targets.items():
-        if target.is_meta:
+        if target.is_meta and not headers_only:  # a check of the headers needs no memory
             raise ValueError(f"{ours[hf_name]} is on the meta device: call model.to_empty(device=...) before loading")
     config = read_hf_config(checkpoint_dir)
     load_hf_tensors_(targets, checkpoint_dir, layout=_stored_layout(family, targets),
-                     stored_name=lambda name: family.hf.stored_name(config, name), copies=tied)
+                     stored_name=lambda name: family.hf.stored_name(config, name), copies=tied,
+                     headers_only=headers_only)
 
 
 def load_hf(

@@ -36,14 +36,13 @@ from torchtune_ac.checkpoint import (
     read_lock,
     read_trainer_state,
 )
-from torchtune_ac.checkpoint.safetensors_io import list_stored_tensors
 from torchtune_ac.config.components import Component
 from torchtune_ac.data import uses_chat_template
 from torchtune_ac.data.datasets import check_dataset_records
 from torchtune_ac.data.hf_sources import describe_hub_source
 from torchtune_ac.data.sources import TEXT_SUFFIXES, check_folder_formats, is_hub_name
 from torchtune_ac.errors import UnavailableError, UserError
-from torchtune_ac.models import check_checkpoint_matches
+from torchtune_ac.models import check_checkpoint_matches, check_checkpoint_tensors
 from torchtune_ac.observability.metrics import METRICS_FILE
 from torchtune_ac.run.messages import naming_dataset_val
 from torchtune_ac.run.plan import RunConfig, RunPlan
@@ -208,7 +207,7 @@ def check_run(cfg: RunConfig, plan: Optional[RunPlan], model: Optional[nn.Module
             found.resume_note = " (resume_from_checkpoint=true, but no checkpoint yet: starts at step 0)"
     if not strict and cfg.checkpoint_dir is not None and model is not None and not resumes:
         # tune validate: the headers loading reads first (a run reads them as it loads, before training).
-        soft(lambda: check_weights_readable(cfg.checkpoint_dir))
+        soft(lambda: check_weights_readable(cfg.checkpoint_dir, model))
     if cfg.metric_logger is not None:
         # Building the tracker only checks its settings; its package is needed on the machine that trains.
         soft(cfg.metric_logger.instantiate().check_available)
@@ -235,18 +234,20 @@ def check_run(cfg: RunConfig, plan: Optional[RunPlan], model: Optional[nn.Module
     return found
 
 
-def check_weights_readable(checkpoint_dir: str) -> None:
-    """Read the headers of ``checkpoint_dir``'s weights, as loading them does first (names, shapes and the file's
-    length: a truncated file is refused here, not after the model is built); a folder that is not here is left to
-    the check of its config.json.
+def check_weights_readable(checkpoint_dir: str, model: nn.Module) -> None:
+    """Check the headers of ``checkpoint_dir``'s weights against ``model`` (on the meta device) as loading them does
+    first (``check_checkpoint_tensors``: the files' length, every tensor's name, shape and dtype; a truncated file,
+    a missing tensor or experts the files do not hold are refused here, in the run's words, not after the model is
+    built), reading no weight; a folder that is not here is left to the check of its config.json.
 
     Raises:
         UnavailableError: the folder has no weights.
-        UserError: only pickled weights, or a file, index or shard that cannot be read.
+        UserError: only pickled weights, a file, index or shard that cannot be read, or tensors that do not fit
+            the model.
     """
     folder = Path(checkpoint_dir).expanduser()
     if folder.is_dir():
-        list_stored_tensors(folder)
+        check_checkpoint_tensors(model, checkpoint_dir)
 
 
 def _check_sources_exist(dataset: Component) -> None:
