@@ -6,12 +6,15 @@ expert parallelism against FSDP2 on 2 processes.
     .venv/bin/python scripts/bench/bench_moe.py --only kernels --experts 128 --top-k 8 --dim 2048 --expert-dim 768
                                                              # Qwen3-30B-A3B's expert shape (minutes)
     .venv/bin/python scripts/bench/bench_moe.py --only kernels --layout gpt_oss --experts 32 --top-k 4 --dim 2880 --expert-dim 2880
+    .venv/bin/python scripts/bench/bench_moe.py --only compile --repeats 5
     .venv/bin/python scripts/bench/bench_moe.py --only parallel --repeats 2
 
 1. kernels: all experts in one grouped matmul per projection (``torchtune_ac.models.moe.compute_experts``:
    ``torch._grouped_mm`` on the CPU) against a Python loop over the experts, one matmul each (``loop_experts``),
    forward + backward, in this process (by default 32 experts, 8 per token, 1024 -> 384, 512 tokens).
-2. parallel: ``tune run --nproc_per_node 2 full_finetune`` on the same Qwen3-MoE (a checkpoint written by
+2. compile: a whole tiny MoE model's step (``qwen3_moe_tiny``) eager against ``compile: true``, under per-op and
+   full AC, with Dynamo's graphs and breaks counted (``--only compile``).
+3. parallel: ``tune run --nproc_per_node 2 full_finetune`` on the same Qwen3-MoE (a checkpoint written by
    transformers' ``Qwen3MoeForCausalLM``: 4 layers of 32 experts, 4 per token, dim 256), packed rows, with
    ``expert_parallel_dim: 2`` (each process holds 16 experts of each layer; tokens exchanged by all-to-all) and 1
    (FSDP2 gathers all 32 of a layer on each process), fresh processes A B B A: tokens/s per process (the median
@@ -57,13 +60,12 @@ LAYOUTS = {
 
 
 def _padded(experts: moe.GroupedExperts, rows: torch.Tensor, plan: moe.Dispatch) -> torch.Tensor:
-    """``compute_experts`` through the padded bmm fallback (what runs where ``torch._grouped_mm`` does not)."""
-    original = moe.grouped_mm_runs
-    moe.grouped_mm_runs = lambda x, weight: False
+    """``compute_experts`` through the padded bmm fallback (what runs where ``torch._grouped_mm`` is not chosen)."""
+    chosen, experts.kernel = experts.kernel, moe.PADDED_BMM
     try:
         return moe.compute_experts(experts, rows, plan)
     finally:
-        moe.grouped_mm_runs = original
+        experts.kernel = chosen
 
 
 SIDES: dict[str, Callable] = {"grouped": moe.compute_experts, "loop": moe.loop_experts, "padded_bmm": _padded}
@@ -126,7 +128,7 @@ def kernels(args: argparse.Namespace) -> tuple[dict, list[str]]:
     report = {
         "threads": torch.get_num_threads(),
         "shape": {k: getattr(args, k) for k in ("layout", "experts", "top_k", "dim", "expert_dim", "tokens", "dtype")},
-        "grouped_mm_runs": moe.grouped_mm_runs(rows, experts._in_out(experts.gate_up_proj)),
+        "grouped_mm_runs": experts.kernel == moe.GROUPED,
         "same_numbers": equal,
         "seconds": {name: {"median": median[name], "fastest": min(times[name]), "all": times[name]} for name in times},
         "grouped_speedup_vs_loop": median["loop"] / median["grouped"],
@@ -138,6 +140,70 @@ def kernels(args: argparse.Namespace) -> tuple[dict, list[str]]:
         lines.append(f"{name:<12}{median[name]:>12.4f}{min(times[name]):>12.4f}{str(equal[name]['outputs_equal']):>16}"
                      f"{equal[name]['max_grad_difference']:>16.3g}")
     lines.append(f"grouped is {report['grouped_speedup_vs_loop']:.2f}x the loop's speed (median)")
+    return report, lines
+
+
+def _compiled_step(compile_blocks: bool, mode: str, option: Optional[str], tokens: torch.Tensor):
+    """A tiny Qwen3-MoE (``qwen3_moe_tiny``) with an AC mode, its blocks compiled or not, and a function that runs
+    one forward + backward and returns the loss."""
+    from torchtune_ac.activation_checkpointing.mechanism import ACMode, ac_plan, apply_ac_plan
+    from torchtune_ac.models import qwen3_moe_tiny
+
+    torch.manual_seed(0)
+    model = qwen3_moe_tiny()
+    model.init_weights()
+    apply_ac_plan(model, ac_plan(ACMode(mode), option, len(model.layers)))
+    if compile_blocks:
+        for block in model.layers:
+            block.compile()
+
+    def step() -> float:
+        model.zero_grad(set_to_none=True)
+        loss = model(tokens).float().logsumexp(-1).mean()
+        loss.backward()
+        return float(loss.detach())
+
+    return step
+
+
+def compiled(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """A whole MoE model's step (``qwen3_moe_tiny``, one process), eager against ``compile: true`` (every block
+    compiled, one graph each), under per-op and full AC: same loss, then timed after a warm-up that compiles."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    tokens = torch.randint(0, 100, (args.batch_size, 128 if not args.quick else 32),
+                           generator=torch.Generator().manual_seed(0))
+    modes = {"per-op": ("selective", "op"), "full": ("full", None)}
+    sides = {f"{ac} {'compiled' if c else 'eager'}": (c, mode, option)
+             for ac, (mode, option) in modes.items() for c in (False, True)}
+    report: dict[str, Any] = {"tokens": list(tokens.shape), "sides": {}}
+    for name, (compile_blocks, mode, option) in sides.items():
+        torch._dynamo.reset()
+        counters.clear()
+        step = _compiled_step(compile_blocks, mode, option, tokens)
+        losses = [step() for _ in range(2)]  # warm-up (compiles)
+        times = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            losses.append(step())
+            times.append(time.perf_counter() - start)
+        report["sides"][name] = {"losses": losses, "median_s": statistics.median(times), "all_s": times,
+                                 "graphs": counters["stats"]["unique_graphs"],
+                                 "graph_breaks": sum(counters["graph_break"].values())}
+    for ac in ("per-op", "full"):
+        eager, fast = report["sides"][f"{ac} eager"], report["sides"][f"{ac} compiled"]
+        first = (eager["losses"][0], fast["losses"][0])
+        if abs(first[0] - first[1]) > 1e-4 * abs(first[0]):
+            raise SystemExit(f"bench_moe: {ac} AC compiled gives loss {first[1]} against eager's {first[0]}")
+        report[f"{ac}_compiled_speedup"] = eager["median_s"] / fast["median_s"]
+    lines = [f"compile: qwen3_moe_tiny, {tokens.shape[0]} x {tokens.shape[1]} tokens, forward + backward, "
+             f"{args.repeats} timed steps after 2",
+             f"{'side':<20}{'median s':>12}{'graphs':>8}{'breaks':>8}"]
+    for name, side in report["sides"].items():
+        lines.append(f"{name:<20}{side['median_s']:>12.4f}{side['graphs']:>8}{side['graph_breaks']:>8}")
+    lines.append(f"compiled / eager: per-op {report['per-op_compiled_speedup']:.2f}x, "
+                 f"full {report['full_compiled_speedup']:.2f}x (median)")
     return report, lines
 
 
@@ -205,7 +271,7 @@ def parallel(args: argparse.Namespace) -> tuple[dict, list[str]]:
 
 
 def plot(report: dict, path: Path) -> None:
-    parts = [part for part in ("kernels", "parallel") if part in report]
+    parts = [part for part in ("kernels", "compile", "parallel") if part in report]
     plt = pyplot()
     fig, axes = plt.subplots(1, len(parts) + ("parallel" in report), figsize=(4.2 * (len(parts) + 1), 3.4))
     axes = list(axes) if hasattr(axes, "__len__") else [axes]
@@ -216,6 +282,13 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylabel("seconds, forward + backward (median)")
         shape = report["kernels"]["shape"]
         ax.set_title(f"one layer's experts: {shape['experts']} x top-{shape['top_k']}", fontsize=9)
+    if "compile" in report:
+        ax = axes.pop(0)
+        sides = report["compile"]["sides"]
+        ax.bar(list(sides), [side["median_s"] for side in sides.values()], color=["#8c8c8c", "#4c72b0"] * 2)
+        ax.set_ylabel("seconds a step (median)")
+        ax.tick_params(axis="x", labelsize=7)
+        ax.set_title("qwen3_moe_tiny, eager against compiled", fontsize=9)
     if "parallel" in report:
         median = report["parallel"]["median"]
         for key, label in (("tokens_per_second_per_process", "tokens/s per process"),
@@ -229,7 +302,7 @@ def plot(report: dict, path: Path) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("kernels", "parallel"), help="run one part")
+    parser.add_argument("--only", choices=("kernels", "compile", "parallel"), help="run one part")
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="qwen3_moe")
     parser.add_argument("--experts", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=8)
@@ -253,7 +326,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                               "machine": platform.processor() or platform.machine(), "torch": torch.__version__,
                               "load_average_at_start": os.getloadavg()}
     lines: list[str] = []
-    for name, part in (("kernels", kernels), ("parallel", parallel)):
+    for name, part in (("kernels", kernels), ("compile", compiled), ("parallel", parallel)):
         if args.only in (None, name):
             report[name], part_lines = part(args)
             lines += part_lines

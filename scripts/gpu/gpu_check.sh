@@ -5,14 +5,20 @@
 #   PYTHON=/opt/torch/.venv/bin/python3 ./scripts/gpu/gpu_check.sh --out "$OUT"
 #
 # Stages, in order; each runs under `timeout -s INT` (pytest still writes its JUnit XML when it is stopped), and a
-# stage that fails or runs out of time does not stop the next. Limits of the default run (--full's in brackets):
-#   env        the machine: torch, CUDA, NCCL, the device, varlen_attn's signature and what VARLEN_SUPPORT
-#              detected, a bf16 matmul's rate, the random-init build time of a 1B model             30 s
-#   fast       the cuda tests that neither compile nor offload: NCCL + FSDP2, DCP, HF export, varlen, the
+# stage that fails or runs out of time does not stop the next. A default run is the stages marked *: their limits
+# add up to 205 s, 285 s with each stage's 20 s kill margin, so a rerun fits a 15-minute loan too; every other
+# stage runs when --only names it or with --full. Limits (--full's in brackets):
+#   env *      the machine: torch, CUDA, NCCL, the device (torch against the pinned version, said when they
+#              differ), varlen_attn's signature and what VARLEN_SUPPORT detected, a bf16 matmul's rate,
+#              the random-init build time of a 1B model                                             30 s
+#   fast *     the cuda tests that neither compile nor offload: NCCL + FSDP2, DCP, HF export, varlen, the
 #              chunked loss, the cuBLAS workspaces the planner counts                              40 s
+#   moe *      mixtures of experts: the kernel this GPU gets (grouped on sm90/sm100 in bf16) against the
+#              loop, forward and backward, an expert and a layer without rows; qwen3_moe_tiny in bf16
+#              compiled under no, per-op and full AC, graphs and breaks counted, against eager   90 s
 #   dpo        tune run full_dpo in bf16, reference resident and precomputed, peaks against the plan; the
 #              reference's memory built, dropped and collected                                     40 s
-#   two_ranks  2 ranks on cuda:0 over gloo: a probe of gloo's collectives on CUDA tensors, then FSDP 2 and
+#   two_ranks * 2 ranks on cuda:0 over gloo: a probe of gloo's collectives on CUDA tensors, then FSDP 2 and
 #              TP 2 against 1 rank (bf16 gathers, the step in backward, activation offloading)     45 s
 #   world8     a world of 8 simulated with the fake process group: rank 0 of Llama 3.1 8B and 70B as
 #              their configs ship, its shards, optimizer state and peak against the plan           60 s
@@ -28,10 +34,11 @@
 #              MFU, plan against max_memory_reserved, recompiles, host syncs per step        75 s (150)
 #   offload    --full only: fsdp.cpu_offload (with the step after and in backward), activation
 #              offloading (passed in both GPU runs so far; the default run needs its time)        (40 s)
-# The default run's limits add up to 530 s, under 9 minutes with the unpacking and the report; --full adds
-# offload and the unpacked benchmark (150 s) and doubles the limits it names, 1,065 s: more than one command's
-# 10 minutes and most of a second loan, so run it as three commands (env included, 415, 310 and 330 s):
-# --full --only dpo,two_ranks,world8,planner,compiled,offload; --full --only llama8b; --full --only bench.
+# The other stages' limits add up to 415 s (dpo, world8, planner, compiled, llama8b, bench): run them as
+# --only dpo,world8,planner,compiled (200 s) and --only llama8b,bench (215 s) on a loan of their own; --full runs
+# every stage, adds offload and the unpacked benchmark (150 s) and doubles the limits it names, 1,155 s: more than
+# one command's 10 minutes, so run it as three commands (env included): --full --only
+# dpo,two_ranks,world8,planner,compiled,offload,moe; --full --only llama8b; --full --only bench.
 #
 # --only env,compiled,...: those stages alone (a rerun of what failed; env always runs, it is cheap).
 # --list: print the tests each pytest stage selects ("STAGE test-id", with --full and --only as given) and
@@ -51,7 +58,8 @@ OUT_DIR=bench_results
 FULL=0
 ONLY=""
 LIST=0
-STAGES=",env,fast,dpo,two_ranks,world8,planner,compiled,llama8b,bench,offload,"
+STAGES=",env,fast,moe,dpo,two_ranks,world8,planner,compiled,llama8b,bench,offload,"
+DEFAULT_STAGES=",env,fast,moe,two_ranks,"  # a default run's (without --only or --full)
 usage_error() { echo "gpu_check: $* (see --help)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -107,9 +115,14 @@ fi
 
 scale=$((FULL + 1))
 declare -A STATUS
+stage_selected() {  # name: whether this run runs the stage (--only's, else --full's every stage, else the default)
+  local name="${1%_unpacked}"
+  if [ -n "$ONLY" ]; then [ "$name" = env ] || [[ "$ONLY" == *",$name,"* ]]; return; fi
+  [ "$FULL" -eq 1 ] || [[ "$DEFAULT_STAGES" == *",$name,"* ]]
+}
 run_stage() {  # name limit_s command...
   local name="$1" limit="$2"; shift 2
-  if [ -n "$ONLY" ] && [ "$name" != env ] && [[ "$ONLY" != *",${name%_unpacked},"* ]]; then return; fi
+  stage_selected "$name" || return 0
   [ "$LIST" -eq 0 ] || return 0
   say "stage $name (limit ${limit} s): $*"
   local start=$SECONDS
@@ -122,7 +135,7 @@ run_stage() {  # name limit_s command...
 pytest_stage() {  # name limit_s pytest-arguments...
   local name="$1" limit="$2"; shift 2
   if [ "$LIST" -eq 1 ]; then
-    if [ -n "$ONLY" ] && [[ "$ONLY" != *",$name,"* ]]; then return; fi
+    stage_selected "$name" || return 0
     "$PY" -m pytest -m cuda --collect-only -q -p no:cacheprovider -o addopts="" "$@" > "$OUT_DIR/list.txt" 2>&1 \
       || { cat "$OUT_DIR/list.txt" >&2; echo "gpu_check: --list: collecting stage $name failed" >&2; exit 1; }
     sed -n "s|^\(tests/[^ ]*::[^ ]*\)\$|$name \1|p" "$OUT_DIR/list.txt"
@@ -141,6 +154,7 @@ XMLS=()
 run_stage env 30 "$PY" scripts/gpu/gpu_env.py --out "$OUT_DIR"
 pytest_stage fast 40 tests/gpu/test_fsdp_nccl_cuda.py tests/gpu/test_chunked_loss_cuda.py tests/gpu/test_memory_cuda.py \
   tests/gpu/test_packed_attention_cuda.py tests/unit/models/test_packed_attention.py -k "not compiled"
+pytest_stage moe 90 tests/gpu/test_moe_cuda.py
 pytest_stage dpo 40 tests/gpu/test_dpo_cuda.py
 pytest_stage two_ranks 45 tests/gpu/test_two_ranks_cuda.py
 pytest_stage world8 60 tests/gpu/test_fake_world_cuda.py
@@ -168,6 +182,6 @@ fi
 
 rm -rf "$XML_DIR"
 summary=""
-for name in env fast dpo two_ranks world8 planner compiled llama8b bench bench_unpacked offload; do summary+="$name=${STATUS[$name]:-not run} "; done
+for name in env fast moe dpo two_ranks world8 planner compiled llama8b bench bench_unpacked offload; do summary+="$name=${STATUS[$name]:-not run} "; done
 say "exit statuses: $summary"
 for name in "${!STATUS[@]}"; do [ "${STATUS[$name]}" -eq 0 ] || exit 1; done

@@ -80,6 +80,15 @@ def build_seconds(model: str, device: torch.device = torch.device("cuda")) -> fl
     return seconds
 
 
+def torch_pin() -> str | None:
+    """The torch version ``constraints.txt`` pins (``torch==X``), or None."""
+    path = Path(__file__).resolve().parent.parent / "constraints.txt"
+    for line in path.read_text().splitlines() if path.exists() else []:
+        if line.startswith("torch=="):
+            return line.split("==", 1)[1].strip()
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True, help="folder for gpu_env.json")
@@ -89,6 +98,13 @@ def main() -> None:
                     "executable": sys.executable, "platform": platform.platform(), "cpus": torch.get_num_threads(),
                     "torch": torch.__version__, "cuda": torch.version.cuda, "packages": package_versions()}
     problems = []
+    # The torch the suite is pinned to (constraints.txt), against this machine's: a GPU run on another release
+    # proves that release, not the pin (the experts' gradients rely on 2.13's FSDP2 over a group of one).
+    record["torch_pin"] = torch_pin()
+    record["torch_matches_pin"] = record["torch_pin"] == torch.__version__.split("+")[0]
+    if not record["torch_matches_pin"]:
+        print(f"gpu_env: torch {torch.__version__} here, pinned {record['torch_pin']}: this run proves the former",
+              flush=True)
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         record.update(device=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
