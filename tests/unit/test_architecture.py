@@ -6,6 +6,7 @@
     config        (schema, loading, components, the meta model)
     memory        (the memory features, each with its mechanism, listed once; the memory plan and the planner)
     training      (the step, the objectives, evaluation, LR schedules)
+    generation    (the KV cache, sampling, batched decoding: the GRPO recipe's rollouts)
     activation_checkpointing   (AC's keys and their validation, its plan, policy and mechanism)
     parallel      (the mechanisms that split a model over the processes: tensor parallelism, FSDP2)
     models        (the decoder, the families and their pure adapters; Hugging Face checkpoints of any family)
@@ -54,6 +55,7 @@ ALLOWED = {
     "run": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "activation_checkpointing", "training",
                      "memory", "observability", "config", "lora"},
     "generate": LEAVES | {"checkpoint", "data", "models"},
+    "generation": LEAVES | {"models"},
 }
 # The component loader reads torchtune's mirrored paths from compat's table (which imports nothing of ours).
 EXCEPTIONS = {

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -360,6 +360,8 @@ class Attention(nn.Module):
         self.scale = None if args.query_pre_attn_scalar is None else args.query_pre_attn_scalar**-0.5
         self.softcap = args.attn_logit_softcapping
         self.sinks: Optional[nn.Parameter] = None  # a family's learned sink logit per head (gpt-oss)
+        # Set while generating (``generation/kv_cache.py``): the keys and values of earlier positions.
+        self.kv_cache: Optional[Any] = None
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns]
@@ -374,6 +376,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, n_heads, s, hd]
         k = apply_rope(k.transpose(1, 2), cos, sin)  # [b, n_kv, s, hd]
+        if self.kv_cache is not None:
+            out = self.kv_cache.attend(q, k, v, scale=self.scale)  # [b, s, n_heads, hd]
+            return self.o_proj(out.reshape(b, s, -1))
         out = causal_attention(
             q, k, v, dropout_p=self.dropout if self.training else 0.0, runs=runs, scale=self.scale, window=self.window,
             softcap=self.softcap, sinks=self.sinks,
@@ -564,6 +569,7 @@ class Llama(nn.Module):
         document_ids: Optional[torch.Tensor] = None,
         head: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None,
         document_lengths: Optional[torch.Tensor] = None,
+        positions: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Logits ``[b, s, vocab]`` of ``tokens[b, s]``, or ``head(hidden, output_weight)`` when a head is given.
 
@@ -576,9 +582,13 @@ class Llama(nn.Module):
         soft-capped (``args.final_logit_softcapping``), e.g. to compute a loss chunk by chunk
         without ever materialising the logits. It runs inside this forward, where a sharded model's weights
         are gathered.
+
+        ``positions`` ``[b, s]``: each token's RoPE position, where generation decodes with a KV cache.
         """
         b, s = tokens.shape
-        if document_ids is None:
+        if positions is not None:
+            runs = None
+        elif document_ids is None:
             positions = torch.arange(s, device=tokens.device).expand(b, s)
             runs = None
         else:

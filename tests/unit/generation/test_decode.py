@@ -1,0 +1,74 @@
+"""Generation with the KV cache: greedy decoding equals a decode that runs the whole sequence each step without a
+cache, and transformers' ``generate`` on the same checkpoint (left-padded batch, attention mask); top-k 1 sampling
+is greedy; a seeded sampler repeats itself."""
+
+import dataclasses
+
+import pytest
+import torch
+from models_testlib import TINY, build_random_hf_llama
+
+from torchtune_ac.generation import SamplingConfig, generate
+from torchtune_ac.models import load_hf
+
+ARGS = dataclasses.replace(TINY, vocab_size=512)
+PROMPTS = [[5, 17, 230], [88, 9, 41, 300, 7, 12, 19], [400], [3, 3, 3, 3]]
+EOS = 7  # a token the random model emits often enough to stop some rows early
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    hf = build_random_hf_llama(ARGS, seed=3)
+    hf.save_pretrained(root)
+    return load_hf(root).eval(), hf.eval()
+
+
+def greedy_without_cache(model, prompt, max_new):
+    tokens = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_new):
+            nxt = int(model(torch.tensor([tokens]))[0, -1].argmax())
+            tokens.append(nxt)
+            if nxt == EOS:
+                break
+    return tokens[len(prompt):]
+
+
+def test_greedy_with_the_cache_equals_greedy_without(models):
+    ours, _ = models
+    done = generate(ours, PROMPTS, SamplingConfig(max_new_tokens=12, temperature=0), eos_ids=[EOS], pad_id=0)
+    assert done.tokens == [greedy_without_cache(ours, p, 12) for p in PROMPTS]
+    assert done.truncated == [t[-1] != EOS for t in done.tokens]
+    assert any(len(t) == 12 for t in done.tokens)
+
+
+def test_greedy_equals_transformers_generate(models):
+    ours, hf = models
+    width = max(map(len, PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    with torch.no_grad():
+        theirs = hf.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=12,
+                             eos_token_id=EOS, pad_token_id=0)[:, width:].tolist()
+    expected = []
+    for row in theirs:
+        expected.append(row[:row.index(EOS) + 1] if EOS in row else row)
+    done = generate(ours, PROMPTS, SamplingConfig(max_new_tokens=12, temperature=0), eos_ids=[EOS], pad_id=0)
+    assert done.tokens == expected
+
+
+def test_sampling_top_k_one_is_greedy_and_a_seed_repeats(models):
+    ours, _ = models
+    greedy = generate(ours, PROMPTS, SamplingConfig(max_new_tokens=6, temperature=0), eos_ids=[EOS], pad_id=0)
+    top1 = generate(ours, PROMPTS, SamplingConfig(max_new_tokens=6, temperature=0.9, top_k=1), eos_ids=[EOS],
+                    pad_id=0, generator=torch.Generator().manual_seed(1))
+    assert top1.tokens == greedy.tokens
+
+    def sampled(seed):
+        return generate(ours, PROMPTS * 2, SamplingConfig(max_new_tokens=8, temperature=1.0, top_p=0.9),
+                        eos_ids=[EOS], pad_id=0, generator=torch.Generator().manual_seed(seed)).tokens
+
+    first = sampled(5)
+    assert first == sampled(5)
+    assert first != sampled(6)
