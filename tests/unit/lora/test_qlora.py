@@ -8,16 +8,18 @@ import pytest
 import torch
 from models_testlib import build_random_llama
 
-from torchtune_ac.lora.config import AdapterConfig
+from torchtune_ac.lora.config import AdapterConfig, AdapterKind, QuantizeBase
 from torchtune_ac.lora.mechanism import (
     NF4_BLOCK,
     NF4_SCALER_BLOCK,
     adapted_linears,
+    adapters_off,
     apply_adapters,
     base_only,
     initialize_adapters_,
     quantize_base_,
 )
+from torchtune_ac.lora.weights import load_or_initialize_adapters_
 from torchtune_ac.models import LlamaArgs
 
 torchao_quantization = pytest.importorskip("torchao.quantization")
@@ -62,3 +64,18 @@ def test_the_nf4_base_is_torchaos_quantisation_and_only_the_adapters_train():
     assert trained == {n for n, _ in model.named_parameters() if ".lora_" in n}
     with base_only(model):
         assert not any(".lora_" in n for n in model.state_dict())
+
+
+def test_dora_on_the_nf4_base_starts_at_that_base():
+    """QDoRA: the base is quantised before the adapters' values are drawn, so DoRA's magnitude is the NF4 rows'
+    norms and step 0 computes the NF4 base bit for bit."""
+    model = build_random_llama(ARGS, seed=1)
+    config = AdapterConfig(kind=AdapterKind.DORA, targets=["q_proj", "o_proj"], quantize_base=QuantizeBase.NF4)
+    apply_adapters(model, config)
+    load_or_initialize_adapters_(model, config, seed=0)
+    logits = model(TOKENS)
+    with torch.no_grad(), adapters_off(model):
+        assert torch.equal(logits.detach(), model(TOKENS))
+    logits.sum().backward()
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == {
+        n for n, _ in model.named_parameters() if ".lora_" in n}
