@@ -231,7 +231,7 @@ def quantize_base_(model: nn.Module) -> int:
     Returns:
         How many weights were quantised.
     """
-    from torchao.dtypes.nf4tensor import to_nf4
+    from torchao.quantization import to_nf4  # torchao 0.18 has no torchao.dtypes.nf4tensor
 
     count = 0
     for _, linear in adapted_linears(model):
