@@ -4,6 +4,7 @@
     generate      (tune generate: transformers' generation over a checkpoint a run wrote)
     run           (the run's plan resolved once, the one order that applies it, the loop; stop and resume messages)
     config        (schema, loading, components, the meta model)
+    lora          (low-rank adapters: the adapter: keys, the wrapped linears, PEFT's names, the merged export)
     memory        (the memory features, each with its mechanism, listed once; the memory plan and the planner)
     training      (the step, the objectives, evaluation, LR schedules)
     activation_checkpointing   (AC's keys and their validation, its plan, policy and mechanism)
@@ -46,11 +47,12 @@ ALLOWED = {
     "training": LEAVES | {"models", "runtime", "parallel", "activation_checkpointing"},
     "memory": LEAVES | {"models", "runtime", "parallel", "activation_checkpointing", "training"},
     "embedded": LEAVES | {"models", "data", "checkpoint"},
+    "lora": LEAVES | {"models", "checkpoint", "runtime", "training"},
     "compat": LEAVES | {"config", "memory", "models", "parallel", "runtime", "activation_checkpointing", "training"},
     "config": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "activation_checkpointing", "training",
-                        "memory", "observability", "registry", "embedded"},
+                        "memory", "observability", "registry", "embedded", "lora"},
     "run": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "activation_checkpointing", "training",
-                     "memory", "observability", "config"},
+                     "memory", "observability", "config", "lora"},
     "generate": LEAVES | {"checkpoint", "data", "models"},
 }
 # The component loader reads torchtune's mirrored paths from compat's table (which imports nothing of ours).

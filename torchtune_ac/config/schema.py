@@ -229,17 +229,6 @@ ADAPTER_DOC = ("Low-rank adapters on a frozen base: LoRA or DoRA, their rank, sc
                "QLoRA's NF4 base, a PEFT folder to start from and the merged export (see its keys).")
 
 
-def check_adapter_parallelism(cfg: FullFinetuneConfig, recipe: str) -> None:
-    """Refuse the splits adapters do not run under (one line each)."""
-    if cfg.tensor_parallel_dim > 1:
-        raise UserError(f"tensor_parallel_dim={cfg.tensor_parallel_dim}: the {recipe} recipe does not run under tensor "
-                        "parallelism (its adapters are not split by the family's plan); use tensor_parallel_dim: 1 "
-                        "(FSDP2, fsdp.replicate_degree for HSDP: the adapters train on a fraction of the memory)")
-    if cfg.expert_parallel_dim > 1:
-        raise UserError(f"expert_parallel_dim={cfg.expert_parallel_dim}: the {recipe} recipe does not run under "
-                        "expert parallelism yet; use expert_parallel_dim: 1 (FSDP2 shards the frozen experts)")
-
-
 @dataclass(frozen=True)
 class LoRAFinetuneConfig(FullFinetuneConfig):
     """Config of the ``lora_finetune`` recipe: ``full_finetune``'s keys and the adapters (``adapter:``)."""
@@ -249,7 +238,6 @@ class LoRAFinetuneConfig(FullFinetuneConfig):
 
     def __post_init__(self) -> None:
         check_dataset_kinds(self, "lora_finetune", SAMPLES, PAIRS, "lora_dpo")
-        check_adapter_parallelism(self, "lora_finetune")
 
 
 @dataclass(frozen=True)
@@ -262,7 +250,6 @@ class LoRADPOConfig(FullDPOConfig):
 
     def __post_init__(self) -> None:
         check_dataset_kinds(self, "lora_dpo", PAIRS, SAMPLES, "lora_finetune")
-        check_adapter_parallelism(self, "lora_dpo")
         if self.ref_checkpoint_dir is not None:
             raise UserError(f"ref_checkpoint_dir={self.ref_checkpoint_dir}: the lora_dpo recipe's reference is its "
                             "base with the adapters off (checkpoint_dir); set ref_checkpoint_dir: null, or use "

@@ -179,12 +179,6 @@ def clean_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
-def is_adapter_parameter(name: str) -> bool:
-    """Whether a parameter name (``model.named_parameters()``) is an adapter's."""
-    leaf = name.rsplit(".", 2)
-    return "lora_a" in leaf or "lora_b" in leaf or name.endswith(".lora_magnitude")
-
-
 @torch.no_grad()
 def initialize_adapters_(model: nn.Module, *, seed: int) -> None:
     """PEFT's initialisation, once the base weights are in place: A Kaiming-uniform (``a = sqrt(5)``, as
@@ -231,7 +225,7 @@ def quantize_base_(model: nn.Module) -> int:
     Returns:
         How many weights were quantised.
     """
-    from torchao.quantization import to_nf4  # torchao 0.18 has no torchao.dtypes.nf4tensor
+    from torchao.quantization import to_nf4
 
     count = 0
     for _, linear in adapted_linears(model):

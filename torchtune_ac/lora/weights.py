@@ -1,6 +1,6 @@
 """The adapters' checks before any weight is loaded (``check_adapter_start``), and their starting values once the
-base weights are in place (``load_or_initialize_adapters_``): PEFT's initialisation, or a PEFT adapter folder's
-(``adapter.checkpoint_dir``); then QLoRA's base stored in NF4."""
+base weights are in place (``load_or_initialize_adapters_``): QLoRA's base stored in NF4, then PEFT's
+initialisation, or a PEFT adapter folder's (``adapter.checkpoint_dir``)."""
 
 from __future__ import annotations
 
@@ -33,10 +33,10 @@ def check_adapter_start(model: nn.Module, config: AdapterConfig, *, loss_chunks:
 def load_or_initialize_adapters_(model: nn.Module, config: AdapterConfig, *, seed: int) -> None:
     """Fill ``model``'s adapters (see the module docstring); the base must be loaded already (DoRA's magnitude and
     the NF4 weights are computed from it)."""
+    if config.quantize_base is QuantizeBase.NF4:  # first: DoRA's magnitude is the norms of the NF4 base's rows
+        quantize_base_(model)
     initialize_adapters_(model, seed=seed)
     if config.checkpoint_dir is not None:
         tensors = read_adapter_tensors(config.checkpoint_dir)
         for key, (linear, part, _) in peft_keys(model).items():
             copy_whole_(adapter_tensor(linear, part).data, tensors[key])
-    if config.quantize_base is QuantizeBase.NF4:
-        quantize_base_(model)

@@ -585,6 +585,13 @@ def _resolve_adapter(cfg: RunConfig, model: nn.Module, memory: MemoryPlan,
     adapter = getattr(cfg, "adapter", None)  # a schema field of the adapter recipes only
     if adapter is None:
         return None
+    if parallelism.tensor_parallel:
+        raise UserError(f"tensor_parallel_dim={parallelism.tensor}: adapters (the adapter: section) do not run under "
+                        "tensor parallelism (the family's plan does not split them); use tensor_parallel_dim: 1 "
+                        "(FSDP2, fsdp.replicate_degree for HSDP)")
+    if parallelism.expert_parallel:
+        raise UserError(f"expert_parallel_dim={parallelism.expert}: adapters (the adapter: section) do not run under "
+                        "expert parallelism; use expert_parallel_dim: 1 (FSDP2 shards the frozen experts)")
     check_adapter_start(model, adapter, loss_chunks=memory.settings.loss_chunks)
     if adapter.quantize_base is not None and ((parallelism.world_size or 1) > 1 or memory.shard_options()):
         raise UserError(f"adapter.quantize_base={adapter.quantize_base.value}: the NF4 base runs on one process, "

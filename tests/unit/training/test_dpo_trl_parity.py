@@ -14,6 +14,8 @@ What had to be aligned, and how:
 - conservative DPO: TRL 1.16's ``sigmoid`` loss has no label smoothing; its ``aot`` loss is the conservative form
   after sorting the batch's log-ratios, which for one pair is no sort at all, so label smoothing is compared on a
   batch of one pair.
+
+LoRA DPO (``lora_dpo``) is compared the same way against TRL with a PEFT model (its last test).
 """
 
 import dataclasses
@@ -25,6 +27,10 @@ from models_testlib import TINY, build_random_hf_llama
 from numerics import assert_close, llama_terms
 
 from torchtune_ac.data import EMBEDDED_TOKENIZER_DIR, collate_preference_batch, load_tokenizer, preference_dataset
+from torchtune_ac.lora.config import AdapterConfig
+from torchtune_ac.lora.mechanism import adapted_linears, adapters_off, apply_adapters, initialize_adapters_
+from torchtune_ac.lora.peft_names import peft_tensors
+from torchtune_ac.lora.reference import BaseAsReference
 from torchtune_ac.models import load_hf
 from torchtune_ac.training.dpo import (
     DPO_METRICS,
@@ -144,3 +150,81 @@ def test_loss_rewards_and_gradient_norm_match_trl(setup, case):
     assert_close(norm, trl_norm, terms=llama_terms(ARGS, seq, tokens),
                  magnitude=trl_norm * (1 + 2 * curvature * largest), what="gradient norm")
     assert trl_metrics["rewards/chosen"] != 0 and trl_metrics["rewards/rejected"] != 0  # a reference of its own
+
+# ----------------------------------------------------------------------------------------------- LoRA DPO
+# TRL's DPOTrainer with a PEFT model and no reference model: its reference is the PEFT model with its adapters
+# disabled, as lora_dpo's is the policy with its adapters off (torchtune_ac/lora/reference.py).
+
+LORA_TARGETS = ["q_proj", "v_proj", "down_proj"]
+
+
+def adapted_policy(root):
+    """Our policy with adapters whose B is not zero (so policy and reference differ)."""
+    model = load_hf(root / "policy")
+    apply_adapters(model, AdapterConfig(rank=4, alpha=8.0, targets=LORA_TARGETS))
+    initialize_adapters_(model, seed=0)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for _, linear in adapted_linears(model):
+            linear.lora_b.weight.copy_(0.2 * torch.randn(linear.lora_b.weight.shape, generator=generator))
+    return model.train()
+
+
+@pytest.mark.numerics
+def test_lora_dpo_matches_trl_with_a_peft_model(setup):
+    import datasets
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    peft = pytest.importorskip("peft")
+
+    root, records, dataset, tokenizer = setup
+    config = DPOConfig(beta=0.1)
+    batch = collate_preference_batch([dataset[i] for i in range(4)], pad_id=tokenizer.pad_id)
+    ours = adapted_policy(root)
+
+    # TRL's LoRA path: it wraps the model with peft_config, and its reference is that model with adapters disabled
+    # (a PeftModel passed in would instead get a frozen copy of its adapter as reference). Our values, then.
+    args = trl.DPOConfig(output_dir=str(root / "trl_lora_out"), beta=config.beta, loss_type=["sigmoid"],
+                         report_to=[], use_cpu=True, bf16=False)
+    trainer = trl.DPOTrainer(model=AutoModelForCausalLM.from_pretrained(root / "policy", attn_implementation="eager"),
+                             peft_config=peft.LoraConfig(r=4, lora_alpha=8, target_modules=LORA_TARGETS), args=args,
+                             train_dataset=datasets.Dataset.from_list(records),
+                             processing_class=PreTrainedTokenizerFast.from_pretrained(EMBEDDED_TOKENIZER_DIR))
+    loaded = peft.set_peft_model_state_dict(trainer.model, {k: v.detach().clone() for k, v in peft_tensors(ours).items()})
+    assert not loaded.unexpected_keys
+    completion = torch.zeros_like(batch["tokens"])
+    completion[:, 1:] = batch["labels"][:, :-1] != -100
+    inputs = {"input_ids": batch["tokens"], "attention_mask": (batch["tokens"] != tokenizer.pad_id).long(),
+              "completion_mask": completion}
+    trainer.model.train()
+    trl_loss = trainer.compute_loss(trainer.model, inputs)
+    trl_loss.backward()
+    trl_norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in trainer.model.parameters()
+                                    if p.grad is not None)))
+    trl_metrics = {name: values[-1] for name, values in trainer._metrics["train"].items()}
+
+    objective = BaseAsReference(DPOObjective(config, n_chunks=1, reference=None))
+    parts = objective(ours, batch)
+    pairs = batch["tokens"].shape[0] // 2
+    (parts.loss / pairs).backward()
+    norm = float(torch.sqrt(sum(p.grad.double().square().sum() for p in ours.parameters() if p.grad is not None)))
+    assert all(p.grad is None for n, p in ours.named_parameters() if ".lora_" not in n)
+    metrics = dict(zip(DPO_METRICS, (parts.metrics / pairs).tolist()))
+    with torch.no_grad():
+        policy = answer_logps(ours, batch, 1)
+        with adapters_off(ours):
+            reference = answer_logps(ours, batch, 1)
+    assert not torch.equal(policy, reference)  # the adapters move the policy off its reference
+
+    seq, tokens = batch["tokens"].shape[1], batch["tokens"].numel()
+    forward = llama_terms(ARGS, seq, seq, backward=False)
+    largest = float(torch.cat([policy, reference]).abs().max())
+    slope, curvature = slopes(config, policy, reference, (batch["labels"] != -100).sum(dim=1))
+    assert_close(float(parts.loss.detach()) / pairs, float(trl_loss), terms=forward, magnitude=2 * slope * largest,
+                 what="loss")
+    for ours_name, theirs in (("rewards_chosen", "rewards/chosen"), ("rewards_rejected", "rewards/rejected")):
+        assert_close(metrics[ours_name], trl_metrics[theirs], terms=forward, magnitude=2 * config.beta * largest,
+                     what=ours_name)
+    assert_close(norm, trl_norm, terms=llama_terms(ARGS, seq, tokens),
+                 magnitude=trl_norm * (1 + 2 * curvature * largest), what="adapters' gradient norm")
+    assert trl_metrics["rewards/chosen"] != 0

@@ -1,0 +1,156 @@
+"""``tune run lora_finetune`` and ``lora_dpo`` on the embedded model: a checkpoint holds the adapters (PEFT's
+folder) and their optimizer state, not the base; a resume is exact; 2 processes (FSDP2) train like 1, and one
+process resumes their checkpoint; PEFT loads a run's folder, which is also a starting point; bad adapter input is
+refused in one line, exit 2, nothing written."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from finetune_runs import check_success, final_checkpoint, hash_tree, run_tune_in_process, run_tune_subprocess
+from numerics import assert_close, assert_steps_alike, assert_weights_trained_alike, llama_terms
+from safetensors.torch import load_file
+from torch.distributed.checkpoint import FileSystemReader
+
+from torchtune_ac.checkpoint import RECIPE_STATE_DIR
+from torchtune_ac.checkpoint.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from torchtune_ac.lora.config import AdapterConfig, AdapterKind
+from torchtune_ac.lora.mechanism import apply_adapters
+from torchtune_ac.lora.weights import load_or_initialize_adapters_
+from torchtune_ac.models import load_hf
+from torchtune_ac.models.families.llama import LLAMA_TINY
+from torchtune_ac.observability.metrics import read_metrics
+
+STEPS = 4
+# DoRA on every linear of the blocks: the magnitude's rows are sharded like the base's under FSDP2.
+RUN = ("max_seq_len=64", f"max_steps_per_epoch={STEPS}", "save_every_n_steps=2", "lr_scheduler.num_warmup_steps=1",
+       "adapter.kind=dora")
+TERMS = llama_terms(LLAMA_TINY, 64, 4 * 64)
+
+
+def argv(output_dir: Path, *overrides: str, nproc: int = 1, recipe: str = "lora_finetune",
+         config: str = "tiny/lora") -> list[str]:
+    launcher = ["--nproc_per_node", str(nproc)] if nproc > 1 else []
+    return ["run", *launcher, recipe, "--config", config, *RUN, f"output_dir={output_dir}", *overrides]
+
+
+def run(output_dir: Path, *overrides: str, nproc: int = 1, batch_size: int = 4) -> list[dict]:
+    command = argv(output_dir, f"batch_size={batch_size}", *overrides, nproc=nproc)
+    check_success(run_tune_subprocess(command) if nproc > 1 else run_tune_in_process(command))
+    return read_metrics(output_dir)
+
+
+def adapters(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return load_file(checkpoint / ADAPTER_WEIGHTS_FILE)
+
+
+def resume_from_step_2(source: Path, target: Path, *, nproc: int = 1, batch_size: int = 4) -> list[dict]:
+    """``source``'s run as if killed after its step-2 checkpoint, resumed into ``target``."""
+    shutil.copytree(source, target, symlinks=True)
+    shutil.rmtree(target / "step_0000004")
+    return run(target, "resume_from_checkpoint=true", nproc=nproc, batch_size=batch_size)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    output_dir = tmp_path_factory.mktemp("lora") / "one"
+    return output_dir, run(output_dir)
+
+
+def test_a_checkpoint_holds_the_adapters_and_their_state_not_the_base(one_process):
+    output_dir, records = one_process
+    checkpoint = final_checkpoint(output_dir)
+    assert (checkpoint / ADAPTER_CONFIG_FILE).is_file() and not (checkpoint / "model.safetensors").exists()
+    names = list(adapters(checkpoint))
+    assert len(names) == 3 * 7 * LLAMA_TINY.n_layers  # A, B and DoRA's magnitude on 7 linears a block
+    assert all(name.startswith("base_model.model.model.layers.") for name in names)
+    saved = FileSystemReader(str(checkpoint / RECIPE_STATE_DIR)).read_metadata().state_dict_metadata
+    model_keys = [key for key in saved if key.startswith("model.")]
+    assert model_keys and all(".lora_" in key for key in model_keys), model_keys[:3]
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_resume_is_exact(one_process, tmp_path):
+    output_dir, records = one_process
+    resumed = resume_from_step_2(output_dir, tmp_path / "resumed")
+    # Bit for bit: one process, the same ops in the same order, the adapters, Adam's state and the RNG restored.
+    assert [r["loss"] for r in resumed[-2:]] == [r["loss"] for r in records[-2:]]
+    expected, actual = adapters(final_checkpoint(output_dir)), adapters(final_checkpoint(tmp_path / "resumed"))
+    assert all(torch.equal(actual[name], tensor) for name, tensor in expected.items())
+
+
+@pytest.mark.numerics
+@pytest.mark.distributed
+def test_two_processes_train_like_one_and_one_resumes_them(one_process, tmp_path):
+    output_dir, records = one_process
+    two = run(tmp_path / "two", nproc=2, batch_size=2)
+    for name in ("loss", "grad_norm"):
+        assert_steps_alike([r[name] for r in two], [r[name] for r in records], terms=TERMS, what=name)
+    lrs = [r["lr"] for r in records]
+    assert_weights_trained_alike(adapters(final_checkpoint(tmp_path / "two")), adapters(final_checkpoint(output_dir)),
+                                 lrs=lrs, terms=TERMS)
+    # 2 -> 1: the sharded adapters and their Adam state, resharded by DCP, continue on one process.
+    resumed = resume_from_step_2(tmp_path / "two", tmp_path / "resumed")
+    assert_steps_alike([r["loss"] for r in resumed], [r["loss"] for r in two], terms=TERMS, what="resumed loss")
+    assert_weights_trained_alike(adapters(final_checkpoint(tmp_path / "resumed")),
+                                 adapters(final_checkpoint(tmp_path / "two")), lrs=lrs, terms=TERMS)
+
+
+@pytest.mark.numerics
+def test_peft_loads_a_runs_folder_which_is_also_a_starting_point(one_process, embedded_checkpoint):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    folder = final_checkpoint(one_process[0])
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    ours = load_hf(embedded_checkpoint)
+    config = AdapterConfig(kind=AdapterKind.DORA, targets=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                           "up_proj", "down_proj"], checkpoint_dir=str(folder))
+    apply_adapters(ours, config)
+    load_or_initialize_adapters_(ours, config, seed=0)
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(embedded_checkpoint), folder)
+        expected = theirs.eval()(input_ids=tokens).logits
+        assert_close(ours.eval()(tokens), expected, terms=llama_terms(LLAMA_TINY, 16, 0, backward=False),
+                     what="logits")
+
+
+def test_lora_dpo_starts_at_the_base(tmp_path):
+    """The reference is the policy's base with the adapters off: at step 1 (B zero) every reward is exactly 0."""
+    command = ["run", "lora_dpo", "--config", "tiny/lora_dpo", "max_seq_len=64", "batch_size=4",
+               "max_steps_per_epoch=2", "run_val_every_n_steps=null", "dataset_val=null",
+               f"output_dir={tmp_path / 'dpo'}"]
+    check_success(run_tune_in_process(command))
+    records = read_metrics(tmp_path / "dpo")
+    assert records[0]["rewards_chosen"] == 0.0 and records[0]["rewards_rejected"] == 0.0
+    assert records[1]["rewards_margin"] != 0.0
+    assert (final_checkpoint(tmp_path / "dpo") / ADAPTER_WEIGHTS_FILE).is_file()
+
+
+REFUSED = {
+    "rank_0": (["adapter.rank=0"], "adapter.rank=0: must be >= 1"),
+    "alpha_0": (["adapter.alpha=0"], "adapter.alpha=0.0: must be > 0.0"),
+    "unknown_kind": (["adapter.kind=vera"], "adapter.kind='vera': expected one of lora, dora"),
+    "target_matching_nothing": (["adapter.targets=[q_proj,qkv]"],
+                                "adapter.targets: qkv match(es) no linear of this model; its linears are down_proj"),
+    "nf4_cannot_quantise": (["adapter.quantize_base=nf4", "adapter.targets=[k_proj]"],
+                            "adapter.quantize_base=nf4: layers.0.attn.k_proj.weight (64, 128) has 8192 weights"),
+    "folder_of_another_rank": (["adapter.rank=4", "adapter.checkpoint_dir={folder}"], "its r is 8, this run's"),
+    "folder_of_other_targets": (["adapter.targets=[q_proj,v_proj]", "adapter.checkpoint_dir={folder}"],
+                                "not an adapter of this base with these targets"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_bad_adapter_input_exits_2_with_one_line_and_writes_nothing(name, tmp_path, one_process):
+    overrides, message = REFUSED[name]
+    folder = final_checkpoint(one_process[0])
+    before = hash_tree(tmp_path)
+    result = run_tune_in_process(argv(tmp_path / "out", *(o.format(folder=folder) for o in overrides)))
+    assert result.returncode == 2, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert message in lines[-1] and "Traceback" not in result.stderr, result.stderr
+    assert hash_tree(tmp_path) == before

@@ -1,0 +1,81 @@
+"""QLoRA's base: each adapted linear's weight becomes torchao's NF4Tensor, whose dequantised values are torchao's own
+quantisation of the loaded weight, frozen; the model computes with exactly those values, and only the adapters
+take gradients."""
+
+import copy
+
+import pytest
+import torch
+from models_testlib import build_random_llama
+
+from torchtune_ac.lora.config import AdapterConfig, AdapterKind, QuantizeBase
+from torchtune_ac.lora.mechanism import (
+    NF4_BLOCK,
+    NF4_SCALER_BLOCK,
+    adapted_linears,
+    adapters_off,
+    apply_adapters,
+    base_only,
+    initialize_adapters_,
+    quantize_base_,
+)
+from torchtune_ac.lora.weights import load_or_initialize_adapters_
+from torchtune_ac.models import LlamaArgs
+
+torchao_quantization = pytest.importorskip("torchao.quantization")
+
+# 128 x 128 projections: 16,384 weights, whole NF4 blocks of 64 x 256.
+ARGS = LlamaArgs(vocab_size=96, dim=128, n_layers=2, n_heads=4, n_kv_heads=4, intermediate_dim=128, max_seq_len=64)
+TOKENS = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+
+
+def test_the_nf4_base_is_torchaos_quantisation_and_only_the_adapters_train():
+    model = build_random_llama(ARGS, seed=1)
+    apply_adapters(model, AdapterConfig(targets=["q_proj", "o_proj", "gate_proj"]))
+    initialize_adapters_(model, seed=0)
+    dense = {name: linear.weight.detach().clone() for name, linear in adapted_linears(model)}
+
+    quantised = quantize_base_(model)
+
+    assert quantised == sum(w.numel() for w in dense.values()) == 3 * ARGS.n_layers * 128 * 128
+    dequantised = copy.deepcopy(dense)
+    for name, linear in adapted_linears(model):
+        weight = linear.weight
+        assert isinstance(weight, torchao_quantization.NF4Tensor) and not weight.requires_grad
+        expected = torchao_quantization.to_nf4(dense[name], NF4_BLOCK, NF4_SCALER_BLOCK).get_original_weight()
+        assert torch.equal(weight.get_original_weight(), expected), name
+        assert not torch.equal(expected, dense[name])  # 4 bits a weight: it did change
+        dequantised[name] = expected
+        # 4 bits a weight, plus the scales (8 bits a block of 64) and their scales (fp32 a block of 256).
+        stored = sum(t.numel() * t.element_size() for t in (weight.quantized_data, weight.quantized_scalers,
+                                                             weight.quantization_factor))
+        assert stored / weight.numel() == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256))
+
+    # The same model with the dequantised weights stored dense computes the same logits bit for bit (the NF4 matmul
+    # dequantises, then runs the same linear).
+    reference = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, linear in adapted_linears(reference):
+            linear.weight = torch.nn.Parameter(dequantised[name], requires_grad=False)
+    logits = model(TOKENS)
+    assert torch.equal(logits, reference(TOKENS))
+    logits.sum().backward()
+    trained = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert trained == {n for n, _ in model.named_parameters() if ".lora_" in n}
+    with base_only(model):
+        assert not any(".lora_" in n for n in model.state_dict())
+
+
+def test_dora_on_the_nf4_base_starts_at_that_base():
+    """QDoRA: the base is quantised before the adapters' values are drawn, so DoRA's magnitude is the NF4 rows'
+    norms and step 0 computes the NF4 base bit for bit."""
+    model = build_random_llama(ARGS, seed=1)
+    config = AdapterConfig(kind=AdapterKind.DORA, targets=["q_proj", "o_proj"], quantize_base=QuantizeBase.NF4)
+    apply_adapters(model, config)
+    load_or_initialize_adapters_(model, config, seed=0)
+    logits = model(TOKENS)
+    with torch.no_grad(), adapters_off(model):
+        assert torch.equal(logits.detach(), model(TOKENS))
+    logits.sum().backward()
+    assert {n for n, p in model.named_parameters() if p.grad is not None} == {
+        n for n, _ in model.named_parameters() if ".lora_" in n}
