@@ -140,15 +140,17 @@ def test_the_launcher_checks_only_what_ranks_would_each_report_on_their_own(tmp_
 
 
 def test_the_order_of_application_is_one_function():
-    """``build_training`` applies the plan in the written order: AC, activation offloading, compile, tensor
-    parallelism, expert parallelism, FSDP2, materialise, load or initialise, then the stepper (optimizer) and the scheduler."""
+    """``build_training`` applies the plan in the written order: adapters, AC, activation offloading, compile, tensor
+    parallelism, expert parallelism, FSDP2, materialise, load or initialise (the adapters' values after the base),
+    then the stepper (optimizer) and the scheduler."""
     source = inspect.getsource(assemble.build_training)
     calls = [node for node in ast.walk(ast.parse(source.lstrip())) if isinstance(node, ast.Call)]
     named = sorted((node.lineno, ast.unparse(node.func)) for node in calls)
-    order = ["apply_ac_plan", "apply_activation_offloading", "block.compile", "apply_tensor_parallel",
+    order = ["apply_adapters", "apply_ac_plan", "apply_activation_offloading", "block.compile", "apply_tensor_parallel",
              "apply_expert_parallel", "shard_model",
              "model.to_empty",
-             "load_hf_weights_", "initialize_weights_", "memory.build_stepper", "make_scheduler"]
+             "load_hf_weights_", "initialize_weights_", "load_or_initialize_adapters_", "memory.build_stepper",
+             "make_scheduler"]
     lines = {name: next(line for line, called in named if called == name) for name in order}
     assert [lines[name] for name in order] == sorted(lines.values())
 
@@ -169,8 +171,8 @@ def test_the_written_order_is_the_same_in_the_code_and_in_every_place_that_shows
     comments = "\n".join(line.strip().lstrip("# ") for line in inspect.getsource(assemble.build_training).splitlines()
                          if line.strip().startswith("#"))
     code = _written_order(comments)
-    assert code[:6] == ["activation checkpointing", "activation offloading", "compile", "tensor parallelism",
-                        "expert parallelism", "fsdp2"]
+    assert code[:7] == ["adapters", "activation checkpointing", "activation offloading", "compile",
+                        "tensor parallelism", "expert parallelism", "fsdp2"]
     docstring = assemble.__doc__.split("\n\n")[1]
     package = run_package.__doc__.split("assemble.py")[1].split("weights.py")[0]
     docs = (Path(__file__).resolve().parents[3] / "docs/architecture.md").read_text()
