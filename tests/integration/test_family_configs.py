@@ -1,6 +1,7 @@
-"""The shipped configs of the families added on the shared decoder: `tune validate` prints the published parameter
-count (built on the meta device) and the chunked loss these vocabularies get by default, and `tune plan` answers for
-one config of each family."""
+"""The shipped configs of the families added on the shared decoder, and the adapter configs of the popular ones:
+`tune validate` prints the published parameter count (built on the meta device), the chunked loss these
+vocabularies get by default and the adapters found on the model, and `tune plan` answers for one config of each
+family."""
 
 from __future__ import annotations
 
@@ -44,3 +45,27 @@ def test_plan_answers_for_every_ac_setting(config, capsys):
     settings = [m.group(1) for m in map(re.compile(r"^(none|per-op|every \S+ block|full) +[\d.]").match,
                                        out.splitlines()) if m]
     assert settings[0] == "none" and settings[-1] == "full" and "per-op" in settings
+
+
+# The adapter configs of the popular models: config -> (parameters, recipe, rank and alpha, base).
+ADAPTER_CONFIGS = {
+    "llama3_1/8B_lora": ("8,030,261,248", "lora_finetune", "rank 8, alpha 16", "in dtype"),
+    "llama3_1/8B_qlora_single_device": ("8,030,261,248", "lora_finetune", "rank 8, alpha 16", "NF4 (QLoRA)"),
+    "llama3_2/1B_lora": ("1,235,814,400", "lora_finetune", "rank 64, alpha 128", "in dtype"),
+    "qwen2_5/7B_lora": ("7,615,616,512", "lora_finetune", "rank 8, alpha 16", "in dtype"),
+    "qwen3/8B_lora": ("8,190,735,360", "lora_finetune", "rank 8, alpha 16", "in dtype"),
+    "gemma2/9B_lora": ("9,241,705,984", "lora_finetune", "rank 8, alpha 16", "in dtype"),
+    "llama3_1/8B_lora_dpo": ("8,030,261,248", "lora_dpo", "rank 8, alpha 16", "in dtype"),
+}
+
+
+@pytest.mark.parametrize("config", sorted(ADAPTER_CONFIGS))
+def test_adapter_configs_validate_with_their_adapters_on_the_model(config, capsys):
+    """torchtune's targets (q, v, o and the MLP) found on each family's model, for the recipe its launch line names
+    (``test_cli.py`` validates every config; this checks what the adapter configs resolve to)."""
+    parameters, recipe, rank, base = ADAPTER_CONFIGS[config]
+    assert main(["validate", "--config", config]) == 0
+    out = capsys.readouterr().out
+    assert f"is valid for recipe {recipe}" in out and f": {parameters} parameters, " in out
+    assert (f"lora {rank} on q_proj, v_proj, o_proj, gate_proj, up_proj, down_proj; base frozen, {base}; "
+            "A Kaiming-uniform, B zero") in out

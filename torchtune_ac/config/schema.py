@@ -254,3 +254,7 @@ class LoRADPOConfig(FullDPOConfig):
         if self.dpo.reference is not ReferenceMode.RESIDENT:
             raise UserError(f"dpo.reference={self.dpo.reference.value}: the lora_dpo recipe's reference is its own "
                             "base with the adapters off, which costs no memory to keep; set dpo.reference: resident")
+
+    def preference_step(self) -> Optional[PreferenceStep]:
+        """Pairs, and the reference as the policy's base: its forward under ``no_grad``, no second model."""
+        return PreferenceStep(resident_reference=False, reference_is_policy=True)

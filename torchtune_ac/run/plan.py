@@ -30,7 +30,8 @@ from torchtune_ac.config.components import Component
 from torchtune_ac.config.schema import Device, FSDPConfig
 from torchtune_ac.data.samples import count_of
 from torchtune_ac.errors import UserError
-from torchtune_ac.lora.config import AdapterConfig, adapter_record
+from torchtune_ac.lora.config import AdapterConfig, QuantizeBase, adapter_record
+from torchtune_ac.lora.mechanism import apply_adapters, quantize_base_
 from torchtune_ac.lora.weights import check_adapter_start
 from torchtune_ac.memory.feature import MemoryConfig, OptimizerSpec
 from torchtune_ac.memory.plan import MemoryPlan, PlannerInputs, resolve_memory_plan
@@ -391,12 +392,25 @@ def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.devic
                         blas_workspaces=cublas_workspace_bytes(planned_device(cfg.device))[0],
                         compiled=cfg.compile, cuda=planned_device(cfg.device).type == "cuda")
     return PlannerInputs(
-        build_model=lambda: cfg.model.instantiate_with_defaults(checkpoint_dir=cfg.checkpoint_dir),
+        build_model=lambda: build_planned_model(cfg),
         make_optimizer=cfg.optimizer.instantiate,
         workload=workload,
         device=device,
         fixed_bytes=process_fixed_bytes(cfg.device)[0],
     )
+
+
+def build_planned_model(cfg: RunConfig) -> nn.Module:
+    """The model a step of ``cfg`` trains, as the planner simulates it (under fake tensors): with the adapters of an
+    adapter recipe, the base frozen (gradients and optimizer state only for the adapters) and, for QLoRA, its
+    adapted linears stored as NF4 (the planner counts their inner tensors: 4-bit codes and scales)."""
+    model = cfg.model.instantiate_with_defaults(checkpoint_dir=cfg.checkpoint_dir)
+    adapter: Optional[AdapterConfig] = getattr(cfg, "adapter", None)  # a schema field of the adapter recipes only
+    if adapter is not None:
+        apply_adapters(model, adapter)
+        if adapter.quantize_base is QuantizeBase.NF4:
+            quantize_base_(model)
+    return model
 
 
 def unmodelled_settings(cfg: RunConfig, world_size: int) -> tuple[str, ...]:

@@ -246,9 +246,22 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 
 def _nbytes(tensors: Sequence[torch.Tensor]) -> int:
-    """Bytes of the distinct storages of ``tensors`` (a tied weight once)."""
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    """Bytes of the distinct storages of ``tensors`` (a tied weight once); a tensor subclass that stores its data in
+    inner tensors (QLoRA's ``NF4Tensor``: 4-bit codes, int8 scales, the scales' factors) by those inner tensors'
+    storages, not the dense size its wrapper reports."""
+    storages: dict[int, int] = {}
+    for tensor in tensors:
+        for inner in _stored(tensor):
+            storages[inner.untyped_storage()._cdata] = inner.untyped_storage().nbytes()
     return sum(storages.values())
+
+
+def _stored(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold ``tensor``'s data: itself, or a wrapper subclass's inner tensors."""
+    if type(tensor) in (torch.Tensor, nn.Parameter) or not hasattr(tensor, "__tensor_flatten__"):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    return [plain for name in names for plain in _stored(getattr(tensor, name))]
 
 
 def _shapes(tensors: Sequence[torch.Tensor]) -> tuple[tuple[int, ...], ...]:
@@ -313,12 +326,12 @@ def _simulate(
         if workload.compiled:
             _simulate_compiled_blocks(blocks, tracker)
         # Registered before an optimizer in backward registers its own: a gradient is seen before it is freed.
-        hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params]
+        hooks = [p.register_post_accumulate_grad_hook(tracker.mark_gradient) for p in params if p.requires_grad]
         # The run's step with the features' mechanisms, as run/assemble.py applies them (the optimizer the state's
         # feature can simulate).
         make_optimizer = optimizer_state.planner_optimizer(workload.settings.optimizer_state, make_optimizer)
         stepper = build_optimizer(make_optimizer, model, in_backward=workload.settings.optimizer_in_bwd)
-        objective, reference = _objective(build_model, workload, n_blocks)
+        objective, reference = _objective(build_model, workload, n_blocks, model)
         optimizers = stepper.optimizers_to_checkpoint()
         _allocate_optimizer_state(optimizers)
         hooks += _phase_hooks(blocks, tracker)
@@ -376,16 +389,20 @@ def _simulate(
         )
 
 
-def _objective(build_model: Callable[[], nn.Module], workload: Workload,
-               n_blocks: Optional[int]) -> tuple[Any, Optional[nn.Module]]:
+def _objective(build_model: Callable[[], nn.Module], workload: Workload, n_blocks: Optional[int],
+               model: nn.Module) -> tuple[Any, Optional[nn.Module]]:
     """The step's objective, as the recipe builds it: the token loss (chunked as ``loss_chunks`` says), or for a
     preference step the DPO loss, with a reference model of the simulated depth when it is resident (its
-    parameters, counted apart as ``MemoryEstimate.reference``, are not the step's allocations; its forward is)."""
+    parameters, counted apart as ``MemoryEstimate.reference``, are not the step's allocations; its forward is), or
+    the simulated ``model`` itself as its reference (``lora_dpo``: the base with the adapters off)."""
     chunks = workload.settings.loss_chunks
     if workload.preference is None:
         return loss_objective(chunks), None
     from torchtune_ac.training.dpo import DPOConfig, DPOObjective, freeze_reference
 
+    if workload.preference.reference_is_policy:
+        # Its parameters are the policy's (no second model): only its no_grad forward is the step's.
+        return DPOObjective(DPOConfig(), n_chunks=chunks, reference=model), None
     reference = None
     if workload.preference.resident_reference:
         reference = freeze_reference(build_model())

@@ -44,9 +44,13 @@ class PreferenceStep:
         resident_reference: a frozen model of the same shape (sharded like it, no gradients, no optimizer state)
             stays resident and runs under ``no_grad`` before each forward; False: its log-probabilities come with the
             batch (``dpo.reference: precomputed``), and no reference model is kept.
+        reference_is_policy: the reference is the policy itself with its adapters off (``lora_dpo``): no second
+            model, but a forward of the policy under ``no_grad`` before each micro-batch's (the rank-r adapters'
+            part of it, off in the run, is run too: a few transient ``[b, s, r]`` tensors).
     """
 
     resident_reference: bool
+    reference_is_policy: bool = False
 
 
 @dataclass(frozen=True)

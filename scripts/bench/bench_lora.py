@@ -1,0 +1,237 @@
+"""A LoRA step against a full fine-tuning step, and against PEFT driven by TRL's ``SFTTrainer``, on CPU, side by side.
+
+    python scripts/bench/bench_lora.py                 # 3 sides x --repeats, a table, bench_results/lora.{json,png}
+    python scripts/bench/bench_lora.py --short         # a few steps of a small batch: checks that it runs
+
+Sides, each in a fresh process, one after another (their peak resident sets apart):
+
+  * ``full``: our step (``training/step.py``'s ``accumulate_gradients`` then the stepper's update) training every
+    parameter of ``llama_small`` (32 M parameters, 8 blocks);
+  * ``lora``: the same step on the same model with LoRA (``torchtune_ac/lora/``: rank 8, alpha 16, on q, k, v, o and
+    the MLP's three projections; the base frozen: gradients and AdamW state for the adapters alone);
+  * ``peft``: Hugging Face's ``LlamaForCausalLM`` of the same shapes (our family's ``config.json`` for them) with
+    PEFT 0.21's LoRA of the same rank, alpha and targets, trained by TRL's ``SFTTrainer``.
+
+The sides are made alike: fp32 on ``--threads`` threads, the same batches (random token ids drawn from one seed,
+``--batch-size`` rows of ``--seq-len`` tokens, every position a target; TRL is handed the ids pre-tokenized, its
+sampler sequential, nothing padded), AdamW from ``torch.optim`` at the same learning rate, no activation
+checkpointing, no dropout, no gradient clipping (TRL: max_grad_norm 0), no logging, validation or saving during the steps. The weights
+differ (each side draws its own initialisation): the work and the memory do not depend on them.
+
+Measured per side: each optimizer step's seconds, leaving out the first ``--warmup-steps`` (the first allocates
+AdamW's state and the allocator's pools), ours around the step, TRL's from a callback's ``on_step_begin`` to
+``on_step_end``; the process's resident set before the first step (model, optimizer, batches) and its peak over the
+steps (``ru_maxrss``), and their difference: what the step adds. Timings on a shared machine are noise; memory is
+not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+SIDES = ("full", "lora", "peft")
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RANK, ALPHA, LR = 8, 16, 1e-4
+
+
+def resident_gib() -> float:
+    """The process's resident set now (Linux)."""
+    pages = int(Path("/proc/self/statm").read_text().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+def peak_gib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
+
+
+def batches(settings: dict) -> list:
+    """The same token ids for every side: ``steps`` batches of ``[batch_size, seq_len]``."""
+    import torch
+
+    from torchtune_ac.models.families.llama import LLAMA_SMALL
+
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, LLAMA_SMALL.vocab_size, (settings["batch_size"], settings["seq_len"]), generator=generator)
+            for _ in range(settings["steps"])]
+
+
+def run_ours(settings: dict, side: str) -> dict:
+    import torch
+
+    from torchtune_ac.lora.config import AdapterConfig
+    from torchtune_ac.lora.mechanism import apply_adapters, initialize_adapters_
+    from torchtune_ac.memory.chunked_loss import loss_objective
+    from torchtune_ac.memory.optimizer_in_backward import build_optimizer
+    from torchtune_ac.models.families.llama import llama_small
+    from torchtune_ac.training.step import accumulate_gradients
+
+    torch.manual_seed(0)
+    model = llama_small()
+    if side == "lora":
+        apply_adapters(model, AdapterConfig(rank=RANK, alpha=ALPHA, targets=TARGETS))
+        initialize_adapters_(model, seed=0)
+    model.train()
+    stepper = build_optimizer(lambda params: torch.optim.AdamW(params, lr=LR), model, in_backward=False)
+    objective = loss_objective(1)
+    data = [{"tokens": tokens, "labels": tokens, "target_count": torch.tensor(tokens.numel())}
+            for tokens in batches(settings)]
+    before = resident_gib()
+    seconds = []
+    for batch in data:
+        start = time.perf_counter()
+        accumulate_gradients(model, stepper, [batch], scale=1.0 / int(batch["target_count"]), objective=objective)
+        stepper.update(model, None)
+        seconds.append(time.perf_counter() - start)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"step_seconds": seconds, "resident_before_gib": before, "peak_gib": peak_gib(), "trainable": trainable}
+
+
+def run_peft(settings: dict) -> dict:
+    import datasets
+    import peft
+    import torch
+    import trl
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast, TrainerCallback
+
+    from torchtune_ac.embedded import ensure_embedded_checkpoint
+    from torchtune_ac.models import LLAMA
+    from torchtune_ac.models.families.llama import LLAMA_SMALL
+
+    seconds: list[float] = []
+    marks: dict[str, float] = {}
+
+    class StepClock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if not marks:
+                marks["before"] = resident_gib()
+            marks["start"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            seconds.append(time.perf_counter() - marks["start"])
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**LLAMA.hf.hf_config_from_args(LLAMA_SMALL, torch.float32))
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
+                                                       target_modules=TARGETS, task_type="CAUSAL_LM"))
+    records = [{"input_ids": row.tolist()} for tokens in batches(settings) for row in tokens]
+    args = trl.SFTConfig(
+        output_dir=settings["output_dir"], per_device_train_batch_size=settings["batch_size"],
+        max_length=settings["seq_len"], learning_rate=LR, weight_decay=0.0, optim="adamw_torch",
+        lr_scheduler_type="constant", max_grad_norm=0.0, max_steps=settings["steps"], train_sampling_strategy="sequential",
+        logging_steps=10**9, save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, bf16=False, fp16=False,
+        gradient_checkpointing=False, dataloader_num_workers=0, seed=0, packing=False,
+        dataset_kwargs={"skip_prepare_dataset": True})
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(ensure_embedded_checkpoint())
+    trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
+                             processing_class=tokenizer, callbacks=[StepClock()])
+    trainer.train()
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"step_seconds": seconds, "resident_before_gib": marks["before"], "peak_gib": peak_gib(),
+            "trainable": trainable}
+
+
+def worker(side: str, settings: dict) -> None:
+    import torch
+
+    torch.set_num_threads(settings["threads"])
+    result = run_peft(settings) if side == "peft" else run_ours(settings, side)
+    print(json.dumps({"side": side, **result}))
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def summarize(runs: list[dict], warmup: int) -> dict:
+    summary = {}
+    for side in SIDES:
+        mine = [r for r in runs if r["side"] == side]
+        summary[side] = {
+            "step_s": median([s for r in mine for s in r["step_seconds"][warmup:]]),
+            "resident_before_gib": median([r["resident_before_gib"] for r in mine]),
+            "peak_gib": median([r["peak_gib"] for r in mine]),
+            "step_added_gib": median([r["peak_gib"] - r["resident_before_gib"] for r in mine]),
+            "trainable": mine[0]["trainable"],
+        }
+    return summary
+
+
+def draw(summary: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (memory, time_ax) = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = list(summary)
+    memory.bar(names, [summary[n]["peak_gib"] for n in names], label="peak resident set")
+    memory.bar(names, [summary[n]["step_added_gib"] for n in names], label="added by the step")
+    memory.set_ylabel("GiB")
+    memory.legend()
+    memory.set_title("memory (one process)")
+    time_ax.bar(names, [summary[n]["step_s"] for n in names])
+    time_ax.set_ylabel("seconds per step (median)")
+    time_ax.set_title("step time (noise on a shared machine)")
+    fig.suptitle("llama_small (32 M): full fine-tuning, our LoRA, PEFT + TRL SFTTrainer, CPU fp32")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--short", action="store_true", help="a few steps of a small batch (checks that it runs)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each side, interleaved")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", default=str(REPO / "bench_results" / "lora"), help="PREFIX for PREFIX.json, .png")
+    parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a worker process
+    parser.add_argument("--settings", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.side:
+        worker(args.side, json.loads(args.settings))
+        return 0
+    if args.short:
+        args.batch_size, args.seq_len, args.steps, args.warmup_steps, args.repeats = 2, 64, 3, 1, 1
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {"batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps, "threads": args.threads,
+                "output_dir": str(out.parent / "lora_trl_output")}
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
+    runs = []
+    for _ in range(args.repeats):
+        for side in SIDES:
+            done = subprocess.run([sys.executable, __file__, "--side", side, "--settings", json.dumps(settings)],
+                                  env=env, capture_output=True, text=True)
+            if done.returncode != 0:
+                sys.stderr.write(done.stderr[-4000:])
+                raise SystemExit(f"bench_lora: the {side} side failed (exit {done.returncode})")
+            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    summary = summarize(runs, args.warmup_steps)
+    print(f"{'side':6} {'trainable':>12} {'s/step':>8} {'before GiB':>11} {'peak GiB':>9} {'step adds GiB':>14}")
+    for side, row in summary.items():
+        print(f"{side:6} {row['trainable']:>12,} {row['step_s']:>8.3f} {row['resident_before_gib']:>11.3f} "
+              f"{row['peak_gib']:>9.3f} {row['step_added_gib']:>14.3f}")
+    print(f"lora / full peak: {summary['lora']['peak_gib'] / summary['full']['peak_gib']:.2f}x; "
+          f"peft step time / lora step time: {summary['peft']['step_s'] / summary['lora']['step_s']:.2f}x")
+    out.with_suffix(".json").write_text(json.dumps({"settings": settings, "runs": runs, "summary": summary}, indent=1))
+    draw(summary, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
