@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from torchtune_ac.errors import UserError
+from torchtune_ac.checkpoint.layout import Stacked
 from torchtune_ac.lora.config import AdapterConfig, AdapterKind
 from torchtune_ac.lora.mechanism import AdaptedLinear, adapted_linears
 from torchtune_ac.models.families import family_of, require_family
@@ -30,11 +31,10 @@ def hf_module_name(model: nn.Module, name: str) -> str:
     """
     family = require_family(model, "adapters saved in PEFT's format")
     hf_weight = family.hf.to_hf_name(f"{name}.weight")
-    stacked = {part: stored for stored, parts in family.hf.stacked_tensors(family.args_of(model)).items()
-               for part in parts}
-    if hf_weight in stacked:
-        raise UserError(f"adapter.targets: {name.rsplit('.', 1)[-1]} is stored as part of {stacked[hf_weight]} in "
-                        f"Hugging Face's layout of this model, which PEFT adapts whole; name other linears")
+    for rule in family.hf.storage:
+        if isinstance(rule, Stacked) and any(hf_weight == p or hf_weight.endswith("." + p) for p in rule.parts):
+            raise UserError(f"adapter.targets: {name.rsplit('.', 1)[-1]} is stored as part of {rule.stored} in "
+                            f"Hugging Face's layout of this model, which PEFT adapts whole; name other linears")
     return hf_weight[: -len(".weight")]
 
 
