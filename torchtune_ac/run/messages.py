@@ -14,7 +14,7 @@ from torchtune_ac.runtime.non_finite import NonFiniteError
 from torchtune_ac.runtime.rank_agreement import flatten_config
 
 if TYPE_CHECKING:
-    from torchtune_ac.run.plan import RunLength
+    from torchtune_ac.run.length import RunLength
 
 RESUME_HINT = "run the same command with resume_from_checkpoint=true"
 

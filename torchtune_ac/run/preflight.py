@@ -15,7 +15,8 @@ from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.run.checks import Findings, check_run
 from torchtune_ac.run.memory_table import MemoryTable, memory_table
 from torchtune_ac.run.messages import length_warnings
-from torchtune_ac.run.plan import RunConfig, RunLength, RunPlan, resolve_parallelism, resolve_run_plan
+from torchtune_ac.run.length import RunLength
+from torchtune_ac.run.plan import RunConfig, RunPlan, resolve_parallelism, resolve_run_plan
 
 
 def preflight(cfg: RunConfig, *, strict: bool = True, world_size: Optional[int] = 1) -> list[tuple[str, str]]:

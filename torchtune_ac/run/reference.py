@@ -25,7 +25,7 @@ from torchtune_ac.data.samples import count_of
 from torchtune_ac.run import messages
 from torchtune_ac.data.batching import PAIRS
 from torchtune_ac.run.phases import RunData, ValidationData
-from torchtune_ac.run.plan import RunLength
+from torchtune_ac.run.length import RunLength
 from torchtune_ac.run.session import Run
 from torchtune_ac.runtime.distributed import DistributedContext, all_reduce_sum
 from torchtune_ac.training.dpo import reference_logps

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from torchtune_ac.run.messages import length_warnings
-from torchtune_ac.run.plan import RunLength
+from torchtune_ac.run.length import RunLength
 from torchtune_ac.runtime.parallelism import Parallelism
 
 ADAMW = {"_component_": "torch.optim.AdamW", "lr": 0.003}

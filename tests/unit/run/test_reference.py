@@ -26,7 +26,7 @@ from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models.families.llama import LLAMA_TINY
 from torchtune_ac.run.assemble import AssemblyPlan, build_reference, build_training
 from torchtune_ac.run.phases import RunData
-from torchtune_ac.run.plan import RunLength
+from torchtune_ac.run.length import RunLength
 from torchtune_ac.run.reference import precompute_reference, precompute_reference_logps
 from torchtune_ac.run.session import Run
 from torchtune_ac.runtime.distributed import DistributedContext, destroy_distributed, join_world_of_one

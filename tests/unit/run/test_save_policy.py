@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from torchtune_ac.runtime.parallelism import Parallelism
-from torchtune_ac.run.plan import RunLength, SavePolicy
+from torchtune_ac.run.length import RunLength, SavePolicy
 
 
 @pytest.mark.parametrize(
