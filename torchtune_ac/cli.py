@@ -116,12 +116,7 @@ def resolve_recipe_path(recipe: str) -> Path:
             raise UserError(f"recipe {recipe}: no such file")
         return path.resolve()
     names = [r.name for r in RECIPES]
-    from torchtune_ac.config.loading import ADAPTER_NAME
-
-    if ADAPTER_NAME.search(recipe):
-        raise UserError(f"recipe {recipe}: torchtune's adapter (LoRA, QLoRA, DoRA) recipe; adapters are not supported "
-                        f"here: {', '.join(names)} train every weight (see `tune ls`)")
-    # torchtune's recipe names (full_finetune_single_device, full_finetune_distributed) are one recipe here.
+    # torchtune's recipe names (full_finetune_single_device, lora_finetune_distributed) are one recipe here.
     prefix = [name for name in names if recipe.startswith(f"{name}_")]
     near = difflib.get_close_matches(recipe, names, n=1)
     hint = (f"did you mean {prefix[0]}? It runs on one device and on many; " if prefix

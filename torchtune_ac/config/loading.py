@@ -82,13 +82,6 @@ def resolve_config_path(config: str) -> Path:
         return builtin
     if path.suffix in (".yaml", ".yml"):
         raise UserError(f"config {config}: no such file")
-    if ADAPTER_NAME.search(config):
-        full = suggest_config_name(ADAPTER_NAME.sub("full", config, count=1), builtin_config_names())
-        same_family = full is not None and full.partition("/")[0] == config.partition("/")[0] and "_full" in full
-        instead = f" ({full} is the full fine-tuning one)" if same_family else ""
-        raise UserError(f"config {config}: not a file and not a built-in config: torchtune's name of an adapter "
-                        f"(LoRA, QLoRA, DoRA) config; adapters are not supported here, only full fine-tuning{instead}; "
-                        "see `tune ls`, and convert a torchtune config file with `tune migrate`")
     hint = suggest_config_name(config, builtin_config_names())
     suggestion = f"did you mean {hint}? " if hint else ""
     raise UserError(f"config {config}: not a file and not a built-in config ({suggestion}see `tune ls`)")
