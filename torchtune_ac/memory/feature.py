@@ -118,7 +118,8 @@ class ModelSizes:
         optimizer_state: the optimizer state as simulated (the stand-in's, where the optimizer cannot be simulated).
         world_size: processes each parameter is sharded over (FSDP2's shard degree: every process, or one row of
             HSDP's ``fsdp.replicate_degree`` rows); 1 when not sharded.
-        shapes: every parameter's shape (a tied weight once), at the model's whole depth.
+        shapes: the shape of every parameter that trains (a tied weight once; a frozen base has none), at the
+            model's whole depth: what the optimizer keeps state for.
         dtype: the parameters' storage dtype.
         sharded: FSDP2 shards the model (several processes, or CPU offload on one).
         gathered_parameters: what FSDP2 holds gathered at once beyond nothing (the root and the running and

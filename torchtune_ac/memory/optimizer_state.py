@@ -229,7 +229,7 @@ def _resolve(inputs: ResolveInputs) -> OptimizerState:
         )
     per_parameter = None
     if layout is not None:
-        shapes = [tuple(p.shape) for p in {id(p): p for p in inputs.model.parameters()}.values()]
+        shapes = [tuple(p.shape) for p in {id(p): p for p in inputs.model.parameters()}.values() if p.requires_grad]
         per_parameter = state_bytes(layout, shapes, inputs.dtype) / max(1, sum(math.prod(s) for s in shapes))
     return OptimizerState(layout, inputs.optimizer.path, inputs.dtype, per_parameter)
 

@@ -119,3 +119,18 @@ def test_auto_chooses_from_the_adapters_estimates():
     budget = (full_none.device - 1) / 2**30
     assert lora_none.device < full_none.device
     assert choose_plan(lora, adamw, WORKLOAD, budget, LLAMA_TINY.n_layers).plan == none
+
+
+def test_low_bit_state_is_counted_for_the_adapters_alone():
+    """torchao's 8-bit AdamW, whose state the planner counts from shapes (its step cannot be simulated): the shapes
+    of the parameters that train, not the frozen base's."""
+    from torchtune_ac.memory.features import MemorySettings
+    from torchtune_ac.memory.optimizer_state import EIGHT_BIT, OptimizerState, layout_of, state_bytes
+
+    layout = layout_of(EIGHT_BIT, {})
+    workload = dataclasses.replace(WORKLOAD, settings=MemorySettings(optimizer_state=OptimizerState(layout, EIGHT_BIT)))
+    model = Llama(LLAMA_TINY)
+    apply_adapters(model, AdapterConfig(rank=8, targets=TARGETS))
+    trained = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
+    lora, = estimate_memory(build(AdapterConfig(rank=8, targets=TARGETS)), adamw, workload, [FULL_AC])
+    assert lora.optimizer == state_bytes(layout, trained, torch.float32) > 0

@@ -285,8 +285,8 @@ class _Simulation:
     # The largest FSDP2 group outside the blocks: one of the family's shard groups (embeddings; final norm and
     # output), or the root with what they leave (all of root_parameters for a model without groups).
     largest_outer_group: int
-    root_shapes: tuple[tuple[int, ...], ...]  # each parameter outside the blocks (a tied weight once)
-    block_shapes: tuple[tuple[int, ...], ...]  # each parameter of one block
+    root_shapes: tuple[tuple[int, ...], ...]  # each trained parameter outside the blocks (a tied weight once)
+    block_shapes: tuple[tuple[int, ...], ...]  # each trained parameter of one block
     block_input: int  # bytes of a block's input, one micro-batch's hidden state
     logits: int  # bytes of one micro-batch's whole logits in float32 ([rows, seq_len, vocab])
     varlen_kv_copy: int = 0  # bytes of one block's K/V copies for varlen_attn, one micro-batch (Workload.varlen)
@@ -313,7 +313,8 @@ def _simulate(
         blocks = transformer_blocks(model)
         if n_blocks is not None:
             del blocks[n_blocks:]  # every block alike: a shallower model of the same blocks
-        block_shapes = _shapes(list(blocks[0].parameters()))  # whole, before expert parallelism splits the experts
+        # Whole, before expert parallelism splits the experts; only what trains (a frozen base has no optimizer state).
+        block_shapes = _shapes([p for p in blocks[0].parameters() if p.requires_grad])
         apply_ac_plan(model, _plan(mode, option, len(blocks)))
         ep = workload.parallelism.expert
         experts = simulate_expert_parallel(model, ep, workload.routed_rows_margin) if ep > 1 else []
@@ -376,7 +377,7 @@ def _simulate(
             block_parameters=max(_nbytes(list(block.parameters())) for block in blocks),
             root_parameters=_nbytes([p for p in params if id(p) not in in_blocks]),
             largest_outer_group=_largest_outer_group(model, in_blocks),
-            root_shapes=_shapes([p for p in params if id(p) not in in_blocks]),
+            root_shapes=_shapes([p for p in params if id(p) not in in_blocks and p.requires_grad]),
             block_shapes=block_shapes,
             block_input=tracker.block_input,
             logits=workload.rows * workload.seq_len * vocab * 4,
