@@ -53,8 +53,9 @@ class AdapterConfig:
         False, doc="Also an adapter on the output projection (lm_head); not with tied embeddings.")
     quantize_base: Optional[QuantizeBase] = config_key(
         None, doc="nf4: QLoRA, the frozen base weight of every adapted linear stored as torchao's NF4Tensor (4 bits "
-        "a weight, blocks of 64 with a scale quantised in blocks of 256), dequantised for each matmul; one process, "
-        "not sharded. null: the base in dtype.")
+        "a weight, blocks of 64 with a scale quantised in blocks of 256), dequantised for each matmul; sharded by FSDP2 "
+        "over several processes when each linear splits by rows into whole blocks (not with CPU offload nor HSDP). "
+        "null: the base in dtype.")
     checkpoint_dir: Optional[str] = config_key(
         None, doc="A PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to start from; it must be "
         "for this base (the same module names and shapes) and this kind and rank. null: A drawn Kaiming-uniform and "

@@ -194,7 +194,12 @@ def initialize_adapters_(model: nn.Module, *, seed: int) -> None:
         full.uniform_(-bound, bound, generator=generator)
         copy_whole_(a, full)
         linear.lora_b.weight.zero_()
-        if linear.lora_magnitude is not None:
+        if linear.lora_magnitude is not None and hasattr(linear.weight, "device_mesh") and hasattr(
+                linear.weight.to_local(), "get_original_weight"):
+            # An NF4 base sharded by rows (``sharded_nf4``): each rank's rows of the magnitude, those of its shard.
+            rows = linear.weight.to_local().get_original_weight()
+            linear.lora_magnitude.to_local().copy_(torch.linalg.norm(rows.float(), dim=1))
+        elif linear.lora_magnitude is not None:
             weight = whole(linear.weight)
             weight = weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
             copy_whole_(linear.lora_magnitude, torch.linalg.norm(weight.float(), dim=1))
@@ -220,7 +225,8 @@ def copy_whole_(param: torch.Tensor, value: torch.Tensor) -> None:
 @torch.no_grad()
 def quantize_base_(model: nn.Module) -> int:
     """QLoRA: every adapted linear's base weight stored as torchao's ``NF4Tensor`` (frozen, dequantised for each
-    matmul). Runs on a model that is not sharded, after its weights are loaded.
+    matmul). Runs after the weights are loaded; a weight already in NF4 (sharded by FSDP2: ``sharded_nf4``) is left
+    as it is.
 
     Returns:
         How many weights were quantised.
@@ -230,6 +236,9 @@ def quantize_base_(model: nn.Module) -> int:
     count = 0
     for _, linear in adapted_linears(model):
         weight = linear.weight
+        local = weight.to_local() if hasattr(weight, "to_local") else weight
+        if hasattr(local, "get_original_weight"):
+            continue
         linear.weight = nn.Parameter(to_nf4(weight.detach(), NF4_BLOCK, NF4_SCALER_BLOCK), requires_grad=False)
         count += weight.numel()
     return count

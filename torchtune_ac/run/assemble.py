@@ -29,8 +29,9 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchtune_ac.lora.config import AdapterConfig
+from torchtune_ac.lora.config import AdapterConfig, QuantizeBase
 from torchtune_ac.lora.mechanism import apply_adapters, base_only
+from torchtune_ac.lora.sharded_nf4 import nf4_from_dense, store_base_as_nf4_
 from torchtune_ac.lora.weights import load_or_initialize_adapters_
 from torchtune_ac.activation_checkpointing.mechanism import ACMode, apply_ac_plan, silence_compiled_policy_warning
 from torchtune_ac.memory.activation_offloading import apply_activation_offloading
@@ -158,9 +159,11 @@ def build_training(
     blocks = transformer_blocks(model)
 
     # 1. Adapters: the chosen linears wrapped with low-rank adapters, everything else frozen (a reference, built
-    #    from its own meta model, has none).
+    #    from its own meta model, has none). QLoRA under FSDP2: their base weights in NF4 already, for FSDP2 to shard.
     if plan.adapter is not None and not frozen:
         apply_adapters(model, plan.adapter, loss_chunks=memory.settings.loss_chunks)
+        if sharded and plan.adapter.quantize_base is QuantizeBase.NF4:
+            store_base_as_nf4_(model, ctx.device)
     # 2. Activation checkpointing: the chosen blocks recompute their activations in backward.
     if not frozen:
         apply_ac_plan(model, memory.ac)
@@ -194,7 +197,8 @@ def build_training(
     if not sharded:
         retie_parameters(model)  # FSDP keeps ties through to_empty; a plain module does not
     # 9. Load or initialise: the checkpoint's weights (each rank reads only its shard), or drawn from the seed.
-    with base_only(model):  # the base's weights alone: what the checkpoint holds
+    #    A sharded NF4 base is filled dense, then quantised whole (``nf4_from_dense``).
+    with base_only(model), nf4_from_dense(model, plan.dtype.torch):  # the base alone: what the checkpoint holds
         if load_weights and plan.checkpoint_dir is not None:
             load_hf_weights_(model, plan.checkpoint_dir)
         elif load_weights:

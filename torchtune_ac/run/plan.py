@@ -31,7 +31,8 @@ from torchtune_ac.config.schema import Device, FSDPConfig
 from torchtune_ac.data.samples import count_of
 from torchtune_ac.errors import UserError
 from torchtune_ac.lora.config import AdapterConfig, QuantizeBase, adapter_record
-from torchtune_ac.lora.mechanism import apply_adapters, quantize_base_
+from torchtune_ac.lora.mechanism import apply_adapters, find_targets, quantize_base_
+from torchtune_ac.lora.sharded_nf4 import check_nf4_sharding
 from torchtune_ac.lora.weights import check_adapter_start
 from torchtune_ac.memory.feature import MemoryConfig, OptimizerSpec
 from torchtune_ac.memory.plan import MemoryPlan, PlannerInputs, resolve_memory_plan
@@ -458,10 +459,13 @@ def _resolve_adapter(cfg: RunConfig, model: nn.Module, memory: MemoryPlan,
         raise UserError(f"expert_parallel_dim={parallelism.expert}: adapters (the adapter: section) do not run under "
                         "expert parallelism; use expert_parallel_dim: 1 (FSDP2 shards the frozen experts)")
     check_adapter_start(model, adapter, loss_chunks=memory.settings.loss_chunks)
-    if adapter.quantize_base is not None and ((parallelism.world_size or 1) > 1 or memory.shard_options()):
-        raise UserError(f"adapter.quantize_base={adapter.quantize_base.value}: the NF4 base runs on one process, "
-                        "not sharded (no FSDP2 feature: CPU offload, a world of one); set adapter.quantize_base: "
-                        "null to shard a LoRA run")
+    if adapter.quantize_base is not None:
+        if memory.shard_options() or parallelism.replicate > 1:
+            raise UserError(f"adapter.quantize_base={adapter.quantize_base.value}: the NF4 base is sharded by FSDP2 "
+                            "over one dimension of processes, not with CPU offload nor HSDP (fsdp.replicate_degree); "
+                            "drop those, or set adapter.quantize_base: null")
+        if (parallelism.world_size or 1) > 1:
+            check_nf4_sharding(find_targets(model, adapter), parallelism.world_size)
     return adapter
 
 

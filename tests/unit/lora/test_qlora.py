@@ -79,3 +79,79 @@ def test_dora_on_the_nf4_base_starts_at_that_base():
     logits.sum().backward()
     assert {n for n, p in model.named_parameters() if p.grad is not None} == {
         n for n, _ in model.named_parameters() if ".lora_" in n}
+
+
+# ----------------------------------------------------------------------------------------------- under FSDP2
+
+# MLP projections of 256 x 128 and 128 x 256: two row shards of 16,384 weights each, whole NF4 blocks.
+SHARDABLE = LlamaArgs(vocab_size=96, dim=128, n_layers=2, n_heads=4, n_kv_heads=4, intermediate_dim=256,
+                      max_seq_len=64)
+QDORA = AdapterConfig(kind=AdapterKind.DORA, targets=["gate_proj", "up_proj", "down_proj"],
+                      quantize_base=QuantizeBase.NF4)
+
+
+def _qlora_trains_like_one_process(rank: int) -> None:
+    import torch.distributed as dist
+    from numerics import assert_steps_alike, assert_weights_trained_alike, llama_terms
+    from parallel_testlib import CPU, LENGTH, ROWS, STEPS, Case, train
+
+    from torchtune_ac.lora.sharded_nf4 import is_sharded_nf4
+    from torchtune_ac.lora.mechanism import whole
+    from torchtune_ac.models.families.llama import FAMILY
+    from torchtune_ac.run.assemble import AssemblyPlan, build_training
+    from torchtune_ac.runtime.distributed import DistributedContext
+    from torchtune_ac.runtime.dtypes import DType
+    from torchtune_ac.runtime.parallelism import Parallelism
+
+    class QLoRACase(Case):
+        args = SHARDABLE
+        family = FAMILY
+
+    case = QLoRACase("qdora")
+
+    def assemble(ctx, parallelism):
+        with torch.device("meta"):
+            model = FAMILY.build(SHARDABLE)
+        plan = AssemblyPlan(dtype=DType.FP32, memory=case.memory(), parallelism=parallelism, seed=7, adapter=QDORA)
+        return build_training(model, plan, ctx=ctx, make_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-2))
+
+    def trained(assembled, ctx, dp_rank, dp_degree):
+        result = train(case, assembled, ctx, dp_rank, dp_degree)
+        adapters = {n: whole(p.detach()).clone() for n, p in assembled.model.named_parameters() if p.requires_grad}
+        return result, adapters
+
+    alone = DistributedContext(0, 1, 0, CPU)
+    handed = [trained(assemble(alone, Parallelism(1)), alone, 0, 1) if rank == 0 else None]
+    dist.broadcast_object_list(handed, src=0)
+    (losses, norms), adapters = handed[0]
+    ctx = DistributedContext(rank, 2, 0, CPU)
+    split = assemble(ctx, Parallelism(2))
+    weights = [linear.weight for _, linear in adapted_linears(split.model)]
+    assert len(weights) == 3 * SHARDABLE.n_layers and all(is_sharded_nf4(w) for w in weights)
+    (split_losses, split_norms), split_adapters = trained(split, ctx, rank, 2)
+    terms = llama_terms(SHARDABLE, LENGTH, ROWS * LENGTH)
+    assert_steps_alike(split_losses, losses, terms=terms, what="QDoRA on 2 processes: loss")
+    assert_steps_alike(split_norms, norms, terms=terms, what="QDoRA on 2 processes: gradient norm")
+    assert_weights_trained_alike(split_adapters, adapters, lrs=[1e-2] * STEPS, terms=terms)
+
+
+@pytest.mark.distributed
+def test_qlora_under_fsdp2_trains_like_one_process(tmp_path):
+    """The NF4 base sharded by FSDP2 (torchao's NF4 all-gather) over 2 gloo processes: the same losses, gradient
+    norms and adapters as one process, DoRA's magnitude rows sharded with the base's."""
+    from gloo_testlib import run_on_gloo_ranks
+
+    run_on_gloo_ranks(_qlora_trains_like_one_process, store_dir=tmp_path)
+
+
+def test_a_shard_degree_that_cannot_split_the_nf4_blocks_is_refused_naming_the_layer():
+    from torchtune_ac.errors import UserError
+    from torchtune_ac.lora.mechanism import find_targets
+    from torchtune_ac.lora.sharded_nf4 import check_nf4_sharding
+    from torchtune_ac.models.llama import Llama
+
+    with torch.device("meta"):
+        shardable, whole_blocks_only = Llama(SHARDABLE), Llama(ARGS)
+    check_nf4_sharding(find_targets(shardable, QDORA), 2)
+    with pytest.raises(UserError, match=r"over 2 processes: layers\.0\.attn\.q_proj\.weight \(128, 128\) does not "):
+        check_nf4_sharding(find_targets(whole_blocks_only, AdapterConfig(targets=["q_proj"])), 2)
