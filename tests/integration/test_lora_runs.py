@@ -130,6 +130,26 @@ def test_lora_dpo_starts_at_the_base(tmp_path):
     assert (final_checkpoint(tmp_path / "dpo") / ADAPTER_WEIGHTS_FILE).is_file()
 
 
+def test_lora_dpo_s_precomputed_reference_trains_as_its_resident_one(tmp_path):
+    """``dpo.reference: precomputed``: the base built alone, run once before training, then freed; its
+    log-probabilities came from other batches (other padding) than the resident path's adapters-off forward, so
+    the runs are the same within rounding."""
+    def dpo(name: str, *overrides: str) -> list[dict]:
+        command = ["run", "lora_dpo", "--config", "tiny/lora_dpo", "max_seq_len=64", "batch_size=4",
+                   f"max_steps_per_epoch={STEPS}", "run_val_every_n_steps=null", "dataset_val=null",
+                   f"output_dir={tmp_path / name}", *overrides]
+        check_success(run_tune_in_process(command))
+        return read_metrics(tmp_path / name)
+
+    resident, precomputed = dpo("resident"), dpo("precomputed", "dpo.reference=precomputed")
+    terms = llama_terms(LLAMA_TINY, 64, 8 * 64)
+    for name in ("loss", "grad_norm", "rewards_margin"):
+        assert_steps_alike([r[name] for r in precomputed], [r[name] for r in resident], terms=terms, what=name)
+    assert_weights_trained_alike(adapters(final_checkpoint(tmp_path / "precomputed")),
+                                 adapters(final_checkpoint(tmp_path / "resident")),
+                                 lrs=[r["lr"] for r in resident], terms=terms)
+
+
 REFUSED = {
     "rank_0": (["adapter.rank=0"], "adapter.rank=0: must be >= 1"),
     "alpha_0": (["adapter.alpha=0"], "adapter.alpha=0.0: must be > 0.0"),

@@ -251,10 +251,14 @@ class LoRADPOConfig(FullDPOConfig):
             raise UserError(f"ref_checkpoint_dir={self.ref_checkpoint_dir}: the lora_dpo recipe's reference is its "
                             "base with the adapters off (checkpoint_dir); set ref_checkpoint_dir: null, or use "
                             "full_dpo for another reference")
-        if self.dpo.reference is not ReferenceMode.RESIDENT:
-            raise UserError(f"dpo.reference={self.dpo.reference.value}: the lora_dpo recipe's reference is its own "
-                            "base with the adapters off, which costs no memory to keep; set dpo.reference: resident")
+        if self.dpo.reference is ReferenceMode.PRECOMPUTED and self.adapter.quantize_base is not None:
+            raise UserError(f"dpo.reference=precomputed with adapter.quantize_base={self.adapter.quantize_base.value}"
+                            ": the precomputing pass would run the base in dtype, not the NF4 base the policy "
+                            "computes with; set dpo.reference: resident (the NF4 base with the adapters off)")
 
     def preference_step(self) -> Optional[PreferenceStep]:
-        """Pairs, and the reference as the policy's base: its forward under ``no_grad``, no second model."""
+        """Pairs, and the reference as the policy's base: its forward under ``no_grad``, no second model; or, with
+        ``dpo.reference: precomputed``, its log-probabilities with the batch."""
+        if self.dpo.reference is ReferenceMode.PRECOMPUTED:
+            return PreferenceStep(resident_reference=False)
         return PreferenceStep(resident_reference=False, reference_is_policy=True)
