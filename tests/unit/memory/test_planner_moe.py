@@ -193,9 +193,9 @@ def test_an_expert_s_optimizer_temporaries_are_told_by_what_they_were_computed_f
         from_expert, from_dense = expert.sqrt(), dense.sqrt()
         from_temporary = from_expert / 2  # computed from an expert's temporary
         listed = torch._foreach_mul([dense, expert], 2.0)
-    keys = {name: t.untyped_storage()._cdata for name, t in [("expert", from_expert), ("dense", from_dense),
-                                                               ("temporary", from_temporary),
-                                                               ("listed dense", listed[0]), ("listed expert", listed[1])]}
+    outputs = {"expert": from_expert, "dense": from_dense, "temporary": from_temporary,
+               "listed dense": listed[0], "listed expert": listed[1]}
+    keys = {name: t.untyped_storage()._cdata for name, t in outputs.items()}
     assert {name for name, key in keys.items() if key in tracker.expert_temporaries} == {
         "expert", "temporary", "listed expert"}
     assert tracker._expert_opt == 3 * expert.untyped_storage().nbytes()

@@ -372,7 +372,8 @@ def _simulate(
         states = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         inputs = [t for batch in micro_batches for t in batch.values()]
         frozen = [*reference.parameters(), *reference.buffers()] if reference is not None else []
-        tracker.known = {t.untyped_storage()._cdata for t in [*params, *states, *inputs, *model.buffers(), *frozen]}
+        tracker.known = {t.untyped_storage()._cdata
+                         for t in [*params, *states, *inputs, *model.buffers(), *frozen]}
         expert_ids = {id(p) for p in experts}
         # Their state tensors, not the step counters (one a parameter, however many experts it holds).
         expert_states = [v for opt in optimizers for p, s in opt.state.items() if id(p) in expert_ids
