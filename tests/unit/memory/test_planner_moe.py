@@ -291,3 +291,27 @@ def test_tune_plan_states_the_margin_under_expert_parallelism(monkeypatch):
             "(its own tokens' 2 copies") in _assumptions(monkeypatch, "expert_parallel_dim=2")
     assert ("; each process's experts compute its own tokens' 2 copies (top_k), whatever the router does"
             in _assumptions(monkeypatch))
+
+
+@pytest.mark.parametrize("device, dtype, capability, says", [
+    ("cpu", torch.float32, None, "is torch's grouped matmul, the one a CPU run takes"),
+    ("cuda", torch.bfloat16, (9, 0), "is torch's grouped matmul, the one this machine's GPU (compute capability "
+                                     "9.0) takes"),
+    ("cuda", torch.bfloat16, (8, 0), "is torch's grouped matmul, but this machine's GPU (compute capability 8.0) "
+                                     "takes the padded batched matmul (grouped needs bf16 on compute capability 9.x "
+                                     "or 10.x): its buffers, rows padded to the busiest expert, are not counted"),
+    ("cuda", torch.bfloat16, (12, 0), "but this machine's GPU (compute capability 12.0) takes the padded"),
+    ("cuda", torch.float32, None, "is torch's grouped matmul, but a GPU in float32 takes the padded batched matmul"),
+    ("cuda", torch.bfloat16, None, "is torch's grouped matmul, which a GPU of compute capability 9.x or 10.x (H100, "
+                                   "H200, B200) takes in bf16; any other GPU takes the padded batched matmul, whose "
+                                   "buffers (rows padded to the busiest expert) are not counted"),
+])
+def test_tune_plan_says_which_experts_kernel_it_charges_and_which_the_run_s_gpu_takes(monkeypatch, device, dtype,
+                                                                                       capability, says):
+    from torchtune_ac.run.memory_table import expert_kernel_charged
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
+    with torch.device("meta"):
+        model = Llama(ARGS)
+    assert says in expert_kernel_charged(model, dtype, torch.device(device))
