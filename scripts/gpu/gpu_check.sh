@@ -6,7 +6,7 @@
 #
 # Stages, in order; each runs under `timeout -s INT` (pytest still writes its JUnit XML when it is stopped), and a
 # stage that fails or runs out of time does not stop the next. A default run is the stages marked *: their limits
-# add up to 205 s, 285 s with each stage's 20 s kill margin, so a rerun fits a 15-minute loan too; every other
+# add up to 220 s, 300 s with each stage's 20 s kill margin, so a rerun fits a 15-minute loan too; every other
 # stage runs when --only names it or with --full. Limits (--full's in brackets):
 #   env *      the machine: torch, CUDA, NCCL, the device (torch against the pinned version, said when they
 #              differ), varlen_attn's signature and what VARLEN_SUPPORT detected, a bf16 matmul's rate,
@@ -15,11 +15,12 @@
 #              chunked loss, the cuBLAS workspaces the planner counts                              40 s
 #   moe *      mixtures of experts: the kernel this GPU gets (grouped on sm90/sm100 in bf16) against the
 #              loop, forward and backward, an expert and a layer without rows; qwen3_moe_tiny in bf16
-#              compiled under no, per-op and full AC, graphs and breaks counted, against eager   90 s
+#              compiled under no, per-op and full AC, graphs and breaks counted, against eager; EP 2 over
+#              gloo on this GPU against one process, every gradient (the experts') compared        105 s
 #   dpo        tune run full_dpo in bf16, reference resident and precomputed, peaks against the plan; the
 #              reference's memory built, dropped and collected                                     40 s
-#   two_ranks * 2 ranks on cuda:0 over gloo: a probe of gloo's collectives on CUDA tensors, then FSDP 2 and
-#              TP 2 against 1 rank (bf16 gathers, the step in backward, activation offloading)     45 s
+#   two_ranks * 2 ranks on cuda:0 over gloo: a probe of gloo's collectives on CUDA tensors (all_to_all_single
+#              with uneven splits among them), then FSDP 2 and TP 2 against 1 rank (bf16 gathers, the step in backward, activation offloading)     45 s
 #   world8     a world of 8 simulated with the fake process group: rank 0 of Llama 3.1 8B and 70B as
 #              their configs ship, its shards, optimizer state and peak against the plan           60 s
 #   planner    compiled bf16 tune runs, no AC and per-op AC, plan against the allocated and reserved
@@ -154,7 +155,7 @@ XMLS=()
 run_stage env 30 "$PY" scripts/gpu/gpu_env.py --out "$OUT_DIR"
 pytest_stage fast 40 tests/gpu/test_fsdp_nccl_cuda.py tests/gpu/test_chunked_loss_cuda.py tests/gpu/test_memory_cuda.py \
   tests/gpu/test_packed_attention_cuda.py tests/unit/models/test_packed_attention.py -k "not compiled"
-pytest_stage moe 90 tests/gpu/test_moe_cuda.py
+pytest_stage moe 105 tests/gpu/test_moe_cuda.py
 pytest_stage dpo 40 tests/gpu/test_dpo_cuda.py
 pytest_stage two_ranks 45 tests/gpu/test_two_ranks_cuda.py
 pytest_stage world8 60 tests/gpu/test_fake_world_cuda.py

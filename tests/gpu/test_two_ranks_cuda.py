@@ -1,9 +1,10 @@
 """Two ranks on one GPU. NCCL refuses two ranks on one device, so the probe asks whether gloo, given CUDA tensors,
 runs the collectives FSDP2 and TP issue (all-gather into a tensor, reduce-scatter, all-reduce; gloo copies through
-the host where it can). Where it does, FSDP 2 and TP 2 on ``cuda:0`` train like 1 rank for 3 steps, with what no
-CPU test reaches: CUDA streams, bf16 mixed precision (fp32 storage, bf16 gathers, fp32 reductions), the optimizer
-step in backward and activation offloading to pinned host memory. Where it does not, the probe's test fails with
-gloo's own message (recorded in ``gpu_tests.json``) and the runs are skipped, saying so.
+the host where it can), and expert parallelism's all_to_all_single with uneven splits. Where it does, FSDP 2 and
+TP 2 on ``cuda:0`` train like 1 rank for 3 steps, with what no CPU test reaches: CUDA streams, bf16 mixed
+precision (fp32 storage, bf16 gathers, fp32 reductions), the optimizer step in backward and activation offloading
+to pinned host memory. Where it does not, the probe's test fails with gloo's own message (recorded in
+``gpu_tests.json``) and the runs are skipped, saying so (not for the all-to-all alone, which they do not issue).
 
 The 1-rank reference is not sharded (one process shards only for a feature that works through FSDP2), so it
 computes in fp32 where the 2 ranks gather bf16: the bound is float32's for 2**16 times the terms, 256 times
@@ -29,7 +30,8 @@ from torchtune_ac.models.llama import Llama, LlamaArgs
 
 ARGS = LlamaArgs(vocab_size=1024, dim=256, n_layers=4, n_heads=8, n_kv_heads=4, intermediate_dim=512, max_seq_len=128)
 STEPS, LR, SEQ, BATCH = 3, 1e-3, 128, 4
-COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast")
+# FSDP2's and TP's, and expert parallelism's exchange (all_to_all_single with uneven splits, as a router makes them).
+COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "broadcast", "all_to_all_single")
 DEVICE = torch.device("cuda", 0)  # every rank's
 
 
@@ -64,10 +66,17 @@ def probe(rank: int, world: int, port: int, out: str) -> None:
                 got = x.clone()
                 dist.all_reduce(got)
                 ok = got.tolist() == [world * (world + 1) / 2] * 4
-            else:
+            elif name == "broadcast":
                 got = x.clone()
                 dist.broadcast(got, 0)
                 ok = got.tolist() == [1.0] * 4
+            else:  # rank r sends j + r + 1 rows of 10 r + j to rank j: every split differs
+                sent = [j + rank + 1 for j in range(world)]
+                received = [rank + i + 1 for i in range(world)]
+                rows = torch.cat([torch.full((n, 2), 10.0 * rank + j, device=DEVICE) for j, n in enumerate(sent)])
+                got = torch.empty(sum(received), 2, device=DEVICE)
+                dist.all_to_all_single(got, rows, output_split_sizes=received, input_split_sizes=sent)
+                ok = got[:, 0].tolist() == [10.0 * i + rank for i, n in enumerate(received) for _ in range(n)]
             results[name] = "ok" if ok else f"wrong values: {got.tolist()}"
         except Exception as error:  # noqa: BLE001 - the probe's answer is gloo's message
             results[name] = f"{type(error).__name__}: {error}"[:300]
@@ -139,7 +148,8 @@ def one_rank(tmp_path_factory) -> dict:
 
 @pytest.mark.parametrize("tensor", [1, 2], ids=["fsdp_2", "tp_2"])
 def test_two_ranks_on_one_gpu_train_like_one(gloo_on_cuda, one_rank, tensor, tmp_path, record_property):
-    refused = {name: answer for name, answer in gloo_on_cuda.items() if answer != "ok"}
+    refused = {name: answer for name, answer in gloo_on_cuda.items()
+               if answer != "ok" and name != "all_to_all_single"}
     if refused:
         pytest.skip(f"gloo refuses CUDA tensors for {', '.join(refused)}: two ranks cannot share this GPU")
     two = spawn(train, 2, tmp_path / "two.json", tensor)

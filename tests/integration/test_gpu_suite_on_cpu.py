@@ -210,3 +210,12 @@ def test_the_dpo_plan_helper_counts_a_resident_reference(tmp_path: Path, embedde
     planned = {reference: dpo.planned_step_bytes(dpo.overrides(tmp_path, embedded_checkpoint, reference, "cpu"))
                for reference in ("resident", "precomputed")}
     assert 4 * 31.9e6 <= planned["resident"] - planned["precomputed"] <= 4 * 32.1e6, planned  # its fp32 weights
+
+
+def test_the_moe_stage_s_expert_parallel_gradients_run_on_gloo_cpu_ranks(tmp_path: Path) -> None:
+    """``test_moe_cuda``'s EP 2 against one process, its every call, with the 2 gloo processes on the CPU: the
+    experts' gradients (and every other) alike, as the GPU stage asserts them."""
+    moe = import_from(REPO / "tests" / "gpu", "test_moe_cuda")
+    result = moe.run_expert_parallel_gradients(tmp_path / "gradients.pt", "cpu")
+    moe.assert_expert_parallel_gradients_match(result)
+    assert not torch.distributed.is_initialized()

@@ -31,7 +31,8 @@ from torchtune_ac.memory.planner import (
     switch_ablation,
 )
 from torchtune_ac.models.families import transformer_blocks
-from torchtune_ac.models.moe import moe_args_of
+from torchtune_ac.models.moe import (GROUPED, GROUPED_MM_CUDA_MAJORS, PADDED_BMM, GroupedExperts,
+                                     choose_expert_kernel, moe_args_of)
 from torchtune_ac.run.plan import (
     RunPlan,
     RunConfig,
@@ -225,20 +226,53 @@ def memory_table(cfg: RunConfig, *, world_size: int, budget_gib: Optional[float]
     blas, blas_how = cublas_workspace_bytes(planned_device(cfg.device))
     return MemoryTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size), tuple(ablation),
                        fixed_how, blas_how if blas else "", not_applicable, run_plan, suggested_tp, cfg.compile,
-                       routed_rows_assumption(model, workload))
+                       routed_rows_assumption(model, workload, planned_device(cfg.device)))
 
 
-def routed_rows_assumption(model: torch.nn.Module, workload: Workload) -> str:
-    """What the estimate assumes of a mixture of experts' routed rows, in words ("" for a dense model)."""
+def routed_rows_assumption(model: torch.nn.Module, workload: Workload, device: torch.device) -> str:
+    """What the estimate assumes of a mixture of experts' routed rows, and which experts' kernel it charges against
+    the one the run's ``device`` takes, in words ("" for a dense model)."""
     args = moe_args_of(model)
     if args is None:
         return ""
     if not workload.parallelism.expert_parallel:
-        return (f"each process's experts compute its own tokens' {args.top_k} copies (top_k), whatever the router "
+        rows = (f"each process's experts compute its own tokens' {args.top_k} copies (top_k), whatever the router "
                 "does (no expert parallelism)")
-    return (f"under expert parallelism each process's experts receive {workload.routed_rows_margin:g}x the rows a "
-            f"balanced router sends them (its own tokens' {args.top_k} copies: routing is dropless, and a router "
-            "out of balance sends a process more), and the all-to-all buffers are sized alike")
+    else:
+        rows = (f"under expert parallelism each process's experts receive {workload.routed_rows_margin:g}x the rows "
+                f"a balanced router sends them (its own tokens' {args.top_k} copies: routing is dropless, and a "
+                "router out of balance sends a process more), and the all-to-all buffers are sized alike")
+    return f"{rows}; {expert_kernel_charged(model, workload.dtype.torch, device)}"
+
+
+_KERNEL_NAMES = {GROUPED: "torch's grouped matmul", PADDED_BMM: "the padded batched matmul"}
+
+
+def expert_kernel_charged(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> str:
+    """Which experts' kernel the simulation charges (the one a CPU takes: ``choose_expert_kernel``), and which the
+    run's device takes (``models/moe.py``'s gate: grouped on CUDA sm90/sm100 in bf16), in words. Where they differ,
+    the padded path's buffers (rows padded to the busiest expert) are said not to be counted."""
+    experts = next(m for m in model.modules() if isinstance(m, GroupedExperts))
+    charged = choose_expert_kernel("cpu", dtype, None, experts.inner_dims)
+    said = f"the experts' kernel charged is {_KERNEL_NAMES[charged]}"
+    if device.type != "cuda":
+        return f"{said}, the one a CPU run takes"
+    where = "this machine's GPU"
+    if torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+        where += f" (compute capability {capability[0]}.{capability[1]})"
+        takes = choose_expert_kernel("cuda", dtype, capability, experts.inner_dims)
+    elif dtype != torch.bfloat16:
+        where, takes = f"a GPU in {str(dtype).removeprefix('torch.')}", PADDED_BMM
+    else:  # no GPU here to ask: the capability decides
+        majors = " or ".join(f"{m}.x" for m in GROUPED_MM_CUDA_MAJORS)
+        return (f"{said}, which a GPU of compute capability {majors} (H100, H200, B200) takes in bf16; any other "
+                "GPU takes the padded batched matmul, whose buffers (rows padded to the busiest expert) are not "
+                "counted")
+    if takes == charged:
+        return f"{said}, the one {where} takes"
+    return (f"{said}, but {where} takes {_KERNEL_NAMES[takes]} (grouped needs bf16 on compute capability 9.x or "
+            "10.x): its buffers, rows padded to the busiest expert, are not counted")
 
 
 def draw_memory_table(table: MemoryTable, path: Path) -> Path:

@@ -181,6 +181,26 @@ def test_parameters_gradients_and_optimizer_state_are_the_whole_model_over_every
     assert after_backward[0].grads == pytest.approx(whole / WORLD, rel=1e-12)
 
 
+def test_an_expert_s_optimizer_temporaries_are_told_by_what_they_were_computed_from_not_their_shape():
+    """In the optimizer step, what is computed from an expert's parameter, gradient or state (and from that) is the
+    expert's, sharded over ``expert_shard``; a dense parameter of the same shape is not; a list op's i-th output is
+    its lists' i-th tensors'."""
+    expert, dense = torch.ones(2, 8), torch.ones(2, 8)
+    tracker = _LiveStorages(4, set(), expert_parameters=[expert], expert_shard_degree=1)
+    tracker.known = {expert.untyped_storage()._cdata, dense.untyped_storage()._cdata}
+    tracker.in_optimizer = True
+    with tracker:
+        from_expert, from_dense = expert.sqrt(), dense.sqrt()
+        from_temporary = from_expert / 2  # computed from an expert's temporary
+        listed = torch._foreach_mul([dense, expert], 2.0)
+    outputs = {"expert": from_expert, "dense": from_dense, "temporary": from_temporary,
+               "listed dense": listed[0], "listed expert": listed[1]}
+    keys = {name: t.untyped_storage()._cdata for name, t in outputs.items()}
+    assert {name for name, key in keys.items() if key in tracker.expert_temporaries} == {
+        "expert", "temporary", "listed expert"}
+    assert tracker._expert_opt == 3 * expert.untyped_storage().nbytes()
+
+
 def test_the_step_in_backward_s_pool_on_a_gpu_holds_an_expert_s_temporaries_as_its_shard():
     """On a GPU under FSDP2 the step in backward's temporaries have a pool of their own (``in_backward_stream_pool``):
     the most one parameter's step holds, on its shard. With EP 4 of 4 processes a process's experts are not
@@ -271,3 +291,27 @@ def test_tune_plan_states_the_margin_under_expert_parallelism(monkeypatch):
             "(its own tokens' 2 copies") in _assumptions(monkeypatch, "expert_parallel_dim=2")
     assert ("; each process's experts compute its own tokens' 2 copies (top_k), whatever the router does"
             in _assumptions(monkeypatch))
+
+
+@pytest.mark.parametrize("device, dtype, capability, says", [
+    ("cpu", torch.float32, None, "is torch's grouped matmul, the one a CPU run takes"),
+    ("cuda", torch.bfloat16, (9, 0), "is torch's grouped matmul, the one this machine's GPU (compute capability "
+                                     "9.0) takes"),
+    ("cuda", torch.bfloat16, (8, 0), "is torch's grouped matmul, but this machine's GPU (compute capability 8.0) "
+                                     "takes the padded batched matmul (grouped needs bf16 on compute capability 9.x "
+                                     "or 10.x): its buffers, rows padded to the busiest expert, are not counted"),
+    ("cuda", torch.bfloat16, (12, 0), "but this machine's GPU (compute capability 12.0) takes the padded"),
+    ("cuda", torch.float32, None, "is torch's grouped matmul, but a GPU in float32 takes the padded batched matmul"),
+    ("cuda", torch.bfloat16, None, "is torch's grouped matmul, which a GPU of compute capability 9.x or 10.x (H100, "
+                                   "H200, B200) takes in bf16; any other GPU takes the padded batched matmul, whose "
+                                   "buffers (rows padded to the busiest expert) are not counted"),
+])
+def test_tune_plan_says_which_experts_kernel_it_charges_and_which_the_run_s_gpu_takes(monkeypatch, device, dtype,
+                                                                                       capability, says):
+    from torchtune_ac.run.memory_table import expert_kernel_charged
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: capability is not None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *args: capability)
+    with torch.device("meta"):
+        model = Llama(ARGS)
+    assert says in expert_kernel_charged(model, dtype, torch.device(device))

@@ -61,9 +61,11 @@ class _LiveStorages(TorchDispatchMode):
         self.shard_degree = shard_degree  # processes a parameter is sharded over
         self.root_parameters = root_parameters  # ids of the parameters outside the blocks
         # Under expert parallelism the experts this process holds are sharded over fewer processes (expert_shard):
-        # their gradients, and the optimizer's temporaries of their shapes, are divided by that degree instead.
+        # their gradients, and what the optimizer computes from them (``expert_temporaries``), are divided by that
+        # degree instead. Told by data flow: an op's output is an expert's when an input is an expert's parameter,
+        # gradient, optimizer state (``expert_sources``, storages) or such an output.
         self.expert_parameters = {id(p) for p in expert_parameters}
-        self.expert_shapes = {tuple(p.shape) for p in expert_parameters}
+        self.expert_sources = {p.untyped_storage()._cdata for p in expert_parameters}
         self.expert_shard_degree = expert_shard_degree or shard_degree
         self.expert_grads: set[int] = set()
         self.expert_temporaries: set[int] = set()
@@ -140,6 +142,25 @@ class _LiveStorages(TorchDispatchMode):
         self.phase = phase
         self._record()
 
+    def _is_experts(self, tensor: Any) -> bool:
+        if not isinstance(tensor, torch.Tensor):
+            return False
+        key = tensor.untyped_storage()._cdata
+        return key in self.expert_sources or key in self.expert_grads or key in self.expert_temporaries
+
+    def _from_experts(self, leaf: torch.Tensor, func: Any, args: tuple, kwargs: dict, out: Any) -> bool:
+        """Whether ``leaf``, an output of ``func``, was computed from an expert's tensors. A list op (the
+        optimizers' ``_foreach_*``) computes its i-th output from the i-th tensor of each list argument (and any
+        tensor argument outside the lists); any other op from all of its tensor arguments."""
+        inputs = [*args, *kwargs.values()]
+        if isinstance(out, (list, tuple)):
+            position = next((i for i, t in enumerate(out) if t is leaf), None)
+            lists = [a for a in inputs if isinstance(a, (list, tuple)) and len(a) == len(out)]
+            if position is not None and lists:
+                return (any(self._is_experts(a[position]) for a in lists)
+                        or any(self._is_experts(a) for a in inputs if not isinstance(a, (list, tuple))))
+        return any(self._is_experts(t) for t in tree_flatten(inputs)[0])
+
     def mark_gradient(self, param: torch.Tensor) -> None:
         key = param.grad.untyped_storage()._cdata
         if key in self.live and key not in self.grads:
@@ -198,7 +219,7 @@ class _LiveStorages(TorchDispatchMode):
                     if self.in_optimizer:
                         self.optimizer_temporaries.add(key)
                         self._opt += storage.nbytes()
-                        if tuple(leaf.shape) in self.expert_shapes:  # an expert's (its state's temporaries)
+                        if self._from_experts(leaf, func, args, kwargs, out):
                             self.expert_temporaries.add(key)
                             self._expert_opt += storage.nbytes()
                         if self.phase in BACKWARD_PHASES:
@@ -352,7 +373,13 @@ def _simulate(
         states = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         inputs = [t for batch in micro_batches for t in batch.values()]
         frozen = [*reference.parameters(), *reference.buffers()] if reference is not None else []
-        tracker.known = {t.untyped_storage()._cdata for t in [*params, *states, *inputs, *model.buffers(), *frozen]}
+        tracker.known = {t.untyped_storage()._cdata
+                         for t in [*params, *states, *inputs, *model.buffers(), *frozen]}
+        expert_ids = {id(p) for p in experts}
+        # Their state tensors, not the step counters (one a parameter, however many experts it holds).
+        expert_states = [v for opt in optimizers for p, s in opt.state.items() if id(p) in expert_ids
+                         for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+        tracker.expert_sources |= {t.untyped_storage()._cdata for t in expert_states}
         saved: list[int] = []
 
         def after_forward(i: int) -> None:
@@ -367,10 +394,6 @@ def _simulate(
             stepper.update(model, workload.clip_grad_norm)
         for hook in hooks:
             hook.remove()
-        expert_ids = {id(p) for p in experts}
-        # Their state tensors, not the step counters (one a parameter, however many experts it holds).
-        expert_states = [v for opt in optimizers for p, s in opt.state.items() if id(p) in expert_ids
-                         for v in s.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
         return _Simulation(
             n_blocks=len(blocks), parameters=_nbytes(params), optimizer=_nbytes(states), batch=_nbytes(inputs),
             saved_activations=saved[0], flops=tracker.flops, peaks=tracker.peaks,
