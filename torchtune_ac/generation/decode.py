@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.generation.kv_cache import DecodeState, KVCache
-from torchtune_ac.models.llama import Attention
+from torchtune_ac.models.llama import Attention, OutputProjection
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,18 @@ def kv_caches(model: nn.Module, state: DecodeState) -> Iterator[None]:
             m.kv_cache = None
 
 
+def _last_position_logits(x: torch.Tensor, weight: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
+    """The output projection of the last position only (``x`` ``[b, s, dim]``): a prompt batch's forward never
+    holds ``[b, s, vocab]`` logits. Computed as ``OutputProjection`` computes them."""
+    logits = F.linear(x[:, -1], weight)  # [b, vocab]
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
 def _decode_step(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """The last position's logits ``[b, vocab]`` of one forward over the cache."""
-    return model(tokens, positions=positions)[:, -1]
+    if type(getattr(model, "output", None)) is OutputProjection:
+        return model(tokens, positions=positions, head=_last_position_logits)
+    return model(tokens, positions=positions)[:, -1]  # an adapted output layer takes no head
 
 
 _COMPILED_DECODE_STEP = None
