@@ -142,7 +142,7 @@ def run_trl(s: dict) -> dict:
     config = trl.GRPOConfig(
         output_dir=s["output_dir"], per_device_train_batch_size=n * g, num_generations=g,
         max_completion_length=new, generation_kwargs={"min_new_tokens": new}, temperature=1.0, top_p=1.0, top_k=0,
-        beta=0.0, loss_type="dapo", num_iterations=1, learning_rate=1e-5, optim="adamw_torch", max_grad_norm=None,
+        beta=0.0, loss_type="dapo", num_iterations=1, learning_rate=1e-5, optim="adamw_torch", max_grad_norm=0.0,
         max_steps=1 + s["steps"], train_sampling_strategy="sequential", logging_steps=10**9, save_strategy="no",
         report_to=[], use_cpu=True, bf16=False, seed=0, dataloader_num_workers=0)
     trainer = TimedGRPOTrainer(model=model, reward_funcs=reward_by_length, args=config, train_dataset=data,
