@@ -67,6 +67,8 @@ class RunConfig(Protocol):
     run_val_every_n_steps: Optional[int]
     batch_size_val: Optional[int]
     batch_size: int
+    data_batch_size: int  # samples the loader reads per micro-batch (GRPO: prompts, batch_size / num_generations)
+    data_max_seq_len: Optional[int]
     epochs: int
     max_steps_per_epoch: Optional[int]
     gradient_accumulation_steps: int
@@ -101,7 +103,7 @@ def resolve_length(cfg: RunConfig, parallelism: Parallelism, samples: Optional[i
     Raises:
         UserError: the dataset has fewer batches per process than one optimizer step needs.
     """
-    length = RunLength(parallelism, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.epochs,
+    length = RunLength(parallelism, cfg.data_batch_size, cfg.gradient_accumulation_steps, cfg.epochs,
                        cfg.max_steps_per_epoch)
     return length if batches_per_epoch is None else length.counted(samples, batches_per_epoch)
 
