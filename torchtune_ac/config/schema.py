@@ -13,6 +13,7 @@ Groups of keys are written beside the subsystem that uses them, and composed her
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import typing
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from torchtune_ac.errors import UserError
 from torchtune_ac.lora.config import AdapterConfig
 from torchtune_ac.memory.feature import MemoryConfig
 from torchtune_ac.memory.planner import PreferenceStep
+from torchtune_ac.memory.planner.rollouts import RolloutStep
 from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S
 from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
@@ -184,6 +186,10 @@ class FullFinetuneConfig:
         """What the planner simulates besides the token loss: nothing for fine-tuning."""
         return None
 
+    def rollout_step(self) -> Optional[RolloutStep]:
+        """What the planner counts generated before each step (GRPO's rollouts): nothing for fine-tuning."""
+        return None
+
     @property
     def data_batch_size(self) -> int:
         """Samples the loader reads per process per micro-batch (GRPO's: prompts, each making several rows)."""
@@ -322,6 +328,13 @@ class FullGRPOConfig(FullFinetuneConfig):
         if not self.rewards:
             raise UserError("rewards: give at least one reward function")
 
+    def rollout_step(self) -> Optional[RolloutStep]:
+        """The rollouts of a micro-batch: ``batch_size`` completions at the longest prompt (``max_seq_len`` minus
+        ``generation.max_new_tokens``) plus ``max_new_tokens``; a resident reference with ``grpo.beta``."""
+        new = self.generation.max_new_tokens
+        return RolloutStep(rows=self.batch_size, prompt_len=self.max_seq_len - new, max_new_tokens=new,
+                           reference=bool(self.grpo.beta))
+
     @property
     def data_batch_size(self) -> int:
         return self.batch_size // self.grpo.num_generations
@@ -348,3 +361,7 @@ class LoRAGRPOConfig(FullGRPOConfig):
         if self.ref_checkpoint_dir is not None:
             raise UserError(f"ref_checkpoint_dir={self.ref_checkpoint_dir}: the lora_grpo recipe's reference is its "
                             "base with the adapters off (checkpoint_dir); set ref_checkpoint_dir: null, or use grpo")
+
+    def rollout_step(self) -> Optional[RolloutStep]:
+        """``grpo``'s rollouts; the reference is the base with the adapters off, no second model."""
+        return dataclasses.replace(super().rollout_step(), reference=False)

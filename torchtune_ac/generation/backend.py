@@ -70,8 +70,9 @@ class NativeBackend:
                              "module")
 
 
-def check_generation_backend(name: str, device: torch.device) -> None:
-    """Refuse a backend this process cannot build, in one line naming the key (before any weight loads).
+def check_generation_backend(name: str, device: Optional[torch.device] = None) -> None:
+    """Refuse a backend this process cannot build, in one line naming the key (before any weight loads); without
+    ``device`` (a config read before the run's device is known) the device is not checked.
 
     Raises:
         UserError: ``name`` is unknown, or ``vllm`` (not installed, no CUDA, or not built here).
@@ -81,7 +82,7 @@ def check_generation_backend(name: str, device: torch.device) -> None:
     if name == "vllm":
         if importlib.util.find_spec("vllm") is None:
             raise UserError("generation.backend=vllm: vLLM is not installed (pip install vllm); use native")
-        if device.type != "cuda":
+        if device is not None and device.type != "cuda":
             raise UserError(f"generation.backend=vllm: needs a CUDA device (this run is on {device.type}); use native")
         raise UserError("generation.backend=vllm: colocated vLLM generation is not built in this version; use native")
 

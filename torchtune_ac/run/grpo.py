@@ -24,7 +24,7 @@ from torch import nn
 
 from torchtune_ac.data.batching import PROMPTS
 from torchtune_ac.errors import UserError
-from torchtune_ac.generation import generate
+from torchtune_ac.generation import build_generation_backend
 from torchtune_ac.lora.mechanism import adapters_off
 from torchtune_ac.models.families import family_of
 from torchtune_ac.run.assemble import build_reference
@@ -71,6 +71,10 @@ class GRPOLoop(TrainingLoop):
     def __init__(self, *args: Any, rollouts: Rollouts, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.rollouts = rollouts
+        # generation.backend (generation/backend.py): completions come from it, and it is given the policy's new
+        # weights after each step's optimizer steps.
+        self.backend = build_generation_backend(rollouts.generation.backend.value, self.training.model,
+                                                eos_ids=[self.tokenizer.eos_id], pad_id=self.tokenizer.pad_id)
 
     def step(self, micro_batches: Sequence[Batch]) -> StepResult:
         started = time.perf_counter()
@@ -84,8 +88,7 @@ class GRPOLoop(TrainingLoop):
             for batch in micro_batches:
                 rows = [t[:n].tolist() for t, n in zip(batch["tokens"].cpu(), batch["prompt_lengths"].tolist())]
                 repeated = [row for row in rows for _ in range(g)]  # a group's completions adjacent
-                out = generate(model, repeated, settings.generation.sampling(), eos_ids=[tokenizer.eos_id],
-                               pad_id=tokenizer.pad_id, generator=generator)
+                out = self.backend.generate(repeated, settings.generation.sampling(), generator=generator)
                 prompts.append(repeated)
                 indices.append([i for i in batch["index"].tolist() for _ in range(g)])
                 completions.append(out.tokens)
@@ -110,6 +113,7 @@ class GRPOLoop(TrainingLoop):
             batches.append(self.with_fixed_logps(move_batch(batch, ctx.device)))
             offset += size
         results = [super(GRPOLoop, self).step(batches) for _ in range(settings.grpo.num_iterations)]
+        self.backend.sync_weights(model)  # the next rollouts sample from the weights these steps made
         self.write_samples(prompts[0], completions[0], table, total[ctx.data_parallel_rank * n:], mine)
         extra = rollout_metrics(everything, total, advantages, names, g)
         extra["generation_share"] = generation_s / (time.perf_counter() - started)

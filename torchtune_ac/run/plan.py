@@ -36,6 +36,7 @@ from torchtune_ac.lora.weights import check_adapter_start
 from torchtune_ac.memory.feature import MemoryConfig, OptimizerSpec
 from torchtune_ac.memory.plan import MemoryPlan, PlannerInputs, resolve_memory_plan
 from torchtune_ac.memory.planner import MemoryEstimate, PreferenceStep, Workload
+from torchtune_ac.memory.planner.rollouts import RolloutStep
 from torchtune_ac.models.moe import moe_args_of
 from torchtune_ac.runtime.distributed import resolve_device
 from torchtune_ac.runtime.dtypes import DType
@@ -93,6 +94,9 @@ class RunConfig(Protocol):
 
     def preference_step(self) -> Optional[PreferenceStep]:
         """What the planner simulates instead of the token loss: a preference step (DPO), or None."""
+
+    def rollout_step(self) -> Optional[RolloutStep]:
+        """What the planner counts generated before each step: GRPO's rollouts, or None."""
 
 
 def resolve_length(cfg: RunConfig, parallelism: Parallelism, samples: Optional[int] = None,
@@ -289,7 +293,7 @@ def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.devic
                         # simulation cannot make on a CPU's kernels.
                         varlen=(bool(cfg.dataset.kwargs.get("packed", False))
                                 and planned_device(cfg.device).type == "cuda" and cfg.dtype is DType.BF16),
-                        preference=cfg.preference_step(),
+                        preference=cfg.preference_step(), rollouts=cfg.rollout_step(),
                         blas_workspaces=cublas_workspace_bytes(planned_device(cfg.device))[0],
                         compiled=cfg.compile, cuda=planned_device(cfg.device).type == "cuda")
     return PlannerInputs(

@@ -16,6 +16,7 @@ from torch import nn
 from torchtune_ac.config_key import config_key
 from torchtune_ac.errors import UserError
 from torchtune_ac.generation import SamplingConfig
+from torchtune_ac.generation.backend import check_generation_backend
 from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.training.rewards import RewardFunction
 
@@ -25,6 +26,7 @@ ROLLOUT_KEYWORDS = ("completions", "prompts", "completion_lengths", "max_new_tok
 
 class GenerationBackend(str, enum.Enum):
     NATIVE = "native"
+    VLLM = "vllm"  # refused where it cannot run (generation/backend.py)
 
 
 @dataclass(frozen=True)
@@ -43,7 +45,12 @@ class GenerationConfig:
         exclusive_minimum=0.0, maximum=1.0)
     top_k: int = config_key(0, doc="Sample from the k likeliest tokens; 0: all.", minimum=0)
     backend: GenerationBackend = config_key(
-        GenerationBackend.NATIVE, doc="native: the policy itself with a static KV cache, batched.")
+        GenerationBackend.NATIVE, doc="native: the policy itself with a static KV cache, batched. vllm: refused in "
+        "one line (colocated vLLM generation is not built in this version; without vLLM installed or a CUDA device "
+        "the refusal says so).")
+
+    def __post_init__(self) -> None:
+        check_generation_backend(self.backend.value)
 
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
