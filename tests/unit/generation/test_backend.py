@@ -40,3 +40,11 @@ def test_other_backends_are_refused_in_one_line(name, message):
     with pytest.raises(UserError, match=f"generation.backend=.*{message}") as refused:
         build_generation_backend(name, model, eos_ids=[3], pad_id=0)
     assert "\n" not in str(refused.value)
+
+
+def test_the_config_refuses_vllm_before_anything_is_built():
+    from torchtune_ac.training.rollouts import GenerationBackend, GenerationConfig
+
+    with pytest.raises(UserError, match="generation.backend=vllm: "):
+        GenerationConfig(backend=GenerationBackend.VLLM)
+    assert GenerationConfig().backend is GenerationBackend.NATIVE

@@ -61,3 +61,18 @@ def test_a_grpo_workload_counts_its_rollouts_and_reference(reference):
     assert after.reference == (after.parameters if reference else 0)
     assert after.total == after.parameters + after.optimizer + after.reference + max(before.step_peak, rollouts)
     assert after.step_peak == before.step_peak  # the loss pass is the simulated step, unchanged
+
+
+@pytest.mark.parametrize("overrides, schema, expected", [
+    ([], "FullGRPOConfig", RolloutStep(rows=64, prompt_len=12, max_new_tokens=4, reference=False)),
+    (["grpo.beta=0.04", "generation.max_new_tokens=6"], "FullGRPOConfig",
+     RolloutStep(rows=64, prompt_len=10, max_new_tokens=6, reference=True)),
+    (["grpo.beta=0.04"], "LoRAGRPOConfig", RolloutStep(rows=64, prompt_len=12, max_new_tokens=4, reference=False)),
+])
+def test_a_grpo_config_gives_the_planner_its_rollouts(overrides, schema, expected):
+    from torchtune_ac.config import load_config, schema as schemas
+    from torchtune_ac.config.validation import validate_config
+
+    cfg = validate_config(load_config("tiny/grpo", overrides), getattr(schemas, schema), source="tiny/grpo")
+    assert cfg.rollout_step() == expected
+    assert schemas.FullFinetuneConfig.rollout_step(cfg) is None  # fine-tuning has none
