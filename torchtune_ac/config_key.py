@@ -16,7 +16,8 @@ from typing import Any, Iterator
 
 # What ``config/validation.py`` reads from a field's metadata (see its docstring), and ``torchtune``: torchtune's
 # name for the key ("same" when it has the same name and meaning; ``tune migrate`` reads it).
-CHECKS = ("minimum", "maximum", "exclusive_minimum", "exclusive_maximum", "non_empty", "positional", "recipe_kwargs", "flatten", "torchtune")
+CHECKS = ("minimum", "maximum", "exclusive_minimum", "exclusive_maximum", "non_empty", "positional", "recipe_kwargs", "partial", "flatten",
+          "torchtune")
 
 
 def config_key(default: Any = MISSING, *, doc: str, default_factory: Any = MISSING, **checks: Any) -> Any:

@@ -80,7 +80,7 @@ class Recipe:
 
 
 RECIPES: tuple[Recipe, ...] = (Recipe("full_finetune"), Recipe("full_dpo"), Recipe("lora_finetune"),
-                               Recipe("lora_dpo"))
+                               Recipe("lora_dpo"), Recipe("grpo"), Recipe("lora_grpo"))
 
 
 def _shipped_dir(package: str, source_folder: str) -> Path:

@@ -234,13 +234,15 @@ class Component:
     def target(self) -> Callable[..., Any]:
         return import_component(self.path, self.key, self.extra_allowed)
 
-    def check_arguments(self, n_positional: int = 0, extra_kwargs: Sequence[str] = ()) -> list[str]:
+    def check_arguments(self, n_positional: int = 0, extra_kwargs: Sequence[str] = (), *,
+                        partial: bool = False) -> list[str]:
         """Problems with this node's keyword arguments, and those of nested components (nothing is called).
 
         Each name must be a parameter of the target, and each plain value (number, string, bool, null) must
         fit the parameter's annotation where there is one (``optimizer.lr='abc'`` is reported here, not
         after the model is built). ``n_positional`` positional arguments and ``extra_kwargs`` names are
-        supplied by the recipe at instantiation time; a config that also sets one of those names is reported.
+        supplied by the recipe at instantiation time; a config that also sets one of those names is reported. With
+        ``partial``, arguments may be left for the run to give (a reward function's dataset columns).
         """
         target = self.target()
         problems = [p for value in self.kwargs.values() for p in _nested_problems(value)]
@@ -272,7 +274,7 @@ class Component:
         placeholders = [object()] * n_positional
         supplied = {name: None for name in list(self.kwargs) + list(extra_kwargs) if accepts_any or name in names}
         try:
-            signature.bind(*placeholders, **supplied)
+            (signature.bind_partial if partial else signature.bind)(*placeholders, **supplied)
         except TypeError as err:
             if not problems:
                 problems.append(f"{self.key}: {self.path}: {err}")

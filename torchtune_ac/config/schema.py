@@ -13,6 +13,7 @@ Groups of keys are written beside the subsystem that uses them, and composed her
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import typing
 from dataclasses import dataclass
@@ -20,19 +21,22 @@ from typing import ClassVar, Mapping, Optional
 
 from torchtune_ac.config.components import Component
 from torchtune_ac.config_key import config_key
-from torchtune_ac.data.batching import PAIRS, SAMPLES, Batching
+from torchtune_ac.data.batching import PAIRS, PROMPTS, SAMPLES, Batching
 from torchtune_ac.errors import UserError
 from torchtune_ac.lora.config import AdapterConfig
 from torchtune_ac.memory.feature import MemoryConfig
 from torchtune_ac.memory.planner import PreferenceStep
+from torchtune_ac.memory.planner.rollouts import RolloutStep
 from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S
 from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.activation_checkpointing.config import ACConfig
 from torchtune_ac.training.dpo import DPOConfig, ReferenceMode
+from torchtune_ac.training.grpo import GRPOConfig
+from torchtune_ac.training.rollouts import ROLLOUT_KEYWORDS, GenerationConfig
 
-__all__ = ["Device", "DType", "FSDPConfig", "FullDPOConfig", "FullFinetuneConfig", "LoRADPOConfig",
-           "LoRAFinetuneConfig"]
+__all__ = ["Device", "DType", "FSDPConfig", "FullDPOConfig", "FullFinetuneConfig", "FullGRPOConfig", "LoRADPOConfig",
+           "LoRAFinetuneConfig", "LoRAGRPOConfig"]
 
 
 class Device(str, enum.Enum):
@@ -182,6 +186,20 @@ class FullFinetuneConfig:
         """What the planner simulates besides the token loss: nothing for fine-tuning."""
         return None
 
+    def rollout_step(self) -> Optional[RolloutStep]:
+        """What the planner counts generated before each step (GRPO's rollouts): nothing for fine-tuning."""
+        return None
+
+    @property
+    def data_batch_size(self) -> int:
+        """Samples the loader reads per process per micro-batch (GRPO's: prompts, each making several rows)."""
+        return self.batch_size
+
+    @property
+    def data_max_seq_len(self) -> Optional[int]:
+        """The length the dataset builder is given (GRPO's: the longest prompt)."""
+        return self.max_seq_len
+
 
 @dataclass(frozen=True)
 class FullDPOConfig(FullFinetuneConfig):
@@ -262,3 +280,92 @@ class LoRADPOConfig(FullDPOConfig):
         if self.dpo.reference is ReferenceMode.PRECOMPUTED:
             return PreferenceStep(resident_reference=False)
         return PreferenceStep(resident_reference=False, reference_is_policy=True)
+
+
+@dataclass(frozen=True)
+class FullGRPOConfig(FullFinetuneConfig):
+    """Config of the ``grpo`` recipe: ``full_finetune``'s keys (``batch_size`` counts completions), prompts, the
+    sampler, the rewards and the GRPO loss."""
+
+    dataset: Component = config_key(
+        doc="The prompts: torchtune_ac.data.prompt_dataset with its source (a prompt column, as text or a message "
+        "list, and the columns the rewards read, such as answer); prompts longer than max_seq_len minus "
+        "generation.max_new_tokens are dropped.", positional=1, recipe_kwargs=("max_seq_len",))
+    rewards: list[Component] = config_key(
+        default_factory=list, doc="The reward functions, summed with reward_weights: torchtune_ac.training.rewards.math_answer, "
+        "format_match (pattern), length_penalty, or a function of your own that the command allows "
+        "(--allow-component my_rewards). Each takes the completions' texts and, by keyword, prompts, "
+        "completion_lengths, max_new_tokens and every dataset column, and returns one float per completion.",
+        recipe_kwargs=ROLLOUT_KEYWORDS, partial=True)
+    reward_weights: Optional[list[float]] = config_key(
+        None, doc="One weight per reward function (TRL's reward_weights); null: 1.0 each.")
+    ref_checkpoint_dir: Optional[str] = config_key(
+        None, doc="The Hugging Face checkpoint of the reference model (read only when grpo.beta > 0); null: the "
+        "policy's starting weights.", non_empty=True)
+    grpo: GRPOConfig = config_key(doc="The GRPO loss (see its keys).", default_factory=GRPOConfig)
+    generation: GenerationConfig = config_key(doc="How completions are sampled (see its keys).",
+                                              default_factory=GenerationConfig)
+    samples_every_n_steps: int = config_key(
+        10, doc="Every N steps, a few completions with their prompts, rewards and advantages are appended to "
+        "output_dir/samples.jsonl.", minimum=1)
+    keys_of_other_recipes: ClassVar[Mapping[str, str]] = {"dpo": "full_dpo", "adapter": "lora_grpo"}
+
+    def __post_init__(self) -> None:
+        check_dataset_kinds(self, "grpo", PROMPTS, SAMPLES, "full_finetune")
+        g, new = self.grpo.num_generations, self.generation.max_new_tokens
+        if self.batch_size % g:
+            raise UserError(f"batch_size={self.batch_size}: must be a multiple of grpo.num_generations={g} (batch_size "
+                            "counts completions, and a prompt's group of completions stays on one process)")
+        if self.max_seq_len is None:
+            raise UserError("max_seq_len: required by GRPO (the longest prompt plus generation.max_new_tokens)")
+        if new >= self.max_seq_len:
+            raise UserError(f"generation.max_new_tokens={new}: must be less than max_seq_len={self.max_seq_len}, "
+                            "which holds the prompt and its completion")
+        if self.dataset_val is not None:
+            raise UserError("dataset_val: the grpo recipe has no validation loss; set dataset_val: null")
+        if self.tensor_parallel_dim > 1:
+            raise UserError(f"tensor_parallel_dim={self.tensor_parallel_dim}: the grpo recipe does not run under "
+                            "tensor parallelism (its log-probabilities need whole vocabulary rows); use 1")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.rewards):
+            raise UserError(f"reward_weights: {len(self.reward_weights)} weight(s) for {len(self.rewards)} reward "
+                            "function(s); give one each, or null for 1.0 each")
+        if not self.rewards:
+            raise UserError("rewards: give at least one reward function")
+
+    def rollout_step(self) -> Optional[RolloutStep]:
+        """The rollouts of a micro-batch: ``batch_size`` completions at the longest prompt (``max_seq_len`` minus
+        ``generation.max_new_tokens``) plus ``max_new_tokens``; a resident reference with ``grpo.beta``."""
+        new = self.generation.max_new_tokens
+        return RolloutStep(rows=self.batch_size, prompt_len=self.max_seq_len - new, max_new_tokens=new,
+                           reference=bool(self.grpo.beta))
+
+    @property
+    def data_batch_size(self) -> int:
+        return self.batch_size // self.grpo.num_generations
+
+    @property
+    def data_max_seq_len(self) -> Optional[int]:
+        return self.max_seq_len - self.generation.max_new_tokens
+
+    @property
+    def reference_checkpoint_dir(self) -> Optional[str]:
+        return self.ref_checkpoint_dir if self.ref_checkpoint_dir is not None else self.checkpoint_dir
+
+
+@dataclass(frozen=True)
+class LoRAGRPOConfig(FullGRPOConfig):
+    """Config of the ``lora_grpo`` recipe: ``grpo``'s keys and the adapters; the reference is the base with the
+    adapters off (no second model)."""
+
+    adapter: AdapterConfig = config_key(doc=ADAPTER_DOC, default_factory=AdapterConfig)
+    keys_of_other_recipes: ClassVar[Mapping[str, str]] = {"dpo": "lora_dpo"}
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.ref_checkpoint_dir is not None:
+            raise UserError(f"ref_checkpoint_dir={self.ref_checkpoint_dir}: the lora_grpo recipe's reference is its "
+                            "base with the adapters off (checkpoint_dir); set ref_checkpoint_dir: null, or use grpo")
+
+    def rollout_step(self) -> Optional[RolloutStep]:
+        """``grpo``'s rollouts; the reference is the base with the adapters off, no second model."""
+        return dataclasses.replace(super().rollout_step(), reference=False)

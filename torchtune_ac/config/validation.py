@@ -143,7 +143,9 @@ class _Checker:
             if not isinstance(value, list):
                 return self.fail(f"{key}={_show(value)}: expected {_type_name(tp)}")
             (item_tp,) = typing.get_args(tp)
-            items = [self.check(v, item_tp, f"{key}[{i}]", {}) for i, v in enumerate(value)]
+            # A list of components (GRPO's rewards) checks each item as the field says; other items have no checks.
+            item_meta = meta if item_tp is Component else {}
+            items = [self.check(v, item_tp, f"{key}[{i}]", item_meta) for i, v in enumerate(value)]
             return items if _MISSING not in items else _MISSING
         if origin is dict:
             if not isinstance(value, Mapping):
@@ -191,7 +193,8 @@ class _Checker:
             return self.fail(f"{key}={_show(value)}: expected a mapping with _component_")
         try:
             component = parse_component(value, key, self.extra_allowed)
-            problems = component.check_arguments(meta.get("positional", 0), meta.get("recipe_kwargs", ()))
+            problems = component.check_arguments(meta.get("positional", 0), meta.get("recipe_kwargs", ()),
+                                                 partial=meta.get("partial", False))
         except UserError as err:
             return self.fail(str(err))
         if problems:

@@ -17,6 +17,7 @@ from torchtune_ac.data.preference import (
     collate_preference_batch,
     preference_dataset,
 )
+from torchtune_ac.data.prompts import PromptDataset, prompt_dataset
 from torchtune_ac.data.sampler import ShardedBatchSampler, ShardedDataLoader, build_dataloader
 from torchtune_ac.data.samples import IGNORE_INDEX, TokenizedDataset, build_sample
 from torchtune_ac.data.tokenizer import Tokenizer, load_tokenizer
@@ -28,6 +29,7 @@ __all__ = [
     "EMBEDDED_TOKENIZER_DIR",
     "IGNORE_INDEX",
     "PreferenceDataset",
+    "PromptDataset",
     "ShardedBatchSampler",
     "ShardedDataLoader",
     "TokenizedDataset",
@@ -43,6 +45,7 @@ __all__ = [
     "load_tokenizer",
     "pack_samples",
     "preference_dataset",
+    "prompt_dataset",
     "text_dataset",
     "uses_chat_template",
 ]

@@ -1,4 +1,4 @@
-"""What a recipe trains on, as one value each (``SAMPLES``, ``PAIRS``): the type its dataset builders return, what
+"""What a recipe trains on, as one value each (``SAMPLES``, ``PAIRS``, ``PROMPTS``): the type its dataset builders return, what
 such data is called and which builders make it (the schema refuses another recipe's builder by its annotation),
 how its samples become batches, and the keys a sample holds (a builder without an annotation is checked on its
 first sample, ``check_kind``)."""
@@ -11,6 +11,7 @@ from typing import Any, Callable
 import torch
 
 from torchtune_ac.data.collate import collate_batch
+from torchtune_ac.data.prompts import PromptDataset, blank_prompt, collate_prompts
 from torchtune_ac.data.preference import PreferenceDataset, blank_preference_sample, collate_preference_batch
 from torchtune_ac.data.sampler import blank_sample
 from torchtune_ac.data.samples import TokenizedDataset
@@ -63,3 +64,6 @@ PAIRS = Batching(PreferenceDataset, "preference pairs", "torchtune_ac.data.prefe
                  keys=(("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels"),
                        ("tokens", "labels", "pairs")),
                  not_keys=())
+# Prompts and their dataset index (GRPO: the completions are the recipe's to make).
+PROMPTS = Batching(PromptDataset, "prompts", "torchtune_ac.data.prompt_dataset", collate_prompts, blank_prompt,
+                   keys=(("prompt", "index"),), not_keys=("pairs", "labels"))

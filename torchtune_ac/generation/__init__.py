@@ -1,7 +1,9 @@
-"""Generation: a static KV cache, sampling (temperature, top-k, top-p), stopping at end-of-sequence, batched; used by
-the GRPO recipe's rollouts."""
+"""Generation: a static KV cache, sampling (temperature, top-k, top-p), stopping at end-of-sequence, batched; and the
+backends the GRPO recipe's rollouts go through (``backend.py``)."""
 
-from torchtune_ac.generation.decode import SamplingConfig, generate
+from torchtune_ac.generation.backend import GenerationBackend, NativeBackend, build_generation_backend
+from torchtune_ac.generation.decode import Completions, SamplingConfig, generate
 from torchtune_ac.generation.kv_cache import KVCache
 
-__all__ = ["KVCache", "SamplingConfig", "generate"]
+__all__ = ["Completions", "GenerationBackend", "KVCache", "NativeBackend", "SamplingConfig", "build_generation_backend",
+           "generate"]

@@ -8,11 +8,12 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.generation.kv_cache import DecodeState, KVCache
-from torchtune_ac.models.llama import Attention
+from torchtune_ac.models.llama import Attention, OutputProjection
 
 
 @dataclass(frozen=True)
@@ -57,33 +58,68 @@ def sample_next(logits: torch.Tensor, config: SamplingConfig, generator: Optiona
 def kv_caches(model: nn.Module, state: DecodeState) -> Iterator[None]:
     """Each attention layer of ``model`` holds a ``KVCache`` over ``state`` inside the block; none after."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
-    unsupported = [m for m in layers if m.window is not None or m.softcap is not None]
-    if not layers or unsupported:
-        raise UserError("generation: the KV cache covers full causal attention without soft-capped scores; this "
-                        "model has sliding-window or soft-capped attention layers (or none it knows)")
+    if not layers:
+        raise UserError("generation: the model has no attention layers the KV cache knows (a Llama-style decoder)")
     dtype = next(model.parameters()).dtype
     try:
         for m in layers:
-            m.kv_cache = KVCache(state, m.k_proj.out_features // m.head_dim, m.head_dim, dtype)
+            m.kv_cache = KVCache(state, m, dtype)
         yield
     finally:
         for m in layers:
             m.kv_cache = None
 
 
+def _last_position_logits(x: torch.Tensor, weight: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
+    """The output projection of the last position only (``x`` ``[b, s, dim]``): a prompt batch's forward never
+    holds ``[b, s, vocab]`` logits. Computed as ``OutputProjection`` computes them."""
+    logits = F.linear(x[:, -1], weight)  # [b, vocab]
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
+
+
+def _decode_step(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """The last position's logits ``[b, vocab]`` of one forward over the cache."""
+    if type(getattr(model, "output", None)) is OutputProjection:
+        return model(tokens, positions=positions, head=_last_position_logits)
+    return model(tokens, positions=positions)[:, -1]  # an adapted output layer takes no head
+
+
+_COMPILED_DECODE_STEP = None
+
+
+def _compiled_decode_step():
+    """``_decode_step`` compiled once per process with static shapes (every step of a generation has the same)."""
+    global _COMPILED_DECODE_STEP
+    if _COMPILED_DECODE_STEP is None:
+        _COMPILED_DECODE_STEP = torch.compile(_decode_step, dynamic=False)
+    return _COMPILED_DECODE_STEP
+
+
 @torch.no_grad()
 def generate(model: nn.Module, prompts: Sequence[Sequence[int]], config: SamplingConfig, *,
-             eos_ids: Sequence[int], pad_id: int, generator: Optional[torch.Generator] = None) -> Completions:
+             eos_ids: Sequence[int], pad_id: int, generator: Optional[torch.Generator] = None,
+             check_every: int = 8, compile_decode: bool = False) -> Completions:
     """Complete every prompt (see the module docstring).
 
     Args:
-        model: a ``Llama``-style decoder (``forward(tokens, positions=...)``).
+        model: a ``Llama``-style decoder (``forward(tokens, positions=...)``); full, sliding-window, soft-capped
+            attention and attention sinks.
         prompts: token ids, of any lengths.
         config: sampling and length.
         eos_ids: the tokens that end a completion.
         pad_id: what fills a finished row (never read as input to a live row).
         generator: the sampler's random numbers (seeded by the caller: the run's step and rank).
+        check_every: the decode loop reads back whether every row has finished once per this many tokens (each
+            read is a host synchronisation on a GPU); rows that finish in between only emit ``pad_id``.
+        compile_decode: run the one-token decode step through ``torch.compile`` (static shapes: it compiles once
+            per batch shape and model, then never recompiles within a generation).
+
+    Returns:
+        ``Completions``: the results are the same for every ``check_every`` and with or without ``compile_decode``
+        (compiled kernels may round differently, which can change a sampled or tied token).
     """
+    if check_every < 1:
+        raise ValueError(f"check_every={check_every}: must be at least 1")
     device = next(model.parameters()).device
     b, width = len(prompts), max(len(p) for p in prompts)
     total = width + config.max_new_tokens
@@ -95,25 +131,32 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], config: Samplin
     valid[:, width:] = True
     positions = (valid.long().cumsum(dim=-1) - 1).clamp(min=0)  # [b, total]: a prompt's first token at 0
     eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
-    state = DecodeState(valid)
+    windows = [m.window for m in model.modules() if isinstance(m, Attention)]
+    state = DecodeState(valid, windows)
+    step_fn = _compiled_decode_step() if compile_decode else _decode_step
     out = torch.full((b, config.max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     steps = 0
     with kv_caches(model, state):
-        logits = model(tokens, positions=positions[:, :width])[:, -1]  # [b, vocab]
-        state.offset = width
+        state.point(torch.arange(width, device=device))
+        logits = _decode_step(model, tokens, positions[:, :width])  # [b, vocab]
+        slot = torch.full((1,), width, dtype=torch.long, device=device)
+        position = positions[:, width - 1:width] + 1  # [b, 1]
         for step in range(config.max_new_tokens):
             next_tokens = torch.where(done, pad_id, sample_next(logits, config, generator))
             out[:, step] = next_tokens
             steps = step + 1
             done |= torch.isin(next_tokens, eos)
-            if bool(done.all()) or step + 1 == config.max_new_tokens:
+            if step + 1 == config.max_new_tokens or ((step + 1) % check_every == 0 and bool(done.all())):
                 break
-            logits = model(next_tokens[:, None], positions=positions[:, width + step:width + step + 1])[:, -1]
-            state.offset += 1
+            state.point(slot)
+            logits = step_fn(model, next_tokens[:, None], position)
+            slot += 1
+            position = position + 1
     rows, truncated = [], []
+    stops = set(eos_ids)
     for row in out[:, :steps].tolist():
-        ends = [i for i, t in enumerate(row) if t in set(eos_ids)]
+        ends = [i for i, t in enumerate(row) if t in stops]
         rows.append(row[:ends[0] + 1] if ends else row)
         truncated.append(not ends)
     return Completions(rows, truncated)

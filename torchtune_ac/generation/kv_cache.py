@@ -1,48 +1,104 @@
-"""A static KV cache: each attention layer's keys and values for a batch's prompt and completion, written in place
-as decoding advances, read with a mask of the keys each query may see (not padding, not later positions)."""
+"""A static KV cache: each attention layer's keys and values for a batch's prompt and completion, allocated once for
+the whole generation, written in place at the slots the forward covers and read whole with a mask of the keys each
+query may see (not padding, not later slots, within the layer's sliding window). Every decode step has the same
+shapes, so a compiled step never recompiles and nothing is read back to the host.
+
+Scores that no SDPA kernel takes (Gemma 2's soft cap, gpt-oss's attention sinks) are computed explicitly, as
+``models/attention.py``'s ``_explicit_attention`` computes them over a whole sequence."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import Iterable, Optional
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
-@dataclass
 class DecodeState:
-    """What every layer's cache shares: where the next tokens are written, and which positions hold a token.
+    """What every layer's cache shares: which slots hold a token, the slots the next forward writes, and the masks
+    of the keys its queries see, one per sliding window in the model (None: full causal attention).
 
-    Attributes:
+    Args:
         valid: ``[b, total]`` bool, False on the prompts' left padding.
-        offset: the first position the next forward writes.
+        windows: the attention windows of the model's layers.
     """
 
-    valid: torch.Tensor
-    offset: int = 0
+    def __init__(self, valid: torch.Tensor, windows: Iterable[Optional[int]]) -> None:
+        self.valid = valid
+        self.windows = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
+        self.index: Optional[torch.Tensor] = None
+        self.masks: dict[Optional[int], torch.Tensor] = {}
+
+    def point(self, index: torch.Tensor) -> None:
+        """The next forward writes slots ``index`` ``[s]`` (on the device). With the same ``s`` as the last call the
+        tensors are updated in place, so a compiled step sees the same inputs every time."""
+        key = torch.arange(self.valid.shape[1], device=index.device)
+        behind = index[:, None] - key[None, :]  # [s, total]: query slot - key slot
+        same_shape = self.index is not None and self.index.shape == index.shape
+        for window in self.windows:
+            allowed = behind >= 0 if window is None else (behind >= 0) & (behind < window)
+            # A query always sees itself, so a padding query's row is never empty (its output is never used).
+            mask = ((allowed[None] & self.valid[:, None, :]) | (behind == 0)[None])[:, None]  # [b, 1, s, total]
+            if same_shape:
+                self.masks[window].copy_(mask)
+            else:
+                self.masks[window] = mask
+        if same_shape:
+            self.index.copy_(index)
+        else:
+            self.index = index.clone()
 
 
 class KVCache:
-    """One attention layer's keys and values ``[b, n_kv, total, hd]``, allocated once for the whole generation."""
+    """One attention layer's keys and values ``[b, n_kv, total, hd]``.
 
-    def __init__(self, state: DecodeState, n_kv_heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    Args:
+        state: the generation's shared state.
+        attention: the layer (its window, soft cap and sinks are read from it).
+        dtype: the cache's dtype (the model's).
+    """
+
+    def __init__(self, state: DecodeState, attention: nn.Module, dtype: torch.dtype) -> None:
         b, total = state.valid.shape
         self.state = state
-        self.k = torch.zeros(b, n_kv_heads, total, head_dim, dtype=dtype, device=state.valid.device)
+        self.attention = attention
+        n_kv = attention.k_proj.out_features // attention.head_dim
+        self.k = torch.zeros(b, n_kv, total, attention.head_dim, dtype=dtype, device=state.valid.device)
         self.v = torch.zeros_like(self.k)
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale) -> torch.Tensor:
-        """Write ``k``, ``v`` ``[b, n_kv, s, hd]`` at the state's offset and attend ``q`` ``[b, n_heads, s, hd]`` to
-        every key so far; returns ``[b, s, n_heads, hd]``."""
-        start, s = self.state.offset, q.shape[2]
-        end = start + s
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        key = torch.arange(end, device=q.device)
-        query = torch.arange(start, end, device=q.device)
-        causal = key[None, :] <= query[:, None]  # [s, end]
-        # A query always sees itself, so a padding query's row is never empty (its output is never used).
-        mask = (causal & self.state.valid[:, None, :end]) | (key[None, :] == query[:, None])  # [b, s, end]
-        out = F.scaled_dot_product_attention(q, self.k[:, :, :end], self.v[:, :, :end], attn_mask=mask[:, None],
-                                             scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float]) -> torch.Tensor:
+        """Write ``k``, ``v`` ``[b, n_kv, s, hd]`` at the state's slots and attend ``q`` ``[b, n_heads, s, hd]`` to
+        the keys its mask allows; returns ``[b, s, n_heads, hd]``."""
+        self.k.index_copy_(2, self.state.index, k.to(self.k.dtype))
+        self.v.index_copy_(2, self.state.index, v.to(self.v.dtype))
+        mask = self.state.masks[self.attention.window]
+        softcap, sinks = self.attention.softcap, self.attention.sinks
+        if softcap is None and sinks is None:
+            out = F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, scale=scale,
+                                                 enable_gqa=q.shape[1] != self.k.shape[1])
+        else:
+            out = _explicit_scores_attention(q, self.k, self.v, mask, scale=scale, softcap=softcap, sinks=sinks)
         return out.transpose(1, 2)
+
+
+def _explicit_scores_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
+                               scale: Optional[float], softcap: Optional[float],
+                               sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Scale, cap ``C * tanh(score / C)``, mask ``[b, 1, s, total]``, each head's sink logit joined to its row, a
+    float32 softmax, then the values; ``[b, n_heads, s, hd]``. Grouped K/V are read in place, never copied."""
+    b, n_heads, s, hd = q.shape
+    n_kv, total = k.shape[1], k.shape[2]
+    group = n_heads // n_kv  # query head h reads K/V head h // group
+    scores = torch.matmul(q.reshape(b, n_kv, group * s, hd), k.transpose(-1, -2))  # [b, n_kv, group * s, total]
+    scores = scores.view(b, n_kv, group, s, total) * (hd**-0.5 if scale is None else scale)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask[:, :, None], float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    else:
+        sink = sinks.to(scores.dtype).view(1, n_kv, group, 1, 1).expand(b, n_kv, group, s, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=torch.float32)[..., :-1].to(q.dtype)
+    out = torch.matmul(probs.reshape(b, n_kv, group * s, total), v)  # [b, n_kv, group * s, hd]
+    return out.view(b, n_heads, s, hd)

@@ -114,7 +114,9 @@ class MemoryTable:
         fits = "  fits" if self.budget_gib is not None else ""
         # A DPO step's resident reference model: a column of its own, only when there is one.
         reference = any(e.reference for e in self.estimates)
+        rollouts = any(e.rollouts for e in self.estimates)  # a GRPO step's generation: a column when there is one
         header = (f"{'setting':<17} {'activations':>11} {'parameters':>10} " + (f"{'reference':>9} " if reference else "")
+                  + (f"{'rollouts':>9} " if rollouts else "")
                   + f"{'gradients':>9} {'optimizer':>9} "
                   f"{'transient':>9} {'step':>7} {'process':>7} {'device':>7} {'host':>7} {'recompute':>9} "
                   f"{'saved/fwd':>9}{fits}")
@@ -126,6 +128,7 @@ class MemoryTable:
                 out.append(f"{describe_setting(e.plan):<17} not applicable: {reason}")
                 continue
             reference_cell = f"{e.reference / scale:>9.2f} " if reference else ""
+            reference_cell += f"{e.rollouts / scale:>9.2f} " if rollouts else ""
             row = (f"{describe_setting(e.plan):<17} {e.activations / scale:>11.2f} {e.parameters / scale:>10.2f} "
                    f"{reference_cell}{e.gradients / scale:>9.2f} {e.optimizer / scale:>9.2f} {e.transient / scale:>9.2f} "
                    f"{e.total / scale:>7.2f} {e.fixed / scale:>7.2f} {e.device / scale:>7.2f} {e.host / scale:>7.2f} "
@@ -140,9 +143,15 @@ class MemoryTable:
                 out.append(f"or split each layer over the GPUs of a node: tensor_parallel_dim={self.suggested_tp} "
                            "divides parameters, gradients and optimizer state by it once more and the activations of "
                            f"the split layers by it (tune plan ... tensor_parallel_dim={self.suggested_tp})")
-        if reference:
+        if reference and not rollouts:
             out.append("reference: the DPO reference model's parameters, resident and sharded as the policy's "
                        "(dpo.reference: precomputed frees it)")
+        if rollouts:
+            out.append("rollouts: the generation before each step (the KV cache of every completion at the longest "
+                       "prompt plus generation.max_new_tokens, the decode's logits, the prompts' forward); the step "
+                       "holds the larger of it and gradients + activations + transient"
+                       + ("; reference: the GRPO reference model (grpo.beta > 0), resident and sharded as the policy's"
+                          if reference else ""))
         out.append("activations: saved for backward and alive at the peak"
                    + (" (a compiled block without AC saves what inductor's partitioner keeps, fewer than eager)"
                       if self.compiled else "") + "; transient: backward temporaries, a block's "

@@ -108,10 +108,10 @@ def build_data(cfg: RunConfig, tokenizer: Any, ctx: DistributedContext, *,
     asynchronous; padded as ``batch_padding`` says; made as ``batching`` says: samples, or a recipe's own, such as
     preference pairs), and what identifies the data (its files hashed once, the ranks sharing the reading). How many
     steps it makes is the plan's (``RunPlan.with_data``)."""
-    dataset = cfg.dataset.instantiate(tokenizer, max_seq_len=cfg.max_seq_len)
+    dataset = cfg.dataset.instantiate(tokenizer, max_seq_len=cfg.data_max_seq_len)
     batching.check_kind(dataset, "dataset", cfg.dataset.path)
     # Each tensor-parallel group reads one share of the global batch, the same on each of its ranks.
-    loader = build_dataloader(dataset, batch_size=cfg.batch_size, rank=ctx.data_parallel_rank,
+    loader = build_dataloader(dataset, batch_size=cfg.data_batch_size, rank=ctx.data_parallel_rank,
                               world_size=ctx.data_parallel_size,
                               shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id, collate=batching.collate,
                               **batch_padding(cfg, ctx.parallelism), pin_memory=ctx.device.type == "cuda",

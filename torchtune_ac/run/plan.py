@@ -37,6 +37,7 @@ from torchtune_ac.lora.weights import check_adapter_start
 from torchtune_ac.memory.feature import MemoryConfig, OptimizerSpec
 from torchtune_ac.memory.plan import MemoryPlan, PlannerInputs, resolve_memory_plan
 from torchtune_ac.memory.planner import MemoryEstimate, PreferenceStep, Workload
+from torchtune_ac.memory.planner.rollouts import RolloutStep
 from torchtune_ac.models.moe import moe_args_of
 from torchtune_ac.runtime.distributed import resolve_device
 from torchtune_ac.runtime.dtypes import DType
@@ -68,6 +69,8 @@ class RunConfig(Protocol):
     run_val_every_n_steps: Optional[int]
     batch_size_val: Optional[int]
     batch_size: int
+    data_batch_size: int  # samples the loader reads per micro-batch (GRPO: prompts, batch_size / num_generations)
+    data_max_seq_len: Optional[int]
     epochs: int
     max_steps_per_epoch: Optional[int]
     gradient_accumulation_steps: int
@@ -93,6 +96,9 @@ class RunConfig(Protocol):
     def preference_step(self) -> Optional[PreferenceStep]:
         """What the planner simulates instead of the token loss: a preference step (DPO), or None."""
 
+    def rollout_step(self) -> Optional[RolloutStep]:
+        """What the planner counts generated before each step: GRPO's rollouts, or None."""
+
 
 def resolve_length(cfg: RunConfig, parallelism: Parallelism, samples: Optional[int] = None,
                    batches_per_epoch: Optional[int] = None) -> RunLength:
@@ -102,7 +108,7 @@ def resolve_length(cfg: RunConfig, parallelism: Parallelism, samples: Optional[i
     Raises:
         UserError: the dataset has fewer batches per process than one optimizer step needs.
     """
-    length = RunLength(parallelism, cfg.batch_size, cfg.gradient_accumulation_steps, cfg.epochs,
+    length = RunLength(parallelism, cfg.data_batch_size, cfg.gradient_accumulation_steps, cfg.epochs,
                        cfg.max_steps_per_epoch)
     return length if batches_per_epoch is None else length.counted(samples, batches_per_epoch)
 
@@ -288,7 +294,7 @@ def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.devic
                         # simulation cannot make on a CPU's kernels.
                         varlen=(bool(cfg.dataset.kwargs.get("packed", False))
                                 and planned_device(cfg.device).type == "cuda" and cfg.dtype is DType.BF16),
-                        preference=cfg.preference_step(),
+                        preference=cfg.preference_step(), rollouts=cfg.rollout_step(),
                         blas_workspaces=cublas_workspace_bytes(planned_device(cfg.device))[0],
                         compiled=cfg.compile, cuda=planned_device(cfg.device).type == "cuda")
     return PlannerInputs(

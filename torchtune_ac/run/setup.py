@@ -67,10 +67,13 @@ class SetupParts:
 
 
 MakeObjective = Callable[[SetupParts], Objective]
+# A recipe's own loop (GRPO's, whose step is a rollout), called as ``TrainingLoop`` is.
+MakeLoop = Callable[..., TrainingLoop]
 
 
 def setup_training(run: Run, *, batching: Batching = SAMPLES,
-                   make_objective: Optional[MakeObjective] = None) -> TrainingLoop:
+                   make_objective: Optional[MakeObjective] = None,
+                   make_loop: MakeLoop = TrainingLoop) -> TrainingLoop:
     """Set up ``run`` in the one order (see the module docstring), up to the loop, ready to train.
 
     Args:
@@ -78,6 +81,7 @@ def setup_training(run: Run, *, batching: Batching = SAMPLES,
         batching: how the recipe's samples become batches.
         make_objective: the recipe's objective, made from the parts set up so far, before the model it trains is
             assembled; None: the memory plan's (the next-token loss, chunked or whole).
+        make_loop: the loop (``TrainingLoop``, or a recipe's own made the same way: GRPO's).
 
     Raises:
         UserError: on every rank, what the plan, the data or the checkpoint refused.
@@ -111,16 +115,16 @@ def setup_training(run: Run, *, batching: Batching = SAMPLES,
     tokenizer_dir = Path(tokenizer.path).parent  # its files go into every checkpoint
     check_disk_space(plan, ctx, estimate_checkpoint_size(cfg, training.model, tokenizer_dir),
                      plan.save.saves(run.progress.step, plan.length))
-    trainer = TrainingLoop(run, plan, training, data, tokenizer=tokenizer, validation=validation)
+    trainer = make_loop(run, plan, training, data, tokenizer=tokenizer, validation=validation)
     trainer.open_metrics()
     return trainer
 
 
 def run_recipe(cfg: RunConfig, *, batching: Batching = SAMPLES,
-               make_objective: Optional[MakeObjective] = None) -> None:
+               make_objective: Optional[MakeObjective] = None, make_loop: MakeLoop = TrainingLoop) -> None:
     """Run a recipe from its config: open the run, set it up (``setup_training``), train; cleanup always runs
     (after a success, every rank shuts down together)."""
     with open_run(cfg) as run:
-        trainer = setup_training(run, batching=batching, make_objective=make_objective)
+        trainer = setup_training(run, batching=batching, make_objective=make_objective, make_loop=make_loop)
         with logging_redirect_tqdm():
             trainer.train()

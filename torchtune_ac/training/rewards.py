@@ -15,6 +15,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+from torchtune_ac.component_marker import config_component
 from torchtune_ac.errors import UserError
 
 RewardFunction = Callable[..., Sequence[float]]
@@ -33,6 +34,7 @@ def final_number(text: str) -> float | None:
     return float(found[-1].replace(",", "")) if found else None
 
 
+@config_component
 def math_answer(completions: Sequence[str], answer: Sequence[str], **_: Any) -> list[float]:
     """1.0 where the completion's final answer equals the dataset's ``answer``, else 0.0."""
     try:
@@ -49,12 +51,14 @@ def math_answer(completions: Sequence[str], answer: Sequence[str], **_: Any) -> 
     return scores
 
 
+@config_component
 def format_match(completions: Sequence[str], *, pattern: str, **_: Any) -> list[float]:
     """1.0 where the whole completion matches ``pattern`` (a regex, dot matching newlines), else 0.0."""
     regex = re.compile(pattern, re.DOTALL)
     return [float(regex.fullmatch(c.strip()) is not None) for c in completions]
 
 
+@config_component
 def length_penalty(completions: Sequence[str], completion_lengths: Sequence[int], *, max_new_tokens: int,
                    **_: Any) -> list[float]:
     """``-length / max_new_tokens`` per completion: 0 for an empty one, -1 for one that used every token."""

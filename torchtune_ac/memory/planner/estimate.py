@@ -24,6 +24,7 @@ from torchtune_ac.memory.planner.workload import (
     candidate_plans,
     _plan,
 )
+from torchtune_ac.memory.planner.rollouts import model_shape, rollout_memory
 from torchtune_ac.memory.planner.simulation import (
     _Simulation,
     _simulate,
@@ -237,4 +238,23 @@ def _estimate_plan(build_model, make_optimizer, plan: ACPlan, workload: Workload
         return cache[key]
 
     first, second = _depths(plan)
-    return _estimate(plan, simulate(first if second else None), simulate(second) if second else None, workload)
+    estimate = _estimate(plan, simulate(first if second else None), simulate(second) if second else None, workload)
+    return estimate if workload.rollouts is None else _with_rollouts(estimate, build_model, workload)
+
+
+def _with_rollouts(estimate: MemoryEstimate, build_model: Callable[[], nn.Module],
+                   workload: Workload) -> MemoryEstimate:
+    """A GRPO step's estimate: the rollouts' tensors (``rollouts.py``), and the resident reference, the policy's
+    parameters again (host memory with CPU offload)."""
+    with FakeTensorMode():
+        shape = model_shape(build_model())
+    memory = rollout_memory(workload.rollouts, shape, workload.dtype.torch, workload.parallelism.tensor)
+    reference, host_parts = estimate.reference, dict(estimate.host_parts)
+    if workload.rollouts.reference:
+        if workload.settings.cpu_offload:
+            host_parts["reference"] = host_parts.get("reference", 0) + estimate.parameters
+        else:
+            reference += estimate.parameters
+    return dataclasses.replace(estimate, rollouts=memory.total, reference=reference, host_parts=host_parts,
+                               host=sum(host_parts.values()),
+                               peak_phase="generation" if memory.total > estimate.step_peak else estimate.peak_phase)

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional, Union
 from torchtune_ac.memory.feature import Feature
 from torchtune_ac.memory.features import STEP_FEATURES, MemorySettings
 from torchtune_ac.parallel.fsdp import FSDPConfig
+from torchtune_ac.memory.planner.rollouts import RolloutStep
 from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.runtime.dtypes import DType
 from torchtune_ac.activation_checkpointing.mechanism import (
@@ -94,6 +95,8 @@ class Workload:
     cuda: bool = False
     # Under expert parallelism: the rows this process's experts receive, as a multiple of a balanced router's.
     routed_rows_margin: float = ROUTED_ROWS_MARGIN
+    # A GRPO step: the rollouts generated before it (``rollouts.py``); the step itself is the loss pass over them.
+    rollouts: Optional[RolloutStep] = None
 
     @property
     def rows(self) -> int:
@@ -146,11 +149,13 @@ class MemoryEstimate:
     host_parts: Mapping[str, int] = field(default_factory=dict)  # ``host`` by category
     fixed: int = 0  # the process's own cost on the device, before any tensor of the step (see ``device``)
     reference: int = 0  # a resident reference model's parameters (DPO, ``PreferenceStep``), sharded as the policy's
+    rollouts: int = 0  # a GRPO step's generation (``rollouts.py``), alive before the step's gradients and activations
 
     @property
     def total(self) -> int:
-        """The step's tensors at its peak: the five parts, and a resident reference model."""
-        return self.parameters + self.optimizer + self.gradients + self.activations + self.transient + self.reference
+        """The step's tensors at its peak: the parameters, the optimizer state, a resident reference model, and the
+        larger of the step's own tensors (gradients, activations, transient) and a GRPO step's rollouts."""
+        return self.parameters + self.optimizer + self.reference + max(self.step_peak, self.rollouts)
 
     @property
     def device(self) -> int:

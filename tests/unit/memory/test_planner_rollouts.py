@@ -1,0 +1,78 @@
+"""The planner's rollouts (``memory/planner/rollouts.py``): byte counts from shapes, the KV cache equal to what
+generation allocates, and a GRPO workload's estimate: its rollouts, its resident reference, and a peak that is the
+larger of the rollouts and the step."""
+
+import dataclasses
+
+import pytest
+import torch
+from models_testlib import TINY, build_random_llama
+
+from torchtune_ac.generation.decode import kv_caches
+from torchtune_ac.generation.kv_cache import DecodeState
+from torchtune_ac.memory.planner import Workload, estimate_memory
+from torchtune_ac.memory.planner.rollouts import ModelShape, RolloutStep, model_shape, rollout_memory
+from torchtune_ac.models.llama import Llama
+
+# Qwen3-0.6B's shape: 28 layers, 16 heads, 8 KV heads of 128, dim 1024, MLP 3072, vocabulary 151,936.
+QWEN3_06B = ModelShape(n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, dim=1024, intermediate_dim=3072,
+                       vocab_size=151_936)
+
+
+@pytest.mark.parametrize("step, dtype, tp, kv_cache, logits, prefill", [
+    # 16 completions of a 256-token prompt + 512 new in bf16: 28 x 2 x 16 x 8 x 768 x 128 x 2 bytes.
+    (RolloutStep(rows=16, prompt_len=256, max_new_tokens=512), torch.bfloat16, 1,
+     28 * 2 * 16 * 8 * 768 * 128 * 2, 16 * 151_936 * (2 + 20 + 8),
+     max(3 * 16 * 256 * 3072 * 2, 16 * 16 * 256 * 768 * 2) + 16 * 256 * 768),
+    # fp32, heads and MLP split over 2 tensor-parallel ranks.
+    (RolloutStep(rows=8, prompt_len=32, max_new_tokens=32), torch.float32, 2,
+     28 * 2 * 8 * 4 * 64 * 128 * 4, 8 * 151_936 * (4 + 20 + 8),
+     max(3 * 8 * 32 * 1536 * 4, 8 * 8 * 32 * 64 * 4) + 8 * 32 * 64),
+])
+def test_rollout_bytes_from_shapes(step, dtype, tp, kv_cache, logits, prefill):
+    memory = rollout_memory(step, QWEN3_06B, dtype, tensor_parallel=tp)
+    assert (memory.kv_cache, memory.logits, memory.prefill) == (kv_cache, logits, prefill)
+    assert memory.total == kv_cache + logits + prefill
+
+
+def test_the_kv_cache_counted_is_what_generation_allocates():
+    model = build_random_llama(dataclasses.replace(TINY, n_kv_heads=1), seed=0)
+    step = RolloutStep(rows=6, prompt_len=5, max_new_tokens=7)
+    state = DecodeState(torch.ones(step.rows, step.length, dtype=torch.bool), [None])
+    with kv_caches(model, state):
+        allocated = sum(m.kv_cache.k.nbytes + m.kv_cache.v.nbytes for m in model.modules() if hasattr(m, "kv_cache")
+                        and m.kv_cache is not None)
+    assert rollout_memory(step, model_shape(model), torch.float32).kv_cache == allocated
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-5)
+
+
+@pytest.mark.parametrize("reference", [False, True])
+def test_a_grpo_workload_counts_its_rollouts_and_reference(reference):
+    build = lambda: Llama(TINY)  # noqa: E731
+    step = RolloutStep(rows=8, prompt_len=48, max_new_tokens=80, reference=reference)
+    plain = Workload(batch_size=8, seq_len=128)
+    before, = estimate_memory(build, adamw, plain, plans=None)[:1]
+    after, = estimate_memory(build, adamw, dataclasses.replace(plain, rollouts=step), plans=None)[:1]
+    rollouts = rollout_memory(step, model_shape(Llama(TINY)), torch.float32).total
+    assert after.rollouts == rollouts > 0
+    assert after.reference == (after.parameters if reference else 0)
+    assert after.total == after.parameters + after.optimizer + after.reference + max(before.step_peak, rollouts)
+    assert after.step_peak == before.step_peak  # the loss pass is the simulated step, unchanged
+
+
+@pytest.mark.parametrize("overrides, schema, expected", [
+    ([], "FullGRPOConfig", RolloutStep(rows=64, prompt_len=12, max_new_tokens=4, reference=False)),
+    (["grpo.beta=0.04", "generation.max_new_tokens=6"], "FullGRPOConfig",
+     RolloutStep(rows=64, prompt_len=10, max_new_tokens=6, reference=True)),
+    (["grpo.beta=0.04"], "LoRAGRPOConfig", RolloutStep(rows=64, prompt_len=12, max_new_tokens=4, reference=False)),
+])
+def test_a_grpo_config_gives_the_planner_its_rollouts(overrides, schema, expected):
+    from torchtune_ac.config import load_config, schema as schemas
+    from torchtune_ac.config.validation import validate_config
+
+    cfg = validate_config(load_config("tiny/grpo", overrides), getattr(schemas, schema), source="tiny/grpo")
+    assert cfg.rollout_step() == expected
+    assert schemas.FullFinetuneConfig.rollout_step(cfg) is None  # fine-tuning has none
