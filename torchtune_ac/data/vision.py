@@ -144,7 +144,8 @@ def prepare_messages(record: dict[str, Any], *, base_dir: Path, location: str, m
             part["image"] = open_image(given, base_dir=base_dir, location=location)
             pixels = part["image"].width * part["image"].height
             if max_pixels is not None and pixels > max_pixels and not resize_images:
-                raise UserError(f"{location}: image is {part['image'].width}x{part['image'].height} = {pixels:,} "
+                shown = f" {given}" if isinstance(given, str) else ""
+                raise UserError(f"{location}: image{shown} is {part['image'].width}x{part['image'].height} = {pixels:,} "
                                 f"pixels, over the processor's limit of {max_pixels:,} (max_pixels); set "
                                 "resize_images: true to let the processor scale it down, or resize the image")
         prepared.append({**message, "content": parts})
