@@ -219,3 +219,11 @@ def test_the_moe_stage_s_expert_parallel_gradients_run_on_gloo_cpu_ranks(tmp_pat
     result = moe.run_expert_parallel_gradients(tmp_path / "gradients.pt", "cpu")
     moe.assert_expert_parallel_gradients_match(result)
     assert not torch.distributed.is_initialized()
+
+
+def test_the_two_rank_probe_runs_on_gloo_cpu_ranks(tmp_path: Path) -> None:
+    """``test_two_ranks_cuda``'s probe with its tensors on the CPU, where gloo runs every collective it asks of a
+    GPU, the uneven all-to-all among them: each answers "ok", so the probe's own arithmetic is right."""
+    two = import_from(REPO / "tests" / "gpu", "test_two_ranks_cuda")
+    answers = two.spawn(two.probe, 2, tmp_path / "probe.json", "cpu")
+    assert answers == {name: "ok" for name in two.COLLECTIVES}
