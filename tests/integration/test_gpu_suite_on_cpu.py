@@ -3,8 +3,8 @@
 A GPU is lent for minutes (``scripts/gpu/gpu_check.sh``), and on a CPU every ``cuda`` test is skipped, so a renamed
 function, a changed signature or a config key that no longer validates would first show there. These tests make
 the same calls on the CPU: ``test_tune_run_cuda``'s overrides through ``tune validate`` and its planner helper,
-``test_offload``'s CUDA overrides, ``gpu_env.py``'s 1B-class build and ``bench_train.py --device cuda``'s whole
-path. Nothing a GPU measures is imitated: where the benchmark reads ``torch.cuda``'s memory counters they are
+``test_offload``'s CUDA overrides, ``gpu_env.py``'s 1B-class build, ``bench_train.py --device cuda``'s whole
+path, the two-rank probe and the MoE stage's expert parallelism against one process, on gloo CPU ranks. Nothing a GPU measures is imitated: where the benchmark reads ``torch.cuda``'s memory counters they are
 stubbed, and only what the CPU computes (losses, the plan, the report's fields) is checked.
 """
 
