@@ -41,26 +41,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join(rank: int, world: int, port: int) -> None:
+def join(rank: int, world: int, port: int, device: torch.device = DEVICE) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if DEVICE.type == "cuda":
-        torch.cuda.set_device(DEVICE)  # every rank on the one GPU
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # every rank on the one GPU
     dist.init_process_group("gloo", rank=rank, world_size=world)
 
 
-def probe(rank: int, world: int, port: int, out: str) -> None:
-    join(rank, world, port)
+def probe(rank: int, world: int, port: int, out: str, device: str = str(DEVICE)) -> None:
+    """Each collective of ``COLLECTIVES`` on ``device`` (a CPU run checks the probe itself): "ok", wrong values, or
+    gloo's message, written by rank 0 to ``out``."""
+    where = torch.device(device)
+    join(rank, world, port, where)
     results = {}
-    x = torch.full((4,), float(rank + 1), device=DEVICE)
+    x = torch.full((4,), float(rank + 1), device=where)
     for name in COLLECTIVES:
         try:
             if name == "all_gather_into_tensor":
-                got = torch.empty(4 * world, device=DEVICE)
+                got = torch.empty(4 * world, device=where)
                 dist.all_gather_into_tensor(got, x)
                 ok = got.tolist() == [float(r + 1) for r in range(world) for _ in range(4)]
             elif name == "reduce_scatter_tensor":
-                got = torch.empty(2, device=DEVICE)
-                dist.reduce_scatter_tensor(got, torch.arange(2.0 * world, device=DEVICE))
+                got = torch.empty(2, device=where)
+                dist.reduce_scatter_tensor(got, torch.arange(2.0 * world, device=where))
                 ok = got.tolist() == [world * v for v in (2 * rank, 2 * rank + 1)]
             elif name == "all_reduce":
                 got = x.clone()
@@ -73,8 +76,8 @@ def probe(rank: int, world: int, port: int, out: str) -> None:
             else:  # rank r sends j + r + 1 rows of 10 r + j to rank j: every split differs
                 sent = [j + rank + 1 for j in range(world)]
                 received = [rank + i + 1 for i in range(world)]
-                rows = torch.cat([torch.full((n, 2), 10.0 * rank + j, device=DEVICE) for j, n in enumerate(sent)])
-                got = torch.empty(sum(received), 2, device=DEVICE)
+                rows = torch.cat([torch.full((n, 2), 10.0 * rank + j, device=where) for j, n in enumerate(sent)])
+                got = torch.empty(sum(received), 2, device=where)
                 dist.all_to_all_single(got, rows, output_split_sizes=received, input_split_sizes=sent)
                 ok = got[:, 0].tolist() == [10.0 * i + rank for i, n in enumerate(received) for _ in range(n)]
             results[name] = "ok" if ok else f"wrong values: {got.tolist()}"

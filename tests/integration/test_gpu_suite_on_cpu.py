@@ -3,8 +3,8 @@
 A GPU is lent for minutes (``scripts/gpu/gpu_check.sh``), and on a CPU every ``cuda`` test is skipped, so a renamed
 function, a changed signature or a config key that no longer validates would first show there. These tests make
 the same calls on the CPU: ``test_tune_run_cuda``'s overrides through ``tune validate`` and its planner helper,
-``test_offload``'s CUDA overrides, ``gpu_env.py``'s 1B-class build and ``bench_train.py --device cuda``'s whole
-path. Nothing a GPU measures is imitated: where the benchmark reads ``torch.cuda``'s memory counters they are
+``test_offload``'s CUDA overrides, ``gpu_env.py``'s 1B-class build, ``bench_train.py --device cuda``'s whole
+path, the two-rank probe and the MoE stage's expert parallelism against one process, on gloo CPU ranks. Nothing a GPU measures is imitated: where the benchmark reads ``torch.cuda``'s memory counters they are
 stubbed, and only what the CPU computes (losses, the plan, the report's fields) is checked.
 """
 
@@ -219,3 +219,11 @@ def test_the_moe_stage_s_expert_parallel_gradients_run_on_gloo_cpu_ranks(tmp_pat
     result = moe.run_expert_parallel_gradients(tmp_path / "gradients.pt", "cpu")
     moe.assert_expert_parallel_gradients_match(result)
     assert not torch.distributed.is_initialized()
+
+
+def test_the_two_rank_probe_runs_on_gloo_cpu_ranks(tmp_path: Path) -> None:
+    """``test_two_ranks_cuda``'s probe with its tensors on the CPU, where gloo runs every collective it asks of a
+    GPU, the uneven all-to-all among them: each answers "ok", so the probe's own arithmetic is right."""
+    two = import_from(REPO / "tests" / "gpu", "test_two_ranks_cuda")
+    answers = two.spawn(two.probe, 2, tmp_path / "probe.json", "cpu")
+    assert answers == {name: "ok" for name in two.COLLECTIVES}
