@@ -153,9 +153,10 @@ def prepare_messages(record: dict[str, Any], *, base_dir: Path, location: str, m
             pixels = part["image"].width * part["image"].height
             if max_pixels is not None and pixels > max_pixels and not resize_images:
                 shown = f" {given}" if isinstance(given, str) else ""
-                raise UserError(f"{location}: image{shown} is {part['image'].width}x{part['image'].height} = {pixels:,} "
-                                f"pixels, over the processor's limit of {max_pixels:,} (max_pixels); set "
-                                "resize_images: true to let the processor scale it down, or resize the image")
+                width, height = part["image"].size
+                raise UserError(f"{location}: image{shown} is {width}x{height} = {pixels:,} pixels, over the "
+                                f"processor's limit of {max_pixels:,} (max_pixels); set resize_images: true to let "
+                                "the processor scale it down, or resize the image")
         prepared.append({**message, "content": parts})
     if placeholders != len(images):
         raise UserError(f"{location}: {count_of(placeholders, 'image placeholder')} but "

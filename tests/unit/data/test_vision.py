@@ -139,7 +139,8 @@ def bad_records(tmp_path):
          "2 image placeholders but 1 image;"),
         ({"messages": one, "images": ["ok.png", "ok.png"]}, "1 image placeholder but 2 images;"),
         ({"messages": one, "images": ["big.png"]},
-         f"image big.png is 200x200 = 40,000 pixels, over the processor's limit of {EMBEDDED_VLM_MAX_PIXELS:,} .*resize_images"),
+         f"image big.png is 200x200 = 40,000 pixels, over the processor's limit of {EMBEDDED_VLM_MAX_PIXELS:,} "
+         ".*resize_images"),
     ]
 
 
