@@ -15,7 +15,6 @@ from torch import nn
 
 from torchtune_ac.config_key import config_key
 from torchtune_ac.errors import UserError
-from torchtune_ac.generation import SamplingConfig
 from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.training.rewards import RewardFunction
 
@@ -44,9 +43,6 @@ class GenerationConfig:
     top_k: int = config_key(0, doc="Sample from the k likeliest tokens; 0: all.", minimum=0)
     backend: GenerationBackend = config_key(
         GenerationBackend.NATIVE, doc="native: the policy itself with a static KV cache, batched.")
-
-    def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
 
 
 def sampler_seed(seed: int, step: int, rank: int) -> int:
