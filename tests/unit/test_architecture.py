@@ -54,7 +54,7 @@ ALLOWED = {
     "config": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "activation_checkpointing", "training",
                         "memory", "observability", "registry", "embedded", "lora"},
     "run": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "activation_checkpointing", "training",
-                     "memory", "observability", "config", "lora", "generation"},
+                     "memory", "observability", "config", "lora", "generation"},  # generation: GRPO's rollouts
     "generate": LEAVES | {"checkpoint", "data", "models"},
     "generation": LEAVES | {"models"},
 }
