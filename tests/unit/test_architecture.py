@@ -46,7 +46,7 @@ ALLOWED = {
     "models": LEAVES | {"checkpoint"},
     "parallel": LEAVES | {"models", "runtime"},
     "activation_checkpointing": LEAVES | {"models"},
-    "training": LEAVES | {"models", "runtime", "parallel", "activation_checkpointing"},
+    "training": LEAVES | {"models", "runtime", "parallel", "activation_checkpointing", "generation"},
     "memory": LEAVES | {"models", "runtime", "parallel", "activation_checkpointing", "training"},
     "embedded": LEAVES | {"models", "data", "checkpoint"},
     "lora": LEAVES | {"models", "checkpoint", "runtime", "training"},
@@ -54,7 +54,7 @@ ALLOWED = {
     "config": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "activation_checkpointing", "training",
                         "memory", "observability", "registry", "embedded", "lora"},
     "run": LEAVES | {"models", "data", "checkpoint", "runtime", "parallel", "activation_checkpointing", "training",
-                     "memory", "observability", "config", "lora"},
+                     "memory", "observability", "config", "lora", "generation"},  # generation: GRPO's rollouts
     "generate": LEAVES | {"checkpoint", "data", "models"},
     "generation": LEAVES | {"models"},
 }

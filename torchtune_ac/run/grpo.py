@@ -24,7 +24,7 @@ from torch import nn
 
 from torchtune_ac.data.batching import PROMPTS
 from torchtune_ac.errors import UserError
-from torchtune_ac.generation import build_generation_backend
+from torchtune_ac.generation import SamplingConfig, build_generation_backend
 from torchtune_ac.lora.mechanism import adapters_off
 from torchtune_ac.models.families import family_of
 from torchtune_ac.run.assemble import build_reference
@@ -88,7 +88,7 @@ class GRPOLoop(TrainingLoop):
             for batch in micro_batches:
                 rows = [t[:n].tolist() for t, n in zip(batch["tokens"].cpu(), batch["prompt_lengths"].tolist())]
                 repeated = [row for row in rows for _ in range(g)]  # a group's completions adjacent
-                out = self.backend.generate(repeated, settings.generation.sampling(), generator=generator)
+                out = self.backend.generate(repeated, sampling_config(settings.generation), generator=generator)
                 prompts.append(repeated)
                 indices.append([i for i in batch["index"].tolist() for _ in range(g)])
                 completions.append(out.tokens)
@@ -172,6 +172,11 @@ class GRPOLoop(TrainingLoop):
                                     "completion": decode(completions[i], skip_special_tokens=True),
                                     "rewards": dict(zip(names, table[i].tolist())), "reward": float(total[i]),
                                     "advantage": float(advantages[i])}) + "\n")
+
+
+def sampling_config(generation: GenerationConfig) -> SamplingConfig:
+    """The ``generation:`` keys as the decoder takes them."""
+    return SamplingConfig(generation.max_new_tokens, generation.temperature, generation.top_k, generation.top_p)
 
 
 def gather_rows(local: torch.Tensor, ctx: Any) -> torch.Tensor:

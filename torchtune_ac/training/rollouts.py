@@ -15,7 +15,6 @@ from torch import nn
 
 from torchtune_ac.config_key import config_key
 from torchtune_ac.errors import UserError
-from torchtune_ac.generation import SamplingConfig
 from torchtune_ac.generation.backend import check_generation_backend
 from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.training.rewards import RewardFunction
@@ -51,9 +50,6 @@ class GenerationConfig:
 
     def __post_init__(self) -> None:
         check_generation_backend(self.backend.value)
-
-    def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.max_new_tokens, self.temperature, self.top_k, self.top_p)
 
 
 def sampler_seed(seed: int, step: int, rank: int) -> int:

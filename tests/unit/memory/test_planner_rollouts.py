@@ -76,3 +76,19 @@ def test_a_grpo_config_gives_the_planner_its_rollouts(overrides, schema, expecte
     cfg = validate_config(load_config("tiny/grpo", overrides), getattr(schemas, schema), source="tiny/grpo")
     assert cfg.rollout_step() == expected
     assert schemas.FullFinetuneConfig.rollout_step(cfg) is None  # fine-tuning has none
+
+
+def test_tune_plan_shows_the_rollouts_of_a_grpo_config(capsys):
+    from torchtune_ac.cli import main
+    from torchtune_ac.models import llama_tiny
+
+    assert main(["plan", "--config", "tiny/grpo"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("setting "))
+    assert header.split()[3] == "rollouts"
+    full = next(line for line in lines if line.startswith("full "))
+    # tiny/grpo: 64 completions, prompts of up to 12 tokens and 4 new ones, fp32; MiB with 2 decimals.
+    with torch.device("meta"):
+        shape = model_shape(llama_tiny())
+    expected = rollout_memory(RolloutStep(rows=64, prompt_len=12, max_new_tokens=4), shape, torch.float32)
+    assert full.split()[3] == f"{expected.total / 2**20:.2f}"

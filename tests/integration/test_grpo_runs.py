@@ -1,0 +1,112 @@
+"""``tune run grpo`` / ``lora_grpo`` on the embedded additions: the rollout's metrics and samples are logged, the KL
+to the reference is 0 on the first step, a resume redraws the same completions (the sampler's seed is the step's),
+and bad input is refused in one line before anything is written; a failing reward stops the run naming it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from finetune_runs import check_success, final_checkpoint, load_weights, run_tune_in_process
+
+from torchtune_ac.observability.metrics import read_metrics
+from torchtune_ac.training.grpo import GRPO_METRICS
+
+# 2 steps an epoch of 2 prompts x 8 completions; the KL term on (its reference the starting weights).
+SHORT = ("batch_size=16", "max_steps_per_epoch=2", "grpo.beta=0.04", "samples_every_n_steps=2")
+ROLLOUT_METRICS = ("reward", "reward_std", "frac_reward_zero_std", "rewards/format_match/mean",
+                   "rewards/math_answer/std", "completions/mean_length", "completions/min_length",
+                   "completions/max_length", "completions/clipped_ratio", "generation_share")
+
+
+def grpo_argv(output_dir: Path, *overrides: str, recipe: str = "grpo") -> list[str]:
+    config = "tiny/grpo" if recipe == "grpo" else "tiny/lora_grpo"
+    return ["run", recipe, "--config", config, *SHORT, f"output_dir={output_dir}", *overrides]
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 epochs of 2 steps, uninterrupted."""
+    output_dir = tmp_path_factory.mktemp("grpo") / "run"
+    check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=2")))
+    return output_dir
+
+
+def test_every_step_logs_the_rollout_and_samples_are_written(straight_run: Path) -> None:
+    records = read_metrics(straight_run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        assert set(GRPO_METRICS) <= set(record) and set(ROLLOUT_METRICS) <= set(record)
+        assert 1 <= record["completions/min_length"] <= record["completions/mean_length"] <= 4
+        assert 0.0 < record["generation_share"] < 1.0
+    # The policy is its reference before the first update, through the same ops: the k3 estimate is exactly 0.
+    assert records[0]["kl"] == 0.0 and records[-1]["kl"] > 0.0
+    samples = [json.loads(line) for line in (straight_run / "samples.jsonl").read_text().splitlines()]
+    assert [s["step"] for s in samples] == [2] * 4 + [4] * 4
+    first = samples[0]
+    assert set(first["rewards"]) == {"format_match", "math_answer"}
+    assert first["reward"] == pytest.approx(0.5 * first["rewards"]["format_match"] + first["rewards"]["math_answer"])
+
+
+def test_resume_redraws_the_same_completions_and_ends_on_the_same_weights(straight_run: Path,
+                                                                          tmp_path: Path) -> None:
+    output_dir = tmp_path / "resumed"
+    check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=1")))
+    check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=2", "resume_from_checkpoint=true")))
+    fields = ("loss", "grad_norm", "reward", "kl", "completions/mean_length")
+    straight = [[r[f] for f in fields] for r in read_metrics(straight_run)]
+    resumed = [[r[f] for f in fields] for r in read_metrics(output_dir)]
+    assert resumed == straight  # one process replaying the same ops: bit-equal
+    a, b = load_weights(final_checkpoint(straight_run)), load_weights(final_checkpoint(output_dir))
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_lora_grpo_reference_is_the_base_and_saves_the_adapters(tmp_path: Path) -> None:
+    output_dir = tmp_path / "lora"
+    check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=1", recipe="lora_grpo")))
+    records = read_metrics(output_dir)
+    assert records[0]["kl"] == 0.0 and records[-1]["kl"] > 0.0  # the adapters start at 0: the base is the policy
+    assert (final_checkpoint(output_dir) / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("override, message", [
+    ("grpo.num_generations=1", "grpo.num_generations=1: must be >= 2"),
+    ("batch_size=12", "batch_size=12: must be a multiple of grpo.num_generations=8"),
+    ("grpo.epsilon=-0.1", "grpo.epsilon=-0.1: must be >= 0.0"),
+    ("grpo.loss_type=foo", "grpo.loss_type='foo': expected one of grpo, bnpo, dr_grpo, dapo"),
+    ("max_seq_len=4000", "past the model's 512 positions"),
+    ("rewards=[{_component_:os.system}]", "rewards[0]._component_=os.system: not allowed"),
+    ("rewards=[{_component_:torchtune_ac.training.rewards.nothing}]", "rewards[0]"),
+])
+def test_bad_grpo_input_is_one_line_and_nothing_is_written(override: str, message: str, tmp_path: Path) -> None:
+    result = run_tune_in_process(grpo_argv(tmp_path / "out", override, "reward_weights=null"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert message in result.stderr.strip().splitlines()[-1], result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_dataset_without_the_answer_a_reward_needs_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"{i}+1="}) + "\n" for i in range(16)))
+    result = run_tune_in_process(grpo_argv(tmp_path / "out", f"dataset.source={data}"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "math_answer needs answer, which the dataset does not have" in result.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_users_reward_runs_only_when_allowed_and_a_nan_stops_the_run_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "my_rewards.py").write_text("def bad(completions, **columns):\n"
+                                            "    return [float('nan')] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    reward = ("rewards=[{_component_:my_rewards.bad}]", "reward_weights=null")
+    refused = run_tune_in_process(grpo_argv(tmp_path / "a", *reward))
+    assert refused.returncode == 2 and "--allow-component my_rewards.bad" in refused.stderr, refused.stderr
+    argv = grpo_argv(tmp_path / "b", *reward)
+    result = run_tune_in_process([argv[0], "--allow-component", "my_rewards", *argv[1:]])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith("reward bad returned nan for completion 0: scores must "
+                                                           "be finite")
+    assert not list((tmp_path / "b").glob("step_*"))
