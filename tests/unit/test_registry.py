@@ -23,7 +23,7 @@ def test_every_built_in_config_belongs_to_a_recipe():
     assert sorted(builtin_config_names()) == sorted(
         p.relative_to(p.parents[1]).with_suffix("").as_posix()
         for p in (Path(__file__).resolve().parents[2] / "configs").glob("*/*.yaml"))
-    assert [r.name for r in RECIPES] == ["full_finetune", "full_dpo", "lora_finetune", "lora_dpo"]
+    assert [r.name for r in RECIPES] == ["full_finetune", "full_dpo", "lora_finetune", "lora_dpo", "grpo", "lora_grpo"]
 
 
 def test_a_recipe_module_is_planned_only_when_it_declares_plan():
