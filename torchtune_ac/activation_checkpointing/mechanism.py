@@ -142,8 +142,25 @@ def _selective_contexts(policy: Callable[..., CheckpointPolicy]) -> tuple[_Cachi
     return _Caching(policy, storage), _Cached(policy, storage)
 
 
+# A matrix multiply whose output is at least this many times wider than its inner dimension (a low-rank adapter's
+# B (A x): r in, a whole [b, s, out] out) costs 2 r flops an output element to recompute: recomputed, not kept (its
+# rank-sized input A x is). A model's own linears widen by a few times at most (an MLP's up projection).
+WIDENING = 16
+_MM, _ADDMM = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
+
+
+def _widens(op: Any, args: tuple) -> bool:
+    """Whether ``op`` on ``args`` is a matrix multiply that widens its input ``WIDENING`` times or more."""
+    operands = args[:2] if op is _MM else args[1:3] if op is _ADDMM else ()
+    if len(operands) < 2:
+        return False
+    a, b = operands
+    return a.shape[-1] * WIDENING <= b.shape[-1]
+
+
 def save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Per-op AC policy: keep outputs of matrix multiplies, attention and collectives, recompute every other op.
+    """Per-op AC policy: keep outputs of matrix multiplies (but a widening one's: ``WIDENING``), attention and
+    collectives, recompute every other op.
 
     Args:
         ctx: the ``SelectiveCheckpointContext`` (unused: the decision is the same in forward and recompute).
@@ -152,7 +169,8 @@ def save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> 
     Returns:
         ``MUST_SAVE`` for ops in ``SAVED_OPS``, else ``PREFER_RECOMPUTE``.
     """
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    return (CheckpointPolicy.MUST_SAVE if op in SAVED_OPS and not _widens(op, args)
+            else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 def save_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:

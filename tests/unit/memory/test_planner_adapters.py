@@ -134,3 +134,13 @@ def test_low_bit_state_is_counted_for_the_adapters_alone():
     trained = [tuple(p.shape) for p in model.parameters() if p.requires_grad]
     lora, = estimate_memory(build(AdapterConfig(rank=8, targets=TARGETS)), adamw, workload, [FULL_AC])
     assert lora.optimizer == state_bytes(layout, trained, torch.float32) > 0
+
+
+def test_per_op_ac_keeps_the_adapters_rank_sized_products_not_their_full_width_ones():
+    """Per-op AC saves each matmul's output but an adapter's B (A x) ([b, s, out] from rank r): it keeps A x and
+    recomputes B (A x), so with adapters it keeps less than no AC (keeping B (A x) too, it kept more)."""
+    lora = build(AdapterConfig(rank=8, targets=TARGETS))
+    none, per_op = candidate_plans(LLAMA_TINY.n_layers)[:2]
+    assert "op" in str(per_op), per_op
+    without, selective = estimate_memory(lora, adamw, WORKLOAD, [none, per_op])
+    assert selective.activations < without.activations
