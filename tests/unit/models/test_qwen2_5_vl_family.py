@@ -10,11 +10,13 @@ from hf_families import random_hf_model, write_tiny_vlm_checkpoint
 from numerics import assert_close, llama_terms
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
+import torchtune_ac.models.families.qwen2 as qwen2
 import torchtune_ac.models.families.qwen2_5_vl as qwen2_5_vl
 from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
 from torchtune_ac.errors import UserError
 from torchtune_ac.models import QWEN2_5_VL, check_checkpoint_matches, family_of, load_hf, transformer_blocks
 from torchtune_ac.models.families import shard_groups
+from torchtune_ac.models.vision.checks import check_model_takes_images
 from torchtune_ac.models.vision.qwen2_5_vl import mrope_positions
 
 IMAGE = 98  # QWEN2_5_VL_TINY's image token
@@ -161,3 +163,28 @@ def test_a_text_only_config_is_not_a_vision_language_checkpoint():
     config = {k: v for k, v in PUBLISHED["qwen2_5_vl_3b"].items() if k != "vision_config"}
     with pytest.raises(UserError, match="vision_config: missing"):
         QWEN2_5_VL.hf.args_from_hf_config(config)
+
+
+def _sample(h=4, w=4, values=PATCH_VALUES, image_tokens=4):
+    return {"tokens": [1, 2] + [IMAGE] * image_tokens + [3], "pixel_values": torch.zeros(h * w, values),
+            "image_grid_thw": torch.tensor([[1, h, w]])}
+
+
+@pytest.mark.parametrize("sample, message", [
+    (_sample(values=3 * 2 * 16 * 16), r"dataset: the processor's patches hold 1536 values, the model's vision tower "
+                                      r"takes 1176 \(in_channels=3 x temporal_patch_size=2 x patch_size=14\^2\)"),
+    (_sample(image_tokens=16), "dataset: the first sample has 16 tokens of the model's image_token_id=98 but its "
+                               "images make 4 with the model's spatial_merge_size=2"),
+])
+def test_images_the_tower_cannot_take_are_refused(tiny, sample, message):
+    with pytest.raises(UserError, match=message):
+        check_model_takes_images(tiny[2], sample, "dataset")
+    check_model_takes_images(tiny[2], _sample(), "dataset")  # the processor's sizes: accepted
+
+
+def test_a_text_only_model_given_images_is_refused():
+    with torch.device("meta"):
+        model = qwen2.qwen2_5_0_5b()
+    with pytest.raises(UserError, match=r"dataset: its samples hold images, but the model \(qwen2\) is text-only"):
+        check_model_takes_images(model, _sample(), "dataset")
+    check_model_takes_images(model, {"tokens": [1, 2]}, "dataset")
