@@ -35,6 +35,14 @@ QWEN2_5_VL_7B = Qwen2_5_VLArgs(
     vocab_size=152_064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, intermediate_dim=18_944, max_seq_len=128_000,
     norm_eps=1e-6, rope_theta=1_000_000.0, tie_embeddings=False, model_type="qwen2_5_vl", qkv_bias=True,
     vision=_VISION_7B)
+# For CI: the embedded processor's vocabulary (518 tokens, ``<|image_pad|>`` 516) and patch sizes (14-pixel patches
+# of 2 frames, merged 2 x 2); windows of 56 pixels (2 x 2 merge units), a windowed tower block then a full one.
+QWEN2_5_VL_TINY = Qwen2_5_VLArgs(
+    vocab_size=518, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=128, max_seq_len=2048,
+    norm_eps=1e-6, rope_theta=1_000_000.0, tie_embeddings=True, model_type="qwen2_5_vl", qkv_bias=True,
+    vision=VisionArgs(depth=2, dim=32, intermediate_dim=64, n_heads=2, out_dim=64, window_size=56,
+                      fullatt_block_indexes=(1,)),
+    image_token_id=516, mrope_section=(4, 2, 2))
 
 # Our tower's names are transformers' under ``visual.``; the decoder's under ``model.language_model.`` in
 # transformers 5's layout. A published (transformers 4) checkpoint's prefixes -> those.
@@ -232,6 +240,8 @@ FAMILY = ModelFamily(
         "qwen2_5_vl_3b": _builder("qwen2_5_vl_3b", QWEN2_5_VL_3B,
                                   "Qwen2.5-VL 3B (3,754,622,976 parameters, tied embeddings)."),
         "qwen2_5_vl_7b": _builder("qwen2_5_vl_7b", QWEN2_5_VL_7B, "Qwen2.5-VL 7B (8,292,166,656 parameters)."),
+        "qwen2_5_vl_tiny": _builder("qwen2_5_vl_tiny", QWEN2_5_VL_TINY,
+                                    "A tiny Qwen2.5-VL for CI, of the embedded processor's sizes (tied embeddings)."),
     },
     hf=HF,
     args_of=lambda model: model.args,
