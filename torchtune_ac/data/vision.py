@@ -38,7 +38,7 @@ from torchtune_ac.data.samples import IGNORE_INDEX, PackingReport, count_of
 from torchtune_ac.data.datasets import Sources
 from torchtune_ac.data.sources import load_records, source_files
 from torchtune_ac.data.tokenizer import Tokenizer
-from torchtune_ac.errors import UserError
+from torchtune_ac.errors import UnavailableError, UserError
 
 IMAGE_PLACEHOLDER = "<image>"
 # Processor outputs the sample rebuilds itself (from the tokens) rather than keeping.
@@ -52,10 +52,12 @@ def load_vision_processor(path: str) -> Any:
     is then built without it (images and text only, the image processor's PIL backend).
 
     Raises:
-        UserError: the folder holds no processor.
+        UserError: the folder is missing or holds no processor (``UnavailableError`` when it is missing).
     """
     import transformers
 
+    if not Path(path).expanduser().is_dir():
+        raise UnavailableError(f"{path}: no such processor folder")
     try:
         return transformers.AutoProcessor.from_pretrained(path)
     except ImportError as err:
@@ -63,8 +65,14 @@ def load_vision_processor(path: str) -> Any:
             raise
     except (OSError, ValueError) as err:
         raise UserError(f"{path}: no transformers processor there ({err})") from None
-    config = json.loads((Path(path) / "processor_config.json").read_text())
-    processor_class = getattr(transformers, config["processor_class"])
+    # Where transformers writes the processor's class: processor_config.json, older checkpoints the other two.
+    names = [json.loads(file.read_text()).get("processor_class") for file in
+             (Path(path) / name for name in ("processor_config.json", "preprocessor_config.json",
+                                             "tokenizer_config.json")) if file.is_file()]
+    name = next((name for name in names if name), None)
+    if name is None or not hasattr(transformers, name):
+        raise UserError(f"{path}: the processor's class ({name}) needs torchvision, which is not installed")
+    processor_class = getattr(transformers, name)
 
     def init(self: Any, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None,
              **kwargs: Any) -> None:
@@ -148,9 +156,11 @@ def prepare_messages(record: dict[str, Any], *, base_dir: Path, location: str, m
             part["image"] = open_image(given, base_dir=base_dir, location=location)
             pixels = part["image"].width * part["image"].height
             if max_pixels is not None and pixels > max_pixels and not resize_images:
-                raise UserError(f"{location}: image is {part['image'].width}x{part['image'].height} = {pixels:,} "
-                                f"pixels, over the processor's limit of {max_pixels:,} (max_pixels); set "
-                                "resize_images: true to let the processor scale it down, or resize the image")
+                shown = f" {given}" if isinstance(given, str) else ""
+                width, height = part["image"].size
+                raise UserError(f"{location}: image{shown} is {width}x{height} = {pixels:,} pixels, over the "
+                                f"processor's limit of {max_pixels:,} (max_pixels); set resize_images: true to let "
+                                "the processor scale it down, or resize the image")
         prepared.append({**message, "content": parts})
     if placeholders != len(images):
         raise UserError(f"{location}: {count_of(placeholders, 'image placeholder')} but "
