@@ -67,8 +67,8 @@ GPT_OSS_TINY = {"head_dim": 16, "intermediate_size": 16, "num_local_experts": 4,
 # 6 x 4 a window cut short. The vocabulary has 4 tokens beyond TINY_SHAPE's random token range: the image
 # placeholder (98) is never drawn in a text-only batch.
 QWEN2_5_VL_TINY = {
-    "vocab_size": 100, "bos_token_id": 1, "eos_token_id": 2, "image_token_id": 98, "video_token_id": 99, "vision_start_token_id": 96,
-    "vision_end_token_id": 97, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1],
+    "vocab_size": 100, "bos_token_id": 1, "eos_token_id": 2, "image_token_id": 98, "video_token_id": 99,
+    "vision_start_token_id": 96, "vision_end_token_id": 97, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1],
                                                    "rope_theta": 10_000.0},
     "vision_config": {"depth": 2, "hidden_size": 16, "intermediate_size": 24, "num_heads": 2, "out_hidden_size": 32,
                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,

@@ -16,6 +16,7 @@ from numerics import assert_close, assert_steps_alike, assert_weights_trained_al
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from torchtune_ac.data.embedded import EMBEDDED_VLM_DIR
+from torchtune_ac.data.vision import load_vision_processor
 from torchtune_ac.models import load_hf
 from torchtune_ac.models.families.qwen2_5_vl import QWEN2_5_VL_TINY
 from torchtune_ac.observability.metrics import read_metrics
@@ -49,6 +50,7 @@ def test_the_export_loads_in_transformers_with_our_logits(tiny_run):
     checkpoint = final_checkpoint(tiny_run[0])
     theirs = Qwen2_5_VLForConditionalGeneration.from_pretrained(checkpoint, attn_implementation="eager").eval()
     ours = load_hf(checkpoint).eval()
+    assert load_vision_processor(str(checkpoint)).image_processor.patch_size == 14  # the processor travels with it
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, 512, (1, 16), generator=g)
     tokens[0, 3:7] = QWEN2_5_VL_TINY.image_token_id  # one 56 x 56 image: 4 x 4 patches, 4 tokens
