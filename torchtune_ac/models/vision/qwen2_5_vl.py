@@ -28,7 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtune_ac.models.attention import document_runs, document_starts
-from torchtune_ac.models.llama import ACTIVATIONS, Llama, LlamaArgs, RMSNorm, TransformerBlock, rotate_half
+from torchtune_ac.models.llama import (ACTIVATIONS, Llama, LlamaArgs, RMSNorm, TransformerBlock,
+                                      positions_from_document_ids, rotate_half)
 
 _VISION_NORM_EPS = 1e-6  # transformers' Qwen2.5-VL tower and merger norms
 
@@ -105,37 +106,36 @@ class Qwen2_5_VLArgs(LlamaArgs):
             raise ValueError("invalid Qwen2.5-VL model arguments: " + "; ".join(problems))
 
 
-def image_token_counts(grid_thw: torch.Tensor, merge: int) -> list[int]:
-    """Tokens each image takes in the decoder: ``t * h * w / merge**2`` for its grid ``(t, h, w)``."""
-    return [int(t * h * w) // merge**2 for t, h, w in grid_thw.tolist()]
-
-
-def vision_window_order(grid_thw: torch.Tensor, merge: int, units_per_window: int) -> tuple[torch.Tensor, list[int]]:
+def vision_window_order(grid_thw: list[list[int]], merge: int, units_per_window: int
+                        ) -> tuple[torch.Tensor, list[int]]:
     """The merge units of every image reordered window by window, and each window's number of patches.
+
+    Computed from the sizes alone, on the host (no tensor is read back).
 
     Returns:
         ``order[n_units]``: the unit at each new place (units numbered over the images in ``pixel_values``
         order), and the patch count of each window, in the new order (every frame's windows in turn).
     """
-    order, sizes, offset = [], [], 0
-    w_ = units_per_window
-    for t, h, w in grid_thw.tolist():
+    order: list[int] = []
+    sizes: list[int] = []
+    side = units_per_window
+    for t, h, w in grid_thw:
         rows, cols = h // merge, w // merge
-        n_h, n_w = -(-rows // w_), -(-cols // w_)
-        units = torch.arange(t * rows * cols).view(t, rows, cols)
-        padded = F.pad(units, (0, n_w * w_ - cols, 0, n_h * w_ - rows), value=-1)
-        windows = padded.view(t, n_h, w_, n_w, w_).permute(0, 1, 3, 2, 4).reshape(t * n_h * n_w, w_ * w_)
-        kept = windows >= 0
-        order.append(windows[kept] + offset)
-        sizes += [int(n) * merge**2 for n in kept.sum(1).tolist() if n]
-        offset += t * rows * cols
-    return torch.cat(order), sizes
+        for frame in range(t):
+            first = len(order)
+            for top in range(0, rows, side):
+                for left in range(0, cols, side):
+                    units = [first + r * cols + c for r in range(top, min(top + side, rows))
+                             for c in range(left, min(left + side, cols))]
+                    order += units
+                    sizes.append(len(units) * merge**2)
+    return torch.tensor(order, dtype=torch.long), sizes
 
 
-def vision_patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+def vision_patch_positions(grid_thw: list[list[int]], merge: int) -> torch.Tensor:
     """(row, column) of every patch ``[n_patches, 2]``, in ``pixel_values`` order (merge unit by merge unit)."""
     positions = []
-    for t, h, w in grid_thw.tolist():
+    for t, h, w in grid_thw:
         rows = torch.arange(h).view(h, 1).expand(h, w)
         cols = torch.arange(w).view(1, w).expand(h, w)
         per_unit = [x.reshape(h // merge, merge, w // merge, merge).transpose(1, 2).flatten() for x in (rows, cols)]
@@ -145,7 +145,7 @@ def vision_patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
 
 def segment_ids(sizes: list[int], device: torch.device) -> torch.Tensor:
     """``[sum(sizes)]``: the index of the segment each row belongs to."""
-    return torch.repeat_interleave(torch.arange(len(sizes), device=device), torch.tensor(sizes, device=device))
+    return torch.tensor([index for index, size in enumerate(sizes) for _ in range(size)], device=device)
 
 
 class VisionAttention(nn.Module):
@@ -235,10 +235,11 @@ class VisionTower(nn.Module):
         self.blocks = nn.ModuleList(VisionBlock(args) for _ in range(args.depth))
         self.merger = PatchMerger(args)
 
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor | list[list[int]]) -> torch.Tensor:
         a, merge = self.args, self.args.spatial_merge_size
         unit = merge**2
-        grid_thw = grid_thw.cpu()  # sizes are read on the host (the collate code keeps them there)
+        # sizes are read on the host (the collate code keeps the grids there)
+        grid_thw = grid_thw.tolist() if isinstance(grid_thw, torch.Tensor) else grid_thw
         order, window_sizes = vision_window_order(grid_thw, merge, a.window_size // a.patch_size // merge)
         device = pixel_values.device
         order = order.to(device)
@@ -253,7 +254,7 @@ class VisionTower(nn.Module):
         angles = angles.view(n // unit, unit, -1)[order].view(n, -1)
         emb = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [n, 1, head_dim]
         cos, sin = emb.cos(), emb.sin()
-        frames = segment_ids([int(h * w) for t, h, w in grid_thw.tolist() for _ in range(int(t))], device)
+        frames = segment_ids([h * w for t, h, w in grid_thw for _ in range(t)], device)
         windows = segment_ids(window_sizes, device)
         full_mask = frames.unsqueeze(0) == frames.unsqueeze(1)  # [n, n]
         window_mask = windows.unsqueeze(0) == windows.unsqueeze(1)
@@ -263,11 +264,11 @@ class VisionTower(nn.Module):
         return merged[torch.argsort(order)]
 
 
-def blank_image(args: VisionArgs, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def blank_image(args: VisionArgs, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, list[list[int]]]:
     """The smallest image (one merge unit of zeros) and its grid: what the tower runs on when a batch has no image,
     so that every process runs the same modules (FSDP2's collectives) and the tower's gradients are defined."""
     m = args.spatial_merge_size
-    return torch.zeros(m * m, args.patch_values, dtype=dtype, device=device), torch.tensor([[1, m, m]])
+    return torch.zeros(m * m, args.patch_values, dtype=dtype, device=device), [[1, m, m]]
 
 
 def mrope_positions(tokens: torch.Tensor, grid_thw: Optional[torch.Tensor], image_token_id: int, merge: int,
@@ -364,9 +365,13 @@ class Qwen2_5_VL(Llama):
             if int(is_image.sum()) != features.shape[0]:
                 raise ValueError(f"{int(is_image.sum())} image tokens but the images give {features.shape[0]}")
             h = h.masked_scatter(is_image.unsqueeze(-1), features)
-        if positions is None:
+        if positions is None and image_grid_thw is not None:
             positions = mrope_positions(tokens, image_grid_thw, args.image_token_id, args.vision.spatial_merge_size,
                                         document_ids)
+        elif positions is None:  # text only: the three positions are the text's, read nothing back to the host
+            b, s = tokens.shape
+            positions = (positions_from_document_ids(document_ids) if document_ids is not None
+                         else torch.arange(s, device=tokens.device).expand(b, s)).unsqueeze(0).expand(3, -1, -1)
         elif positions.ndim == 2:
             positions = positions.unsqueeze(0).expand(3, -1, -1)
         runs = document_runs(document_ids, document_lengths) if document_ids is not None else None
