@@ -1,7 +1,7 @@
 """Vision-language fine-tuning through the real CLI on ``tiny/vlm`` (a tiny random Qwen2.5-VL, the embedded
 coloured-shapes task): the loss falls; the export loads in transformers with our logits; 2 processes (FSDP2 over
 both towers, one process's batches without an image, the loss in chunks) train as 1 with the whole loss; a resume is
-exact; a text-only model given images is refused before any weight loads."""
+exact; a frozen tower keeps its weights; a text-only model given images is refused before any weight loads."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from torchtune_ac.data.embedded import EMBEDDED_VLM_DIR
 from torchtune_ac.data.vision import load_vision_processor
+from torchtune_ac.embedded import ensure_embedded_vlm_checkpoint
 from torchtune_ac.models import load_hf
 from torchtune_ac.models.families.qwen2_5_vl import QWEN2_5_VL_TINY
 from torchtune_ac.observability.metrics import read_metrics
@@ -115,3 +116,12 @@ def test_a_text_only_model_given_images_is_refused_before_loading(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "dataset: its samples hold images, but the model (qwen2) is text-only" in result.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("step_*"))
+
+
+def test_a_frozen_tower_keeps_its_weights_and_the_rest_trains(tmp_path):
+    check_success(run_tune_in_process(_argv(tmp_path, "max_steps_per_epoch=2", "model.freeze_vision_tower=true")))
+    start = load_weights(ensure_embedded_vlm_checkpoint())  # the checkpoint the run started from
+    trained = load_weights(final_checkpoint(tmp_path))
+    tower = [name for name in start if name.startswith("model.visual.") and ".merger." not in name]
+    assert tower and all(torch.equal(trained[name], start[name]) for name in tower)
+    assert not torch.equal(trained["model.visual.merger.mlp.0.weight"], start["model.visual.merger.mlp.0.weight"])
