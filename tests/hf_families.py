@@ -25,6 +25,8 @@ from transformers import (
     PreTrainedModel,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
     Qwen3Config,
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
@@ -59,6 +61,19 @@ QWEN3_MOE_TINY = {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "m
 # a SwiGLU limit of 0.5 that the random activations reach (7.0, published, they would not).
 GPT_OSS_TINY = {"head_dim": 16, "intermediate_size": 16, "num_local_experts": 4, "num_experts_per_tok": 2,
                 "sliding_window": 6, "swiglu_limit": 0.5}
+# Qwen2.5-VL: the decoder of TINY_SHAPE with multimodal RoPE (head_dim 8: 2 + 1 + 1 rotated pairs), and a tower of
+# 2 blocks (a windowed one, then a full one) with the embedded processor's patch (14), merge (2) and temporal patch
+# (2) sizes. Windows of 56 pixels are 2 x 2 merge units, so an image of 4 x 8 patches has 2 windows and one of
+# 6 x 4 a window cut short. The vocabulary has 4 tokens beyond TINY_SHAPE's random token range: the image
+# placeholder (98) is never drawn in a text-only batch.
+QWEN2_5_VL_TINY = {
+    "vocab_size": 100, "bos_token_id": 1, "eos_token_id": 2, "image_token_id": 98, "video_token_id": 99,
+    "vision_start_token_id": 96, "vision_end_token_id": 97, "rope_parameters": {"rope_type": "default", "mrope_section": [2, 1, 1],
+                                                   "rope_theta": 10_000.0},
+    "vision_config": {"depth": 2, "hidden_size": 16, "intermediate_size": 24, "num_heads": 2, "out_hidden_size": 32,
+                      "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
+                      "fullatt_block_indexes": [1]},
+}
 # family -> (config class, model class, config settings that make transformers build exactly our architecture)
 HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
@@ -74,6 +89,7 @@ HF_CLASSES = {
     "gemma2": (Gemma2Config, Gemma2ForCausalLM, GEMMA2_TINY),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_MOE_TINY),
     "gpt_oss": (GptOssConfig, GptOssForCausalLM, GPT_OSS_TINY),
+    "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, QWEN2_5_VL_TINY),
 }
 FAMILY_NAMES = sorted(HF_CLASSES)
 # Families whose norms scale by (1 + weight).
@@ -107,6 +123,39 @@ def random_hf_model(family: str, seed: int = 0, **config: object) -> PreTrainedM
 def write_hf_checkpoint(family: str, out_dir: Path, seed: int = 0, **config: object) -> Path:
     """``random_hf_model(...)`` saved by transformers (safetensors) into ``out_dir``."""
     random_hf_model(family, seed, **config).save_pretrained(out_dir)
+    return out_dir
+
+
+# The published Qwen2.5-VL files' tensor prefixes (transformers 4) for transformers 5's.
+QWEN2_5_VL_LEGACY_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
+
+
+def write_tiny_vlm_checkpoint(out_dir: Path, seed: int = 0, *, legacy_layout: bool = False,
+                              **config: object) -> Path:
+    """A tiny random Qwen2.5-VL (``QWEN2_5_VL_TINY``; ``config`` overrides any key) saved by transformers into
+    ``out_dir``. ``legacy_layout``: its tensors renamed to the published files' layout (``model.``, ``visual.``) and
+    its config.json flat (the decoder's keys at the top, ``rope_scaling`` of type ``mrope``), as Qwen publishes."""
+    from safetensors.torch import load_file, save_file
+
+    write_hf_checkpoint("qwen2_5_vl", out_dir, seed, **config)
+    if legacy_layout:
+        path = out_dir / "model.safetensors"
+        tensors = load_file(path)
+        renamed = {}
+        for name, tensor in tensors.items():
+            for new, old in QWEN2_5_VL_LEGACY_PREFIXES:
+                if name.startswith(new):
+                    name = old + name[len(new):]
+                    break
+            renamed[name] = tensor
+        save_file(renamed, path, metadata={"format": "pt"})
+        nested = json.loads((out_dir / "config.json").read_text())
+        text = nested.pop("text_config")
+        rope = text.pop("rope_parameters")
+        flat = {**text, **nested, "model_type": "qwen2_5_vl", "rope_theta": rope["rope_theta"],
+                "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+        flat["vision_config"]["in_chans"] = flat["vision_config"].pop("in_channels")
+        (out_dir / "config.json").write_text(json.dumps(flat))
     return out_dir
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -100,3 +101,41 @@ def ensure_embedded_checkpoint(
 
 def _is_complete(out_dir: Path) -> bool:
     return all((out_dir / name).is_file() for name in _REQUIRED_FILES)
+
+
+EMBEDDED_VLM_CHECKPOINT_NAME = "tiny-qwen2_5_vl-v1"
+
+
+def embedded_vlm_checkpoint_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the embedded vision-language checkpoint is (or will be) written; creates nothing."""
+    return resolve_cache_dir(cache_dir) / EMBEDDED_VLM_CHECKPOINT_NAME
+
+
+def ensure_embedded_vlm_checkpoint(cache_dir: str | os.PathLike | None = None, *, force: bool = False) -> Path:
+    """The embedded vision-language checkpoint directory, created if missing: ``qwen2_5_vl_tiny`` seeded as
+    ``ensure_embedded_checkpoint``'s model, saved with the embedded processor's files (its tokenizer, chat template
+    and image processor), so that the processor loads from the checkpoint directory. Atomic, serialised by a lock.
+    """
+    from torchtune_ac.data.embedded import EMBEDDED_VLM_PROCESSOR_DIR
+    from torchtune_ac.models.families.qwen2_5_vl import qwen2_5_vl_tiny
+
+    out_dir = embedded_vlm_checkpoint_dir(cache_dir)
+    if not force and _is_complete(out_dir):
+        return out_dir
+    processor_dir = Path(EMBEDDED_VLM_PROCESSOR_DIR)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(out_dir.parent / f".{out_dir.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if force or not _is_complete(out_dir):
+            tokenizer = load_tokenizer(str(processor_dir))
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(_SEED)
+                with torch.device("cpu"):
+                    model = qwen2_5_vl_tiny()
+                model.init_weights(_INIT_STD)
+            save_hf(model, out_dir, overwrite=True, tokenizer_dir=processor_dir, bos_token_id=tokenizer.bos_id,
+                    eos_token_id=tokenizer.eos_id, pad_token_id=tokenizer.pad_id)
+            for path in processor_dir.iterdir():  # the processor's own files beside the tokenizer's
+                if path.is_file() and not (out_dir / path.name).exists():
+                    shutil.copyfile(path, out_dir / path.name)
+    return out_dir

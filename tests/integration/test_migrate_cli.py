@@ -213,8 +213,7 @@ def test_refuses_to_overwrite_without_force(tmp_path, capsys):
         ("output_dir: /tmp/x\nmodel:\n  _component_: torchtune.models.llama3_2_vision.llama3_2_vision_11b\n"
          "checkpointer:\n  checkpoint_dir: /m\n",
          "tune migrate: {source}: model._component_=torchtune.models.llama3_2_vision.llama3_2_vision_11b: "
-         "no equivalent in torchtune_ac; "
-         "supported: "),
+         "Llama 3.2 Vision (cross-attention; torchtune's llama3_2_vision/11B_full"),
         ("output_dir: /tmp/x\nbatch_size: 2\n", "does not look like a torchtune config"),
         # One of our own configs: its resolver is not an interpolation error ("Unsupported interpolation type").
         (builtin_config_path("tiny/full").read_text(), "tune migrate: {source} does not look like a torchtune config"),

@@ -563,7 +563,7 @@ def test_the_queries_a_page_shows_run(page, tmp_path, monkeypatch, capsys):
 
 
 def test_the_queries_are_found():
-    assert [page.name for page in QUERIES] == ["README.md", "lora.md", "preference-tuning.md", "usage.md"]
+    assert [page.name for page in QUERIES] == ["README.md", "lora.md", "preference-tuning.md", "usage.md", "vision.md"]
     assert [argv[1] for _, argv in queries(REPO / "README.md")] == ["ls", "validate", "cp", "plan"]
     # usage.md's tune plan is memory.md's, run with its output
     assert [argv[1] for _, argv in queries(REPO / "docs" / "usage.md")] == ["ls", "cp", "validate"]

@@ -98,8 +98,7 @@ def test_model_builders(torchtune_builder, ours):
 
 @pytest.mark.parametrize(
     "builder",
-    ["torchtune.models.llama3_2_vision.llama3_2_vision_11b", "mymodels.build",
-     "torchtune.models.llama2.llama2_reward_7b"],
+    ["torchtune.models.clip.clip_vision_encoder", "mymodels.build", "torchtune.models.llama2.llama2_reward_7b"],
 )
 def test_model_without_equivalent_is_refused_listing_what_is_supported(builder):
     with pytest.raises(UserError) as info:
@@ -607,8 +606,8 @@ def test_torchtune_adapter_configs_migrate_where_the_family_exists():
     assert sum(a["kind"] == "dora" for a in adapters) == 3
     for row in TORCHTUNE_ADAPTER_CONFIGS:
         if row not in MIGRATED:
-            with pytest.raises(UserError, match="teacher_model: a knowledge distillation config|an adapter on a model "
-                               "with no equivalent in torchtune_ac"):
+            with pytest.raises(UserError, match="teacher_model: a knowledge distillation config|Llama 3.2 Vision|"
+                               "an adapter on a model with no equivalent in torchtune_ac"):
                 migrate_torchtune_config(torchtune_adapter_config(row))
 
 
@@ -713,3 +712,15 @@ def test_adapter_models_refused(model, message):
     with pytest.raises(UserError) as info:
         migrate_torchtune_config(torchtune_config(model=model))
     assert str(info.value).startswith(message) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("builder", ["torchtune.models.llama3_2_vision.llama3_2_vision_11b",
+                                     "torchtune.models.llama3_2_vision.llama3_2_vision_90b"])
+def test_llama_vision_is_refused_in_one_line_naming_its_configs(builder):
+    with pytest.raises(UserError) as info:
+        migrate_torchtune_config(torchtune_config(model={"_component_": builder}))
+    message = str(info.value)
+    assert message.startswith(f"model._component_={builder}: Llama 3.2 Vision (cross-attention; torchtune's "
+                              "llama3_2_vision/11B_full, llama3_2_vision/11B_full_single_device, "
+                              "llama3_2_vision/90B_full) has no equivalent here")
+    assert "qwen2_5_vl/7B_full" in message and "\n" not in message

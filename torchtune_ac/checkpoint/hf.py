@@ -49,8 +49,9 @@ from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.runtime.distributed import DistributedContext, process_group_context
 
 CONFIG_FILE = "config.json"
+# With a vision-language model's processor files (its image processor, and the processor's own settings).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "generation_config.json")
+                   "generation_config.json", "preprocessor_config.json", "processor_config.json", "chat_template.json")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 

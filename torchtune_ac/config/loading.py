@@ -28,7 +28,8 @@ from torchtune_ac.registry import builtin_config_names, builtin_config_path
 def register_resolvers() -> None:
     """Register torchtune_ac's OmegaConf resolvers (idempotent).
 
-    ``${embedded_checkpoint:}`` is the path of the embedded tiny checkpoint. Resolving it writes nothing (``tune
+    ``${embedded_checkpoint:}`` is the path of the embedded tiny checkpoint (``${embedded_vlm_checkpoint:}``, of
+    the tiny vision-language one). Resolving it writes nothing (``tune
     validate`` writes nothing anywhere); ``tune run`` creates it (``create_embedded_checkpoint_if_named``).
     """
     if OmegaConf.has_resolver("embedded_checkpoint"):
@@ -39,29 +40,37 @@ def register_resolvers() -> None:
 
         return str(embedded_checkpoint_dir())
 
+    def _embedded_vlm_checkpoint() -> str:
+        from torchtune_ac.embedded import embedded_vlm_checkpoint_dir
+
+        return str(embedded_vlm_checkpoint_dir())
+
     # Not cached: the cache directory comes from $TORCHTUNE_AC_CACHE, which may change between loads.
     OmegaConf.register_new_resolver("embedded_checkpoint", _embedded_checkpoint)
+    OmegaConf.register_new_resolver("embedded_vlm_checkpoint", _embedded_vlm_checkpoint)
 
 
 def create_embedded_checkpoint_if_named(cfg: DictConfig) -> None:
     """Write the embedded checkpoint if a value of the resolved ``cfg`` is its directory or a path inside it
     (``tune run`` only: the run reads it; ``tune validate`` reports it missing like any other file)."""
-    from torchtune_ac.embedded import embedded_checkpoint_dir, ensure_embedded_checkpoint
+    from torchtune_ac.embedded import (embedded_checkpoint_dir, embedded_vlm_checkpoint_dir, ensure_embedded_checkpoint,
+                                       ensure_embedded_vlm_checkpoint)
 
-    target = embedded_checkpoint_dir().expanduser().absolute()
-
-    def names_it(value: object) -> bool:
+    def names_it(value: object, target: Path) -> bool:
         if isinstance(value, dict):
-            return any(names_it(v) for v in value.values())
+            return any(names_it(v, target) for v in value.values())
         if isinstance(value, list):
-            return any(names_it(v) for v in value)
+            return any(names_it(v, target) for v in value)
         if not isinstance(value, str) or not value:
             return False
         path = Path(value).expanduser().absolute()
         return path == target or target in path.parents
 
-    if names_it(OmegaConf.to_container(cfg, resolve=True)):
-        ensure_embedded_checkpoint()
+    resolved = OmegaConf.to_container(cfg, resolve=True)
+    for directory, ensure in ((embedded_checkpoint_dir, ensure_embedded_checkpoint),
+                              (embedded_vlm_checkpoint_dir, ensure_embedded_vlm_checkpoint)):
+        if names_it(resolved, directory().expanduser().absolute()):
+            ensure()
 
 
 def resolve_config_path(config: str) -> Path:

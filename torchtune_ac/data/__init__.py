@@ -1,4 +1,4 @@
-"""Data: tokenizer, datasets (instruct / chat / text, preference pairs), packing, collation and sharded batching."""
+"""Data: tokenizer, datasets (instruct / chat / text, preference pairs, image-text conversations), packing, collation and sharded batching."""
 
 from torchtune_ac.data.chat_templates import CHAT_TEMPLATES
 from torchtune_ac.data.collate import collate_batch
@@ -21,6 +21,7 @@ from torchtune_ac.data.prompts import PromptDataset, prompt_dataset
 from torchtune_ac.data.sampler import ShardedBatchSampler, ShardedDataLoader, build_dataloader
 from torchtune_ac.data.samples import IGNORE_INDEX, TokenizedDataset, build_sample
 from torchtune_ac.data.tokenizer import Tokenizer, load_tokenizer
+from torchtune_ac.data.vision import VisionDataset, collate_vision_batch, vision_dataset
 
 __all__ = [
     "CHAT_TEMPLATES",
@@ -48,4 +49,7 @@ __all__ = [
     "prompt_dataset",
     "text_dataset",
     "uses_chat_template",
+    "VisionDataset",
+    "collate_vision_batch",
+    "vision_dataset",
 ]

@@ -15,6 +15,7 @@ from torchtune_ac.data.prompts import PromptDataset, blank_prompt, collate_promp
 from torchtune_ac.data.preference import PreferenceDataset, blank_preference_sample, collate_preference_batch
 from torchtune_ac.data.sampler import blank_sample
 from torchtune_ac.data.samples import TokenizedDataset
+from torchtune_ac.data.vision import collate_vision_batch
 from torchtune_ac.errors import UserError
 
 
@@ -56,8 +57,11 @@ class Batching:
                         "(full_finetune trains on samples, full_dpo on preference pairs)")
 
 
-# Tokens and labels, one row a sample.
-SAMPLES = Batching(TokenizedDataset, "samples", "torchtune_ac.data.instruct_dataset, chat_dataset or text_dataset")
+# Tokens and labels, one row a sample; an image-text sample's images too (``collate_vision_batch`` adds them, and
+# makes the batch of text-only samples ``collate_batch`` does).
+SAMPLES = Batching(TokenizedDataset, "samples",
+                   "torchtune_ac.data.instruct_dataset, chat_dataset, text_dataset or vision_dataset",
+                   collate_vision_batch)
 # Preference pairs: chosen rows, rejected rows; or packed, rows of whole pairs (each sequence a document).
 PAIRS = Batching(PreferenceDataset, "preference pairs", "torchtune_ac.data.preference_dataset",
                  collate_preference_batch, blank_preference_sample,

@@ -30,10 +30,14 @@ from typing import Any, Iterable, Optional
 import torch
 from torch.utils.data import Dataset
 
+from torchtune_ac.component_marker import config_component
 from torchtune_ac.data.collate import collate_batch
+from torchtune_ac.data.embedded import EMBEDDED_VLM_TRAIN_PATH
 from torchtune_ac.data.records import Record
 from torchtune_ac.data.samples import IGNORE_INDEX, PackingReport, count_of
-from torchtune_ac.data.sources import load_records
+from torchtune_ac.data.datasets import Sources
+from torchtune_ac.data.sources import load_records, source_files
+from torchtune_ac.data.tokenizer import Tokenizer
 from torchtune_ac.errors import UnavailableError, UserError
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -242,6 +246,9 @@ class VisionDataset(Dataset):
         self.samples = samples
         self.report = report
         self.packing = packing
+        # Where it was read from (set by ``vision_dataset``): the source as messages name it, and its local files.
+        self.source: Optional[str] = None
+        self.source_files: Optional[Any] = None
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -376,3 +383,44 @@ def collate_vision_batch(samples: list[dict[str, Any]], *, pad_id: int, pad_to_m
         else:
             batch[key] = torch.cat([sample[key] for sample in present])
     return batch
+
+
+@config_component
+def vision_dataset(
+    tokenizer: Tokenizer,
+    *,
+    source: Sources = EMBEDDED_VLM_TRAIN_PATH,
+    processor: Optional[str] = None,
+    max_seq_len: Optional[int] = None,
+    packed: bool = False,
+    resize_images: bool = False,
+    drop_long_samples: bool = True,
+    split: str = "train",
+) -> VisionDataset:
+    """Image-text conversations (see the module docstring), processed by the model's transformers processor.
+
+    Args:
+        tokenizer: From :func:`load_tokenizer` (its folder holds the processor unless ``processor`` is set).
+        source: a ``.jsonl`` / ``.json`` file of records, a folder, or a Hub dataset (``sources.load_records``);
+            image paths are relative to a file's folder. Defaults to the embedded coloured-shapes task.
+        processor: folder of the transformers processor (``preprocessor_config.json``); None: the tokenizer's folder
+            (a Hugging Face checkpoint holds it).
+        max_seq_len: longest sample, image tokens included (defaults to ``tokenizer.max_seq_len``).
+        packed: pack samples into rows of ``max_seq_len`` tokens, each a document.
+        resize_images: let the processor scale down an image over its pixel limit (else it is refused).
+        drop_long_samples: drop a sample longer than ``max_seq_len`` with a count (else refuse it).
+        split: split of a folder or Hub dataset.
+
+    Raises:
+        UserError: as ``build_vision_dataset``, or ``max_seq_len`` unset.
+    """
+    max_seq_len = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
+    if max_seq_len is None:
+        raise UserError("vision_dataset: set max_seq_len (an image-text sample is never truncated)")
+    folder = processor if processor is not None else str(Path(tokenizer.path).parent)
+    dataset = build_vision_dataset(source, load_vision_processor(folder), max_seq_len=max_seq_len,
+                                   resize_images=resize_images, drop_long_samples=drop_long_samples, packed=packed,
+                                   split=split)
+    dataset.source = source if isinstance(source, str) else ", ".join(source)
+    dataset.source_files = source_files(source, split)
+    return dataset

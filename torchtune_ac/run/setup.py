@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from torchtune_ac.config.meta_model import build_meta_model
+from torchtune_ac.models.vision.checks import check_model_takes_images
 from torchtune_ac.run import messages
 from torchtune_ac.run.assemble import build_mesh, build_training
 from torchtune_ac.run.loop import TrainingLoop
@@ -92,6 +93,8 @@ def setup_training(run: Run, *, batching: Batching = SAMPLES,
     plan = plan_run(run, model, tokenizer=tokenizer)  # rank 0's, checked, before anything heavy
     ctx = run.ctx  # now with the plan's parallelism: which share of the data this rank reads
     data = build_data(cfg, tokenizer, ctx, batching=batching)
+    if len(data.loader.dataset):  # images the model cannot take are refused before any weight loads
+        check_model_takes_images(model, data.loader.dataset[0], "dataset")
     plan = plan.with_data(data.samples, len(data.loader), described=data.described, unit=data.unit)
     log_plan(run, plan)
     validation = build_validation(cfg, tokenizer, ctx, batching=batching)

@@ -34,7 +34,10 @@ IGNORE_INDEX = -100
 #   target_count: 0-d, the labels that are not ``IGNORE_INDEX`` (the chunked loss needs the number on the host)
 #   document_lengths: [n_documents], a packed batch's documents, row after row (its attention needs them there)
 #   sequence_count: 0-d, a packed preference batch's sequences (``data.preference.collate_packed_pairs``)
-HOST_KEYS = frozenset({"target_count", "document_lengths", "sequence_count"})
+#   image_grid_thw: [n_images, 3], an image-text batch's image sizes in patches (the vision tower plans on them)
+HOST_KEYS = frozenset({"target_count", "document_lengths", "sequence_count", "image_grid_thw"})
+# The image tensors of an image-text batch (``data.vision``), passed to a vision-language model's forward.
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
 
 
 @dataclass(frozen=True)
@@ -104,10 +107,12 @@ def host_target_count(batch: Mapping[str, torch.Tensor]) -> Optional[int]:
 
 def run_model(model: nn.Module, batch: Mapping[str, torch.Tensor], **kwargs: Any) -> torch.Tensor:
     """``model(tokens, document_ids, **kwargs)`` for ``batch``, with its host-side ``document_lengths`` when it is
-    packed and the model's ``forward`` takes them (the built-in decoder does: see ``Llama.forward``)."""
+    packed and the model's ``forward`` takes them (the built-in decoder does: see ``Llama.forward``), and its images
+    (``IMAGE_KEYS``) when it has any (a vision-language model's forward takes them)."""
     lengths = batch.get("document_lengths")
     if lengths is not None and "document_lengths" in inspect.signature(model.forward).parameters:
         kwargs["document_lengths"] = lengths
+    kwargs.update({key: batch[key] for key in IMAGE_KEYS if key in batch})
     return model(batch["tokens"], batch.get("document_ids"), **kwargs)
 
 

@@ -36,6 +36,11 @@ from torchtune_ac.models.families import FAMILIES
 
 COMPONENT_KEY = "_component_"
 
+# torchtune's Llama 3.2 Vision builders and its full configs of them: refused in one line naming them.
+LLAMA_VISION_PACKAGE = "torchtune.models.llama3_2_vision."
+LLAMA_VISION_CONFIGS = ("llama3_2_vision/11B_full", "llama3_2_vision/11B_full_single_device",
+                        "llama3_2_vision/90B_full")
+
 # torchtune model builder -> ours, as each family declares (``ModelFamily.torchtune_builders``). A builder absent
 # from this table has no equivalent and is refused.
 _REPLACED = {torchtune: ours for family in FAMILIES for torchtune, ours in family.torchtune_builders.items()}
@@ -392,6 +397,10 @@ class _Migrator:
     def migrate_model(self) -> None:
         model = self.take("model")
         path = model.get(COMPONENT_KEY) if isinstance(model, Mapping) else None
+        if isinstance(path, str) and path.startswith(LLAMA_VISION_PACKAGE):
+            raise UserError(f"model._component_={path}: Llama 3.2 Vision (cross-attention; torchtune's "
+                            f"{', '.join(LLAMA_VISION_CONFIGS)}) has no equivalent here; vision-language models here "
+                            "are Qwen2.5-VL: tune cp qwen2_5_vl/7B_full my.yaml (docs/vision.md)")
         if self.adapter:
             # lora_llama3_1_8b, qlora_qwen2_5_7b: the full model's builder, and its LoRA arguments as the adapter.
             package, name = path.rsplit(".", 1)

@@ -1,0 +1,190 @@
+"""The Qwen2.5-VL family against transformers' ``Qwen2_5_VLForConditionalGeneration``: logits with one image, two
+images and none, through the same model; both checkpoint layouts; the published sizes; the tower's share of
+activation checkpointing and sharding; freezing; the refusals."""
+
+import dataclasses
+
+import pytest
+import torch
+from hf_families import random_hf_model, write_tiny_vlm_checkpoint
+from numerics import assert_close, llama_terms
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+import torchtune_ac.models.families.qwen2 as qwen2
+import torchtune_ac.models.families.qwen2_5_vl as qwen2_5_vl
+from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
+from torchtune_ac.errors import UserError
+from torchtune_ac.models import QWEN2_5_VL, check_checkpoint_matches, family_of, load_hf, transformer_blocks
+from torchtune_ac.models.families import shard_groups
+from torchtune_ac.models.vision.checks import check_model_takes_images
+from torchtune_ac.models.vision.qwen2_5_vl import mrope_positions
+
+IMAGE = 98  # QWEN2_5_VL_TINY's image token
+PATCH_VALUES = 3 * 2 * 14 * 14
+# Published config.json files (the keys that matter), as Qwen ships them: flat, transformers 4's names.
+_VISION = {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+           "in_chans": 3, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 112,
+           "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2}
+_TEXT = {"architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "hidden_act": "silu",
+         "max_position_embeddings": 128000, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "use_sliding_window": False,
+         "sliding_window": 32768, "image_token_id": 151655, "video_token_id": 151656,
+         "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]}}
+PUBLISHED = {
+    "qwen2_5_vl_3b": {**_TEXT, "hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16,
+                      "num_hidden_layers": 36, "num_key_value_heads": 2, "tie_word_embeddings": True,
+                      "vocab_size": 151936, "vision_config": {**_VISION, "out_hidden_size": 2048}},
+    "qwen2_5_vl_7b": {**_TEXT, "hidden_size": 3584, "intermediate_size": 18944, "num_attention_heads": 28,
+                      "num_hidden_layers": 28, "num_key_value_heads": 4, "tie_word_embeddings": False,
+                      "vocab_size": 152064, "vision_config": {**_VISION, "out_hidden_size": 3584}},
+}
+
+
+def _batch(rows: list[list[tuple[int, int]]], seq_len: int, seed: int = 0):
+    """Random text tokens with images placed in them: per row, (start, (h, w)) -> tokens, pixel_values, grids."""
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, 96, (len(rows), seq_len), generator=g)
+    grids = []
+    for r, images in enumerate(rows):
+        for start, (h, w) in images:
+            tokens[r, start:start + h * w // 4] = IMAGE
+            grids.append([1, h, w])
+    grid = torch.tensor(grids)
+    return tokens, torch.randn(int(grid.prod(-1).sum()), PATCH_VALUES, generator=g), grid
+
+
+def _terms(model, seq_len):
+    vision = model.args.vision
+    tower = vision.depth * (5 * vision.dim + vision.intermediate_dim + 64) + 4 * vision.dim + PATCH_VALUES
+    return llama_terms(model.args, seq_len, 0, backward=False) + tower
+
+
+CASES = {
+    "one_image": [[(2, (4, 4))]],
+    # two images in one row (windows of 2 x 2 merge units: 2 of them, and one cut short), one in the other
+    "two_images": [[(1, (4, 8)), (12, (6, 4))], [(4, (4, 4))]],
+    "text_only": [[], []],
+}
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    path = write_tiny_vlm_checkpoint(tmp_path_factory.mktemp("vlm"), seed=1)
+    return path, random_hf_model("qwen2_5_vl", seed=1), load_hf(path).eval()
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_logits_match_transformers(tiny, case):
+    _, reference, model = tiny
+    tokens, pixels, grid = _batch(CASES[case], 24)
+    images = dict(pixel_values=pixels, image_grid_thw=grid) if len(grid) else {}
+    with torch.no_grad():
+        expected = reference(input_ids=tokens, mm_token_type_ids=(tokens == IMAGE).int(), **images).logits
+        # transformers adds in other orders (attention kernels, per-window loops): within rounding.
+        assert_close(model(tokens, **images), expected, terms=_terms(model, 24), what="logits")
+
+
+def test_the_published_layout_loads_the_same_weights(tiny, tmp_path):
+    path, _, model = tiny
+    legacy = load_hf(write_tiny_vlm_checkpoint(tmp_path, seed=1, legacy_layout=True))
+    assert legacy.args == model.args
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(legacy.state_dict()[name], tensor), name
+
+
+def test_packed_documents_restart_their_positions():
+    tokens, _, grid = _batch([[(2, (4, 8))]], 12)
+    packed = torch.cat([tokens, tokens], dim=1)
+    document_ids = torch.tensor([[0] * 12 + [1] * 12])
+    positions = mrope_positions(packed, torch.cat([grid, grid]), IMAGE, 2, document_ids)
+    alone = mrope_positions(tokens, grid, IMAGE, 2)
+    assert torch.equal(positions[..., 12:], alone) and torch.equal(positions[..., :12], alone)
+    # the image's tokens: time 2, rows 2-3, columns 2-5 (2 x 4 merge units from position 2); text resumes at 2 + 4
+    assert positions[:, 0, 2:10].tolist() == [[2] * 8, [2, 2, 2, 2, 3, 3, 3, 3], [2, 3, 4, 5] * 2]
+    assert positions[0, 0, 10:12].tolist() == [6, 7]
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_builders_have_the_published_shapes_and_transformers_parameter_count(name):
+    config = PUBLISHED[name]
+    assert QWEN2_5_VL.hf.args_from_hf_config(config) == getattr(qwen2_5_vl, name.upper())
+    with torch.device("meta"):
+        ours = getattr(qwen2_5_vl, name)()
+        theirs = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(**{
+            **{k: v for k, v in config.items() if k != "rope_scaling"},
+            "vision_config": {**config["vision_config"], "in_channels": 3}}))
+    count = sum(p.numel() for p in ours.parameters())
+    assert count == sum(p.numel() for p in theirs.parameters())  # a tied weight counted once on both sides
+    assert count == {"qwen2_5_vl_3b": 3_754_622_976, "qwen2_5_vl_7b": 8_292_166_656}[name]
+
+
+def test_the_tower_blocks_come_first_for_ac_and_sharding(tiny):
+    path, _, _ = tiny
+    model = load_hf(path)
+    blocks = transformer_blocks(model)
+    assert list(blocks) == [*model.visual.blocks, *model.layers]
+    assert shard_groups(model)[:2] == ((model.visual.patch_embed,), (model.visual.merger,))
+    plan = setup_activation_checkpointing(model, ac_mode="selective", ac_option=3)
+    assert plan.checkpointed_blocks == (2,)  # the third of 2 tower blocks and 2 decoder blocks: decoder layer 0
+
+
+def test_a_batch_without_images_runs_the_tower_and_changes_nothing(tiny):
+    path, reference, _ = tiny
+    model = load_hf(path)
+    tokens, _, _ = _batch([[]], 12)
+    model(tokens).sum().backward()
+    # the blank image ran through every module of the tower (FSDP2 gathers and reduces them on every process)
+    for name, param in model.visual.named_parameters():
+        assert param.grad is not None and not param.grad.any(), name
+
+
+def test_freezing_the_tower_and_the_projector_by_builder_keys():
+    with torch.device("meta"):
+        model = qwen2_5_vl.qwen2_5_vl_3b(freeze_vision_tower=True)
+        both = qwen2_5_vl.qwen2_5_vl_3b(freeze_vision_tower=True, freeze_projector=True)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    assert frozen and all(n.startswith(("visual.blocks.", "visual.patch_embed.")) for n in frozen)
+    assert {n for n, p in both.named_parameters() if not p.requires_grad} == {
+        n for n, _ in both.named_parameters() if n.startswith("visual.")}
+    assert family_of(model) is QWEN2_5_VL
+
+
+def test_a_tower_that_does_not_match_the_checkpoint_is_refused(tiny):
+    path, _, model = tiny
+    args = dataclasses.replace(model.args, vision=dataclasses.replace(model.args.vision, depth=3,
+                                                                      fullatt_block_indexes=(2,)))
+    with torch.device("meta"):
+        other = QWEN2_5_VL.build(args)
+    with pytest.raises(UserError, match=r"vision_config.depth=2, model has 3.*vision_config.fullatt_block_indexes"):
+        check_checkpoint_matches(other, path)
+
+
+def test_a_text_only_config_is_not_a_vision_language_checkpoint():
+    config = {k: v for k, v in PUBLISHED["qwen2_5_vl_3b"].items() if k != "vision_config"}
+    with pytest.raises(UserError, match="vision_config: missing"):
+        QWEN2_5_VL.hf.args_from_hf_config(config)
+
+
+def _sample(h=4, w=4, values=PATCH_VALUES, image_tokens=4):
+    return {"tokens": [1, 2] + [IMAGE] * image_tokens + [3], "pixel_values": torch.zeros(h * w, values),
+            "image_grid_thw": torch.tensor([[1, h, w]])}
+
+
+@pytest.mark.parametrize("sample, message", [
+    (_sample(values=3 * 2 * 16 * 16), r"dataset: the processor's patches hold 1536 values, the model's vision tower "
+                                      r"takes 1176 \(in_channels=3 x temporal_patch_size=2 x patch_size=14\^2\)"),
+    (_sample(image_tokens=16), "dataset: the first sample has 16 tokens of the model's image_token_id=98 but its "
+                               "images make 4 with the model's spatial_merge_size=2"),
+])
+def test_images_the_tower_cannot_take_are_refused(tiny, sample, message):
+    with pytest.raises(UserError, match=message):
+        check_model_takes_images(tiny[2], sample, "dataset")
+    check_model_takes_images(tiny[2], _sample(), "dataset")  # the processor's sizes: accepted
+
+
+def test_a_text_only_model_given_images_is_refused():
+    with torch.device("meta"):
+        model = qwen2.qwen2_5_0_5b()
+    with pytest.raises(UserError, match=r"dataset: its samples hold images, but the model \(qwen2\) is text-only"):
+        check_model_takes_images(model, _sample(), "dataset")
+    check_model_takes_images(model, {"tokens": [1, 2]}, "dataset")

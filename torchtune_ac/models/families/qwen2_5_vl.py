@@ -1,0 +1,255 @@
+"""The Qwen2.5-VL family: Qwen2's decoder with multimodal RoPE, and a vision tower whose merged patches replace the
+image tokens' embeddings (``models/vision/qwen2_5_vl.py``).
+
+Checkpoints: the published files keep the decoder under ``model.`` and the tower under ``visual.`` (transformers
+4's layout); transformers 5 saves them under ``model.language_model.`` and ``model.visual.``: both load, a model is
+saved in transformers 5's layout (which transformers 4.52 and later read too). The published config.json is flat
+(the decoder's keys at the top, ``rope_scaling: {type: mrope, mrope_section}``); transformers 5's nests them in
+``text_config``: both are read, the nested form is written.
+
+Activation checkpointing and FSDP2 see the tower's blocks, then the decoder's (the order forward runs them):
+``ac_option: k`` checkpoints every k-th of them all, counting the tower's first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping, Optional
+
+import torch
+from torch import nn
+
+from torchtune_ac.component_marker import config_component
+from torchtune_ac.errors import UserError
+from torchtune_ac.models.family import ModelFamily
+from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter, Refusal, read_value, refuse_truthy
+from torchtune_ac.models.llama import LlamaArgs
+from torchtune_ac.models.vision.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLArgs, VisionArgs
+
+_VISION_7B = VisionArgs(depth=32, dim=1280, intermediate_dim=3420, n_heads=16, out_dim=3584)
+QWEN2_5_VL_3B = Qwen2_5_VLArgs(
+    vocab_size=151_936, dim=2048, n_layers=36, n_heads=16, n_kv_heads=2, intermediate_dim=11_008, max_seq_len=128_000,
+    norm_eps=1e-6, rope_theta=1_000_000.0, tie_embeddings=True, model_type="qwen2_5_vl", qkv_bias=True,
+    vision=dataclasses.replace(_VISION_7B, out_dim=2048))
+QWEN2_5_VL_7B = Qwen2_5_VLArgs(
+    vocab_size=152_064, dim=3584, n_layers=28, n_heads=28, n_kv_heads=4, intermediate_dim=18_944, max_seq_len=128_000,
+    norm_eps=1e-6, rope_theta=1_000_000.0, tie_embeddings=False, model_type="qwen2_5_vl", qkv_bias=True,
+    vision=_VISION_7B)
+# For CI: the embedded processor's vocabulary (518 tokens, ``<|image_pad|>`` 516) and patch sizes (14-pixel patches
+# of 2 frames, merged 2 x 2); windows of 56 pixels (2 x 2 merge units), a windowed tower block then a full one.
+QWEN2_5_VL_TINY = Qwen2_5_VLArgs(
+    vocab_size=518, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=128, max_seq_len=2048,
+    norm_eps=1e-6, rope_theta=1_000_000.0, tie_embeddings=True, model_type="qwen2_5_vl", qkv_bias=True,
+    vision=VisionArgs(depth=2, dim=32, intermediate_dim=64, n_heads=2, out_dim=64, window_size=56,
+                      fullatt_block_indexes=(1,)),
+    image_token_id=516, mrope_section=(4, 2, 2))
+
+# Our tower's names are transformers' under ``visual.``; the decoder's under ``model.language_model.`` in
+# transformers 5's layout. A published (transformers 4) checkpoint's prefixes -> those.
+_LEGACY_PREFIXES = (("visual.", "model.visual."), ("model.visual.", "model.visual."),
+                    ("model.language_model.", "model.language_model."), ("model.", "model.language_model."),
+                    ("lm_head.", "lm_head."))
+# config.json ``vision_config`` key -> (``VisionArgs`` field, kind); ``in_chans``: the published files' spelling.
+_VISION_KEYS = {
+    "depth": ("depth", int), "hidden_size": ("dim", int), "intermediate_size": ("intermediate_dim", int),
+    "num_heads": ("n_heads", int), "out_hidden_size": ("out_dim", int), "in_channels": ("in_channels", int),
+    "patch_size": ("patch_size", int), "temporal_patch_size": ("temporal_patch_size", int),
+    "spatial_merge_size": ("spatial_merge_size", int), "window_size": ("window_size", int),
+    "hidden_act": ("activation", str),
+}
+_TOP_LEVEL_TOKENS = {"video_token_id": 151_656, "vision_start_token_id": 151_652, "vision_end_token_id": 151_653}
+
+
+def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The decoder's keys of a config.json, flat or nested (``text_config``), with its RoPE as the default type."""
+    text = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
+    text.update(config.get("text_config") or {})
+    text["model_type"] = "qwen2_5_vl"
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, Mapping) and rope.get("rope_type", rope.get("type")) in ("mrope", "default"):
+            text[key] = {k: v for k, v in rope.items() if k not in ("type", "rope_type", "mrope_section")}
+            if not text[key] and key == "rope_scaling":
+                text[key] = None
+    if "tie_word_embeddings" in config:  # the top-level value is the model's (transformers 5 nests a copy)
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    return text
+
+
+def _mrope_section(config: Mapping[str, Any]) -> Any:
+    for source in (config.get("text_config") or {}, config):
+        for key in ("rope_parameters", "rope_scaling"):
+            rope = source.get(key)
+            if isinstance(rope, Mapping) and "mrope_section" in rope:
+                return rope["mrope_section"]
+    return None
+
+
+def _vision_architecture(vision: VisionArgs) -> dict[str, Any]:
+    values = {key: getattr(vision, field) for key, (field, _) in _VISION_KEYS.items()}
+    return {**values, "fullatt_block_indexes": list(vision.fullatt_block_indexes),
+            "rope_theta": vision.rope_theta}
+
+
+class Qwen2_5_VLHFAdapter(LlamaStyleHFAdapter):
+    """Qwen2.5-VL's config.json (flat or nested) and tensor names (both layouts)."""
+
+    def check_args(self, args: LlamaArgs) -> None:
+        if not isinstance(args, Qwen2_5_VLArgs):
+            raise ValueError(f"{type(args).__name__}: Qwen2.5-VL needs Qwen2_5_VLArgs (a vision tower)")
+        super().check_args(args)
+
+    def to_hf_name(self, name: str) -> str:
+        if name.startswith("visual."):
+            return "model." + name
+        hf = super().to_hf_name(name)
+        return hf.replace("model.", "model.language_model.", 1) if hf.startswith("model.") else hf
+
+    def stored_name(self, config: Mapping[str, Any], name: str) -> Optional[str]:
+        if super().stored_name(config, name) is None:
+            return None
+        for prefix, ours in _LEGACY_PREFIXES:
+            if name.startswith(prefix):
+                return ours + name[len(prefix):]
+        return None
+
+    def args_from_hf_config(self, config: Mapping[str, Any], **overrides: Any) -> Qwen2_5_VLArgs:
+        problems: list[str] = []
+        vision_config = config.get("vision_config")
+        if not isinstance(vision_config, Mapping):
+            problems.append("vision_config: missing (not a vision-language checkpoint)")
+            vision_config = {}
+        vision = {}
+        for key, (field, kind) in _VISION_KEYS.items():
+            spelled = "in_chans" if key == "in_channels" and key not in vision_config else key
+            vision[field] = read_value(vision_config, spelled, kind, problems,
+                                       default=VisionArgs.__dataclass_fields__[field].default, prefix="vision_config.")
+        indexes = vision_config.get("fullatt_block_indexes", list(VisionArgs.fullatt_block_indexes))
+        if not isinstance(indexes, (list, tuple)) or not all(isinstance(i, int) for i in indexes):
+            problems.append(f"vision_config.fullatt_block_indexes={indexes!r}: must be a list of block indexes")
+        else:
+            vision["fullatt_block_indexes"] = tuple(indexes)
+        rope = vision_config.get("rope_parameters") or {}
+        vision["rope_theta"] = float(rope.get("rope_theta", VisionArgs.rope_theta)) if isinstance(rope, Mapping) \
+            else VisionArgs.rope_theta
+        section = _mrope_section(config)
+        if section is None:
+            section = list(Qwen2_5_VLArgs.mrope_section)
+        if not isinstance(section, list) or not all(isinstance(s, int) for s in section):
+            problems.append(f"mrope_section={section!r}: must be a list of 3 ints")
+        image_token = read_value(config, "image_token_id", int, problems, default=Qwen2_5_VLArgs.image_token_id)
+        try:
+            text = super().args_from_hf_config(_text_config(config), **overrides)
+        except UserError as e:
+            problems.append(str(e).removeprefix("unsupported Hugging Face qwen2_5_vl config: "))
+        if problems:
+            raise UserError("unsupported Hugging Face qwen2_5_vl config: " + "; ".join(problems))
+        fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(LlamaArgs)}
+        try:
+            return Qwen2_5_VLArgs(**fields, vision=VisionArgs(**vision), image_token_id=image_token,
+                                  mrope_section=tuple(section))
+        except ValueError as e:
+            raise UserError(f"Hugging Face qwen2_5_vl config: {e}") from None
+
+    def hf_config_from_args(self, args: Qwen2_5_VLArgs, dtype: torch.dtype, *,
+                            base_config: Optional[Mapping[str, Any]] = None, **token_ids: Any) -> dict[str, Any]:
+        base = dict(base_config or {})
+        text = super().hf_config_from_args(args, dtype, base_config=_text_config(base), **token_ids)
+        theta = text.pop("rope_theta")
+        text.pop("rope_scaling", None)
+        text.pop("architectures")
+        for key in self.family_architecture(args):  # the multimodal keys are the top level's and the tower's
+            text.pop(key)
+        text.update(model_type="qwen2_5_vl_text", rope_parameters={
+            "rope_type": "default", "rope_theta": theta, "mrope_section": list(args.mrope_section)})
+        vision = {**(base.get("vision_config") or {}), **_vision_architecture(args.vision)}
+        vision.pop("in_chans", None)
+        vision.update(model_type="qwen2_5_vl_vision", hidden_act=vision.pop("hidden_act"),
+                      rope_parameters={"rope_type": "axial", "rope_theta": vision.pop("rope_theta")})
+        top = {k: v for k, v in base.items() if k not in text and k not in ("rope_scaling", "torch_dtype")}
+        top.update({key: base.get(key, default) for key, default in _TOP_LEVEL_TOKENS.items()})
+        top.update(architectures=[self.architecture_name], model_type=self.model_type, text_config=text,
+                   vision_config=vision, image_token_id=args.image_token_id, tie_word_embeddings=args.tie_embeddings,
+                   dtype=text["dtype"])
+        return top
+
+    def family_architecture(self, args: LlamaArgs) -> dict[str, Any]:
+        vision = {f"vision_config.{k}": v for k, v in _vision_architecture(args.vision).items()}
+        return {"mrope_section": list(args.mrope_section), "image_token_id": args.image_token_id, **vision}
+
+
+HF = Qwen2_5_VLHFAdapter(
+    model_type="qwen2_5_vl",
+    architecture_name="Qwen2_5_VLForConditionalGeneration",
+    variant={"qkv_bias": True},
+    refusals=(Refusal("use_sliding_window", refuse_truthy("sliding-window attention is not supported")),),
+    extra_config={"use_sliding_window": False, "sliding_window": None},
+)
+
+
+def build(args: Qwen2_5_VLArgs) -> Qwen2_5_VL:
+    HF.check_args(args)
+    return Qwen2_5_VL(args)
+
+
+def freeze_(model: Qwen2_5_VL, *, vision_tower: bool, projector: bool) -> Qwen2_5_VL:
+    """Stop training the tower (patch embedding and blocks) and/or the projector (the merger)."""
+    if vision_tower:
+        model.visual.patch_embed.requires_grad_(False)
+        model.visual.blocks.requires_grad_(False)
+    if projector:
+        model.visual.merger.requires_grad_(False)
+    return model
+
+
+def _builder(name: str, base: Qwen2_5_VLArgs, doc: str):
+    def builder(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None,
+                freeze_vision_tower: bool = False, freeze_projector: bool = False) -> Qwen2_5_VL:
+        try:
+            args = dataclasses.replace(base, attn_dropout=attn_dropout, resid_dropout=resid_dropout,
+                                       max_seq_len=base.max_seq_len if max_seq_len is None else max_seq_len)
+        except ValueError as e:
+            raise UserError(f"model {name}: {e}") from None
+        return freeze_(build(args), vision_tower=freeze_vision_tower, projector=freeze_projector)
+
+    builder.__module__, builder.__name__, builder.__qualname__ = __name__, name, name
+    builder.__doc__ = doc + (" ``freeze_vision_tower``: the tower's patch embedding and blocks are not trained; "
+                             "``freeze_projector``: nor is the merger.")
+    return config_component(builder)
+
+
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    return nn.ModuleList([*model.visual.blocks, *model.layers])
+
+
+def _shard_groups(model: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
+    vision = (model.visual.patch_embed,), (model.visual.merger,)
+    if model.args.tie_embeddings:
+        return vision
+    return (*vision, (model.tok_embeddings,), (model.norm, model.output))
+
+
+def _init_parameter(model: nn.Module, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
+    model.init_parameter_(name, tensor, generator)
+
+
+FAMILY = ModelFamily(
+    name="qwen2_5_vl",
+    model_class=Qwen2_5_VL,
+    builders={
+        "qwen2_5_vl_3b": _builder("qwen2_5_vl_3b", QWEN2_5_VL_3B,
+                                  "Qwen2.5-VL 3B (3,754,622,976 parameters, tied embeddings)."),
+        "qwen2_5_vl_7b": _builder("qwen2_5_vl_7b", QWEN2_5_VL_7B, "Qwen2.5-VL 7B (8,292,166,656 parameters)."),
+        "qwen2_5_vl_tiny": _builder("qwen2_5_vl_tiny", QWEN2_5_VL_TINY,
+                                    "A tiny Qwen2.5-VL for CI, of the embedded processor's sizes (tied embeddings)."),
+    },
+    hf=HF,
+    args_of=lambda model: model.args,
+    build=build,
+    blocks=_blocks,
+    shard_groups=_shard_groups,
+    init_weights=lambda model: model.init_weights(),
+    init_parameter=_init_parameter,
+)
+# The builders are names of this module too (``torchtune_ac.models.families.qwen2_5_vl.qwen2_5_vl_7b``).
+globals().update(FAMILY.builders)
