@@ -11,6 +11,7 @@ minutes, so what a CPU can show fails here first.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -25,8 +26,8 @@ REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "scripts" / "gpu" / "gpu_check.sh"
 
 
-def gpu_check(*args: str, cwd: Path = REPO) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHON": sys.executable}
+def gpu_check(*args: str, cwd: Path = REPO, python: str = sys.executable) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHON": python}
     return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, cwd=cwd,
                           timeout=300)
 
@@ -73,8 +74,8 @@ def test_without_cuda_it_stops_before_any_stage_with_exit_1(tmp_path: Path) -> N
     assert written_by_default() == before
 
 
-def stage_selection(*args: str) -> dict[str, list[str]]:
-    result = gpu_check("--list", *args)
+def _stage_selection(*args: str, python: str) -> dict[str, list[str]]:
+    result = gpu_check("--list", *args, python=python)
     assert result.returncode == 0, result.stderr[-3000:]
     stages: dict[str, list[str]] = {}
     for line in result.stdout.splitlines():
@@ -100,9 +101,35 @@ PYTEST_STAGES = ["compiled", "dpo", "fast", "moe", "offload", "planner", "two_ra
 DEFAULT_PYTEST_STAGES = ["fast", "moe", "two_ranks"]  # with env, the default run's
 
 
+# What the script runs as $PYTHON for --list: the interpreter, except that a pytest collection it has already run
+# with the same arguments, folder and PYTHONPATH prints that collection's output and exit status again instead of
+# collecting anew (a collection is a fresh interpreter importing the suite: seconds). The default run's stages and
+# --only's whole stages are --full's own pytest commands: a stage given other arguments is collected afresh.
+COLLECTING_ONCE = """#!/usr/bin/env bash
+if [ "${1:-} ${2:-}" = "-m pytest" ] && [[ " $* " == *" --collect-only "* ]]; then
+  key="$(printf '%s\\0' "$PWD" "${PYTHONPATH:-}" "$@" | sha256sum | cut -c1-40)"
+  [ -f "$0.d/$key.status" ] || { "$REAL_PYTHON" "$@" > "$0.d/$key.out" 2>&1; echo $? > "$0.d/$key.status"; }
+  cat "$0.d/$key.out"
+  exit "$(cat "$0.d/$key.status")"
+fi
+exec "$REAL_PYTHON" "$@"
+"""
+
+
+@pytest.fixture
+def collecting_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    python = tmp_path / "python"
+    python.write_text(COLLECTING_ONCE)
+    python.chmod(0o755)
+    (tmp_path / "python.d").mkdir()
+    monkeypatch.setenv("REAL_PYTHON", sys.executable)
+    return str(python)
+
+
 @pytest.mark.slow
-def test_every_cuda_test_is_in_exactly_one_stage_and_the_default_run_is_the_short_stages() -> None:
+def test_every_cuda_test_is_in_exactly_one_stage_and_the_default_run_is_the_short_stages(collecting_once) -> None:
     expected = cuda_tests()
+    stage_selection = functools.partial(_stage_selection, python=collecting_once)
     full = stage_selection("--full")
     assert sorted(full) == PYTEST_STAGES
     listed = [test for tests in full.values() for test in tests]

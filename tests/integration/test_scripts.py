@@ -15,11 +15,44 @@ SCRIPTS = sorted(s for s in (Path(__file__).resolve().parents[2] / "scripts").rg
                  if not s.name.startswith("_"))
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
-def test_script_starts(script: Path) -> None:
-    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+# One interpreter runs every script's --help in turn (as __main__, with its folder first on sys.path, as `python
+# script.py --help` would have it), each one's exit status and output kept apart: a fresh interpreter per script
+# spent its seconds importing torch and the package again.
+EVERY_HELP = """
+import contextlib, io, json, os, runpy, sys, traceback
+results = {}
+for path in sys.argv[1:]:
+    out, err, saved = io.StringIO(), io.StringIO(), (list(sys.argv), list(sys.path))
+    sys.argv, sys.path[:0] = [path, "--help"], [os.path.dirname(path)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(path, run_name="__main__")
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+    except BaseException:
+        code = 1
+        err.write(traceback.format_exc())
+    finally:
+        sys.argv, sys.path[:] = saved
+    results[path] = [code, out.getvalue(), err.getvalue()]
+sys.__stdout__.write(json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def every_help() -> dict[str, list]:
+    result = subprocess.run([sys.executable, "-c", EVERY_HELP, *map(str, SCRIPTS)], capture_output=True, text=True,
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "usage:" in result.stdout
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_script_starts(script: Path, every_help: dict[str, list]) -> None:
+    code, stdout, stderr = every_help[str(script)]
+    assert code == 0, stderr[-2000:]
+    assert "usage:" in stdout
 
 
 REPO = Path(__file__).resolve().parents[2]
