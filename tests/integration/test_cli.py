@@ -366,7 +366,8 @@ BAD_COMMAND_LINES = [
     (["cp", "no/such", "{tmp}/x.yaml"], "not a built-in recipe or config"),
     # torchtune's names: no hint, or a hint to the wrong config, before.
     (["run", "full_finetune_single_device", "--config", "tiny/full"],
-     "recipe full_finetune_single_device: not a built-in recipe (full_finetune, full_dpo, lora_finetune, lora_dpo) and "
+     "recipe full_finetune_single_device: not a built-in recipe "
+     "(full_finetune, full_dpo, lora_finetune, lora_dpo, grpo, lora_grpo) and "
      "not a .py file (did you mean "
      "full_finetune? It runs on one device and on many; see `tune ls`)"),
     (["run", "full_finetune", "--config", "llama3_2/1B_full_single_device"],
@@ -376,7 +377,8 @@ BAD_COMMAND_LINES = [
     (["validate", "--config", "llama3_2/1B_lora_single_device"],
      "config llama3_2/1B_lora_single_device: not a file and not a built-in config (did you mean llama3_2/1B_lora?"),
     (["run", "lora_finetune_single_device", "--config", "tiny/full"],
-     "recipe lora_finetune_single_device: not a built-in recipe (full_finetune, full_dpo, lora_finetune, lora_dpo) and "
+     "recipe lora_finetune_single_device: not a built-in recipe "
+     "(full_finetune, full_dpo, lora_finetune, lora_dpo, grpo, lora_grpo) and "
      "not a .py file (did you mean lora_finetune? It runs on one device and on many; see `tune ls`)"),
     # Typos in dotted keys on the command line: blamed on the YAML file before.
     (["validate", "--config", "tiny/full", "optimzer.lr=1e-4"],
