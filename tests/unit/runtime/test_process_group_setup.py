@@ -225,8 +225,9 @@ def test_the_gpu_suite_starts_its_process_groups_as_tune_run_does():
     sources = {path.name: path.read_text() for path in suite.glob("*.py")}
     assert sources
     # Two groups of their own, not a run's: torch's fake process group (a simulated world of 8, no collectives) and
-    # two gloo ranks sharing one GPU (NCCL refuses two ranks on one device).
-    own_groups = {"simulated_world.py": '"fake"', "test_two_ranks_cuda.py": '"gloo"'}
+    # two gloo ranks sharing one GPU (NCCL refuses two ranks on one device): the two-rank probe and the MoE stage's
+    # expert parallelism of 2.
+    own_groups = {"simulated_world.py": '"fake"', "test_two_ranks_cuda.py": '"gloo"', "test_moe_cuda.py": '"gloo"'}
     for name, backend in own_groups.items():
         assert f"init_process_group({backend}" in sources[name], name
     assert [name for name, text in sources.items() if "init_process_group(" in text and name not in own_groups] == []
