@@ -512,7 +512,7 @@ def test_the_readme_is_short_and_opens_with_the_set_up():
     assert len(lines) <= 250
     assert lines[2:6] == ["```sh", "./scripts/quickstart.sh     # creates/reuses .venv, installs everything, "
                           "fine-tunes the embedded tiny model", "./scripts/test.sh           # same set-up, then the "
-                          "whole test suite (about 50 minutes on 2 cores, in 2 workers)", "```"]
+                          "whole test suite (about 25 minutes on 2 cores, in 2 workers)", "```"]
 
 
 def test_the_readme_lists_every_exit_status():
