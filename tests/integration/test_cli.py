@@ -1,5 +1,7 @@
 """The `tune` command as users type it: ls, cp, validate, and bad command lines (exit 2, one short message)."""
 
+import collections
+import dataclasses
 import json
 import os
 import re
@@ -197,9 +199,10 @@ def test_plan_draws_the_estimates(tmp_path, capsys):
 
 def test_plan_png_labels_a_small_model_in_mib(tmp_path, monkeypatch):
     """Labelled in GiB to one decimal, every bar of a small model read 0.4 or 0.0. Each bar is the device total
-    (the step and the process's fixed cost), as tall as its stacked parts."""
+    (the step and the process's fixed cost), as tall as its stacked parts. The table simulates each step once."""
     from matplotlib.axes import Axes
 
+    import torchtune_ac.memory.planner.estimate as estimate_module
     from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_path
     from torchtune_ac.run.memory_table import draw_memory_table, memory_table
 
@@ -208,7 +211,13 @@ def test_plan_png_labels_a_small_model_in_mib(tmp_path, monkeypatch):
     # A fresh process's resident set (0.35-0.4 GiB), not this one's after the tests before it (above 1 GiB once
     # the compiler has run in it, which would make GiB the right unit).
     monkeypatch.setattr("torchtune_ac.run.memory_table.process_fixed_bytes", lambda device: (400 * 2**20, "measured"))
+    simulated, simulate = collections.Counter(), estimate_module._simulate
+    monkeypatch.setattr(estimate_module, "_simulate", lambda *args: simulated.update([args[2:]]) or simulate(*args))
     table = memory_table(cfg, world_size=1, budget_gib=0.05)
+    # Each step simulated once: the ablation's first row (full AC as configured) is the table's full-AC row.
+    assert simulated and set(simulated.values()) == {1}, simulated
+    (label, first), full = table.ablation[0], table.estimates[-1]
+    assert label == "as configured" and dataclasses.replace(first, extra_flops=full.extra_flops) == full
     drawn, ylabels = [], []
     real_annotate, real_ylabel = Axes.annotate, Axes.set_ylabel
     monkeypatch.setattr(Axes, "annotate",

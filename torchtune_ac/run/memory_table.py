@@ -209,7 +209,7 @@ def memory_table(cfg: RunConfig, *, world_size: int, budget_gib: Optional[float]
     estimates = [dataclasses.replace(e, fixed=fixed)
                  for e in estimate_memory(inputs.build_model, inputs.make_optimizer, workload, candidates)]
     ablation = switch_ablation(inputs.build_model, inputs.make_optimizer, workload, estimates[-1].plan,
-                               planned_device(cfg.device), fixed)
+                               planned_device(cfg.device), fixed, configured=estimates[-1])  # the full-AC row
     chosen = None
     if budget_gib is not None:
         chosen = next((i for i, e in enumerate(estimates)

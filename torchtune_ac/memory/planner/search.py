@@ -63,13 +63,16 @@ def switch_ablation(
     plan: ACPlan,
     device: torch.device,
     fixed: int = 0,
+    configured: Optional[MemoryEstimate] = None,
 ) -> list[tuple[str, MemoryEstimate]]:
     """The estimate of ``plan`` as ``workload`` has its features, then with each feature's first alternative that runs
     on ``device`` added to the ones before, in the features' order (torchtune's ablation, from the planner):
     ``(label, estimate)`` rows, the first labelled ``as configured``. ``fixed`` is the process's fixed cost
-    (``MemoryEstimate.fixed``)."""
-    rows = [("as configured", dataclasses.replace(_estimate_plan(build_model, make_optimizer, plan, workload, {}),
-                                                  fixed=fixed))]
+    (``MemoryEstimate.fixed``). ``configured``: ``estimate_memory``'s estimate of ``plan`` and ``workload`` with the
+    same model and optimizer, when there is one (the first row, not simulated again)."""
+    if configured is None:
+        configured = _estimate_plan(build_model, make_optimizer, plan, workload, {})
+    rows = [("as configured", dataclasses.replace(configured, extra_flops=0.0, fixed=fixed))]
     for feature, setting in workload.feature_settings():
         alternatives = _alternatives(feature, setting, device)
         if not alternatives:
