@@ -2,6 +2,13 @@
 
     python scripts/bench/bench_lora.py                 # 3 sides x --repeats, a table, bench_results/lora.{json,png}
     python scripts/bench/bench_lora.py --short         # a few steps of a small batch: checks that it runs
+    python scripts/bench/bench_lora.py --model llama_medium --ac full --batch-size 1 --seq-len 256
+                                                       # where LoRA is used: the weights' state outweighs activations
+
+Two workloads answer two questions. The default (``llama_small``, 8 x 512 tokens, no AC) is step-time bound and
+activation bound: LoRA saves the gradients and AdamW state of 32 M parameters, about 0.4 GiB, against 2-3 GiB of
+activations that no adapter changes. ``--model llama_medium --ac full`` (about 160 M parameters, full AC, as the
+8B LoRA configs run) is the regime adapters are for, where the trained weights' state is most of the peak.
 
 Sides, each in a fresh process, one after another (their peak resident sets apart):
 
@@ -40,6 +47,18 @@ REPO = Path(__file__).resolve().parents[2]
 SIDES = ("full", "lora", "peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, LR = 8, 16, 1e-4
+MODELS = ("llama_small", "llama_medium")
+
+
+def model_args(name: str):
+    """``llama_small`` (32 M), or ``llama_medium``: the same family at dim 1024, 12 blocks (about 160 M)."""
+    import dataclasses
+
+    from torchtune_ac.models.families.llama import LLAMA_SMALL
+
+    if name == "llama_small":
+        return LLAMA_SMALL
+    return dataclasses.replace(LLAMA_SMALL, dim=1024, n_layers=12, n_heads=16, n_kv_heads=8, intermediate_dim=2816)
 
 
 def resident_gib() -> float:
@@ -56,10 +75,8 @@ def batches(settings: dict) -> list:
     """The same token ids for every side: ``steps`` batches of ``[batch_size, seq_len]``."""
     import torch
 
-    from torchtune_ac.models.families.llama import LLAMA_SMALL
-
     generator = torch.Generator().manual_seed(0)
-    return [torch.randint(0, LLAMA_SMALL.vocab_size, (settings["batch_size"], settings["seq_len"]), generator=generator)
+    return [torch.randint(0, model_args(settings["model"]).vocab_size, (settings["batch_size"], settings["seq_len"]), generator=generator)
             for _ in range(settings["steps"])]
 
 
@@ -70,14 +87,16 @@ def run_ours(settings: dict, side: str) -> dict:
     from torchtune_ac.lora.mechanism import apply_adapters, initialize_adapters_
     from torchtune_ac.memory.chunked_loss import loss_objective
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
-    from torchtune_ac.models.families.llama import llama_small
+    from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
+    from torchtune_ac.models.llama import Llama
     from torchtune_ac.training.step import accumulate_gradients
 
     torch.manual_seed(0)
-    model = llama_small()
+    model = Llama(model_args(settings["model"]))
     if side == "lora":
         apply_adapters(model, AdapterConfig(rank=RANK, alpha=ALPHA, targets=TARGETS))
         initialize_adapters_(model, seed=0)
+    setup_activation_checkpointing(model, ac_mode=settings["ac"])
     model.train()
     stepper = build_optimizer(lambda params: torch.optim.AdamW(params, lr=LR), model, in_backward=False)
     objective = loss_objective(1)
@@ -103,8 +122,6 @@ def run_peft(settings: dict) -> dict:
 
     from torchtune_ac.embedded import ensure_embedded_checkpoint
     from torchtune_ac.models import LLAMA
-    from torchtune_ac.models.families.llama import LLAMA_SMALL
-
     seconds: list[float] = []
     marks: dict[str, float] = {}
 
@@ -118,7 +135,7 @@ def run_peft(settings: dict) -> dict:
             seconds.append(time.perf_counter() - marks["start"])
 
     torch.manual_seed(0)
-    config = LlamaConfig(**LLAMA.hf.hf_config_from_args(LLAMA_SMALL, torch.float32))
+    config = LlamaConfig(**LLAMA.hf.hf_config_from_args(model_args(settings["model"]), torch.float32))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model = peft.get_peft_model(model, peft.LoraConfig(r=RANK, lora_alpha=ALPHA, lora_dropout=0.0,
                                                        target_modules=TARGETS, task_type="CAUSAL_LM"))
@@ -128,7 +145,8 @@ def run_peft(settings: dict) -> dict:
         max_length=settings["seq_len"], learning_rate=LR, weight_decay=0.0, optim="adamw_torch",
         lr_scheduler_type="constant", max_grad_norm=0.0, max_steps=settings["steps"], train_sampling_strategy="sequential",
         logging_steps=10**9, save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, bf16=False, fp16=False,
-        gradient_checkpointing=False, dataloader_num_workers=0, seed=0, packing=False,
+        gradient_checkpointing=settings["ac"] == "full", gradient_checkpointing_kwargs={"use_reentrant": False},
+        dataloader_num_workers=0, seed=0, packing=False,
         dataset_kwargs={"skip_prepare_dataset": True})
     tokenizer = PreTrainedTokenizerFast.from_pretrained(ensure_embedded_checkpoint())
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
@@ -166,7 +184,7 @@ def summarize(runs: list[dict], warmup: int) -> dict:
     return summary
 
 
-def draw(summary: dict, path: Path) -> None:
+def draw(summary: dict, settings: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -182,7 +200,8 @@ def draw(summary: dict, path: Path) -> None:
     time_ax.bar(names, [summary[n]["step_s"] for n in names])
     time_ax.set_ylabel("seconds per step (median)")
     time_ax.set_title("step time (noise on a shared machine)")
-    fig.suptitle("llama_small (32 M): full fine-tuning, our LoRA, PEFT + TRL SFTTrainer, CPU fp32")
+    fig.suptitle(f"{settings['model']}, {settings['batch_size']} x {settings['seq_len']} tokens, AC {settings['ac']}: "
+                 "full fine-tuning, our LoRA, PEFT + TRL SFTTrainer, CPU fp32", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -196,6 +215,8 @@ def main() -> int:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="runs of each side, interleaved")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--model", choices=MODELS, default="llama_small")
+    parser.add_argument("--ac", choices=("none", "full"), default="none", help="activation checkpointing, every side")
     parser.add_argument("--out", default=str(REPO / "bench_results" / "lora"), help="PREFIX for PREFIX.json, .png")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a worker process
     parser.add_argument("--settings", help=argparse.SUPPRESS)
@@ -207,7 +228,7 @@ def main() -> int:
         args.batch_size, args.seq_len, args.steps, args.warmup_steps, args.repeats = 2, 64, 3, 1, 1
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps, "threads": args.threads,
+    settings = {"model": args.model, "ac": args.ac, "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps, "threads": args.threads,
                 "output_dir": str(out.parent / "lora_trl_output")}
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
@@ -228,7 +249,7 @@ def main() -> int:
     print(f"lora / full peak: {summary['lora']['peak_gib'] / summary['full']['peak_gib']:.2f}x; "
           f"peft step time / lora step time: {summary['peft']['step_s'] / summary['lora']['step_s']:.2f}x")
     out.with_suffix(".json").write_text(json.dumps({"settings": settings, "runs": runs, "summary": summary}, indent=1))
-    draw(summary, out.with_suffix(".png"))
+    draw(summary, settings, out.with_suffix(".png"))
     print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
     return 0
 
