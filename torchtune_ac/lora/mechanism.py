@@ -66,7 +66,56 @@ class AdaptedLinear(nn.Linear):
         return weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: D401 - nn.Module's
+        if self.adapters_enabled and self.lora_magnitude is None and _fusable(self, x):
+            return LoRALinear.apply(x, self.weight, self.bias, self.lora_a.weight, self.lora_b.weight,
+                                    self.lora_scale)
         return self.adapted(x, self.base_forward(x))
+
+
+def _fusable(linear: AdaptedLinear, x: torch.Tensor) -> bool:
+    """Whether ``LoRALinear`` computes ``linear``'s LoRA forward: a dense frozen base (not NF4) of ``x``'s dtype and
+    no dropout in training (its mask would sit between ``x`` and ``A``)."""
+    weight = linear.weight
+    return (type(weight) in (nn.Parameter, torch.Tensor) and not weight.requires_grad
+            and (linear.bias is None or not linear.bias.requires_grad)
+            and x.dtype == weight.dtype == linear.lora_a.weight.dtype == linear.lora_b.weight.dtype
+            and (isinstance(linear.lora_dropout, nn.Identity) or not linear.training))
+
+
+class LoRALinear(torch.autograd.Function):
+    """``x W^T + b + s (x A^T) B^T`` for a frozen ``W``, with the memory traffic of LoRA's arithmetic cut to what it
+    needs (PEFT's and the unfused path's numbers, summed in another order).
+
+    Written by hand because no library fuses it for a CPU or a plain GPU: the unfused path makes three more passes over
+    the ``[tokens, out]`` output in forward (``B (A x)``, its scaling, the sum) and one over ``[tokens, in]`` in
+    backward (the two input gradients' sum), and autograd computes ``dB`` as ``g^T (A x)``, a product of a transposed
+    ``[out, tokens]`` operand with a rank-wide one that CPU kernels run several times slower than ``((A x)^T g)^T``.
+    Here the update is added by ``addmm`` (one pass, the scale its ``alpha``), the input gradients are summed in place
+    by ``addmm_``, and ``dB`` is ``((A x)^T g)^T``. ``W``'s gradient is never formed. Saved: ``x`` and ``A x``, as the
+    unfused path saves them; per-op AC's policy sees the same matrix multiplies (``mm`` for the base and for ``A x``,
+    kept; ``addmm`` for the widening update, recomputed)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, lora_a, lora_b, scale):  # noqa: D102 - the class docstring
+        rows = x.reshape(-1, x.shape[-1])
+        base = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
+        low = torch.mm(rows, lora_a.t())  # [tokens, r]
+        out = torch.addmm(base, low, lora_b.t(), alpha=scale)
+        ctx.save_for_backward(x, weight, lora_a, lora_b, low)
+        ctx.scale = scale
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad):  # noqa: D102
+        x, weight, lora_a, lora_b, low = ctx.saved_tensors
+        rows, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        grad_low = torch.mm(grad, lora_b).mul_(ctx.scale)  # [tokens, r]
+        grad_a = torch.mm(grad_low.t(), rows) if ctx.needs_input_grad[3] else None
+        grad_b = torch.mm(low.t(), grad).mul_(ctx.scale).t().contiguous() if ctx.needs_input_grad[4] else None
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(grad, weight).addmm_(grad_low, lora_a).view(x.shape)
+        return grad_x, None, None, grad_a, grad_b, None
 
 
 class AdaptedOutput(AdaptedLinear):
