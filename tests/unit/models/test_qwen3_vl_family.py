@@ -1,7 +1,7 @@
 """The Qwen3-VL family against transformers' ``Qwen3VLForConditionalGeneration``: logits with no image, one and two
-images through the same model (DeepStack, interleaved multimodal RoPE, the resampled position grid); the published
-8B's shapes and parameter count; the tower's share of activation checkpointing and sharding; freezing; the
-refusals."""
+images (of one size and of several) through the same model (DeepStack, interleaved multimodal RoPE, the resampled
+position grid); the published 8B's shapes and parameter count; the tower's share of activation checkpointing and
+sharding; freezing; the refusals."""
 
 import dataclasses
 
@@ -63,6 +63,7 @@ CASES = {
     "one_image": [[(2, (4, 4))]],
     # two images in one row (one larger than the 4 x 4 position grid, one smaller on a side), one in the other
     "two_images": [[(1, (6, 8)), (16, (2, 4))], [(4, (4, 4))]],
+    "two_images_of_one_size": [[(2, (4, 8))], [(5, (4, 8))]],  # the tower attends within both in one call
     "text_only": [[], []],
 }
 

@@ -28,9 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtune_ac.models.attention import document_runs
-from torchtune_ac.models.llama import ACTIVATIONS, Llama, LlamaArgs, TransformerBlock, positions_from_document_ids
-from torchtune_ac.models.vision.qwen2_5_vl import (VisionAttention, blank_image, mrope_positions, segment_ids,
-                                                   vision_patch_positions)
+from torchtune_ac.models.llama import (ACTIVATIONS, Llama, LlamaArgs, TransformerBlock, positions_from_document_ids,
+                                      rotate_half)
+from torchtune_ac.models.vision.qwen2_5_vl import blank_image, mrope_positions, vision_patch_positions
 
 _VISION_NORM_EPS = 1e-6  # transformers' Qwen3-VL tower and merger norms
 
@@ -127,6 +127,30 @@ def interpolation_matrix(size: int, side: int) -> torch.Tensor:
     return weights
 
 
+class VisionAttention(nn.Module):
+    """Bidirectional attention within each frame, with the tower's 2-D RoPE: frames of one size in one batched call,
+    else one call per frame (no ``[n, n]`` mask over the whole batch's patches)."""
+
+    def __init__(self, args: VisionArgs) -> None:
+        super().__init__()
+        self.n_heads = args.n_heads
+        self.qkv = nn.Linear(args.dim, 3 * args.dim, bias=True)
+        self.proj = nn.Linear(args.dim, args.dim, bias=True)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: list[int]) -> torch.Tensor:
+        n = x.shape[0]
+        q, k, v = self.qkv(x).view(n, 3, self.n_heads, -1).unbind(1)  # [n, heads, head_dim] each
+        # RoPE in float32, as transformers applies it; cos, sin: [n, 1, head_dim]
+        q, k = ((t.float() * cos + rotate_half(t.float()) * sin).to(x.dtype) for t in (q, k))
+        if len(set(frames)) == 1:  # [n_frames, heads, frame, head_dim]
+            q, k, v = (t.view(len(frames), frames[0], self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(n, -1)
+        else:
+            out = torch.cat([F.scaled_dot_product_attention(*(t.transpose(0, 1) for t in chunk)).transpose(0, 1)
+                             for chunk in zip(*(t.split(frames) for t in (q, k, v)))]).reshape(n, -1)
+        return self.proj(out)
+
+
 class VisionMLP(nn.Module):
     def __init__(self, args: VisionArgs) -> None:
         super().__init__()
@@ -148,8 +172,8 @@ class VisionBlock(nn.Module):
         self.norm2 = nn.LayerNorm(args.dim, eps=_VISION_NORM_EPS)
         self.mlp = VisionMLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        h = x + self.attn(self.norm1(x), cos, sin, mask)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, frames: list[int]) -> torch.Tensor:
+        h = x + self.attn(self.norm1(x), cos, sin, frames)
         return h + self.mlp(self.norm2(h))
 
 
@@ -229,11 +253,10 @@ class VisionTower(nn.Module):
         angles = (positions.float().unsqueeze(-1) * inv_freq).flatten(1)  # [n, head_dim / 2]
         emb = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [n, 1, head_dim]
         cos, sin = emb.cos(), emb.sin()
-        frames = segment_ids([h * w for t, h, w in grid_thw for _ in range(t)], device)
-        mask = frames.unsqueeze(0) == frames.unsqueeze(1)  # [n, n]: each frame attends within itself
+        frames = [h * w for t, h, w in grid_thw for _ in range(t)]  # each frame's patches attend within it
         deepstack = []
         for index, block in enumerate(self.blocks):
-            x = block(x, cos, sin, mask)
+            x = block(x, cos, sin, frames)
             if index in a.deepstack_visual_indexes:
                 deepstack.append(self.deepstack_merger_list[a.deepstack_visual_indexes.index(index)](x))
         return self.merger(x), deepstack
