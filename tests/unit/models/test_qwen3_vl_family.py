@@ -174,3 +174,18 @@ def test_images_of_the_other_patch_size_are_refused(tiny):
                                         r"1536 \(in_channels=3 x temporal_patch_size=2 x patch_size=16\^2\)"):
         check_model_takes_images(tiny[2], {**sample, "pixel_values": torch.zeros(16, 3 * 2 * 14 * 14)}, "dataset")
     check_model_takes_images(tiny[2], {**sample, "pixel_values": torch.zeros(16, PATCH_VALUES)}, "dataset")
+
+
+def test_packed_documents_give_each_document_its_own_logits(tiny):
+    _, _, model = tiny
+    first, pixels_a, grid_a = _batch([[(2, (4, 4))]], 10, seed=1)
+    second, pixels_b, grid_b = _batch([[(3, (2, 4))]], 8, seed=2)
+    packed = torch.cat([first, second], dim=1)
+    document_ids = torch.tensor([[0] * 10 + [1] * 8])
+    with torch.no_grad():
+        together = model(packed, document_ids=document_ids, pixel_values=torch.cat([pixels_a, pixels_b]),
+                         image_grid_thw=torch.cat([grid_a, grid_b]))
+        alone = torch.cat([model(first, pixel_values=pixels_a, image_grid_thw=grid_a),
+                           model(second, pixel_values=pixels_b, image_grid_thw=grid_b)], dim=1)
+    # the same sums over each document's keys, in other kernels' orders
+    assert_close(together, alone, terms=_terms(model, 10), what="packed logits")
