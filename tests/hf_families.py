@@ -31,6 +31,8 @@ from transformers import (
     Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
 )
 
 GEMMA3_TINY = {
@@ -74,6 +76,20 @@ QWEN2_5_VL_TINY = {
                       "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2, "window_size": 56,
                       "fullatt_block_indexes": [1]},
 }
+# Qwen3-VL: a decoder of 3 layers (head_dim 16: 4 + 2 + 2 rotated pairs, rows and columns interleaved at pairs 1, 4
+# and 2, 5), and a tower of 3 blocks whose first two feed DeepStack features to the first two decoder layers, a
+# 4 x 4 learned position grid (resampled to every image's), 16-pixel patches. Its keys are nested as transformers
+# 5 nests them; the image tokens as QWEN2_5_VL_TINY's.
+QWEN3_VL_TINY = {
+    "text_config": {"vocab_size": 100, "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 3,
+                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0, "mrope_section": [4, 2, 2],
+                                        "mrope_interleaved": True}},
+    "vision_config": {"depth": 3, "hidden_size": 16, "intermediate_size": 24, "num_heads": 2, "out_hidden_size": 32,
+                      "num_position_embeddings": 16, "deepstack_visual_indexes": [0, 1], "patch_size": 16,
+                      "spatial_merge_size": 2, "temporal_patch_size": 2},
+    "image_token_id": 98, "video_token_id": 99, "vision_start_token_id": 96, "vision_end_token_id": 97,
+}
 # family -> (config class, model class, config settings that make transformers build exactly our architecture)
 HF_CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM, {}),
@@ -90,6 +106,7 @@ HF_CLASSES = {
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_MOE_TINY),
     "gpt_oss": (GptOssConfig, GptOssForCausalLM, GPT_OSS_TINY),
     "qwen2_5_vl": (Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, QWEN2_5_VL_TINY),
+    "qwen3_vl": (Qwen3VLConfig, Qwen3VLForConditionalGeneration, QWEN3_VL_TINY),
 }
 FAMILY_NAMES = sorted(HF_CLASSES)
 # Families whose norms scale by (1 + weight).
