@@ -110,3 +110,19 @@ def test_a_users_reward_runs_only_when_allowed_and_a_nan_stops_the_run_naming_it
     assert result.stderr.strip().splitlines()[-1].endswith("reward bad returned nan for completion 0: scores must "
                                                            "be finite")
     assert not list((tmp_path / "b").glob("step_*"))
+
+
+def test_grpo_trains_a_mixture_of_experts_with_its_load_balancing_loss(tmp_path: Path) -> None:
+    """The tiny Qwen3-MoE: the load-balancing term is added to the GRPO loss and both are logged; the experts' token
+    counts are the loss passes' (two iterations), not the decoding's or the old log-probabilities' forwards."""
+    output_dir = tmp_path / "moe"
+    check_success(run_tune_in_process(grpo_argv(
+        output_dir, "epochs=1", "grpo.num_iterations=2", "model._component_=torchtune_ac.models.qwen3_moe_tiny",
+        "checkpoint_dir=null", "tokenizer.path=${embedded_checkpoint:}")))
+    records = read_metrics(output_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["loss"] == pytest.approx(record["grpo_loss"] + record["moe_aux_term"], rel=1e-6, abs=1e-7)
+        assert record["moe_aux_term"] == pytest.approx(0.01 * record["moe_aux_loss"], rel=1e-5)
+        # Dropless, 2 experts a token: each sparse layer counted every token of both loss passes twice.
+        assert [sum(layer) for layer in record["moe_expert_tokens"]] == [2 * record["tokens"]] * 3

@@ -207,12 +207,14 @@ def rollout_metrics(everything: torch.Tensor, total: torch.Tensor, advantages: A
 
 def merge_iterations(results: list[StepResult], extra: dict[str, float]) -> StepResult:
     """One record for the step's ``num_iterations`` optimizer steps: their mean loss and objective metrics, the last
-    gradient norm, the tokens of all."""
+    gradient norm, the tokens and the counts (the tokens each expert received) of all."""
     k = len(results)
     own = {name: sum(r.extra[name] for r in results) / k for name in results[0].extra}
+    counts = {name: torch.stack([torch.tensor(r.counts[name]) for r in results]).sum(0).tolist()
+              for name in results[0].counts}
     return replace(results[-1], loss=sum(r.loss for r in results) / k,
                    input_tokens=sum(r.input_tokens for r in results),
-                   target_tokens=sum(r.target_tokens for r in results), extra={**own, **extra})
+                   target_tokens=sum(r.target_tokens for r in results), extra={**own, **extra}, counts=counts)
 
 
 def model_positions(model: nn.Module) -> Optional[int]:
