@@ -116,3 +116,46 @@ def test_fsdp2_on_two_processes_trains_given_rollouts_as_one_process(tmp_path):
             assert_close(torch.tensor(list(a.extra.values())), torch.tensor(list(b.extra.values())), terms=terms,
                          magnitude=10.0, what=f"{what}: metrics")
         assert_weights_trained_alike(two_weights, one_weights, lrs=[LR] * len(one_results), terms=terms)
+
+
+@pytest.fixture(scope="module")
+def given():
+    """The rollout of all 8 completions with the generating policy's log-probabilities, and the loss and gradients
+    of one GRPO pass over it without AC."""
+    config = grpo_config(GRPOLossType.DAPO)
+    batch = rollout(range(len(COMPLETIONS)), config)
+    model = build_model(Case(), ALONE).model
+    with torch.no_grad():
+        batch["old_logps"] = completion_logps(model, batch, n_chunks=CHUNKS, temperature=TEMPERATURE) + 0.1
+    return batch, loss_and_gradients(model, batch, config)
+
+
+def loss_and_gradients(model, batch, config):
+    objective = GRPOObjective(config, n_chunks=CHUNKS, temperature=TEMPERATURE, max_new_tokens=MAX_NEW)
+    parts = objective(model, batch)
+    parts.loss.backward()
+    return parts, {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("ac_mode, ac_option", [("full", None), ("selective", 1), ("selective", 2),
+                                                ("selective", "op")])
+def test_every_ac_mode_gives_the_loss_and_gradients_of_none_bit_for_bit(given, ac_mode, ac_option):
+    batch, (plain, plain_grads) = given
+    model = build_model(Case(ac_mode=ac_mode, ac_option=ac_option), ALONE).model
+    parts, grads = loss_and_gradients(model, batch, grpo_config(GRPOLossType.DAPO))
+    # Bit for bit: the recompute replays the same ops on the same inputs in one process.
+    assert torch.equal(parts.loss, plain.loss) and torch.equal(parts.metrics, plain.metrics)
+    assert all(torch.equal(grads[name], grad) for name, grad in plain_grads.items())
+
+
+def test_the_step_in_backward_trains_given_rollouts_as_the_step_after_it():
+    config = grpo_config(GRPOLossType.DAPO)
+    (after, after_weights), (inside, inside_weights) = (
+        train_rollout(build_model(Case(in_backward=in_backward), ALONE), ALONE, range(len(COMPLETIONS)), config,
+                      clip=None) for in_backward in (False, True))
+    n = sum(w.numel() for w in after_weights.values())
+    for a, b in zip(after, inside):
+        # The same forwards and backwards: equal losses and metrics; the norm adds its squares in another order.
+        assert (a.loss, a.extra) == (b.loss, b.extra)
+        assert_close(b.grad_norm, a.grad_norm, terms=n, what="gradient norm")
+    assert all(torch.equal(inside_weights[name], w) for name, w in after_weights.items())
