@@ -126,3 +126,13 @@ def test_grpo_trains_a_mixture_of_experts_with_its_load_balancing_loss(tmp_path:
         assert record["moe_aux_term"] == pytest.approx(0.01 * record["moe_aux_loss"], rel=1e-5)
         # Dropless, 2 experts a token: each sparse layer counted every token of both loss passes twice.
         assert [sum(layer) for layer in record["moe_expert_tokens"]] == [2 * record["tokens"]] * 3
+
+
+def test_the_schedule_steps_once_per_optimizer_step_as_trls(tmp_path: Path) -> None:
+    """2 rollouts of 2 iterations: 4 optimizer steps, the first 2 warming up (TRL counts both in optimizer steps).
+    Each record's lr is its last optimizer step's: factors 2/3 (warm-up) and 1/2 (cosine, half way)."""
+    output_dir = tmp_path / "lr"
+    check_success(run_tune_in_process(grpo_argv(
+        output_dir, "epochs=1", "grpo.num_iterations=2", "optimizer.lr=3e-3",
+        "lr_scheduler={_component_:torchtune_ac.training.cosine_schedule_with_warmup,num_warmup_steps:2}")))
+    assert [r["lr"] for r in read_metrics(output_dir)] == pytest.approx([2e-3, 1.5e-3], rel=1e-6)
