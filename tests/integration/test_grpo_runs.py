@@ -1,6 +1,7 @@
 """``tune run grpo`` / ``lora_grpo`` on the embedded additions: the rollout's metrics and samples are logged, the KL
-to the reference is 0 on the first step, a resume redraws the same completions (the sampler's seed is the step's),
-and bad input is refused in one line before anything is written; a failing reward stops the run naming it."""
+to the reference is 0 on the first step, SIGTERM saves mid-epoch and the resume redraws the same completions (the
+sampler's seed is the step's), ending on the straight run's weights; a mixture of experts adds its load-balancing
+loss; the schedule counts optimizer steps; and bad input is refused in one line before anything is written; a failing reward stops the run naming it."""
 
 from __future__ import annotations
 
@@ -50,11 +51,32 @@ def test_every_step_logs_the_rollout_and_samples_are_written(straight_run: Path)
     assert first["reward"] == pytest.approx(0.5 * first["rewards"]["format_match"] + first["rewards"]["math_answer"])
 
 
-def test_resume_redraws_the_same_completions_and_ends_on_the_same_weights(straight_run: Path,
-                                                                          tmp_path: Path) -> None:
-    output_dir = tmp_path / "resumed"
-    check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=1")))
-    check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=2", "resume_from_checkpoint=true")))
+def test_sigterm_mid_epoch_saves_and_the_resume_ends_as_the_straight_run(
+        straight_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM during the first step's scoring (a reward of weight 0 sends it, once): the step finishes, is saved
+    mid-epoch, exit 143; the resume redraws the remaining steps' completions and ends on the straight run's
+    weights."""
+    marker = tmp_path / "send_sigterm"
+    (tmp_path / "stopping_reward.py").write_text(
+        "import os, signal\n"
+        f"MARKER = {str(marker)!r}\n"
+        "def sigterm_once(completions, **columns):\n"
+        "    if os.path.exists(MARKER):\n"
+        "        os.remove(MARKER)\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return [0.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = ("rewards=[{_component_:torchtune_ac.training.rewards.format_match,pattern:'\\d.*'},"
+               "{_component_:torchtune_ac.training.rewards.math_answer},{_component_:stopping_reward.sigterm_once}]",
+               "reward_weights=[0.5,1.0,0.0]")
+    output_dir = tmp_path / "stopped"
+    marker.touch()
+    argv = grpo_argv(output_dir, "epochs=2", *rewards)
+    argv = [argv[0], "--allow-component", "stopping_reward", *argv[1:]]
+    stopped = run_tune_in_process(argv)
+    assert stopped.returncode == 143 and "Traceback" not in stopped.stderr, stopped.stderr
+    assert [r["step"] for r in read_metrics(output_dir)] == [1] and (output_dir / "step_0000001").is_dir()
+    check_success(run_tune_in_process([*argv, "resume_from_checkpoint=true"]))
     fields = ("loss", "grad_norm", "reward", "kl", "completions/mean_length")
     straight = [[r[f] for f in fields] for r in read_metrics(straight_run)]
     resumed = [[r[f] for f in fields] for r in read_metrics(output_dir)]
