@@ -1,7 +1,8 @@
 """``tune run grpo`` / ``lora_grpo`` on the embedded additions: the rollout's metrics and samples are logged, the KL
 to the reference is 0 on the first step, SIGTERM saves mid-epoch and the resume redraws the same completions (the
 sampler's seed is the step's), ending on the straight run's weights; a mixture of experts adds its load-balancing
-loss; the schedule counts optimizer steps; and bad input is refused in one line before anything is written; a failing reward stops the run naming it."""
+loss; the schedule counts optimizer steps; bad input is refused in one line before anything is written; a failing
+reward stops the run naming it."""
 
 from __future__ import annotations
 
