@@ -268,6 +268,5 @@ def run_grpo(cfg: Any, *, reference_is_base: bool) -> None:
     def make_loop(*args: Any, **kwargs: Any) -> GRPOLoop:
         return GRPOLoop(*args, rollouts=made["rollouts"], **kwargs)
 
-    run_recipe(cfg, batching=PROMPTS, make_objective=make_objective, make_loop=make_loop,
-               optimizer_steps_per_step=cfg.grpo.num_iterations)
+    run_recipe(cfg, batching=PROMPTS, make_objective=make_objective, make_loop=make_loop)
 

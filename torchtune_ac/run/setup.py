@@ -74,7 +74,7 @@ MakeLoop = Callable[..., TrainingLoop]
 
 def setup_training(run: Run, *, batching: Batching = SAMPLES,
                    make_objective: Optional[MakeObjective] = None,
-                   make_loop: MakeLoop = TrainingLoop, optimizer_steps_per_step: int = 1) -> TrainingLoop:
+                   make_loop: MakeLoop = TrainingLoop) -> TrainingLoop:
     """Set up ``run`` in the one order (see the module docstring), up to the loop, ready to train.
 
     Args:
@@ -83,8 +83,6 @@ def setup_training(run: Run, *, batching: Batching = SAMPLES,
         make_objective: the recipe's objective, made from the parts set up so far, before the model it trains is
             assembled; None: the memory plan's (the next-token loss, chunked or whole).
         make_loop: the loop (``TrainingLoop``, or a recipe's own made the same way: GRPO's).
-        optimizer_steps_per_step: the optimizer steps one loop step takes (GRPO's ``num_iterations``); the
-            learning-rate schedule counts optimizer steps.
 
     Raises:
         UserError: on every rank, what the plan, the data or the checkpoint refused.
@@ -110,8 +108,7 @@ def setup_training(run: Run, *, batching: Batching = SAMPLES,
         load_weights=resume_from is None or plan.adapter is not None,
         make_optimizer=cfg.optimizer.instantiate,
         make_scheduler=None if cfg.lr_scheduler is None else (
-            lambda optimizer: cfg.lr_scheduler.instantiate(
-                optimizer, num_training_steps=plan.length.total_steps * optimizer_steps_per_step)),
+            lambda optimizer: cfg.lr_scheduler.instantiate(optimizer, num_training_steps=plan.length.optimizer_steps)),
     )
     if resume_from is not None:
         run.progress = restore(plan, ctx, resume_from, training, data)
@@ -126,12 +123,11 @@ def setup_training(run: Run, *, batching: Batching = SAMPLES,
     return trainer
 
 
-def run_recipe(cfg: RunConfig, *, batching: Batching = SAMPLES, make_objective: Optional[MakeObjective] = None,
-               make_loop: MakeLoop = TrainingLoop, optimizer_steps_per_step: int = 1) -> None:
+def run_recipe(cfg: RunConfig, *, batching: Batching = SAMPLES,
+               make_objective: Optional[MakeObjective] = None, make_loop: MakeLoop = TrainingLoop) -> None:
     """Run a recipe from its config: open the run, set it up (``setup_training``), train; cleanup always runs
     (after a success, every rank shuts down together)."""
     with open_run(cfg) as run:
-        trainer = setup_training(run, batching=batching, make_objective=make_objective, make_loop=make_loop,
-                                 optimizer_steps_per_step=optimizer_steps_per_step)
+        trainer = setup_training(run, batching=batching, make_objective=make_objective, make_loop=make_loop)
         with logging_redirect_tqdm():
             trainer.train()
