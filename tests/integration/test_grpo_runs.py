@@ -6,7 +6,9 @@ reward stops the run naming it."""
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,27 @@ def test_lora_grpo_reference_is_the_base_and_saves_the_adapters(tmp_path: Path) 
     records = read_metrics(output_dir)
     assert records[0]["kl"] == 0.0 and records[-1]["kl"] > 0.0  # the adapters start at 0: the base is the policy
     assert (final_checkpoint(output_dir) / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("optimizer", ["torchao.optim.AdamW8bit", "torchao.optim.AdamW4bit"])
+def test_low_bit_state_trains_the_adapters_alone(optimizer: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoRA GRPO with the KL term (the reference is the base, adapters off) and torchao's low-bit AdamW trains, and
+    only the adapters have optimizer state (rank 32: 4,096 entries a matrix, the size torchao quantizes from)."""
+    pytest.importorskip("torchao")
+    # torchao's update traced but run eagerly: the same ops, without inductor's code for each shape (a minute).
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    output_dir = tmp_path / "low_bit"
+    check_success(run_tune_in_process(grpo_argv(
+        output_dir, "epochs=1", f"optimizer._component_={optimizer}", "adapter.rank=32", "adapter.targets=[q_proj]",
+        recipe="lora_grpo")))
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in read_metrics(output_dir))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(final_checkpoint(output_dir) / "recipe_state").read_metadata().state_dict_metadata
+    with_state = {key.removeprefix("optimizer.state.").rsplit(".", 1)[0] for key in stored
+                  if key.startswith("optimizer.state.")}
+    assert with_state == {f"layers.{i}.attn.q_proj.lora_{ab}.weight" for i in range(8) for ab in "ab"}
 
 
 @pytest.mark.parametrize("override, message", [
