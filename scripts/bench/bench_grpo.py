@@ -69,7 +69,7 @@ def run_ours(s: dict) -> dict:
     from torchtune_ac.generation import SamplingConfig, generate
     from torchtune_ac.models import load_hf
     from torchtune_ac.training.grpo import GRPOConfig, GRPOObjective, ScaleRewards, group_advantages
-    from torchtune_ac.training.objective import IGNORE_INDEX
+    from torchtune_ac.training.rollouts import rollout_batch
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(s["checkpoint"])
     model = load_hf(s["checkpoint"])
@@ -90,14 +90,9 @@ def run_ours(s: dict) -> dict:
         texts = tokenizer.batch_decode(done.tokens)
         rewards = torch.tensor(reward_by_length(texts))
         advantages = group_advantages(rewards, g, ScaleRewards.GROUP).advantages
-        rows = [p + c for p, c in zip(prompts, done.tokens)]
-        width = max(map(len, rows))
-        tokens = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
-        labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-        for i, (p, c) in enumerate(zip(prompts, done.tokens)):
-            tokens[i, :len(p) + len(c)] = torch.tensor(p + c)
-            labels[i, len(p) - 1:len(p) + len(c) - 1] = torch.tensor(c)  # the completion, shifted
-        batch = {"tokens": tokens, "labels": labels, "advantages": advantages}
+        # The recipe's own loss-pass batch (prompt and completion in one right-padded row, labels shifted).
+        batch = rollout_batch(prompts, done.tokens, done.truncated, advantages, pad_id=tokenizer.pad_token_id,
+                              mask_truncated=False)
         parts = objective(model, batch)
         (parts.loss / objective.targets(batch)).backward()
         optimizer.step()

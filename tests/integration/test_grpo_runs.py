@@ -1,10 +1,14 @@
 """``tune run grpo`` / ``lora_grpo`` on the embedded additions: the rollout's metrics and samples are logged, the KL
-to the reference is 0 on the first step, a resume redraws the same completions (the sampler's seed is the step's),
-and bad input is refused in one line before anything is written; a failing reward stops the run naming it."""
+to the reference is 0 on the first step, SIGTERM saves mid-epoch and the resume redraws the same completions (the
+sampler's seed is the step's), ending on the straight run's weights; a mixture of experts adds its load-balancing
+loss; the schedule counts optimizer steps; bad input is refused in one line before anything is written; a failing
+reward stops the run naming it."""
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -50,11 +54,32 @@ def test_every_step_logs_the_rollout_and_samples_are_written(straight_run: Path)
     assert first["reward"] == pytest.approx(0.5 * first["rewards"]["format_match"] + first["rewards"]["math_answer"])
 
 
-def test_resume_redraws_the_same_completions_and_ends_on_the_same_weights(straight_run: Path,
-                                                                          tmp_path: Path) -> None:
-    output_dir = tmp_path / "resumed"
-    check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=1")))
-    check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=2", "resume_from_checkpoint=true")))
+def test_sigterm_mid_epoch_saves_and_the_resume_ends_as_the_straight_run(
+        straight_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM during the first step's scoring (a reward of weight 0 sends it, once): the step finishes, is saved
+    mid-epoch, exit 143; the resume redraws the remaining steps' completions and ends on the straight run's
+    weights."""
+    marker = tmp_path / "send_sigterm"
+    (tmp_path / "stopping_reward.py").write_text(
+        "import os, signal\n"
+        f"MARKER = {str(marker)!r}\n"
+        "def sigterm_once(completions, **columns):\n"
+        "    if os.path.exists(MARKER):\n"
+        "        os.remove(MARKER)\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return [0.0] * len(completions)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    rewards = ("rewards=[{_component_:torchtune_ac.training.rewards.format_match,pattern:'\\d.*'},"
+               "{_component_:torchtune_ac.training.rewards.math_answer},{_component_:stopping_reward.sigterm_once}]",
+               "reward_weights=[0.5,1.0,0.0]")
+    output_dir = tmp_path / "stopped"
+    marker.touch()
+    argv = grpo_argv(output_dir, "epochs=2", *rewards)
+    argv = [argv[0], "--allow-component", "stopping_reward", *argv[1:]]
+    stopped = run_tune_in_process(argv)
+    assert stopped.returncode == 143 and "Traceback" not in stopped.stderr, stopped.stderr
+    assert [r["step"] for r in read_metrics(output_dir)] == [1] and (output_dir / "step_0000001").is_dir()
+    check_success(run_tune_in_process([*argv, "resume_from_checkpoint=true"]))
     fields = ("loss", "grad_norm", "reward", "kl", "completions/mean_length")
     straight = [[r[f] for f in fields] for r in read_metrics(straight_run)]
     resumed = [[r[f] for f in fields] for r in read_metrics(output_dir)]
@@ -69,6 +94,27 @@ def test_lora_grpo_reference_is_the_base_and_saves_the_adapters(tmp_path: Path) 
     records = read_metrics(output_dir)
     assert records[0]["kl"] == 0.0 and records[-1]["kl"] > 0.0  # the adapters start at 0: the base is the policy
     assert (final_checkpoint(output_dir) / "adapter_model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("optimizer", ["torchao.optim.AdamW8bit", "torchao.optim.AdamW4bit"])
+def test_low_bit_state_trains_the_adapters_alone(optimizer: str, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """LoRA GRPO with the KL term (the reference is the base, adapters off) and torchao's low-bit AdamW trains, and
+    only the adapters have optimizer state (rank 32: 4,096 entries a matrix, the size torchao quantizes from)."""
+    pytest.importorskip("torchao")
+    # torchao's update traced but run eagerly: the same ops, without inductor's code for each shape (a minute).
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    output_dir = tmp_path / "low_bit"
+    check_success(run_tune_in_process(grpo_argv(
+        output_dir, "epochs=1", f"optimizer._component_={optimizer}", "adapter.rank=32", "adapter.targets=[q_proj]",
+        recipe="lora_grpo")))
+    assert all(math.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in read_metrics(output_dir))
+    from torch.distributed.checkpoint import FileSystemReader
+
+    stored = FileSystemReader(final_checkpoint(output_dir) / "recipe_state").read_metadata().state_dict_metadata
+    with_state = {key.removeprefix("optimizer.state.").rsplit(".", 1)[0] for key in stored
+                  if key.startswith("optimizer.state.")}
+    assert with_state == {f"layers.{i}.attn.q_proj.lora_{ab}.weight" for i in range(8) for ab in "ab"}
 
 
 @pytest.mark.parametrize("override, message", [
@@ -110,3 +156,29 @@ def test_a_users_reward_runs_only_when_allowed_and_a_nan_stops_the_run_naming_it
     assert result.stderr.strip().splitlines()[-1].endswith("reward bad returned nan for completion 0: scores must "
                                                            "be finite")
     assert not list((tmp_path / "b").glob("step_*"))
+
+
+def test_grpo_trains_a_mixture_of_experts_with_its_load_balancing_loss(tmp_path: Path) -> None:
+    """The tiny Qwen3-MoE: the load-balancing term is added to the GRPO loss and both are logged; the experts' token
+    counts are the loss passes' (two iterations), not the decoding's or the old log-probabilities' forwards."""
+    output_dir = tmp_path / "moe"
+    check_success(run_tune_in_process(grpo_argv(
+        output_dir, "epochs=1", "grpo.num_iterations=2", "model._component_=torchtune_ac.models.qwen3_moe_tiny",
+        "checkpoint_dir=null", "tokenizer.path=${embedded_checkpoint:}")))
+    records = read_metrics(output_dir)
+    assert [r["step"] for r in records] == [1, 2]
+    for record in records:
+        assert record["loss"] == pytest.approx(record["grpo_loss"] + record["moe_aux_term"], rel=1e-6, abs=1e-7)
+        assert record["moe_aux_term"] == pytest.approx(0.01 * record["moe_aux_loss"], rel=1e-5)
+        # Dropless, 2 experts a token: each sparse layer counted every token of both loss passes twice.
+        assert [sum(layer) for layer in record["moe_expert_tokens"]] == [2 * record["tokens"]] * 3
+
+
+def test_the_schedule_steps_once_per_optimizer_step_as_trls(tmp_path: Path) -> None:
+    """2 rollouts of 2 iterations: 4 optimizer steps, the first 2 warming up (TRL counts both in optimizer steps).
+    Each record's lr is its last optimizer step's: factors 2/3 (warm-up) and 1/2 (cosine, half way)."""
+    output_dir = tmp_path / "lr"
+    check_success(run_tune_in_process(grpo_argv(
+        output_dir, "epochs=1", "grpo.num_iterations=2", "optimizer.lr=3e-3",
+        "lr_scheduler={_component_:torchtune_ac.training.cosine_schedule_with_warmup,num_warmup_steps:2}")))
+    assert [r["lr"] for r in read_metrics(output_dir)] == pytest.approx([2e-3, 1.5e-3], rel=1e-6)

@@ -200,6 +200,11 @@ class FullFinetuneConfig:
         """The length the dataset builder is given (GRPO's: the longest prompt)."""
         return self.max_seq_len
 
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        """Optimizer steps one step of the loop takes (GRPO's: ``grpo.num_iterations`` on each rollout)."""
+        return 1
+
 
 @dataclass(frozen=True)
 class FullDPOConfig(FullFinetuneConfig):
@@ -342,6 +347,10 @@ class FullGRPOConfig(FullFinetuneConfig):
     @property
     def data_batch_size(self) -> int:
         return self.batch_size // self.grpo.num_generations
+
+    @property
+    def optimizer_steps_per_step(self) -> int:
+        return self.grpo.num_iterations
 
     @property
     def data_max_seq_len(self) -> Optional[int]:

@@ -3,7 +3,8 @@
 
     this rank's prompts x num_generations -> completions (sampler seeded from seed, step and data rank; FSDP2's
     weights gathered once) -> rewards (gathered over the ranks) -> group advantages -> old and reference
-    log-probabilities where needed -> num_iterations optimizer steps on the same rollouts
+    log-probabilities where needed -> num_iterations optimizer steps on the same rollouts, the learning-rate
+    schedule stepped after each (its length and warm-up counted in optimizer steps, as TRL's)
 
 A resume is exact: the sampler's seed is a function of the step, and the prompts' order is the loader's.
 """
@@ -112,7 +113,12 @@ class GRPOLoop(TrainingLoop):
                                   pad_id=tokenizer.pad_id, mask_truncated=settings.grpo.mask_truncated_completions)
             batches.append(self.with_fixed_logps(move_batch(batch, ctx.device)))
             offset += size
-        results = [super(GRPOLoop, self).step(batches) for _ in range(settings.grpo.num_iterations)]
+        results = []
+        for iteration in range(settings.grpo.num_iterations):
+            if iteration and self.training.scheduler is not None:
+                # The schedule counts optimizer steps, as TRL's does; the loop steps it after the last one.
+                self.training.scheduler.step()
+            results.append(super().step(batches))
         self.backend.sync_weights(model)  # the next rollouts sample from the weights these steps made
         self.write_samples(prompts[0], completions[0], table, total[ctx.data_parallel_rank * n:], mine)
         extra = rollout_metrics(everything, total, advantages, names, g)
@@ -207,12 +213,14 @@ def rollout_metrics(everything: torch.Tensor, total: torch.Tensor, advantages: A
 
 def merge_iterations(results: list[StepResult], extra: dict[str, float]) -> StepResult:
     """One record for the step's ``num_iterations`` optimizer steps: their mean loss and objective metrics, the last
-    gradient norm, the tokens of all."""
+    gradient norm, the tokens and the counts (the tokens each expert received) of all."""
     k = len(results)
     own = {name: sum(r.extra[name] for r in results) / k for name in results[0].extra}
+    counts = {name: torch.stack([torch.tensor(r.counts[name]) for r in results]).sum(0).tolist()
+              for name in results[0].counts}
     return replace(results[-1], loss=sum(r.loss for r in results) / k,
                    input_tokens=sum(r.input_tokens for r in results),
-                   target_tokens=sum(r.target_tokens for r in results), extra={**own, **extra})
+                   target_tokens=sum(r.target_tokens for r in results), extra={**own, **extra}, counts=counts)
 
 
 def model_positions(model: nn.Module) -> Optional[int]:

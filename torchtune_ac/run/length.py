@@ -28,6 +28,8 @@ class RunLength:
         steps_per_epoch: optimizer steps per epoch, the cap applied (None with ``samples``).
         described: what the dataset holds, for the log (``3,000 samples``, or ``packed: ... -> 412 rows ...``).
         unit: what one of ``samples`` is: ``sample``, or ``row`` when packed.
+        optimizer_steps_per_step: optimizer steps one step takes (GRPO's ``grpo.num_iterations`` on each rollout;
+            otherwise 1): the learning-rate schedule counts optimizer steps.
     """
 
     parallelism: Parallelism
@@ -39,6 +41,7 @@ class RunLength:
     steps_per_epoch: Optional[int] = None
     described: Optional[str] = None
     unit: str = "sample"
+    optimizer_steps_per_step: int = 1
 
     @property
     def world_size(self) -> Optional[int]:
@@ -62,8 +65,14 @@ class RunLength:
 
     @property
     def total_steps(self) -> Optional[int]:
-        """Optimizer steps of the whole run (None when the data was not read)."""
+        """Steps of the whole run (None when the data was not read)."""
         return None if self.steps_per_epoch is None else self.steps_per_epoch * self.epochs
+
+    @property
+    def optimizer_steps(self) -> Optional[int]:
+        """Optimizer steps of the whole run, what the learning-rate schedule spans (None when the data was not
+        read)."""
+        return None if self.total_steps is None else self.total_steps * self.optimizer_steps_per_step
 
     def counted(self, samples: int, batches_per_epoch: int, *, described: Optional[str] = None,
                 unit: str = "sample") -> "RunLength":

@@ -286,7 +286,8 @@ def expert_kernel_charged(model: torch.nn.Module, dtype: torch.dtype, device: to
 
 def draw_memory_table(table: MemoryTable, path: Path) -> Path:
     """A stacked bar per setting (parameters, optimizer state, gradients, activations, transient, the process's
-    fixed cost), with the budget as a line, written as a PNG.
+    fixed cost), with the budget as a line, written as a PNG. A GRPO step's rollouts: in place of the step's own
+    parts in a bar where the generation is the peak, else a dotted mark at the height they reach.
 
     Raises:
         UserError: matplotlib is missing (``pip install 'torchtune_ac[plot]'``), or the file cannot be written.
@@ -298,19 +299,37 @@ def draw_memory_table(table: MemoryTable, path: Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise UserError("--png needs matplotlib: pip install 'torchtune_ac[plot]'") from None
-    names = [describe_setting(e.plan).replace(" block", "\nblock") for e in table.applicable()]
+    estimates = table.applicable()
+    names = [describe_setting(e.plan).replace(" block", "\nblock") for e in estimates]
     parts = [("parameters", "parameters", "tab:gray"), ("reference model", "reference", "tab:olive"),
-             ("optimizer state", "optimizer", "tab:brown"),
+             ("optimizer state", "optimizer", "tab:brown"), ("rollouts (generation)", "rollouts", "tab:cyan"),
              ("gradients", "gradients", "tab:orange"), ("activations", "activations", "tab:blue"),
              ("transient", "transient", "tab:green"), ("process (fixed)", "fixed", "tab:purple")]
+    # At the peak a step holds the larger of its rollouts and its own parts (``MemoryEstimate.total``).
+    generating = [e.rollouts > e.step_peak for e in estimates]
+
+    def height(e, attr: str, at_generation: bool) -> float:
+        if attr == "rollouts":
+            return e.rollouts if at_generation else 0
+        if attr in ("gradients", "activations", "transient") and at_generation:
+            return 0
+        return getattr(e, attr)
+
     # Small models in MiB, as the table shows them: in GiB to one decimal they all read "0.4".
     unit, scale = table.unit
     fig, ax = plt.subplots(figsize=(max(6.0, 1.3 * len(names)), 4.8))
     bottom = [0.0] * len(names)
     for label, attr, color in parts:
-        heights = [getattr(e, attr) / scale for e in table.applicable()]
+        heights = [height(e, attr, g) / scale for e, g in zip(estimates, generating)]
+        if attr == "rollouts" and not any(heights):
+            continue
         ax.bar(names, heights, bottom=bottom, label=label, color=color)
         bottom = [b + h for b, h in zip(bottom, heights)]
+    below = [(i, (e.parameters + e.reference + e.optimizer + e.rollouts) / scale)
+             for i, (e, g) in enumerate(zip(estimates, generating)) if e.rollouts and not g]
+    for n, (i, level) in enumerate(below):
+        ax.hlines(level, i - 0.4, i + 0.4, colors="tab:cyan", linestyles=":", linewidth=2,
+                  label="rollouts (generation, below the step's peak)" if n == 0 else None)
     for i, text in enumerate(table.bar_labels()):
         ax.annotate(text, (i, bottom[i]), ha="center", va="bottom", fontsize=8)
     budget = None if table.budget_gib is None else table.budget_gib * GiB / scale

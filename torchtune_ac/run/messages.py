@@ -184,9 +184,11 @@ def length_warnings(length: "RunLength", hyperparameters: Mapping[str, Any]) -> 
     if steps is None and length.max_steps_per_epoch is not None:
         steps, at_most = length.max_steps_per_epoch * length.epochs, "at most "
     warmup = (hyperparameters.get("lr_scheduler") or {}).get("num_warmup_steps")
-    if steps is not None and isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= steps:
+    per_step = length.optimizer_steps_per_step  # the schedule counts optimizer steps
+    if steps is not None and isinstance(warmup, int) and not isinstance(warmup, bool) and warmup >= steps * per_step:
         lr = (hyperparameters.get("optimizer") or {}).get("lr")
-        warnings.append(f"lr_scheduler.num_warmup_steps={warmup}: the run has {at_most}{steps} step(s), so it ends "
+        counted = f"{steps} step(s)" if per_step == 1 else f"{steps * per_step} optimizer step(s) ({per_step} a step)"
+        warnings.append(f"lr_scheduler.num_warmup_steps={warmup}: the run has {at_most}{counted}, so it ends "
                         "still warming up and the learning rate never reaches "
                         + (f"optimizer.lr={lr}" if lr is not None else "the optimizer's lr")
                         + "; lower num_warmup_steps (or train longer)")

@@ -109,7 +109,7 @@ def resolve_length(cfg: RunConfig, parallelism: Parallelism, samples: Optional[i
         UserError: the dataset has fewer batches per process than one optimizer step needs.
     """
     length = RunLength(parallelism, cfg.data_batch_size, cfg.gradient_accumulation_steps, cfg.epochs,
-                       cfg.max_steps_per_epoch)
+                       cfg.max_steps_per_epoch, optimizer_steps_per_step=cfg.optimizer_steps_per_step)
     return length if batches_per_epoch is None else length.counted(samples, batches_per_epoch)
 
 

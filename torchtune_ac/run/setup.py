@@ -108,7 +108,7 @@ def setup_training(run: Run, *, batching: Batching = SAMPLES,
         load_weights=resume_from is None or plan.adapter is not None,
         make_optimizer=cfg.optimizer.instantiate,
         make_scheduler=None if cfg.lr_scheduler is None else (
-            lambda optimizer: cfg.lr_scheduler.instantiate(optimizer, num_training_steps=plan.length.total_steps)),
+            lambda optimizer: cfg.lr_scheduler.instantiate(optimizer, num_training_steps=plan.length.optimizer_steps)),
     )
     if resume_from is not None:
         run.progress = restore(plan, ctx, resume_from, training, data)

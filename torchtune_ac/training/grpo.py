@@ -241,6 +241,7 @@ class GRPOObjective:
     temperature: float
     max_new_tokens: int
     metric_names = GRPO_METRICS
+    loss_name = "grpo_loss"
 
     @property
     def loss_scale(self) -> Optional[tuple[str, float]]:

@@ -60,7 +60,7 @@ class Objective(Protocol):
         metric_names: what the ``LossParts.metrics`` of ``__call__`` sum, in order; empty when it returns the loss
             alone.
         loss_name: what its loss is called where another term is added to it (``LoadBalancedObjective`` logs it
-            apart): ``ce_loss``, ``dpo_loss``.
+            apart): ``ce_loss``, ``dpo_loss``, ``grpo_loss``.
         loss_scale: the config key that scales the loss and its gradient, with its value (DPO's ``dpo.beta``), named
             when they are not finite; None when the config has none.
     """

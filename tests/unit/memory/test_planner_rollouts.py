@@ -94,3 +94,31 @@ def test_tune_plan_shows_the_rollouts_of_a_grpo_config(capsys):
         shape = model_shape(llama_tiny())
     expected = rollout_memory(RolloutStep(rows=64, prompt_len=12, max_new_tokens=4), shape, torch.float32)
     assert full.split()[3] == f"{expected.total / {'MiB': 2**20, 'GiB': 2**30}[unit]:.2f}"
+
+
+def test_the_plan_chart_shows_the_rollouts_at_the_peak_or_marks_them_below_it(tmp_path, monkeypatch):
+    """Each bar is as tall as the device total: where the generation is the peak its rollouts stand in for the
+    step's own parts; where it is not, a dotted mark shows the height they reach."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
+    from torchtune_ac.memory.planner.workload import MemoryEstimate
+    from torchtune_ac.run.memory_table import MemoryTable, draw_memory_table
+
+    MiB = 2**20
+    plans = [resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=None, n_layers=2)
+             for mode in ("none", "full")]
+    estimates = [MemoryEstimate(plan, parameters=6 * MiB, optimizer=12 * MiB, gradients=1 * MiB,
+                                activations=activations * MiB, transient=4 * MiB, saved_activations=0, extra_flops=0.0,
+                                peak_phase="backward", flops=0.0, fixed=400 * MiB, reference=6 * MiB,
+                                rollouts=30 * MiB) for plan, activations in zip(plans, (80, 2))]
+    bars, marks = {}, []
+    real_bar, real_hlines = Axes.bar, Axes.hlines
+    monkeypatch.setattr(Axes, "bar", lambda ax, x, heights, *a, label=None, **k:
+                        bars.setdefault(label, list(heights)) and real_bar(ax, x, heights, *a, label=label, **k))
+    monkeypatch.setattr(Axes, "hlines", lambda ax, y, *a, **k: marks.append(y) or real_hlines(ax, y, *a, **k))
+    draw_memory_table(MemoryTable("t", estimates, None, None), tmp_path / "plan.png")
+    assert [sum(column) for column in zip(*bars.values())] == [e.device / MiB for e in estimates]
+    # none: the step (85 MiB) is the peak, the rollouts a mark at 6 + 6 + 12 + 30; full: the rollouts are the peak.
+    assert bars["rollouts (generation)"] == [0, 30] and bars["activations"] == [80, 0] and marks == [54]

@@ -21,8 +21,10 @@ LEFT_OUT = ("dataset: 4 samples of 20 not trained on in each epoch: the global b
             "the last, incomplete batch is left out; a global batch that divides 20 uses every sample")
 
 
-def length(*, world_size=1, batch_size=4, accumulation=1, epochs=1, cap=None, samples=None, tp=1) -> RunLength:
-    planned = RunLength(Parallelism(world_size, tensor=tp), batch_size, accumulation, epochs, cap)
+def length(*, world_size=1, batch_size=4, accumulation=1, epochs=1, cap=None, samples=None, tp=1,
+           iterations=1) -> RunLength:
+    planned = RunLength(Parallelism(world_size, tensor=tp), batch_size, accumulation, epochs, cap,
+                        optimizer_steps_per_step=iterations)
     if samples is None:  # tune validate: the data not read
         return planned
     # the loader drops the last incomplete batch; tune validate (no world size) counts as on one process
@@ -40,6 +42,10 @@ CASES = {
     "run_past_the_warmup": (length(samples=36), HYPER, []),
     "run_inside_the_warmup_and_samples_left_out": (length(world_size=2, samples=20), HYPER,
                                                    [WARMUP.format(2), LEFT_OUT]),
+    # GRPO's num_iterations optimizer steps a rollout: the warm-up counts optimizer steps.
+    "grpo_inside_the_warmup": (length(samples=16, iterations=2), HYPER,
+                               [WARMUP.format("8 optimizer").replace("step(s),", "step(s) (2 a step),")]),
+    "grpo_past_the_warmup": (length(samples=20, iterations=2), HYPER, []),
     "no_warmup_to_finish": (length(samples=4), CONSTANT, []),
     "no_schedule": (length(samples=4), NO_SCHEDULE, []),
     "samples_left_out": (length(world_size=2, samples=20), NO_SCHEDULE, [LEFT_OUT]),
