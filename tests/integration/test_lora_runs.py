@@ -12,7 +12,7 @@ import pytest
 import torch
 from finetune_runs import check_success, final_checkpoint, hash_tree, run_tune_in_process, run_tune_subprocess
 from numerics import assert_close, assert_steps_alike, assert_weights_trained_alike, llama_terms
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from torchtune_ac.checkpoint import RECIPE_STATE_DIR
@@ -152,6 +152,7 @@ def test_lora_dpo_s_precomputed_reference_trains_as_its_resident_one(tmp_path):
 
 REFUSED = {
     "rank_0": (["adapter.rank=0"], "adapter.rank=0: must be >= 1"),
+    "rank_negative": (["adapter.rank=-8"], "adapter.rank=-8: must be >= 1"),
     "alpha_0": (["adapter.alpha=0"], "adapter.alpha=0.0: must be > 0.0"),
     "unknown_kind": (["adapter.kind=vera"], "adapter.kind='vera': expected one of lora, dora"),
     "target_matching_nothing": (["adapter.targets=[q_proj,qkv]"],
@@ -161,16 +162,46 @@ REFUSED = {
     "folder_of_another_rank": (["adapter.rank=4", "adapter.checkpoint_dir={folder}"], "its r is 8, this run's"),
     "folder_of_other_targets": (["adapter.targets=[q_proj,v_proj]", "adapter.checkpoint_dir={folder}"],
                                 "not an adapter of this base with these targets"),
+    "folder_of_another_base": (["adapter.checkpoint_dir={other_base}"],
+                               "lora_A.weight is [8, 256], this model's is [8, 128]: an adapter of another base"),
 }
+
+
+def adapter_of_a_wider_base(folder: Path, target: Path) -> Path:
+    """``folder``'s PEFT adapter with the same names, as trained on a base of twice the hidden size (A [r, 2 in])."""
+    target.mkdir()
+    shutil.copy(folder / ADAPTER_CONFIG_FILE, target)
+    save_file({name: torch.cat([t, t], dim=-1) if "lora_A" in name else t for name, t in adapters(folder).items()},
+              target / ADAPTER_WEIGHTS_FILE)
+    return target
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_bad_adapter_input_exits_2_with_one_line_and_writes_nothing(name, tmp_path, one_process):
     overrides, message = REFUSED[name]
     folder = final_checkpoint(one_process[0])
+    other_base = adapter_of_a_wider_base(folder, tmp_path / "other_base")
     before = hash_tree(tmp_path)
-    result = run_tune_in_process(argv(tmp_path / "out", *(o.format(folder=folder) for o in overrides)))
+    result = run_tune_in_process(argv(tmp_path / "out", *(o.format(folder=folder, other_base=other_base)
+                                                         for o in overrides)))
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert message in lines[-1] and "Traceback" not in result.stderr, result.stderr
     assert hash_tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("config, overrides, nproc, message", [
+    ("tiny/lora", ("tensor_parallel_dim=2",), 2,
+     "tensor_parallel_dim=2: adapters (the adapter: section) do not run under tensor parallelism"),
+    ("tiny/lora", ("expert_parallel_dim=2",), 2,
+     "expert_parallel_dim=2: adapters (the adapter: section) do not run under expert parallelism"),
+    ("tiny/qlora", ("fsdp.replicate_degree=2",), 4,
+     "adapter.quantize_base=nf4: the NF4 base is sharded by FSDP2 over one dimension of processes, not under HSDP"),
+])
+def test_a_parallel_layout_the_adapters_do_not_run_under_is_refused_by_tune_plan(config, overrides, nproc, message):
+    """From the config alone (the launcher checks the same before starting processes): ``tune plan`` plans no
+    layout the run refuses."""
+    result = run_tune_in_process(["plan", "--config", config, "--nproc", str(nproc), *overrides])
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"tune: error: {message}"), line
