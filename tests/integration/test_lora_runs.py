@@ -1,7 +1,7 @@
 """``tune run lora_finetune`` and ``lora_dpo`` on the embedded model: a checkpoint holds the adapters (PEFT's
 folder) and their optimizer state, not the base; a resume is exact; 2 processes (FSDP2) train like 1, and one
-process resumes their checkpoint; PEFT loads a run's folder, which is also a starting point; bad adapter input is
-refused in one line, exit 2, nothing written."""
+process resumes their checkpoint; HSDP (2 x 2) resumes one process's checkpoint and trains like it; PEFT loads a
+run's folder, which is also a starting point; bad adapter input is refused in one line, exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -97,6 +97,28 @@ def test_two_processes_train_like_one_and_one_resumes_them(one_process, tmp_path
     assert_steps_alike([r["loss"] for r in resumed], [r["loss"] for r in two], terms=TERMS, what="resumed loss")
     assert_weights_trained_alike(adapters(final_checkpoint(tmp_path / "resumed")),
                                  adapters(final_checkpoint(tmp_path / "two")), lrs=lrs, terms=TERMS)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_hsdp_2x2_resumes_one_process_s_checkpoint_and_trains_like_it(one_process, tmp_path):
+    """HSDP over base and adapters (2 replicas x 2 shards, 4 processes, each a quarter of the global batch) continues
+    the one process run's step-2 checkpoint (1 -> 4, resharded by DCP): its steps 3 and 4 and the adapters after
+    them are the one process run's within rounding (gloo adds in another order)."""
+    output_dir, records = one_process
+    hsdp_dir = tmp_path / "hsdp"
+    shutil.copytree(output_dir, hsdp_dir, symlinks=True)
+    shutil.rmtree(hsdp_dir / "step_0000004")
+    result = run_tune_subprocess(argv(hsdp_dir, "batch_size=1", "fsdp.replicate_degree=2",
+                                      "resume_from_checkpoint=true", nproc=4))
+    check_success(result)
+    assert "HSDP: 2 replicas x 2 shards" in result.stderr and "resharded from 1 process(es) to 4" in result.stderr
+    hsdp = read_metrics(hsdp_dir)
+    assert [r["step"] for r in hsdp] == list(range(1, STEPS + 1))
+    for name in ("loss", "grad_norm"):
+        assert_steps_alike([r[name] for r in hsdp[2:]], [r[name] for r in records[2:]], terms=TERMS, what=name)
+    assert_weights_trained_alike(adapters(final_checkpoint(hsdp_dir)), adapters(final_checkpoint(output_dir)),
+                                 lrs=[r["lr"] for r in records], terms=TERMS)
 
 
 @pytest.mark.numerics
