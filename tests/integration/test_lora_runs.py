@@ -140,6 +140,22 @@ def test_peft_loads_a_runs_folder_which_is_also_a_starting_point(one_process, em
                      what="logits")
 
 
+def test_the_chunked_loss_and_the_step_in_backward_train_the_adapters_as_the_plain_step(tmp_path):
+    """``loss_chunks=4`` (the logits never whole) with ``optimizer_in_bwd`` (each adapter stepped in backward, its
+    gradient freed) against the plain step, no clipping in both: the same run within rounding (the chunks add the
+    loss in another order), and only the adapters have optimizer state."""
+    plain = run(tmp_path / "plain", "clip_grad_norm=null", "save_every_n_steps=null")
+    fused = run(tmp_path / "fused", "clip_grad_norm=null", "save_every_n_steps=null", "loss_chunks=4",
+                "optimizer_in_bwd=true")
+    assert_steps_alike([r["loss"] for r in fused], [r["loss"] for r in plain], terms=TERMS, what="loss")
+    assert_weights_trained_alike(adapters(final_checkpoint(tmp_path / "fused")),
+                                 adapters(final_checkpoint(tmp_path / "plain")), lrs=[r["lr"] for r in plain],
+                                 terms=TERMS)
+    saved = FileSystemReader(str(final_checkpoint(tmp_path / "fused") / RECIPE_STATE_DIR)).read_metadata()
+    state = [key for key in saved.state_dict_metadata if key.startswith("optimizer.state.")]
+    assert state and all(".lora_" in key for key in state), state[:3]
+
+
 def test_lora_dpo_starts_at_the_base(tmp_path):
     """The reference is the policy's base with the adapters off: at step 1 (B zero) every reward is exactly 0."""
     command = ["run", "lora_dpo", "--config", "tiny/lora_dpo", "max_seq_len=64", "batch_size=4",
