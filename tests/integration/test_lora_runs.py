@@ -1,7 +1,7 @@
 """``tune run lora_finetune`` and ``lora_dpo`` on the embedded model: a checkpoint holds the adapters (PEFT's
 folder) and their optimizer state, not the base; a resume is exact; 2 processes (FSDP2) train like 1, and one
-process resumes their checkpoint; PEFT loads a run's folder, which is also a starting point; bad adapter input is
-refused in one line, exit 2, nothing written."""
+process resumes their checkpoint; HSDP (2 x 2) resumes one process's checkpoint and trains like it; PEFT loads a
+run's folder, which is also a starting point; bad adapter input is refused in one line, exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from finetune_runs import check_success, final_checkpoint, hash_tree, run_tune_in_process, run_tune_subprocess
 from numerics import assert_close, assert_steps_alike, assert_weights_trained_alike, llama_terms
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.checkpoint import FileSystemReader
 
 from torchtune_ac.checkpoint import RECIPE_STATE_DIR
@@ -99,6 +99,28 @@ def test_two_processes_train_like_one_and_one_resumes_them(one_process, tmp_path
                                  adapters(final_checkpoint(tmp_path / "two")), lrs=lrs, terms=TERMS)
 
 
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_hsdp_2x2_resumes_one_process_s_checkpoint_and_trains_like_it(one_process, tmp_path):
+    """HSDP over base and adapters (2 replicas x 2 shards, 4 processes, each a quarter of the global batch) continues
+    the one process run's step-2 checkpoint (1 -> 4, resharded by DCP): its steps 3 and 4 and the adapters after
+    them are the one process run's within rounding (gloo adds in another order)."""
+    output_dir, records = one_process
+    hsdp_dir = tmp_path / "hsdp"
+    shutil.copytree(output_dir, hsdp_dir, symlinks=True)
+    shutil.rmtree(hsdp_dir / "step_0000004")
+    result = run_tune_subprocess(argv(hsdp_dir, "batch_size=1", "fsdp.replicate_degree=2",
+                                      "resume_from_checkpoint=true", nproc=4))
+    check_success(result)
+    assert "HSDP: 2 replicas x 2 shards" in result.stderr and "resharded from 1 process(es) to 4" in result.stderr
+    hsdp = read_metrics(hsdp_dir)
+    assert [r["step"] for r in hsdp] == list(range(1, STEPS + 1))
+    for name in ("loss", "grad_norm"):
+        assert_steps_alike([r[name] for r in hsdp[2:]], [r[name] for r in records[2:]], terms=TERMS, what=name)
+    assert_weights_trained_alike(adapters(final_checkpoint(hsdp_dir)), adapters(final_checkpoint(output_dir)),
+                                 lrs=[r["lr"] for r in records], terms=TERMS)
+
+
 @pytest.mark.numerics
 def test_peft_loads_a_runs_folder_which_is_also_a_starting_point(one_process, embedded_checkpoint):
     peft = pytest.importorskip("peft")
@@ -116,6 +138,22 @@ def test_peft_loads_a_runs_folder_which_is_also_a_starting_point(one_process, em
         expected = theirs.eval()(input_ids=tokens).logits
         assert_close(ours.eval()(tokens), expected, terms=llama_terms(LLAMA_TINY, 16, 0, backward=False),
                      what="logits")
+
+
+def test_the_chunked_loss_and_the_step_in_backward_train_the_adapters_as_the_plain_step(tmp_path):
+    """``loss_chunks=4`` (the logits never whole) with ``optimizer_in_bwd`` (each adapter stepped in backward, its
+    gradient freed) against the plain step, no clipping in both: the same run within rounding (the chunks add the
+    loss in another order), and only the adapters have optimizer state."""
+    plain = run(tmp_path / "plain", "clip_grad_norm=null", "save_every_n_steps=null")
+    fused = run(tmp_path / "fused", "clip_grad_norm=null", "save_every_n_steps=null", "loss_chunks=4",
+                "optimizer_in_bwd=true")
+    assert_steps_alike([r["loss"] for r in fused], [r["loss"] for r in plain], terms=TERMS, what="loss")
+    assert_weights_trained_alike(adapters(final_checkpoint(tmp_path / "fused")),
+                                 adapters(final_checkpoint(tmp_path / "plain")), lrs=[r["lr"] for r in plain],
+                                 terms=TERMS)
+    saved = FileSystemReader(str(final_checkpoint(tmp_path / "fused") / RECIPE_STATE_DIR)).read_metadata()
+    state = [key for key in saved.state_dict_metadata if key.startswith("optimizer.state.")]
+    assert state and all(".lora_" in key for key in state), state[:3]
 
 
 def test_lora_dpo_starts_at_the_base(tmp_path):
@@ -152,6 +190,7 @@ def test_lora_dpo_s_precomputed_reference_trains_as_its_resident_one(tmp_path):
 
 REFUSED = {
     "rank_0": (["adapter.rank=0"], "adapter.rank=0: must be >= 1"),
+    "rank_negative": (["adapter.rank=-8"], "adapter.rank=-8: must be >= 1"),
     "alpha_0": (["adapter.alpha=0"], "adapter.alpha=0.0: must be > 0.0"),
     "unknown_kind": (["adapter.kind=vera"], "adapter.kind='vera': expected one of lora, dora"),
     "target_matching_nothing": (["adapter.targets=[q_proj,qkv]"],
@@ -161,16 +200,46 @@ REFUSED = {
     "folder_of_another_rank": (["adapter.rank=4", "adapter.checkpoint_dir={folder}"], "its r is 8, this run's"),
     "folder_of_other_targets": (["adapter.targets=[q_proj,v_proj]", "adapter.checkpoint_dir={folder}"],
                                 "not an adapter of this base with these targets"),
+    "folder_of_another_base": (["adapter.checkpoint_dir={other_base}"],
+                               "lora_A.weight is [8, 256], this model's is [8, 128]: an adapter of another base"),
 }
+
+
+def adapter_of_a_wider_base(folder: Path, target: Path) -> Path:
+    """``folder``'s PEFT adapter with the same names, as trained on a base of twice the hidden size (A [r, 2 in])."""
+    target.mkdir()
+    shutil.copy(folder / ADAPTER_CONFIG_FILE, target)
+    save_file({name: torch.cat([t, t], dim=-1) if "lora_A" in name else t for name, t in adapters(folder).items()},
+              target / ADAPTER_WEIGHTS_FILE)
+    return target
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_bad_adapter_input_exits_2_with_one_line_and_writes_nothing(name, tmp_path, one_process):
     overrides, message = REFUSED[name]
     folder = final_checkpoint(one_process[0])
+    other_base = adapter_of_a_wider_base(folder, tmp_path / "other_base")
     before = hash_tree(tmp_path)
-    result = run_tune_in_process(argv(tmp_path / "out", *(o.format(folder=folder) for o in overrides)))
+    result = run_tune_in_process(argv(tmp_path / "out", *(o.format(folder=folder, other_base=other_base)
+                                                         for o in overrides)))
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert message in lines[-1] and "Traceback" not in result.stderr, result.stderr
     assert hash_tree(tmp_path) == before
+
+
+@pytest.mark.parametrize("config, overrides, nproc, message", [
+    ("tiny/lora", ("tensor_parallel_dim=2",), 2,
+     "tensor_parallel_dim=2: adapters (the adapter: section) do not run under tensor parallelism"),
+    ("tiny/lora", ("expert_parallel_dim=2",), 2,
+     "expert_parallel_dim=2: adapters (the adapter: section) do not run under expert parallelism"),
+    ("tiny/qlora", ("fsdp.replicate_degree=2",), 4,
+     "adapter.quantize_base=nf4: the NF4 base is sharded by FSDP2 over one dimension of processes, not under HSDP"),
+])
+def test_a_parallel_layout_the_adapters_do_not_run_under_is_refused_by_tune_plan(config, overrides, nproc, message):
+    """From the config alone (the launcher checks the same before starting processes): ``tune plan`` plans no
+    layout the run refuses."""
+    result = run_tune_in_process(["plan", "--config", config, "--nproc", str(nproc), *overrides])
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"tune: error: {message}"), line

@@ -104,6 +104,11 @@ def check_adapter_folder(model: nn.Module, config: AdapterConfig, folder: str, p
     expected = {key: tuple(adapter_tensor(linear, part).shape) for key, (linear, part, _) in peft_keys(model).items()}
     extra = sorted(set(shapes) - set(expected))
     missing = sorted(set(expected) - set(shapes))
+    copies = [key for key in extra if key.endswith(".base_layer.weight")]
+    if copies:  # PEFT's save_embedding_layers="auto" with lm_head or embed_tokens among the targets
+        raise UserError(f"{where}: {copies[0]} is a copy of a base weight, which PEFT saves with the adapters of an "
+                        "embedding or lm_head: this run takes the base from checkpoint_dir alone; save the adapters "
+                        "again with save_pretrained(..., save_embedding_layers=False)")
     if extra or missing:
         what = (f"{extra[0]} is not an adapter of this model" if extra
                 else f"{missing[0]} is missing (its targets: {', '.join(peft.get('target_modules') or [])})")

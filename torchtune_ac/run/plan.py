@@ -457,19 +457,12 @@ def _resolve_adapter(cfg: RunConfig, model: nn.Module, memory: MemoryPlan,
     adapter = getattr(cfg, "adapter", None)  # a schema field of the adapter recipes only
     if adapter is None:
         return None
-    if parallelism.tensor_parallel:
-        raise UserError(f"tensor_parallel_dim={parallelism.tensor}: adapters (the adapter: section) do not run under "
-                        "tensor parallelism (the family's plan does not split them); use tensor_parallel_dim: 1 "
-                        "(FSDP2, fsdp.replicate_degree for HSDP)")
-    if parallelism.expert_parallel:
-        raise UserError(f"expert_parallel_dim={parallelism.expert}: adapters (the adapter: section) do not run under "
-                        "expert parallelism; use expert_parallel_dim: 1 (FSDP2 shards the frozen experts)")
     check_adapter_start(model, adapter, loss_chunks=memory.settings.loss_chunks)
     if adapter.quantize_base is not None:
-        if memory.shard_options() or parallelism.replicate > 1:
+        if memory.shard_options():
             raise UserError(f"adapter.quantize_base={adapter.quantize_base.value}: the NF4 base is sharded by FSDP2 "
-                            "over one dimension of processes, not with CPU offload nor HSDP (fsdp.replicate_degree); "
-                            "drop those, or set adapter.quantize_base: null")
+                            "over one dimension of processes, not with CPU offload (fsdp.cpu_offload); drop it, or "
+                            "set adapter.quantize_base: null")
         if (parallelism.world_size or 1) > 1:
             check_nf4_sharding(find_targets(model, adapter), parallelism.world_size)
     return adapter
@@ -491,10 +484,30 @@ def resolve_parallelism(cfg: RunConfig, model: Optional[nn.Module], world_size: 
     """
     parallelism = Parallelism(world_size, replicate=cfg.fsdp.replicate_degree, tensor=cfg.tensor_parallel_dim,
                               expert=cfg.expert_parallel_dim)
+    _check_adapter_degrees(getattr(cfg, "adapter", None), parallelism)  # a schema field of the adapter recipes only
     if model is not None:
         _check_experts(model, parallelism)
         _check_tensor_parallel(cfg, model, parallelism.tensor)
     return parallelism
+
+
+def _check_adapter_degrees(adapter: Optional[AdapterConfig], parallelism: Parallelism) -> None:
+    """Refuse, in one line, a degree the adapters do not run under: tensor and expert parallelism (the families'
+    plans do not split an adapted linear), and HSDP with an NF4 base (torchao's NF4 all-gather is over one mesh
+    dimension). From the config alone, so the launcher and ``tune plan`` refuse what the run would."""
+    if adapter is None:
+        return
+    if parallelism.tensor_parallel:
+        raise UserError(f"tensor_parallel_dim={parallelism.tensor}: adapters (the adapter: section) do not run under "
+                        "tensor parallelism (the family's plan does not split them); use tensor_parallel_dim: 1 "
+                        "(FSDP2, fsdp.replicate_degree for HSDP)")
+    if parallelism.expert_parallel:
+        raise UserError(f"expert_parallel_dim={parallelism.expert}: adapters (the adapter: section) do not run under "
+                        "expert parallelism; use expert_parallel_dim: 1 (FSDP2 shards the frozen experts)")
+    if adapter.quantize_base is not None and parallelism.replicate > 1:
+        raise UserError(f"adapter.quantize_base={adapter.quantize_base.value}: the NF4 base is sharded by FSDP2 over "
+                        f"one dimension of processes, not under HSDP (fsdp.replicate_degree={parallelism.replicate}); "
+                        "set fsdp.replicate_degree: 1, or adapter.quantize_base: null")
 
 
 def _check_experts(model: nn.Module, parallelism: Parallelism) -> None:
