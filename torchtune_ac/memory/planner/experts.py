@@ -51,10 +51,15 @@ class SimulatedExpertExchange(ExpertAllToAll):
 
     def splits(self, rows: torch.Tensor, counts: torch.Tensor, received: torch.Tensor) -> tuple[list[int], list[int]]:
         sent = rows.shape[0]
-        return _split(sent, self.degree), _split(math.ceil(self.margin * sent), self.degree)
+        return _split(math.ceil(self.margin * sent), self.degree), _split(sent, self.degree)
 
-    def all_to_all(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
-        return _exchange(rows, output_splits, input_splits)
+    def send(self, rows: torch.Tensor, splits: tuple[list[int], list[int]]) -> torch.Tensor:
+        received, sent = splits
+        return _exchange(rows, received, sent)
+
+    def send_back(self, rows: torch.Tensor, splits: tuple[list[int], list[int]], output_rows: int) -> torch.Tensor:
+        received, sent = splits
+        return _exchange(rows, sent, received)
 
 
 def simulate_expert_parallel(model: nn.Module, degree: int, margin: float) -> list[nn.Parameter]:
