@@ -44,8 +44,9 @@ from torchtune_ac.models.moe import Dispatch, GroupedExperts, MoE, compute_arriv
 def all_to_all_rows(rows: torch.Tensor, splits: torch.Tensor, group_name: str,
                     output_rows: Optional[int] = None) -> torch.Tensor:
     """``rows [N, ...]`` to the group's processes: ``splits [2, degree]`` (in host memory) holds the rows received
-    from each process (row 0) and sent to each (row 1), read here, so that a compiled graph holds no host read. ``output_rows``: their sum when the caller knows it (the way back), else a size only the
-    data tells (``torch.compile`` traces it as an unbacked size). Backward sends the gradients back the other way."""
+    from each process (row 0) and sent to each (row 1), read here, so that a compiled graph holds no host read.
+    ``output_rows``: their sum where the caller knows it (the way back), else a size only the data tells (which
+    ``torch.compile`` traces as an unbacked size). Backward sends the gradients back the other way."""
     received, sent = splits.tolist()
     out = rows.new_empty(sum(received), *rows.shape[1:])
     dist.all_to_all_single(out, rows.contiguous(), received, sent, group=_resolve_process_group(group_name))
@@ -79,7 +80,7 @@ class ExpertAllToAll:
     their experts' processes, its local experts over what it received, the results back.
 
     Traceable by ``torch.compile`` (no graph break): the counts go by a functional all-to-all, the rows by
-    ``all_to_all_rows``, which reads their splits on the host inside the op. The memory planner runs this same
+    ``all_to_all_rows``, which reads their splits inside the op. The memory planner runs this same
     exchange on fake tensors (``memory/planner/experts.py``), with its methods that touch the processes replaced:
     ``exchange_counts``, ``splits``, ``send`` and ``send_back``.
 
