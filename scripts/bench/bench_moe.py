@@ -13,7 +13,8 @@ expert parallelism against FSDP2 on 2 processes.
    ``torch._grouped_mm`` on the CPU) against a Python loop over the experts, one matmul each (``loop_experts``),
    forward + backward, in this process (by default 32 experts, 8 per token, 1024 -> 384, 512 tokens).
 2. compile: a whole tiny MoE model's step (``qwen3_moe_tiny``) eager against ``compile: true``, under per-op and
-   full AC, with Dynamo's graphs and breaks counted (``--only compile``).
+   full AC, on 1 process and at EP 2 (2 gloo processes, the exchange inside the compiled blocks), with Dynamo's
+   graphs and breaks counted (``--only compile``).
 3. parallel: ``tune run --nproc_per_node 2 full_finetune`` on the same Qwen3-MoE (a checkpoint written by
    transformers' ``Qwen3MoeForCausalLM``: 4 layers of 32 experts, 4 per token, dim 256), packed rows, with
    ``expert_parallel_dim: 2`` (each process holds 16 experts of each layer; tokens exchanged by all-to-all) and 1
@@ -49,7 +50,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from _benchlib import pyplot, save_figure, write_report  # noqa: E402
+from _benchlib import leave_spawned_rank, pyplot, save_figure, write_report  # noqa: E402
 
 from torchtune_ac.models import moe  # noqa: E402
 
@@ -143,19 +144,24 @@ def kernels(args: argparse.Namespace) -> tuple[dict, list[str]]:
     return report, lines
 
 
-def _compiled_step(compile_blocks: bool, mode: str, option: Optional[str], tokens: torch.Tensor):
-    """A tiny Qwen3-MoE (``qwen3_moe_tiny``) with an AC mode, its blocks compiled or not, and a function that runs
-    one forward + backward and returns the loss."""
+def _compiled_step(compile_blocks: bool, mode: str, option: Optional[str], tokens: torch.Tensor,
+                   ep_mesh: Any = None) -> Callable[[], float]:
+    """A tiny Qwen3-MoE (``qwen3_moe_tiny``) with an AC mode, its blocks compiled or not (inductor, as ``compile:
+    true`` runs), its experts split over ``ep_mesh`` when given, and a function that runs one forward + backward and
+    returns the loss."""
     from torchtune_ac.activation_checkpointing.mechanism import ACMode, ac_plan, apply_ac_plan
     from torchtune_ac.models import qwen3_moe_tiny
+    from torchtune_ac.parallel.expert_parallel import apply_expert_parallel
 
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # every process the same whole weights: each keeps its own experts' share
     model = qwen3_moe_tiny()
     model.init_weights()
     apply_ac_plan(model, ac_plan(ACMode(mode), option, len(model.layers)))
     if compile_blocks:
         for block in model.layers:
             block.compile()
+    if ep_mesh is not None:
+        apply_expert_parallel(model, ep_mesh)  # after compile, as a run assembles it
 
     def step() -> float:
         model.zero_grad(set_to_none=True)
@@ -166,44 +172,83 @@ def _compiled_step(compile_blocks: bool, mode: str, option: Optional[str], token
     return step
 
 
-def compiled(args: argparse.Namespace) -> tuple[dict, list[str]]:
-    """A whole MoE model's step (``qwen3_moe_tiny``, one process), eager against ``compile: true`` (every block
-    compiled, one graph each), under per-op and full AC: same loss, then timed after a warm-up that compiles."""
+COMPILE_AC = {"per-op": ("selective", "op"), "full": ("full", None)}
+COMPILE_EP = 2  # the expert-parallel layout timed beside 1 process
+
+
+def _compile_tokens(args: argparse.Namespace, rank: int) -> torch.Tensor:
+    return torch.randint(0, 100, (args.batch_size, 128 if not args.quick else 32),
+                         generator=torch.Generator().manual_seed(rank))
+
+
+def _time_compile_sides(args: argparse.Namespace, tokens: torch.Tensor, ep_mesh: Any = None) -> dict[str, Any]:
+    """Each AC mode's step eager and compiled: losses, times after a warm-up that compiles, Dynamo's counts."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    tokens = torch.randint(0, 100, (args.batch_size, 128 if not args.quick else 32),
-                           generator=torch.Generator().manual_seed(0))
-    modes = {"per-op": ("selective", "op"), "full": ("full", None)}
-    sides = {f"{ac} {'compiled' if c else 'eager'}": (c, mode, option)
-             for ac, (mode, option) in modes.items() for c in (False, True)}
-    report: dict[str, Any] = {"tokens": list(tokens.shape), "sides": {}}
-    for name, (compile_blocks, mode, option) in sides.items():
-        torch._dynamo.reset()
-        counters.clear()
-        step = _compiled_step(compile_blocks, mode, option, tokens)
-        losses = [step() for _ in range(2)]  # warm-up (compiles)
-        times = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            losses.append(step())
-            times.append(time.perf_counter() - start)
-        report["sides"][name] = {"losses": losses, "median_s": statistics.median(times), "all_s": times,
-                                 "graphs": counters["stats"]["unique_graphs"],
-                                 "graph_breaks": sum(counters["graph_break"].values())}
-    for ac in ("per-op", "full"):
-        eager, fast = report["sides"][f"{ac} eager"], report["sides"][f"{ac} compiled"]
-        first = (eager["losses"][0], fast["losses"][0])
-        if abs(first[0] - first[1]) > 1e-4 * abs(first[0]):
-            raise SystemExit(f"bench_moe: {ac} AC compiled gives loss {first[1]} against eager's {first[0]}")
-        report[f"{ac}_compiled_speedup"] = eager["median_s"] / fast["median_s"]
-    lines = [f"compile: qwen3_moe_tiny, {tokens.shape[0]} x {tokens.shape[1]} tokens, forward + backward, "
+    sides = {}
+    for ac, (mode, option) in COMPILE_AC.items():
+        for compile_blocks in (False, True):
+            torch._dynamo.reset()
+            counters.clear()
+            step = _compiled_step(compile_blocks, mode, option, tokens, ep_mesh)
+            losses = [step() for _ in range(2)]  # warm-up (compiles)
+            times = []
+            for _ in range(args.repeats):
+                start = time.perf_counter()
+                losses.append(step())
+                times.append(time.perf_counter() - start)
+            sides[f"{ac} {'compiled' if compile_blocks else 'eager'}"] = {
+                "losses": losses, "median_s": statistics.median(times), "all_s": times,
+                "graphs": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values())}
+    return sides
+
+
+def _compile_ep_rank(rank: int, store: str, args: argparse.Namespace, out: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=COMPILE_EP)
+    torch.set_num_threads(1)
+    try:
+        mesh = init_device_mesh("cpu", (COMPILE_EP,), mesh_dim_names=("ep",))
+        sides = _time_compile_sides(args, _compile_tokens(args, rank), mesh)
+        if rank == 0:
+            Path(out).write_text(json.dumps(sides))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    leave_spawned_rank()  # reached only when the work above succeeded
+
+
+def compiled(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """A whole MoE model's step (``qwen3_moe_tiny``), eager against ``compile: true`` (every block compiled, one
+    graph each), under per-op and full AC, on 1 process and at EP 2 (2 processes of 1 thread, each its own tokens;
+    rank 0's times): same loss, then timed after a warm-up that compiles."""
+    import torch.multiprocessing as mp
+
+    tokens = _compile_tokens(args, 0)
+    layouts = {"1 process": _time_compile_sides(args, tokens)}
+    with tempfile.TemporaryDirectory(prefix="bench_moe_") as tmp:
+        mp.spawn(_compile_ep_rank, args=(f"{tmp}/store", args, f"{tmp}/out.json"), nprocs=COMPILE_EP, join=True)
+        layouts[f"EP {COMPILE_EP}"] = json.loads(Path(f"{tmp}/out.json").read_text())
+    report: dict[str, Any] = {"tokens_per_process": list(tokens.shape), "layouts": layouts, "speedup": {}}
+    lines = [f"compile: qwen3_moe_tiny, {tokens.shape[0]} x {tokens.shape[1]} tokens a process, forward + backward, "
              f"{args.repeats} timed steps after 2",
-             f"{'side':<20}{'median s':>12}{'graphs':>8}{'breaks':>8}"]
-    for name, side in report["sides"].items():
-        lines.append(f"{name:<20}{side['median_s']:>12.4f}{side['graphs']:>8}{side['graph_breaks']:>8}")
-    lines.append(f"compiled / eager: per-op {report['per-op_compiled_speedup']:.2f}x, "
-                 f"full {report['full_compiled_speedup']:.2f}x (median)")
+             f"{'layout':<12}{'side':<20}{'median s':>12}{'graphs':>8}{'breaks':>8}"]
+    for layout, sides in layouts.items():
+        for ac in COMPILE_AC:
+            eager, fast = sides[f"{ac} eager"], sides[f"{ac} compiled"]
+            first = (eager["losses"][0], fast["losses"][0])
+            if abs(first[0] - first[1]) > 1e-4 * abs(first[0]):
+                raise SystemExit(f"bench_moe: {layout}, {ac} AC compiled gives loss {first[1]} against eager's "
+                                 f"{first[0]}")
+            report["speedup"][f"{layout} {ac}"] = eager["median_s"] / fast["median_s"]
+        for name, side in sides.items():
+            lines.append(f"{layout:<12}{name:<20}{side['median_s']:>12.4f}{side['graphs']:>8}"
+                         f"{side['graph_breaks']:>8}")
+    lines.append("compiled / eager (median): " + ", ".join(f"{name} {x:.2f}x"
+                                                           for name, x in report["speedup"].items()))
     return report, lines
 
 
@@ -284,10 +329,11 @@ def plot(report: dict, path: Path) -> None:
         ax.set_title(f"one layer's experts: {shape['experts']} x top-{shape['top_k']}", fontsize=9)
     if "compile" in report:
         ax = axes.pop(0)
-        sides = report["compile"]["sides"]
-        ax.bar(list(sides), [side["median_s"] for side in sides.values()], color=["#8c8c8c", "#4c72b0"] * 2)
+        bars = {f"{layout}\n{name}": side["median_s"]
+                for layout, sides in report["compile"]["layouts"].items() for name, side in sides.items()}
+        ax.bar(list(bars), list(bars.values()), color=["#8c8c8c", "#4c72b0"] * (len(bars) // 2))
         ax.set_ylabel("seconds a step (median)")
-        ax.tick_params(axis="x", labelsize=7)
+        ax.tick_params(axis="x", labelsize=6, rotation=90)
         ax.set_title("qwen3_moe_tiny, eager against compiled", fontsize=9)
     if "parallel" in report:
         median = report["parallel"]["median"]
@@ -311,7 +357,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--tokens", type=int, default=512, help="tokens routed (each to top-k experts)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                         help="fp32 by default: a CPU without bf16 matrix units runs bf16 matmuls far slower")
-    parser.add_argument("--repeats", type=int, default=3, help="kernels: rounds; parallel: runs of each layout")
+    parser.add_argument("--repeats", type=int, default=3, help="kernels: rounds; compile: timed steps; parallel: runs of each layout")
     parser.add_argument("--steps", type=int, default=10, help="parallel: steps of each run (2 of warm-up)")
     parser.add_argument("--batch-size", type=int, default=4, help="parallel: packed rows per process")
     parser.add_argument("--threads", type=int, default=None, help="kernels: torch.set_num_threads (default: torch's)")

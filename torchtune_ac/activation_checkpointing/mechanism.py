@@ -90,6 +90,14 @@ COLLECTIVE_OPS = (
     if torch.distributed.is_available()
     else frozenset()
 )
+# Expert parallelism's rows exchange (``parallel/expert_parallel.py``'s ``all_to_all_rows``, our op, which reads its
+# splits inside so that a compiled block holds no host read), known by name: AC does not import the parallel room.
+ROWS_EXCHANGE_OP = "torchtune_ac::all_to_all_rows"
+
+
+def _is_collective(op: Any) -> bool:
+    return op in COLLECTIVE_OPS or (isinstance(op, torch._ops.OpOverload) and op.name() == ROWS_EXCHANGE_OP)
+
 SAVED_OPS = _resolve_aten_ops(
     (
         "mm.default",
@@ -169,17 +177,24 @@ def save_matmuls_and_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> 
     Returns:
         ``MUST_SAVE`` for ops in ``SAVED_OPS``, else ``PREFER_RECOMPUTE``.
     """
-    return (CheckpointPolicy.MUST_SAVE if op in SAVED_OPS and not _widens(op, args)
+    return (CheckpointPolicy.MUST_SAVE if (op in SAVED_OPS or _is_collective(op)) and not _widens(op, args)
             else CheckpointPolicy.PREFER_RECOMPUTE)
 
 
 def save_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-    """Full AC's policy in a mixture-of-experts block: keep the collectives' outputs, recompute every other op. Under
-    expert parallelism they are the all-to-alls that send the block's tokens to their experts and back (and the
-    counts that size them): the recompute computes everything again but sends nothing again, so backward's traffic
-    is the gradients' alone. (Tensor parallelism, whose collectives are the others, does not run with experts; a
-    block without collectives keeps nothing.)"""
-    return CheckpointPolicy.MUST_SAVE if op in COLLECTIVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+    """Full AC's policy in a mixture-of-experts block: keep the collectives' and the random ops' outputs, recompute
+    every other op. Under expert parallelism the collectives are the all-to-alls that send the block's tokens to
+    their experts and back (and the counts that size them): the recompute computes everything again but sends
+    nothing again, so backward's traffic is the gradients' alone. (Tensor parallelism, whose collectives are the
+    others, does not run with experts.)
+
+    The random ops are the attention kernels (torch tags them so for their dropout) and dropout, one activation of
+    the block's size each: kept, nothing random is replayed. Compiled, that is what lets the block compile under
+    expert parallelism: torch 2.13's partitioner puts a replayed random op's saved RNG state after the experts'
+    DTensor mesh among the values saved for backward, where it expects the mesh last, and fails."""
+    if _is_collective(op) or (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @dataclass(frozen=True)

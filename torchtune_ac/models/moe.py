@@ -359,9 +359,9 @@ def choose_expert_kernels_(model: nn.Module, device: torch.device, dtype: torch.
 
 def _local(weight: torch.Tensor) -> torch.Tensor:
     """This process's part of an expert weight (a DTensor split over experts), or the weight itself. (Asked of the
-    tensor, not by type: the models import nothing of torch.distributed.)"""
-    to_local = getattr(weight, "to_local", None)
-    return to_local() if to_local is not None else weight
+    tensor's class, not by an imported type: the models import nothing of torch.distributed; Dynamo answers it of
+    the class, not of the instance.)"""
+    return weight.to_local() if hasattr(type(weight), "to_local") else weight
 
 
 def compute_arrived_experts(experts: GroupedExperts, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

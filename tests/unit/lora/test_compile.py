@@ -3,6 +3,7 @@ DoRA and QLoRA's NF4 base, under no AC and per-op AC, and forward and backward g
 
 import pytest
 import torch
+from compile_testlib import compile_blocks_counted, graphs_and_breaks
 from models_testlib import build_random_llama
 
 from torchtune_ac.activation_checkpointing.mechanism import ACMode, ac_plan, apply_ac_plan
@@ -24,8 +25,6 @@ CASES = {
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_adapted_blocks_compile_to_one_graph_without_breaks_and_eagers_numbers(name):
-    from torch._dynamo.utils import counters
-
     config, mode, option = CASES[name]
     tokens = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     results = {}
@@ -38,16 +37,12 @@ def test_adapted_blocks_compile_to_one_graph_without_breaks_and_eagers_numbers(n
                 if "lora_b" in name_:
                     param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(2)) * 0.1)
         apply_ac_plan(model, ac_plan(ACMode(mode), option, len(model.layers)))
-        torch._dynamo.reset()
-        counters.clear()
-        if compiled:
-            for block in model.layers:
-                block.compile(backend="aot_eager")
+        compile_blocks_counted(model, compiled)
         logits = model(tokens)
         logits.square().mean().backward()
         results[compiled] = (logits.detach(), [p.grad for p in model.parameters() if p.requires_grad])
-    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    # Two graphs: the first block's input needs no gradient (the embeddings are frozen), every later block's does.
-    assert counters["stats"]["unique_graphs"] == 2
+    # Two graphs, no break: the first block's input needs no gradient (the embeddings are frozen), every later
+    # block's does.
+    assert graphs_and_breaks() == (2, {})
     assert torch.equal(results[True][0], results[False][0])
     assert all(torch.equal(a, b) for a, b in zip(results[True][1], results[False][1]))

@@ -3,6 +3,7 @@ fallback against a loop over the experts, and the load-balancing loss against tr
 
 import pytest
 import torch
+from compile_testlib import compile_blocks_counted, graphs_and_breaks
 from numerics import assert_close
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
@@ -209,8 +210,6 @@ def test_a_compiled_moe_block_is_one_graph_without_breaks_under_every_ac_mode(mo
     one graph per kind of block and breaks none (the router's outputs are returned, float32's grouped matmul is an
     op with a shape function), and forward and backward give eager's numbers. (aot_eager: the graphs and the
     autograd of inductor's path, without its code generation.)"""
-    from torch._dynamo.utils import counters
-
     from torchtune_ac.activation_checkpointing.mechanism import ACMode, ac_plan, apply_ac_plan
     from torchtune_ac.models import qwen3_moe_tiny
     from torchtune_ac.models.moe import moe_router_outputs
@@ -221,17 +220,12 @@ def test_a_compiled_moe_block_is_one_graph_without_breaks_under_every_ac_mode(mo
         model = qwen3_moe_tiny()
         model.init_weights()
         apply_ac_plan(model, ac_plan(ACMode(mode), option, len(model.layers)))
-        torch._dynamo.reset()
-        counters.clear()
-        if compiled:
-            for block in model.layers:
-                block.compile(backend="aot_eager")
+        compile_blocks_counted(model, compiled)
         logits = model(torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1)))
         aux = sum(r.logits.square().mean() for r in moe_router_outputs(model))
         (logits.square().mean() + aux).backward()
         results[compiled] = (logits, [p.grad for p in model.parameters()])
-    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 2  # the dense block's and the MoE blocks'
+    assert graphs_and_breaks() == (2, {})  # the dense block's graph and the MoE blocks', no break
     # The same ops in the same order, each replayed as eager runs it: equal bit for bit.
     assert torch.equal(results[True][0], results[False][0])
     assert all(torch.equal(a, b) for a, b in zip(results[True][1], results[False][1]))

@@ -22,8 +22,10 @@ from typing import Any
 import pytest
 import torch
 import parallel_testlib
+from compile_testlib import compile_blocks_counted, graphs_and_breaks
 from gloo_testlib import run_on_gloo_ranks
-from parallel_testlib import CPU, assert_trains_as_one_process, batch, rows
+from numerics import assert_all_close, assert_close, llama_terms
+from parallel_testlib import CPU, LENGTH, assert_trains_as_one_process, batch, rows
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -173,7 +175,7 @@ def check_against_one_process(rank: int, world_size: int,
 
 TWO_RANK_CASES = (
     # Qwen3-MoE: no AC, whole logits; per-op AC on packed rows with the chunked loss; full AC with the step in
-    # backward; compiled blocks under per-op AC (the exchange runs outside the graphs); 8-bit optimizer state.
+    # backward; compiled blocks under per-op AC (the exchange inside their graphs); 8-bit optimizer state.
     Case("qwen3_moe"),
     Case("qwen3_moe", packed=True, loss_chunks=2, ac_mode="selective", ac_option="op"),
     Case("qwen3_moe", ac_mode="full", in_backward=True),
@@ -201,6 +203,23 @@ def test_ep_with_fsdp_and_hsdp_on_4_ranks_trains_as_one_process(tmp_path: Path) 
     run_on_gloo_ranks(check_against_one_process, 4, runs, store_dir=tmp_path, world_size=4)
 
 
+def _expert_parallel_model(case: Case, mesh, compiled: bool = False) -> nn.Module:
+    """``case``'s model on this rank as a run assembles it without FSDP2: AC, compile, EP 2 (``ep``), weights."""
+    with torch.device("meta"):
+        model = QWEN3_MOE.build(case.args)
+    apply_ac_plan(model, resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=case.ac_mode,
+                                         ac_option=case.ac_option, n_layers=len(transformer_blocks(model))))
+    compile_blocks_counted(model, compiled)
+    apply_expert_parallel(model, mesh[EP_DIM])
+    model.to_empty(device=CPU)
+    initialize_weights_(model, None, dtype=torch.float32, seed=7, sharded=True)
+    return model
+
+
+# The exchange's all-to-alls: the counts' (a functional collective) and the rows' (our op, ``all_to_all_rows``).
+ALL_TO_ALLS = ("_c10d_functional::all_to_all_single", "torchtune_ac::all_to_all_rows")
+
+
 class _AllToAllsIssued(TorchDispatchMode):
     """Counts the all-to-alls issued; a result that per-op AC's recompute takes from its cache is never issued,
     so never reaches this mode."""
@@ -210,8 +229,8 @@ class _AllToAllsIssued(TorchDispatchMode):
         self.counts: Counter = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "_c10d_functional" and func.overloadpacket.__name__ == "all_to_all_single":
-            self.counts["all_to_all_single"] += 1
+        if func.name() in ALL_TO_ALLS:
+            self.counts["all_to_all"] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -221,17 +240,11 @@ def check_backward_all_to_alls(rank: int, world_size: int) -> None:
     issued = {}
     for mode, option in (("none", None), ("selective", "op"), ("full", None)):
         case = Case("qwen3_moe", ac_mode=mode, ac_option=option)
-        with torch.device("meta"):
-            model = QWEN3_MOE.build(case.args)
-        apply_ac_plan(model, resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=mode, ac_option=option,
-                                             n_layers=len(transformer_blocks(model))))
-        apply_expert_parallel(model, mesh[EP_DIM])
-        model.to_empty(device=CPU)
-        initialize_weights_(model, None, dtype=torch.float32, seed=7, sharded=True)
+        model = _expert_parallel_model(case, mesh)
         loss = model(rows(batch(case, 0), rank * 2, 2)["tokens"]).float().square().mean()
         with _AllToAllsIssued() as counter:
             loss.backward()
-        issued[mode] = counter.counts["all_to_all_single"]
+        issued[mode] = counter.counts["all_to_all"]
     # Backward's own: the gradients of the rows sent back along both exchanges of each MoE layer (2 x 2 layers).
     # Every mode issues exactly these: per-op AC saves the forward's, and full AC keeps the exchange's outputs in
     # MoE blocks too (it once recomputed the forward's three of each layer as well).
@@ -242,6 +255,37 @@ def check_backward_all_to_alls(rank: int, world_size: int) -> None:
 def test_per_op_ac_does_not_repeat_the_all_to_alls_in_backward(tmp_path: Path) -> None:
     """Per-op AC keeps the all-to-alls' outputs: its recompute under EP 2 sends no token again."""
     run_on_gloo_ranks(check_backward_all_to_alls, 2, store_dir=tmp_path)
+
+
+def check_compiled_blocks_against_eager(rank: int, world_size: int) -> None:
+    """Each AC mode's blocks compiled under EP 2: graphs and breaks counted, loss and gradients against eager's."""
+    mesh = Parallelism(world_size, expert=2).build_mesh("cpu")
+    for mode, option in (("none", None), ("selective", "op"), ("full", None)):
+        case = Case("qwen3_moe", ac_mode=mode, ac_option=option)
+        tokens = rows(batch(case, 0), rank * 2, 2)["tokens"]
+        results = {}
+        for compiled in (False, True):
+            model = _expert_parallel_model(case, mesh, compiled)
+            loss = model(tokens).float().logsumexp(-1).mean()
+            loss.backward()
+            grads = {name: p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                     for name, p in model.named_parameters()}
+            results[compiled] = (loss.detach(), grads)
+        # Both blocks are MoE blocks of one shape: one graph, the exchange inside it.
+        assert graphs_and_breaks() == (1, {}), (mode, graphs_and_breaks())
+        # Dynamo's graphs run the same kernels, some fused or reordered by AOT autograd's decompositions: within
+        # the rounding of a step.
+        terms = llama_terms(case.args, LENGTH, 2 * LENGTH)
+        assert_close(results[True][0], results[False][0], terms=terms, what=f"{mode}: loss")
+        assert_all_close(results[True][1], results[False][1], terms=terms, what=f"{mode}: gradient")
+
+
+@pytest.mark.distributed
+def test_moe_blocks_compile_under_expert_parallelism_without_graph_breaks(tmp_path: Path) -> None:
+    """EP 2 on 2 gloo ranks, ``ac_mode`` none, per-op and full: each compiled MoE block is one graph with its
+    exchange inside (the rows' all-to-all an op with a shape function), no graph break, and the loss and every
+    gradient are eager's within rounding."""
+    run_on_gloo_ranks(check_compiled_blocks_against_eager, 2, store_dir=tmp_path)
 
 
 # moe_expert_tokens (per layer, rows per expert) and the EP degree -> each layer's busiest process against the mean.
@@ -279,7 +323,7 @@ def test_no_ac_mode_sends_the_tokens_again_in_backward(mode, option):
             self.count = 0
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.count += func.__name__.startswith("all_to_all_single")
+            self.count += func.name() in ALL_TO_ALLS
             return func(*args, **(kwargs or {}))
 
     torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)

@@ -1,8 +1,9 @@
 """Expert parallelism in the simulated step (``simulate_expert_parallel``): each MoE layer holds one process's share
 of its experts, and its rows go through the all-to-alls of ``parallel/expert_parallel.py``, their split assumed.
 
-The all-to-alls are torch's functional collectives themselves, which run on fake tensors without a process group:
-the simulation allocates their buffers (each direction, forward and backward) and per-op AC saves their outputs as
+The all-to-alls are torch's functional collectives (a run sends its rows by ``all_to_all_rows``, an op that needs a
+process group; the buffers are the same), which run on fake tensors without a process group: the simulation
+allocates their buffers (each direction, forward and backward) and per-op AC saves their outputs as
 in a run. What a fake tensor cannot know is how many rows the router sends to this process's experts: a balanced
 router sends it as many as it routed (``T * k``); the simulation receives ``ROUTED_ROWS_MARGIN`` times that
 (``Workload.routed_rows_margin``), which every tensor of its experts' compute is sized by.
@@ -51,10 +52,15 @@ class SimulatedExpertExchange(ExpertAllToAll):
 
     def splits(self, rows: torch.Tensor, counts: torch.Tensor, received: torch.Tensor) -> tuple[list[int], list[int]]:
         sent = rows.shape[0]
-        return _split(sent, self.degree), _split(math.ceil(self.margin * sent), self.degree)
+        return _split(math.ceil(self.margin * sent), self.degree), _split(sent, self.degree)
 
-    def all_to_all(self, rows: torch.Tensor, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
-        return _exchange(rows, output_splits, input_splits)
+    def send(self, rows: torch.Tensor, splits: tuple[list[int], list[int]]) -> torch.Tensor:
+        received, sent = splits
+        return _exchange(rows, received, sent)
+
+    def send_back(self, rows: torch.Tensor, splits: tuple[list[int], list[int]], output_rows: int) -> torch.Tensor:
+        received, sent = splits
+        return _exchange(rows, sent, received)
 
 
 def simulate_expert_parallel(model: nn.Module, degree: int, margin: float) -> list[nn.Parameter]:
