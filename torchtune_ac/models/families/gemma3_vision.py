@@ -44,15 +44,16 @@ def _vision(text: LlamaArgs, vision: SiglipArgs = SIGLIP_400M) -> Gemma3VisionAr
 GEMMA3_4B_VISION = _vision(gemma3.GEMMA3_4B)
 GEMMA3_12B_VISION = _vision(gemma3.GEMMA3_12B)
 GEMMA3_27B_VISION = _vision(gemma3.GEMMA3_27B)
-# For CI: a decoder of 2 layers (a sliding one of 6 tokens, then a global one) over the embedded processor's
-# vocabulary, and a tower of 2 blocks taking 56-pixel images in 14-pixel patches, pooled to 2 x 2 = 4 tokens.
+# For CI: a decoder of 2 layers (a sliding one of 6 tokens, then a global one) over the embedded tokenizer's 512
+# tokens and Gemma 3's 5 turn and image tokens (``<image_soft_token>`` 516), and a tower of 2 blocks taking 56-pixel
+# images in 14-pixel patches, pooled to 2 x 2 = 4 tokens per image.
 GEMMA3_VISION_TINY = Gemma3VisionArgs(
-    vocab_size=520, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=128, max_seq_len=2048,
+    vocab_size=517, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=128, max_seq_len=2048,
     norm_eps=1e-6, rope_theta=1_000_000.0, tie_embeddings=True, head_dim=16, model_type="gemma3", qk_norm=True,
     norm_offset=1.0, scale_embeddings=True, activation="gelu_pytorch_tanh", query_pre_attn_scalar=16,
     sliding_window=6, layer_types=("sliding_attention", "full_attention"), sliding_rope_theta=10_000.0,
     vision=SiglipArgs(depth=2, dim=32, intermediate_dim=64, n_heads=2, image_size=56, patch_size=14),
-    mm_tokens_per_image=4, image_token_id=519)
+    mm_tokens_per_image=4, image_token_id=516)
 
 # A stored tensor's prefix -> ours in transformers 5's layout (longest first: no prefix hides a longer one).
 _PREFIXES = (
