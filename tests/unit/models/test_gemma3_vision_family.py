@@ -17,7 +17,8 @@ from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
 from torchtune_ac.errors import UserError
 from torchtune_ac.models import (GEMMA3, GEMMA3_VISION, check_checkpoint_matches, family_for_hf_config, family_of,
                                  load_hf_weights_, save_hf, transformer_blocks)
-from torchtune_ac.models.families import shard_groups
+from torchtune_ac.models.families import init_weights_, shard_groups
+from torchtune_ac.models.vision.checks import check_model_takes_images
 
 BOI, EOI, IMAGE = 96, 97, 98  # the tiny checkpoint's image tokens, beyond the random text tokens' range
 TOKENS_PER_IMAGE = 4
@@ -262,3 +263,28 @@ def test_images_of_another_size_than_the_towers_are_refused(tiny):
     with pytest.raises(ValueError, match=r"pixel_values of shape \[1, 3, 28, 28\]: the vision tower takes "
                                          r"\[n_images, 3, 56, 56\]"):
         tiny[2](tokens, pixel_values=torch.zeros(1, 3, 28, 28))
+
+
+def test_each_parameter_is_initialised_as_init_weights_does():
+    """The rule for one parameter (how a sharded model is initialised) is ``init_weights``'s, the tower's included."""
+    model = gemma3_vision.gemma3_vision_tiny()
+    torch.manual_seed(0)
+    init_weights_(model)
+    for name, param in model.named_parameters():
+        drawn = torch.empty(param.shape)
+        GEMMA3_VISION.init_parameter(model, name, drawn, torch.Generator().manual_seed(7))
+        if torch.all(param == param.flatten()[0]):
+            assert torch.equal(drawn, param.detach()), name
+        else:
+            torch.manual_seed(7)
+            assert torch.equal(drawn, torch.empty(param.shape).normal_(0.0, 0.02)), name
+
+
+def test_a_processor_whose_tokens_per_image_are_not_the_models_is_refused(tiny):
+    tokens, pixels = _batch([[3]])
+    sample = {"tokens": tokens[0].tolist(), "pixel_values": pixels}
+    check_model_takes_images(tiny[2], sample, "dataset")  # 4 image tokens for one image: accepted
+    sample["tokens"] = sample["tokens"][:5] + sample["tokens"][6:]
+    with pytest.raises(UserError, match=r"dataset: the first sample has 3 tokens of the model's image_token_id=98 "
+                                        r"for 1 images of the model's mm_tokens_per_image=4"):
+        check_model_takes_images(tiny[2], sample, "dataset")

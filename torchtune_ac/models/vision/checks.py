@@ -1,5 +1,6 @@
 """Whether a model takes a dataset's images, checked on the meta build before any weight loads: a text-only model
-given images, or a vision tower whose patch, merge or image-token settings are not the processor's."""
+given images, or a vision tower whose patch, merge or image-token settings (Gemma 3: image size, tokens per image)
+are not the processor's."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ def check_model_takes_images(model: nn.Module, sample: Mapping[str, Any], what: 
     Args:
         model: the run's model (on the meta device or not).
         sample: a processed sample: ``tokens``, and ``pixel_values`` ``[n_patches, values]`` with ``image_grid_thw``
-            ``[n_images, 3]`` where it holds images.
+            ``[n_images, 3]`` where it holds images (Gemma 3: ``pixel_values[n_images, channels, size, size]``).
         what: the config key of the data, for messages (``dataset``).
 
     Raises:
