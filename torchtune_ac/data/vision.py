@@ -15,7 +15,7 @@ tensors; nothing here resizes or normalizes an image.
 A sample is ``tokens``, ``labels`` (shifted as in ``samples.py``: the next token where it belongs to an
 assistant turn, else ``IGNORE_INDEX``), the processor's per-token outputs as lists (``mm_token_type_ids``) and its
 image tensors as it returns them (Qwen2.5-VL: ``pixel_values[n_patches, 3 * t * p * p]``, ``image_grid_thw
-[n_images, 3]``). A sample longer than ``max_seq_len`` is dropped (truncation would cut an image's tokens, or the
+[n_images, 3]``; Gemma 3: ``pixel_values[n_images, 3, size, size]``). A sample longer than ``max_seq_len`` is dropped (truncation would cut an image's tokens, or the
 answer), counted in ``dataset.report``, which the run logs once. Packed samples add ``document_ids`` (positions,
 multimodal RoPE's included, restart at each document) and concatenate their documents' image tensors in order.
 """
@@ -43,6 +43,9 @@ from torchtune_ac.errors import UnavailableError, UserError
 IMAGE_PLACEHOLDER = "<image>"
 # Processor outputs the sample rebuilds itself (from the tokens) rather than keeping.
 _REBUILT_KEYS = ("input_ids", "attention_mask")
+# What the processor is asked for besides its outputs: where each token's characters are in the text it tokenized,
+# and where it replaced the images' placeholders (``mark_assistant_tokens``).
+_OFFSET_KWARGS = {"return_offsets_mapping": True, "return_text_replacement_offsets": True}
 
 
 def load_vision_processor(path: str) -> Any:
@@ -169,16 +172,18 @@ def prepare_messages(record: dict[str, Any], *, base_dir: Path, location: str, m
     return prepared
 
 
-def mark_assistant_tokens(processor: Any, messages: list[dict[str, Any]], input_ids: list[int],
-                          location: str) -> list[bool]:
-    """Whether each of ``input_ids`` (the processor's tokens, image tokens expanded) belongs to an assistant turn.
+def mark_assistant_tokens(processor: Any, messages: list[dict[str, Any]], offsets: list[tuple[int, int]],
+                          replacements: list[dict[str, Any]], location: str) -> list[bool]:
+    """Whether each of the processor's tokens belongs to an assistant turn.
 
     An assistant turn's characters are found as in ``tokenizer.py``: the rendering up to the turn with the
-    generation prompt, then through the turn; the text is then tokenized without expanding the images, and the
-    processor's tokens follow it except that each image token became a run of image tokens.
+    generation prompt, then through the turn. The processor tokenizes that rendering with each image's placeholder
+    replaced (a run of image tokens; Gemma 3's adds its begin and end tokens and newlines): each token's characters
+    there (``offsets``) are moved back by the replacements before them (``replacements``, the processor's
+    ``text_replacement_offsets``); a token inside a replacement belongs to the image.
 
     Raises:
-        UserError: the template is not prefix stable, or the processor's tokens do not follow the text.
+        UserError: the template is not prefix stable.
     """
     def render(turns: list[dict[str, Any]], generation_prompt: bool) -> str:
         return processor.apply_chat_template(turns, tokenize=False, add_generation_prompt=generation_prompt)
@@ -193,22 +198,16 @@ def mark_assistant_tokens(processor: Any, messages: list[dict[str, Any]], input_
             raise UserError(f"{location}: the processor's chat template is not prefix stable, so assistant turns "
                             "cannot be located for the loss")
         spans.append((len(before), len(through)))
-    encoding = processor.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    text_ids, offsets = encoding["input_ids"], encoding["offset_mapping"]
-    in_turn = [any(start < end_ and end > start_ for start_, end_ in spans) for start, end in offsets]
-    image_id = getattr(processor, "image_token_id", None)
-    marks, i = [], 0
-    for token in input_ids:
-        if i < len(text_ids) and token == text_ids[i]:
-            marks.append(in_turn[i])
-            i += 1
-        elif token == image_id and marks and input_ids[len(marks) - 1] == image_id:
-            marks.append(False)  # the image token expanded into a run
-        else:
-            raise UserError(f"{location}: the processor's tokens do not follow its chat template's text (only image "
-                            "tokens may repeat), so assistant turns cannot be located for the loss")
-    if i != len(text_ids):
-        raise UserError(f"{location}: the processor's tokens do not follow its chat template's text")
+    marks = []
+    for start, end in offsets:
+        shift, in_image = 0, False
+        for replacement in replacements:
+            (old_start, old_end), (new_start, new_end) = replacement["span"], replacement["new_span"]
+            if start >= new_end:
+                shift += (new_end - new_start) - (old_end - old_start)
+            elif end > new_start:
+                in_image = True
+        marks.append(not in_image and any(start - shift < end_ and end - shift > start_ for start_, end_ in spans))
     return marks
 
 
@@ -223,9 +222,12 @@ def process_vision_record(record: Record, processor: Any, *, base_dir: Path, res
         raise UserError(f"{record.location}: an image-text record must be a JSON object")
     messages = prepare_messages(record.value, base_dir=base_dir, location=record.location,
                                 max_pixels=max_pixels_of(processor), resize_images=resize_images)
-    output = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt")
+    output = processor.apply_chat_template(messages, tokenize=True, return_dict=True, return_tensors="pt",
+                                           processor_kwargs=_OFFSET_KWARGS)
     tokens = output["input_ids"][0].tolist()
-    trainable = mark_assistant_tokens(processor, messages, tokens, record.location)
+    offsets = [tuple(offset) for offset in output.pop("offset_mapping")[0].tolist()]
+    trainable = mark_assistant_tokens(processor, messages, offsets, output.pop("text_replacement_offsets")[0],
+                                      record.location)
     if not any(trainable[1:]):
         return None
     labels = [token if target else IGNORE_INDEX for token, target in zip(tokens[1:], trainable[1:])]

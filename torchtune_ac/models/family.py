@@ -40,6 +40,10 @@ class HFAdapter(Protocol):
     model_type: str
     #: every config.json ``model_type`` this adapter reads (``model_type`` first).
     model_types_read: tuple[str, ...]
+    #: config.json ``model_type`` values of checkpoints that another family is found by, but that this family's
+    #: models load whole when a builder chose it (a multimodal Gemma 3 checkpoint: the text family builds its text
+    #: tower, the vision-language family loads it all); empty for most families.
+    model_types_loaded: tuple[str, ...]
     #: how its checkpoints store the parameters not stored whole under their ``to_hf_name`` names, as data
     #: (``checkpoint/layout.py``'s rules: stacked, split in parts, encoded); empty for most families.
     storage: tuple[StorageRule, ...]

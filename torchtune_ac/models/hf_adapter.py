@@ -131,6 +131,10 @@ class LlamaStyleHFAdapter:
     def model_types_read(self) -> tuple[str, ...]:
         return (self.model_type,)
 
+    @property
+    def model_types_loaded(self) -> tuple[str, ...]:
+        return ()
+
     def flag(self, name: str) -> Any:
         """The value of variant flag ``name`` for every model of this family."""
         return self.variant.get(name, LlamaArgs.__dataclass_fields__[name].default)

@@ -64,8 +64,16 @@ def check_checkpoint_matches(model: nn.Module, checkpoint_dir: PathLike) -> None
         UserError: naming config.json and each key that differs, or a model of no known family.
     """
     family = require_family(model, "a Hugging Face checkpoint (checkpoint_dir)")
-    theirs_family, theirs = read_hf_args(checkpoint_dir)
     path = config_path(checkpoint_dir)
+    config = read_hf_config(checkpoint_dir)
+    if config.get("model_type") in family.hf.model_types_loaded:
+        theirs_family = family
+        try:
+            theirs = family.hf.args_from_hf_config(config)
+        except UserError as e:
+            raise UserError(f"{path}: {e}") from None
+    else:
+        theirs_family, theirs = read_hf_args(checkpoint_dir)
     if theirs_family is not family:
         raise UserError(
             f"{path}: model_type={theirs_family.hf.model_type!r} (a {theirs_family.name} checkpoint), "

@@ -19,7 +19,9 @@ TOKENS = torch.randint(0, 96, (2, 20), generator=torch.Generator().manual_seed(0
 
 
 def test_every_family_has_a_transformers_reference():
-    assert sorted(f.name for f in FAMILIES) == FAMILY_NAMES
+    # A family found by its builders only (Gemma 3 with images) is checked in its own module
+    # (tests/unit/models/test_gemma3_vision_family.py): load_hf builds another family from its checkpoints.
+    assert sorted(f.name for f in FAMILIES if f.hf.model_types_read) == FAMILY_NAMES
 
 
 @pytest.mark.numerics

@@ -81,7 +81,10 @@ def test_every_family_reads_back_the_config_it_writes():
         with torch.device("meta"):
             model = builder()
         config = family.hf.hf_config_from_args(family.args_of(model), torch.bfloat16)
-        assert family_for_hf_config(config) is family, name
+        if family.hf.model_types_read:
+            assert family_for_hf_config(config) is family, name
+        else:  # found by its builders only (Gemma 3 with images): its model_type is another family's to build
+            assert config["model_type"] in family.hf.model_types_loaded, name
         assert family.hf.args_from_hf_config(config) == family.args_of(model), name
 
 

@@ -20,6 +20,7 @@ from torch import nn
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.families import (gemma, gemma2, gemma3, gpt_oss, llama, mistral, phi3, qwen2, qwen2_5_vl, qwen3,
                                           qwen3_moe, qwen3_vl)
+from torchtune_ac.models.families import gemma3_vision
 from torchtune_ac.models.family import ModelFamily
 from torchtune_ac.models.moe import GroupedExperts, MoE
 
@@ -43,8 +44,8 @@ def check_distinct(families: Sequence[ModelFamily]) -> tuple[ModelFamily, ...]:
 
 # Llama first (the decoder the others share), then by name.
 FAMILIES: tuple[ModelFamily, ...] = check_distinct(
-    (llama.FAMILY, gemma.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gpt_oss.FAMILY, mistral.FAMILY, phi3.FAMILY, qwen2.FAMILY,
-     qwen2_5_vl.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, qwen3_vl.FAMILY))
+    (llama.FAMILY, gemma.FAMILY, gemma2.FAMILY, gemma3.FAMILY, gemma3_vision.FAMILY, gpt_oss.FAMILY, mistral.FAMILY,
+     phi3.FAMILY, qwen2.FAMILY, qwen2_5_vl.FAMILY, qwen3.FAMILY, qwen3_moe.FAMILY, qwen3_vl.FAMILY))
 
 
 def family_of(model: nn.Module) -> Optional[ModelFamily]:

@@ -1,5 +1,6 @@
 """Whether a model takes a dataset's images, checked on the meta build before any weight loads: a text-only model
-given images, or a vision tower whose patch, merge or image-token settings are not the processor's."""
+given images, or a vision tower whose patch, merge or image-token settings (Gemma 3: image size, tokens per image)
+are not the processor's."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.families import family_of
+from torchtune_ac.models.vision.gemma3 import Gemma3VisionArgs
 
 
 def check_model_takes_images(model: nn.Module, sample: Mapping[str, Any], what: str) -> None:
@@ -19,7 +21,7 @@ def check_model_takes_images(model: nn.Module, sample: Mapping[str, Any], what: 
     Args:
         model: the run's model (on the meta device or not).
         sample: a processed sample: ``tokens``, and ``pixel_values`` ``[n_patches, values]`` with ``image_grid_thw``
-            ``[n_images, 3]`` where it holds images.
+            ``[n_images, 3]`` where it holds images (Gemma 3: ``pixel_values[n_images, channels, size, size]``).
         what: the config key of the data, for messages (``dataset``).
 
     Raises:
@@ -32,8 +34,11 @@ def check_model_takes_images(model: nn.Module, sample: Mapping[str, Any], what: 
         name = family.name if family is not None else type(model).__name__
         raise UserError(f"{what}: its samples hold images, but the model ({name}) is text-only: use a "
                         "vision-language model (qwen2_5_vl_3b, qwen2_5_vl_7b, or from_hf_config over a Qwen2.5-VL "
-                        "checkpoint; docs/vision.md)")
+                        "checkpoint; gemma3_4b_vision; docs/vision.md)")
     args = family.args_of(model)
+    if isinstance(args, Gemma3VisionArgs):
+        _check_gemma3_images(args, sample, what)
+        return
     vision = args.vision
     width = sample["pixel_values"].shape[-1]
     if width != vision.patch_values:
@@ -50,3 +55,19 @@ def check_model_takes_images(model: nn.Module, sample: Mapping[str, Any], what: 
         raise UserError(f"{what}: the first sample has {found} tokens of the model's image_token_id="
                         f"{args.image_token_id} but its images make {expected} with the model's spatial_merge_size="
                         f"{merge}: the processor's merge size or image token is not the model's")
+
+
+def _check_gemma3_images(args: Gemma3VisionArgs, sample: Mapping[str, Any], what: str) -> None:
+    """Gemma 3's images: the tower's size and channels, and ``mm_tokens_per_image`` image tokens per image."""
+    vision = args.vision
+    shape = list(sample["pixel_values"].shape)
+    expected = [vision.in_channels, vision.image_size, vision.image_size]
+    if shape[1:] != expected:
+        raise UserError(f"{what}: the processor's images are {shape[1:]} (channels, height, width), the model's vision "
+                        f"tower takes {expected}: the processor's image size is not the model's")
+    found = int((torch.as_tensor(sample["tokens"]) == args.image_token_id).sum())
+    if found != shape[0] * args.mm_tokens_per_image:
+        raise UserError(f"{what}: the first sample has {found} tokens of the model's image_token_id="
+                        f"{args.image_token_id} for {shape[0]} images of the model's mm_tokens_per_image="
+                        f"{args.mm_tokens_per_image}: the processor's image token or image_seq_length is not the "
+                        "model's")
