@@ -18,7 +18,7 @@ def check_model_takes_images(model: nn.Module, sample: Mapping[str, Any], what: 
 
     Args:
         model: the run's model (on the meta device or not).
-        sample: a processed sample: ``tokens``, and ``pixel_values`` ``[n_patches, values]`` with ``image_grid_thw``
+        sample: a processed sample: ``tokens`` (a preference pair's ``chosen_tokens``), and ``pixel_values`` ``[n_patches, values]`` with ``image_grid_thw``
             ``[n_images, 3]`` where it holds images.
         what: the config key of the data, for messages (``dataset``).
 
@@ -42,7 +42,7 @@ def check_model_takes_images(model: nn.Module, sample: Mapping[str, Any], what: 
                         f"{vision.temporal_patch_size} x patch_size={vision.patch_size}^2): the processor's patch "
                         "sizes are not the model's")
     grid = torch.as_tensor(sample["image_grid_thw"]).reshape(-1, 3)
-    tokens = torch.as_tensor(sample["tokens"])
+    tokens = torch.as_tensor(sample["tokens"] if "tokens" in sample else sample["chosen_tokens"])  # a pair's prompt
     found = int((tokens == args.image_token_id).sum())
     merge = vision.spatial_merge_size
     expected = int(grid.prod(-1).sum()) // merge**2
