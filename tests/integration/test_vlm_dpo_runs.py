@@ -1,4 +1,4 @@
-"""``tune run full_dpo --config tiny/vlm_dpo`` (and ``lora_dpo`` on it): DPO of a tiny random Qwen2.5-VL on the
+"""``tune run full_dpo --config tiny/vlm_dpo`` and ``lora_dpo --config tiny/vlm_lora_dpo``: DPO of a tiny random Qwen2.5-VL on the
 embedded image preference pairs. Step 1's reference is the policy (full: the starting weights; LoRA: the base with
 its adapters off), so every pair's loss is ln 2 and the rewards are 0; step 2's rewards are not. Parity with TRL's
 DPOTrainer on image pairs: tests/unit/training/test_vision_dpo_trl_parity.py."""
@@ -16,16 +16,13 @@ from torchtune_ac.checkpoint.peft import ADAPTER_WEIGHTS_FILE
 from torchtune_ac.observability.metrics import read_metrics
 
 PAIRS_PER_STEP = 4
-RECIPES = {
-    "full_dpo": (),
-    "lora_dpo": ("+adapter={targets: [q_proj, v_proj]}", "optimizer.lr=1e-2"),
-}
+CONFIGS = {"full_dpo": "tiny/vlm_dpo", "lora_dpo": "tiny/vlm_lora_dpo"}
 
 
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe", sorted(CONFIGS))
 def test_image_pairs_start_at_ln2_and_move(recipe, tmp_path):
-    command = ["run", recipe, "--config", "tiny/vlm_dpo", f"batch_size={PAIRS_PER_STEP}", "max_steps_per_epoch=2",
-               f"output_dir={tmp_path}", *RECIPES[recipe]]
+    command = ["run", recipe, "--config", CONFIGS[recipe], f"batch_size={PAIRS_PER_STEP}", "max_steps_per_epoch=2",
+               f"output_dir={tmp_path}"]
     check_success(run_tune_in_process(command))
     first, second = read_metrics(tmp_path)
     # The reference runs the same ops on the same rows and images: every log-ratio is 0, each pair's loss is
