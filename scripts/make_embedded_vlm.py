@@ -10,6 +10,8 @@ Outputs (sizes and token ids are stated in ``torchtune_ac/data/embedded/__init__
     images/        one small PNG per coloured shape (a circle, square or triangle in one of four colours)
     train.jsonl    conversations in TRL's layout: ``images`` (paths relative to the file) and ``messages`` whose
                    user turn holds an ``{"type": "image"}`` part; the assistant names the colour, the shape or both
+    preference.jsonl  the same questions as preference pairs in TRL's vision layout (``images``, ``prompt``,
+                   ``chosen``, ``rejected``): the right answer chosen, the next colour's or shape's rejected
 
 Everything is derived from fixed seeds, so running the script twice gives byte-identical files.
 """
@@ -91,21 +93,29 @@ def write_task(out_dir: Path) -> None:
     """The shapes' images and one conversation per (image, question)."""
     rng = random.Random(0)
     (out_dir / "images").mkdir(parents=True, exist_ok=True)
-    records = []
+    records, pairs = [], []
     for colour, rgb in COLOURS.items():
         for shape in SHAPES:
             for variant in range(VARIANTS):
                 name = f"images/{colour}_{shape}_{variant}.png"
                 draw_shape(rgb, shape, rng).save(out_dir / name, optimize=True)
                 question, answer = QUESTIONS[(variant + SHAPES.index(shape)) % len(QUESTIONS)]
-                records.append({"images": [name], "messages": [
-                    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]},
-                    {"role": "assistant", "content": [
-                        {"type": "text", "text": answer.format(colour=colour, shape=shape)}]},
-                ]})
+                user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}
+                records.append({"images": [name], "messages": [user, reply(answer, colour, shape)]})
+                colours = list(COLOURS)  # rejected: the next colour and the next shape, where the answer names them
+                wrong = (colours[(colours.index(colour) + 1) % len(colours)], SHAPES[(SHAPES.index(shape) + 1) % 3])
+                pairs.append({"images": [name], "prompt": [user], "chosen": [reply(answer, colour, shape)],
+                              "rejected": [reply(answer, *wrong)]})
     rng.shuffle(records)
-    with open(out_dir / "train.jsonl", "w") as f:
-        f.writelines(json.dumps(record) + "\n" for record in records)
+    random.Random(1).shuffle(pairs)  # its own generator: train.jsonl stays as it was
+    for file, rows in (("train.jsonl", records), ("preference.jsonl", pairs)):
+        with open(out_dir / file, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+def reply(answer: str, colour: str, shape: str) -> dict:
+    """The assistant's turn answering with ``answer`` (a ``QUESTIONS`` template) for this colour and shape."""
+    return {"role": "assistant", "content": [{"type": "text", "text": answer.format(colour=colour, shape=shape)}]}
 
 
 def main() -> None:

@@ -22,6 +22,7 @@ from torchtune_ac.data.sampler import ShardedBatchSampler, ShardedDataLoader, bu
 from torchtune_ac.data.samples import IGNORE_INDEX, TokenizedDataset, build_sample
 from torchtune_ac.data.tokenizer import Tokenizer, load_tokenizer
 from torchtune_ac.data.vision import VisionDataset, collate_vision_batch, vision_dataset
+from torchtune_ac.data.vision_preference import VisionPreferenceDataset, vision_preference_dataset
 
 __all__ = [
     "CHAT_TEMPLATES",
@@ -52,4 +53,6 @@ __all__ = [
     "VisionDataset",
     "collate_vision_batch",
     "vision_dataset",
+    "VisionPreferenceDataset",
+    "vision_preference_dataset",
 ]

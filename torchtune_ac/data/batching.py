@@ -12,10 +12,11 @@ import torch
 
 from torchtune_ac.data.collate import collate_batch
 from torchtune_ac.data.prompts import PromptDataset, blank_prompt, collate_prompts
-from torchtune_ac.data.preference import PreferenceDataset, blank_preference_sample, collate_preference_batch
+from torchtune_ac.data.preference import PreferenceDataset, blank_preference_sample
 from torchtune_ac.data.sampler import blank_sample
 from torchtune_ac.data.samples import TokenizedDataset
 from torchtune_ac.data.vision import collate_vision_batch
+from torchtune_ac.data.vision_preference import collate_vision_preference_batch
 from torchtune_ac.errors import UserError
 
 
@@ -62,9 +63,11 @@ class Batching:
 SAMPLES = Batching(TokenizedDataset, "samples",
                    "torchtune_ac.data.instruct_dataset, chat_dataset, text_dataset or vision_dataset",
                    collate_vision_batch)
-# Preference pairs: chosen rows, rejected rows; or packed, rows of whole pairs (each sequence a document).
-PAIRS = Batching(PreferenceDataset, "preference pairs", "torchtune_ac.data.preference_dataset",
-                 collate_preference_batch, blank_preference_sample,
+# Preference pairs: chosen rows, rejected rows; or packed, rows of whole pairs (each sequence a document). Pairs with
+# images add them (``collate_vision_preference_batch``; text pairs are ``collate_preference_batch``'s).
+PAIRS = Batching(PreferenceDataset, "preference pairs",
+                 "torchtune_ac.data.preference_dataset or vision_preference_dataset",
+                 collate_vision_preference_batch, blank_preference_sample,
                  keys=(("chosen_tokens", "chosen_labels", "rejected_tokens", "rejected_labels"),
                        ("tokens", "labels", "pairs")),
                  not_keys=())

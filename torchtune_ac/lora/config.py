@@ -47,7 +47,8 @@ class AdapterConfig:
         doc="The linears that get adapters, by PEFT's target_modules names (the last part of the module's name in "
         "Hugging Face's layout): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj. A name that matches "
         "no linear of the model is refused with the names that exist. Experts of a mixture of experts are not "
-        "targets; their attention and dense layers are.",
+        "targets; their attention and dense layers are. On a vision-language model the names resolve on the "
+        "language model only: the vision tower's and projector's linears are not targets.",
         default_factory=lambda: list(DEFAULT_TARGETS))
     output: bool = config_key(
         False, doc="Also an adapter on the output projection (lm_head); not with tied embeddings.")

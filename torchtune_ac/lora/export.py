@@ -12,7 +12,7 @@ from torchtune_ac.checkpoint import HFModelFiles
 from torchtune_ac.checkpoint.peft import AdapterFiles
 from torchtune_ac.lora.config import AdapterConfig
 from torchtune_ac.lora.mechanism import adapted_linears, base_only, merged_weight
-from torchtune_ac.lora.peft_names import peft_config, peft_tensors
+from torchtune_ac.lora.peft_names import peft_config, peft_excluded_modules, peft_tensors
 from torchtune_ac.models import hf_model_files
 from torchtune_ac.models.families import require_family
 
@@ -20,7 +20,8 @@ from torchtune_ac.models.families import require_family
 def adapter_files(model: nn.Module, config: AdapterConfig, *, base_model: Optional[str]) -> AdapterFiles:
     """The adapters by PEFT's names and adapter_config.json (``base_model``: the base's folder, for its
     ``base_model_name_or_path``)."""
-    return AdapterFiles(peft_tensors(model), peft_config(config, base_model=base_model))
+    return AdapterFiles(peft_tensors(model), peft_config(config, base_model=base_model,
+                                                         exclude_modules=peft_excluded_modules(model)))
 
 
 def merged_model_files(model: nn.Module, *, base_config: Optional[Mapping[str, Any]] = None,

@@ -21,6 +21,7 @@ from torch import nn
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.lora.config import AdapterConfig, AdapterKind, QuantizeBase
+from torchtune_ac.models.families import family_of
 
 # NF4 as torchao quantises it (torchtune's QLoRA used the same): blocks of 64 weights, their scales quantised in
 # blocks of 256.
@@ -134,22 +135,35 @@ class AdaptedOutput(AdaptedLinear):
 def find_targets(model: nn.Module, config: AdapterConfig) -> dict[str, nn.Linear]:
     """The linears ``config`` names, by their module names in ``model``: each whose last name part is in
     ``targets`` (PEFT's suffix match; a mixture of experts' experts are not linears), and the output projection
-    with ``output``.
+    with ``output``. On a vision-language model only the language model's: its family's ``vision_modules`` (the
+    tower and projector) are not searched.
 
     Raises:
-        UserError: a target that matches nothing, naming the linears' names that exist.
+        UserError: a target that matches nothing, naming the linears' names that exist (or that it names only
+            linears of the vision tower).
     """
+    family = family_of(model)
+    vision = family.vision_modules if family is not None else ()
     found: dict[str, nn.Linear] = {}
     available: set[str] = set()
+    in_tower: set[str] = set()
     matched: set[str] = set()
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear) and name != OUTPUT:
             leaf = name.rsplit(".", 1)[-1]
+            if name.split(".", 1)[0] in vision:
+                in_tower.add(leaf)
+                continue
             available.add(leaf)
             if leaf in config.targets:
                 found[name] = module
                 matched.add(leaf)
     missing = [t for t in config.targets if t not in matched]
+    tower_only = [t for t in missing if t in in_tower]
+    if tower_only:
+        raise UserError(f"adapter.targets: {', '.join(tower_only)} name(s) only linears of the vision tower "
+                        f"({', '.join(vision)}), which adapters do not reach; the language model's linears are "
+                        f"{', '.join(sorted(available))} (the tower trains whole in full_finetune; docs/vision.md)")
     if missing:
         raise UserError(f"adapter.targets: {', '.join(missing)} match(es) no linear of this model; its linears are "
                         f"{', '.join(sorted(available))} (and output: adapter.output)")

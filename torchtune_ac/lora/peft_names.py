@@ -4,6 +4,7 @@ family, ``models/hf_adapter.py``), PEFT's tensor keys (``base_model.model.<hf na
 
 from __future__ import annotations
 
+import re
 from typing import Any, Mapping, Optional
 
 import torch
@@ -72,14 +73,31 @@ def peft_target_modules(config: AdapterConfig) -> list[str]:
     return list(config.targets) + (["lm_head"] if config.output else [])
 
 
-def peft_config(config: AdapterConfig, *, base_model: Optional[str] = None) -> dict[str, Any]:
+def peft_excluded_modules(model: nn.Module) -> Optional[str]:
+    """PEFT's ``exclude_modules`` for ``model``: a regular expression over the Hugging Face names of its family's
+    ``vision_modules`` (``model\\.visual\\..*``), so that PEFT's suffix match of ``target_modules`` finds the
+    language model's linears alone, as ``find_targets`` does; None for a text-only model."""
+    family = family_of(model)
+    if family is None or not family.vision_modules:
+        return None
+    prefixes = []
+    for module in family.vision_modules:
+        name = next(name for name, _ in getattr(model, module).named_parameters())
+        hf = family.hf.to_hf_name(f"{module}.{name}")
+        prefixes.append(re.escape(hf[: -len(name)]))
+    return f"({'|'.join(prefixes)}).*"
+
+
+def peft_config(config: AdapterConfig, *, base_model: Optional[str] = None,
+                exclude_modules: Optional[str] = None) -> dict[str, Any]:
     """adapter_config.json: PEFT's ``LoraConfig`` for these adapters (the keys ``PeftModel.from_pretrained`` reads;
-    it fills in the others' defaults)."""
+    it fills in the others' defaults); ``exclude_modules`` from ``peft_excluded_modules``."""
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model,
             "r": config.rank, "lora_alpha": config.alpha, "lora_dropout": config.dropout,
             "target_modules": peft_target_modules(config), "use_dora": config.kind is AdapterKind.DORA,
             "use_rslora": False, "bias": "none", "fan_in_fan_out": False, "init_lora_weights": True,
-            "modules_to_save": None, "inference_mode": True}
+            "modules_to_save": None, "inference_mode": True,
+            **({"exclude_modules": exclude_modules} if exclude_modules else {})}
 
 
 def check_adapter_folder(model: nn.Module, config: AdapterConfig, folder: str, peft: Mapping[str, Any],

@@ -114,6 +114,8 @@ class ModelFamily:
         init_parameter: ``(model, name, tensor, generator)``: fill ``tensor``, the full shape of parameter ``name``,
             as ``init_weights`` initialises it, drawing from ``generator`` (how a sharded model is initialised one
             parameter at a time, the same for any world size and device).
+        vision_modules: the model's attributes that hold its vision side (tower and projector; Qwen2.5-VL's
+            ``visual``): adapters' targets resolve outside them, on the language model. Empty: a text-only family.
         tensor_parallel_plan: the plan of a model built from these arguments (``models/tensor_parallel.py``);
             None: the family cannot be split by tensor parallelism.
         torchtune_builders: torchtune builder (``torchtune.models.llama3.llama3_8b``) -> ours, for
@@ -133,6 +135,7 @@ class ModelFamily:
     init_weights: Callable[[nn.Module], None]
     init_parameter: Callable[[nn.Module, str, torch.Tensor, torch.Generator], None]
     shard_groups: Callable[[nn.Module], tuple[tuple[nn.Module, ...], ...]] = lambda model: ()
+    vision_modules: tuple[str, ...] = ()
     tensor_parallel_plan: Optional[Callable[[Any], TensorParallelPlan]] = None
     torchtune_builders: Mapping[str, TorchtuneBuilder] = field(default_factory=dict)
     torchtune_packages: tuple[str, ...] = ()

@@ -9,7 +9,8 @@ pairs hedge in words the training pairs never use.
 ``EMBEDDED_ADDITIONS_PATH`` is a JSONL file of the 100 additions of two digits (``prompt`` ``3+4=``, ``answer`` ``7``):
 GRPO's embedded task (``tiny/grpo``).
 ``EMBEDDED_VLM_DIR`` (made by ``scripts/make_embedded_vlm.py``) holds a tiny image-text task (``train.jsonl``,
-``images/``: what colour or shape is this?) and a tiny Qwen2.5-VL processor (``processor/``) whose sizes are
+``images/``: what colour or shape is this?), the same questions as preference pairs (``preference.jsonl``: the right
+answer chosen, another colour's or shape's rejected) and a tiny Qwen2.5-VL processor (``processor/``) whose sizes are
 stated below, once, so that a tiny vision model can match them.
 """
 
@@ -24,6 +25,7 @@ EMBEDDED_ADDITIONS_PATH = str(Path(EMBEDDED_DIR) / "additions.jsonl")
 EMBEDDED_VLM_DIR = str(Path(EMBEDDED_DIR) / "vlm")
 EMBEDDED_VLM_PROCESSOR_DIR = str(Path(EMBEDDED_VLM_DIR) / "processor")
 EMBEDDED_VLM_TRAIN_PATH = str(Path(EMBEDDED_VLM_DIR) / "train.jsonl")
+EMBEDDED_VLM_PREFERENCE_PATH = str(Path(EMBEDDED_VLM_DIR) / "preference.jsonl")
 # The tiny processor's vision sizes (Qwen2.5-VL's own patch, merge and temporal patch sizes): a 56 x 56 image is
 # 4 x 4 patches of 14 x 14 pixels (image_grid_thw [1, 4, 4]; pixel_values [16, 3 * 2 * 14 * 14 = 1176]), merged
 # 2 x 2 into 4 image tokens.

@@ -20,8 +20,9 @@ def check_model_takes_images(model: nn.Module, sample: Mapping[str, Any], what: 
 
     Args:
         model: the run's model (on the meta device or not).
-        sample: a processed sample: ``tokens``, and ``pixel_values`` ``[n_patches, values]`` with ``image_grid_thw``
-            ``[n_images, 3]`` where it holds images (Gemma 3: ``pixel_values[n_images, channels, size, size]``).
+        sample: a processed sample: ``tokens`` (a preference pair's ``chosen_tokens``), and ``pixel_values``
+            ``[n_patches, values]`` with ``image_grid_thw`` ``[n_images, 3]`` where it holds images (Gemma 3:
+            ``pixel_values[n_images, channels, size, size]``).
         what: the config key of the data, for messages (``dataset``).
 
     Raises:
@@ -33,8 +34,8 @@ def check_model_takes_images(model: nn.Module, sample: Mapping[str, Any], what: 
     if "pixel_values" not in inspect.signature(model.forward).parameters or family is None:
         name = family.name if family is not None else type(model).__name__
         raise UserError(f"{what}: its samples hold images, but the model ({name}) is text-only: use a "
-                        "vision-language model (qwen2_5_vl_3b, qwen2_5_vl_7b, or from_hf_config over a Qwen2.5-VL "
-                        "checkpoint; gemma3_4b_vision; docs/vision.md)")
+                        "vision-language model (qwen2_5_vl_3b, qwen2_5_vl_7b, qwen3_vl_8b, or from_hf_config over a "
+                        "Qwen2.5-VL or Qwen3-VL checkpoint; gemma3_4b_vision; docs/vision.md)")
     args = family.args_of(model)
     if isinstance(args, Gemma3VisionArgs):
         _check_gemma3_images(args, sample, what)
@@ -47,7 +48,7 @@ def check_model_takes_images(model: nn.Module, sample: Mapping[str, Any], what: 
                         f"{vision.temporal_patch_size} x patch_size={vision.patch_size}^2): the processor's patch "
                         "sizes are not the model's")
     grid = torch.as_tensor(sample["image_grid_thw"]).reshape(-1, 3)
-    tokens = torch.as_tensor(sample["tokens"])
+    tokens = torch.as_tensor(sample["tokens"] if "tokens" in sample else sample["chosen_tokens"])  # a pair's prompt
     found = int((tokens == args.image_token_id).sum())
     merge = vision.spatial_merge_size
     expected = int(grid.prod(-1).sum()) // merge**2
@@ -65,7 +66,8 @@ def _check_gemma3_images(args: Gemma3VisionArgs, sample: Mapping[str, Any], what
     if shape[1:] != expected:
         raise UserError(f"{what}: the processor's images are {shape[1:]} (channels, height, width), the model's vision "
                         f"tower takes {expected}: the processor's image size is not the model's")
-    found = int((torch.as_tensor(sample["tokens"]) == args.image_token_id).sum())
+    tokens = sample["tokens"] if "tokens" in sample else sample["chosen_tokens"]  # a pair's prompt
+    found = int((torch.as_tensor(tokens) == args.image_token_id).sum())
     if found != shape[0] * args.mm_tokens_per_image:
         raise UserError(f"{what}: the first sample has {found} tokens of the model's image_token_id="
                         f"{args.image_token_id} for {shape[0]} images of the model's mm_tokens_per_image="
