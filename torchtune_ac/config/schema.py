@@ -26,6 +26,7 @@ from torchtune_ac.errors import UserError
 from torchtune_ac.lora.config import AdapterConfig
 from torchtune_ac.memory.feature import MemoryConfig
 from torchtune_ac.memory.planner import PreferenceStep
+from torchtune_ac.memory.planner.images import PlannedImagesConfig
 from torchtune_ac.memory.planner.rollouts import RolloutStep
 from torchtune_ac.runtime.distributed import DEFAULT_TIMEOUT_S
 from torchtune_ac.parallel.fsdp import FSDPConfig
@@ -174,6 +175,10 @@ class FullFinetuneConfig:
         "ones (world size / replicate_degree / this), the other layers over all. It must divide the number of experts "
         "and world size / replicate_degree; not with tensor_parallel_dim. 1: none (FSDP2 gathers every expert of a "
         "layer on every process).", minimum=1)
+    planned_images: PlannedImagesConfig = config_key(
+        doc="The images tune plan and ac_mode: auto assume in every sample of a vision-language model (see its keys); "
+        "an image's tokens, and its patches in the vision tower, follow from its size.",
+        default_factory=PlannedImagesConfig)
 
     # Keys of another built-in recipe, named when a config of it is given to this one (``config/validation.py``).
     keys_of_other_recipes: ClassVar[Mapping[str, str]] = {"dpo": "full_dpo", "ref_checkpoint_dir": "full_dpo",

@@ -89,6 +89,25 @@ class TorchtuneBuilder:
 
 
 @dataclass(frozen=True)
+class ImageInputs:
+    """How a vision-language family's images reach its model, as the memory planner lays out a batch of them.
+
+    Attributes:
+        resized: ``(args, height, width) -> (height, width, tokens)``: the size an image reaches the model in, as
+            the family's processor rounds it, and its image tokens.
+        batch: ``(args, rows, seq_len, per_row, height, width) -> inputs``: a batch with ``per_row`` such images
+            in every row (``tokens`` and the forward's image arguments), made of shapes only, so that it can be
+            made under fake tensors.
+        default_max_pixels: the most pixels the family's processor passes when its files do not say
+            (transformers' default for it).
+    """
+
+    resized: Callable[[Any, int, int], tuple[int, int, int]]
+    batch: Callable[[Any, int, int, int, int, int], dict[str, Any]]
+    default_max_pixels: int
+
+
+@dataclass(frozen=True)
 class ModelFamily:
     """One family of models, as generic code sees it.
 
@@ -123,6 +142,7 @@ class ModelFamily:
         torchtune_packages: torchtune model packages (``torchtune.models.qwen2_5``) whose every full-model builder
             is of this family's architecture: ``tune migrate`` makes those absent from ``torchtune_builders``
             ``from_hf_config`` over their checkpoint (whose config.json gives the shapes).
+        images: how its images reach the model (``ImageInputs``); None: a text-only family.
     """
 
     name: str
@@ -139,6 +159,7 @@ class ModelFamily:
     tensor_parallel_plan: Optional[Callable[[Any], TensorParallelPlan]] = None
     torchtune_builders: Mapping[str, TorchtuneBuilder] = field(default_factory=dict)
     torchtune_packages: tuple[str, ...] = ()
+    images: Optional[ImageInputs] = None
 
     def owns(self, model: nn.Module) -> bool:
         """Whether ``model`` is of this family (wrapping by ``fully_shard``, a subclass of the model's class, is

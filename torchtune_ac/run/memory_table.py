@@ -204,7 +204,7 @@ def memory_table(cfg: RunConfig, *, world_size: int, budget_gib: Optional[float]
     if features is None:  # no AC setting works with these features: the config cannot run, say why once
         raise UserError(not_applicable[len(candidates) - 1])
     fixed, fixed_how = process_fixed_bytes(cfg.device)
-    inputs = planner_inputs(cfg, parallelism, torch.device("cpu"))
+    inputs = planner_inputs(cfg, parallelism, torch.device("cpu"), model)
     workload = inputs.workload.with_settings(features.settings, clip_grad_norm=cfg.clip_grad_norm)
     estimates = [dataclasses.replace(e, fixed=fixed)
                  for e in estimate_memory(inputs.build_model, inputs.make_optimizer, workload, candidates)]
@@ -233,7 +233,8 @@ def memory_table(cfg: RunConfig, *, world_size: int, budget_gib: Optional[float]
              f"accumulation step(s), {cfg.dtype.value}{', compiled blocks' if cfg.compile else ''}, "
              f"{cfg.optimizer.path.rsplit('.', 1)[-1]}; {switches}")
     blas, blas_how = cublas_workspace_bytes(planned_device(cfg.device))
-    return MemoryTable(title, estimates, budget_gib, chosen, unmodelled_settings(cfg, world_size), tuple(ablation),
+    notes = unmodelled_settings(cfg, world_size) + ((workload.images.describe(),) if workload.images else ())
+    return MemoryTable(title, estimates, budget_gib, chosen, notes, tuple(ablation),
                        fixed_how, blas_how if blas else "", not_applicable, run_plan, suggested_tp, cfg.compile,
                        routed_rows_assumption(model, workload, planned_device(cfg.device)))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Protocol
 
@@ -36,7 +37,9 @@ from torchtune_ac.lora.sharded_nf4 import check_nf4_sharding
 from torchtune_ac.lora.weights import check_adapter_start
 from torchtune_ac.memory.feature import MemoryConfig, OptimizerSpec
 from torchtune_ac.memory.plan import MemoryPlan, PlannerInputs, resolve_memory_plan
-from torchtune_ac.memory.planner import MemoryEstimate, PreferenceStep, Workload
+from torchtune_ac.memory.planner import ImageLoad, MemoryEstimate, PreferenceStep, Workload
+from torchtune_ac.memory.planner.images import resolve_image_load
+from torchtune_ac.models.families import family_of
 from torchtune_ac.memory.planner.rollouts import RolloutStep
 from torchtune_ac.models.moe import moe_args_of
 from torchtune_ac.runtime.distributed import resolve_device
@@ -278,12 +281,14 @@ def process_fixed_bytes(device: Device) -> tuple[int, str]:
     return ASSUMED_CUDA_FIXED_BYTES, "assumed for a CUDA context (no GPU here to measure it)"
 
 
-def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.device) -> PlannerInputs:
+def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.device, model: nn.Module) -> PlannerInputs:
     """The planner's inputs for ``cfg`` on ``parallelism``'s processes (``resolve_parallelism``: its world size
-    known), with the fixed cost of this process as it is now (``process_fixed_bytes``).
+    known), with the fixed cost of this process as it is now (``process_fixed_bytes``); ``model``: the config's,
+    on the meta device (whether it takes images).
 
     Raises:
-        UserError: ``max_seq_len`` is not set (the activations are sized by it).
+        UserError: ``max_seq_len`` is not set (the activations are sized by it), or ``planned_images`` cannot be
+            planned (``resolve_image_load``).
     """
     if cfg.max_seq_len is None:
         raise UserError("max_seq_len: must be set to estimate memory (ac_mode: auto, tune plan): it sizes the activations")
@@ -296,7 +301,8 @@ def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.devic
                                 and planned_device(cfg.device).type == "cuda" and cfg.dtype is DType.BF16),
                         preference=cfg.preference_step(), rollouts=cfg.rollout_step(),
                         blas_workspaces=cublas_workspace_bytes(planned_device(cfg.device))[0],
-                        compiled=cfg.compile, cuda=planned_device(cfg.device).type == "cuda")
+                        compiled=cfg.compile, cuda=planned_device(cfg.device).type == "cuda",
+                        images=planned_image_load(cfg, model))
     return PlannerInputs(
         build_model=lambda: build_planned_model(cfg),
         make_optimizer=cfg.optimizer.instantiate,
@@ -304,6 +310,34 @@ def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.devic
         device=device,
         fixed_bytes=process_fixed_bytes(cfg.device)[0],
     )
+
+
+def planned_image_load(cfg: RunConfig, model: nn.Module) -> Optional[ImageLoad]:
+    """The images every planned sample holds (``planned_images.*``) when ``model`` takes images, else None; their
+    default size is the largest the processor passes: ``max_pixels`` in its ``preprocessor_config.json`` (the
+    dataset's ``processor`` folder, else ``checkpoint_dir``), else the family's processor's default."""
+    family = family_of(model)
+    if family is None or family.images is None:
+        return None
+    args = family.args_of(model)
+    folder = cfg.dataset.kwargs.get("processor") or cfg.checkpoint_dir
+    file = Path(folder).expanduser() / "preprocessor_config.json" if folder else None
+    max_pixels, how = None, ""
+    if file is not None and file.is_file():
+        try:
+            stored = json.loads(file.read_text())
+        except (OSError, ValueError):
+            stored = {}
+        size = stored.get("size") if isinstance(stored.get("size"), dict) else {}
+        max_pixels = stored.get("max_pixels") or size.get("longest_edge")
+        how = f"{file}"
+    if not isinstance(max_pixels, int) or max_pixels <= 0:
+        max_pixels = family.images.default_max_pixels
+        how = ("transformers' default for the model's processor"
+               + (f": {file} gives none" if file is not None and file.is_file() else
+                  ": no preprocessor_config.json at checkpoint_dir or dataset.processor to read"))
+    return resolve_image_load(cfg.planned_images, lambda height, width: family.images.resized(args, height, width),
+                              max_pixels, how, cfg.max_seq_len)
 
 
 def build_planned_model(cfg: RunConfig) -> nn.Module:
@@ -369,7 +403,7 @@ def _resolve_memory(cfg: RunConfig, model: nn.Module, parallelism: Parallelism,
         if parallelism.world_size is None:
             notes.append("ac_mode=auto: planned for 1 process (the launch's world size is not known here)")
             parallelism = dataclasses.replace(parallelism, world_size=1)
-        planning = planner_inputs(cfg, parallelism, device)
+        planning = planner_inputs(cfg, parallelism, device, model)
         notes.extend(f"ac_mode=auto: {note}" for note in unmodelled_settings(cfg, parallelism.world_size))
     return resolve_features(cfg, model, cfg.ac, planning)
 

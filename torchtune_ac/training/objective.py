@@ -36,8 +36,9 @@ IGNORE_INDEX = -100
 #   sequence_count: 0-d, a packed preference batch's sequences (``data.preference.collate_packed_pairs``)
 #   image_grid_thw: [n_images, 3], an image-text batch's image sizes in patches (the vision tower plans on them)
 HOST_KEYS = frozenset({"target_count", "document_lengths", "sequence_count", "image_grid_thw"})
-# The image tensors of an image-text batch (``data.vision``), passed to a vision-language model's forward.
-IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+# The image tensors of an image-text batch (``data.vision``), passed to a vision-language model's forward, and the
+# tokens' multimodal positions where the batch comes with them (the planner's, ``memory/planner/simulation.py``).
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "positions")
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ from torchtune_ac.memory.planner.workload import (
     STRIDES,
     PHASES,
     BACKWARD_PHASES,
+    ImageLoad,
     PreferenceStep,
     Workload,
     MemoryEstimate,
@@ -62,6 +63,7 @@ from torchtune_ac.memory.planner.search import (
 __all__ = [
     "BACKWARD_PHASES",
     "GiB",
+    "ImageLoad",
     "MemoryEstimate",
     "PHASES",
     "PreferenceStep",

@@ -28,6 +28,7 @@ from torchtune_ac.memory.planner.rollouts import model_shape, rollout_memory
 from torchtune_ac.memory.planner.simulation import (
     _Simulation,
     _simulate,
+    repeating_blocks,
 )
 
 def _extrapolate(a: float, b: float, depth_a: int, depth_b: int, depth: int) -> float:
@@ -93,7 +94,7 @@ def _estimate(plan: ACPlan, shallow: _Simulation, deep: Optional[_Simulation], w
         device["transient"] += copy
     # What the simulation cannot show, as each feature declares it, in the features' order: each sees the estimate
     # with the earlier ones' costs.
-    shapes = shallow.root_shapes + shallow.block_shapes * depth
+    shapes = shallow.root_shapes + shallow.block_shapes * (depth - shallow.fixed_blocks)
     host: dict[str, float] = {}
     for feature, setting in workload.feature_settings():
         sizes = ModelSizes(parameters=math.ceil(parameters), root_parameters=shallow.root_parameters,
@@ -189,12 +190,13 @@ def tensor_parallel_share(plan: ACPlan, shallow: _Simulation, workload: Workload
 
 
 
-def _depths(plan: ACPlan) -> tuple[int, Optional[int]]:
-    """The two depths that repeat the plan's pattern (the second None: simulate the whole model)."""
+def _depths(plan: ACPlan, fixed: int = 0) -> tuple[int, Optional[int]]:
+    """The two depths that repeat the plan's pattern over the repeating blocks, after the ``fixed`` blocks before
+    them (``repeating_blocks``; the second None: simulate the whole model)."""
     period = plan.option if isinstance(plan.option, int) else 1
     first = period * max(1, math.ceil(2 / period))
     second = 2 * first
-    return (first, second) if second < plan.n_layers else (plan.n_layers, None)
+    return (fixed + first, fixed + second) if fixed + second < plan.n_layers else (plan.n_layers, None)
 
 
 def estimate_memory(
@@ -228,7 +230,7 @@ def estimate_memory(
 
 
 def _estimate_plan(build_model, make_optimizer, plan: ACPlan, workload: Workload,
-                   cache: dict[tuple, _Simulation]) -> MemoryEstimate:
+                   cache: dict[tuple, Any]) -> MemoryEstimate:
     """One plan's estimate (its extra FLOPs left at 0: no baseline is simulated), reusing ``cache``."""
 
     def simulate(depth: Optional[int]) -> _Simulation:
@@ -237,7 +239,10 @@ def _estimate_plan(build_model, make_optimizer, plan: ACPlan, workload: Workload
             cache[key] = _simulate(build_model, make_optimizer, plan.mode.value, plan.option, depth, workload)
         return cache[key]
 
-    first, second = _depths(plan)
+    if ("fixed",) not in cache:  # the blocks before the repeating ones, simulated whole at every depth
+        with FakeTensorMode():
+            cache[("fixed",)] = repeating_blocks(build_model())[0]
+    first, second = _depths(plan, cache[("fixed",)])
     estimate = _estimate(plan, simulate(first if second else None), simulate(second) if second else None, workload)
     return estimate if workload.rollouts is None else _with_rollouts(estimate, build_model, workload)
 

@@ -306,9 +306,10 @@ class _Simulation:
     # The largest FSDP2 group outside the blocks: one of the family's shard groups (embeddings; final norm and
     # output), or the root with what they leave (all of root_parameters for a model without groups).
     largest_outer_group: int
-    root_shapes: tuple[tuple[int, ...], ...]  # each trained parameter outside the blocks (a tied weight once)
-    block_shapes: tuple[tuple[int, ...], ...]  # each trained parameter of one block
-    block_input: int  # bytes of a block's input, one micro-batch's hidden state
+    # Each trained parameter outside the repeating blocks (a tied weight once; a vision tower's blocks among them).
+    root_shapes: tuple[tuple[int, ...], ...]
+    block_shapes: tuple[tuple[int, ...], ...]  # each trained parameter of one repeating block
+    block_input: int  # bytes of a repeating block's input, one micro-batch's hidden state
     logits: int  # bytes of one micro-batch's whole logits in float32 ([rows, seq_len, vocab])
     varlen_kv_copy: int = 0  # bytes of one block's K/V copies for varlen_attn, one micro-batch (Workload.varlen)
     # The most a step in backward held at once, unsharded (experts' temporaries scaled so that shard divides them).
@@ -318,6 +319,7 @@ class _Simulation:
     expert_parameters: int = 0
     block_expert_parameters: int = 0
     expert_optimizer: int = 0
+    fixed_blocks: int = 0  # the blocks before the repeating ones, simulated whole at every depth (``repeating_blocks``)
 
 
 def _simulate(
@@ -331,16 +333,18 @@ def _simulate(
     """One step of the recipe under fake tensors with its first ``n_blocks`` blocks (all when None)."""
     with FakeTensorMode(), _default_dtype(workload.dtype.torch):
         model = build_model()
-        blocks = transformer_blocks(model)
         if n_blocks is not None:
-            del blocks[n_blocks:]  # every block alike: a shallower model of the same blocks
+            keep_blocks(model, n_blocks)  # the repeating blocks alike: a shallower model of the same blocks
+        blocks = transformer_blocks(model)
+        fixed, repeating = repeating_blocks(model)
         # Whole, before expert parallelism splits the experts; only what trains (a frozen base has no optimizer state).
-        block_shapes = _shapes([p for p in blocks[0].parameters() if p.requires_grad])
+        block_shapes = _shapes([p for p in repeating[0].parameters() if p.requires_grad])
         apply_ac_plan(model, _plan(mode, option, len(blocks)))
         ep = workload.parallelism.expert
         experts = simulate_expert_parallel(model, ep, workload.routed_rows_margin) if ep > 1 else []
         params = list(model.parameters())
         in_blocks = {id(p) for block in blocks for p in block.parameters()}
+        in_repeating = {id(p) for block in repeating for p in block.parameters()}
         sharded = workload.world_size > 1 or bool(cpu_offload.shard_options(workload.settings.cpu_offload))
         tracker = _LiveStorages(workload.shard_degree, {id(p) for p in params if id(p) not in in_blocks},
                                 sharded=sharded, expert_parameters=experts,
@@ -356,7 +360,7 @@ def _simulate(
         objective, reference = _objective(build_model, workload, n_blocks, model)
         optimizers = stepper.optimizers_to_checkpoint()
         _allocate_optimizer_state(optimizers)
-        hooks += _phase_hooks(blocks, tracker)
+        hooks += _phase_hooks(blocks, repeating[0], tracker)
         for opt in optimizers:
             hooks.append(opt.register_step_pre_hook(lambda *_: setattr(tracker, "in_optimizer", True)))
             hooks.append(opt.register_step_post_hook(lambda *_: setattr(tracker, "in_optimizer", False)))
@@ -364,14 +368,16 @@ def _simulate(
         vocab = family.hf.architecture(family.args_of(model))["vocab_size"] if family is not None else 2
         micro_batches = []
         for _ in range(min(workload.gradient_accumulation_steps, 2)):  # gradients live across the second
-            tokens = torch.randint(0, vocab, (workload.rows, workload.seq_len))
+            batch = _image_inputs(model, workload)
+            tokens = batch.pop("tokens", None)
+            tokens = torch.randint(0, vocab, (workload.rows, workload.seq_len)) if tokens is None else tokens
             # Every position a target (the loss's worst case), counted on the host as the collate code does.
             micro_batches.append({"tokens": tokens, "labels": torch.randint(0, vocab, tokens.shape),
-                                  "target_count": torch.tensor(tokens.numel())})
+                                  "target_count": torch.tensor(tokens.numel()), **batch})
             if workload.preference is not None and reference is None:  # precomputed: they come with the batch
                 micro_batches[-1]["reference_logps"] = torch.zeros(workload.rows)
         states = [v for opt in optimizers for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        inputs = [t for batch in micro_batches for t in batch.values()]
+        inputs = [t for batch in micro_batches for t in batch.values() if isinstance(t, torch.Tensor)]
         frozen = [*reference.parameters(), *reference.buffers()] if reference is not None else []
         tracker.known = {t.untyped_storage()._cdata
                          for t in [*params, *states, *inputs, *model.buffers(), *frozen]}
@@ -400,7 +406,7 @@ def _simulate(
             block_parameters=max(_nbytes(list(block.parameters())) for block in blocks),
             root_parameters=_nbytes([p for p in params if id(p) not in in_blocks]),
             largest_outer_group=_largest_outer_group(model, in_blocks),
-            root_shapes=_shapes([p for p in params if id(p) not in in_blocks and p.requires_grad]),
+            root_shapes=_shapes([p for p in params if id(p) not in in_repeating and p.requires_grad]),
             block_shapes=block_shapes,
             block_input=tracker.block_input,
             logits=workload.rows * workload.seq_len * vocab * 4,
@@ -410,7 +416,53 @@ def _simulate(
             block_expert_parameters=max(_nbytes([p for p in block.parameters() if id(p) in expert_ids])
                                         for block in blocks),
             expert_optimizer=_nbytes(expert_states),
+            fixed_blocks=fixed,
         )
+
+
+def repeating_blocks(model: nn.Module) -> tuple[int, nn.ModuleList]:
+    """The blocks the planner extrapolates over, and how many of the model's blocks come before them.
+
+    The repeating blocks are the run of blocks of the last block's class that ends the model's blocks (a decoder's);
+    blocks before them (a vision tower's, which ``transformer_blocks`` lists first) are simulated whole at every
+    depth: their memory does not grow with the decoder's depth."""
+    blocks = transformer_blocks(model)
+    first = len(blocks) - 1
+    while first > 0 and type(blocks[first - 1]) is type(blocks[-1]):
+        first -= 1
+    return first, nn.ModuleList(blocks[first:])
+
+
+def keep_blocks(model: nn.Module, n_blocks: int) -> None:
+    """Cut ``model`` to its first ``n_blocks`` blocks by dropping repeating blocks (``repeating_blocks``) from the
+    module list that holds them.
+
+    Raises:
+        ValueError: ``n_blocks`` would cut into the blocks before the repeating ones.
+    """
+    fixed, repeating = repeating_blocks(model)
+    if n_blocks <= fixed:
+        raise ValueError(f"{n_blocks} blocks would cut into the {fixed} blocks before the repeating ones")
+    owner = next(m for m in model.modules()
+                 if isinstance(m, nn.ModuleList) and len(m) and m[-1] is repeating[-1])
+    del owner[len(owner) - len(repeating) + n_blocks - fixed:]
+
+
+def _image_inputs(model: nn.Module, workload: Workload) -> dict[str, Any]:
+    """A micro-batch's tokens and image inputs for a step with images (``Workload.images``), as the model's family
+    lays them out; empty for a text-only step.
+
+    Raises:
+        ValueError: images for a model whose family takes none.
+    """
+    images = workload.images
+    if images is None:
+        return {}
+    family = family_of(model)
+    if family is None or family.images is None:
+        raise ValueError(f"{type(model).__name__} takes no images (Workload.images)")
+    return family.images.batch(family.args_of(model), workload.rows, workload.seq_len, images.per_sample,
+                               images.height, images.width)
 
 
 def _objective(build_model: Callable[[], nn.Module], workload: Workload, n_blocks: Optional[int],
@@ -431,7 +483,7 @@ def _objective(build_model: Callable[[], nn.Module], workload: Workload, n_block
     if workload.preference.resident_reference:
         reference = freeze_reference(build_model())
         if n_blocks is not None:
-            del transformer_blocks(reference)[n_blocks:]
+            keep_blocks(reference, n_blocks)
         if workload.parallelism.expert > 1:
             simulate_expert_parallel(reference, workload.parallelism.expert, workload.routed_rows_margin)
     return DPOObjective(DPOConfig(), n_chunks=chunks, reference=reference), reference
@@ -582,22 +634,26 @@ def _largest_outer_group(model: nn.Module, in_blocks: set[int]) -> int:
     return max([*sizes, _nbytes(rest)])
 
 
-def _phase_hooks(blocks: nn.ModuleList, tracker: _LiveStorages) -> list[Any]:
+def _phase_hooks(blocks: nn.ModuleList, repeating: nn.Module, tracker: _LiveStorages) -> list[Any]:
     """Move the tracker from phase to phase: the last block's output gradient starts the blocks' backward, the
-    first block's input gradient ends it; a new forward starts with the first block's input."""
+    first block's input gradient ends it; a new forward starts with the first block's input. The first repeating
+    block's input is the hidden state the features size (``block_input``)."""
 
     def first_input(module: nn.Module, args: tuple) -> None:
         tracker.enter("forward")
         x = args[0]
-        tracker.block_input = x.untyped_storage().nbytes()
         if x.requires_grad:
             x.register_hook(lambda grad: tracker.enter("rest of backward"))
+
+    def repeating_input(module: nn.Module, args: tuple) -> None:
+        tracker.block_input = args[0].untyped_storage().nbytes()
 
     def last_output(module: nn.Module, args: tuple, output: Any) -> None:
         hidden = output[0] if isinstance(output, tuple) else output  # an MoE block's: its output, then its router's
         hidden.register_hook(lambda grad: tracker.enter("blocks backward"))
 
-    return [blocks[0].register_forward_pre_hook(first_input), blocks[-1].register_forward_hook(last_output)]
+    return [blocks[0].register_forward_pre_hook(first_input), repeating.register_forward_pre_hook(repeating_input),
+            blocks[-1].register_forward_hook(last_output)]
 
 
 @torch.no_grad()

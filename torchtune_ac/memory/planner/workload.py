@@ -55,6 +55,24 @@ class PreferenceStep:
 
 
 @dataclass(frozen=True)
+class ImageLoad:
+    """The images of every sample of a vision-language step: ``per_sample`` images of ``height x width`` pixels
+    each, the size the processor hands the model (an image's ``tokens``, and its patches in the vision tower, follow
+    from it), their tokens at the start of each row. ``how``: where the size came from, in words (the plan says it)."""
+
+    per_sample: int
+    height: int
+    width: int
+    tokens: int
+    how: str = ""
+
+    def describe(self) -> str:
+        """What the plan assumed, in words."""
+        return (f"images: {self.per_sample} per sample of {self.height} x {self.width} pixels ({self.tokens} image "
+                f"tokens each, within max_seq_len), the size being {self.how}; planned_images.* set others")
+
+
+@dataclass(frozen=True)
 class Workload:
     """What one process does in a step.
 
@@ -97,6 +115,8 @@ class Workload:
     routed_rows_margin: float = ROUTED_ROWS_MARGIN
     # A GRPO step: the rollouts generated before it (``rollouts.py``); the step itself is the loss pass over them.
     rollouts: Optional[RolloutStep] = None
+    # A vision-language step: the images in every row (None: text only; the tower still runs on a blank image).
+    images: Optional[ImageLoad] = None
 
     @property
     def rows(self) -> int:

@@ -21,10 +21,11 @@ from torch import nn
 
 from torchtune_ac.component_marker import config_component
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.family import ModelFamily
+from torchtune_ac.models.family import ImageInputs, ModelFamily
 from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter, Refusal, read_value, refuse_truthy
 from torchtune_ac.models.llama import LlamaArgs
-from torchtune_ac.models.vision.qwen2_5_vl import Qwen2_5_VL, Qwen2_5_VLArgs, VisionArgs
+from torchtune_ac.models.vision.qwen2_5_vl import (Qwen2_5_VL, Qwen2_5_VLArgs, VisionArgs, planned_image_inputs,
+                                                   resized_image)
 
 _VISION_7B = VisionArgs(depth=32, dim=1280, intermediate_dim=3420, n_heads=16, out_dim=3584)
 QWEN2_5_VL_3B = Qwen2_5_VLArgs(
@@ -57,6 +58,8 @@ _VISION_KEYS = {
     "spatial_merge_size": ("spatial_merge_size", int), "window_size": ("window_size", int),
     "hidden_act": ("activation", str),
 }
+# transformers' Qwen2-VL image processor's max_pixels when its preprocessor_config.json gives none: 1280 tokens.
+_PROCESSOR_MAX_PIXELS = 28 * 28 * 1280
 _TOP_LEVEL_TOKENS = {"video_token_id": 151_656, "vision_start_token_id": 151_652, "vision_end_token_id": 151_653}
 
 
@@ -251,6 +254,8 @@ FAMILY = ModelFamily(
     vision_modules=("visual",),
     init_weights=lambda model: model.init_weights(),
     init_parameter=_init_parameter,
+    images=ImageInputs(resized=lambda args, height, width: resized_image(args.vision, height, width),
+                       batch=planned_image_inputs, default_max_pixels=_PROCESSOR_MAX_PIXELS),
 )
 # The builders are names of this module too (``torchtune_ac.models.families.qwen2_5_vl.qwen2_5_vl_7b``).
 globals().update(FAMILY.builders)

@@ -21,7 +21,7 @@ p + column)`` from the position ``p`` where the image starts, and the text after
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -271,6 +271,44 @@ def blank_image(args: VisionArgs, dtype: torch.dtype, device: torch.device) -> t
     return torch.zeros(m * m, args.patch_values, dtype=dtype, device=device), [[1, m, m]]
 
 
+def resized_image(args: VisionArgs, height: int, width: int) -> tuple[int, int, int]:
+    """The size an image of ``height x width`` pixels reaches the tower in, each side rounded to a multiple of a merge
+    unit (``patch_size * spatial_merge_size`` pixels, at least one) as the processor rounds it, and its image tokens.
+    The processor's pixel limits are the caller's (``data.vision`` refuses or scales an image over them)."""
+    unit = args.patch_size * args.spatial_merge_size
+    height, width = (max(unit, round(side / unit) * unit) for side in (height, width))
+    return height, width, (height // unit) * (width // unit)
+
+
+def planned_image_inputs(args: Qwen2_5_VLArgs, rows: int, seq_len: int, per_row: int, height: int,
+                         width: int) -> dict[str, Any]:
+    """A batch's inputs with ``per_row`` images of ``height x width`` pixels (``resized_image``'s) at the start of
+    every row, then text, laid out as the processor and ``data.vision`` lay them out, for the memory planner:
+    ``tokens`` ``[rows, seq_len]``, ``pixel_values`` ``[n_patches, patch_values]`` (float32, as the processor
+    returns them), ``image_grid_thw`` (a list of grids: its values are read on the host) and ``positions``
+    ``[3, rows, seq_len]`` (``mrope_positions``'s, built from the layout without reading the tokens back, so that
+    they can be made under fake tensors)."""
+    v = args.vision
+    merge = v.spatial_merge_size
+    grid = [1, height // v.patch_size, width // v.patch_size]
+    side_rows, side_cols = grid[1] // merge, grid[2] // merge
+    n = side_rows * side_cols  # image tokens of one image
+    if per_row * n > seq_len:
+        raise ValueError(f"{per_row} images of {n} tokens do not fit a row of {seq_len}")
+    tokens = torch.zeros(rows, seq_len, dtype=torch.long)
+    tokens[:, :per_row * n] = args.image_token_id
+    image = torch.stack(torch.meshgrid(torch.arange(1), torch.arange(side_rows), torch.arange(side_cols),
+                                       indexing="ij")).view(3, n)
+    step = max(side_rows, side_cols)  # where the text after an image resumes
+    parts = [image + i * step for i in range(per_row)]
+    text = per_row * step
+    parts.append(torch.arange(text, text + seq_len - per_row * n).expand(3, -1))
+    positions = torch.cat(parts, dim=1).unsqueeze(1).expand(3, rows, seq_len)
+    n_images = rows * per_row
+    return {"tokens": tokens, "pixel_values": torch.zeros(n_images * grid[1] * grid[2], v.patch_values),
+            "image_grid_thw": [list(grid)] * n_images, "positions": positions}
+
+
 def mrope_positions(tokens: torch.Tensor, grid_thw: Optional[torch.Tensor], image_token_id: int, merge: int,
                     document_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The three RoPE positions (time, row, column) ``[3, b, s]`` of every token (see the module docstring).
@@ -327,7 +365,7 @@ class Qwen2_5_VL(Llama):
 
     ``forward(tokens, ..., pixel_values=None, image_grid_thw=None)``: ``Llama.forward``'s arguments, and the images
     of the batch (``pixel_values[n_patches, patch_values]`` and ``image_grid_thw[n_images, 3]``, as the
-    transformers processor returns them), whose features replace the embeddings of the image tokens in order.
+    transformers processor returns them, or the grids as a list), whose features replace the embeddings of the image tokens in order.
     Without images the tower runs on ``blank_image`` and its output joins the decoder times zero: the logits are
     the text-only model's, and every process runs every module.
     """
@@ -355,20 +393,19 @@ class Qwen2_5_VL(Llama):
         args: Qwen2_5_VLArgs = self.args
         if (pixel_values is None) != (image_grid_thw is None):
             raise ValueError("pixel_values and image_grid_thw go together")
+        if positions is None and image_grid_thw is not None:
+            # Checks that the image tokens are the grids' (given positions, the caller vouches for them).
+            grids = torch.tensor(image_grid_thw) if isinstance(image_grid_thw, list) else image_grid_thw
+            positions = mrope_positions(tokens, grids, args.image_token_id, args.vision.spatial_merge_size,
+                                        document_ids)
         h = self.tok_embeddings(tokens)  # [b, s, dim]
         if pixel_values is None:
             blank, grid = blank_image(args.vision, h.dtype, h.device)
             h = h + 0.0 * self.visual(blank, grid).sum()
         else:
             features = self.visual(pixel_values, image_grid_thw).to(h.dtype)  # [n_image_tokens, dim]
-            is_image = tokens == args.image_token_id
-            if int(is_image.sum()) != features.shape[0]:
-                raise ValueError(f"{int(is_image.sum())} image tokens but the images give {features.shape[0]}")
-            h = h.masked_scatter(is_image.unsqueeze(-1), features)
-        if positions is None and image_grid_thw is not None:
-            positions = mrope_positions(tokens, image_grid_thw, args.image_token_id, args.vision.spatial_merge_size,
-                                        document_ids)
-        elif positions is None:  # text only: the three positions are the text's, read nothing back to the host
+            h = h.masked_scatter((tokens == args.image_token_id).unsqueeze(-1), features)
+        if positions is None:  # text only: the three positions are the text's, read nothing back to the host
             b, s = tokens.shape
             positions = (positions_from_document_ids(document_ids) if document_ids is not None
                          else torch.arange(s, device=tokens.device).expand(b, s)).unsqueeze(0).expand(3, -1, -1)
