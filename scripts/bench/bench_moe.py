@@ -357,7 +357,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--tokens", type=int, default=512, help="tokens routed (each to top-k experts)")
     parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
                         help="fp32 by default: a CPU without bf16 matrix units runs bf16 matmuls far slower")
-    parser.add_argument("--repeats", type=int, default=3, help="kernels: rounds; compile: timed steps; parallel: runs of each layout")
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="kernels: rounds; compile: timed steps; parallel: runs of each layout")
     parser.add_argument("--steps", type=int, default=10, help="parallel: steps of each run (2 of warm-up)")
     parser.add_argument("--batch-size", type=int, default=4, help="parallel: packed rows per process")
     parser.add_argument("--threads", type=int, default=None, help="kernels: torch.set_num_threads (default: torch's)")

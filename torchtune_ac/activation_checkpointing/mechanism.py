@@ -98,6 +98,7 @@ ROWS_EXCHANGE_OP = "torchtune_ac::all_to_all_rows"
 def _is_collective(op: Any) -> bool:
     return op in COLLECTIVE_OPS or (isinstance(op, torch._ops.OpOverload) and op.name() == ROWS_EXCHANGE_OP)
 
+
 SAVED_OPS = _resolve_aten_ops(
     (
         "mm.default",
