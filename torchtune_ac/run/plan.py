@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from torchtune_ac.checkpoint import RunShape
-from torchtune_ac.config.meta_model import ModelFacts, model_facts
+from torchtune_ac.config.meta_model import ModelFacts, build_meta_model, model_facts
 from torchtune_ac.config.components import Component
 from torchtune_ac.config.schema import Device, FSDPConfig
 from torchtune_ac.data.samples import count_of
@@ -281,10 +281,11 @@ def process_fixed_bytes(device: Device) -> tuple[int, str]:
     return ASSUMED_CUDA_FIXED_BYTES, "assumed for a CUDA context (no GPU here to measure it)"
 
 
-def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.device, model: nn.Module) -> PlannerInputs:
+def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.device,
+                   model: Optional[nn.Module] = None) -> PlannerInputs:
     """The planner's inputs for ``cfg`` on ``parallelism``'s processes (``resolve_parallelism``: its world size
     known), with the fixed cost of this process as it is now (``process_fixed_bytes``); ``model``: the config's,
-    on the meta device (whether it takes images).
+    on the meta device (whether it takes images; None: built here).
 
     Raises:
         UserError: ``max_seq_len`` is not set (the activations are sized by it), or ``planned_images`` cannot be
@@ -302,7 +303,8 @@ def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.devic
                         preference=cfg.preference_step(), rollouts=cfg.rollout_step(),
                         blas_workspaces=cublas_workspace_bytes(planned_device(cfg.device))[0],
                         compiled=cfg.compile, cuda=planned_device(cfg.device).type == "cuda",
-                        images=planned_image_load(cfg, model))
+                        images=planned_image_load(cfg, model if model is not None
+                                                  else build_meta_model(cfg.model, cfg.checkpoint_dir)))
     return PlannerInputs(
         build_model=lambda: build_planned_model(cfg),
         make_optimizer=cfg.optimizer.instantiate,
