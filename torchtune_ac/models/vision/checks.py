@@ -18,8 +18,8 @@ def check_model_takes_images(model: nn.Module, sample: Mapping[str, Any], what: 
 
     Args:
         model: the run's model (on the meta device or not).
-        sample: a processed sample: ``tokens`` (a preference pair's ``chosen_tokens``), and ``pixel_values`` ``[n_patches, values]`` with ``image_grid_thw``
-            ``[n_images, 3]`` where it holds images.
+        sample: a processed sample: ``tokens`` (a preference pair's ``chosen_tokens``), and ``pixel_values``
+            ``[n_patches, values]`` with ``image_grid_thw`` ``[n_images, 3]`` where it holds images.
         what: the config key of the data, for messages (``dataset``).
 
     Raises:
