@@ -1,7 +1,7 @@
-"""``tune run full_dpo --config tiny/vlm_dpo`` and ``lora_dpo --config tiny/vlm_lora_dpo``: DPO of a tiny random Qwen2.5-VL on the
-embedded image preference pairs. Step 1's reference is the policy (full: the starting weights; LoRA: the base with
-its adapters off), so every pair's loss is ln 2 and the rewards are 0; step 2's rewards are not. Parity with TRL's
-DPOTrainer on image pairs: tests/unit/training/test_vision_dpo_trl_parity.py."""
+"""``tune run full_dpo --config tiny/vlm_dpo`` and ``lora_dpo --config tiny/vlm_lora_dpo``: DPO of a tiny random
+Qwen2.5-VL on the embedded image preference pairs. Step 1's reference is the policy (full: the starting weights;
+LoRA: the base with its adapters off), so every pair's loss is ln 2 and the rewards are 0; step 2's rewards are not.
+Parity with TRL's DPOTrainer on image pairs: tests/unit/training/test_vision_dpo_trl_parity.py."""
 
 from __future__ import annotations
 

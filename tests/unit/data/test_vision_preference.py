@@ -44,7 +44,8 @@ def test_chosen_and_rejected_share_the_prompt_and_its_images_in_a_batch(processo
     prompt = 4 + 12  # the image's 4 tokens and the template's
     chosen, rejected = sample["chosen_tokens"], sample["rejected_tokens"]
     n_shared = next(i for i, (a, b) in enumerate(zip(chosen, rejected)) if a != b)
-    assert n_shared >= prompt and chosen.count(processor.image_token_id) == rejected.count(processor.image_token_id) == 4
+    image_id = processor.image_token_id
+    assert n_shared >= prompt and chosen.count(image_id) == rejected.count(image_id) == 4
     # only the answers are targets (shifted: the label at the prompt's last position is the answer's first token)
     assert all(label == IGNORE_INDEX for label in sample["chosen_labels"][:n_shared - 1])
     decode = processor.tokenizer.decode

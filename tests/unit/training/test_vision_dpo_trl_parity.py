@@ -72,7 +72,8 @@ def test_vision_dpo_matches_trl_on_image_pairs(checkpoints, tmp_path):
     # The same rows (chosen, then rejected), tokens, targets and images as TRL's collator makes.
     mask = inputs["attention_mask"].bool()
     assert inputs["input_ids"].shape == batch["tokens"].shape
-    assert torch.equal(inputs["input_ids"][mask], batch["tokens"][mask]) and torch.equal(mask, batch["tokens"] != pad_id)
+    assert torch.equal(inputs["input_ids"][mask], batch["tokens"][mask])
+    assert torch.equal(mask, batch["tokens"] != pad_id)
     assert torch.equal(inputs["completion_mask"][:, 1:].bool(), batch["labels"][:, :-1] != -100)
     assert torch.equal(inputs["pixel_values"], batch["pixel_values"])
     assert torch.equal(inputs["image_grid_thw"], batch["image_grid_thw"])
