@@ -70,3 +70,4 @@ def test_fused_only_where_its_arithmetic_holds():
     finally:
         LoRALinear.apply = original
     assert len(calls) == 1
+

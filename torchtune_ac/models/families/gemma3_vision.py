@@ -234,6 +234,7 @@ FAMILY = ModelFamily(
     build=build,
     blocks=_blocks,
     shard_groups=_shard_groups,
+    vision_modules=("vision_tower", "multi_modal_projector"),
     init_weights=lambda model: model.init_weights(),
     init_parameter=_init_parameter,
 )

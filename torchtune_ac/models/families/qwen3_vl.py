@@ -228,6 +228,7 @@ FAMILY = ModelFamily(
     build=build,
     blocks=_blocks,
     shard_groups=_shard_groups,
+    vision_modules=("visual",),
     init_weights=lambda model: model.init_weights(),
     init_parameter=_init_parameter,
 )
