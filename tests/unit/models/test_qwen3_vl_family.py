@@ -189,3 +189,17 @@ def test_packed_documents_give_each_document_its_own_logits(tiny):
                            model(second, pixel_values=pixels_b, image_grid_thw=grid_b)], dim=1)
     # the same sums over each document's keys, in other kernels' orders
     assert_close(together, alone, terms=_terms(model, 10), what="packed logits")
+
+
+def test_the_position_resampling_weights_stay_float32_under_a_bf16_default():
+    """``tune plan`` builds the model with bf16 as torch's default dtype: the weights must not follow it (a bf16
+    ``zeros`` under float32 taps stopped the planner on a dtype error)."""
+    from torchtune_ac.models.vision.qwen3_vl import interpolation_matrix
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        weights = interpolation_matrix(5, 3)
+    finally:
+        torch.set_default_dtype(previous)
+    assert weights.dtype == torch.float32 and torch.allclose(weights.sum(1), torch.ones(5))

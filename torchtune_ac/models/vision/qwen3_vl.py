@@ -120,7 +120,7 @@ def interpolation_matrix(size: int, side: int) -> torch.Tensor:
     """``[size, side]``: the bilinear weights (corners aligned) that resample ``side`` positions to ``size``."""
     src = torch.arange(size, dtype=torch.float32) * (side - 1) / max(size - 1, 1)
     floor = src.floor()
-    weights = torch.zeros(size, side)
+    weights = torch.zeros(size, side, dtype=torch.float32)
     for offset in (0, 1):  # the two taps, clamped to the table (a clamped tap has weight 0)
         taps = (floor.long() + offset).clamp(0, side - 1)
         weights.scatter_add_(1, taps.unsqueeze(1), (1 - (src - floor - offset).abs()).clamp(min=0).unsqueeze(1))
