@@ -190,10 +190,12 @@ def save_collectives(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Checkpoint
     others, does not run with experts.)
 
     The random ops are the attention kernels (torch tags them so for their dropout) and dropout, one activation of
-    the block's size each: kept, nothing random is replayed. Compiled, that is what lets the block compile under
+    the block's size each: kept, nothing random is replayed; but an in-place one (``bernoulli_``, dropout's mask on
+    the math path), whose output the ops after it mutate: that one is replayed from its saved RNG state. Compiled, that is what lets the block compile under
     expert parallelism: torch 2.13's partitioner puts a replayed random op's saved RNG state after the experts'
     DTensor mesh among the values saved for backward, where it expects the mesh last, and fails."""
-    if _is_collective(op) or (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags):
+    if _is_collective(op) or (isinstance(op, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in op.tags
+                              and not op._schema.is_mutable):
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

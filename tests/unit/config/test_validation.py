@@ -432,7 +432,7 @@ def test_a_recipe_refuses_the_other_recipes_data_naming_both():
         validate_config(base_config(), FullDPOConfig, source="c.yaml")
     assert str(caught.value).startswith("dataset: torchtune_ac.data.instruct_dataset makes samples, which the "
                                         "full_finetune recipe trains on; the full_dpo recipe trains on preference "
-                                        "pairs (torchtune_ac.data.preference_dataset)")
+                                        "pairs (torchtune_ac.data.preference_dataset")
     pairs = {"_component_": "torchtune_ac.data.preference_dataset"}
     with pytest.raises(UserError, match="dataset_val: torchtune_ac.data.preference_dataset makes preference pairs, "
                                         "which the full_dpo recipe trains on; the full_finetune recipe trains on "
