@@ -1,0 +1,133 @@
+"""A vision-language model composes with the memory features as a text model does, on the tiny Qwen2.5-VL
+(``tiny/vlm``'s model) assembled by the run's own order (``parallel_testlib.build_model``) and given image-text
+batches: every AC mode over both towers gives the loss and gradients of none, the optimizer step in backward trains
+as the step after it (a frozen tower too), and torchao's 8-bit AdamW trains with state for the trained parameters
+only. (FSDP2 on 2 processes, the chunked loss, freezing and resume run through ``tune run`` in
+tests/integration/test_vlm_runs.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from numerics import assert_close
+from parallel_testlib import CPU, build_model
+import parallel_testlib
+
+from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
+from torchtune_ac.memory.features import MemorySettings
+from torchtune_ac.memory.plan import MemoryPlan
+from torchtune_ac.models.families.qwen2_5_vl import FAMILY, QWEN2_5_VL_TINY, freeze_
+from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.training.objective import IGNORE_INDEX
+from torchtune_ac.training.step import train_step
+
+ALONE = DistributedContext(0, 1, 0, CPU)
+IMAGE = QWEN2_5_VL_TINY.image_token_id
+BLOCKS = QWEN2_5_VL_TINY.vision.depth + QWEN2_5_VL_TINY.n_layers  # the tower's blocks, then the decoder's
+PATCH_VALUES = 3 * 2 * 14 * 14
+STEPS = 3
+# Per row of 24 tokens, the images as (first token, (patch rows, patch columns)): 4 patches merge into a token.
+ROWS = [[(2, (4, 4))], [(1, (4, 8)), (14, (4, 4))], [], [(6, (8, 4))]]
+LENGTH = 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Case(parallel_testlib.Case):
+    model: str = "qwen2_5_vl_tiny"
+    frozen_tower: bool = False
+
+    @property
+    def args(self):
+        return QWEN2_5_VL_TINY
+
+    @property
+    def family(self):
+        freeze = self.frozen_tower
+        return dataclasses.replace(FAMILY, build=lambda args: freeze_(FAMILY.build(args), vision_tower=freeze,
+                                                                      projector=False))
+
+    def memory(self) -> MemoryPlan:  # ac_option counts the tower's blocks and the decoder's, as a run does
+        ac = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=self.ac_mode, ac_option=self.ac_option,
+                             n_layers=BLOCKS)
+        return MemoryPlan(ac, MemorySettings(optimizer_in_bwd=self.in_backward, loss_chunks=self.loss_chunks))
+
+
+def image_batch(step: int) -> dict[str, torch.Tensor]:
+    """Step ``step``'s batch: random text with ROWS' images placed in it (one row without any), their patches."""
+    g = torch.Generator().manual_seed(200 + step)
+    tokens = torch.randint(0, 96, (len(ROWS), LENGTH), generator=g)
+    grids = []
+    for r, images in enumerate(ROWS):
+        for start, (h, w) in images:
+            tokens[r, start:start + h * w // 4] = IMAGE
+            grids.append([1, h, w])
+    labels = torch.roll(tokens, -1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    labels[labels == IMAGE] = IGNORE_INDEX
+    grid = torch.tensor(grids)
+    pixels = torch.randn(int(grid.prod(-1).sum()), PATCH_VALUES, generator=g)
+    return {"tokens": tokens, "labels": labels, "pixel_values": pixels, "image_grid_thw": grid}
+
+
+def loss_and_gradients(case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model = build_model(case, ALONE).model
+    loss = case.memory().objective()(model, image_batch(0))  # the summed cross-entropy
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+def train(case: Case, *, clip: float | None = None):
+    """STEPS steps: the step results, the weights after, and what trained them."""
+    assembled = build_model(case, ALONE)
+    results = [train_step(assembled.model, assembled.stepper, [image_batch(step)], ctx=ALONE,
+                          objective=case.memory().objective(), clip_grad_norm=clip) for step in range(STEPS)]
+    weights = {name: p.detach().clone() for name, p in assembled.model.named_parameters()}
+    return results, weights, assembled
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return loss_and_gradients(Case())
+
+
+@pytest.mark.parametrize("ac_mode, ac_option", [("full", None), ("selective", 1), ("selective", 2),
+                                                ("selective", 3), ("selective", "op")],
+                         ids=["full", "every_block", "a_tower_and_a_decoder_block", "decoder_block_0", "per_op"])
+def test_every_ac_mode_on_both_towers_gives_the_loss_and_gradients_of_none_bit_for_bit(plain, ac_mode, ac_option):
+    loss, grads = loss_and_gradients(Case(ac_mode=ac_mode, ac_option=ac_option))
+    # Bit for bit: the recompute replays the same ops on the same inputs in one process.
+    plain_loss, plain_grads = plain
+    assert torch.equal(loss, plain_loss)
+    assert plain_grads["visual.blocks.0.attn.qkv.weight"].any()  # the tower's blocks train (and recompute)
+    for name, grad in plain_grads.items():
+        assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("frozen_tower", [False, True], ids=["both_towers", "frozen_tower"])
+def test_the_step_in_backward_trains_as_the_step_after_it(frozen_tower):
+    (after, after_weights, _), (inside, inside_weights, _) = (
+        train(Case(in_backward=in_backward, frozen_tower=frozen_tower)) for in_backward in (False, True))
+    n = sum(w.numel() for w in after_weights.values())
+    for a, b in zip(after, inside):
+        # The same forwards and backwards: equal losses; the norm adds its squares in another order.
+        assert a.loss == b.loss
+        assert_close(torch.tensor(b.grad_norm), torch.tensor(a.grad_norm), terms=n, what="gradient norm")
+    for name, weight in after_weights.items():
+        assert torch.equal(inside_weights[name], weight), name
+
+
+def test_8_bit_adamw_trains_with_state_for_the_trained_parameters_only(monkeypatch):
+    # torchao compiles its update per parameter shape (minutes on a CPU): here it runs eagerly, the same arithmetic.
+    monkeypatch.setattr(torch, "compile", lambda function=None, **options: function)
+    results, weights, assembled = train(Case(optimizer="adamw8bit", frozen_tower=True), clip=1.0)
+    start = build_model(Case(frozen_tower=True), ALONE).model
+    optimizer = assembled.stepper.optimizer
+    assert results[-1].loss < results[0].loss, [r.loss for r in results]
+    for name, param in assembled.model.named_parameters():
+        trained = not torch.equal(weights[name], start.get_parameter(name))
+        frozen = name.startswith(("visual.patch_embed.", "visual.blocks."))
+        assert trained is not frozen and (param in optimizer.state) is not frozen, name
+    state = optimizer.state[assembled.model.get_parameter("layers.0.mlp.gate_proj.weight")]["exp_avg"]
+    assert type(state).__name__ == "OptimState8bit"
