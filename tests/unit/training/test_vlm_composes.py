@@ -16,8 +16,10 @@ from parallel_testlib import CPU, build_model
 import parallel_testlib
 
 from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
+from torchtune_ac.activation_checkpointing.mechanism import is_checkpointed
 from torchtune_ac.memory.features import MemorySettings
 from torchtune_ac.memory.plan import MemoryPlan
+from torchtune_ac.models.families import transformer_blocks
 from torchtune_ac.models.families.qwen2_5_vl import FAMILY, QWEN2_5_VL_TINY, freeze_
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.training.objective import IGNORE_INDEX
@@ -71,11 +73,13 @@ def image_batch(step: int) -> dict[str, torch.Tensor]:
     return {"tokens": tokens, "labels": labels, "pixel_values": pixels, "image_grid_thw": grid}
 
 
-def loss_and_gradients(case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def loss_and_gradients(case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
+    """One forward and backward: the loss, the gradients, and which blocks (tower's first) are checkpointed."""
     model = build_model(case, ALONE).model
     loss = case.memory().objective()(model, image_batch(0))  # the summed cross-entropy
     loss.backward()
-    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}
+    checkpointed = [i for i, block in enumerate(transformer_blocks(model)) if is_checkpointed(block)]
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, checkpointed
 
 
 def train(case: Case, *, clip: float | None = None):
@@ -92,13 +96,17 @@ def plain():
     return loss_and_gradients(Case())
 
 
-@pytest.mark.parametrize("ac_mode, ac_option", [("full", None), ("selective", 1), ("selective", 2),
-                                                ("selective", 3), ("selective", "op")],
+@pytest.mark.parametrize("ac_mode, ac_option, blocks", [("full", None, [0, 1, 2, 3]), ("selective", 1, [0, 1, 2, 3]),
+                                                        ("selective", 2, [1, 3]), ("selective", 3, [2]),
+                                                        ("selective", "op", [0, 1, 2, 3])],
                          ids=["full", "every_block", "a_tower_and_a_decoder_block", "decoder_block_0", "per_op"])
-def test_every_ac_mode_on_both_towers_gives_the_loss_and_gradients_of_none_bit_for_bit(plain, ac_mode, ac_option):
-    loss, grads = loss_and_gradients(Case(ac_mode=ac_mode, ac_option=ac_option))
+def test_every_ac_mode_on_both_towers_gives_the_loss_and_gradients_of_none_bit_for_bit(plain, ac_mode, ac_option,
+                                                                                        blocks):
+    loss, grads, checkpointed = loss_and_gradients(Case(ac_mode=ac_mode, ac_option=ac_option))
+    assert checkpointed == blocks  # ac_option counts the tower's 2 blocks, then the decoder's 2
     # Bit for bit: the recompute replays the same ops on the same inputs in one process.
-    plain_loss, plain_grads = plain
+    plain_loss, plain_grads, none = plain
+    assert none == []
     assert torch.equal(loss, plain_loss)
     assert plain_grads["visual.blocks.0.attn.qkv.weight"].any()  # the tower's blocks train (and recompute)
     for name, grad in plain_grads.items():
