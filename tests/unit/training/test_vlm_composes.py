@@ -1,8 +1,8 @@
 """A vision-language model composes with the memory features as a text model does, on the tiny Qwen2.5-VL
 (``tiny/vlm``'s model) assembled by the run's own order (``parallel_testlib.build_model``) and given image-text
 batches: every AC mode over both towers gives the loss and gradients of none, the optimizer step in backward trains
-as the step after it (a frozen tower too), and torchao's 8-bit AdamW trains with state for the trained parameters
-only. (FSDP2 on 2 processes, the chunked loss, freezing and resume run through ``tune run`` in
+as the step after it (a frozen tower too), torchao's 8-bit AdamW trains with state for the trained parameters
+only, and HSDP (2 replicas x 2 shards on 4 gloo ranks, both towers sharded) trains as one process. (FSDP2 on 2 processes, the chunked loss, freezing and resume run through ``tune run`` in
 tests/integration/test_vlm_runs.py.)"""
 
 from __future__ import annotations
@@ -11,7 +11,9 @@ import dataclasses
 
 import pytest
 import torch
-from numerics import assert_close
+from gloo_testlib import run_on_gloo_ranks
+from numerics import assert_close, assert_steps_alike, assert_weights_trained_alike, llama_terms
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from parallel_testlib import CPU, build_model
 import parallel_testlib
 
@@ -22,6 +24,7 @@ from torchtune_ac.memory.plan import MemoryPlan
 from torchtune_ac.models.families import transformer_blocks
 from torchtune_ac.models.families.qwen2_5_vl import FAMILY, QWEN2_5_VL_TINY, freeze_
 from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.training.objective import IGNORE_INDEX
 from torchtune_ac.training.step import train_step
 
@@ -56,8 +59,9 @@ class Case(parallel_testlib.Case):
         return MemoryPlan(ac, MemorySettings(optimizer_in_bwd=self.in_backward, loss_chunks=self.loss_chunks))
 
 
-def image_batch(step: int) -> dict[str, torch.Tensor]:
-    """Step ``step``'s batch: random text with ROWS' images placed in it (one row without any), their patches."""
+def image_batch(step: int, first: int = 0, count: int = len(ROWS)) -> dict[str, torch.Tensor]:
+    """Step ``step``'s batch: random text with ROWS' images placed in it (one row without any), their patches;
+    rows ``first`` to ``first + count`` of it (no image keys where those rows hold no image, as the collate makes)."""
     g = torch.Generator().manual_seed(200 + step)
     tokens = torch.randint(0, 96, (len(ROWS), LENGTH), generator=g)
     grids = []
@@ -70,7 +74,13 @@ def image_batch(step: int) -> dict[str, torch.Tensor]:
     labels[labels == IMAGE] = IGNORE_INDEX
     grid = torch.tensor(grids)
     pixels = torch.randn(int(grid.prod(-1).sum()), PATCH_VALUES, generator=g)
-    return {"tokens": tokens, "labels": labels, "pixel_values": pixels, "image_grid_thw": grid}
+    images_before = [sum(len(r) for r in ROWS[:k]) for k in (first, first + count)]
+    patches_before = [int(grid[:i].prod(-1).sum()) for i in images_before]
+    out = {"tokens": tokens[first:first + count], "labels": labels[first:first + count]}
+    if images_before[1] > images_before[0]:
+        out["pixel_values"] = pixels[patches_before[0]:patches_before[1]]
+        out["image_grid_thw"] = grid[images_before[0]:images_before[1]]
+    return out
 
 
 def loss_and_gradients(case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
@@ -82,12 +92,15 @@ def loss_and_gradients(case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, checkpointed
 
 
-def train(case: Case, *, clip: float | None = None):
-    """STEPS steps: the step results, the weights after, and what trained them."""
-    assembled = build_model(case, ALONE)
-    results = [train_step(assembled.model, assembled.stepper, [image_batch(step)], ctx=ALONE,
+def train(case: Case, *, clip: float | None = None, ctx: DistributedContext = ALONE, parallelism=None, mesh=None):
+    """STEPS steps (this data-parallel rank taking its rows): the step results, the full weights after, and what
+    trained them."""
+    assembled = build_model(case, ctx, parallelism, mesh)
+    share = len(ROWS) // ctx.world_size
+    results = [train_step(assembled.model, assembled.stepper, [image_batch(step, ctx.rank * share, share)], ctx=ctx,
                           objective=case.memory().objective(), clip_grad_norm=clip) for step in range(STEPS)]
-    weights = {name: p.detach().clone() for name, p in assembled.model.named_parameters()}
+    weights = {name: getattr(p, "full_tensor", lambda p=p: p)().detach().clone()
+               for name, p in assembled.model.named_parameters()}
     return results, weights, assembled
 
 
@@ -139,3 +152,31 @@ def test_8_bit_adamw_trains_with_state_for_the_trained_parameters_only(monkeypat
         assert trained is not frozen and (param in optimizer.state) is not frozen, name
     state = optimizer.state[assembled.model.get_parameter("layers.0.mlp.gate_proj.weight")]["exp_avg"]
     assert type(state).__name__ == "OptimState8bit"
+
+
+def train_on_hsdp_ranks(rank: int, out: str) -> None:
+    world = 4
+    parallelism = Parallelism(world, replicate=2)
+    ctx = DistributedContext(rank, world, 0, CPU, parallelism)
+    results, weights, assembled = train(Case(), clip=1.0, ctx=ctx, parallelism=parallelism,
+                                        mesh=parallelism.build_mesh("cpu"))
+    tower = assembled.model.visual.blocks[0].attn.qkv.weight  # the tower is sharded too: replicated x sharded
+    assert isinstance(tower, DTensor) and tower.placements == (Replicate(), Shard(0)), tower
+    if rank == 0:
+        torch.save(([(r.loss, r.grad_norm) for r in results], weights), out)
+
+
+@pytest.mark.numerics
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_hsdp_2_replicas_x_2_shards_trains_image_batches_as_one_process(tmp_path):
+    """Each of 4 ranks takes one row of the global batch (rank 2's has no image: its tower runs on a blank one)."""
+    out = tmp_path / "hsdp.pt"
+    run_on_gloo_ranks(train_on_hsdp_ranks, str(out), store_dir=tmp_path, world_size=4)
+    hsdp, hsdp_weights = torch.load(out, weights_only=False)
+    one, one_weights, _ = train(Case(), clip=1.0)
+    # Both towers' reductions; the decoder's are the longer (as test_vlm_runs.py's TERMS)
+    terms = 2 * llama_terms(QWEN2_5_VL_TINY, LENGTH, len(ROWS) * LENGTH)
+    assert_steps_alike([loss for loss, _ in hsdp], [r.loss for r in one], terms=terms, what="loss")
+    assert_steps_alike([norm for _, norm in hsdp], [r.grad_norm for r in one], terms=terms, what="gradient norm")
+    assert_weights_trained_alike(hsdp_weights, one_weights, lrs=[1e-2] * STEPS, terms=terms)
