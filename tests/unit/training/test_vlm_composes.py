@@ -2,8 +2,8 @@
 (``tiny/vlm``'s model) assembled by the run's own order (``parallel_testlib.build_model``) and given image-text
 batches: every AC mode over both towers gives the loss and gradients of none, the optimizer step in backward trains
 as the step after it (a frozen tower too), torchao's 8-bit AdamW trains with state for the trained parameters
-only, and HSDP (2 replicas x 2 shards on 4 gloo ranks, both towers sharded) trains as one process. (FSDP2 on 2 processes, the chunked loss, freezing and resume run through ``tune run`` in
-tests/integration/test_vlm_runs.py.)"""
+only, and HSDP (2 replicas x 2 shards on 4 gloo ranks, both towers sharded) trains as one process. (FSDP2 on 2
+processes, the chunked loss, freezing and resume run through ``tune run`` in tests/integration/test_vlm_runs.py.)"""
 
 from __future__ import annotations
 
