@@ -1,0 +1,182 @@
+"""A vision-language model composes with the memory features as a text model does, on the tiny Qwen2.5-VL
+(``tiny/vlm``'s model) assembled by the run's own order (``parallel_testlib.build_model``) and given image-text
+batches: every AC mode over both towers gives the loss and gradients of none, the optimizer step in backward trains
+as the step after it (a frozen tower too), torchao's 8-bit AdamW trains with state for the trained parameters
+only, and HSDP (2 replicas x 2 shards on 4 gloo ranks, both towers sharded) trains as one process. (FSDP2 on 2
+processes, the chunked loss, freezing and resume run through ``tune run`` in tests/integration/test_vlm_runs.py.)"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from gloo_testlib import run_on_gloo_ranks
+from numerics import assert_close, assert_steps_alike, assert_weights_trained_alike, llama_terms
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from parallel_testlib import CPU, build_model
+import parallel_testlib
+
+from torchtune_ac.activation_checkpointing.config import resolve_ac_plan
+from torchtune_ac.activation_checkpointing.mechanism import is_checkpointed
+from torchtune_ac.memory.features import MemorySettings
+from torchtune_ac.memory.plan import MemoryPlan
+from torchtune_ac.models.families import transformer_blocks
+from torchtune_ac.models.families.qwen2_5_vl import FAMILY, QWEN2_5_VL_TINY, freeze_
+from torchtune_ac.runtime.distributed import DistributedContext
+from torchtune_ac.runtime.parallelism import Parallelism
+from torchtune_ac.training.objective import IGNORE_INDEX
+from torchtune_ac.training.step import train_step
+
+ALONE = DistributedContext(0, 1, 0, CPU)
+IMAGE = QWEN2_5_VL_TINY.image_token_id
+BLOCKS = QWEN2_5_VL_TINY.vision.depth + QWEN2_5_VL_TINY.n_layers  # the tower's blocks, then the decoder's
+PATCH_VALUES = 3 * 2 * 14 * 14
+STEPS = 3
+# Per row of 24 tokens, the images as (first token, (patch rows, patch columns)): 4 patches merge into a token.
+ROWS = [[(2, (4, 4))], [(1, (4, 8)), (14, (4, 4))], [], [(6, (8, 4))]]
+LENGTH = 24
+
+
+@dataclasses.dataclass(frozen=True)
+class Case(parallel_testlib.Case):
+    model: str = "qwen2_5_vl_tiny"
+    frozen_tower: bool = False
+
+    @property
+    def args(self):
+        return QWEN2_5_VL_TINY
+
+    @property
+    def family(self):
+        freeze = self.frozen_tower
+        return dataclasses.replace(FAMILY, build=lambda args: freeze_(FAMILY.build(args), vision_tower=freeze,
+                                                                      projector=False))
+
+    def memory(self) -> MemoryPlan:  # ac_option counts the tower's blocks and the decoder's, as a run does
+        ac = resolve_ac_plan(enable_activation_checkpointing=None, ac_mode=self.ac_mode, ac_option=self.ac_option,
+                             n_layers=BLOCKS)
+        return MemoryPlan(ac, MemorySettings(optimizer_in_bwd=self.in_backward, loss_chunks=self.loss_chunks))
+
+
+def image_batch(step: int, first: int = 0, count: int = len(ROWS)) -> dict[str, torch.Tensor]:
+    """Step ``step``'s batch: random text with ROWS' images placed in it (one row without any), their patches;
+    rows ``first`` to ``first + count`` of it (no image keys where those rows hold no image, as the collate makes)."""
+    g = torch.Generator().manual_seed(200 + step)
+    tokens = torch.randint(0, 96, (len(ROWS), LENGTH), generator=g)
+    grids = []
+    for r, images in enumerate(ROWS):
+        for start, (h, w) in images:
+            tokens[r, start:start + h * w // 4] = IMAGE
+            grids.append([1, h, w])
+    labels = torch.roll(tokens, -1, dims=1)
+    labels[:, -1] = IGNORE_INDEX
+    labels[labels == IMAGE] = IGNORE_INDEX
+    grid = torch.tensor(grids)
+    pixels = torch.randn(int(grid.prod(-1).sum()), PATCH_VALUES, generator=g)
+    images_before = [sum(len(r) for r in ROWS[:k]) for k in (first, first + count)]
+    patches_before = [int(grid[:i].prod(-1).sum()) for i in images_before]
+    out = {"tokens": tokens[first:first + count], "labels": labels[first:first + count]}
+    if images_before[1] > images_before[0]:
+        out["pixel_values"] = pixels[patches_before[0]:patches_before[1]]
+        out["image_grid_thw"] = grid[images_before[0]:images_before[1]]
+    return out
+
+
+def loss_and_gradients(case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
+    """One forward and backward: the loss, the gradients, and which blocks (tower's first) are checkpointed."""
+    model = build_model(case, ALONE).model
+    loss = case.memory().objective()(model, image_batch(0))  # the summed cross-entropy
+    loss.backward()
+    checkpointed = [i for i, block in enumerate(transformer_blocks(model)) if is_checkpointed(block)]
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, checkpointed
+
+
+def train(case: Case, *, clip: float | None = None, ctx: DistributedContext = ALONE, parallelism=None, mesh=None):
+    """STEPS steps (this data-parallel rank taking its rows): the step results, the full weights after, and what
+    trained them."""
+    assembled = build_model(case, ctx, parallelism, mesh)
+    share = len(ROWS) // ctx.world_size
+    results = [train_step(assembled.model, assembled.stepper, [image_batch(step, ctx.rank * share, share)], ctx=ctx,
+                          objective=case.memory().objective(), clip_grad_norm=clip) for step in range(STEPS)]
+    weights = {name: getattr(p, "full_tensor", lambda p=p: p)().detach().clone()
+               for name, p in assembled.model.named_parameters()}
+    return results, weights, assembled
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return loss_and_gradients(Case())
+
+
+@pytest.mark.parametrize("ac_mode, ac_option, blocks", [("full", None, [0, 1, 2, 3]), ("selective", 1, [0, 1, 2, 3]),
+                                                        ("selective", 2, [1, 3]), ("selective", 3, [2]),
+                                                        ("selective", "op", [0, 1, 2, 3])],
+                         ids=["full", "every_block", "a_tower_and_a_decoder_block", "decoder_block_0", "per_op"])
+def test_every_ac_mode_on_both_towers_gives_the_loss_and_gradients_of_none_bit_for_bit(plain, ac_mode, ac_option,
+                                                                                        blocks):
+    loss, grads, checkpointed = loss_and_gradients(Case(ac_mode=ac_mode, ac_option=ac_option))
+    assert checkpointed == blocks  # ac_option counts the tower's 2 blocks, then the decoder's 2
+    # Bit for bit: the recompute replays the same ops on the same inputs in one process.
+    plain_loss, plain_grads, none = plain
+    assert none == []
+    assert torch.equal(loss, plain_loss)
+    assert plain_grads["visual.blocks.0.attn.qkv.weight"].any()  # the tower's blocks train (and recompute)
+    for name, grad in plain_grads.items():
+        assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("frozen_tower", [False, True], ids=["both_towers", "frozen_tower"])
+def test_the_step_in_backward_trains_as_the_step_after_it(frozen_tower):
+    (after, after_weights, _), (inside, inside_weights, _) = (
+        train(Case(in_backward=in_backward, frozen_tower=frozen_tower)) for in_backward in (False, True))
+    n = sum(w.numel() for w in after_weights.values())
+    for a, b in zip(after, inside):
+        # The same forwards and backwards: equal losses; the norm adds its squares in another order.
+        assert a.loss == b.loss
+        assert_close(torch.tensor(b.grad_norm), torch.tensor(a.grad_norm), terms=n, what="gradient norm")
+    for name, weight in after_weights.items():
+        assert torch.equal(inside_weights[name], weight), name
+
+
+def test_8_bit_adamw_trains_with_state_for_the_trained_parameters_only(monkeypatch):
+    # torchao compiles its update per parameter shape (minutes on a CPU): here it runs eagerly, the same arithmetic.
+    monkeypatch.setattr(torch, "compile", lambda function=None, **options: function)
+    results, weights, assembled = train(Case(optimizer="adamw8bit", frozen_tower=True), clip=1.0)
+    start = build_model(Case(frozen_tower=True), ALONE).model
+    optimizer = assembled.stepper.optimizer
+    assert results[-1].loss < results[0].loss, [r.loss for r in results]
+    for name, param in assembled.model.named_parameters():
+        trained = not torch.equal(weights[name], start.get_parameter(name))
+        frozen = name.startswith(("visual.patch_embed.", "visual.blocks."))
+        assert trained is not frozen and (param in optimizer.state) is not frozen, name
+    state = optimizer.state[assembled.model.get_parameter("layers.0.mlp.gate_proj.weight")]["exp_avg"]
+    assert type(state).__name__ == "OptimState8bit"
+
+
+def train_on_hsdp_ranks(rank: int, out: str) -> None:
+    world = 4
+    parallelism = Parallelism(world, replicate=2)
+    ctx = DistributedContext(rank, world, 0, CPU, parallelism)
+    results, weights, assembled = train(Case(), clip=1.0, ctx=ctx, parallelism=parallelism,
+                                        mesh=parallelism.build_mesh("cpu"))
+    tower = assembled.model.visual.blocks[0].attn.qkv.weight  # the tower is sharded too: replicated x sharded
+    assert isinstance(tower, DTensor) and tower.placements == (Replicate(), Shard(0)), tower
+    if rank == 0:
+        torch.save(([(r.loss, r.grad_norm) for r in results], weights), out)
+
+
+@pytest.mark.numerics
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_hsdp_2_replicas_x_2_shards_trains_image_batches_as_one_process(tmp_path):
+    """Each of 4 ranks takes one row of the global batch (rank 2's has no image: its tower runs on a blank one)."""
+    out = tmp_path / "hsdp.pt"
+    run_on_gloo_ranks(train_on_hsdp_ranks, str(out), store_dir=tmp_path, world_size=4)
+    hsdp, hsdp_weights = torch.load(out, weights_only=False)
+    one, one_weights, _ = train(Case(), clip=1.0)
+    # Both towers' reductions; the decoder's are the longer (as test_vlm_runs.py's TERMS)
+    terms = 2 * llama_terms(QWEN2_5_VL_TINY, LENGTH, len(ROWS) * LENGTH)
+    assert_steps_alike([loss for loss, _ in hsdp], [r.loss for r in one], terms=terms, what="loss")
+    assert_steps_alike([norm for _, norm in hsdp], [r.grad_norm for r in one], terms=terms, what="gradient norm")
+    assert_weights_trained_alike(hsdp_weights, one_weights, lrs=[1e-2] * STEPS, terms=terms)
