@@ -17,18 +17,26 @@ from torch import nn
 
 class DecodeState:
     """What every layer's cache shares: which slots hold a token, the slots the next forward writes, and the masks
-    of the keys its queries see, one per sliding window in the model (None: full causal attention).
+    of the keys its queries see, one per sliding window in the model (None: full causal attention), as booleans and,
+    given ``dtype``, as the additive masks (0 seen, -inf not) SDPA would otherwise convert the booleans to in every
+    layer of every step.
 
     Args:
         valid: ``[b, total]`` bool, False on the prompts' left padding.
         windows: the attention windows of the model's layers.
+        dtype: the queries' dtype (the model's), for the additive masks; None: none are kept.
     """
 
-    def __init__(self, valid: torch.Tensor, windows: Iterable[Optional[int]]) -> None:
+    def __init__(self, valid: torch.Tensor, windows: Iterable[Optional[int]],
+                 dtype: Optional[torch.dtype] = None) -> None:
         self.valid = valid
         self.windows = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
+        self.dtype = dtype
         self.index: Optional[torch.Tensor] = None
+        self.slot: Optional[int] = None  # the one slot ``index`` holds, where ``point_at`` set it
         self.masks: dict[Optional[int], torch.Tensor] = {}
+        self.biases: dict[Optional[int], torch.Tensor] = {}
+        self.valid_bias = None if dtype is None else _additive(valid, dtype)  # [b, total]
 
     def point(self, index: torch.Tensor) -> None:
         """The next forward writes slots ``index`` ``[s]`` (on the device). With the same ``s`` as the last call the
@@ -44,10 +52,44 @@ class DecodeState:
                 self.masks[window].copy_(mask)
             else:
                 self.masks[window] = mask
+            if self.dtype is not None:
+                if same_shape:
+                    self.biases[window].copy_(_additive(mask, self.dtype))
+                else:
+                    self.biases[window] = _additive(mask, self.dtype)
         if same_shape:
             self.index.copy_(index)
         else:
             self.index = index.clone()
+        self.slot = None
+
+    def point_at(self, slot: int) -> None:
+        """The next forward writes the one slot ``slot``. Right after a forward over ``slot - 1`` alone (a decode
+        step) the masks change in three columns only, which are written in place: the new slot seen by itself, the
+        last one seen where it holds a token, and the one leaving each sliding window not seen."""
+        if self.slot is None or self.slot != slot - 1:
+            self.point(torch.tensor([slot], device=self.valid.device))
+            self.slot = slot
+            return
+        self.index.fill_(slot)
+        previous = slot - 1
+        for window in self.windows:
+            columns = [(self.masks, True, self.valid[:, previous] if window is None or window > 1 else False)]
+            if self.dtype is not None:
+                columns.append((self.biases, 0.0, self.valid_bias[:, previous] if window is None or window > 1
+                                else float("-inf")))
+            for masks, seen, last in columns:
+                mask = masks[window]  # [b, 1, 1, total]
+                mask[:, 0, 0, previous] = last
+                mask[:, 0, 0, slot] = seen
+                if window is not None and window > 1 and slot - window >= 0:
+                    mask[:, 0, 0, slot - window] = False if masks is self.masks else float("-inf")
+        self.slot = slot
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``mask`` is True, -inf elsewhere, as SDPA turns a boolean mask into the scores' addend."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 class KVCache:
@@ -72,13 +114,16 @@ class KVCache:
         the keys its mask allows; returns ``[b, s, n_heads, hd]``."""
         self.k.index_copy_(2, self.state.index, k.to(self.k.dtype))
         self.v.index_copy_(2, self.state.index, v.to(self.v.dtype))
-        mask = self.state.masks[self.attention.window]
+        window = self.attention.window
         softcap, sinks = self.attention.softcap, self.attention.sinks
         if softcap is None and sinks is None:
+            bias = self.state.biases.get(window)
+            mask = bias if bias is not None and bias.dtype == q.dtype else self.state.masks[window]
             out = F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, scale=scale,
                                                  enable_gqa=q.shape[1] != self.k.shape[1])
         else:
-            out = _explicit_scores_attention(q, self.k, self.v, mask, scale=scale, softcap=softcap, sinks=sinks)
+            out = _explicit_scores_attention(q, self.k, self.v, self.state.masks[window], scale=scale,
+                                             softcap=softcap, sinks=sinks)
         return out.transpose(1, 2)
 
 
