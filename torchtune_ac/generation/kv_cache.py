@@ -112,8 +112,13 @@ class KVCache:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float]) -> torch.Tensor:
         """Write ``k``, ``v`` ``[b, n_kv, s, hd]`` at the state's slots and attend ``q`` ``[b, n_heads, s, hd]`` to
         the keys its mask allows; returns ``[b, s, n_heads, hd]``."""
-        self.k.index_copy_(2, self.state.index, k.to(self.k.dtype))
-        self.v.index_copy_(2, self.state.index, v.to(self.v.dtype))
+        if torch.compiler.is_compiling() or self.state.slot is None:
+            self.k.index_copy_(2, self.state.index, k.to(self.k.dtype))
+            self.v.index_copy_(2, self.state.index, v.to(self.v.dtype))
+        else:  # eager, one slot known on the host: a plain strided copy (a compiled step never reads the int)
+            slot = self.state.slot
+            self.k[:, :, slot:slot + 1] = k
+            self.v[:, :, slot:slot + 1] = v
         window = self.attention.window
         softcap, sinks = self.attention.softcap, self.attention.sinks
         if softcap is None and sinks is None:
