@@ -132,9 +132,10 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], config: Samplin
         valid[row, width - len(prompt):] = True
     valid[:, width:] = True
     positions = (valid.long().cumsum(dim=-1) - 1).clamp(min=0)  # [b, total]: a prompt's first token at 0
-    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    # One end-of-sequence token is compared as a number (one op per step), several through isin.
+    eos = eos_ids[0] if len(eos_ids) == 1 else torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     windows = [m.window for m in model.modules() if isinstance(m, Attention)]
-    state = DecodeState(valid, windows, next(model.parameters()).dtype)
+    state = DecodeState(valid, windows, next(model.parameters()).dtype, filled_from=width)
     step_fn = _compiled_decode_step() if compile_decode else _decode_step
     out = torch.full((b, config.max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
@@ -147,7 +148,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], config: Samplin
             next_tokens = torch.where(done, pad_id, sample_next(logits, config, generator))
             out[:, step] = next_tokens
             steps = step + 1
-            done |= torch.isin(next_tokens, eos)
+            done |= next_tokens == eos if isinstance(eos, int) else torch.isin(next_tokens, eos)
             if step + 1 == config.max_new_tokens or ((step + 1) % check_every == 0 and bool(done.all())):
                 break
             state.point_at(width + step)

@@ -25,11 +25,13 @@ class DecodeState:
         valid: ``[b, total]`` bool, False on the prompts' left padding.
         windows: the attention windows of the model's layers.
         dtype: the queries' dtype (the model's), for the additive masks; None: none are kept.
+        filled_from: a slot from which on every row's slots hold a token (the completions'); None: ``valid`` is read.
     """
 
     def __init__(self, valid: torch.Tensor, windows: Iterable[Optional[int]],
-                 dtype: Optional[torch.dtype] = None) -> None:
+                 dtype: Optional[torch.dtype] = None, filled_from: Optional[int] = None) -> None:
         self.valid = valid
+        self.filled_from = valid.shape[1] if filled_from is None else filled_from
         self.windows = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
         self.dtype = dtype
         self.index: Optional[torch.Tensor] = None
@@ -65,25 +67,28 @@ class DecodeState:
 
     def point_at(self, slot: int) -> None:
         """The next forward writes the one slot ``slot``. Right after a forward over ``slot - 1`` alone (a decode
-        step) the masks change in three columns only, which are written in place: the new slot seen by itself, the
-        last one seen where it holds a token, and the one leaving each sliding window not seen."""
-        if self.slot is None or self.slot != slot - 1:
+        step) the masks change in at most three columns, written in place: the new slot seen, the last one seen only
+        where it holds a token (nothing to write from ``filled_from`` on), the one leaving a sliding window not
+        seen."""
+        if self.slot != slot - 1 or self.index is None or self.index.shape != (1,):
             self.point(torch.tensor([slot], device=self.valid.device))
             self.slot = slot
             return
         self.index.fill_(slot)
         previous = slot - 1
+        b, total = self.valid.shape
         for window in self.windows:
-            columns = [(self.masks, True, self.valid[:, previous] if window is None or window > 1 else False)]
+            columns = [(self.masks[window].view(b, total), True, False, self.valid)]
             if self.dtype is not None:
-                columns.append((self.biases, 0.0, self.valid_bias[:, previous] if window is None or window > 1
-                                else float("-inf")))
-            for masks, seen, last in columns:
-                mask = masks[window]  # [b, 1, 1, total]
-                mask[:, 0, 0, previous] = last
-                mask[:, 0, 0, slot] = seen
-                if window is not None and window > 1 and slot - window >= 0:
-                    mask[:, 0, 0, slot - window] = False if masks is self.masks else float("-inf")
+                columns.append((self.biases[window].view(b, total), 0.0, float("-inf"), self.valid_bias))
+            for mask, seen, unseen, valid in columns:
+                mask[:, slot] = seen
+                if window == 1:
+                    mask[:, previous] = unseen
+                elif previous < self.filled_from:
+                    mask[:, previous] = valid[:, previous]
+                if window is not None and window > 1 and slot >= window:
+                    mask[:, slot - window] = unseen
         self.slot = slot
 
 

@@ -13,9 +13,10 @@ VALID = torch.tensor([[False, False, True, True] + [True] * NEW,
                       [False, False, False, True] + [True] * NEW])
 
 
+@pytest.mark.parametrize("filled_from", [None, WIDTH])
 @pytest.mark.parametrize("windows", [[None], [1], [2], [3], [None, 2, 5]])
-def test_stepping_one_slot_equals_pointing_from_scratch(windows):
-    stepped = DecodeState(VALID, windows, torch.float32)
+def test_stepping_one_slot_equals_pointing_from_scratch(windows, filled_from):
+    stepped = DecodeState(VALID, windows, torch.float32, filled_from=filled_from)
     stepped.point(torch.arange(WIDTH))
     for slot in range(WIDTH, WIDTH + NEW):
         stepped.point_at(slot)
