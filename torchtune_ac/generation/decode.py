@@ -40,7 +40,9 @@ def sample_next(logits: torch.Tensor, config: SamplingConfig, generator: Optiona
     """``[b]`` next tokens from ``[b, vocab]`` logits."""
     if config.temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / config.temperature
+    logits = logits.float()
+    if config.temperature != 1.0:  # x / 1 is x: no division
+        logits = logits / config.temperature
     if config.top_k:
         kth = torch.topk(logits, min(config.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -130,9 +132,10 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], config: Samplin
         valid[row, width - len(prompt):] = True
     valid[:, width:] = True
     positions = (valid.long().cumsum(dim=-1) - 1).clamp(min=0)  # [b, total]: a prompt's first token at 0
-    eos = torch.tensor(list(eos_ids), dtype=torch.long, device=device)
+    # One end-of-sequence token is compared as a number (one op per step), several through isin.
+    eos = eos_ids[0] if len(eos_ids) == 1 else torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     windows = [m.window for m in model.modules() if isinstance(m, Attention)]
-    state = DecodeState(valid, windows)
+    state = DecodeState(valid, windows, next(model.parameters()).dtype, filled_from=width)
     step_fn = _compiled_decode_step() if compile_decode else _decode_step
     out = torch.full((b, config.max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
@@ -140,18 +143,16 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], config: Samplin
     with kv_caches(model, state):
         state.point(torch.arange(width, device=device))
         logits = _decode_step(model, tokens, positions[:, :width])  # [b, vocab]
-        slot = torch.full((1,), width, dtype=torch.long, device=device)
         position = positions[:, width - 1:width] + 1  # [b, 1]
         for step in range(config.max_new_tokens):
             next_tokens = torch.where(done, pad_id, sample_next(logits, config, generator))
             out[:, step] = next_tokens
             steps = step + 1
-            done |= torch.isin(next_tokens, eos)
+            done |= next_tokens == eos if isinstance(eos, int) else torch.isin(next_tokens, eos)
             if step + 1 == config.max_new_tokens or ((step + 1) % check_every == 0 and bool(done.all())):
                 break
-            state.point(slot)
+            state.point_at(width + step)
             logits = step_fn(model, next_tokens[:, None], position)
-            slot += 1
             position = position + 1
     rows, truncated = [], []
     stops = set(eos_ids)

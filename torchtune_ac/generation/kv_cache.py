@@ -17,18 +17,28 @@ from torch import nn
 
 class DecodeState:
     """What every layer's cache shares: which slots hold a token, the slots the next forward writes, and the masks
-    of the keys its queries see, one per sliding window in the model (None: full causal attention).
+    of the keys its queries see, one per sliding window in the model (None: full causal attention), as booleans and,
+    given ``dtype``, as the additive masks (0 seen, -inf not) SDPA would otherwise convert the booleans to in every
+    layer of every step.
 
     Args:
         valid: ``[b, total]`` bool, False on the prompts' left padding.
         windows: the attention windows of the model's layers.
+        dtype: the queries' dtype (the model's), for the additive masks; None: none are kept.
+        filled_from: a slot from which on every row's slots hold a token (the completions'); None: ``valid`` is read.
     """
 
-    def __init__(self, valid: torch.Tensor, windows: Iterable[Optional[int]]) -> None:
+    def __init__(self, valid: torch.Tensor, windows: Iterable[Optional[int]],
+                 dtype: Optional[torch.dtype] = None, filled_from: Optional[int] = None) -> None:
         self.valid = valid
+        self.filled_from = valid.shape[1] if filled_from is None else filled_from
         self.windows = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
+        self.dtype = dtype
         self.index: Optional[torch.Tensor] = None
+        self.slot: Optional[int] = None  # the one slot ``index`` holds, where ``point_at`` set it
         self.masks: dict[Optional[int], torch.Tensor] = {}
+        self.biases: dict[Optional[int], torch.Tensor] = {}
+        self.valid_bias = None if dtype is None else _additive(valid, dtype)  # [b, total]
 
     def point(self, index: torch.Tensor) -> None:
         """The next forward writes slots ``index`` ``[s]`` (on the device). With the same ``s`` as the last call the
@@ -44,10 +54,47 @@ class DecodeState:
                 self.masks[window].copy_(mask)
             else:
                 self.masks[window] = mask
+            if self.dtype is not None:
+                if same_shape:
+                    self.biases[window].copy_(_additive(mask, self.dtype))
+                else:
+                    self.biases[window] = _additive(mask, self.dtype)
         if same_shape:
             self.index.copy_(index)
         else:
             self.index = index.clone()
+        self.slot = None
+
+    def point_at(self, slot: int) -> None:
+        """The next forward writes the one slot ``slot``. Right after a forward over ``slot - 1`` alone (a decode
+        step) the masks change in at most three columns, written in place: the new slot seen, the last one seen only
+        where it holds a token (nothing to write from ``filled_from`` on), the one leaving a sliding window not
+        seen."""
+        if self.slot != slot - 1 or self.index is None or self.index.shape != (1,):
+            self.point(torch.tensor([slot], device=self.valid.device))
+            self.slot = slot
+            return
+        self.index.fill_(slot)
+        previous = slot - 1
+        b, total = self.valid.shape
+        for window in self.windows:
+            columns = [(self.masks[window].view(b, total), True, False, self.valid)]
+            if self.dtype is not None:
+                columns.append((self.biases[window].view(b, total), 0.0, float("-inf"), self.valid_bias))
+            for mask, seen, unseen, valid in columns:
+                mask[:, slot] = seen
+                if window == 1:
+                    mask[:, previous] = unseen
+                elif previous < self.filled_from:
+                    mask[:, previous] = valid[:, previous]
+                if window is not None and window > 1 and slot >= window:
+                    mask[:, slot - window] = unseen
+        self.slot = slot
+
+
+def _additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where ``mask`` is True, -inf elsewhere, as SDPA turns a boolean mask into the scores' addend."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 class KVCache:
@@ -70,15 +117,23 @@ class KVCache:
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float]) -> torch.Tensor:
         """Write ``k``, ``v`` ``[b, n_kv, s, hd]`` at the state's slots and attend ``q`` ``[b, n_heads, s, hd]`` to
         the keys its mask allows; returns ``[b, s, n_heads, hd]``."""
-        self.k.index_copy_(2, self.state.index, k.to(self.k.dtype))
-        self.v.index_copy_(2, self.state.index, v.to(self.v.dtype))
-        mask = self.state.masks[self.attention.window]
+        if torch.compiler.is_compiling() or self.state.slot is None:
+            self.k.index_copy_(2, self.state.index, k.to(self.k.dtype))
+            self.v.index_copy_(2, self.state.index, v.to(self.v.dtype))
+        else:  # eager, one slot known on the host: a plain strided copy (a compiled step never reads the int)
+            slot = self.state.slot
+            self.k[:, :, slot:slot + 1] = k
+            self.v[:, :, slot:slot + 1] = v
+        window = self.attention.window
         softcap, sinks = self.attention.softcap, self.attention.sinks
         if softcap is None and sinks is None:
+            bias = self.state.biases.get(window)
+            mask = bias if bias is not None and bias.dtype == q.dtype else self.state.masks[window]
             out = F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, scale=scale,
                                                  enable_gqa=q.shape[1] != self.k.shape[1])
         else:
-            out = _explicit_scores_attention(q, self.k, self.v, mask, scale=scale, softcap=softcap, sinks=sinks)
+            out = _explicit_scores_attention(q, self.k, self.v, self.state.masks[window], scale=scale,
+                                             softcap=softcap, sinks=sinks)
         return out.transpose(1, 2)
 
 
