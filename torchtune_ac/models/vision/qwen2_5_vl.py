@@ -145,7 +145,7 @@ def vision_patch_positions(grid_thw: list[list[int]], merge: int) -> torch.Tenso
 
 def segment_ids(sizes: list[int], device: torch.device) -> torch.Tensor:
     """``[sum(sizes)]``: the index of the segment each row belongs to."""
-    return torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes, dtype=torch.long)).to(device)
+    return torch.tensor([index for index, size in enumerate(sizes) for _ in range(size)], device=device)
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class Segments:
     ``gather``: ``[n_segments * longest]`` row of each padded place (None when every segment is ``longest`` rows:
     the rows are a view); ``keys``: ``[n_segments, 1, 1, longest]``, the places that are rows (padding is no key);
     ``rows``: ``[n]`` the padded place of each row, to put the output back. Built once per forward, from sizes known
-    on the host; the attention then costs ``n_segments * longest**2``, not ``n**2``."""
+    on the host (nothing read back); the attention then costs ``n_segments * longest**2``, not ``n**2``."""
 
     count: int
     longest: int
@@ -174,7 +174,8 @@ class Segments:
         keys = place.unsqueeze(0) < sizes_t.unsqueeze(1)  # [n_segments, longest]
         starts = torch.cumsum(sizes_t, 0) - sizes_t
         gather = torch.where(keys, starts.unsqueeze(1) + place, 0).flatten()
-        rows = keys.flatten().nonzero().squeeze(1)
+        # from the host's sizes, not read back (the memory planner builds these under fake tensors)
+        rows = torch.tensor([segment * longest + i for segment, size in enumerate(sizes) for i in range(size)])
         return Segments(len(sizes), longest, gather.to(device), keys.view(len(sizes), 1, 1, longest).to(device),
                         rows.to(device))
 
@@ -249,9 +250,11 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(args.in_channels, args.dim, kernel_size=kernel, stride=kernel, bias=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        a = self.args
-        x = pixel_values.view(-1, a.in_channels, a.temporal_patch_size, a.patch_size, a.patch_size)
-        return self.proj(x.to(self.proj.weight.dtype)).view(-1, a.dim)  # [n_patches, dim]
+        # The kernel covers the whole patch, stride the kernel: the convolution is one matrix product of each row
+        # (channels, frames, pixels, the kernel's own order) with the flattened kernel, computed as that (on a CPU
+        # several times faster than the convolution, forward and backward).
+        weight = self.proj.weight
+        return F.linear(pixel_values.to(weight.dtype), weight.view(self.args.dim, -1))  # [n_patches, dim]
 
 
 class PatchMerger(nn.Module):
