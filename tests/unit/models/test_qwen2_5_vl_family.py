@@ -188,3 +188,33 @@ def test_a_text_only_model_given_images_is_refused():
     with pytest.raises(UserError, match=r"dataset: its samples hold images, but the model \(qwen2\) is text-only"):
         check_model_takes_images(model, _sample(), "dataset")
     check_model_takes_images(model, {"tokens": [1, 2]}, "dataset")
+
+
+@pytest.mark.numerics
+def test_the_towers_segmented_attention_is_the_dense_masks(monkeypatch):
+    # Windows and frames attend in one call over [segments, longest] (padded where sizes differ): the tower's output
+    # and gradients are those of one call over every row with the dense [n, n] mask of the same segments.
+    from torchtune_ac.models.vision import qwen2_5_vl as vl
+
+    torch.manual_seed(0)
+    tower = vl.VisionTower(qwen2_5_vl.QWEN2_5_VL_TINY.vision)
+    for parameter in tower.parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    grids = [[1, 6, 10], [2, 4, 4], [1, 2, 2]]  # uneven windows, frames of three sizes, two frames of one image
+    pixels = torch.randn(sum(t * h * w for t, h, w in grids), PATCH_VALUES)
+
+    def run():
+        tower.zero_grad()
+        out = tower(pixels, grids)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), {name: p.grad.clone() for name, p in tower.named_parameters()}
+
+    out, grads = run()
+    monkeypatch.setattr(vl.Segments, "of", staticmethod(
+        lambda sizes, device: (lambda ids: ids.unsqueeze(0) == ids.unsqueeze(1))(vl.segment_ids(sizes, device))))
+    expected, expected_grads = run()
+    vision = qwen2_5_vl.QWEN2_5_VL_TINY.vision
+    terms = 2 * vision.depth * (5 * vision.dim + vision.intermediate_dim + 64) + PATCH_VALUES
+    assert_close(out, expected, terms=terms, what="tower output")
+    for name, grad in expected_grads.items():
+        assert_close(grads[name], grad, terms=terms, what=name)

@@ -148,8 +148,43 @@ def segment_ids(sizes: list[int], device: torch.device) -> torch.Tensor:
     return torch.tensor([index for index, size in enumerate(sizes) for _ in range(size)], device=device)
 
 
+@dataclass(frozen=True)
+class Segments:
+    """Rows cut into consecutive segments (frames or windows) that attend only within themselves, laid out for one
+    batched attention call: ``[n_segments, longest]`` rows, each segment padded to the longest.
+
+    ``gather``: ``[n_segments * longest]`` row of each padded place (None when every segment is ``longest`` rows:
+    the rows are a view); ``keys``: ``[n_segments, 1, 1, longest]``, the places that are rows (padding is no key);
+    ``rows``: ``[n]`` the padded place of each row, to put the output back. Built once per forward, from sizes known
+    on the host (nothing read back); the attention then costs ``n_segments * longest**2``, not ``n**2``."""
+
+    count: int
+    longest: int
+    gather: Optional[torch.Tensor] = None
+    keys: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def of(sizes: list[int], device: torch.device) -> "Segments":
+        longest = max(sizes)
+        if all(size == longest for size in sizes):
+            return Segments(len(sizes), longest)
+        sizes_t = torch.tensor(sizes, dtype=torch.long)
+        place = torch.arange(longest)
+        keys = place.unsqueeze(0) < sizes_t.unsqueeze(1)  # [n_segments, longest]
+        starts = torch.cumsum(sizes_t, 0) - sizes_t
+        gather = torch.where(keys, starts.unsqueeze(1) + place, 0).flatten()
+        # from the host's sizes, not read back (the memory planner builds these under fake tensors)
+        rows = torch.tensor([segment * longest + i for segment, size in enumerate(sizes) for i in range(size)])
+        return Segments(len(sizes), longest, gather.to(device), keys.view(len(sizes), 1, 1, longest).to(device),
+                        rows.to(device))
+
+
 class VisionAttention(nn.Module):
-    """Bidirectional attention within segments (frames or windows), with the tower's 2-D RoPE."""
+    """Bidirectional attention within segments (frames or windows), with the tower's 2-D RoPE.
+
+    ``mask``: the segments as ``Segments`` (one attention call over the segments, each padded to the longest), or a
+    boolean ``[n, n]`` mask of which rows attend to which (one call over all rows)."""
 
     def __init__(self, args: VisionArgs) -> None:
         super().__init__()
@@ -157,14 +192,24 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(args.dim, 3 * args.dim, bias=True)
         self.proj = nn.Linear(args.dim, args.dim, bias=True)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: "Segments | torch.Tensor") -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.n_heads, -1).unbind(1)  # [n, heads, head_dim] each
         # RoPE in float32, as transformers applies it; cos, sin: [n, 1, head_dim]
         q, k = ((t.float() * cos + rotate_half(t.float()) * sin).to(x.dtype) for t in (q, k))
-        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, head_dim]
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.proj(out.squeeze(0).transpose(0, 1).reshape(n, -1))
+        if isinstance(mask, torch.Tensor):
+            q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, n, head_dim]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            return self.proj(out.squeeze(0).transpose(0, 1).reshape(n, -1))
+        segments = mask
+        if segments.gather is not None:
+            q, k, v = (t[segments.gather] for t in (q, k, v))
+        # [n_segments, heads, longest, head_dim]
+        q, k, v = (t.view(segments.count, segments.longest, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=segments.keys)
+        out = out.transpose(1, 2).reshape(segments.count * segments.longest, -1)
+        return self.proj(out if segments.rows is None else out[segments.rows])
 
 
 class VisionMLP(nn.Module):
@@ -189,7 +234,8 @@ class VisionBlock(nn.Module):
         self.norm2 = RMSNorm(args.dim, _VISION_NORM_EPS)
         self.mlp = VisionMLP(args)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: "Segments | torch.Tensor") -> torch.Tensor:
         h = x + self.attn(self.norm1(x), cos, sin, mask)
         return h + self.mlp(self.norm2(h))
 
@@ -204,9 +250,11 @@ class PatchEmbed(nn.Module):
         self.proj = nn.Conv3d(args.in_channels, args.dim, kernel_size=kernel, stride=kernel, bias=False)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        a = self.args
-        x = pixel_values.view(-1, a.in_channels, a.temporal_patch_size, a.patch_size, a.patch_size)
-        return self.proj(x.to(self.proj.weight.dtype)).view(-1, a.dim)  # [n_patches, dim]
+        # The kernel covers the whole patch, stride the kernel: the convolution is one matrix product of each row
+        # (channels, frames, pixels, the kernel's own order) with the flattened kernel, computed as that (on a CPU
+        # several times faster than the convolution, forward and backward).
+        weight = self.proj.weight
+        return F.linear(pixel_values.to(weight.dtype), weight.view(self.args.dim, -1))  # [n_patches, dim]
 
 
 class PatchMerger(nn.Module):
@@ -254,12 +302,12 @@ class VisionTower(nn.Module):
         angles = angles.view(n // unit, unit, -1)[order].view(n, -1)
         emb = torch.cat((angles, angles), dim=-1).unsqueeze(1)  # [n, 1, head_dim]
         cos, sin = emb.cos(), emb.sin()
-        frames = segment_ids([h * w for t, h, w in grid_thw for _ in range(t)], device)
-        windows = segment_ids(window_sizes, device)
-        full_mask = frames.unsqueeze(0) == frames.unsqueeze(1)  # [n, n]
-        window_mask = windows.unsqueeze(0) == windows.unsqueeze(1)
+        # Full blocks attend within each frame, the others within each window; the rows are window by window, and a
+        # frame's windows are consecutive, so both are consecutive segments (once per forward, for every block).
+        frames = Segments.of([h * w for t, h, w in grid_thw for _ in range(t)], device)
+        windows = Segments.of(window_sizes, device)
         for index, block in enumerate(self.blocks):
-            x = block(x, cos, sin, full_mask if index in a.fullatt_block_indexes else window_mask)
+            x = block(x, cos, sin, frames if index in a.fullatt_block_indexes else windows)
         merged = self.merger(x)  # [n_units, out_dim], window by window
         return merged[torch.argsort(order)]
 
