@@ -99,12 +99,13 @@ class ImageInputs:
             in every row (``tokens`` and the forward's image arguments), made of shapes only, so that it can be
             made under fake tensors.
         default_max_pixels: the most pixels the family's processor passes when its files do not say
-            (transformers' default for it).
+            (transformers' default for it); None: the processor resizes every image to one size (Gemma 3's), which
+            ``resized`` gives whatever it is asked.
     """
 
     resized: Callable[[Any, int, int], tuple[int, int, int]]
     batch: Callable[[Any, int, int, int, int, int], dict[str, Any]]
-    default_max_pixels: int
+    default_max_pixels: Optional[int]
 
 
 @dataclass(frozen=True)

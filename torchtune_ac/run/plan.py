@@ -317,11 +317,18 @@ def planner_inputs(cfg: RunConfig, parallelism: Parallelism, device: torch.devic
 def planned_image_load(cfg: RunConfig, model: nn.Module) -> Optional[ImageLoad]:
     """The images every planned sample holds (``planned_images.*``) when ``model`` takes images, else None; their
     default size is the largest the processor passes: ``max_pixels`` in its ``preprocessor_config.json`` (the
-    dataset's ``processor`` folder, else ``checkpoint_dir``), else the family's processor's default."""
+    dataset's ``processor`` folder, else ``checkpoint_dir``), else the family's processor's default; for a family
+    whose processor resizes every image to one size (Gemma 3), that size."""
     family = family_of(model)
     if family is None or family.images is None:
         return None
     args = family.args_of(model)
+
+    def resized(height: int, width: int) -> tuple[int, int, int]:
+        return family.images.resized(args, height, width)
+
+    if family.images.default_max_pixels is None:  # one size for every image: no processor's limit to read
+        return resolve_image_load(cfg.planned_images, resized, None, "", cfg.max_seq_len)
     folder = cfg.dataset.kwargs.get("processor") or cfg.checkpoint_dir
     file = Path(folder).expanduser() / "preprocessor_config.json" if folder else None
     max_pixels, how = None, ""
@@ -338,8 +345,7 @@ def planned_image_load(cfg: RunConfig, model: nn.Module) -> Optional[ImageLoad]:
         how = ("transformers' default for the model's processor"
                + (f": {file} gives none" if file is not None and file.is_file() else
                   ": no preprocessor_config.json at checkpoint_dir or dataset.processor to read"))
-    return resolve_image_load(cfg.planned_images, lambda height, width: family.images.resized(args, height, width),
-                              max_pixels, how, cfg.max_seq_len)
+    return resolve_image_load(cfg.planned_images, resized, max_pixels, how, cfg.max_seq_len)
 
 
 def build_planned_model(cfg: RunConfig) -> nn.Module:

@@ -29,15 +29,15 @@ class PlannedImagesConfig:
 
 
 def resolve_image_load(keys: PlannedImagesConfig, resized: Callable[[int, int], tuple[int, int, int]],
-                       max_pixels: int, max_pixels_how: str, max_seq_len: int) -> Optional[ImageLoad]:
+                       max_pixels: Optional[int], max_pixels_how: str, max_seq_len: int) -> Optional[ImageLoad]:
     """The images of every planned sample, None for text only (``per_sample: 0``).
 
     Args:
         keys: the ``planned_images.*`` keys.
-        resized: ``(height, width) -> (height, width, tokens)``: an image's size as the model's processor rounds it,
-            and its image tokens (``ImageInputs.resized``).
+        resized: ``(height, width) -> (height, width, tokens)``: an image's size as the model's processor resizes
+            it, and its image tokens (``ImageInputs.resized``).
         max_pixels: the most pixels the processor passes without scaling an image down; ``max_pixels_how``: where
-            that number came from, in words.
+            that number came from, in words. None: the processor resizes every image to one size (``resized``'s).
         max_seq_len: tokens per row, which the images' tokens must fit.
 
     Raises:
@@ -51,12 +51,24 @@ def resolve_image_load(keys: PlannedImagesConfig, resized: Callable[[int, int], 
                         "neither (the processor's largest image)")
     if keys.height is not None:
         height, width, tokens = resized(keys.height, keys.width)
-        if n * tokens > max_seq_len:
-            raise UserError(f"planned_images: {n} image(s) of {height} x {width} pixels are {n} x {tokens} image "
-                            f"tokens, more than max_seq_len={max_seq_len}: such a sample is dropped, never trained; "
-                            "plan fewer or smaller images")
-        rounded = "" if (height, width) == (keys.height, keys.width) else ", rounded to the processor's patch grid"
-        return ImageLoad(n, height, width, tokens, f"planned_images.height and width{rounded}")
+        resized_how = "" if (height, width) == (keys.height, keys.width) else ", resized as the model's processor does"
+        load = ImageLoad(n, height, width, tokens, f"planned_images.height and width{resized_how}")
+    elif max_pixels is None:
+        height, width, tokens = resized(1, 1)
+        load = ImageLoad(n, height, width, tokens, "the one size the model's processor resizes every image to")
+    else:
+        load = _largest_square(n, resized, max_pixels, max_pixels_how, max_seq_len)
+    if n * load.tokens > max_seq_len:
+        raise UserError(f"planned_images: {n} image(s) of {load.height} x {load.width} pixels are {n} x {load.tokens} "
+                        f"image tokens, more than max_seq_len={max_seq_len}: such a sample is dropped, never "
+                        "trained; plan fewer or smaller images")
+    return load
+
+
+def _largest_square(n: int, resized: Callable[[int, int], tuple[int, int, int]], max_pixels: int,
+                    max_pixels_how: str, max_seq_len: int) -> ImageLoad:
+    """``n`` of the largest square image the processor passes, made smaller until ``n`` fit ``max_seq_len`` (an
+    image of k x k merge units being k^2 tokens)."""
     unit = resized(1, 1)[0]  # the side of the smallest image: one token
     side = max(unit, math.isqrt(max_pixels) // unit * unit)
     how = f"the largest image the processor passes, as a square (max_pixels {max_pixels:,}: {max_pixels_how})"

@@ -27,10 +27,11 @@ from torchtune_ac.component_marker import config_component
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.families import gemma3
 from torchtune_ac.models.families.gemma3 import Gemma3HFAdapter
-from torchtune_ac.models.family import ModelFamily
+from torchtune_ac.models.family import ImageInputs, ModelFamily
 from torchtune_ac.models.hf_adapter import read_value
 from torchtune_ac.models.llama import LlamaArgs
-from torchtune_ac.models.vision.gemma3 import Gemma3Vision, Gemma3VisionArgs, SiglipArgs
+from torchtune_ac.models.vision.gemma3 import (Gemma3Vision, Gemma3VisionArgs, SiglipArgs, planned_image_inputs,
+                                              resized_image)
 
 _TEXT_HF: Gemma3HFAdapter = gemma3.FAMILY.hf
 SIGLIP_400M = SiglipArgs()  # Gemma 3's tower: 27 blocks of 1152, 896-pixel images in 14-pixel patches
@@ -237,6 +238,7 @@ FAMILY = ModelFamily(
     vision_modules=("vision_tower", "multi_modal_projector"),
     init_weights=lambda model: model.init_weights(),
     init_parameter=_init_parameter,
+    images=ImageInputs(resized=resized_image, batch=planned_image_inputs, default_max_pixels=None),
 )
 # The builders are names of this module too (``torchtune_ac.models.families.gemma3_vision.gemma3_4b_vision``).
 globals().update(FAMILY.builders)

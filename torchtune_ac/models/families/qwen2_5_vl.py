@@ -59,7 +59,7 @@ _VISION_KEYS = {
     "hidden_act": ("activation", str),
 }
 # transformers' Qwen2-VL image processor's max_pixels when its preprocessor_config.json gives none: 1280 tokens.
-_PROCESSOR_MAX_PIXELS = 28 * 28 * 1280
+PROCESSOR_MAX_PIXELS = 28 * 28 * 1280
 _TOP_LEVEL_TOKENS = {"video_token_id": 151_656, "vision_start_token_id": 151_652, "vision_end_token_id": 151_653}
 
 
@@ -255,7 +255,7 @@ FAMILY = ModelFamily(
     init_weights=lambda model: model.init_weights(),
     init_parameter=_init_parameter,
     images=ImageInputs(resized=lambda args, height, width: resized_image(args.vision, height, width),
-                       batch=planned_image_inputs, default_max_pixels=_PROCESSOR_MAX_PIXELS),
+                       batch=planned_image_inputs, default_max_pixels=PROCESSOR_MAX_PIXELS),
 )
 # The builders are names of this module too (``torchtune_ac.models.families.qwen2_5_vl.qwen2_5_vl_7b``).
 globals().update(FAMILY.builders)

@@ -20,10 +20,11 @@ from torch import nn
 
 from torchtune_ac.component_marker import config_component
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.family import ModelFamily
-from torchtune_ac.models.families.qwen2_5_vl import Qwen2_5_VLHFAdapter
+from torchtune_ac.models.family import ImageInputs, ModelFamily
+from torchtune_ac.models.families.qwen2_5_vl import PROCESSOR_MAX_PIXELS, Qwen2_5_VLHFAdapter
 from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter, read_value
 from torchtune_ac.models.llama import LlamaArgs
+from torchtune_ac.models.vision.qwen2_5_vl import planned_image_inputs, resized_image
 from torchtune_ac.models.vision.qwen3_vl import Qwen3_VL, Qwen3_VLArgs, VisionArgs
 
 QWEN3_VL_8B = Qwen3_VLArgs(
@@ -231,6 +232,9 @@ FAMILY = ModelFamily(
     vision_modules=("visual",),
     init_weights=lambda model: model.init_weights(),
     init_parameter=_init_parameter,
+    # Qwen2.5-VL's layout and rounding: the same processor (Qwen2VLImageProcessor), its merge unit 32 pixels.
+    images=ImageInputs(resized=lambda args, height, width: resized_image(args.vision, height, width),
+                       batch=planned_image_inputs, default_max_pixels=PROCESSOR_MAX_PIXELS),
 )
 # The builders are names of this module too (``torchtune_ac.models.families.qwen3_vl.qwen3_vl_8b``).
 globals().update(FAMILY.builders)

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from torchtune_ac.models.attention import DocumentRuns, document_runs
 from torchtune_ac.models.llama import (ACTIVATIONS, Attention, Llama, LlamaArgs, RMSNorm, TransformerBlock, apply_rope,
@@ -311,8 +312,10 @@ class Gemma3Vision(Llama):
             h = h + 0.0 * self._blank_features(h.dtype, h.device).sum()
         else:
             features = self.image_features(pixel_values).to(h.dtype).flatten(0, 1)  # [n_images * tokens, dim]
-            count = int(is_image.sum())
-            if count != features.shape[0]:
+            # Under fake tensors (the memory planner's simulated step) there are no values to count: its layout is
+            # the planner's own.
+            count = None if is_fake(is_image) else int(is_image.sum())
+            if count is not None and count != features.shape[0]:
                 raise ValueError(f"{count} image tokens, but {pixel_values.shape[0]} images of "
                                  f"{args.mm_tokens_per_image} tokens give {features.shape[0]}")
             h = h.masked_scatter(is_image.unsqueeze(-1), features)
@@ -354,3 +357,32 @@ class Gemma3Vision(Llama):
             tensor.normal_(mean=0.0, std=std, generator=generator)
         else:
             super().init_parameter_(name, tensor, generator, std)
+
+
+def resized_image(args: Gemma3VisionArgs, height: int, width: int) -> tuple[int, int, int]:
+    """The size any image reaches the tower in (the processor resizes every one to ``image_size`` a side; pan and
+    scan's crops are images of their own) and its image tokens, ``mm_tokens_per_image``."""
+    side = args.vision.image_size
+    return side, side, args.mm_tokens_per_image
+
+
+def planned_image_inputs(args: Gemma3VisionArgs, rows: int, seq_len: int, per_row: int, height: int,
+                         width: int) -> dict[str, Any]:
+    """A batch's inputs with ``per_row`` images (``resized_image``'s size whatever ``height x width``) at the start
+    of every row, each image's tokens a run of its own (one text token after each, as the processor's end-of-image
+    token), then text, for the memory planner: ``tokens`` ``[rows, seq_len]`` and ``pixel_values`` ``[rows *
+    per_row, channels, size, size]`` (float32, as the processor returns them), made of shapes only.
+
+    Raises:
+        ValueError: the images' tokens do not fit a row.
+    """
+    n = args.mm_tokens_per_image
+    if per_row * n > seq_len:
+        raise ValueError(f"{per_row} images of {n} tokens do not fit a row of {seq_len}")
+    stride = n + 1 if per_row * (n + 1) - 1 <= seq_len else n  # the text token between images when it fits
+    tokens = torch.zeros(rows, seq_len, dtype=torch.long)
+    for i in range(per_row):
+        tokens[:, i * stride:i * stride + n] = args.image_token_id
+    v = args.vision
+    return {"tokens": tokens,
+            "pixel_values": torch.zeros(rows * per_row, v.in_channels, v.image_size, v.image_size)}

@@ -26,6 +26,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 
 from torchtune_ac.models.attention import document_runs
 from torchtune_ac.models.llama import (ACTIVATIONS, Llama, LlamaArgs, TransformerBlock, positions_from_document_ids,
@@ -319,7 +320,9 @@ class Qwen3_VL(Llama):
             deepstack = []
         else:
             features, deepstack = self.visual(pixel_values, image_grid_thw)  # [n_image_tokens, dim] each
-            if int(is_image.sum()) != features.shape[0]:
+            # Under fake tensors (the memory planner's simulated step) there are no values to count: its layout is
+            # the planner's own.
+            if not is_fake(is_image) and int(is_image.sum()) != features.shape[0]:
                 raise ValueError(f"{int(is_image.sum())} image tokens but the images give {features.shape[0]}")
             h = h.masked_scatter(is_image.unsqueeze(-1), features.to(h.dtype))
         if positions is None and image_grid_thw is not None:
