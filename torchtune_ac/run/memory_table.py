@@ -30,7 +30,7 @@ from torchtune_ac.memory.planner import (
     suggested_tensor_parallel_degree,
     switch_ablation,
 )
-from torchtune_ac.models.families import family_of, transformer_blocks
+from torchtune_ac.models.families import transformer_blocks
 from torchtune_ac.models.moe import (GROUPED, GROUPED_MM_CUDA_MAJORS, PADDED_BMM, GroupedExperts,
                                      choose_expert_kernel, moe_args_of)
 from torchtune_ac.run.plan import (
@@ -234,10 +234,6 @@ def memory_table(cfg: RunConfig, *, world_size: int, budget_gib: Optional[float]
              f"{cfg.optimizer.path.rsplit('.', 1)[-1]}; {switches}")
     blas, blas_how = cublas_workspace_bytes(planned_device(cfg.device))
     notes = unmodelled_settings(cfg, world_size) + ((workload.images.describe(),) if workload.images else ())
-    family = family_of(model)
-    if family is not None and family.vision_modules and family.images is None:
-        notes += (f"images: not planned for {family.name} (only its text: the vision tower's weights and state are "
-                  "counted, not the images' activations in either tower); planned_images.* apply to Qwen2.5-VL",)
     return MemoryTable(title, estimates, budget_gib, chosen, notes, tuple(ablation),
                        fixed_how, blas_how if blas else "", not_applicable, run_plan, suggested_tp, cfg.compile,
                        routed_rows_assumption(model, workload, planned_device(cfg.device)))
