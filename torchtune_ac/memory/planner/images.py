@@ -22,7 +22,8 @@ class PlannedImagesConfig:
         "tower still runs, on a blank image).", minimum=0)
     height: Optional[int] = config_key(
         None, doc="Height in pixels of every planned image, as the processor hands it to the model (rounded to its "
-        "patch grid); null: the largest image the processor passes (its max_pixels, as a square), made smaller "
+        "patch grid; Gemma 3's resizes every image to one size, which the plan takes whatever is set); null: the "
+        "largest image the processor passes (its max_pixels, as a square), made smaller "
         "when per_sample of them would not fit max_seq_len. Set with width.", minimum=1)
     width: Optional[int] = config_key(
         None, doc="Width in pixels of every planned image (see height); set with height.", minimum=1)
