@@ -159,3 +159,16 @@ def test_a_config_s_images_are_planned_at_the_size_the_family_s_processor_gives(
     load = planned_image_load(cfg, build_meta_model(cfg.model, cfg.checkpoint_dir))
     assert (load.per_sample, load.height, load.width, load.tokens) == expected
     assert how in load.describe()
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "gemma3_vision"])
+def test_a_real_batch_whose_image_tokens_are_not_its_images_is_still_refused(family):
+    # The models skip counting the image tokens under fake tensors only (the planner's simulation).
+    build, args = tiny_args(family, measured=False)
+    model = build(args)
+    inputs = family_of(model).images.batch(args, 1, 16, 1, 64, 64)
+    tokens = inputs["tokens"].clone()
+    tokens[0, 0] = 0  # one image token fewer than the image gives
+    images = {"image_grid_thw": torch.tensor(inputs["image_grid_thw"])} if "image_grid_thw" in inputs else {}
+    with pytest.raises(ValueError, match=r"^\d+ image tokens,? but"):  # the model's count, not mrope_positions'
+        model(tokens, pixel_values=torch.randn_like(inputs["pixel_values"]), **images)
