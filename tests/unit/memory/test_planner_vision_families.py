@@ -3,6 +3,7 @@ simulated step keeps what a real forward with the same images keeps, its step's 
 step's, and the plan states the images it assumed (Gemma 3's: the one size its processor resizes to)."""
 
 import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -18,8 +19,6 @@ from torchtune_ac.cli import load_recipe, load_recipe_config, resolve_recipe_pat
 from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.memory.planner import ImageLoad, Workload, candidate_plans, estimate_memory
 from torchtune_ac.models.families import family_of
-from torchtune_ac.models.families.gemma3_vision import GEMMA3_VISION_TINY
-from torchtune_ac.models.families.qwen3_vl import QWEN3_VL_TINY
 from torchtune_ac.run.plan import planned_image_load
 from torchtune_ac.training.objective import cross_entropy_sum
 
@@ -40,7 +39,7 @@ MEASURED = {"qwen3_vl": ImageLoad(1, 256, 256, 64), "gemma3_vision": ImageLoad(1
 
 def tiny_args(family: str, measured: bool):
     """The family's builder and its tiny model's arguments, as ``CASES`` changes them for the measured step."""
-    module = __import__(f"torchtune_ac.models.families.{family}", fromlist=["build"])
+    module = importlib.import_module(f"torchtune_ac.models.families.{family}")
     name, vision, top = CASES[family]
     args = getattr(module, name)
     if measured:
