@@ -17,15 +17,14 @@ import dataclasses
 from typing import Any, ClassVar, Mapping, Optional
 
 import torch
-from torch import nn
 
-from torchtune_ac.component_marker import config_component
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.family import ImageInputs, ModelFamily
+from torchtune_ac.models.family import ImageInputs
 from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter, Refusal, read_value, refuse_truthy
 from torchtune_ac.models.llama import LlamaArgs
 from torchtune_ac.models.vision.qwen2_5_vl import (Qwen2_5_VL, Qwen2_5_VLArgs, VisionArgs, planned_image_inputs,
                                                    resized_image)
+from torchtune_ac.models.vision_family import VisionParts, vision_family
 
 _VISION_7B = VisionArgs(depth=32, dim=1280, intermediate_dim=3420, n_heads=16, out_dim=3584)
 QWEN2_5_VL_3B = Qwen2_5_VLArgs(
@@ -207,72 +206,23 @@ HF = Qwen2_5_VLHFAdapter(
 )
 
 
-def build(args: Qwen2_5_VLArgs) -> Qwen2_5_VL:
-    HF.check_args(args)
-    return Qwen2_5_VL(args)
-
-
-def freeze_(model: Qwen2_5_VL, *, vision_tower: bool, projector: bool) -> Qwen2_5_VL:
-    """Stop training the tower (patch embedding and blocks) and/or the projector (the merger)."""
-    if vision_tower:
-        model.visual.patch_embed.requires_grad_(False)
-        model.visual.blocks.requires_grad_(False)
-    if projector:
-        model.visual.merger.requires_grad_(False)
-    return model
-
-
-def _builder(name: str, base: Qwen2_5_VLArgs, doc: str):
-    def builder(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None,
-                freeze_vision_tower: bool = False, freeze_projector: bool = False) -> Qwen2_5_VL:
-        try:
-            args = dataclasses.replace(base, attn_dropout=attn_dropout, resid_dropout=resid_dropout,
-                                       max_seq_len=base.max_seq_len if max_seq_len is None else max_seq_len)
-        except ValueError as e:
-            raise UserError(f"model {name}: {e}") from None
-        return freeze_(build(args), vision_tower=freeze_vision_tower, projector=freeze_projector)
-
-    builder.__module__, builder.__name__, builder.__qualname__ = __name__, name, name
-    builder.__doc__ = doc + (" ``freeze_vision_tower``: the tower's patch embedding and blocks are not trained; "
-                             "``freeze_projector``: nor is the merger.")
-    return config_component(builder)
-
-
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    return nn.ModuleList([*model.visual.blocks, *model.layers])
-
-
-def _shard_groups(model: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
-    vision = (model.visual.patch_embed,), (model.visual.merger,)
-    if model.args.tie_embeddings:
-        return vision
-    return (*vision, (model.tok_embeddings,), (model.norm, model.output))
-
-
-def _init_parameter(model: nn.Module, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-    model.init_parameter_(name, tensor, generator)
-
-
-FAMILY = ModelFamily(
-    name="qwen2_5_vl",
-    model_class=Qwen2_5_VL,
-    builders={
-        "qwen2_5_vl_3b": _builder("qwen2_5_vl_3b", QWEN2_5_VL_3B,
-                                  "Qwen2.5-VL 3B (3,754,622,976 parameters, tied embeddings)."),
-        "qwen2_5_vl_7b": _builder("qwen2_5_vl_7b", QWEN2_5_VL_7B, "Qwen2.5-VL 7B (8,292,166,656 parameters)."),
-        "qwen2_5_vl_tiny": _builder("qwen2_5_vl_tiny", QWEN2_5_VL_TINY,
-                                    "A tiny Qwen2.5-VL for CI, of the embedded processor's sizes (tied embeddings)."),
+PARTS = VisionParts(tower=("visual.patch_embed", "visual.blocks"), projector=("visual.merger",),
+                    tower_blocks="visual.blocks", shard_groups=(("visual.patch_embed",), ("visual.merger",)))
+FAMILY = vision_family(
+    __name__, "qwen2_5_vl", Qwen2_5_VL, HF,
+    {
+        "qwen2_5_vl_3b": (QWEN2_5_VL_3B, "Qwen2.5-VL 3B (3,754,622,976 parameters, tied embeddings)."),
+        "qwen2_5_vl_7b": (QWEN2_5_VL_7B, "Qwen2.5-VL 7B (8,292,166,656 parameters)."),
+        "qwen2_5_vl_tiny": (QWEN2_5_VL_TINY,
+                            "A tiny Qwen2.5-VL for CI, of the embedded processor's sizes (tied embeddings)."),
     },
-    hf=HF,
-    args_of=lambda model: model.args,
-    build=build,
-    blocks=_blocks,
-    shard_groups=_shard_groups,
+    PARTS,
+    freeze_doc=(" ``freeze_vision_tower``: the tower's patch embedding and blocks are not trained; "
+                "``freeze_projector``: nor is the merger."),
     vision_modules=("visual",),
-    init_weights=lambda model: model.init_weights(),
-    init_parameter=_init_parameter,
     images=ImageInputs(resized=lambda args, height, width: resized_image(args.vision, height, width),
                        batch=planned_image_inputs, default_max_pixels=_PROCESSOR_MAX_PIXELS),
 )
+build, freeze_ = FAMILY.build, PARTS.freeze_
 # The builders are names of this module too (``torchtune_ac.models.families.qwen2_5_vl.qwen2_5_vl_7b``).
 globals().update(FAMILY.builders)

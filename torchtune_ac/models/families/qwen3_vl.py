@@ -12,17 +12,11 @@ Activation checkpointing and FSDP2 see the tower's blocks, then the decoder's, a
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Mapping
 
-import torch
-from torch import nn
-
-from torchtune_ac.component_marker import config_component
-from torchtune_ac.errors import UserError
-from torchtune_ac.models.family import ModelFamily
 from torchtune_ac.models.families.qwen2_5_vl import Qwen2_5_VLHFAdapter
 from torchtune_ac.models.vision.qwen3_vl import Qwen3_VL, Qwen3_VLArgs, VisionArgs
+from torchtune_ac.models.vision_family import VisionParts, vision_family
 
 QWEN3_VL_8B = Qwen3_VLArgs(
     vocab_size=151_936, dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, intermediate_dim=12_288, head_dim=None,
@@ -72,72 +66,23 @@ HF = Qwen3_VLHFAdapter(
 )
 
 
-def build(args: Qwen3_VLArgs) -> Qwen3_VL:
-    HF.check_args(args)
-    return Qwen3_VL(args)
-
-
-def freeze_(model: Qwen3_VL, *, vision_tower: bool, projector: bool) -> Qwen3_VL:
-    """Stop training the tower (patch and position embeddings, blocks) and/or the projectors (the merger and the
-    DeepStack mergers)."""
-    if vision_tower:
-        for module in (model.visual.patch_embed, model.visual.pos_embed, model.visual.blocks):
-            module.requires_grad_(False)
-    if projector:
-        model.visual.merger.requires_grad_(False)
-        model.visual.deepstack_merger_list.requires_grad_(False)
-    return model
-
-
-def _builder(name: str, base: Qwen3_VLArgs, doc: str):
-    def builder(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None,
-                freeze_vision_tower: bool = False, freeze_projector: bool = False) -> Qwen3_VL:
-        try:
-            args = dataclasses.replace(base, attn_dropout=attn_dropout, resid_dropout=resid_dropout,
-                                       max_seq_len=base.max_seq_len if max_seq_len is None else max_seq_len)
-        except ValueError as e:
-            raise UserError(f"model {name}: {e}") from None
-        return freeze_(build(args), vision_tower=freeze_vision_tower, projector=freeze_projector)
-
-    builder.__module__, builder.__name__, builder.__qualname__ = __name__, name, name
-    builder.__doc__ = doc + (" ``freeze_vision_tower``: the tower's patch and position embeddings and blocks are "
-                             "not trained; ``freeze_projector``: nor are the merger and the DeepStack mergers.")
-    return config_component(builder)
-
-
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    return nn.ModuleList([*model.visual.blocks, *model.layers])
-
-
-def _shard_groups(model: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
-    visual = model.visual  # each DeepStack merger runs after its block, the merger after the last block
-    vision = ((visual.patch_embed, visual.pos_embed), *((merger,) for merger in visual.deepstack_merger_list),
-              (visual.merger,))
-    if model.args.tie_embeddings:
-        return vision
-    return (*vision, (model.tok_embeddings,), (model.norm, model.output))
-
-
-def _init_parameter(model: nn.Module, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-    model.init_parameter_(name, tensor, generator)
-
-
-FAMILY = ModelFamily(
-    name="qwen3_vl",
-    model_class=Qwen3_VL,
-    builders={
-        "qwen3_vl_8b": _builder("qwen3_vl_8b", QWEN3_VL_8B, "Qwen3-VL 8B (8,767,123,696 parameters)."),
-        "qwen3_vl_tiny": _builder("qwen3_vl_tiny", QWEN3_VL_TINY,
-                                  "A tiny Qwen3-VL for CI, of the embedded tokenizer's vocabulary (tied embeddings)."),
+# Each DeepStack merger runs after its block, the merger after the last block.
+PARTS = VisionParts(tower=("visual.patch_embed", "visual.pos_embed", "visual.blocks"),
+                    projector=("visual.merger", "visual.deepstack_merger_list"), tower_blocks="visual.blocks",
+                    shard_groups=(("visual.patch_embed", "visual.pos_embed"), ("visual.deepstack_merger_list",),
+                                  ("visual.merger",)))
+FAMILY = vision_family(
+    __name__, "qwen3_vl", Qwen3_VL, HF,
+    {
+        "qwen3_vl_8b": (QWEN3_VL_8B, "Qwen3-VL 8B (8,767,123,696 parameters)."),
+        "qwen3_vl_tiny": (QWEN3_VL_TINY,
+                          "A tiny Qwen3-VL for CI, of the embedded tokenizer's vocabulary (tied embeddings)."),
     },
-    hf=HF,
-    args_of=lambda model: model.args,
-    build=build,
-    blocks=_blocks,
-    shard_groups=_shard_groups,
+    PARTS,
+    freeze_doc=(" ``freeze_vision_tower``: the tower's patch and position embeddings and blocks are not trained; "
+                "``freeze_projector``: nor are the merger and the DeepStack mergers."),
     vision_modules=("visual",),
-    init_weights=lambda model: model.init_weights(),
-    init_parameter=_init_parameter,
 )
+build, freeze_ = FAMILY.build, PARTS.freeze_
 # The builders are names of this module too (``torchtune_ac.models.families.qwen3_vl.qwen3_vl_8b``).
 globals().update(FAMILY.builders)
