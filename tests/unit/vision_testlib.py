@@ -4,6 +4,7 @@ random text with Qwen's images placed in it, and the checks every family's tower
 from __future__ import annotations
 
 import torch
+from numerics import assert_close
 from torch import nn
 
 from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
@@ -29,6 +30,18 @@ def qwen_image_batch(rows: list[list[tuple[int, tuple[int, int]]]], seq_len: int
             grids.append([1, h, w])
     grid = torch.tensor(grids, dtype=torch.long).view(-1, 3)
     return tokens, torch.randn(int(grid.prod(-1).sum()), patch_values, generator=g), grid
+
+
+def assert_qwen_logits_match(model: nn.Module, reference: nn.Module, rows: list[list[tuple[int, tuple[int, int]]]],
+                             *, seq_len: int, image_token: int, patch_values: int, terms: int) -> None:
+    """Our logits against transformers' Qwen-VL model's on ``qwen_image_batch(rows, ...)``, within the rounding of
+    ``terms`` summed products (transformers adds in other orders: attention kernels, per-window or per-frame loops).
+    """
+    tokens, pixels, grid = qwen_image_batch(rows, seq_len, image_token, patch_values)
+    images = dict(pixel_values=pixels, image_grid_thw=grid) if len(grid) else {}
+    with torch.no_grad():
+        expected = reference(input_ids=tokens, mm_token_type_ids=(tokens == image_token).int(), **images).logits
+        assert_close(model(tokens, **images), expected, terms=terms, what="logits")
 
 
 def vision_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

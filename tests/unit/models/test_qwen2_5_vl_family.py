@@ -9,8 +9,8 @@ import torch
 from hf_families import random_hf_model, write_tiny_vlm_checkpoint
 from numerics import assert_close, llama_terms
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-from vision_testlib import (assert_a_batch_without_images_changes_nothing, assert_the_tower_blocks_come_first,
-                            frozen_names, names_under, qwen_image_batch)
+from vision_testlib import (assert_a_batch_without_images_changes_nothing, assert_qwen_logits_match,
+                            assert_the_tower_blocks_come_first, frozen_names, names_under, qwen_image_batch)
 
 import torchtune_ac.models.families.qwen2 as qwen2
 import torchtune_ac.models.families.qwen2_5_vl as qwen2_5_vl
@@ -67,12 +67,8 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_transformers(tiny, case):
     _, reference, model = tiny
-    tokens, pixels, grid = _batch(CASES[case], 24)
-    images = dict(pixel_values=pixels, image_grid_thw=grid) if len(grid) else {}
-    with torch.no_grad():
-        expected = reference(input_ids=tokens, mm_token_type_ids=(tokens == IMAGE).int(), **images).logits
-        # transformers adds in other orders (attention kernels, per-window loops): within rounding.
-        assert_close(model(tokens, **images), expected, terms=_terms(model, 24), what="logits")
+    assert_qwen_logits_match(model, reference, CASES[case], seq_len=24, image_token=IMAGE, patch_values=PATCH_VALUES,
+                             terms=_terms(model, 24))
 
 
 def test_the_published_layout_loads_the_same_weights(tiny, tmp_path):

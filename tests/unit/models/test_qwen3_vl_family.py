@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from hf_families import random_hf_model, write_hf_checkpoint
 from numerics import assert_close, llama_terms
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
-from vision_testlib import (assert_a_batch_without_images_changes_nothing, assert_the_tower_blocks_come_first,
-                            frozen_names, names_under, qwen_image_batch)
+from vision_testlib import (assert_a_batch_without_images_changes_nothing, assert_qwen_logits_match,
+                            assert_the_tower_blocks_come_first, frozen_names, names_under, qwen_image_batch)
 
 import torchtune_ac.models.families.qwen3_vl as qwen3_vl
 from torchtune_ac.errors import UserError
@@ -69,12 +69,8 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_transformers(tiny, case):
     _, reference, model = tiny
-    tokens, pixels, grid = _batch(CASES[case], 24)
-    images = dict(pixel_values=pixels, image_grid_thw=grid) if len(grid) else {}
-    with torch.no_grad():
-        expected = reference(input_ids=tokens, mm_token_type_ids=(tokens == IMAGE).int(), **images).logits
-        # transformers adds in other orders (attention kernels, per-frame loops): within rounding.
-        assert_close(model(tokens, **images), expected, terms=_terms(model, 24), what="logits")
+    assert_qwen_logits_match(model, reference, CASES[case], seq_len=24, image_token=IMAGE, patch_values=PATCH_VALUES,
+                             terms=_terms(model, 24))
 
 
 def test_the_rotated_pairs_take_rows_and_columns_interleaved():
