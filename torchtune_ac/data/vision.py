@@ -441,13 +441,30 @@ def vision_dataset(
     Raises:
         UserError: as ``build_vision_dataset``, or ``max_seq_len`` unset.
     """
+    max_seq_len, loaded = processor_and_length(
+        tokenizer, processor, max_seq_len, "vision_dataset: set max_seq_len (an image-text sample is never truncated)")
+    dataset = build_vision_dataset(source, loaded, max_seq_len=max_seq_len, resize_images=resize_images,
+                                   drop_long_samples=drop_long_samples, packed=packed, split=split)
+    return with_source(dataset, source, split)
+
+
+def processor_and_length(tokenizer: Tokenizer, processor: Optional[str], max_seq_len: Optional[int],
+                         unset: str) -> tuple[int, Any]:
+    """A dataset component's longest sequence (``max_seq_len``, else the tokenizer's) and its processor (from the
+    folder ``processor``, else the tokenizer's folder).
+
+    Raises:
+        UserError: ``unset``, when neither gives the longest sequence.
+    """
     max_seq_len = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
     if max_seq_len is None:
-        raise UserError("vision_dataset: set max_seq_len (an image-text sample is never truncated)")
+        raise UserError(unset)
     folder = processor if processor is not None else str(Path(tokenizer.path).parent)
-    dataset = build_vision_dataset(source, load_vision_processor(folder), max_seq_len=max_seq_len,
-                                   resize_images=resize_images, drop_long_samples=drop_long_samples, packed=packed,
-                                   split=split)
+    return max_seq_len, load_vision_processor(folder)
+
+
+def with_source(dataset: Any, source: Sources, split: str) -> Any:
+    """``dataset``, naming its ``source`` and the files ``split`` of it reads (what the run reports)."""
     dataset.source = source if isinstance(source, str) else ", ".join(source)
     dataset.source_files = source_files(source, split)
     return dataset

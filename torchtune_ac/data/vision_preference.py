@@ -36,9 +36,9 @@ from torchtune_ac.data.preference import (
     pair_sample,
 )
 from torchtune_ac.data.records import Record
-from torchtune_ac.data.sources import source_files
 from torchtune_ac.data.tokenizer import Tokenizer
-from torchtune_ac.data.vision import load_vision_processor, max_pixels_of, prepare_messages, process_records
+from torchtune_ac.data.vision import (max_pixels_of, prepare_messages, process_records, processor_and_length,
+                                     with_source)
 from torchtune_ac.errors import UserError
 
 # The processor's outputs a pair rebuilds (the tokens) or does not keep (per-token lists).
@@ -186,13 +186,9 @@ def vision_preference_dataset(
     Raises:
         UserError: as ``build_vision_preference_dataset``, or ``max_seq_len`` unset.
     """
-    max_seq_len = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
-    if max_seq_len is None:
-        raise UserError("vision_preference_dataset: set max_seq_len (a pair with images is never truncated)")
-    folder = processor if processor is not None else str(Path(tokenizer.path).parent)
-    dataset = build_vision_preference_dataset(source, load_vision_processor(folder), max_seq_len=max_seq_len,
-                                              resize_images=resize_images, drop_long_samples=drop_long_samples,
-                                              split=split)
-    dataset.source = source if isinstance(source, str) else ", ".join(source)
-    dataset.source_files = source_files(source, split)
-    return dataset
+    max_seq_len, loaded = processor_and_length(
+        tokenizer, processor, max_seq_len,
+        "vision_preference_dataset: set max_seq_len (a pair with images is never truncated)")
+    dataset = build_vision_preference_dataset(source, loaded, max_seq_len=max_seq_len, resize_images=resize_images,
+                                              drop_long_samples=drop_long_samples, split=split)
+    return with_source(dataset, source, split)
