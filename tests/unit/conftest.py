@@ -3,4 +3,4 @@ sub-folder can import the shared ``gloo_testlib`` and ``models_testlib``."""
 
 import pytest
 
-pytest.register_assert_rewrite("gloo_testlib", "models_testlib", "compile_testlib")
+pytest.register_assert_rewrite("gloo_testlib", "models_testlib", "compile_testlib", "vision_testlib")

@@ -25,7 +25,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.utils.data import Dataset
@@ -259,6 +259,52 @@ class VisionDataset(Dataset):
         return self.samples[index]
 
 
+def process_records(source: str | list[str], process: Callable[[Record, Path], Optional[dict[str, Any]]], *,
+                    length: Callable[[dict[str, Any]], int], max_seq_len: int, drop_long_samples: bool, split: str,
+                    unit: str, sample: str, counted: str, cut: str) -> tuple[list[dict[str, Any]], Optional[str]]:
+    """Every record of ``source`` processed in order, before any weight loads; image paths are relative to a file
+    source's folder.
+
+    Args:
+        process: ``(record, base_dir) -> sample``; None: a record with no assistant turn, dropped with a count.
+        length: a sample's length in tokens; one over ``max_seq_len`` is dropped with a count, or refused.
+        unit, sample, counted, cut: the messages' words: what a record is (``pair``), what a sample is, what its
+            length counts, and what truncation would cut besides an image.
+
+    Returns:
+        The samples, and the report of what was dropped (``data <source>: ...``), or None.
+
+    Raises:
+        UserError: a sample over ``max_seq_len`` without ``drop_long_samples``, or no sample left.
+    """
+    records = load_records(source, split=split)
+    first = source[0] if isinstance(source, list) else source
+    base_dir = Path(first).expanduser().parent if Path(first).expanduser().is_file() else Path(first).expanduser()
+    samples, untrained, too_long = [], 0, 0
+    for record in records:
+        processed = process(record, base_dir)
+        if processed is None:
+            untrained += 1
+        elif length(processed) <= max_seq_len:
+            samples.append(processed)
+        elif drop_long_samples:
+            too_long += 1
+        else:
+            raise UserError(f"{record.location}: the {sample} is {length(processed):,} tokens ({counted}), more than "
+                            f"max_seq_len={max_seq_len}, and is not truncated through its images; raise max_seq_len, "
+                            "use smaller images, or allow dropping")
+    parts = []
+    if too_long:
+        parts.append(f"{too_long:,} of {count_of(len(records), unit)} "
+                     f"{'is' if too_long == 1 else 'are'} longer than max_seq_len={max_seq_len} and "
+                     f"{'was' if too_long == 1 else 'were'} dropped (truncation would cut an image or {cut})")
+    if untrained:
+        parts.append(f"{count_of(untrained, 'record')} with no assistant turn dropped")
+    if not samples:
+        raise UserError(f"data {first}: no {sample} left to train on ({'; '.join(parts)})")
+    return samples, f"data {first}: " + "; ".join(parts) if parts else None
+
+
 def build_vision_dataset(source: str | list[str], processor: Any, *, max_seq_len: int, resize_images: bool = False,
                          drop_long_samples: bool = True, packed: bool = False, split: str = "train") -> VisionDataset:
     """Read, check and process every record, before any weight loads.
@@ -275,32 +321,11 @@ def build_vision_dataset(source: str | list[str], processor: Any, *, max_seq_len
         UserError: a bad record (see ``prepare_messages``), a sample that cannot fit without
             ``drop_long_samples``, or no sample left.
     """
-    records = load_records(source)
-    first = source[0] if isinstance(source, list) else source
-    base_dir = Path(first).expanduser().parent if Path(first).expanduser().is_file() else Path(first).expanduser()
-    samples, untrained, too_long = [], 0, 0
-    for record in records:
-        sample = process_vision_record(record, processor, base_dir=base_dir, resize_images=resize_images)
-        if sample is None:
-            untrained += 1
-        elif len(sample["tokens"]) > max_seq_len:
-            if not drop_long_samples:
-                raise UserError(f"{record.location}: the sample is {len(sample['tokens']):,} tokens (image tokens "
-                                f"included), more than max_seq_len={max_seq_len}, and is not truncated through its "
-                                "images; raise max_seq_len, use smaller images, or allow dropping")
-            too_long += 1
-        else:
-            samples.append(sample)
-    parts = []
-    if too_long:
-        parts.append(f"{too_long:,} of {count_of(len(records), 'record')} "
-                     f"{'is' if too_long == 1 else 'are'} longer than max_seq_len={max_seq_len} and "
-                     f"{'was' if too_long == 1 else 'were'} dropped (truncation would cut an image or the answer)")
-    if untrained:
-        parts.append(f"{count_of(untrained, 'record')} with no assistant turn dropped")
-    if not samples:
-        raise UserError(f"data {first}: no sample left to train on ({'; '.join(parts)})")
-    report = f"data {first}: " + "; ".join(parts) if parts else None
+    samples, report = process_records(
+        source, lambda record, base_dir: process_vision_record(record, processor, base_dir=base_dir,
+                                                               resize_images=resize_images),
+        length=lambda sample: len(sample["tokens"]), max_seq_len=max_seq_len, drop_long_samples=drop_long_samples,
+        split=split, unit="record", sample="sample", counted="image tokens included", cut="the answer")
     if not packed:
         return VisionDataset(samples, report=report)
     pad_id = processor.tokenizer.pad_token_id
@@ -416,13 +441,30 @@ def vision_dataset(
     Raises:
         UserError: as ``build_vision_dataset``, or ``max_seq_len`` unset.
     """
+    max_seq_len, loaded = processor_and_length(
+        tokenizer, processor, max_seq_len, "vision_dataset: set max_seq_len (an image-text sample is never truncated)")
+    dataset = build_vision_dataset(source, loaded, max_seq_len=max_seq_len, resize_images=resize_images,
+                                   drop_long_samples=drop_long_samples, packed=packed, split=split)
+    return with_source(dataset, source, split)
+
+
+def processor_and_length(tokenizer: Tokenizer, processor: Optional[str], max_seq_len: Optional[int],
+                         unset: str) -> tuple[int, Any]:
+    """A dataset component's longest sequence (``max_seq_len``, else the tokenizer's) and its processor (from the
+    folder ``processor``, else the tokenizer's folder).
+
+    Raises:
+        UserError: ``unset``, when neither gives the longest sequence.
+    """
     max_seq_len = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
     if max_seq_len is None:
-        raise UserError("vision_dataset: set max_seq_len (an image-text sample is never truncated)")
+        raise UserError(unset)
     folder = processor if processor is not None else str(Path(tokenizer.path).parent)
-    dataset = build_vision_dataset(source, load_vision_processor(folder), max_seq_len=max_seq_len,
-                                   resize_images=resize_images, drop_long_samples=drop_long_samples, packed=packed,
-                                   split=split)
+    return max_seq_len, load_vision_processor(folder)
+
+
+def with_source(dataset: Any, source: Sources, split: str) -> Any:
+    """``dataset``, naming its ``source`` and the files ``split`` of it reads (what the run reports)."""
     dataset.source = source if isinstance(source, str) else ", ".join(source)
     dataset.source_files = source_files(source, split)
     return dataset

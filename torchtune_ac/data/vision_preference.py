@@ -36,10 +36,9 @@ from torchtune_ac.data.preference import (
     pair_sample,
 )
 from torchtune_ac.data.records import Record
-from torchtune_ac.data.samples import count_of
-from torchtune_ac.data.sources import load_records, source_files
 from torchtune_ac.data.tokenizer import Tokenizer
-from torchtune_ac.data.vision import load_vision_processor, max_pixels_of, prepare_messages
+from torchtune_ac.data.vision import (max_pixels_of, prepare_messages, process_records, processor_and_length,
+                                     with_source)
 from torchtune_ac.errors import UserError
 
 # The processor's outputs a pair rebuilds (the tokens) or does not keep (per-token lists).
@@ -135,27 +134,16 @@ def build_vision_preference_dataset(source: str | list[str], processor: Any, *, 
     Raises:
         UserError: a bad record, a pair over ``max_seq_len`` without ``drop_long_samples``, or no pair left.
     """
-    records = load_records(source, split=split)
-    first = source[0] if isinstance(source, list) else source
-    base_dir = Path(first).expanduser().parent if Path(first).expanduser().is_file() else Path(first).expanduser()
-    dataset, too_long = VisionPreferenceDataset(), 0
-    for record in records:
-        sample = process_vision_pair(record, processor, base_dir=base_dir, resize_images=resize_images)
-        length = max(len(sample[f"{name}_tokens"]) for name in ANSWERS)
-        if length <= max_seq_len:
-            dataset.append(sample)
-        elif drop_long_samples:
-            too_long += 1
-        else:
-            raise UserError(f"{record.location}: the pair is {length:,} tokens (prompt, image tokens and the longer "
-                            f"answer), more than max_seq_len={max_seq_len}, and is not truncated through its "
-                            "images; raise max_seq_len, use smaller images, or allow dropping")
-    dropped = (f"{too_long:,} of {count_of(len(records), 'pair')} {'is' if too_long == 1 else 'are'} longer than "
-               f"max_seq_len={max_seq_len} and {'was' if too_long == 1 else 'were'} dropped (truncation would cut an "
-               "image or an answer)") if too_long else None
-    if not len(dataset):
-        raise UserError(f"data {first}: no pair left to train on ({dropped})")
-    dataset.report = f"data {first}: {dropped}" if dropped else None
+    samples, report = process_records(
+        source, lambda record, base_dir: process_vision_pair(record, processor, base_dir=base_dir,
+                                                             resize_images=resize_images),
+        length=lambda sample: max(len(sample[f"{name}_tokens"]) for name in ANSWERS), max_seq_len=max_seq_len,
+        drop_long_samples=drop_long_samples, split=split, unit="pair", sample="pair",
+        counted="prompt, image tokens and the longer answer", cut="an answer")
+    dataset = VisionPreferenceDataset()
+    for sample in samples:
+        dataset.append(sample)
+    dataset.report = report
     return dataset
 
 
@@ -198,13 +186,9 @@ def vision_preference_dataset(
     Raises:
         UserError: as ``build_vision_preference_dataset``, or ``max_seq_len`` unset.
     """
-    max_seq_len = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
-    if max_seq_len is None:
-        raise UserError("vision_preference_dataset: set max_seq_len (a pair with images is never truncated)")
-    folder = processor if processor is not None else str(Path(tokenizer.path).parent)
-    dataset = build_vision_preference_dataset(source, load_vision_processor(folder), max_seq_len=max_seq_len,
-                                              resize_images=resize_images, drop_long_samples=drop_long_samples,
-                                              split=split)
-    dataset.source = source if isinstance(source, str) else ", ".join(source)
-    dataset.source_files = source_files(source, split)
-    return dataset
+    max_seq_len, loaded = processor_and_length(
+        tokenizer, processor, max_seq_len,
+        "vision_preference_dataset: set max_seq_len (a pair with images is never truncated)")
+    dataset = build_vision_preference_dataset(source, loaded, max_seq_len=max_seq_len, resize_images=resize_images,
+                                              drop_long_samples=drop_long_samples, split=split)
+    return with_source(dataset, source, split)

@@ -114,7 +114,7 @@ def decoder_family(
         args_of=_args_of,
         build=build,
         blocks=_blocks,
-        shard_groups=_shard_groups,
+        shard_groups=decoder_shard_groups,
         init_weights=_init_weights,
         init_parameter=_init_parameter,
         tensor_parallel_plan=(functools.partial(decoder_tensor_parallel_plan, block_splits=dict(block_splits or {}))
@@ -132,7 +132,8 @@ def _blocks(model: nn.Module) -> nn.ModuleList:
     return model.layers
 
 
-def _shard_groups(model: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
+def decoder_shard_groups(model: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
+    """``ModelFamily.shard_groups`` of a model on the Llama decoder: the embedding, then ``[norm, output]``."""
     # torchtitan's grouping: the embedding is gathered just before the first block, and [norm, output] just
     # before the head. A tied output is the embedding's weight, used first and last: it stays with the root.
     if model.args.tie_embeddings:

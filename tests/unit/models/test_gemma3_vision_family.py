@@ -11,13 +11,15 @@ from hf_families import GEMMA3_TINY, TINY_SHAPE, randomize_
 from numerics import assert_close, llama_terms
 from safetensors.torch import load_file, save_file
 from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+from vision_testlib import (assert_a_batch_without_images_changes_nothing, assert_the_tower_blocks_come_first,
+                            frozen_names, names_under)
 
 import torchtune_ac.models.families.gemma3_vision as gemma3_vision
 from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
 from torchtune_ac.errors import UserError
 from torchtune_ac.models import (GEMMA3, GEMMA3_VISION, check_checkpoint_matches, family_for_hf_config, family_of,
-                                 load_hf_weights_, save_hf, transformer_blocks)
-from torchtune_ac.models.families import init_weights_, shard_groups
+                                 load_hf_weights_, save_hf)
+from torchtune_ac.models.families import init_weights_
 from torchtune_ac.models.vision.checks import check_model_takes_images
 
 BOI, EOI, IMAGE = 96, 97, 98  # the tiny checkpoint's image tokens, beyond the random text tokens' range
@@ -197,22 +199,15 @@ def test_builders_have_the_published_shapes_and_transformers_parameter_count(nam
 
 def test_the_tower_blocks_come_first_for_ac_and_sharding():
     model = gemma3_vision.gemma3_vision_tiny()
-    blocks = transformer_blocks(model)
-    assert list(blocks) == [*model.vision_tower.encoder.layers, *model.layers]
-    assert shard_groups(model) == ((model.vision_tower.embeddings,),
-                                   (model.vision_tower.post_layernorm, model.multi_modal_projector))
-    plan = setup_activation_checkpointing(model, ac_mode="selective", ac_option=3)
-    assert plan.checkpointed_blocks == (2,)  # the third of 2 tower blocks and 2 decoder blocks: decoder layer 0
+    tower = model.vision_tower
+    # ac_option 3: the third of 2 tower blocks and 2 decoder blocks, decoder layer 0
+    assert_the_tower_blocks_come_first(model, tower.encoder.layers,
+                                       ((tower.embeddings,), (tower.post_layernorm, model.multi_modal_projector)),
+                                       ac_option=3, checkpointed=(2,))
 
 
 def test_a_batch_without_images_runs_the_tower_and_changes_nothing(tiny):
-    path, _, _ = tiny
-    model = load_vision(path).train()
-    tokens, _ = _batch(CASES["text_only"])
-    model(tokens).sum().backward()
-    # the blank patch ran through every module of the tower and projector (FSDP2 gathers them on every process)
-    for name, param in [*model.vision_tower.named_parameters(), *model.multi_modal_projector.named_parameters()]:
-        assert param.grad is not None and not param.grad.any(), name
+    assert_a_batch_without_images_changes_nothing(load_vision(tiny[0]).train(), _batch(CASES["text_only"])[0])
 
 
 def test_activation_checkpointing_trains_both_towers_exactly_like_none(tiny):
@@ -233,10 +228,8 @@ def test_activation_checkpointing_trains_both_towers_exactly_like_none(tiny):
 def test_freezing_the_tower_and_the_projector_by_builder_keys():
     model = gemma3_vision.gemma3_vision_tiny(freeze_vision_tower=True)
     both = gemma3_vision.gemma3_vision_tiny(freeze_vision_tower=True, freeze_projector=True)
-    assert {n for n, p in model.named_parameters() if not p.requires_grad} == {
-        n for n, _ in model.named_parameters() if n.startswith("vision_tower.")}
-    assert {n for n, p in both.named_parameters() if not p.requires_grad} == {
-        n for n, _ in both.named_parameters() if n.startswith(("vision_tower.", "multi_modal_projector."))}
+    assert frozen_names(model) == names_under(model, "vision_tower.")
+    assert frozen_names(both) == names_under(both, "vision_tower.", "multi_modal_projector.")
 
 
 def test_a_tower_that_does_not_match_the_checkpoint_is_refused(tiny):

@@ -9,13 +9,13 @@ import torch
 from hf_families import random_hf_model, write_tiny_vlm_checkpoint
 from numerics import assert_close, llama_terms
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from vision_testlib import (assert_a_batch_without_images_changes_nothing, assert_qwen_logits_match,
+                            assert_the_tower_blocks_come_first, frozen_names, names_under, qwen_image_batch)
 
 import torchtune_ac.models.families.qwen2 as qwen2
 import torchtune_ac.models.families.qwen2_5_vl as qwen2_5_vl
-from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import QWEN2_5_VL, check_checkpoint_matches, family_of, load_hf, transformer_blocks
-from torchtune_ac.models.families import shard_groups
+from torchtune_ac.models import QWEN2_5_VL, check_checkpoint_matches, family_of, load_hf
 from torchtune_ac.models.vision.checks import check_model_takes_images
 from torchtune_ac.models.vision.qwen2_5_vl import mrope_positions
 
@@ -40,16 +40,7 @@ PUBLISHED = {
 
 
 def _batch(rows: list[list[tuple[int, int]]], seq_len: int, seed: int = 0):
-    """Random text tokens with images placed in them: per row, (start, (h, w)) -> tokens, pixel_values, grids."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 96, (len(rows), seq_len), generator=g)
-    grids = []
-    for r, images in enumerate(rows):
-        for start, (h, w) in images:
-            tokens[r, start:start + h * w // 4] = IMAGE
-            grids.append([1, h, w])
-    grid = torch.tensor(grids)
-    return tokens, torch.randn(int(grid.prod(-1).sum()), PATCH_VALUES, generator=g), grid
+    return qwen_image_batch(rows, seq_len, IMAGE, PATCH_VALUES, seed)
 
 
 def _terms(model, seq_len):
@@ -76,12 +67,8 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_transformers(tiny, case):
     _, reference, model = tiny
-    tokens, pixels, grid = _batch(CASES[case], 24)
-    images = dict(pixel_values=pixels, image_grid_thw=grid) if len(grid) else {}
-    with torch.no_grad():
-        expected = reference(input_ids=tokens, mm_token_type_ids=(tokens == IMAGE).int(), **images).logits
-        # transformers adds in other orders (attention kernels, per-window loops): within rounding.
-        assert_close(model(tokens, **images), expected, terms=_terms(model, 24), what="logits")
+    assert_qwen_logits_match(model, reference, CASES[case], seq_len=24, image_token=IMAGE, patch_values=PATCH_VALUES,
+                             terms=_terms(model, 24))
 
 
 def test_the_published_layout_loads_the_same_weights(tiny, tmp_path):
@@ -121,31 +108,22 @@ def test_builders_have_the_published_shapes_and_transformers_parameter_count(nam
 def test_the_tower_blocks_come_first_for_ac_and_sharding(tiny):
     path, _, _ = tiny
     model = load_hf(path)
-    blocks = transformer_blocks(model)
-    assert list(blocks) == [*model.visual.blocks, *model.layers]
-    assert shard_groups(model)[:2] == ((model.visual.patch_embed,), (model.visual.merger,))
-    plan = setup_activation_checkpointing(model, ac_mode="selective", ac_option=3)
-    assert plan.checkpointed_blocks == (2,)  # the third of 2 tower blocks and 2 decoder blocks: decoder layer 0
+    # ac_option 3: the third of 2 tower blocks and 2 decoder blocks, decoder layer 0
+    visual = model.visual
+    assert_the_tower_blocks_come_first(model, visual.blocks, ((visual.patch_embed,), (visual.merger,)), ac_option=3,
+                                       checkpointed=(2,))
 
 
 def test_a_batch_without_images_runs_the_tower_and_changes_nothing(tiny):
-    path, reference, _ = tiny
-    model = load_hf(path)
-    tokens, _, _ = _batch([[]], 12)
-    model(tokens).sum().backward()
-    # the blank image ran through every module of the tower (FSDP2 gathers and reduces them on every process)
-    for name, param in model.visual.named_parameters():
-        assert param.grad is not None and not param.grad.any(), name
+    assert_a_batch_without_images_changes_nothing(load_hf(tiny[0]), _batch([[]], 12)[0])
 
 
 def test_freezing_the_tower_and_the_projector_by_builder_keys():
     with torch.device("meta"):
         model = qwen2_5_vl.qwen2_5_vl_3b(freeze_vision_tower=True)
         both = qwen2_5_vl.qwen2_5_vl_3b(freeze_vision_tower=True, freeze_projector=True)
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    assert frozen and all(n.startswith(("visual.blocks.", "visual.patch_embed.")) for n in frozen)
-    assert {n for n, p in both.named_parameters() if not p.requires_grad} == {
-        n for n, _ in both.named_parameters() if n.startswith("visual.")}
+    assert frozen_names(model) == names_under(model, "visual.blocks.", "visual.patch_embed.")
+    assert frozen_names(both) == names_under(both, "visual.")
     assert family_of(model) is QWEN2_5_VL
 
 

@@ -11,12 +11,12 @@ import torch.nn.functional as F
 from hf_families import random_hf_model, write_hf_checkpoint
 from numerics import assert_close, llama_terms
 from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+from vision_testlib import (assert_a_batch_without_images_changes_nothing, assert_qwen_logits_match,
+                            assert_the_tower_blocks_come_first, frozen_names, names_under, qwen_image_batch)
 
 import torchtune_ac.models.families.qwen3_vl as qwen3_vl
-from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
 from torchtune_ac.errors import UserError
-from torchtune_ac.models import QWEN3_VL, check_checkpoint_matches, family_of, load_hf, transformer_blocks
-from torchtune_ac.models.families import shard_groups
+from torchtune_ac.models import QWEN3_VL, check_checkpoint_matches, family_of, load_hf
 from torchtune_ac.models.vision.checks import check_model_takes_images
 from torchtune_ac.models.vision.qwen3_vl import interleaved_mrope_axes, interpolation_matrix
 
@@ -40,16 +40,7 @@ PUBLISHED_8B = {
 
 
 def _batch(rows: list[list[tuple[int, int]]], seq_len: int, seed: int = 0):
-    """Random text tokens with images placed in them: per row, (start, (h, w)) -> tokens, pixel_values, grids."""
-    g = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, 96, (len(rows), seq_len), generator=g)
-    grids = []
-    for r, images in enumerate(rows):
-        for start, (h, w) in images:
-            tokens[r, start:start + h * w // 4] = IMAGE
-            grids.append([1, h, w])
-    grid = torch.tensor(grids, dtype=torch.long).view(-1, 3)
-    return tokens, torch.randn(int(grid.prod(-1).sum()), PATCH_VALUES, generator=g), grid
+    return qwen_image_batch(rows, seq_len, IMAGE, PATCH_VALUES, seed)
 
 
 def _terms(model, seq_len):
@@ -78,12 +69,8 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_logits_match_transformers(tiny, case):
     _, reference, model = tiny
-    tokens, pixels, grid = _batch(CASES[case], 24)
-    images = dict(pixel_values=pixels, image_grid_thw=grid) if len(grid) else {}
-    with torch.no_grad():
-        expected = reference(input_ids=tokens, mm_token_type_ids=(tokens == IMAGE).int(), **images).logits
-        # transformers adds in other orders (attention kernels, per-frame loops): within rounding.
-        assert_close(model(tokens, **images), expected, terms=_terms(model, 24), what="logits")
+    assert_qwen_logits_match(model, reference, CASES[case], seq_len=24, image_token=IMAGE, patch_values=PATCH_VALUES,
+                             terms=_terms(model, 24))
 
 
 def test_the_rotated_pairs_take_rows_and_columns_interleaved():
@@ -115,32 +102,24 @@ def test_the_tower_blocks_come_first_for_ac_and_sharding(tiny):
     path, _, _ = tiny
     model = load_hf(path)
     visual = model.visual
-    assert list(transformer_blocks(model)) == [*visual.blocks, *model.layers]
-    assert shard_groups(model)[:4] == ((visual.patch_embed, visual.pos_embed), (visual.deepstack_merger_list[0],),
-                                       (visual.deepstack_merger_list[1],), (visual.merger,))
-    plan = setup_activation_checkpointing(model, ac_mode="selective", ac_option=2)
-    assert plan.checkpointed_blocks == (1, 3, 5)  # of 3 tower blocks, then 3 decoder blocks
+    groups = ((visual.patch_embed, visual.pos_embed), (visual.deepstack_merger_list[0],),
+              (visual.deepstack_merger_list[1],), (visual.merger,))
+    # ac_option 2: of 3 tower blocks, then 3 decoder blocks
+    assert_the_tower_blocks_come_first(model, visual.blocks, groups, ac_option=2, checkpointed=(1, 3, 5))
 
 
 def test_a_batch_without_images_runs_the_tower_and_changes_nothing(tiny):
-    path, _, _ = tiny
-    model = load_hf(path)
-    tokens, _, _ = _batch([[]], 12)
-    model(tokens).sum().backward()
-    # the blank image ran through every module of the tower, DeepStack mergers included (FSDP2 gathers them all)
-    for name, param in model.visual.named_parameters():
-        assert param.grad is not None and not param.grad.any(), name
+    # DeepStack mergers included
+    assert_a_batch_without_images_changes_nothing(load_hf(tiny[0]), _batch([[]], 12)[0])
 
 
 def test_freezing_the_tower_and_the_projectors_by_builder_keys():
     with torch.device("meta"):
         model = qwen3_vl.qwen3_vl_tiny(freeze_vision_tower=True)
         both = qwen3_vl.qwen3_vl_tiny(freeze_vision_tower=True, freeze_projector=True)
-    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
-    assert "visual.pos_embed.weight" in frozen
-    assert all(n.startswith(("visual.blocks.", "visual.patch_embed.", "visual.pos_embed.")) for n in frozen)
-    assert {n for n, p in both.named_parameters() if not p.requires_grad} == {
-        n for n, _ in both.named_parameters() if n.startswith("visual.")}
+    assert "visual.pos_embed.weight" in frozen_names(model)
+    assert frozen_names(model) == names_under(model, "visual.blocks.", "visual.patch_embed.", "visual.pos_embed.")
+    assert frozen_names(both) == names_under(both, "visual.")
     assert family_of(model) is QWEN3_VL
 
 

@@ -14,6 +14,7 @@ import torch
 from gloo_testlib import run_on_gloo_ranks
 from numerics import assert_close, assert_steps_alike, assert_weights_trained_alike, llama_terms
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from vision_testlib import qwen_image_batch
 from parallel_testlib import CPU, build_model
 import parallel_testlib
 
@@ -62,18 +63,10 @@ class Case(parallel_testlib.Case):
 def image_batch(step: int, first: int = 0, count: int = len(ROWS)) -> dict[str, torch.Tensor]:
     """Step ``step``'s batch: random text with ROWS' images placed in it (one row without any), their patches;
     rows ``first`` to ``first + count`` of it (no image keys where those rows hold no image, as the collate makes)."""
-    g = torch.Generator().manual_seed(200 + step)
-    tokens = torch.randint(0, 96, (len(ROWS), LENGTH), generator=g)
-    grids = []
-    for r, images in enumerate(ROWS):
-        for start, (h, w) in images:
-            tokens[r, start:start + h * w // 4] = IMAGE
-            grids.append([1, h, w])
+    tokens, pixels, grid = qwen_image_batch(ROWS, LENGTH, IMAGE, PATCH_VALUES, seed=200 + step)
     labels = torch.roll(tokens, -1, dims=1)
     labels[:, -1] = IGNORE_INDEX
     labels[labels == IMAGE] = IGNORE_INDEX
-    grid = torch.tensor(grids)
-    pixels = torch.randn(int(grid.prod(-1).sum()), PATCH_VALUES, generator=g)
     images_before = [sum(len(r) for r in ROWS[:k]) for k in (first, first + count)]
     patches_before = [int(grid[:i].prod(-1).sum()) for i in images_before]
     out = {"tokens": tokens[first:first + count], "labels": labels[first:first + count]}

@@ -21,17 +21,16 @@ import dataclasses
 from typing import Any, Mapping, Optional
 
 import torch
-from torch import nn
 
-from torchtune_ac.component_marker import config_component
 from torchtune_ac.errors import UserError
 from torchtune_ac.models.families import gemma3
 from torchtune_ac.models.families.gemma3 import Gemma3HFAdapter
-from torchtune_ac.models.family import ImageInputs, ModelFamily
+from torchtune_ac.models.family import ImageInputs
 from torchtune_ac.models.hf_adapter import read_value
 from torchtune_ac.models.llama import LlamaArgs
 from torchtune_ac.models.vision.gemma3 import (Gemma3Vision, Gemma3VisionArgs, SiglipArgs, planned_image_inputs,
                                               resized_image)
+from torchtune_ac.models.vision_family import VisionParts, vision_family
 
 _TEXT_HF: Gemma3HFAdapter = gemma3.FAMILY.hf
 SIGLIP_400M = SiglipArgs()  # Gemma 3's tower: 27 blocks of 1152, 896-pixel images in 14-pixel patches
@@ -174,71 +173,26 @@ HF = Gemma3VisionHFAdapter(**{**{f.name: getattr(_TEXT_HF, f.name) for f in data
                               "model_type": "gemma3", "architecture_name": "Gemma3ForConditionalGeneration"})
 
 
-def build(args: Gemma3VisionArgs) -> Gemma3Vision:
-    HF.check_args(args)
-    return Gemma3Vision(args)
-
-
-def freeze_(model: Gemma3Vision, *, vision_tower: bool, projector: bool) -> Gemma3Vision:
-    """Stop training the SigLIP tower and/or the projector."""
-    if vision_tower:
-        model.vision_tower.requires_grad_(False)
-    if projector:
-        model.multi_modal_projector.requires_grad_(False)
-    return model
-
-
-def _builder(name: str, base: Gemma3VisionArgs, doc: str):
-    def builder(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None,
-                freeze_vision_tower: bool = False, freeze_projector: bool = False) -> Gemma3Vision:
-        try:
-            args = dataclasses.replace(base, attn_dropout=attn_dropout, resid_dropout=resid_dropout,
-                                       max_seq_len=base.max_seq_len if max_seq_len is None else max_seq_len)
-        except ValueError as e:
-            raise UserError(f"model {name}: {e}") from None
-        return freeze_(build(args), vision_tower=freeze_vision_tower, projector=freeze_projector)
-
-    builder.__module__, builder.__name__, builder.__qualname__ = __name__, name, name
-    builder.__doc__ = doc + (" ``freeze_vision_tower``: the SigLIP tower is not trained; ``freeze_projector``: nor "
-                             "is the projector.")
-    return config_component(builder)
-
-
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    return nn.ModuleList([*model.vision_tower.encoder.layers, *model.layers])
-
-
-def _shard_groups(model: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
-    # Gemma 3 ties its embeddings: the decoder's embedding and output stay with the root.
-    return (model.vision_tower.embeddings,), (model.vision_tower.post_layernorm, model.multi_modal_projector)
-
-
-def _init_parameter(model: nn.Module, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-    model.init_parameter_(name, tensor, generator)
-
-
-FAMILY = ModelFamily(
-    name="gemma3_vision",
-    model_class=Gemma3Vision,
-    builders={
-        "gemma3_4b_vision": _builder("gemma3_4b_vision", GEMMA3_4B_VISION,
-                                     "Gemma 3 4B with images (4,300,079,472 parameters, tied embeddings)."),
-        "gemma3_12b_vision": _builder("gemma3_12b_vision", GEMMA3_12B_VISION,
-                                      "Gemma 3 12B with images (12,187,325,040 parameters, tied embeddings)."),
-        "gemma3_27b_vision": _builder("gemma3_27b_vision", GEMMA3_27B_VISION,
-                                      "Gemma 3 27B with images (27,432,406,640 parameters, tied embeddings)."),
-        "gemma3_vision_tiny": _builder("gemma3_vision_tiny", GEMMA3_VISION_TINY,
-                                       "A tiny Gemma 3 with images, for CI (tied embeddings)."),
+PARTS = VisionParts(tower=("vision_tower",), projector=("multi_modal_projector",),
+                    tower_blocks="vision_tower.encoder.layers",
+                    shard_groups=(("vision_tower.embeddings",),
+                                  ("vision_tower.post_layernorm", "multi_modal_projector")))
+FAMILY = vision_family(
+    __name__, "gemma3_vision", Gemma3Vision, HF,
+    {
+        "gemma3_4b_vision": (GEMMA3_4B_VISION, "Gemma 3 4B with images (4,300,079,472 parameters, tied embeddings)."),
+        "gemma3_12b_vision": (GEMMA3_12B_VISION,
+                              "Gemma 3 12B with images (12,187,325,040 parameters, tied embeddings)."),
+        "gemma3_27b_vision": (GEMMA3_27B_VISION,
+                              "Gemma 3 27B with images (27,432,406,640 parameters, tied embeddings)."),
+        "gemma3_vision_tiny": (GEMMA3_VISION_TINY, "A tiny Gemma 3 with images, for CI (tied embeddings)."),
     },
-    hf=HF,
-    args_of=lambda model: model.args,
-    build=build,
-    blocks=_blocks,
-    shard_groups=_shard_groups,
+    PARTS,
+    freeze_doc=(" ``freeze_vision_tower``: the SigLIP tower is not trained; ``freeze_projector``: nor "
+                "is the projector."),
     vision_modules=("vision_tower", "multi_modal_projector"),
-    init_weights=lambda model: model.init_weights(),
-    init_parameter=_init_parameter,
     images=ImageInputs(resized=resized_image, batch=planned_image_inputs, default_max_pixels=None),
 )
+build, freeze_ = FAMILY.build, PARTS.freeze_
 # The builders are names of this module too (``torchtune_ac.models.families.gemma3_vision.gemma3_4b_vision``).
 globals().update(FAMILY.builders)

@@ -14,18 +14,17 @@ Activation checkpointing and FSDP2 see the tower's blocks, then the decoder's (t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional
+from typing import Any, ClassVar, Mapping, Optional
 
 import torch
-from torch import nn
 
-from torchtune_ac.component_marker import config_component
 from torchtune_ac.errors import UserError
-from torchtune_ac.models.family import ImageInputs, ModelFamily
+from torchtune_ac.models.family import ImageInputs
 from torchtune_ac.models.hf_adapter import LlamaStyleHFAdapter, Refusal, read_value, refuse_truthy
 from torchtune_ac.models.llama import LlamaArgs
 from torchtune_ac.models.vision.qwen2_5_vl import (Qwen2_5_VL, Qwen2_5_VLArgs, VisionArgs, planned_image_inputs,
                                                    resized_image)
+from torchtune_ac.models.vision_family import VisionParts, vision_family
 
 _VISION_7B = VisionArgs(depth=32, dim=1280, intermediate_dim=3420, n_heads=16, out_dim=3584)
 QWEN2_5_VL_3B = Qwen2_5_VLArgs(
@@ -63,17 +62,18 @@ PROCESSOR_MAX_PIXELS = 28 * 28 * 1280
 _TOP_LEVEL_TOKENS = {"video_token_id": 151_656, "vision_start_token_id": 151_652, "vision_end_token_id": 151_653}
 
 
-def _text_config(config: Mapping[str, Any]) -> dict[str, Any]:
+_MROPE_KEYS = ("type", "rope_type", "mrope_section", "mrope_interleaved")
+
+
+def _text_config(config: Mapping[str, Any], model_type: str) -> dict[str, Any]:
     """The decoder's keys of a config.json, flat or nested (``text_config``), with its RoPE as the default type."""
     text = {k: v for k, v in config.items() if k not in ("text_config", "vision_config")}
     text.update(config.get("text_config") or {})
-    text["model_type"] = "qwen2_5_vl"
+    text["model_type"] = model_type
     for key in ("rope_parameters", "rope_scaling"):
         rope = text.get(key)
         if isinstance(rope, Mapping) and rope.get("rope_type", rope.get("type")) in ("mrope", "default"):
-            text[key] = {k: v for k, v in rope.items() if k not in ("type", "rope_type", "mrope_section")}
-            if not text[key] and key == "rope_scaling":
-                text[key] = None
+            text[key] = {k: v for k, v in rope.items() if k not in _MROPE_KEYS} or None
     if "tie_word_embeddings" in config:  # the top-level value is the model's (transformers 5 nests a copy)
         text["tie_word_embeddings"] = config["tie_word_embeddings"]
     return text
@@ -88,18 +88,23 @@ def _mrope_section(config: Mapping[str, Any]) -> Any:
     return None
 
 
-def _vision_architecture(vision: VisionArgs) -> dict[str, Any]:
-    values = {key: getattr(vision, field) for key, (field, _) in _VISION_KEYS.items()}
-    return {**values, "fullatt_block_indexes": list(vision.fullatt_block_indexes),
-            "rope_theta": vision.rope_theta}
-
-
 class Qwen2_5_VLHFAdapter(LlamaStyleHFAdapter):
-    """Qwen2.5-VL's config.json (flat or nested) and tensor names (both layouts)."""
+    """Qwen2.5-VL's config.json (flat or nested) and tensor names (both layouts). Qwen3-VL's adapter is this one
+    over its own tables (the class attributes below)."""
+
+    display_name: ClassVar[str] = "Qwen2.5-VL"
+    args_class: ClassVar[type] = Qwen2_5_VLArgs
+    vision_class: ClassVar[type] = VisionArgs
+    vision_keys: ClassVar[Mapping[str, tuple[str, type]]] = _VISION_KEYS
+    # config.json ``vision_config`` key -> its other spelling, read when the key is absent and never written.
+    vision_key_spellings: ClassVar[Mapping[str, str]] = {"in_channels": "in_chans"}
+    block_indexes_key: ClassVar[str] = "fullatt_block_indexes"  # the tower's list of block indexes
+    text_rope_extra: ClassVar[Mapping[str, Any]] = {}  # written into the decoder's ``rope_parameters``
 
     def check_args(self, args: LlamaArgs) -> None:
-        if not isinstance(args, Qwen2_5_VLArgs):
-            raise ValueError(f"{type(args).__name__}: Qwen2.5-VL needs Qwen2_5_VLArgs (a vision tower)")
+        if not isinstance(args, self.args_class):
+            raise ValueError(f"{type(args).__name__}: {self.display_name} needs {self.args_class.__name__} "
+                             "(a vision tower)")
         super().check_args(args)
 
     def to_hf_name(self, name: str) -> str:
@@ -116,58 +121,69 @@ class Qwen2_5_VLHFAdapter(LlamaStyleHFAdapter):
                 return ours + name[len(prefix):]
         return None
 
-    def args_from_hf_config(self, config: Mapping[str, Any], **overrides: Any) -> Qwen2_5_VLArgs:
+    def _vision_architecture(self, vision: Any) -> dict[str, Any]:
+        values = {key: getattr(vision, field) for key, (field, _) in self.vision_keys.items()}
+        return {**values, self.block_indexes_key: list(getattr(vision, self.block_indexes_key)),
+                "rope_theta": vision.rope_theta}
+
+    def args_from_hf_config(self, config: Mapping[str, Any], **overrides: Any) -> Any:
         problems: list[str] = []
         vision_config = config.get("vision_config")
         if not isinstance(vision_config, Mapping):
             problems.append("vision_config: missing (not a vision-language checkpoint)")
             vision_config = {}
+        vision_class = self.vision_class
         vision = {}
-        for key, (field, kind) in _VISION_KEYS.items():
-            spelled = "in_chans" if key == "in_channels" and key not in vision_config else key
+        for key, (field, kind) in self.vision_keys.items():
+            spelled = self.vision_key_spellings.get(key, key) if key not in vision_config else key
             vision[field] = read_value(vision_config, spelled, kind, problems,
-                                       default=VisionArgs.__dataclass_fields__[field].default, prefix="vision_config.")
-        indexes = vision_config.get("fullatt_block_indexes", list(VisionArgs.fullatt_block_indexes))
+                                       default=vision_class.__dataclass_fields__[field].default,
+                                       prefix="vision_config.")
+        index_key = self.block_indexes_key
+        indexes = vision_config.get(index_key, list(getattr(vision_class, index_key)))
         if not isinstance(indexes, (list, tuple)) or not all(isinstance(i, int) for i in indexes):
-            problems.append(f"vision_config.fullatt_block_indexes={indexes!r}: must be a list of block indexes")
+            problems.append(f"vision_config.{index_key}={indexes!r}: must be a list of block indexes")
         else:
-            vision["fullatt_block_indexes"] = tuple(indexes)
+            vision[index_key] = tuple(indexes)
         rope = vision_config.get("rope_parameters") or {}
-        vision["rope_theta"] = float(rope.get("rope_theta", VisionArgs.rope_theta)) if isinstance(rope, Mapping) \
-            else VisionArgs.rope_theta
+        vision["rope_theta"] = float(rope.get("rope_theta", vision_class.rope_theta)) if isinstance(rope, Mapping) \
+            else vision_class.rope_theta
         section = _mrope_section(config)
         if section is None:
-            section = list(Qwen2_5_VLArgs.mrope_section)
+            section = list(self.args_class.mrope_section)
         if not isinstance(section, list) or not all(isinstance(s, int) for s in section):
             problems.append(f"mrope_section={section!r}: must be a list of 3 ints")
-        image_token = read_value(config, "image_token_id", int, problems, default=Qwen2_5_VLArgs.image_token_id)
+        image_token = read_value(config, "image_token_id", int, problems, default=self.args_class.image_token_id)
         try:
-            text = super().args_from_hf_config(_text_config(config), **overrides)
+            text = super().args_from_hf_config(_text_config(config, self.model_type), **overrides)
         except UserError as e:
-            problems.append(str(e).removeprefix("unsupported Hugging Face qwen2_5_vl config: "))
+            problems.append(str(e).removeprefix(f"unsupported Hugging Face {self.model_type} config: "))
         if problems:
-            raise UserError("unsupported Hugging Face qwen2_5_vl config: " + "; ".join(problems))
+            raise UserError(f"unsupported Hugging Face {self.model_type} config: " + "; ".join(problems))
         fields = {f.name: getattr(text, f.name) for f in dataclasses.fields(LlamaArgs)}
         try:
-            return Qwen2_5_VLArgs(**fields, vision=VisionArgs(**vision), image_token_id=image_token,
-                                  mrope_section=tuple(section))
+            return self.args_class(**fields, vision=vision_class(**vision), image_token_id=image_token,
+                                   mrope_section=tuple(section))
         except ValueError as e:
-            raise UserError(f"Hugging Face qwen2_5_vl config: {e}") from None
+            raise UserError(f"Hugging Face {self.model_type} config: {e}") from None
 
-    def hf_config_from_args(self, args: Qwen2_5_VLArgs, dtype: torch.dtype, *,
+    def hf_config_from_args(self, args: Any, dtype: torch.dtype, *,
                             base_config: Optional[Mapping[str, Any]] = None, **token_ids: Any) -> dict[str, Any]:
         base = dict(base_config or {})
-        text = super().hf_config_from_args(args, dtype, base_config=_text_config(base), **token_ids)
+        text = super().hf_config_from_args(args, dtype, base_config=_text_config(base, self.model_type),
+                                           **token_ids)
         theta = text.pop("rope_theta")
         text.pop("rope_scaling", None)
         text.pop("architectures")
         for key in self.family_architecture(args):  # the multimodal keys are the top level's and the tower's
             text.pop(key)
-        text.update(model_type="qwen2_5_vl_text", rope_parameters={
-            "rope_type": "default", "rope_theta": theta, "mrope_section": list(args.mrope_section)})
-        vision = {**(base.get("vision_config") or {}), **_vision_architecture(args.vision)}
-        vision.pop("in_chans", None)
-        vision.update(model_type="qwen2_5_vl_vision", hidden_act=vision.pop("hidden_act"),
+        text.update(model_type=f"{self.model_type}_text", rope_parameters={
+            "rope_type": "default", "rope_theta": theta, "mrope_section": list(args.mrope_section),
+            **self.text_rope_extra})
+        vision = {**(base.get("vision_config") or {}), **self._vision_architecture(args.vision)}
+        for spelling in self.vision_key_spellings.values():
+            vision.pop(spelling, None)
+        vision.update(model_type=f"{self.model_type}_vision", hidden_act=vision.pop("hidden_act"),
                       rope_parameters={"rope_type": "axial", "rope_theta": vision.pop("rope_theta")})
         top = {k: v for k, v in base.items() if k not in text and k not in ("rope_scaling", "torch_dtype")}
         top.update({key: base.get(key, default) for key, default in _TOP_LEVEL_TOKENS.items()})
@@ -177,7 +193,7 @@ class Qwen2_5_VLHFAdapter(LlamaStyleHFAdapter):
         return top
 
     def family_architecture(self, args: LlamaArgs) -> dict[str, Any]:
-        vision = {f"vision_config.{k}": v for k, v in _vision_architecture(args.vision).items()}
+        vision = {f"vision_config.{k}": v for k, v in self._vision_architecture(args.vision).items()}
         return {"mrope_section": list(args.mrope_section), "image_token_id": args.image_token_id, **vision}
 
 
@@ -190,72 +206,23 @@ HF = Qwen2_5_VLHFAdapter(
 )
 
 
-def build(args: Qwen2_5_VLArgs) -> Qwen2_5_VL:
-    HF.check_args(args)
-    return Qwen2_5_VL(args)
-
-
-def freeze_(model: Qwen2_5_VL, *, vision_tower: bool, projector: bool) -> Qwen2_5_VL:
-    """Stop training the tower (patch embedding and blocks) and/or the projector (the merger)."""
-    if vision_tower:
-        model.visual.patch_embed.requires_grad_(False)
-        model.visual.blocks.requires_grad_(False)
-    if projector:
-        model.visual.merger.requires_grad_(False)
-    return model
-
-
-def _builder(name: str, base: Qwen2_5_VLArgs, doc: str):
-    def builder(*, attn_dropout: float = 0.0, resid_dropout: float = 0.0, max_seq_len: int | None = None,
-                freeze_vision_tower: bool = False, freeze_projector: bool = False) -> Qwen2_5_VL:
-        try:
-            args = dataclasses.replace(base, attn_dropout=attn_dropout, resid_dropout=resid_dropout,
-                                       max_seq_len=base.max_seq_len if max_seq_len is None else max_seq_len)
-        except ValueError as e:
-            raise UserError(f"model {name}: {e}") from None
-        return freeze_(build(args), vision_tower=freeze_vision_tower, projector=freeze_projector)
-
-    builder.__module__, builder.__name__, builder.__qualname__ = __name__, name, name
-    builder.__doc__ = doc + (" ``freeze_vision_tower``: the tower's patch embedding and blocks are not trained; "
-                             "``freeze_projector``: nor is the merger.")
-    return config_component(builder)
-
-
-def _blocks(model: nn.Module) -> nn.ModuleList:
-    return nn.ModuleList([*model.visual.blocks, *model.layers])
-
-
-def _shard_groups(model: nn.Module) -> tuple[tuple[nn.Module, ...], ...]:
-    vision = (model.visual.patch_embed,), (model.visual.merger,)
-    if model.args.tie_embeddings:
-        return vision
-    return (*vision, (model.tok_embeddings,), (model.norm, model.output))
-
-
-def _init_parameter(model: nn.Module, name: str, tensor: torch.Tensor, generator: torch.Generator) -> None:
-    model.init_parameter_(name, tensor, generator)
-
-
-FAMILY = ModelFamily(
-    name="qwen2_5_vl",
-    model_class=Qwen2_5_VL,
-    builders={
-        "qwen2_5_vl_3b": _builder("qwen2_5_vl_3b", QWEN2_5_VL_3B,
-                                  "Qwen2.5-VL 3B (3,754,622,976 parameters, tied embeddings)."),
-        "qwen2_5_vl_7b": _builder("qwen2_5_vl_7b", QWEN2_5_VL_7B, "Qwen2.5-VL 7B (8,292,166,656 parameters)."),
-        "qwen2_5_vl_tiny": _builder("qwen2_5_vl_tiny", QWEN2_5_VL_TINY,
-                                    "A tiny Qwen2.5-VL for CI, of the embedded processor's sizes (tied embeddings)."),
+PARTS = VisionParts(tower=("visual.patch_embed", "visual.blocks"), projector=("visual.merger",),
+                    tower_blocks="visual.blocks", shard_groups=(("visual.patch_embed",), ("visual.merger",)))
+FAMILY = vision_family(
+    __name__, "qwen2_5_vl", Qwen2_5_VL, HF,
+    {
+        "qwen2_5_vl_3b": (QWEN2_5_VL_3B, "Qwen2.5-VL 3B (3,754,622,976 parameters, tied embeddings)."),
+        "qwen2_5_vl_7b": (QWEN2_5_VL_7B, "Qwen2.5-VL 7B (8,292,166,656 parameters)."),
+        "qwen2_5_vl_tiny": (QWEN2_5_VL_TINY,
+                            "A tiny Qwen2.5-VL for CI, of the embedded processor's sizes (tied embeddings)."),
     },
-    hf=HF,
-    args_of=lambda model: model.args,
-    build=build,
-    blocks=_blocks,
-    shard_groups=_shard_groups,
+    PARTS,
+    freeze_doc=(" ``freeze_vision_tower``: the tower's patch embedding and blocks are not trained; "
+                "``freeze_projector``: nor is the merger."),
     vision_modules=("visual",),
-    init_weights=lambda model: model.init_weights(),
-    init_parameter=_init_parameter,
     images=ImageInputs(resized=lambda args, height, width: resized_image(args.vision, height, width),
                        batch=planned_image_inputs, default_max_pixels=PROCESSOR_MAX_PIXELS),
 )
+build, freeze_ = FAMILY.build, PARTS.freeze_
 # The builders are names of this module too (``torchtune_ac.models.families.qwen2_5_vl.qwen2_5_vl_7b``).
 globals().update(FAMILY.builders)
