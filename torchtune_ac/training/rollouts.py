@@ -44,9 +44,16 @@ class GenerationConfig:
         exclusive_minimum=0.0, maximum=1.0)
     top_k: int = config_key(0, doc="Sample from the k likeliest tokens; 0: all.", minimum=0)
     backend: GenerationBackend = config_key(
-        GenerationBackend.NATIVE, doc="native: the policy itself with a static KV cache, batched. vllm: refused in "
-        "one line (colocated vLLM generation is not built in this version; without vLLM installed or a CUDA device "
-        "the refusal says so).")
+        GenerationBackend.NATIVE, doc="native: the policy itself with a static KV cache, batched. vllm: a vLLM engine "
+        "in the training process on its GPU, given the policy's weights after each step (one process, a CUDA device "
+        "and vLLM installed, else refused in one line; not yet run on a GPU here: docs/grpo.md).")
+    vllm_gpu_memory_utilization: float = config_key(
+        0.3, doc="generation.backend=vllm: the share of the GPU's memory the engine may take (weights and KV cache); "
+        "the policy, its optimizer state and the loss pass share the GPU with it.", exclusive_minimum=0.0,
+        maximum=1.0)
+    vllm_enable_sleep_mode: bool = config_key(
+        False, doc="generation.backend=vllm: the engine releases its weights and KV cache after each rollout (more "
+        "memory for the loss pass; the weights are handed over again at the next rollout).")
 
     def __post_init__(self) -> None:
         check_generation_backend(self.backend.value)
