@@ -107,7 +107,8 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> types.ModuleType:
     module.__version__ = "0.0-test"
     module.LLM = lambda **kwargs: FakeLLM(kwargs)
     module.SamplingParams = SamplingParams
-    module.ModelRegistry = types.SimpleNamespace(get_supported_archs=lambda: ["LlamaForCausalLM", "Qwen3MoeForCausalLM"])
+    served = ["LlamaForCausalLM", "Qwen3MoeForCausalLM"]
+    module.ModelRegistry = types.SimpleNamespace(get_supported_archs=lambda: served)
     monkeypatch.setitem(sys.modules, "vllm", module)
     ENGINES.clear()
     return module
