@@ -136,6 +136,7 @@ def test_low_bit_state_trains_the_adapters_alone(optimizer: str, tmp_path: Path,
     ("grpo.epsilon=-0.1", "grpo.epsilon=-0.1: must be >= 0.0"),
     ("grpo.loss_type=foo", "grpo.loss_type='foo': expected one of grpo, bnpo, dr_grpo, dapo"),
     ("max_seq_len=4000", "past the model's 512 positions"),
+    ("generation.max_new_tokens=600", "generation.max_new_tokens=600: must be less than max_seq_len=16"),
     ("rewards=[{_component_:os.system}]", "rewards[0]._component_=os.system: not allowed"),
     ("rewards=[{_component_:torchtune_ac.training.rewards.nothing}]", "rewards[0]"),
 ])
