@@ -252,3 +252,29 @@ def test_runs_it_cannot_serve_are_refused_in_one_line(case, message, fake_vllm, 
 
 def test_a_model_vllm_serves_on_one_cuda_process_passes(fake_vllm) -> None:
     check_vllm_serves(build_random_llama(TINY, seed=1), device=torch.device("cuda"), world_size=1)
+
+
+def test_with_adapters_the_engine_is_handed_the_merged_weights(fake_vllm) -> None:
+    """``lora_grpo``'s hand-over (``model_files=merged_model_files``): a plain model's names, each adapted linear's
+    weight merged (B A added), so the engine needs no adapters."""
+    from torchtune_ac.lora.config import AdapterConfig
+    from torchtune_ac.lora.export import merged_model_files
+    from torchtune_ac.lora.mechanism import adapted_linears, apply_adapters, initialize_adapters_
+
+    model = build_random_llama(TINY, seed=1)
+    plain_names = set(hf_model_files(model).tensors)
+    base_q = model.layers[0].attn.q_proj.weight.detach().clone()
+    apply_adapters(model, AdapterConfig(rank=4, alpha=8.0, targets=["q_proj", "v_proj"]))
+    initialize_adapters_(model, seed=0)
+    with torch.no_grad():
+        for _, linear in adapted_linears(model):
+            linear.lora_b.weight.normal_()  # B starts at 0: make the merge visible
+    backend = VLLMBackend(model, eos_ids=[EOS], settings=VLLMSettings(48), model_files=merged_model_files)
+    backend.generate(PROMPTS, SamplingConfig(max_new_tokens=4))
+    (engine,) = ENGINES
+    handed = engine.loaded[0]
+    assert set(handed) == plain_names and engine.config == merged_model_files(model).config
+    assert_same_weights(handed, {n: t.detach() for n, t in merged_model_files(model).tensors.items()})
+    q = handed["model.layers.0.self_attn.q_proj.weight"]
+    assert not torch.equal(q, base_q) and torch.equal(handed["model.layers.0.self_attn.k_proj.weight"],
+                                                      model.layers[0].attn.k_proj.weight.detach())
