@@ -17,6 +17,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.generation.decode import Completions, SamplingConfig
@@ -79,18 +80,23 @@ def check_vllm_serves(model: nn.Module, *, device: torch.device, world_size: int
 def stored_tensors(files: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Each tensor a Hugging Face checkpoint of ``files`` stores, by its stored name, on the parameters' device: a
     parameter stored whole is handed as itself; one stored in parts (Phi-3's fused q/k/v, MoE experts one by one) or
-    stacked is assembled as ``save_hf``'s writer assembles it."""
+    stacked is assembled as ``save_hf``'s writer assembles it. A model sharded in a world of one (FSDP2 for CPU
+    offload) holds DTensors: each is its whole tensor there."""
     layout = files.layout
+
+    def whole(name: str) -> torch.Tensor:
+        tensor = files.tensors[name].detach()
+        return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
     for stored, pieces in layout.written().items():
-        first = files.tensors[pieces[0].target]
+        first = whole(pieces[0].target)
         shape = layout.stored_shapes[stored]
         if len(pieces) == 1 and pieces[0].shape == tuple(shape) == tuple(first.shape):
-            yield stored, first.detach()
+            yield stored, first
             continue
         out = torch.empty(shape, dtype=first.dtype, device=first.device)
         for piece in pieces:
-            out[piece.stored_region(piece.region)] = files.tensors[piece.target].detach()[piece.region].reshape(
-                piece.shape)
+            out[piece.stored_region(piece.region)] = whole(piece.target)[piece.region].reshape(piece.shape)
         yield stored, out
 
 
