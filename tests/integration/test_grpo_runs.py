@@ -101,6 +101,19 @@ def test_sigterm_mid_epoch_saves_and_the_resume_ends_as_the_straight_run(
                                            ("loss", "grad_norm", "reward", "kl", "completions/mean_length"))
 
 
+def test_packed_completions_train_the_first_step_as_one_a_row(straight_run: Path, tmp_path: Path) -> None:
+    """grpo.pack_completions through the recipe: the first rollout is the same (same seed, same weights), and its
+    loss, KL and gradient norm are the unpacked run's within rounding (the packed rows are other shapes)."""
+    output_dir = tmp_path / "packed"
+    check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=1", "max_steps_per_epoch=1",
+                                                "grpo.pack_completions=true")))
+    (packed,), plain = read_metrics(output_dir), read_metrics(straight_run)[0]
+    assert (packed["reward"], packed["completions/mean_length"]) == (plain["reward"], plain["completions/mean_length"])
+    assert packed["kl"] == 0.0
+    for field in ("loss", "grad_norm", "entropy"):
+        assert packed[field] == pytest.approx(plain[field], rel=1e-5, abs=1e-7), field
+
+
 def test_lora_grpo_reference_is_the_base_and_saves_the_adapters(tmp_path: Path) -> None:
     output_dir = tmp_path / "lora"
     check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=1", recipe="lora_grpo")))

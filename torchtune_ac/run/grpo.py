@@ -119,7 +119,8 @@ class GRPOLoop(TrainingLoop):
         for micro_prompts, micro_completions, micro_cut in zip(prompts, completions, truncated):
             size = len(micro_prompts)
             batch = rollout_batch(micro_prompts, micro_completions, micro_cut, mine[offset:offset + size],
-                                  pad_id=tokenizer.pad_id, mask_truncated=settings.grpo.mask_truncated_completions)
+                                  pad_id=tokenizer.pad_id, mask_truncated=settings.grpo.mask_truncated_completions,
+                                  pack_to=self.run.cfg.max_seq_len if settings.grpo.pack_completions else None)
             batches.append(self.with_fixed_logps(move_batch(batch, ctx.device)))
             offset += size
         results = []
