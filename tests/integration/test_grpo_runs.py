@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,7 @@ def sigterm_once_argv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, output_di
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return [0.0] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "stopping_reward", raising=False)  # an earlier test's, with its own marker
     rewards = ("rewards=[{_component_:torchtune_ac.training.rewards.format_match,pattern:'\\d.*'},"
                "{_component_:torchtune_ac.training.rewards.math_answer},{_component_:stopping_reward.sigterm_once}]",
                "reward_weights=[0.5,1.0,0.0]")
@@ -234,7 +236,6 @@ def test_the_vllm_backend_is_refused_before_anything_is_written(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """With a vllm package importable (a stand-in here), a CPU run is refused by the set-up, before any weight
     loads: one line, exit 2, no output directory (the glue itself: tests/unit/generation/test_vllm_backend.py)."""
-    import sys
     import types
 
     monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
