@@ -1,14 +1,16 @@
 """``tune run grpo`` / ``lora_grpo`` on the embedded additions: the rollout's metrics and samples are logged, the KL
 to the reference is 0 on the first step, SIGTERM saves mid-epoch and the resume redraws the same completions (the
 sampler's seed is the step's), ending on the straight run's weights; a mixture of experts adds its load-balancing
-loss; the schedule counts optimizer steps; bad input is refused in one line before anything is written; a failing
-reward stops the run naming it."""
+loss; the schedule counts optimizer steps, and a resume mid-schedule with two iterations ends as the straight run;
+bad input (and the vLLM backend on a CPU) is refused in one line before anything is written; a failing reward stops
+the run naming it."""
 
 from __future__ import annotations
 
 import functools
 import json
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,11 +56,9 @@ def test_every_step_logs_the_rollout_and_samples_are_written(straight_run: Path)
     assert first["reward"] == pytest.approx(0.5 * first["rewards"]["format_match"] + first["rewards"]["math_answer"])
 
 
-def test_sigterm_mid_epoch_saves_and_the_resume_ends_as_the_straight_run(
-        straight_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """SIGTERM during the first step's scoring (a reward of weight 0 sends it, once): the step finishes, is saved
-    mid-epoch, exit 143; the resume redraws the remaining steps' completions and ends on the straight run's
-    weights."""
+def sigterm_once_argv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, output_dir: Path, *overrides: str
+                      ) -> list[str]:
+    """A run that sends itself SIGTERM during its first step's scoring (a reward of weight 0 sends it, once)."""
     marker = tmp_path / "send_sigterm"
     (tmp_path / "stopping_reward.py").write_text(
         "import os, signal\n"
@@ -69,23 +69,51 @@ def test_sigterm_mid_epoch_saves_and_the_resume_ends_as_the_straight_run(
         "        os.kill(os.getpid(), signal.SIGTERM)\n"
         "    return [0.0] * len(completions)\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "stopping_reward", raising=False)  # an earlier test's, with its own marker
     rewards = ("rewards=[{_component_:torchtune_ac.training.rewards.format_match,pattern:'\\d.*'},"
                "{_component_:torchtune_ac.training.rewards.math_answer},{_component_:stopping_reward.sigterm_once}]",
                "reward_weights=[0.5,1.0,0.0]")
-    output_dir = tmp_path / "stopped"
     marker.touch()
-    argv = grpo_argv(output_dir, "epochs=2", *rewards)
-    argv = [argv[0], "--allow-component", "stopping_reward", *argv[1:]]
+    argv = grpo_argv(output_dir, *overrides, *rewards)
+    return [argv[0], "--allow-component", "stopping_reward", *argv[1:]]
+
+
+def check_stopped_then_resumed_as_straight(argv: list[str], output_dir: Path, straight_run: Path,
+                                           fields: tuple[str, ...]) -> None:
+    """``argv`` stops after its first step with a checkpoint (exit 143); its resume ends as ``straight_run``:
+    the same records and final weights, bit-equal (one process replaying the same ops)."""
     stopped = run_tune_in_process(argv)
     assert stopped.returncode == 143 and "Traceback" not in stopped.stderr, stopped.stderr
     assert [r["step"] for r in read_metrics(output_dir)] == [1] and (output_dir / "step_0000001").is_dir()
     check_success(run_tune_in_process([*argv, "resume_from_checkpoint=true"]))
-    fields = ("loss", "grad_norm", "reward", "kl", "completions/mean_length")
     straight = [[r[f] for f in fields] for r in read_metrics(straight_run)]
     resumed = [[r[f] for f in fields] for r in read_metrics(output_dir)]
-    assert resumed == straight  # one process replaying the same ops: bit-equal
+    assert resumed == straight
     a, b = load_weights(final_checkpoint(straight_run)), load_weights(final_checkpoint(output_dir))
     assert all(torch.equal(a[name], b[name]) for name in a)
+
+
+def test_sigterm_mid_epoch_saves_and_the_resume_ends_as_the_straight_run(
+        straight_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGTERM during the first step's scoring: the step finishes, is saved mid-epoch, exit 143; the resume redraws
+    the remaining steps' completions and ends on the straight run's weights."""
+    output_dir = tmp_path / "stopped"
+    argv = sigterm_once_argv(tmp_path, monkeypatch, output_dir, "epochs=2")
+    check_stopped_then_resumed_as_straight(argv, output_dir, straight_run,
+                                           ("loss", "grad_norm", "reward", "kl", "completions/mean_length"))
+
+
+def test_packed_completions_train_the_first_step_as_one_a_row(straight_run: Path, tmp_path: Path) -> None:
+    """grpo.pack_completions through the recipe: the first rollout is the same (same seed, same weights), and its
+    loss, KL and gradient norm are the unpacked run's within rounding (the packed rows are other shapes)."""
+    output_dir = tmp_path / "packed"
+    check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=1", "max_steps_per_epoch=1",
+                                                "grpo.pack_completions=true")))
+    (packed,), plain = read_metrics(output_dir), read_metrics(straight_run)[0]
+    assert (packed["reward"], packed["completions/mean_length"]) == (plain["reward"], plain["completions/mean_length"])
+    assert packed["kl"] == 0.0
+    for field in ("loss", "grad_norm", "entropy"):
+        assert packed[field] == pytest.approx(plain[field], rel=1e-5, abs=1e-7), field
 
 
 def test_lora_grpo_reference_is_the_base_and_saves_the_adapters(tmp_path: Path) -> None:
@@ -123,6 +151,7 @@ def test_low_bit_state_trains_the_adapters_alone(optimizer: str, tmp_path: Path,
     ("grpo.epsilon=-0.1", "grpo.epsilon=-0.1: must be >= 0.0"),
     ("grpo.loss_type=foo", "grpo.loss_type='foo': expected one of grpo, bnpo, dr_grpo, dapo"),
     ("max_seq_len=4000", "past the model's 512 positions"),
+    ("generation.max_new_tokens=600", "generation.max_new_tokens=600: must be less than max_seq_len=16"),
     ("rewards=[{_component_:os.system}]", "rewards[0]._component_=os.system: not allowed"),
     ("rewards=[{_component_:torchtune_ac.training.rewards.nothing}]", "rewards[0]"),
 ])
@@ -174,11 +203,44 @@ def test_grpo_trains_a_mixture_of_experts_with_its_load_balancing_loss(tmp_path:
         assert [sum(layer) for layer in record["moe_expert_tokens"]] == [2 * record["tokens"]] * 3
 
 
-def test_the_schedule_steps_once_per_optimizer_step_as_trls(tmp_path: Path) -> None:
+# 2 rollouts of 2 iterations with a warm-up of 2 optimizer steps.
+SCHEDULED = ("epochs=1", "grpo.num_iterations=2", "optimizer.lr=3e-3",
+             "lr_scheduler={_component_:torchtune_ac.training.cosine_schedule_with_warmup,num_warmup_steps:2}")
+
+
+@pytest.fixture(scope="module")
+def scheduled_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    output_dir = tmp_path_factory.mktemp("grpo_lr") / "run"
+    check_success(run_tune_in_process(grpo_argv(output_dir, *SCHEDULED)))
+    return output_dir
+
+
+def test_the_schedule_steps_once_per_optimizer_step_as_trls(scheduled_run: Path) -> None:
     """2 rollouts of 2 iterations: 4 optimizer steps, the first 2 warming up (TRL counts both in optimizer steps).
     Each record's lr is its last optimizer step's: factors 2/3 (warm-up) and 1/2 (cosine, half way)."""
-    output_dir = tmp_path / "lr"
-    check_success(run_tune_in_process(grpo_argv(
-        output_dir, "epochs=1", "grpo.num_iterations=2", "optimizer.lr=3e-3",
-        "lr_scheduler={_component_:torchtune_ac.training.cosine_schedule_with_warmup,num_warmup_steps:2}")))
-    assert [r["lr"] for r in read_metrics(output_dir)] == pytest.approx([2e-3, 1.5e-3], rel=1e-6)
+    assert [r["lr"] for r in read_metrics(scheduled_run)] == pytest.approx([2e-3, 1.5e-3], rel=1e-6)
+
+
+def test_a_resume_mid_schedule_with_two_iterations_ends_as_the_straight_run(
+        scheduled_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopped after the first rollout (2 optimizer steps, the warm-up's), the resume continues the schedule and
+    the rollouts: the second step's lr, old log-probabilities' ratios and weights are the straight run's."""
+    output_dir = tmp_path / "stopped"
+    argv = sigterm_once_argv(tmp_path, monkeypatch, output_dir, *SCHEDULED)
+    check_stopped_then_resumed_as_straight(argv, output_dir, scheduled_run,
+                                           ("loss", "grad_norm", "lr", "reward", "clip_ratio_region", "entropy",
+                                            "completions/mean_length"))
+
+
+def test_the_vllm_backend_is_refused_before_anything_is_written(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a vllm package importable (a stand-in here), a CPU run is refused by the set-up, before any weight
+    loads: one line, exit 2, no output directory (the glue itself: tests/unit/generation/test_vllm_backend.py)."""
+    import types
+
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    result = run_tune_in_process(grpo_argv(tmp_path / "out", "generation.backend=vllm"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "generation.backend=vllm: needs a CUDA device (this run is on cpu); use native"), result.stderr
+    assert not (tmp_path / "out").exists()

@@ -1,13 +1,12 @@
 """Where rollouts are generated: the contract a generation backend meets, and the one built here.
 
 ``native`` decodes with the policy itself (``decode.generate``: the static KV cache, in the training process, on the
-weights being trained, so there is nothing to copy after an optimizer step). ``vllm`` is a name the config accepts
-and refuses: no vLLM engine is built in this codebase yet (colocated vLLM with weight syncing needs vLLM and a
-CUDA device, neither of which the tests here have), so the refusal says so before any weight loads."""
+weights being trained, so there is nothing to copy after an optimizer step). ``vllm`` is a vLLM engine colocated in
+the training process (``vllm_backend.py``), given the policy's weights after each step; refused before any weight
+loads where it cannot run."""
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
@@ -15,6 +14,7 @@ from torch import nn
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.generation.decode import Completions, SamplingConfig, generate
+from torchtune_ac.generation.vllm_backend import ModelFiles, VLLMBackend, VLLMSettings, check_vllm_serves, import_vllm
 
 BACKENDS = ("native", "vllm")
 
@@ -70,30 +70,46 @@ class NativeBackend:
                              "module")
 
 
-def check_generation_backend(name: str, device: Optional[torch.device] = None) -> None:
-    """Refuse a backend this process cannot build, in one line naming the key (before any weight loads); without
-    ``device`` (a config read before the run's device is known) the device is not checked.
+def check_generation_backend(name: str, device: Optional[torch.device] = None, *, model: Optional[nn.Module] = None,
+                             world_size: int = 1) -> None:
+    """Refuse a backend this process cannot build, in one line naming the key, before any weight loads. Without
+    ``device`` and ``model`` (a config read before the run's device and model are known) only the name and vLLM's
+    presence are checked.
 
     Raises:
-        UserError: ``name`` is unknown, or ``vllm`` (not installed, no CUDA, or not built here).
+        UserError: ``name`` is unknown; or ``vllm`` and vLLM is not installed, or (``check_vllm_serves``) the run is
+            not on CUDA, has several processes, or its model is not one vLLM serves.
     """
     if name not in BACKENDS:
         raise UserError(f"generation.backend={name!r}: must be one of {', '.join(BACKENDS)}")
-    if name == "vllm":
-        if importlib.util.find_spec("vllm") is None:
-            raise UserError("generation.backend=vllm: vLLM is not installed (pip install vllm); use native")
-        if device is not None and device.type != "cuda":
-            raise UserError(f"generation.backend=vllm: needs a CUDA device (this run is on {device.type}); use native")
-        raise UserError("generation.backend=vllm: colocated vLLM generation is not built in this version; use native")
+    if name != "vllm":
+        return
+    if import_vllm() is None:
+        raise UserError("generation.backend=vllm: vLLM is not installed (pip install vllm); use native")
+    if device is not None and device.type != "cuda":
+        raise UserError(f"generation.backend=vllm: needs a CUDA device (this run is on {device.type}); use native")
+    if device is not None and model is not None:
+        check_vllm_serves(model, device=device, world_size=world_size)
 
 
 def build_generation_backend(name: str, model: nn.Module, *, eos_ids: Sequence[int], pad_id: int,
-                             check_every: int = 8, compile_decode: bool = False) -> GenerationBackend:
+                             check_every: int = 8, compile_decode: bool = False,
+                             vllm: Optional[VLLMSettings] = None,
+                             model_files: Optional[ModelFiles] = None) -> GenerationBackend:
     """The backend ``name`` (``generation.backend``) over the policy ``model``.
+
+    Args:
+        vllm: the engine's settings (``vllm`` only; required there).
+        model_files: the policy's Hugging Face files for the engine (``vllm`` only; default ``hf_model_files``).
 
     Raises:
         UserError: as ``check_generation_backend``.
     """
     check_generation_backend(name, next(model.parameters()).device)
+    if name == "vllm":
+        if vllm is None:
+            raise ValueError("build_generation_backend: the vllm backend needs its settings (vllm=VLLMSettings(...))")
+        extra = {} if model_files is None else {"model_files": model_files}
+        return VLLMBackend(model, eos_ids=eos_ids, settings=vllm, **extra)
     return NativeBackend(model, eos_ids=eos_ids, pad_id=pad_id, check_every=check_every,
                          compile_decode=compile_decode)

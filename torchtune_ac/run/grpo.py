@@ -25,8 +25,11 @@ from torch import nn
 
 from torchtune_ac.data.batching import PROMPTS
 from torchtune_ac.errors import UserError
-from torchtune_ac.generation import SamplingConfig, build_generation_backend
+from torchtune_ac.generation import SamplingConfig, VLLMSettings, build_generation_backend
+from torchtune_ac.generation.backend import check_generation_backend
+from torchtune_ac.lora.export import merged_model_files
 from torchtune_ac.lora.mechanism import adapters_off
+from torchtune_ac.models import hf_model_files
 from torchtune_ac.models.families import family_of
 from torchtune_ac.run.assemble import build_reference
 from torchtune_ac.run.loop import Batch, TrainingLoop
@@ -74,8 +77,14 @@ class GRPOLoop(TrainingLoop):
         self.rollouts = rollouts
         # generation.backend (generation/backend.py): completions come from it, and it is given the policy's new
         # weights after each step's optimizer steps.
-        self.backend = build_generation_backend(rollouts.generation.backend.value, self.training.model,
-                                                eos_ids=[self.tokenizer.eos_id], pad_id=self.tokenizer.pad_id)
+        generation, cfg = rollouts.generation, self.run.cfg
+        self.backend = build_generation_backend(
+            generation.backend.value, self.training.model, eos_ids=[self.tokenizer.eos_id],
+            pad_id=self.tokenizer.pad_id,
+            vllm=VLLMSettings(cfg.max_seq_len, generation.vllm_gpu_memory_utilization,
+                              generation.vllm_enable_sleep_mode, cfg.seed),
+            # With adapters the engine serves the merged model (it has no adapters of its own).
+            model_files=merged_model_files if rollouts.reference_is_base else hf_model_files)
 
     def step(self, micro_batches: Sequence[Batch]) -> StepResult:
         started = time.perf_counter()
@@ -110,7 +119,8 @@ class GRPOLoop(TrainingLoop):
         for micro_prompts, micro_completions, micro_cut in zip(prompts, completions, truncated):
             size = len(micro_prompts)
             batch = rollout_batch(micro_prompts, micro_completions, micro_cut, mine[offset:offset + size],
-                                  pad_id=tokenizer.pad_id, mask_truncated=settings.grpo.mask_truncated_completions)
+                                  pad_id=tokenizer.pad_id, mask_truncated=settings.grpo.mask_truncated_completions,
+                                  pack_to=self.run.cfg.max_seq_len if settings.grpo.pack_completions else None)
             batches.append(self.with_fixed_logps(move_batch(batch, ctx.device)))
             offset += size
         results = []
@@ -250,6 +260,8 @@ def run_grpo(cfg: Any, *, reference_is_base: bool) -> None:
 
     def make_objective(parts: SetupParts) -> GRPOObjective:
         check_lengths(cfg, parts.model)
+        check_generation_backend(cfg.generation.backend.value, parts.run.ctx.device, model=parts.model,
+                                 world_size=parts.run.ctx.world_size)
         dataset = parts.data.loader.dataset
         rewards = build_rewards(cfg.rewards, cfg.reward_weights, columns=dataset.columns)
         if parts.run.ctx.is_rank_zero:

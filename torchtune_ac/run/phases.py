@@ -202,8 +202,8 @@ def restore(plan: RunPlan, ctx: DistributedContext, checkpoint: Path, training: 
     # The optimizer state comes from the checkpoint; its hyper-parameters and the schedule are this config's.
     load_checkpoint(checkpoint, model=training.model, optimizers=training.stepper.optimizers_to_checkpoint(),
                     processes=ctx)
-    if training.scheduler is not None:
-        resume_schedule(training.scheduler, progress.step)
+    if training.scheduler is not None:  # the schedule counts optimizer steps (GRPO takes several a step)
+        resume_schedule(training.scheduler, progress.step * length.optimizer_steps_per_step)
     log.info("resumed from %s at step %d", checkpoint, progress.step)
     changes = ([] if saved.hyperparameters is None
                else hyperparameter_changes(saved.hyperparameters, dict(plan.hyperparameters), checkpoint.name))
@@ -227,7 +227,7 @@ def uses_dropout(model: nn.Module) -> bool:
 
 
 def resume_schedule(scheduler: Any, step: int) -> None:
-    """Set every learning rate to what this run's schedule gives at ``step`` (the steps already taken).
+    """Set every learning rate to what this run's schedule gives at ``step`` (the optimizer steps already taken).
 
     A checkpoint holds no schedule: the scheduler was built from this run's config (its keys, the optimizer's
     ``lr`` as base rate, and the run's length, which may have changed since: ``epochs`` raised to train more,

@@ -102,6 +102,10 @@ class GRPOConfig:
     mask_truncated_completions: bool = config_key(
         False, doc="Completions that reached generation.max_new_tokens without an end-of-sequence token count for "
         "nothing in the loss (DAPO).")
+    pack_completions: bool = config_key(
+        False, doc="The log-probability and loss passes run over packed rows: each prompt with its completion whole, "
+        "as many as fit in max_seq_len tokens a row, each attending to itself only (the model's packed forward), "
+        "so short completions leave little padding. The same loss and gradients within rounding.")
 
     @property
     def resolved_epsilon_high(self) -> float:
@@ -220,10 +224,29 @@ def count_grpo_targets(mask: torch.Tensor, loss_type: GRPOLossType, max_new_toke
 def completion_logps(model: nn.Module, batch: Mapping[str, torch.Tensor], *, n_chunks: int, temperature: float,
                      entropy: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[b, s]`` float32: the log-probability of each of ``batch``'s labels at ``temperature``, 0 where ignored,
-    chunk by chunk (never the whole logits); ``entropy``, a ``[b, s]`` buffer, is filled where given."""
+    chunk by chunk (never the whole logits); ``entropy``, a ``[b, s]`` buffer, is filled where given. A batch with
+    packed rows (``rollout_batch(..., pack_to=...)``) runs the model over those, and the values are laid back in
+    its one-sequence-a-row layout."""
+    if "unpack_index" in batch:
+        return _packed_completion_logps(model, batch, n_chunks=n_chunks, temperature=temperature, entropy=entropy)
     head = ChunkedTokenLogProbs(batch["labels"], max(n_chunks, 1), temperature=temperature,
                                 n_targets=host_target_count(batch), entropy=entropy)
     return run_model(model, batch, head=head)
+
+
+def _packed_completion_logps(model: nn.Module, batch: Mapping[str, torch.Tensor], *, n_chunks: int,
+                             temperature: float, entropy: Optional[torch.Tensor]) -> torch.Tensor:
+    packed = {"tokens": batch["packed_tokens"], "labels": batch["packed_labels"],
+              "document_ids": batch["packed_document_ids"], "document_lengths": batch["document_lengths"],
+              "target_count": batch["target_count"]}
+    packed_entropy = None if entropy is None else torch.zeros(packed["labels"].shape, dtype=torch.float32,
+                                                               device=entropy.device)
+    logps = completion_logps(model, packed, n_chunks=n_chunks, temperature=temperature, entropy=packed_entropy)
+    index = batch["unpack_index"]  # [b, s]: each position's place in the packed rows, flattened; -1: padding
+    inside, where = index >= 0, index.clamp(min=0)
+    if entropy is not None:
+        entropy.copy_(packed_entropy.flatten()[where].masked_fill(~inside, 0.0))
+    return logps.flatten()[where].masked_fill(~inside, 0.0)
 
 
 @dataclass(frozen=True)

@@ -44,9 +44,16 @@ class GenerationConfig:
         exclusive_minimum=0.0, maximum=1.0)
     top_k: int = config_key(0, doc="Sample from the k likeliest tokens; 0: all.", minimum=0)
     backend: GenerationBackend = config_key(
-        GenerationBackend.NATIVE, doc="native: the policy itself with a static KV cache, batched. vllm: refused in "
-        "one line (colocated vLLM generation is not built in this version; without vLLM installed or a CUDA device "
-        "the refusal says so).")
+        GenerationBackend.NATIVE, doc="native: the policy itself with a static KV cache, batched. vllm: a vLLM engine "
+        "in the training process on its GPU, given the policy's weights after each step (one process, a CUDA device "
+        "and vLLM installed, else refused in one line; not yet run on a GPU here: docs/grpo.md).")
+    vllm_gpu_memory_utilization: float = config_key(
+        0.3, doc="generation.backend=vllm: the share of the GPU's memory the engine may take (weights and KV cache); "
+        "the policy, its optimizer state and the loss pass share the GPU with it.", exclusive_minimum=0.0,
+        maximum=1.0)
+    vllm_enable_sleep_mode: bool = config_key(
+        False, doc="generation.backend=vllm: the engine releases its weights and KV cache after each rollout (more "
+        "memory for the loss pass; the weights are handed over again at the next rollout).")
 
     def __post_init__(self) -> None:
         check_generation_backend(self.backend.value)
@@ -118,12 +125,17 @@ def build_rewards(components: Sequence[Any], weights: Optional[Sequence[float]],
 
 def rollout_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                   truncated: Sequence[bool], advantages: torch.Tensor, *, pad_id: int,
-                  mask_truncated: bool) -> dict[str, torch.Tensor]:
+                  mask_truncated: bool, pack_to: Optional[int] = None) -> dict[str, torch.Tensor]:
     """The loss pass's batch: one prompt and its completion per row, right-padded, with labels on the completion's
     tokens only (none on a truncated completion when ``mask_truncated``), and each row's advantage.
 
+    Args:
+        pack_to: also the same sequences packed, in order, into rows of this many tokens (``pack_completion_rows``),
+            which ``completion_logps`` runs the model over; None: not packed.
+
     Returns:
-        ``tokens``, ``labels`` ``[n, longest]``, ``advantages`` ``[n]``, and the host-side ``target_count``.
+        ``tokens``, ``labels`` ``[n, longest]``, ``advantages`` ``[n]``, and the host-side ``target_count``; packed,
+        also ``pack_completion_rows``' keys.
     """
     width = max(len(p) + len(c) for p, c in zip(prompts, completions))
     tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
@@ -133,8 +145,53 @@ def rollout_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequen
         if completion and not (mask_truncated and truncated[row]):
             # labels[i] is the token after tokens[i]: the completion's tokens follow the prompt's last one.
             labels[row, len(prompt) - 1:len(prompt) - 1 + len(completion)] = torch.tensor(completion)
-    return {"tokens": tokens, "labels": labels, "advantages": advantages.float(),
-            "target_count": (labels != IGNORE_INDEX).sum()}
+    batch = {"tokens": tokens, "labels": labels, "advantages": advantages.float(),
+             "target_count": (labels != IGNORE_INDEX).sum()}
+    if pack_to is not None:
+        batch.update(pack_completion_rows(tokens, labels, [len(p) + len(c) for p, c in zip(prompts, completions)],
+                                          pack_to=pack_to, pad_id=pad_id))
+    return batch
+
+
+def pack_completion_rows(tokens: torch.Tensor, labels: torch.Tensor, lengths: Sequence[int], *, pack_to: int,
+                         pad_id: int) -> dict[str, torch.Tensor]:
+    """The sequences of ``tokens`` / ``labels`` ``[n, s]`` (row i's first ``lengths[i]`` positions, labels already
+    shifted within each) packed whole, in order, into rows of ``pack_to`` tokens: a sequence that does not fit the
+    rest of a row starts the next. Document ids number the sequences of a row 0, 1, ... and its padding tail one
+    more (``data/packing.py``'s layout).
+
+    Returns:
+        ``packed_tokens``, ``packed_labels``, ``packed_document_ids`` ``[rows, pack_to]``; the host-side
+        ``document_lengths`` (each row's documents and padding tail, row after row); ``unpack_index`` ``[n, s]``:
+        where each position of ``tokens`` is in the packed rows flattened, -1 past its sequence.
+    """
+    places, row, used = [], 0, 0  # (row, offset) of each sequence
+    for length in lengths:
+        if length > pack_to:
+            raise ValueError(f"pack_completion_rows: a sequence of {length} tokens does not fit rows of {pack_to}")
+        if used + length > pack_to:
+            row, used = row + 1, 0
+        places.append((row, used))
+        used += length
+    rows = row + 1
+    packed_tokens = torch.full((rows, pack_to), pad_id, dtype=torch.long)
+    packed_labels = torch.full((rows, pack_to), IGNORE_INDEX, dtype=torch.long)
+    document_ids = torch.zeros((rows, pack_to), dtype=torch.long)
+    unpack_index = torch.full(tokens.shape, -1, dtype=torch.long)
+    documents: list[list[int]] = [[] for _ in range(rows)]
+    for i, ((r, at), length) in enumerate(zip(places, lengths)):
+        packed_tokens[r, at:at + length] = tokens[i, :length]
+        packed_labels[r, at:at + length] = labels[i, :length]
+        document_ids[r, at:at + length] = len(documents[r])
+        unpack_index[i, :length] = torch.arange(r * pack_to + at, r * pack_to + at + length)
+        documents[r].append(length)
+    for r, docs in enumerate(documents):
+        tail = pack_to - sum(docs)
+        if tail:
+            document_ids[r, pack_to - tail:] = len(docs)
+            docs.append(tail)
+    return {"packed_tokens": packed_tokens, "packed_labels": packed_labels, "packed_document_ids": document_ids,
+            "document_lengths": torch.tensor([n for docs in documents for n in docs]), "unpack_index": unpack_index}
 
 
 def completion_texts(decode: Callable[..., str], completions: Sequence[Sequence[int]],

@@ -21,7 +21,7 @@ from torchtune_ac.models.families.llama import FAMILY as LLAMA
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.training.grpo import GRPOConfig, GRPOLossType, GRPOObjective, completion_logps, group_advantages
-from torchtune_ac.training.rollouts import rollout_batch
+from torchtune_ac.training.rollouts import pack_completion_rows, rollout_batch
 from torchtune_ac.training.step import train_step
 
 ARGS = TINY
@@ -159,3 +159,22 @@ def test_the_step_in_backward_trains_given_rollouts_as_the_step_after_it():
         assert (a.loss, a.extra) == (b.loss, b.extra)
         assert_close(b.grad_norm, a.grad_norm, terms=n, what="gradient norm")
     assert all(torch.equal(inside_weights[name], w) for name, w in after_weights.items())
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("loss_type, level", [(GRPOLossType.DAPO, "token"), (GRPOLossType.GRPO, "sequence")])
+def test_packed_completions_give_the_loss_and_gradients_of_one_a_row(given, loss_type, level):
+    """``grpo.pack_completions``: the 8 sequences (3 to 10 tokens) in 3 rows of 24, each attending to itself
+    only; the loss, metrics and gradients equal one sequence a row's within rounding (other shapes, other sums)."""
+    batch, _ = given
+    config = dataclasses.replace(grpo_config(loss_type), importance_sampling_level=level)
+    lengths = [len(PROMPTS[i // 2]) + len(c) for i, c in enumerate(COMPLETIONS)]
+    packed = {**batch, **pack_completion_rows(batch["tokens"], batch["labels"], lengths, pack_to=24, pad_id=0)}
+    assert packed["packed_tokens"].shape == (3, 24) and packed["document_lengths"].sum() == 3 * 24
+    plain, plain_grads = loss_and_gradients(build_model(Case(), ALONE).model, batch, config)
+    parts, grads = loss_and_gradients(build_model(Case(), ALONE).model, packed, config)
+    terms = llama_terms(ARGS, 24, 3 * 24)
+    assert_close(parts.loss, plain.loss, terms=terms, magnitude=(1 + float(REWARDS.abs().max())) * 10, what="loss")
+    assert_close(parts.metrics, plain.metrics, terms=terms, magnitude=10.0, what="metrics")
+    for name, grad in plain_grads.items():
+        assert_close(grads[name], grad, terms=terms, magnitude=float(grad.abs().max()) + 1e-3, what=name)
