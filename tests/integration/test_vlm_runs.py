@@ -3,7 +3,8 @@ coloured-shapes task): the loss falls; the export loads in transformers with our
 both towers, one process's batches without an image, the loss in chunks) train as 1 with the whole loss; a resume is
 exact; a frozen tower keeps its weights. Refused in one line, exit 2, before any weight loads, nothing written: a
 text-only model given images, an image that does not open, more or fewer image placeholders than images, an image
-over the processor's pixel limit, a checkpoint whose vision_config is not the model's tower."""
+over the processor's pixel limit (by tune validate too), a checkpoint whose vision_config is not the model's
+tower."""
 
 from __future__ import annotations
 
@@ -156,8 +157,13 @@ def test_a_bad_image_record_is_refused_in_one_line_before_loading(name, tmp_path
     data = tmp_path / "train.jsonl"
     data.write_text(json.dumps({"images": ["ok.png"], "messages": _question(1)}) + "\n" + json.dumps(record) + "\n")
     output_dir = tmp_path / "out"
+    expected = f"{data}:2: " + message.format(folder=tmp_path)
     result = run_tune_in_process(_argv(output_dir, f"dataset.source={data}"))
-    _assert_refused_in_one_line(result, output_dir, f"{data}:2: " + message.format(folder=tmp_path))
+    _assert_refused_in_one_line(result, output_dir, expected)
+    # and tune validate reads the records as the run does (the checkpoint's processor is in the cache by now)
+    validate = run_tune_in_process(["validate", "--config", "tiny/vlm", f"dataset.source={data}",
+                                    f"output_dir={output_dir}"])
+    _assert_refused_in_one_line(validate, output_dir, expected)
 
 
 def test_a_checkpoint_whose_tower_is_not_the_models_is_refused_before_loading(tmp_path):

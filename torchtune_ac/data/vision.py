@@ -22,10 +22,12 @@ multimodal RoPE's included, restart at each document) and concatenate their docu
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.utils.data import Dataset
@@ -35,7 +37,7 @@ from torchtune_ac.data.collate import collate_batch
 from torchtune_ac.data.embedded import EMBEDDED_VLM_TRAIN_PATH
 from torchtune_ac.data.records import Record
 from torchtune_ac.data.samples import IGNORE_INDEX, PackingReport, count_of
-from torchtune_ac.data.datasets import Sources
+from torchtune_ac.data.datasets import Sources, register_preparer
 from torchtune_ac.data.sources import load_records, source_files
 from torchtune_ac.data.tokenizer import Tokenizer
 from torchtune_ac.errors import UnavailableError, UserError
@@ -259,8 +261,15 @@ class VisionDataset(Dataset):
         return self.samples[index]
 
 
+def images_folder(source: str | list[str]) -> Path:
+    """The folder image paths are relative to: a file source's folder (the first source's), or the folder itself."""
+    first = Path(source[0] if isinstance(source, list) else source).expanduser()
+    return first.parent if first.is_file() else first
+
+
 def build_vision_dataset(source: str | list[str], processor: Any, *, max_seq_len: int, resize_images: bool = False,
-                         drop_long_samples: bool = True, packed: bool = False, split: str = "train") -> VisionDataset:
+                         drop_long_samples: bool = True, packed: bool = False, split: str = "train",
+                         records: Optional[list[Record]] = None) -> VisionDataset:
     """Read, check and process every record, before any weight loads.
 
     Args:
@@ -270,14 +279,16 @@ def build_vision_dataset(source: str | list[str], processor: Any, *, max_seq_len
         resize_images: Let the processor scale down images over its pixel limit (else they are refused).
         drop_long_samples: Drop samples longer than ``max_seq_len`` with a count (else refuse the first).
         packed: Pack samples into rows of ``max_seq_len`` tokens, each sample a document.
+        split: Split of a folder or Hub dataset.
+        records: ``source``'s records when they are read already (``load_records(source, split=split)``).
 
     Raises:
         UserError: a bad record (see ``prepare_messages``), a sample that cannot fit without
             ``drop_long_samples``, or no sample left.
     """
-    records = load_records(source)
+    records = load_records(source, split=split) if records is None else records
     first = source[0] if isinstance(source, list) else source
-    base_dir = Path(first).expanduser().parent if Path(first).expanduser().is_file() else Path(first).expanduser()
+    base_dir = images_folder(source)
     samples, untrained, too_long = [], 0, 0
     for record in records:
         sample = process_vision_record(record, processor, base_dir=base_dir, resize_images=resize_images)
@@ -416,13 +427,47 @@ def vision_dataset(
     Raises:
         UserError: as ``build_vision_dataset``, or ``max_seq_len`` unset.
     """
+    return prepare_vision_dataset(tokenizer, source=source, processor=processor, max_seq_len=max_seq_len,
+                                  packed=packed, resize_images=resize_images, drop_long_samples=drop_long_samples,
+                                  split=split).build()
+
+
+@dataclass(frozen=True)
+class PreparedVisionDataset:
+    """``vision_dataset``'s records read and its processor loaded, no image opened yet: what ``tune validate``
+    checks (``datasets.check_dataset_records``: ``build()`` up to its record limit, else ``encode`` on a sample)."""
+
+    source: str
+    records: list[Record]
+    encode: Callable[[Record], Optional[dict[str, Any]]]
+    build: Callable[[], VisionDataset]
+
+
+def prepare_vision_dataset(tokenizer: Tokenizer, *, source: Sources = EMBEDDED_VLM_TRAIN_PATH,
+                           processor: Optional[str] = None, max_seq_len: Optional[int] = None, packed: bool = False,
+                           resize_images: bool = False, drop_long_samples: bool = True,
+                           split: str = "train") -> PreparedVisionDataset:
+    """``vision_dataset`` up to its records (the same arguments).
+
+    Raises:
+        UserError: ``max_seq_len`` unset, no processor, or a source that cannot be read.
+    """
     max_seq_len = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
     if max_seq_len is None:
         raise UserError("vision_dataset: set max_seq_len (an image-text sample is never truncated)")
-    folder = processor if processor is not None else str(Path(tokenizer.path).parent)
-    dataset = build_vision_dataset(source, load_vision_processor(folder), max_seq_len=max_seq_len,
-                                   resize_images=resize_images, drop_long_samples=drop_long_samples, packed=packed,
-                                   split=split)
-    dataset.source = source if isinstance(source, str) else ", ".join(source)
-    dataset.source_files = source_files(source, split)
-    return dataset
+    loaded = load_vision_processor(processor if processor is not None else str(Path(tokenizer.path).parent))
+    records = load_records(source, split=split)
+    name = source if isinstance(source, str) else ", ".join(source)
+
+    def build() -> VisionDataset:
+        dataset = build_vision_dataset(source, loaded, max_seq_len=max_seq_len, resize_images=resize_images,
+                                       drop_long_samples=drop_long_samples, packed=packed, split=split,
+                                       records=records)
+        dataset.source, dataset.source_files = name, source_files(source, split)
+        return dataset
+
+    return PreparedVisionDataset(name, records, functools.partial(
+        process_vision_record, processor=loaded, base_dir=images_folder(source), resize_images=resize_images), build)
+
+
+register_preparer(vision_dataset, prepare_vision_dataset)
