@@ -434,13 +434,14 @@ def vision_dataset(
 
 @dataclass(frozen=True)
 class PreparedVisionDataset:
-    """``vision_dataset``'s records read and its processor loaded, no image opened yet: what ``tune validate``
-    checks (``datasets.check_dataset_records``: ``build()`` up to its record limit, else ``encode`` on a sample)."""
+    """An image dataset's records read and its processor loaded, no image opened yet (``vision_dataset``'s, or
+    ``vision_preference_dataset``'s): what ``tune validate`` checks (``datasets.check_dataset_records``: ``build()``
+    up to its record limit, else ``encode`` on a sample of the records)."""
 
     source: str
     records: list[Record]
     encode: Callable[[Record], Optional[dict[str, Any]]]
-    build: Callable[[], VisionDataset]
+    build: Callable[[], Dataset]
 
 
 def prepare_vision_dataset(tokenizer: Tokenizer, *, source: Sources = EMBEDDED_VLM_TRAIN_PATH,

@@ -20,13 +20,14 @@ its images (``drop_long_samples: false`` refuses it instead). Pairs are not pack
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
 from torchtune_ac.component_marker import config_component
-from torchtune_ac.data.datasets import Sources
+from torchtune_ac.data.datasets import Sources, register_preparer
 from torchtune_ac.data.embedded import EMBEDDED_VLM_PREFERENCE_PATH
 from torchtune_ac.data.preference import (
     ANSWERS,
@@ -39,7 +40,8 @@ from torchtune_ac.data.records import Record
 from torchtune_ac.data.samples import count_of
 from torchtune_ac.data.sources import load_records, source_files
 from torchtune_ac.data.tokenizer import Tokenizer
-from torchtune_ac.data.vision import load_vision_processor, max_pixels_of, prepare_messages
+from torchtune_ac.data.vision import (
+    PreparedVisionDataset, images_folder, load_vision_processor, max_pixels_of, prepare_messages)
 from torchtune_ac.errors import UserError
 
 # The processor's outputs a pair rebuilds (the tokens) or does not keep (per-token lists).
@@ -129,15 +131,17 @@ def process_vision_pair(record: Record, processor: Any, *, base_dir: Path, resiz
 
 def build_vision_preference_dataset(source: str | list[str], processor: Any, *, max_seq_len: int,
                                     resize_images: bool = False, drop_long_samples: bool = True,
-                                    split: str = "train") -> VisionPreferenceDataset:
-    """Read, check and process every pair, before any weight loads (see the module docstring).
+                                    split: str = "train", records: Optional[list[Record]] = None
+                                    ) -> VisionPreferenceDataset:
+    """Read, check and process every pair, before any weight loads (see the module docstring); ``records``:
+    ``source``'s, when they are read already.
 
     Raises:
         UserError: a bad record, a pair over ``max_seq_len`` without ``drop_long_samples``, or no pair left.
     """
-    records = load_records(source, split=split)
+    records = load_records(source, split=split) if records is None else records
     first = source[0] if isinstance(source, list) else source
-    base_dir = Path(first).expanduser().parent if Path(first).expanduser().is_file() else Path(first).expanduser()
+    base_dir = images_folder(source)
     dataset, too_long = VisionPreferenceDataset(), 0
     for record in records:
         sample = process_vision_pair(record, processor, base_dir=base_dir, resize_images=resize_images)
@@ -198,13 +202,35 @@ def vision_preference_dataset(
     Raises:
         UserError: as ``build_vision_preference_dataset``, or ``max_seq_len`` unset.
     """
+    return prepare_vision_preference_dataset(tokenizer, source=source, processor=processor, max_seq_len=max_seq_len,
+                                             resize_images=resize_images, drop_long_samples=drop_long_samples,
+                                             split=split).build()
+
+
+def prepare_vision_preference_dataset(tokenizer: Tokenizer, *, source: Sources = EMBEDDED_VLM_PREFERENCE_PATH,
+                                      processor: Optional[str] = None, max_seq_len: Optional[int] = None,
+                                      resize_images: bool = False, drop_long_samples: bool = True,
+                                      split: str = "train") -> PreparedVisionDataset:
+    """``vision_preference_dataset`` up to its records (the same arguments): what ``tune validate`` checks.
+
+    Raises:
+        UserError: ``max_seq_len`` unset, no processor, or a source that cannot be read.
+    """
     max_seq_len = max_seq_len if max_seq_len is not None else tokenizer.max_seq_len
     if max_seq_len is None:
         raise UserError("vision_preference_dataset: set max_seq_len (a pair with images is never truncated)")
-    folder = processor if processor is not None else str(Path(tokenizer.path).parent)
-    dataset = build_vision_preference_dataset(source, load_vision_processor(folder), max_seq_len=max_seq_len,
-                                              resize_images=resize_images, drop_long_samples=drop_long_samples,
-                                              split=split)
-    dataset.source = source if isinstance(source, str) else ", ".join(source)
-    dataset.source_files = source_files(source, split)
-    return dataset
+    loaded = load_vision_processor(processor if processor is not None else str(Path(tokenizer.path).parent))
+    records = load_records(source, split=split)
+    name = source if isinstance(source, str) else ", ".join(source)
+
+    def build() -> VisionPreferenceDataset:
+        dataset = build_vision_preference_dataset(source, loaded, max_seq_len=max_seq_len, resize_images=resize_images,
+                                                  drop_long_samples=drop_long_samples, split=split, records=records)
+        dataset.source, dataset.source_files = name, source_files(source, split)
+        return dataset
+
+    return PreparedVisionDataset(name, records, functools.partial(
+        process_vision_pair, processor=loaded, base_dir=images_folder(source), resize_images=resize_images), build)
+
+
+register_preparer(vision_preference_dataset, prepare_vision_preference_dataset)
