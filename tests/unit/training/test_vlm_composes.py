@@ -1,7 +1,8 @@
 """A vision-language model composes with the memory features as a text model does, on the tiny Qwen2.5-VL
 (``tiny/vlm``'s model) assembled by the run's own order (``parallel_testlib.build_model``) and given image-text
 batches: every AC mode over both towers gives the loss and gradients of none, the optimizer step in backward trains
-as the step after it (a frozen tower too), torchao's 8-bit AdamW trains with state for the trained parameters
+as the step after it (a frozen tower too), AC on Qwen3-VL's towers (its DeepStack features cross them) gives
+the loss and gradients of none, torchao's 8-bit AdamW trains with state for the trained parameters
 only, and HSDP (2 replicas x 2 shards on 4 gloo ranks, both towers sharded) trains as one process; FSDP2 on 2
 gloo ranks (one rank's rows without an image) trains the tiny Qwen3-VL and Gemma 3 as one process. (FSDP2 on 2
 processes, the chunked loss, freezing and resume run through ``tune run`` in tests/integration/test_vlm_runs.py.)"""
@@ -102,7 +103,7 @@ def image_batch(step: int, first: int = 0, count: int = len(ROWS), *, case: Case
 def loss_and_gradients(case: Case) -> tuple[torch.Tensor, dict[str, torch.Tensor], list[int]]:
     """One forward and backward: the loss, the gradients, and which blocks (tower's first) are checkpointed."""
     model = build_model(case, ALONE).model
-    loss = case.memory().objective()(model, image_batch(0))  # the summed cross-entropy
+    loss = case.memory().objective()(model, image_batch(0, case=case))  # the summed cross-entropy
     loss.backward()
     checkpointed = [i for i, block in enumerate(transformer_blocks(model)) if is_checkpointed(block)]
     return loss.detach(), {name: p.grad for name, p in model.named_parameters()}, checkpointed
@@ -140,6 +141,25 @@ def test_every_ac_mode_on_both_towers_gives_the_loss_and_gradients_of_none_bit_f
     assert none == []
     assert torch.equal(loss, plain_loss)
     assert plain_grads["visual.blocks.0.attn.qkv.weight"].any()  # the tower's blocks train (and recompute)
+    for name, grad in plain_grads.items():
+        assert torch.equal(grads[name], grad), name
+
+
+@pytest.fixture(scope="module")
+def qwen3_vl_plain():
+    return loss_and_gradients(Case(model="qwen3_vl_tiny"))
+
+
+@pytest.mark.parametrize("ac_mode, ac_option, blocks", [("full", None, [0, 1, 2, 3, 4, 5]),
+                                                        ("selective", 2, [1, 3, 5])], ids=["full", "every_2nd"])
+def test_ac_on_qwen3_vl_s_towers_gives_the_loss_and_gradients_of_none_bit_for_bit(qwen3_vl_plain, ac_mode, ac_option,
+                                                                                   blocks):
+    # Its DeepStack features leave tower blocks 0 and 1 and join decoder layers 0 and 1: checkpointed on both sides.
+    plain_loss, plain_grads, none = qwen3_vl_plain
+    loss, grads, checkpointed = loss_and_gradients(Case(model="qwen3_vl_tiny", ac_mode=ac_mode, ac_option=ac_option))
+    assert (none, checkpointed) == ([], blocks)  # the tower's 3 blocks, then the decoder's 3
+    assert torch.equal(loss, plain_loss)
+    assert plain_grads["visual.deepstack_merger_list.0.linear_fc1.weight"].any()
     for name, grad in plain_grads.items():
         assert torch.equal(grads[name], grad), name
 
