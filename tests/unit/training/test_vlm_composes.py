@@ -241,8 +241,11 @@ def test_fsdp2_on_2_processes_trains_qwen3_vl_and_gemma3_as_one_process(tmp_path
     """One spawn of 2 gloo ranks trains both tiny models in turn (Qwen2.5-VL's 2 processes run through tune run)."""
     out = tmp_path / "fsdp.pt"
     run_on_gloo_ranks(train_other_families_on_fsdp_ranks, str(out), store_dir=tmp_path, world_size=2)
-    for case, (two, two_weights) in zip(OTHER_CASES, torch.load(out, weights_only=False)):
+    trained = torch.load(out, weights_only=False)
+    assert len(trained) == len(OTHER_CASES)
+    for case, (two, two_weights) in zip(OTHER_CASES, trained):
         one, one_weights, _ = train(case, clip=1.0, rows=ROWS_RANK_1_WITHOUT_IMAGES)
+        assert len(two) == STEPS
         terms = 2 * llama_terms(case.args, LENGTH, len(ROWS) * LENGTH)  # both towers, as the HSDP test's
         assert_steps_alike([loss for loss, _ in two], [r.loss for r in one], terms=terms, what=f"{case.model} loss")
         assert_steps_alike([norm for _, norm in two], [r.grad_norm for r in one], terms=terms,
