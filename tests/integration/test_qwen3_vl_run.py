@@ -2,7 +2,7 @@
 swapped for ``qwen3_vl_tiny`` and a Qwen3-VL processor made offline from the embedded one (16-pixel patches, as
 Qwen3-VL's; the embedded processor's are Qwen2.5-VL's 14). The loss falls; the export loads in transformers'
 ``Qwen3VLForConditionalGeneration`` with our logits, its processor beside it; the Qwen2.5-VL processor is refused
-before anything is written."""
+before anything is written (by tune validate too)."""
 
 from __future__ import annotations
 
@@ -86,10 +86,10 @@ def test_the_export_loads_in_transformers_with_our_logits(tiny_run):
 
 def test_the_qwen2_5_vl_processor_is_refused_before_anything_is_written(tmp_path):
     # the embedded processor's 14-pixel patches for a tower of 16-pixel ones, from scratch (no checkpoint to refuse)
-    result = run_tune_in_process(["run", "full_finetune", "--config", "tiny/vlm",
-                                  "model._component_=torchtune_ac.models.qwen3_vl_tiny", "checkpoint_dir=null",
-                                  "tokenizer.path=${embedded_vlm_checkpoint:}", f"output_dir={tmp_path / 'out'}"])
-    assert result.returncode == 2, result.stderr
-    assert ("dataset: the processor's patches hold 1176 values, the model's vision tower takes 1536 (in_channels=3 x "
-            "temporal_patch_size=2 x patch_size=16^2)") in result.stderr
+    argv = ["full_finetune", "--config", "tiny/vlm", "model._component_=torchtune_ac.models.qwen3_vl_tiny",
+            "checkpoint_dir=null", "tokenizer.path=${embedded_vlm_checkpoint:}", f"output_dir={tmp_path / 'out'}"]
+    for result in (run_tune_in_process(["run", *argv]), run_tune_in_process(["validate", *argv[1:]])):  # validate too
+        assert result.returncode == 2, result.stderr
+        assert ("dataset: the processor's patches hold 1176 values, the model's vision tower takes 1536 (in_channels=3 "
+                "x temporal_patch_size=2 x patch_size=16^2)") in result.stderr
     assert not (tmp_path / "out").exists()

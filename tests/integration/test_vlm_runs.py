@@ -1,7 +1,10 @@
 """Vision-language fine-tuning through the real CLI on ``tiny/vlm`` (a tiny random Qwen2.5-VL, the embedded
 coloured-shapes task): the loss falls; the export loads in transformers with our logits; 2 processes (FSDP2 over
 both towers, one process's batches without an image, the loss in chunks) train as 1 with the whole loss; a resume is
-exact; a frozen tower keeps its weights; a text-only model given images is refused before any weight loads."""
+exact; a frozen tower keeps its weights. Refused in one line, exit 2, before any weight loads, nothing written: a
+text-only model given images, an image that does not open, more or fewer image placeholders than images, an image
+over the processor's pixel limit (by tune validate too), a checkpoint whose vision_config is not the model's
+tower."""
 
 from __future__ import annotations
 
@@ -12,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from finetune_runs import check_success, final_checkpoint, load_weights, run_tune_in_process, run_tune_subprocess
+from PIL import Image
 from numerics import assert_close, assert_steps_alike, assert_weights_trained_alike, llama_terms
 from transformers import Qwen2_5_VLForConditionalGeneration
 
-from torchtune_ac.data.embedded import EMBEDDED_VLM_DIR
+from torchtune_ac.data.embedded import EMBEDDED_VLM_DIR, EMBEDDED_VLM_MAX_PIXELS
 from torchtune_ac.data.vision import load_vision_processor
 from torchtune_ac.embedded import ensure_embedded_vlm_checkpoint
 from torchtune_ac.models import load_hf
@@ -116,6 +120,62 @@ def test_a_text_only_model_given_images_is_refused_before_loading(tmp_path):
     assert result.returncode == 2, result.stderr
     assert "dataset: its samples hold images, but the model (qwen2) is text-only" in result.stderr
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("step_*"))
+
+
+def _assert_refused_in_one_line(result, output_dir: Path, message: str) -> None:
+    """Exit 2, the one line of ``message`` and no traceback, and nothing in ``output_dir``."""
+    lines = [line for line in result.stderr.splitlines() if line.startswith("tune: error:")]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert message in lines[0] and "Traceback" not in result.stderr, result.stderr[-2000:]
+    assert not output_dir.exists()
+
+
+def _question(images: int) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": "Colour?"}]},
+            {"role": "assistant", "content": [{"type": "text", "text": "red"}]}]
+
+
+BAD_RECORDS = {
+    "an_image_that_does_not_open": ({"images": ["broken.png"], "messages": _question(1)},
+                                    "image {folder}/broken.png does not open"),
+    "more_placeholders_than_images": ({"images": ["ok.png"], "messages": _question(2)},
+                                      "2 image placeholders but 1 image;"),
+    "fewer_placeholders_than_images": ({"images": ["ok.png", "ok.png"], "messages": _question(1)},
+                                       "1 image placeholder but 2 images;"),
+    "an_image_over_the_processors_limit": ({"images": ["big.png"], "messages": _question(1)},
+                                           f"image big.png is 200x200 = 40,000 pixels, over the processor's limit of "
+                                           f"{EMBEDDED_VLM_MAX_PIXELS:,} (max_pixels); set resize_images: true"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_RECORDS)
+def test_a_bad_image_record_is_refused_in_one_line_before_loading(name, tmp_path):
+    (tmp_path / "broken.png").write_bytes(b"not a png")
+    Image.new("RGB", (56, 56)).save(tmp_path / "ok.png")
+    Image.new("RGB", (200, 200)).save(tmp_path / "big.png")
+    record, message = BAD_RECORDS[name]
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"images": ["ok.png"], "messages": _question(1)}) + "\n" + json.dumps(record) + "\n")
+    output_dir = tmp_path / "out"
+    expected = f"{data}:2: " + message.format(folder=tmp_path)
+    result = run_tune_in_process(_argv(output_dir, f"dataset.source={data}"))
+    _assert_refused_in_one_line(result, output_dir, expected)
+    # and tune validate reads the records as the run does (the checkpoint's processor is in the cache by now)
+    validate = run_tune_in_process(["validate", "--config", "tiny/vlm", f"dataset.source={data}",
+                                    f"output_dir={output_dir}"])
+    _assert_refused_in_one_line(validate, output_dir, expected)
+
+
+def test_a_checkpoint_whose_tower_is_not_the_models_is_refused_before_loading(tmp_path):
+    checkpoint = tmp_path / "checkpoint"
+    shutil.copytree(ensure_embedded_vlm_checkpoint(), checkpoint)
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["vision_config"]["depth"] += 1
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    output_dir = tmp_path / "out"
+    result = run_tune_in_process(_argv(output_dir, f"checkpoint_dir={checkpoint}"))
+    _assert_refused_in_one_line(result, output_dir, f"{checkpoint}/config.json: describes a different model than "
+                                                    "`model`: vision_config.depth=3, model has 2")
 
 
 def test_a_frozen_tower_keeps_its_weights_and_the_rest_trains(tmp_path):

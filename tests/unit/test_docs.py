@@ -264,9 +264,23 @@ def check_shell_script(argv: list[str]) -> None:
         assert re.search(re.escape(flag.split("=")[0]) + r"(?![\w-])", text), f"{argv[0]}: does not read {flag}"
 
 
+def check_hf_command(argv: list[str]) -> None:
+    """huggingface_hub's ``hf`` (installed beside this Python): the subcommand exists and takes each flag shown."""
+    import subprocess
+
+    hf = Path(sys.executable).parent / "hf"
+    assert hf.is_file(), f"{hf}: huggingface_hub's hf command is not installed"
+    shown = subprocess.run([str(hf), argv[1], "--help"], capture_output=True, text=True, check=False)
+    assert shown.returncode == 0, f"hf {argv[1]}: not an hf subcommand:\n{shown.stderr[-1000:]}"
+    for flag in (arg for arg in argv[2:] if arg.startswith("--")):
+        assert re.search(re.escape(flag.split("=")[0]) + r"(?![\w-])", shown.stdout), f"hf {argv[1]}: no {flag}"
+
+
 def check_command(argv: list[str], made: dict[str, Optional[str]], monkeypatch) -> None:
     if argv[0] == "tune":
         check_tune_command(argv, made)
+    elif argv[0] == "hf":
+        check_hf_command(argv)
     elif argv[0].startswith("./scripts/"):
         check_shell_script(argv)
     elif re.fullmatch(r"(\S*/)?python3?", argv[0]) and argv[1:2] and argv[1].startswith("scripts/"):
@@ -563,7 +577,8 @@ def test_the_queries_a_page_shows_run(page, tmp_path, monkeypatch, capsys):
 
 
 def test_the_queries_are_found():
-    assert [page.name for page in QUERIES] == ["README.md", "lora.md", "preference-tuning.md", "usage.md", "vision.md"]
+    assert [page.name for page in QUERIES] == ["README.md", "lora.md", "models.md", "preference-tuning.md", "usage.md",
+                                               "vision.md"]
     assert [argv[1] for _, argv in queries(REPO / "README.md")] == ["ls", "validate", "cp", "plan"]
     # usage.md's tune plan is memory.md's, run with its output
     assert [argv[1] for _, argv in queries(REPO / "docs" / "usage.md")] == ["ls", "cp", "validate"]

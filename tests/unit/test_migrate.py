@@ -723,4 +723,6 @@ def test_llama_vision_is_refused_in_one_line_naming_its_configs(builder):
     assert message.startswith(f"model._component_={builder}: Llama 3.2 Vision (cross-attention; torchtune's "
                               "llama3_2_vision/11B_full, llama3_2_vision/11B_full_single_device, "
                               "llama3_2_vision/90B_full) has no equivalent here")
-    assert "qwen2_5_vl/7B_full" in message and "\n" not in message
+    assert message.endswith("vision-language models here are Qwen2.5-VL, Qwen3-VL and Gemma 3: tune cp "
+                            "qwen2_5_vl/7B_full my.yaml, or qwen3_vl/8B_full, gemma3/4B_vision_full (docs/vision.md)")
+    assert "\n" not in message

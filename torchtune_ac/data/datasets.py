@@ -538,7 +538,8 @@ def register_preparer(builder: Callable[..., Any], prepare: Callable[..., Any]) 
 
 
 def check_dataset_records(builder: Callable[..., Any], tokenizer: Tokenizer, arguments: Mapping[str, Any],
-                          max_seq_len: Optional[int]) -> Optional[tuple[str, Optional[str], Optional[int]]]:
+                          max_seq_len: Optional[int], check_first: Optional[Callable[[Mapping[str, Any]], None]] = None
+                          ) -> Optional[tuple[str, Optional[str], Optional[int]]]:
     """``tune validate``'s look at the data: every record read and parsed, and encoded, all of them up to
     :data:`CHECKED_RECORDS`, else an evenly spaced sample of that many (said so).
 
@@ -547,6 +548,8 @@ def check_dataset_records(builder: Callable[..., Any], tokenizer: Tokenizer, arg
         tokenizer: the run's tokenizer.
         arguments: the component's arguments from the config.
         max_seq_len: the run's ``max_seq_len`` (the recipe passes it to the builder).
+        check_first: called on the first sample made (as a run checks its first sample against the model), where
+            the builder makes samples as mappings.
 
     Returns:
         ``(summary, report, samples)``: what was checked, what building the samples would cut or drop (None when
@@ -566,11 +569,17 @@ def check_dataset_records(builder: Callable[..., Any], tokenizer: Tokenizer, arg
     total = len(prepared.records)
     if total <= CHECKED_RECORDS:
         dataset = prepared.build()
+        if check_first is not None and len(dataset):
+            check_first(dataset[0])
         return f"{prepared.source}: {count_of(total, 'record')} read and encoded, {describe_samples(dataset)}", \
             dataset.report, len(dataset)
     step = total / CHECKED_RECORDS
+    first = None
     for index in range(CHECKED_RECORDS):
-        prepared.encode(prepared.records[int(index * step)])
+        encoded = prepared.encode(prepared.records[int(index * step)])
+        first = encoded if first is None and isinstance(encoded, Mapping) else first
+    if check_first is not None and first is not None:
+        check_first(first)
     return (f"{prepared.source}: {count_of(total, 'record')} read; an evenly spaced sample of {CHECKED_RECORDS:,} "
             "encoded (the run encodes them all)"), None, None
 

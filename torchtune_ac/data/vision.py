@@ -22,8 +22,10 @@ multimodal RoPE's included, restart at each document) and concatenate their docu
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
@@ -35,7 +37,7 @@ from torchtune_ac.data.collate import collate_batch
 from torchtune_ac.data.embedded import EMBEDDED_VLM_TRAIN_PATH
 from torchtune_ac.data.records import Record
 from torchtune_ac.data.samples import IGNORE_INDEX, PackingReport, count_of
-from torchtune_ac.data.datasets import Sources
+from torchtune_ac.data.datasets import Sources, register_preparer
 from torchtune_ac.data.sources import load_records, source_files
 from torchtune_ac.data.tokenizer import Tokenizer
 from torchtune_ac.errors import UnavailableError, UserError
@@ -259,14 +261,22 @@ class VisionDataset(Dataset):
         return self.samples[index]
 
 
+def images_folder(source: str | list[str]) -> Path:
+    """The folder image paths are relative to: a file source's folder (the first source's), or the folder itself."""
+    first = Path(source[0] if isinstance(source, list) else source).expanduser()
+    return first.parent if first.is_file() else first
+
+
 def process_records(source: str | list[str], process: Callable[[Record, Path], Optional[dict[str, Any]]], *,
                     length: Callable[[dict[str, Any]], int], max_seq_len: int, drop_long_samples: bool, split: str,
-                    unit: str, sample: str, counted: str, cut: str) -> tuple[list[dict[str, Any]], Optional[str]]:
+                    unit: str, sample: str, counted: str, cut: str, records: Optional[list[Record]] = None
+                    ) -> tuple[list[dict[str, Any]], Optional[str]]:
     """Every record of ``source`` processed in order, before any weight loads; image paths are relative to a file
     source's folder.
 
     Args:
         process: ``(record, base_dir) -> sample``; None: a record with no assistant turn, dropped with a count.
+        records: ``source``'s records when they are read already (``load_records(source, split=split)``).
         length: a sample's length in tokens; one over ``max_seq_len`` is dropped with a count, or refused.
         unit, sample, counted, cut: the messages' words: what a record is (``pair``), what a sample is, what its
             length counts, and what truncation would cut besides an image.
@@ -277,9 +287,9 @@ def process_records(source: str | list[str], process: Callable[[Record, Path], O
     Raises:
         UserError: a sample over ``max_seq_len`` without ``drop_long_samples``, or no sample left.
     """
-    records = load_records(source, split=split)
+    records = load_records(source, split=split) if records is None else records
     first = source[0] if isinstance(source, list) else source
-    base_dir = Path(first).expanduser().parent if Path(first).expanduser().is_file() else Path(first).expanduser()
+    base_dir = images_folder(source)
     samples, untrained, too_long = [], 0, 0
     for record in records:
         processed = process(record, base_dir)
@@ -306,7 +316,8 @@ def process_records(source: str | list[str], process: Callable[[Record, Path], O
 
 
 def build_vision_dataset(source: str | list[str], processor: Any, *, max_seq_len: int, resize_images: bool = False,
-                         drop_long_samples: bool = True, packed: bool = False, split: str = "train") -> VisionDataset:
+                         drop_long_samples: bool = True, packed: bool = False, split: str = "train",
+                         records: Optional[list[Record]] = None) -> VisionDataset:
     """Read, check and process every record, before any weight loads.
 
     Args:
@@ -316,6 +327,8 @@ def build_vision_dataset(source: str | list[str], processor: Any, *, max_seq_len
         resize_images: Let the processor scale down images over its pixel limit (else they are refused).
         drop_long_samples: Drop samples longer than ``max_seq_len`` with a count (else refuse the first).
         packed: Pack samples into rows of ``max_seq_len`` tokens, each sample a document.
+        split: Split of a folder or Hub dataset.
+        records: ``source``'s records when they are read already (``load_records(source, split=split)``).
 
     Raises:
         UserError: a bad record (see ``prepare_messages``), a sample that cannot fit without
@@ -325,7 +338,8 @@ def build_vision_dataset(source: str | list[str], processor: Any, *, max_seq_len
         source, lambda record, base_dir: process_vision_record(record, processor, base_dir=base_dir,
                                                                resize_images=resize_images),
         length=lambda sample: len(sample["tokens"]), max_seq_len=max_seq_len, drop_long_samples=drop_long_samples,
-        split=split, unit="record", sample="sample", counted="image tokens included", cut="the answer")
+        split=split, unit="record", sample="sample", counted="image tokens included", cut="the answer",
+        records=records)
     if not packed:
         return VisionDataset(samples, report=report)
     pad_id = processor.tokenizer.pad_token_id
@@ -441,11 +455,43 @@ def vision_dataset(
     Raises:
         UserError: as ``build_vision_dataset``, or ``max_seq_len`` unset.
     """
+    return prepare_vision_dataset(tokenizer, source=source, processor=processor, max_seq_len=max_seq_len,
+                                  packed=packed, resize_images=resize_images, drop_long_samples=drop_long_samples,
+                                  split=split).build()
+
+
+@dataclass(frozen=True)
+class PreparedVisionDataset:
+    """An image dataset's records read and its processor loaded, no image opened yet (``vision_dataset``'s, or
+    ``vision_preference_dataset``'s): what ``tune validate`` checks (``datasets.check_dataset_records``: ``build()``
+    up to its record limit, else ``encode`` on a sample of the records)."""
+
+    source: str
+    records: list[Record]
+    encode: Callable[[Record], Optional[dict[str, Any]]]
+    build: Callable[[], Dataset]
+
+
+def prepare_vision_dataset(tokenizer: Tokenizer, *, source: Sources = EMBEDDED_VLM_TRAIN_PATH,
+                           processor: Optional[str] = None, max_seq_len: Optional[int] = None, packed: bool = False,
+                           resize_images: bool = False, drop_long_samples: bool = True,
+                           split: str = "train") -> PreparedVisionDataset:
+    """``vision_dataset`` up to its records (the same arguments).
+
+    Raises:
+        UserError: ``max_seq_len`` unset, no processor, or a source that cannot be read.
+    """
     max_seq_len, loaded = processor_and_length(
         tokenizer, processor, max_seq_len, "vision_dataset: set max_seq_len (an image-text sample is never truncated)")
-    dataset = build_vision_dataset(source, loaded, max_seq_len=max_seq_len, resize_images=resize_images,
-                                   drop_long_samples=drop_long_samples, packed=packed, split=split)
-    return with_source(dataset, source, split)
+    records = load_records(source, split=split)
+
+    def build() -> VisionDataset:
+        return with_source(build_vision_dataset(source, loaded, max_seq_len=max_seq_len, resize_images=resize_images,
+                                                drop_long_samples=drop_long_samples, packed=packed, split=split,
+                                                records=records), source, split)
+
+    return PreparedVisionDataset(source if isinstance(source, str) else ", ".join(source), records, functools.partial(
+        process_vision_record, processor=loaded, base_dir=images_folder(source), resize_images=resize_images), build)
 
 
 def processor_and_length(tokenizer: Tokenizer, processor: Optional[str], max_seq_len: Optional[int],
@@ -468,3 +514,6 @@ def with_source(dataset: Any, source: Sources, split: str) -> Any:
     dataset.source = source if isinstance(source, str) else ", ".join(source)
     dataset.source_files = source_files(source, split)
     return dataset
+
+
+register_preparer(vision_dataset, prepare_vision_dataset)

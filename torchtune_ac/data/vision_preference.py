@@ -20,13 +20,14 @@ its images (``drop_long_samples: false`` refuses it instead). Pairs are not pack
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 
 from torchtune_ac.component_marker import config_component
-from torchtune_ac.data.datasets import Sources
+from torchtune_ac.data.datasets import Sources, register_preparer
 from torchtune_ac.data.embedded import EMBEDDED_VLM_PREFERENCE_PATH
 from torchtune_ac.data.preference import (
     ANSWERS,
@@ -36,9 +37,10 @@ from torchtune_ac.data.preference import (
     pair_sample,
 )
 from torchtune_ac.data.records import Record
+from torchtune_ac.data.sources import load_records
 from torchtune_ac.data.tokenizer import Tokenizer
-from torchtune_ac.data.vision import (max_pixels_of, prepare_messages, process_records, processor_and_length,
-                                     with_source)
+from torchtune_ac.data.vision import (PreparedVisionDataset, images_folder, max_pixels_of, prepare_messages,
+                                     process_records, processor_and_length, with_source)
 from torchtune_ac.errors import UserError
 
 # The processor's outputs a pair rebuilds (the tokens) or does not keep (per-token lists).
@@ -128,8 +130,10 @@ def process_vision_pair(record: Record, processor: Any, *, base_dir: Path, resiz
 
 def build_vision_preference_dataset(source: str | list[str], processor: Any, *, max_seq_len: int,
                                     resize_images: bool = False, drop_long_samples: bool = True,
-                                    split: str = "train") -> VisionPreferenceDataset:
-    """Read, check and process every pair, before any weight loads (see the module docstring).
+                                    split: str = "train", records: Optional[list[Record]] = None
+                                    ) -> VisionPreferenceDataset:
+    """Read, check and process every pair, before any weight loads (see the module docstring); ``records``:
+    ``source``'s, when they are read already.
 
     Raises:
         UserError: a bad record, a pair over ``max_seq_len`` without ``drop_long_samples``, or no pair left.
@@ -139,7 +143,7 @@ def build_vision_preference_dataset(source: str | list[str], processor: Any, *, 
                                                              resize_images=resize_images),
         length=lambda sample: max(len(sample[f"{name}_tokens"]) for name in ANSWERS), max_seq_len=max_seq_len,
         drop_long_samples=drop_long_samples, split=split, unit="pair", sample="pair",
-        counted="prompt, image tokens and the longer answer", cut="an answer")
+        counted="prompt, image tokens and the longer answer", cut="an answer", records=records)
     dataset = VisionPreferenceDataset()
     for sample in samples:
         dataset.append(sample)
@@ -186,9 +190,32 @@ def vision_preference_dataset(
     Raises:
         UserError: as ``build_vision_preference_dataset``, or ``max_seq_len`` unset.
     """
+    return prepare_vision_preference_dataset(tokenizer, source=source, processor=processor, max_seq_len=max_seq_len,
+                                             resize_images=resize_images, drop_long_samples=drop_long_samples,
+                                             split=split).build()
+
+
+def prepare_vision_preference_dataset(tokenizer: Tokenizer, *, source: Sources = EMBEDDED_VLM_PREFERENCE_PATH,
+                                      processor: Optional[str] = None, max_seq_len: Optional[int] = None,
+                                      resize_images: bool = False, drop_long_samples: bool = True,
+                                      split: str = "train") -> PreparedVisionDataset:
+    """``vision_preference_dataset`` up to its records (the same arguments): what ``tune validate`` checks.
+
+    Raises:
+        UserError: ``max_seq_len`` unset, no processor, or a source that cannot be read.
+    """
     max_seq_len, loaded = processor_and_length(
         tokenizer, processor, max_seq_len,
         "vision_preference_dataset: set max_seq_len (a pair with images is never truncated)")
-    dataset = build_vision_preference_dataset(source, loaded, max_seq_len=max_seq_len, resize_images=resize_images,
-                                              drop_long_samples=drop_long_samples, split=split)
-    return with_source(dataset, source, split)
+    records = load_records(source, split=split)
+
+    def build() -> VisionPreferenceDataset:
+        return with_source(build_vision_preference_dataset(
+            source, loaded, max_seq_len=max_seq_len, resize_images=resize_images, drop_long_samples=drop_long_samples,
+            split=split, records=records), source, split)
+
+    return PreparedVisionDataset(source if isinstance(source, str) else ", ".join(source), records, functools.partial(
+        process_vision_pair, processor=loaded, base_dir=images_folder(source), resize_images=resize_images), build)
+
+
+register_preparer(vision_preference_dataset, prepare_vision_preference_dataset)

@@ -43,6 +43,7 @@ from torchtune_ac.data.hf_sources import describe_hub_source
 from torchtune_ac.data.sources import TEXT_SUFFIXES, check_folder_formats, is_hub_name
 from torchtune_ac.errors import UnavailableError, UserError
 from torchtune_ac.models import check_checkpoint_matches, check_checkpoint_tensors
+from torchtune_ac.models.vision.checks import check_model_takes_images
 from torchtune_ac.observability.metrics import METRICS_FILE
 from torchtune_ac.run.messages import naming_dataset_val
 from torchtune_ac.run.plan import RunConfig, RunPlan
@@ -224,7 +225,8 @@ def check_run(cfg: RunConfig, plan: Optional[RunPlan], model: Optional[nn.Module
                 soft(lambda dataset=dataset: _check_sources_exist(dataset))
     if not strict and found.tokenizer is not None:  # tune validate reads the data; a run reads it once, to train
         for dataset in (cfg.dataset, cfg.dataset_val):
-            checked = None if dataset is None else _check_data(cfg, dataset, found.tokenizer, soft)
+            checked = None if dataset is None else _check_data(cfg, dataset, found.tokenizer, soft,
+                                                               model if dataset is cfg.dataset else None)
             if checked is not None:
                 summary, data_report, samples = checked
                 found.data.append((dataset.key, summary))
@@ -263,10 +265,11 @@ def _check_sources_exist(dataset: Component) -> None:
             raise naming_dataset_val(missing) if dataset.key == "dataset_val" else missing
 
 
-def _check_data(cfg: RunConfig, dataset: Component, tokenizer: Any,
-                soft: Callable[[Callable[[], Any]], Any]) -> Optional[tuple[str, Optional[str], Optional[int]]]:
-    """``tune validate``'s look at ``dataset``'s records (``check_dataset_records``): a summary line, what
-    building the samples would cut or drop, and how many samples they make; None when there is nothing to read here (a Hub dataset, which is not
+def _check_data(cfg: RunConfig, dataset: Component, tokenizer: Any, soft: Callable[[Callable[[], Any]], Any],
+                model: Optional[nn.Module] = None) -> Optional[tuple[str, Optional[str], Optional[int]]]:
+    """``tune validate``'s look at ``dataset``'s records (``check_dataset_records``; the first sample's images
+    against ``model``'s tower, as the run checks them): a summary line, what building the samples would cut or
+    drop, and how many samples they make; None when there is nothing to read here (a Hub dataset, which is not
     downloaded to validate; a data file of another machine, which ``soft`` turns into a warning)."""
     source = dataset.kwargs.get("source")
     sources = source if isinstance(source, list) else [source]
@@ -274,7 +277,9 @@ def _check_data(cfg: RunConfig, dataset: Component, tokenizer: Any,
         return None
     def check() -> Optional[tuple[str, Optional[str], Optional[int]]]:
         try:
-            return check_dataset_records(dataset.target(), tokenizer, dataset.kwargs, cfg.max_seq_len)
+            return check_dataset_records(
+                dataset.target(), tokenizer, dataset.kwargs, cfg.max_seq_len,
+                None if model is None else lambda sample: check_model_takes_images(model, sample, dataset.key))
         except UserError as err:
             raise naming_dataset_val(err) if dataset.key == "dataset_val" else err from None
 

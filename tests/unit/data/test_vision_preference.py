@@ -83,3 +83,20 @@ def test_a_pair_that_cannot_fit_is_dropped_with_a_count_or_refused(processor):
                                         drop_long_samples=False)
     with pytest.raises(UserError, match="no pair left to train on .*48 of 48 pairs are longer"):
         build_vision_preference_dataset(EMBEDDED_VLM_PREFERENCE_PATH, processor, max_seq_len=8)
+
+
+def test_tune_validate_reads_every_pair_as_the_run_does(tmp_path):
+    from torchtune_ac.data import load_tokenizer
+    from torchtune_ac.data.datasets import check_dataset_records
+    from torchtune_ac.data.vision_preference import vision_preference_dataset
+
+    tokenizer = load_tokenizer(EMBEDDED_VLM_PROCESSOR_DIR)
+    summary, report, samples = check_dataset_records(vision_preference_dataset, tokenizer, {}, 64)
+    assert summary == f"{EMBEDDED_VLM_PREFERENCE_PATH}: 48 records read and encoded, 48 samples"
+    assert (report, samples) == (None, 48)
+    lines = Path(EMBEDDED_VLM_PREFERENCE_PATH).read_text().splitlines()
+    (tmp_path / "images").symlink_to(Path(EMBEDDED_VLM_PREFERENCE_PATH).parent / "images")
+    bad = tmp_path / "pairs.jsonl"
+    bad.write_text(lines[0] + "\n" + lines[1].replace('"prompt"', '"question"') + "\n")
+    with pytest.raises(UserError, match=f"^{bad}:2: no 'prompt' column"):
+        check_dataset_records(vision_preference_dataset, tokenizer, {"source": str(bad)}, 64)

@@ -400,7 +400,8 @@ class _Migrator:
         if isinstance(path, str) and path.startswith(LLAMA_VISION_PACKAGE):
             raise UserError(f"model._component_={path}: Llama 3.2 Vision (cross-attention; torchtune's "
                             f"{', '.join(LLAMA_VISION_CONFIGS)}) has no equivalent here; vision-language models here "
-                            "are Qwen2.5-VL: tune cp qwen2_5_vl/7B_full my.yaml (docs/vision.md)")
+                            "are Qwen2.5-VL, Qwen3-VL and Gemma 3: tune cp qwen2_5_vl/7B_full my.yaml, or "
+                            "qwen3_vl/8B_full, gemma3/4B_vision_full (docs/vision.md)")
         if self.adapter:
             # lora_llama3_1_8b, qlora_qwen2_5_7b: the full model's builder, and its LoRA arguments as the adapter.
             package, name = path.rsplit(".", 1)
