@@ -598,7 +598,7 @@ class _Migrator:
             self.dropped(f"{key}.packed", "preference pairs are not packed")
         if name == "stack_exchange_paired_dataset" and node["source"] == "lvwerra/stack-exchange-paired":
             self.changed(f"{key}.source", "torchtune read only the Hub dataset's data/rl folder; here the source is "
-                         "read whole: download data/rl (huggingface-cli download --repo-type dataset "
+                         "read whole: download data/rl (hf download --repo-type dataset "
                          "lvwerra/stack-exchange-paired --include 'data/rl/*') and point source at it")
 
     def dataset_source(self, key: str, args: dict[str, Any]) -> str:
