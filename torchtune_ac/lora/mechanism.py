@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.lora.config import AdapterConfig, AdapterKind, QuantizeBase
@@ -89,34 +90,44 @@ class LoRALinear(torch.autograd.Function):
 
     Written by hand because no library fuses it for a CPU or a plain GPU: the unfused path makes three more passes over
     the ``[tokens, out]`` output in forward (``B (A x)``, its scaling, the sum) and one over ``[tokens, in]`` in
-    backward (the two input gradients' sum), and autograd computes ``dB`` as ``g^T (A x)``, a product of a transposed
-    ``[out, tokens]`` operand with a rank-wide one that CPU kernels run several times slower than ``((A x)^T g)^T``.
-    Here the update is added by ``addmm`` (one pass, the scale its ``alpha``), the input gradients are summed in place
-    by ``addmm_``, and ``dB`` is ``((A x)^T g)^T``. ``W``'s gradient is never formed. Saved: ``x`` and ``A x``, as the
-    unfused path saves them; per-op AC's policy sees the same matrix multiplies (``mm`` for the base and for ``A x``,
-    kept; ``addmm`` for the widening update, recomputed)."""
+    backward (the two input gradients' sum). Here the update is added by ``addmm`` (in place in eager, the scale its
+    ``alpha``), the input gradients are summed in place by ``addmm_``, and ``W``'s gradient is never formed. Every
+    rank-wide product is written with the rank first: ``A x^T``, ``B^T g^T``, ``(A x^T) g``. CPU kernels run
+    ``x A^T`` (a ``[tokens, r]`` result) and ``g^T (A x)`` (a transposed ``[out, tokens]`` operand) several times
+    slower than those, for the same numbers. Saved: ``x`` and ``A x^T``, as the unfused path saves ``x`` and ``A x``;
+    per-op AC's policy sees the same matrix multiplies (``mm`` for the base and for ``A x^T``, kept; ``addmm`` for
+    the widening update, recomputed)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scale):  # noqa: D102 - the class docstring
         rows = x.reshape(-1, x.shape[-1])
         base = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
-        low = torch.mm(rows, lora_a.t())  # [tokens, r]
-        out = torch.addmm(base, low, lora_b.t(), alpha=scale)
-        ctx.save_for_backward(x, weight, lora_a, lora_b, low)
+        low_t = torch.mm(lora_a, rows.t())  # [r, tokens]: A x^T, not x A^T (a rank-wide product, see the docstring)
+        out = _add_update(base, low_t.t(), lora_b, scale)
+        ctx.save_for_backward(x, weight, lora_a, lora_b, low_t)
         ctx.scale = scale
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        x, weight, lora_a, lora_b, low = ctx.saved_tensors
+        x, weight, lora_a, lora_b, low_t = ctx.saved_tensors
         rows, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        grad_low = torch.mm(grad, lora_b).mul_(ctx.scale)  # [tokens, r]
-        grad_a = torch.mm(grad_low.t(), rows) if ctx.needs_input_grad[3] else None
-        grad_b = torch.mm(low.t(), grad).mul_(ctx.scale).t().contiguous() if ctx.needs_input_grad[4] else None
+        grad_low_t = torch.mm(lora_b.t(), grad.t()).mul_(ctx.scale)  # [r, tokens]
+        grad_a = torch.mm(grad_low_t, rows) if ctx.needs_input_grad[3] else None
+        grad_b = torch.mm(low_t, grad).mul_(ctx.scale).t().contiguous() if ctx.needs_input_grad[4] else None
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(grad, weight).addmm_(grad_low, lora_a).view(x.shape)
+            grad_x = torch.mm(grad, weight).addmm_(grad_low_t.t(), lora_a).view(x.shape)
         return grad_x, None, None, grad_a, grad_b, None
+
+
+def _add_update(base: torch.Tensor, low: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``base + scale * low B^T``: in place in ``base`` (a fresh product nothing else holds) in eager, where an
+    out-of-place ``addmm`` would first copy the ``[tokens, out]`` base; out of place under a dispatch mode (per-op
+    AC's keeps ``base``, a matmul's output, and refuses it mutated) and when compiling (the graph as before)."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return torch.addmm(base, low, lora_b.t(), alpha=scale)
+    return base.addmm_(low, lora_b.t(), alpha=scale)
 
 
 class AdaptedOutput(AdaptedLinear):
