@@ -18,6 +18,7 @@ from typing import Iterator, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from torchtune_ac.errors import UserError
 from torchtune_ac.lora.config import AdapterConfig, AdapterKind, QuantizeBase
@@ -72,6 +73,21 @@ class AdaptedLinear(nn.Linear):
                                     self.lora_scale)
         return self.adapted(x, self.base_forward(x))
 
+    def forward_shared(self, x: torch.Tensor, linears: tuple[nn.Module, ...]) -> Optional[tuple[torch.Tensor, ...]]:
+        """Each of ``linears`` (this one first) on their shared input ``x``, in one ``LoRAGroup``: the models'
+        ``project`` asks. None where one of them is not fused alone (``_fusable``), runs hooks a direct call would
+        skip (FSDP2's or tensor parallelism's on the linear itself), or when compiling (the graph stays the
+        per-linear one): the caller then calls each."""
+        if torch.compiler.is_compiling() or _global_hooks():
+            return None
+        tensors: list[Optional[torch.Tensor]] = []
+        for linear in linears:
+            if not (isinstance(linear, AdaptedLinear) and linear.adapters_enabled and linear.lora_magnitude is None
+                    and _fusable(linear, x) and not _has_hooks(linear)):
+                return None
+            tensors += (linear.weight, linear.bias, linear.lora_a.weight, linear.lora_b.weight)
+        return LoRAGroup.apply(x, tuple(linear.lora_scale for linear in linears), *tensors)
+
 
 def _fusable(linear: AdaptedLinear, x: torch.Tensor) -> bool:
     """Whether ``LoRALinear`` computes ``linear``'s LoRA forward: a dense frozen base (not NF4) of ``x``'s dtype and
@@ -89,34 +105,109 @@ class LoRALinear(torch.autograd.Function):
 
     Written by hand because no library fuses it for a CPU or a plain GPU: the unfused path makes three more passes over
     the ``[tokens, out]`` output in forward (``B (A x)``, its scaling, the sum) and one over ``[tokens, in]`` in
-    backward (the two input gradients' sum), and autograd computes ``dB`` as ``g^T (A x)``, a product of a transposed
-    ``[out, tokens]`` operand with a rank-wide one that CPU kernels run several times slower than ``((A x)^T g)^T``.
-    Here the update is added by ``addmm`` (one pass, the scale its ``alpha``), the input gradients are summed in place
-    by ``addmm_``, and ``dB`` is ``((A x)^T g)^T``. ``W``'s gradient is never formed. Saved: ``x`` and ``A x``, as the
-    unfused path saves them; per-op AC's policy sees the same matrix multiplies (``mm`` for the base and for ``A x``,
-    kept; ``addmm`` for the widening update, recomputed)."""
+    backward (the two input gradients' sum). Here the update is added by ``addmm`` (in place in eager, the scale its
+    ``alpha``), the input gradients are summed in place by ``addmm_``, and ``W``'s gradient is never formed. Every
+    rank-wide product is written with the rank first: ``A x^T``, ``B^T g^T``, ``(A x^T) g``. CPU kernels run
+    ``x A^T`` (a ``[tokens, r]`` result) and ``g^T (A x)`` (a transposed ``[out, tokens]`` operand) several times
+    slower than those, for the same numbers. Saved: ``x`` and ``A x^T``, as the unfused path saves ``x`` and ``A x``;
+    per-op AC's policy sees the same matrix multiplies (``mm`` for the base and for ``A x^T``, kept; ``addmm`` for
+    the widening update, recomputed)."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, lora_a, lora_b, scale):  # noqa: D102 - the class docstring
         rows = x.reshape(-1, x.shape[-1])
         base = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
-        low = torch.mm(rows, lora_a.t())  # [tokens, r]
-        out = torch.addmm(base, low, lora_b.t(), alpha=scale)
-        ctx.save_for_backward(x, weight, lora_a, lora_b, low)
+        low_t = torch.mm(lora_a, rows.t())  # [r, tokens]: A x^T, not x A^T (a rank-wide product, see the docstring)
+        out = _add_update(base, low_t.t(), lora_b, scale)
+        ctx.save_for_backward(x, weight, lora_a, lora_b, low_t)
         ctx.scale = scale
         return out.view(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx, grad):  # noqa: D102
-        x, weight, lora_a, lora_b, low = ctx.saved_tensors
+        x, weight, lora_a, lora_b, low_t = ctx.saved_tensors
         rows, grad = x.reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
-        grad_low = torch.mm(grad, lora_b).mul_(ctx.scale)  # [tokens, r]
-        grad_a = torch.mm(grad_low.t(), rows) if ctx.needs_input_grad[3] else None
-        grad_b = torch.mm(low.t(), grad).mul_(ctx.scale).t().contiguous() if ctx.needs_input_grad[4] else None
+        grad_low_t = torch.mm(lora_b.t(), grad.t()).mul_(ctx.scale)  # [r, tokens]
+        grad_a = torch.mm(grad_low_t, rows) if ctx.needs_input_grad[3] else None
+        grad_b = torch.mm(low_t, grad).mul_(ctx.scale).t().contiguous() if ctx.needs_input_grad[4] else None
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = torch.mm(grad, weight).addmm_(grad_low, lora_a).view(x.shape)
+            grad_x = torch.mm(grad, weight).addmm_(grad_low_t.t(), lora_a).view(x.shape)
         return grad_x, None, None, grad_a, grad_b, None
+
+
+def _add_update(base: torch.Tensor, low: torch.Tensor, lora_b: torch.Tensor, scale: float) -> torch.Tensor:
+    """``base + scale * low B^T``: in place in ``base`` (a fresh product nothing else holds) in eager, where an
+    out-of-place ``addmm`` would first copy the ``[tokens, out]`` base; out of place under a dispatch mode (per-op
+    AC's keeps ``base``, a matmul's output, and refuses it mutated) and when compiling (the graph as before)."""
+    if torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None:
+        return torch.addmm(base, low, lora_b.t(), alpha=scale)
+    return base.addmm_(low, lora_b.t(), alpha=scale)
+
+
+def _has_hooks(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or module._compiled_call_impl is not None)
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module
+
+    return bool(module._global_forward_hooks or module._global_forward_pre_hooks or module._global_backward_hooks
+                or module._global_backward_pre_hooks)
+
+
+class LoRAGroup(torch.autograd.Function):
+    """``LoRALinear`` for several linears of one input (attention's q, k and v; the MLP's gate and up): their A's
+    stacked read ``x`` once in forward (``[A_1; A_2; ...] x^T``) and once for all their gradients in backward, and
+    the input's gradient is summed in place, the bases' ``g_i W_i`` and every adapter's in one ``addmm_``. The
+    parameters are each linear's own, stacked in forward (``torch.cat`` of ``[r, in]`` matrices): their names,
+    state_dict, sharding and optimizer state are the single linears'.
+
+    Called as ``apply(x, scales, *tensors)``: ``tensors`` are each linear's ``weight, bias, lora_a, lora_b``.
+    Returns each linear's output."""
+
+    @staticmethod
+    def forward(ctx, x, scales, *tensors):  # noqa: D102 - the class docstring
+        weights, biases, lora_as, lora_bs = tensors[0::4], tensors[1::4], tensors[2::4], tensors[3::4]
+        rows = x.reshape(-1, x.shape[-1])
+        stacked_a = torch.cat(lora_as)  # [sum r, in]
+        low_t = torch.mm(stacked_a, rows.t())  # [sum r, tokens]
+        ranks = [a.shape[0] for a in lora_as]
+        outs = []
+        for weight, bias, lora_b, scale, low in zip(weights, biases, lora_bs, scales, low_t.split(ranks)):
+            base = torch.mm(rows, weight.t()) if bias is None else torch.addmm(bias, rows, weight.t())
+            out = _add_update(base, low.t(), lora_b, scale)
+            outs.append(out.view(*x.shape[:-1], out.shape[-1]))
+        ctx.save_for_backward(x, stacked_a, low_t, *weights, *lora_bs)
+        ctx.scales, ctx.ranks = scales, ranks
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):  # noqa: D102
+        x, stacked_a, low_t, *rest = ctx.saved_tensors
+        count = len(ctx.scales)
+        weights, lora_bs = rest[:count], rest[count:]
+        rows = x.reshape(-1, x.shape[-1])
+        grads = [grad.reshape(-1, grad.shape[-1]) for grad in grads]
+        grad_low_t = torch.cat([torch.mm(lora_b.t(), grad.t()).mul_(scale)  # [r, tokens] each
+                                for lora_b, grad, scale in zip(lora_bs, grads, ctx.scales)])
+        needs = ctx.needs_input_grad[2:]
+        grad_as = [None] * count
+        if any(needs[2::4]):
+            grad_as = list(torch.mm(grad_low_t, rows).split(ctx.ranks))  # [sum r, in], split by linear
+        grad_bs = [torch.mm(low, grad).mul_(scale).t().contiguous() if need else None
+                   for low, grad, scale, need in zip(low_t.split(ctx.ranks), grads, ctx.scales, needs[3::4])]
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.mm(grads[0], weights[0])
+            for grad, weight in zip(grads[1:], weights[1:]):
+                grad_x.addmm_(grad, weight)
+            grad_x = grad_x.addmm_(grad_low_t.t(), stacked_a).view(x.shape)
+        tensor_grads = []
+        for grad_a, grad_b, need_a in zip(grad_as, grad_bs, needs[2::4]):
+            tensor_grads += (None, None, grad_a if need_a else None, grad_b)
+        return (grad_x, None, *tensor_grads)
 
 
 class AdaptedOutput(AdaptedLinear):

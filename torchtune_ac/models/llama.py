@@ -369,9 +369,11 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         # Heads counted from the projections: under tensor parallelism each rank's projections give its own heads
         # only (n_heads / degree of them; see models/tensor_parallel.py).
-        q = self.q_proj(x).view(b, s, -1, self.head_dim)  # [b, s, n_heads, hd]
-        k = self.k_proj(x).view(b, s, -1, self.head_dim)  # [b, s, n_kv, hd]
-        v = self.v_proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, n_kv, s, hd]
+        together = project_together(x, self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = together if together is not None else (self.q_proj(x), self.k_proj(x), self.v_proj(x))
+        q = q.view(b, s, -1, self.head_dim)  # [b, s, n_heads, hd]
+        k = k.view(b, s, -1, self.head_dim)  # [b, s, n_kv, hd]
+        v = v.view(b, s, -1, self.head_dim).transpose(1, 2)  # [b, n_kv, s, hd]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # [b, n_heads, s, hd]
@@ -397,7 +399,19 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        together = project_together(x, self.gate_proj, self.up_proj)
+        if together is None:
+            return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = together
+        return self.down_proj(self.act(gate) * up)
+
+
+def project_together(x: torch.Tensor, *linears: nn.Module) -> Optional[tuple[torch.Tensor, ...]]:
+    """``linear(x)`` for each of ``linears``, which share their input, computed together where the first one's class
+    offers it (``forward_shared``: adapted linears, ``lora/mechanism.py``, whose adapters then read ``x`` once);
+    None otherwise (a plain linear): the caller calls each, as it always has."""
+    shared = getattr(linears[0], "forward_shared", None)
+    return shared(x, linears) if shared is not None else None
 
 
 class TransformerBlock(nn.Module):

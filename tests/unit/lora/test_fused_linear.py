@@ -1,13 +1,18 @@
 """``LoRALinear``, the fused LoRA forward and backward, against the unfused arithmetic (``AdaptedLinear.adapted``),
 and the cases it must leave to the unfused path."""
 
+import dataclasses
+
 import pytest
 import torch
+from models_testlib import build_random_llama
 from torch import nn
 
-from tests.numerics import assert_close
-from torchtune_ac.lora.config import AdapterConfig
-from torchtune_ac.lora.mechanism import LoRALinear, _fusable, apply_adapters
+from tests.numerics import assert_close, llama_terms
+from torchtune_ac.activation_checkpointing.mechanism import ACMode, ac_plan, apply_ac_plan
+from torchtune_ac.lora.config import AdapterConfig, AdapterKind
+from torchtune_ac.lora.mechanism import AdaptedLinear, LoRAGroup, LoRALinear, _fusable, apply_adapters
+from torchtune_ac.models import LlamaArgs
 
 IN, OUT, RANK, TOKENS = 48, 96, 4, 2 * 5
 
@@ -71,3 +76,62 @@ def test_fused_only_where_its_arithmetic_holds():
         LoRALinear.apply = original
     assert len(calls) == 1
 
+
+
+# Grouped projections: a tiny Llama (grouped-query attention, q/k/v biases as Qwen2's) with adapters everywhere.
+LLAMA = LlamaArgs(vocab_size=64, dim=48, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=80, max_seq_len=32,
+                  qkv_bias=True)
+EVERY = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GROUPS = {  # targets, kind -> LoRAGroup calls per forward: attention's and the MLP's per block where all are adapted
+    "every projection": (EVERY, AdapterKind.LORA, 2 * LLAMA.n_layers),
+    "k and gate left out": (["q_proj", "v_proj", "up_proj", "down_proj"], AdapterKind.LORA, 0),
+    "dora": (EVERY, AdapterKind.DORA, 0),
+}
+
+
+def _loss_and_adapter_grads(targets, kind, ac_mode="none", ac_option=None):
+    model = build_random_llama(LLAMA, seed=0).train()
+    apply_adapters(model, AdapterConfig(rank=RANK, alpha=2 * RANK + 3, kind=kind, targets=targets))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # every adapter nonzero, each its own values
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3 + (1 if "magnitude" in name else 0))
+    apply_ac_plan(model, ac_plan(ACMode(ac_mode), ac_option, LLAMA.n_layers))
+    tokens = torch.randint(0, LLAMA.vocab_size, (2, 12), generator=generator)
+    loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+    loss.backward()
+    return loss.detach(), {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("case", sorted(GROUPS))
+def test_grouped_projections_train_as_the_linears_one_by_one(case, monkeypatch):
+    """Loss and every adapter's gradient as the fused linears one by one (``forward_shared`` switched off), within
+    the rounding of a Llama's backward (the input's gradient summed in another order); and ``LoRAGroup`` ran
+    exactly where every linear of a shared input is plainly LoRA-adapted."""
+    targets, kind, groups = GROUPS[case]
+    calls = []
+    original = LoRAGroup.apply
+    monkeypatch.setattr(LoRAGroup, "apply", lambda *args: calls.append(len(args)) or original(*args))
+    loss, grads = _loss_and_adapter_grads(targets, kind)
+    assert len(calls) == groups
+    monkeypatch.setattr(AdaptedLinear, "forward_shared", lambda self, x, linears: None)
+    ref_loss, ref_grads = _loss_and_adapter_grads(targets, kind)
+    assert len(calls) == groups
+    terms = llama_terms(LLAMA, 12, 24)
+    assert_close(loss, ref_loss, terms=terms)
+    assert grads.keys() == ref_grads.keys() and any("k_proj.lora_a" in name for name in grads) == (case != "k and gate left out")
+    for name, grad in grads.items():
+        assert_close(grad, ref_grads[name], terms=terms, what=name)
+
+
+@pytest.mark.parametrize("ac", [("full", None), ("selective", "op")])
+def test_grouped_projections_under_activation_checkpointing_train_as_without(ac):
+    """Full AC replays the groups; per-op AC keeps their matrix multiplies' outputs and refuses one mutated after
+    (the update is added out of place under its dispatch mode): the same loss and gradients as without AC."""
+    loss, grads = _loss_and_adapter_grads(EVERY, AdapterKind.LORA)
+    ac_loss, ac_grads = _loss_and_adapter_grads(EVERY, AdapterKind.LORA, *ac)
+    terms = llama_terms(LLAMA, 12, 24)
+    assert_close(ac_loss, loss, terms=terms)
+    for name, grad in grads.items():
+        assert_close(ac_grads[name], grad, terms=terms, what=name)
