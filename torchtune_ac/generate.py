@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from torchtune_ac.checkpoint import MANIFEST_FILE, resolve_hf_checkpoint
+from torchtune_ac.checkpoint.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
 from torchtune_ac.data import format_alpaca_prompt
 from torchtune_ac.errors import UnavailableError, UserError
 
@@ -93,7 +95,8 @@ def generate_text(request: GenerateRequest) -> Generated:
 def _generate(request: GenerateRequest, checkpoint: Path, device: Any, torch: Any, transformers: Any) -> str:
     tokenizer = _load(transformers.AutoTokenizer, checkpoint, "tokenizer")
     input_ids = _encode(tokenizer, request, checkpoint)
-    model = _load(transformers.AutoModelForCausalLM, checkpoint, "model", dtype="auto").to(device).eval()
+    with _without_adapters(checkpoint) as model_dir:
+        model = _load(transformers.AutoModelForCausalLM, model_dir, "model", dtype="auto").to(device).eval()
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and len(input_ids) + request.max_new_tokens > context:
         raise UserError(f"--max-new-tokens {request.max_new_tokens}: with the prompt's {len(input_ids)} tokens it "
@@ -113,6 +116,21 @@ def _generate(request: GenerateRequest, checkpoint: Path, device: Any, torch: An
     new_ids = output[0, len(input_ids):].tolist()
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     return Generated(text, _why_empty(new_ids, text, config, tokenizer))
+
+
+@contextlib.contextmanager
+def _without_adapters(checkpoint: Path) -> Iterator[Path]:
+    """``checkpoint``, or, where a LoRA run saved its merged model beside its PEFT adapters (``adapter.save_merged``),
+    a temporary folder of links to its files without the adapters': with peft installed, transformers would load the
+    merged model and apply the adapters to it a second time."""
+    if not (checkpoint / ADAPTER_CONFIG_FILE).is_file():
+        yield checkpoint
+        return
+    with tempfile.TemporaryDirectory(prefix="tune_generate_") as folder:
+        for path in checkpoint.iterdir():
+            if path.name not in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
+                (Path(folder) / path.name).symlink_to(path.resolve())
+        yield Path(folder)
 
 
 def _why_empty(new_ids: list[int], text: str, config: Any, tokenizer: Any) -> Optional[str]:

@@ -1,6 +1,8 @@
-"""A LoRA step against a full fine-tuning step, and against PEFT driven by TRL's ``SFTTrainer``, on CPU, side by side.
+"""A LoRA step against a full fine-tuning step, a QLoRA step and PEFT driven by TRL's ``SFTTrainer``, on CPU, side
+by side.
 
-    python scripts/bench/bench_lora.py                 # 3 sides x --repeats, a table, bench_results/lora.{json,png}
+    python scripts/bench/bench_lora.py                 # 4 sides x --repeats, a table, bench_results/lora.{json,png}
+    python scripts/bench/bench_lora.py --sides lora qlora   # QLoRA's step against plain LoRA's alone
     python scripts/bench/bench_lora.py --short         # a few steps of a small batch: checks that it runs
     python scripts/bench/bench_lora.py --model llama_medium --ac full --batch-size 1 --seq-len 256
                                                        # where LoRA is used: the weights' state outweighs activations
@@ -16,6 +18,8 @@ Sides, each in a fresh process, one after another (their peak resident sets apar
     parameter of ``llama_small`` (32 M parameters, 8 blocks);
   * ``lora``: the same step on the same model with LoRA (``torchtune_ac/lora/``: rank 8, alpha 16, on q, k, v, o and
     the MLP's three projections; the base frozen: gradients and AdamW state for the adapters alone);
+  * ``qlora``: the ``lora`` side with ``quantize_base: nf4``: the adapted linears' frozen base weights stored as
+    torchao's ``NF4Tensor`` (``quantize_base_``, as a run does after loading), each matmul dequantising its weight;
   * ``peft``: Hugging Face's ``LlamaForCausalLM`` of the same shapes (our family's ``config.json`` for them) with
     PEFT 0.21's LoRA of the same rank, alpha and targets, trained by TRL's ``SFTTrainer``.
 
@@ -27,9 +31,13 @@ differ (each side draws its own initialisation): the work and the memory do not 
 
 Measured per side: each optimizer step's seconds, leaving out the first ``--warmup-steps`` (the first allocates
 AdamW's state and the allocator's pools), ours around the step, TRL's from a callback's ``on_step_begin`` to
-``on_step_end``; the process's resident set before the first step (model, optimizer, batches) and its peak over the
-steps (``ru_maxrss``), and their difference: what the step adds. Timings on a shared machine are noise; memory is
-not.
+``on_step_end``; the process's resident set before the first step (model, optimizer, batches; the heap's free pages
+handed back first) and its peak over the steps (``VmHWM``, reset before the first step: the ``qlora`` side builds its
+base dense, then quantises it), and their difference: what the step adds (the whole process's peak, set-up included,
+is kept in the JSON as ``process_peak_gib``); and the frozen base's bytes per parameter, counted
+from its tensors' storage (an ``NF4Tensor`` from its inner tensors: 4-bit codes, a scale per 64 weights, a factor
+per 256 scales), over the adapted linears' base weights and over every frozen parameter. Timings on a shared machine
+are noise; memory and bytes are not.
 """
 
 from __future__ import annotations
@@ -37,14 +45,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-SIDES = ("full", "lora", "peft")
+sys.path.insert(0, str(REPO))
+
+from _benchlib import (peak_gib, process_peak_gib, pyplot, reset_peak, resident_gib, run_side,  # noqa: E402
+                       save_figure, summarize_sides, write_report)
+
+SIDES = ("full", "lora", "qlora", "peft")
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 RANK, ALPHA, LR = 8, 16, 1e-4
 MODELS = ("llama_small", "llama_medium")
@@ -61,14 +72,22 @@ def model_args(name: str):
     return dataclasses.replace(LLAMA_SMALL, dim=1024, n_layers=12, n_heads=16, n_kv_heads=8, intermediate_dim=2816)
 
 
-def resident_gib() -> float:
-    """The process's resident set now (Linux)."""
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**30
+def stored_bytes(tensor) -> int:
+    """The bytes ``tensor``'s storage holds: a tensor subclass (torchao's ``NF4Tensor``) from its inner tensors."""
+    if hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(stored_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
 
 
-def peak_gib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # Linux: KiB
+def frozen_base_bytes(model) -> dict:
+    """Bytes per parameter of the frozen base: its adapted linears' weights, and every frozen parameter."""
+    from torchtune_ac.lora.mechanism import adapted_linears
+
+    adapted = [linear.weight for _, linear in adapted_linears(model)]
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    return {"adapted_base_bytes_per_param": sum(map(stored_bytes, adapted)) / sum(w.numel() for w in adapted),
+            "frozen_bytes_per_param": sum(map(stored_bytes, frozen)) / sum(p.numel() for p in frozen)}
 
 
 def batches(settings: dict) -> list:
@@ -83,8 +102,8 @@ def batches(settings: dict) -> list:
 def run_ours(settings: dict, side: str) -> dict:
     import torch
 
-    from torchtune_ac.lora.config import AdapterConfig
-    from torchtune_ac.lora.mechanism import apply_adapters, initialize_adapters_
+    from torchtune_ac.lora.config import AdapterConfig, QuantizeBase
+    from torchtune_ac.lora.mechanism import apply_adapters, initialize_adapters_, quantize_base_
     from torchtune_ac.memory.chunked_loss import loss_objective
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
     from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
@@ -93,15 +112,21 @@ def run_ours(settings: dict, side: str) -> dict:
 
     torch.manual_seed(0)
     model = Llama(model_args(settings["model"]))
-    if side == "lora":
-        apply_adapters(model, AdapterConfig(rank=RANK, alpha=ALPHA, targets=TARGETS))
+    base_bytes = {}
+    if side in ("lora", "qlora"):
+        quantize = QuantizeBase.NF4 if side == "qlora" else None
+        apply_adapters(model, AdapterConfig(rank=RANK, alpha=ALPHA, targets=TARGETS, quantize_base=quantize))
+        if quantize:  # a run's order: the base loaded, then quantised, then the adapters drawn
+            quantize_base_(model)
         initialize_adapters_(model, seed=0)
+        base_bytes = frozen_base_bytes(model)
     setup_activation_checkpointing(model, ac_mode=settings["ac"])
     model.train()
     stepper = build_optimizer(lambda params: torch.optim.AdamW(params, lr=LR), model, in_backward=False)
     objective = loss_objective(1)
     data = [{"tokens": tokens, "labels": tokens, "target_count": torch.tensor(tokens.numel())}
             for tokens in batches(settings)]
+    reset_peak()
     before = resident_gib()
     seconds = []
     for batch in data:
@@ -110,7 +135,8 @@ def run_ours(settings: dict, side: str) -> dict:
         stepper.update(model, None)
         seconds.append(time.perf_counter() - start)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"step_seconds": seconds, "resident_before_gib": before, "peak_gib": peak_gib(), "trainable": trainable}
+    return {"step_seconds": seconds, "resident_before_gib": before, "peak_gib": peak_gib(),
+            "process_peak_gib": process_peak_gib(), "trainable": trainable, **base_bytes}
 
 
 def run_peft(settings: dict) -> dict:
@@ -128,6 +154,7 @@ def run_peft(settings: dict) -> dict:
     class StepClock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             if not marks:
+                reset_peak()
                 marks["before"] = resident_gib()
             marks["start"] = time.perf_counter()
 
@@ -154,7 +181,7 @@ def run_peft(settings: dict) -> dict:
     trainer.train()
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"step_seconds": seconds, "resident_before_gib": marks["before"], "peak_gib": peak_gib(),
-            "trainable": trainable}
+            "process_peak_gib": process_peak_gib(), "trainable": trainable}
 
 
 def worker(side: str, settings: dict) -> None:
@@ -165,31 +192,44 @@ def worker(side: str, settings: dict) -> None:
     print(json.dumps({"side": side, **result}))
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
-def summarize(runs: list[dict], warmup: int) -> dict:
-    summary = {}
-    for side in SIDES:
-        mine = [r for r in runs if r["side"] == side]
-        summary[side] = {
-            "step_s": median([s for r in mine for s in r["step_seconds"][warmup:]]),
-            "resident_before_gib": median([r["resident_before_gib"] for r in mine]),
-            "peak_gib": median([r["peak_gib"] for r in mine]),
-            "step_added_gib": median([r["peak_gib"] - r["resident_before_gib"] for r in mine]),
-            "trainable": mine[0]["trainable"],
-        }
+def summarize(runs: list[dict], sides: list[str], warmup: int) -> dict:
+    summary = summarize_sides(runs, sides, warmup, keep=("trainable",))
+    for side in sides:
+        first = next(r for r in runs if r["side"] == side)
+        summary[side].update({key: first[key] for key in ("adapted_base_bytes_per_param", "frozen_bytes_per_param")
+                              if key in first})
     return summary
 
 
-def draw(summary: dict, settings: dict, path: Path) -> None:
-    import matplotlib
+def ratio(summary: dict, key: str, top: str, bottom: str) -> str:
+    if top not in summary or bottom not in summary:
+        return ""
+    return f"{top} / {bottom} {key}: {summary[top][key] / summary[bottom][key]:.2f}x"
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
+def format_table(report: dict) -> str:
+    summary = report["summary"]
+    lines = [f"{'side':6} {'trainable':>12} {'s/step':>8} {'before GiB':>11} {'peak GiB':>9} {'step adds GiB':>14} "
+             f"{'base B/param':>13}"]
+    for side, row in summary.items():
+        base = row.get("adapted_base_bytes_per_param")
+        lines.append(f"{side:6} {row['trainable']:>12,} {row['step_s']:>8.3f} {row['resident_before_gib']:>11.3f} "
+                     f"{row['peak_gib']:>9.3f} {row['step_added_gib']:>14.3f} "
+                     f"{'' if base is None else f'{base:.3f}':>13}")
+    lines.append("; ".join(filter(None, [ratio(summary, "peak_gib", "lora", "full"),
+                                         ratio(summary, "step_s", "peft", "lora"),
+                                         ratio(summary, "step_s", "qlora", "lora"),
+                                         ratio(summary, "peak_gib", "qlora", "lora")])))
+    if "qlora" in summary:
+        lines.append(f"qlora's frozen base: {summary['qlora']['adapted_base_bytes_per_param']:.3f} bytes a weight in "
+                     f"its adapted linears (NF4), {summary['qlora']['frozen_bytes_per_param']:.3f} over every frozen "
+                     "parameter (the embeddings, norms and output projection stay in fp32)")
+    return "\n".join(lines)
+
+
+def draw(report: dict, path: Path) -> None:
+    summary, settings = report["summary"], report["settings"]
+    plt = pyplot()
     fig, (memory, time_ax) = plt.subplots(1, 2, figsize=(9, 3.5))
     names = list(summary)
     memory.bar(names, [summary[n]["peak_gib"] for n in names], label="peak resident set")
@@ -201,9 +241,8 @@ def draw(summary: dict, settings: dict, path: Path) -> None:
     time_ax.set_ylabel("seconds per step (median)")
     time_ax.set_title("step time (noise on a shared machine)")
     fig.suptitle(f"{settings['model']}, {settings['batch_size']} x {settings['seq_len']} tokens, AC {settings['ac']}: "
-                 "full fine-tuning, our LoRA, PEFT + TRL SFTTrainer, CPU fp32", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+                 "full fine-tuning, our LoRA and QLoRA (NF4 base), PEFT + TRL SFTTrainer, CPU fp32", fontsize=9)
+    save_figure(fig, path, dpi=100)
 
 
 def main() -> int:
@@ -217,6 +256,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", choices=MODELS, default="llama_small")
     parser.add_argument("--ac", choices=("none", "full"), default="none", help="activation checkpointing, every side")
+    parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="which sides to run")
     parser.add_argument("--out", default=str(REPO / "bench_results" / "lora"), help="PREFIX for PREFIX.json, .png")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a worker process
     parser.add_argument("--settings", help=argparse.SUPPRESS)
@@ -230,27 +270,13 @@ def main() -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"model": args.model, "ac": args.ac, "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps, "threads": args.threads,
                 "output_dir": str(out.parent / "lora_trl_output")}
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-           "OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "PASSIVE"}
-    runs = []
-    for _ in range(args.repeats):
-        for side in SIDES:
-            done = subprocess.run([sys.executable, __file__, "--side", side, "--settings", json.dumps(settings)],
-                                  env=env, capture_output=True, text=True)
-            if done.returncode != 0:
-                sys.stderr.write(done.stderr[-4000:])
-                raise SystemExit(f"bench_lora: the {side} side failed (exit {done.returncode})")
-            runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
-    summary = summarize(runs, args.warmup_steps)
-    print(f"{'side':6} {'trainable':>12} {'s/step':>8} {'before GiB':>11} {'peak GiB':>9} {'step adds GiB':>14}")
-    for side, row in summary.items():
-        print(f"{side:6} {row['trainable']:>12,} {row['step_s']:>8.3f} {row['resident_before_gib']:>11.3f} "
-              f"{row['peak_gib']:>9.3f} {row['step_added_gib']:>14.3f}")
-    print(f"lora / full peak: {summary['lora']['peak_gib'] / summary['full']['peak_gib']:.2f}x; "
-          f"peft step time / lora step time: {summary['peft']['step_s'] / summary['lora']['step_s']:.2f}x")
-    out.with_suffix(".json").write_text(json.dumps({"settings": settings, "runs": runs, "summary": summary}, indent=1))
-    draw(summary, settings, out.with_suffix(".png"))
-    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+    sides = [side for side in SIDES if side in args.sides]
+    runs = [run_side(Path(__file__), side, settings, args.threads) for _ in range(args.repeats) for side in sides]
+    summary = summarize(runs, sides, args.warmup_steps)
+    report = {"settings": settings, "machine": {"cpus": os.cpu_count(), "load_average": os.getloadavg(),
+                                                "date": time.strftime("%Y-%m-%d")},
+              "runs": runs, "summary": summary}
+    write_report(report, format_table(report), out.with_suffix(".json"), draw, out.with_suffix(".png"))
     return 0
 
 

@@ -86,6 +86,25 @@ def test_generate_equals_transformers_greedy_on_the_embedded_checkpoint(capsys, 
     assert (code, out) == (0, expected + "\n"), err
 
 
+def test_a_merged_model_beside_its_adapters_is_generated_from_alone(capsys, tmp_path, embedded_checkpoint):
+    """A LoRA run's checkpoint with ``adapter.save_merged`` holds the merged model and its PEFT adapters; with peft
+    installed, transformers would apply the adapters to the merged model again. Here the "merged" model is the base
+    and the adapters are not zero: generate must give the base's text, which transformers on the folder does not."""
+    peft = pytest.importorskip("peft")
+    folder = tmp_path / "merged_and_adapters"
+    shutil.copytree(embedded_checkpoint, folder)
+    lora = peft.LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"],
+                           init_lora_weights=False)  # B random, not zero: the adapters change the logits
+    torch.manual_seed(0)
+    peft.get_peft_model(AutoModelForCausalLM.from_pretrained(embedded_checkpoint), lora).save_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(embedded_checkpoint)
+    expected = transformers_greedy(embedded_checkpoint, bos_and(tokenizer, PROMPT))
+    assert transformers_greedy(folder, bos_and(tokenizer, PROMPT)) != expected  # transformers adds the adapters
+    code, out, err = tune_generate(capsys, "--checkpoint", str(folder), "--prompt", PROMPT,
+                                   "--max-new-tokens", str(NEW_TOKENS))
+    assert (code, out) == (0, expected + "\n"), err
+
+
 def test_generate_prints_only_the_generated_text(embedded_checkpoint):
     """The real console path: the text on stdout, nothing on stderr (no loading bars, no library warnings)."""
     tokenizer = AutoTokenizer.from_pretrained(embedded_checkpoint)

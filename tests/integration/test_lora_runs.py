@@ -1,7 +1,8 @@
 """``tune run lora_finetune`` and ``lora_dpo`` on the embedded model: a checkpoint holds the adapters (PEFT's
 folder) and their optimizer state, not the base; a resume is exact; 2 processes (FSDP2) train like 1, and one
 process resumes their checkpoint; HSDP (2 x 2) resumes one process's checkpoint and trains like it; PEFT loads a
-run's folder, which is also a starting point; bad adapter input is refused in one line, exit 2, nothing written."""
+run's folder, which is also a starting point; packed rows start at the base; bad adapter input is refused in one
+line, exit 2, nothing written."""
 
 from __future__ import annotations
 
@@ -84,9 +85,9 @@ def test_resume_is_exact(one_process, tmp_path):
 
 @pytest.mark.numerics
 @pytest.mark.distributed
-def test_two_processes_train_like_one_and_one_resumes_them(one_process, tmp_path):
+def test_two_processes_train_like_one_and_one_resumes_them(one_process, tmp_path, embedded_checkpoint):
     output_dir, records = one_process
-    two = run(tmp_path / "two", nproc=2, batch_size=2)
+    two = run(tmp_path / "two", "adapter.save_merged=true", nproc=2, batch_size=2)
     for name in ("loss", "grad_norm"):
         assert_steps_alike([r[name] for r in two], [r[name] for r in records], terms=TERMS, what=name)
     lrs = [r["lr"] for r in records]
@@ -97,6 +98,23 @@ def test_two_processes_train_like_one_and_one_resumes_them(one_process, tmp_path
     assert_steps_alike([r["loss"] for r in resumed], [r["loss"] for r in two], terms=TERMS, what="resumed loss")
     assert_weights_trained_alike(adapters(final_checkpoint(tmp_path / "resumed")),
                                  adapters(final_checkpoint(tmp_path / "two")), lrs=lrs, terms=TERMS)
+    # The merged model, each rank merging its own rows, gives PEFT's logits of base + adapters. (Its tensors are
+    # read directly: transformers, with peft installed, would apply the adapters beside them once more.)
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    folder = final_checkpoint(tmp_path / "two")
+    tokens = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(embedded_checkpoint).eval()
+        base = merged(input_ids=tokens).logits
+        missing, unexpected = merged.load_state_dict(load_file(folder / "model.safetensors"), strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)  # tied to embeddings
+        expected = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(embedded_checkpoint),
+                                                  folder).eval()(input_ids=tokens).logits
+        logits = merged(input_ids=tokens).logits
+    assert not torch.equal(logits, base)  # the adapters trained: the merged model is not the base
+    assert_close(logits, expected, terms=llama_terms(LLAMA_TINY, 16, 0, backward=False), what="merged logits")
 
 
 @pytest.mark.slow
@@ -156,6 +174,22 @@ def test_the_chunked_loss_and_the_step_in_backward_train_the_adapters_as_the_pla
     assert state and all(".lora_" in key for key in state), state[:3]
 
 
+def test_packed_rows_start_at_the_base_and_train_the_adapters(tmp_path):
+    """``dataset.packed: true`` with adapters: step 1 is the packed full fine-tuning run's own loss bit for bit (B is
+    zero, the same packed rows and per-document attention), every row is packed, and only the adapters train."""
+    packed = ("dataset.packed=true", "max_seq_len=128", "batch_size=4", "clip_grad_norm=null")
+    check_success(run_tune_in_process(["run", "full_finetune", "--config", "tiny/full", *packed,
+                                       "max_steps_per_epoch=1", f"output_dir={tmp_path / 'full'}"]))
+    check_success(run_tune_in_process(["run", "lora_finetune", "--config", "tiny/lora", *packed,
+                                       "max_steps_per_epoch=3", f"output_dir={tmp_path / 'lora'}"]))
+    full, lora = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "lora")
+    assert lora[0]["loss"] == full[0]["loss"] and lora[0]["target_tokens"] == full[0]["target_tokens"]
+    assert all(r["tokens"] == 4 * 128 for r in lora)  # every row packed to max_seq_len
+    assert lora[-1]["loss"] < lora[0]["loss"]
+    trained = adapters(final_checkpoint(tmp_path / "lora"))
+    assert all(t.abs().max() > 0 for name, t in trained.items() if "lora_B" in name)
+
+
 def test_lora_dpo_starts_at_the_base(tmp_path):
     """The reference is the policy's base with the adapters off: at step 1 (B zero) every reward is exactly 0."""
     command = ["run", "lora_dpo", "--config", "tiny/lora_dpo", "max_seq_len=64", "batch_size=4",
@@ -193,6 +227,7 @@ REFUSED = {
     "rank_negative": (["adapter.rank=-8"], "adapter.rank=-8: must be >= 1"),
     "alpha_0": (["adapter.alpha=0"], "adapter.alpha=0.0: must be > 0.0"),
     "unknown_kind": (["adapter.kind=vera"], "adapter.kind='vera': expected one of lora, dora"),
+    "unknown_quantisation": (["adapter.quantize_base=int4"], "adapter.quantize_base='int4': expected one of nf4"),
     "target_matching_nothing": (["adapter.targets=[q_proj,qkv]"],
                                 "adapter.targets: qkv match(es) no linear of this model; its linears are down_proj"),
     "nf4_cannot_quantise": (["adapter.quantize_base=nf4", "adapter.targets=[k_proj]"],
@@ -202,6 +237,9 @@ REFUSED = {
                                 "not an adapter of this base with these targets"),
     "folder_of_another_base": (["adapter.checkpoint_dir={other_base}"],
                                "lora_A.weight is [8, 256], this model's is [8, 128]: an adapter of another base"),
+    "folder_of_another_base_s_names": (["adapter.checkpoint_dir={other_names}"],
+                                       "base_model.model.transformer.h.0.mlp.down_proj.lora_A.weight is not an "
+                                       "adapter of this model"),
 }
 
 
@@ -214,14 +252,24 @@ def adapter_of_a_wider_base(folder: Path, target: Path) -> Path:
     return target
 
 
+def adapter_of_another_base_s_names(folder: Path, target: Path) -> Path:
+    """``folder``'s PEFT adapter with the same shapes under another model's names (GPT-2's ``transformer.h.N``)."""
+    target.mkdir()
+    shutil.copy(folder / ADAPTER_CONFIG_FILE, target)
+    save_file({name.replace(".model.layers.", ".transformer.h."): t for name, t in adapters(folder).items()},
+              target / ADAPTER_WEIGHTS_FILE)
+    return target
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_bad_adapter_input_exits_2_with_one_line_and_writes_nothing(name, tmp_path, one_process):
     overrides, message = REFUSED[name]
     folder = final_checkpoint(one_process[0])
     other_base = adapter_of_a_wider_base(folder, tmp_path / "other_base")
+    other_names = adapter_of_another_base_s_names(folder, tmp_path / "other_names")
     before = hash_tree(tmp_path)
-    result = run_tune_in_process(argv(tmp_path / "out", *(o.format(folder=folder, other_base=other_base)
-                                                         for o in overrides)))
+    result = run_tune_in_process(argv(tmp_path / "out", *(o.format(folder=folder, other_base=other_base,
+                                                                   other_names=other_names) for o in overrides)))
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert message in lines[-1] and "Traceback" not in result.stderr, result.stderr

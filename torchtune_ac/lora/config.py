@@ -63,7 +63,8 @@ class AdapterConfig:
         "B zero, as PEFT does, so step 0 is the base exactly.", non_empty=True)
     save_merged: bool = config_key(
         False, doc="Each checkpoint also holds the merged model (base + adapters) in Hugging Face's layout, which "
-        "transformers' AutoModelForCausalLM loads alone; the adapters are always saved, in PEFT's format.")
+        "tune generate loads alone (transformers' AutoModelForCausalLM with peft installed applies the adapters "
+        "beside it again: see docs/lora.md); the adapters are always saved, in PEFT's format.")
 
     def __post_init__(self) -> None:
         if not self.targets and not self.output:
