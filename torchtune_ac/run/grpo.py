@@ -75,7 +75,8 @@ class GRPOLoop(TrainingLoop):
         # generation.backend (generation/backend.py): completions come from it, and it is given the policy's new
         # weights after each step's optimizer steps.
         self.backend = build_generation_backend(rollouts.generation.backend.value, self.training.model,
-                                                eos_ids=[self.tokenizer.eos_id], pad_id=self.tokenizer.pad_id)
+                                                eos_ids=[self.tokenizer.eos_id], pad_id=self.tokenizer.pad_id,
+                                                compile_decode=rollouts.generation.compile)
 
     def step(self, micro_batches: Sequence[Batch]) -> StepResult:
         started = time.perf_counter()

@@ -1,6 +1,6 @@
 """Generation with the KV cache: greedy decoding equals a decode that runs the whole sequence each step without a
 cache, and transformers' ``generate`` on the same checkpoint (left-padded batch, attention mask); top-k 1 sampling
-is greedy; a seeded sampler repeats itself."""
+is greedy; a seeded sampler repeats itself; the compiled step decodes as the eager one."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from models_testlib import TINY, build_random_hf_llama
 
-from torchtune_ac.generation import SamplingConfig, generate
+from torchtune_ac.generation import SamplingConfig, decode, generate
 from torchtune_ac.models import load_hf
 
 ARGS = dataclasses.replace(TINY, vocab_size=512)
@@ -72,3 +72,20 @@ def test_sampling_top_k_one_is_greedy_and_a_seed_repeats(models):
     first = sampled(5)
     assert first == sampled(5)
     assert first != sampled(6)
+
+
+@pytest.mark.slow
+def test_compiled_decoding_is_greedy_as_eager_and_reuses_its_code_across_prompt_widths(models):
+    """Two prompt batches of different widths whose caches round up to the same multiple (7 + 12 and 5 + 12 slots:
+    32 each) run one compiled step: the second would fail on a recompile."""
+    ours, _ = models
+    torch._dynamo.reset()
+    config = SamplingConfig(max_new_tokens=12, temperature=0)
+    narrower = [p[:5] for p in PROMPTS]
+    multiple = decode.COMPILED_CACHE_MULTIPLE
+    assert -(-(7 + 12) // multiple) == -(-(5 + 12) // multiple)
+    compiled = generate(ours, PROMPTS, config, eos_ids=[EOS], pad_id=0, compile_decode=True)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        compiled_narrower = generate(ours, narrower, config, eos_ids=[EOS], pad_id=0, compile_decode=True)
+    assert compiled == generate(ours, PROMPTS, config, eos_ids=[EOS], pad_id=0)
+    assert compiled_narrower == generate(ours, narrower, config, eos_ids=[EOS], pad_id=0)
