@@ -52,11 +52,8 @@ def sample_next(logits: torch.Tensor, config: SamplingConfig, generator: Optiona
         # Drop a token when the tokens likelier than it already reach top_p (the likeliest is always kept).
         drop = (probs.cumsum(dim=-1) - probs) >= config.top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    # Gumbel-max: argmax(logits - log(-log U)), U uniform, is a draw from softmax(logits), as torch.multinomial's
-    # is, without the softmax, multinomial's host-side checks and the CPU's per-element double-precision
-    # exponential_ (a third of an eager decode step's sampling time on the GRPO bench).
-    noise = torch.rand(logits.shape, generator=generator, dtype=logits.dtype, device=logits.device)
-    return (logits - noise.log_().neg_().log_()).argmax(dim=-1)
+    probs = logits.softmax(dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 @contextlib.contextmanager
