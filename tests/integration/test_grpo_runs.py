@@ -3,7 +3,7 @@ to the reference is 0 on the first step, SIGTERM saves mid-epoch and the resume 
 sampler's seed is the step's), ending on the straight run's weights; a mixture of experts adds its load-balancing
 loss; the schedule counts optimizer steps, and a resume mid-schedule with two iterations ends as the straight run;
 bad input (and the vLLM backend on a CPU) is refused in one line before anything is written; a failing reward stops
-the run naming it."""
+the run naming it; compiled decoding draws the eager run's rollout."""
 
 from __future__ import annotations
 
@@ -54,6 +54,23 @@ def test_every_step_logs_the_rollout_and_samples_are_written(straight_run: Path)
     first = samples[0]
     assert set(first["rewards"]) == {"format_match", "math_answer"}
     assert first["reward"] == pytest.approx(0.5 * first["rewards"]["format_match"] + first["rewards"]["math_answer"])
+
+
+@pytest.mark.slow
+def test_compiled_decoding_draws_the_straight_runs_first_rollout(straight_run: Path, tmp_path: Path) -> None:
+    """generation.compile=true: the first step (the same weights and sampler seed) draws the same completions, so
+    its rewards and lengths are the eager run's (the compiled step rounds within 1e-6: no sampled token moves)."""
+    from torchtune_ac.generation import decode
+
+    torch._dynamo.reset()
+    output_dir = tmp_path / "compiled"
+    check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=1", "max_steps_per_epoch=1",
+                                                "generation.compile=true")))
+    assert decode._COMPILED_DECODE_STEP is not None
+    fields = ("reward", "rewards/format_match/mean", "completions/mean_length", "completions/max_length")
+    compiled, eager = read_metrics(output_dir)[0], read_metrics(straight_run)[0]
+    assert [compiled[f] for f in fields] == [eager[f] for f in fields]
+
 
 
 def sigterm_once_argv(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, output_dir: Path, *overrides: str

@@ -87,6 +87,9 @@ def _decode_step(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor
 
 
 _COMPILED_DECODE_STEP = None
+# A compiled step's cache holds a multiple of this many slots, so that prompt batches of different widths within one
+# multiple give it the same shapes and reuse its compiled code (the extra slots are later slots: never seen).
+COMPILED_CACHE_MULTIPLE = 16
 
 
 def _compiled_decode_step():
@@ -114,7 +117,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], config: Samplin
         check_every: the decode loop reads back whether every row has finished once per this many tokens (each
             read is a host synchronisation on a GPU); rows that finish in between only emit ``pad_id``.
         compile_decode: run the one-token decode step through ``torch.compile`` (static shapes: it compiles once
-            per batch shape and model, then never recompiles within a generation).
+            per model, batch size and cache length, the prompt width plus ``max_new_tokens`` rounded up to a
+            multiple of ``COMPILED_CACHE_MULTIPLE``; never within a generation).
 
     Returns:
         ``Completions``: the results are the same for every ``check_every`` and with or without ``compile_decode``
@@ -125,6 +129,8 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], config: Samplin
     device = next(model.parameters()).device
     b, width = len(prompts), max(len(p) for p in prompts)
     total = width + config.max_new_tokens
+    if compile_decode:
+        total = -(-total // COMPILED_CACHE_MULTIPLE) * COMPILED_CACHE_MULTIPLE
     tokens = torch.full((b, width), pad_id, dtype=torch.long, device=device)
     valid = torch.zeros(b, total, dtype=torch.bool, device=device)
     for row, prompt in enumerate(prompts):

@@ -84,7 +84,8 @@ class GRPOLoop(TrainingLoop):
             vllm=VLLMSettings(cfg.max_seq_len, generation.vllm_gpu_memory_utilization,
                               generation.vllm_enable_sleep_mode, cfg.seed),
             # With adapters the engine serves the merged model (it has no adapters of its own).
-            model_files=merged_model_files if rollouts.reference_is_base else hf_model_files)
+            model_files=merged_model_files if rollouts.reference_is_base else hf_model_files,
+            compile_decode=generation.compile)
 
     def step(self, micro_batches: Sequence[Batch]) -> StepResult:
         started = time.perf_counter()

@@ -43,6 +43,11 @@ class GenerationConfig:
         1.0, doc="Sample from the smallest set of tokens whose probability reaches this; 1: all.",
         exclusive_minimum=0.0, maximum=1.0)
     top_k: int = config_key(0, doc="Sample from the k likeliest tokens; 0: all.", minimum=0)
+    compile: bool = config_key(
+        False, doc="native backend: torch.compile the one-token decode step (static shapes; the KV cache padded to a "
+        "multiple of 16 slots, so prompt batches of nearby widths reuse the compiled code). Compiling takes tens of "
+        "seconds once per model, batch size and cache length; it pays where per-op overhead dominates a step (small "
+        "models, CPU). Sampled tokens can differ from eager ones by rounding.")
     backend: GenerationBackend = config_key(
         GenerationBackend.NATIVE, doc="native: the policy itself with a static KV cache, batched. vllm: a vLLM engine "
         "in the training process on its GPU, given the policy's weights after each step (one process, a CUDA device "

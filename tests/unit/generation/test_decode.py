@@ -1,6 +1,6 @@
 """Generation with the KV cache: greedy decoding equals a decode that runs the whole sequence each step without a
 cache, and transformers' ``generate`` on the same checkpoint (left-padded batch, attention mask); top-k 1 sampling
-is greedy; a seeded sampler repeats itself."""
+is greedy; a seeded sampler repeats itself and draws from the softmax; the compiled step decodes as the eager one."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from models_testlib import TINY, build_random_hf_llama
 
-from torchtune_ac.generation import SamplingConfig, generate
+from torchtune_ac.generation import SamplingConfig, decode, generate
 from torchtune_ac.models import load_hf
 
 ARGS = dataclasses.replace(TINY, vocab_size=512)
@@ -72,3 +72,36 @@ def test_sampling_top_k_one_is_greedy_and_a_seed_repeats(models):
     first = sampled(5)
     assert first == sampled(5)
     assert first != sampled(6)
+
+
+@pytest.mark.parametrize("config, kept", [
+    (SamplingConfig(1, temperature=1.0), 6),
+    (SamplingConfig(1, temperature=0.5, top_k=3), 3),
+])
+def test_the_sampler_draws_from_the_softmax_of_the_kept_logits(config, kept):
+    """200,000 draws from one row: each token's frequency is its softmax probability (of the logits over the
+    temperature, the top-k kept) within 0.005 (5 standard deviations at most), the dropped tokens never drawn."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
+    n = 200_000
+    drawn = decode.sample_next(logits.expand(n, -1), config, torch.Generator().manual_seed(0))
+    frequencies = torch.bincount(drawn, minlength=6).double() / n
+    expected = torch.zeros(6, dtype=torch.float64)
+    expected[:kept] = (logits[:kept].double() / config.temperature).softmax(-1)
+    torch.testing.assert_close(frequencies, expected, atol=0.005, rtol=0)
+
+
+@pytest.mark.slow
+def test_compiled_decoding_is_greedy_as_eager_and_reuses_its_code_across_prompt_widths(models):
+    """Two prompt batches of different widths whose caches round up to the same multiple (7 + 12 and 5 + 12 slots:
+    32 each) run one compiled step: the second would fail on a recompile."""
+    ours, _ = models
+    torch._dynamo.reset()
+    config = SamplingConfig(max_new_tokens=12, temperature=0)
+    narrower = [p[:5] for p in PROMPTS]
+    multiple = decode.COMPILED_CACHE_MULTIPLE
+    assert -(-(7 + 12) // multiple) == -(-(5 + 12) // multiple)
+    compiled = generate(ours, PROMPTS, config, eos_ids=[EOS], pad_id=0, compile_decode=True)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        compiled_narrower = generate(ours, narrower, config, eos_ids=[EOS], pad_id=0, compile_decode=True)
+    assert compiled == generate(ours, PROMPTS, config, eos_ids=[EOS], pad_id=0)
+    assert compiled_narrower == generate(ours, narrower, config, eos_ids=[EOS], pad_id=0)
