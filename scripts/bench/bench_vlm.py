@@ -7,7 +7,8 @@ Sides, each in a fresh process, interleaved A/B/B/A (each ``--repeats`` adds one
 
   * ``ours``: our Qwen2.5-VL (``models/vision/qwen2_5_vl.py``) and our step (``training/step.py``'s
     ``accumulate_gradients`` then the stepper's update) on batches our data makes (``data.vision``:
-    ``build_vision_dataset``, ``collate_vision_batch``);
+    ``build_vision_dataset`` with ``padding_free`` as the shipped Qwen2.5-VL configs set it, each batch one row of
+    documents, ``collate_vision_batch``);
   * ``trl``: transformers' ``Qwen2_5_VLForConditionalGeneration`` of the same shapes (our family's ``config.json``
     for them) trained by TRL 1.16's ``SFTTrainer``, whose collator runs the same processor on the same records.
 
@@ -92,17 +93,21 @@ def run_ours(settings: dict) -> dict:
     import torch
 
     from torchtune_ac.data.embedded import EMBEDDED_VLM_PROCESSOR_DIR, EMBEDDED_VLM_TRAIN_PATH
-    from torchtune_ac.data.vision import build_vision_dataset, collate_vision_batch, load_vision_processor
+    from torchtune_ac.data.batching import SAMPLES
+    from torchtune_ac.data.vision import build_vision_dataset, load_vision_processor
     from torchtune_ac.memory.chunked_loss import loss_objective
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
     from torchtune_ac.models.families.qwen2_5_vl import build
     from torchtune_ac.training.step import accumulate_gradients
 
     processor = load_vision_processor(EMBEDDED_VLM_PROCESSOR_DIR)
-    dataset = build_vision_dataset(EMBEDDED_VLM_TRAIN_PATH, processor, max_seq_len=settings["max_seq_len"])
+    # padding_free: as the family's shipped configs set it (configs/qwen2_5_vl, tiny/vlm)
+    dataset = build_vision_dataset(EMBEDDED_VLM_TRAIN_PATH, processor, max_seq_len=settings["max_seq_len"],
+                                   padding_free=True)
     order, b = record_order(settings), settings["batch_size"]
-    data = [collate_vision_batch([dataset[i] for i in order[k * b:(k + 1) * b]],
-                                 pad_id=processor.tokenizer.pad_token_id) for k in range(settings["steps"])]
+    collate = SAMPLES.collate_of(dataset)
+    data = [collate([dataset[i] for i in order[k * b:(k + 1) * b]], pad_id=processor.tokenizer.pad_token_id)
+            for k in range(settings["steps"])]
     pad = processor.tokenizer.pad_token_id
     torch.manual_seed(0)
     model = build(model_args(settings["size"]))
