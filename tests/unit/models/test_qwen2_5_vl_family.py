@@ -254,3 +254,34 @@ def test_a_padding_free_batch_has_the_padded_batchs_loss_and_gradients():
     assert_close(loss, expected, terms=terms, what="loss")
     for name, grad in expected_grads.items():
         assert_close(grads[name], grad, terms=terms, what=name)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_the_loss_at_the_targets_only_is_the_whole_logits_loss(padding_free):
+    # ``loss_chunks: 1``: the head reads the targets' rows only, and the last block computes those rows only
+    # (``TargetHead``); the loss and every gradient are the whole logits' within rounding.
+    from torchtune_ac.data.embedded import EMBEDDED_VLM_PROCESSOR_DIR, EMBEDDED_VLM_TRAIN_PATH
+    from torchtune_ac.data.vision import build_vision_dataset, collate_vision_batch, load_vision_processor
+    from torchtune_ac.memory.chunked_loss import loss_objective
+    from torchtune_ac.training.objective import CrossEntropy
+
+    processor = load_vision_processor(EMBEDDED_VLM_PROCESSOR_DIR)
+    samples = list(build_vision_dataset(EMBEDDED_VLM_TRAIN_PATH, processor, max_seq_len=64))[:4]
+    batch = collate_vision_batch(samples, pad_id=processor.tokenizer.pad_token_id, padding_free=padding_free)
+    torch.manual_seed(0)
+    model = qwen2_5_vl.build(qwen2_5_vl.QWEN2_5_VL_TINY)
+    model.init_weights(std=0.2)  # attention far from uniform: a row that saw the wrong keys would show
+
+    def run(objective):
+        model.zero_grad()
+        loss = objective(model, batch)
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    loss, grads = run(loss_objective(1))
+    expected, expected_grads = run(CrossEntropy())
+    terms = 2 * _terms(model, batch["tokens"].shape[1]) + int(batch["target_count"])
+    assert_close(loss, expected, terms=terms, what="loss")
+    for name, grad in expected_grads.items():
+        assert_close(grads[name], grad, terms=terms, what=name)
