@@ -55,6 +55,7 @@ from torchtune_ac.memory.feature import Alternative, Feature, ResolveInputs
 from torchtune_ac.training.objective import (
     IGNORE_INDEX,
     count_target_tokens,
+    cross_entropy_sum,
     host_target_count,
     run_model,
 )
@@ -321,6 +322,9 @@ class ChunkedCrossEntropyObjective:
         return count_target_tokens(batch["labels"])
 
     def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if self.n_chunks == 1 and not getattr(getattr(model, "output", None), "takes_head", False):
+            # An output projection that takes no head (an adapter on it, ``adapter.output``): the whole logits.
+            return cross_entropy_sum(run_model(model, batch), batch["labels"])
         head = ChunkedCrossEntropy(batch["labels"], self.n_chunks, host_target_count(batch), self.compiled)
         return run_model(model, batch, head=head)
 
