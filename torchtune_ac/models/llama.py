@@ -523,9 +523,6 @@ class OutputProjection(nn.Linear):
     the weight of a group holding the final norm and this layer) sees the layer run on either path.
     """
 
-    # Whether ``forward`` takes a loss head (an adapter's output projection does not: ``lora/mechanism.py``).
-    takes_head = True
-
     def __init__(self, in_features: int, out_features: int, softcap: Optional[float] = None) -> None:
         super().__init__(in_features, out_features, bias=False)
         self.softcap = softcap
