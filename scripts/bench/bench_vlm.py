@@ -15,10 +15,10 @@ Sides, each in a fresh process, interleaved A/B/B/A (each ``--repeats`` adds one
 The sides are made alike: the embedded image-text task (``torchtune_ac/data/embedded/vlm``: 48 conversations, one
 56 x 56 image each, 4 image tokens) read in order by both (TRL's sampler sequential), ``--batch-size`` samples a
 step, the embedded Qwen2.5-VL processor (14-pixel patches, 2 x 2 merge; our vocabulary of 518 tokens), fp32 on
-``--threads`` threads, AdamW from ``torch.optim`` at the same learning rate (ours ``fused``, as the family's shipped
-configs set it; TRL's ``adamw_torch``, torch's default: on a CPU one tensor at a time), both towers trained, no activation
-checkpointing, no dropout, no gradient clipping (TRL: max_grad_norm 0), no logging, validation or saving during the
-steps. Each step's tokens (the batch's attention mask, without padding) are counted by both and checked equal, so
+``--threads`` threads, AdamW from ``torch.optim`` at the same learning rate (ours ``fused``, as the family's
+shipped configs set it; TRL's ``adamw_torch``, torch's default: on a CPU one tensor at a time), both towers trained,
+no activation checkpointing, no dropout, no gradient clipping (TRL: max_grad_norm 0), no logging, validation or
+saving during the steps. Each step's tokens (the batch's attention mask, without padding) are counted by both and checked equal, so
 the two sides are known to have trained the same batches. The model (``--size``, default ``bench``: a decoder of
 8 blocks of width 512 and a tower of 8 blocks of width 384, about 40 M parameters) is large enough that a step
 takes seconds on one thread, not the overhead of a tiny model; the weights differ (each side draws its own

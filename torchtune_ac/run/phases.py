@@ -113,7 +113,8 @@ def build_data(cfg: RunConfig, tokenizer: Any, ctx: DistributedContext, *,
     # Each tensor-parallel group reads one share of the global batch, the same on each of its ranks.
     loader = build_dataloader(dataset, batch_size=cfg.data_batch_size, rank=ctx.data_parallel_rank,
                               world_size=ctx.data_parallel_size,
-                              shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id, collate=batching.collate_of(dataset),
+                              shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id,
+                              collate=batching.collate_of(dataset),
                               **batch_padding(cfg, ctx.parallelism), pin_memory=ctx.device.type == "cuda",
                               announce=ctx.is_rank_zero)
     files = dataset.source_files
