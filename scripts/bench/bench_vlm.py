@@ -7,16 +7,18 @@ Sides, each in a fresh process, interleaved A/B/B/A (each ``--repeats`` adds one
 
   * ``ours``: our Qwen2.5-VL (``models/vision/qwen2_5_vl.py``) and our step (``training/step.py``'s
     ``accumulate_gradients`` then the stepper's update) on batches our data makes (``data.vision``:
-    ``build_vision_dataset``, ``collate_vision_batch``);
+    ``build_vision_dataset`` with ``padding_free`` as the shipped Qwen2.5-VL configs set it, each batch one row of
+    documents, ``collate_vision_batch``);
   * ``trl``: transformers' ``Qwen2_5_VLForConditionalGeneration`` of the same shapes (our family's ``config.json``
     for them) trained by TRL 1.16's ``SFTTrainer``, whose collator runs the same processor on the same records.
 
 The sides are made alike: the embedded image-text task (``torchtune_ac/data/embedded/vlm``: 48 conversations, one
 56 x 56 image each, 4 image tokens) read in order by both (TRL's sampler sequential), ``--batch-size`` samples a
 step, the embedded Qwen2.5-VL processor (14-pixel patches, 2 x 2 merge; our vocabulary of 518 tokens), fp32 on
-``--threads`` threads, AdamW from ``torch.optim`` at the same learning rate, both towers trained, no activation
-checkpointing, no dropout, no gradient clipping (TRL: max_grad_norm 0), no logging, validation or saving during the
-steps. Each step's tokens (the batch's attention mask, without padding) are counted by both and checked equal, so
+``--threads`` threads, AdamW from ``torch.optim`` at the same learning rate (ours ``fused``, as the family's
+shipped configs set it; TRL's ``adamw_torch``, torch's default: on a CPU one tensor at a time), both towers trained,
+no activation checkpointing, no dropout, no gradient clipping (TRL: max_grad_norm 0), no logging, validation or
+saving during the steps. Each step's tokens (the batch's attention mask, without padding) are counted by both and checked equal, so
 the two sides are known to have trained the same batches. The model (``--size``, default ``bench``: a decoder of
 8 blocks of width 512 and a tower of 8 blocks of width 384, about 40 M parameters) is large enough that a step
 takes seconds on one thread, not the overhead of a tiny model; the weights differ (each side draws its own
@@ -92,23 +94,28 @@ def run_ours(settings: dict) -> dict:
     import torch
 
     from torchtune_ac.data.embedded import EMBEDDED_VLM_PROCESSOR_DIR, EMBEDDED_VLM_TRAIN_PATH
-    from torchtune_ac.data.vision import build_vision_dataset, collate_vision_batch, load_vision_processor
+    from torchtune_ac.data.batching import SAMPLES
+    from torchtune_ac.data.vision import build_vision_dataset, load_vision_processor
     from torchtune_ac.memory.chunked_loss import loss_objective
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
     from torchtune_ac.models.families.qwen2_5_vl import build
     from torchtune_ac.training.step import accumulate_gradients
 
     processor = load_vision_processor(EMBEDDED_VLM_PROCESSOR_DIR)
-    dataset = build_vision_dataset(EMBEDDED_VLM_TRAIN_PATH, processor, max_seq_len=settings["max_seq_len"])
+    # padding_free: as the family's shipped configs set it (configs/qwen2_5_vl, tiny/vlm)
+    dataset = build_vision_dataset(EMBEDDED_VLM_TRAIN_PATH, processor, max_seq_len=settings["max_seq_len"],
+                                   padding_free=True)
     order, b = record_order(settings), settings["batch_size"]
-    data = [collate_vision_batch([dataset[i] for i in order[k * b:(k + 1) * b]],
-                                 pad_id=processor.tokenizer.pad_token_id) for k in range(settings["steps"])]
+    collate = SAMPLES.collate_of(dataset)
+    data = [collate([dataset[i] for i in order[k * b:(k + 1) * b]], pad_id=processor.tokenizer.pad_token_id)
+            for k in range(settings["steps"])]
     pad = processor.tokenizer.pad_token_id
     torch.manual_seed(0)
     model = build(model_args(settings["size"]))
     model.init_weights()
     model.train()
-    stepper = build_optimizer(lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0), model,
+    # fused: as the shipped Qwen2.5-VL configs set it (configs/qwen2_5_vl, tiny/vlm)
+    stepper = build_optimizer(lambda params: torch.optim.AdamW(params, lr=LR, weight_decay=0.0, fused=True), model,
                               in_backward=False)
     objective = loss_objective(1)
     before = resident_gib()

@@ -5,6 +5,7 @@ first sample, ``check_kind``)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,6 +42,13 @@ class Batching:
     blank: Callable[[dict[str, Any]], dict[str, Any]] = blank_sample
     keys: tuple[tuple[str, ...], ...] = (("tokens", "labels"),)
     not_keys: tuple[str, ...] = ("pairs",)
+
+    def collate_of(self, dataset: Any) -> Callable[..., dict[str, torch.Tensor]]:
+        """``collate`` for ``dataset``: each batch one row of documents where the dataset asks for no padding (a
+        vision dataset's ``padding_free``)."""
+        if getattr(dataset, "padding_free", False):
+            return functools.partial(self.collate, padding_free=True)
+        return self.collate
 
     def check_kind(self, dataset: Any, key: str, path: str) -> None:
         """Raise ``UserError`` when ``dataset``'s first sample holds none of ``keys``' sets whole, or one of

@@ -246,10 +246,12 @@ class VisionDataset(Dataset):
     """Image-text samples in memory (image tensors included); ``report`` says what building it dropped, once."""
 
     def __init__(self, samples: list[dict[str, Any]], *, report: Optional[str] = None,
-                 packing: Optional[PackingReport] = None) -> None:
+                 packing: Optional[PackingReport] = None, padding_free: bool = False) -> None:
         self.samples = samples
         self.report = report
         self.packing = packing
+        # Its batches one row of documents, no padding between them (``collate_vision_batch``; ``Batching.collate_of``).
+        self.padding_free = padding_free
         # Where it was read from (set by ``vision_dataset``): the source as messages name it, and its local files.
         self.source: Optional[str] = None
         self.source_files: Optional[Any] = None
@@ -316,8 +318,8 @@ def process_records(source: str | list[str], process: Callable[[Record, Path], O
 
 
 def build_vision_dataset(source: str | list[str], processor: Any, *, max_seq_len: int, resize_images: bool = False,
-                         drop_long_samples: bool = True, packed: bool = False, split: str = "train",
-                         records: Optional[list[Record]] = None) -> VisionDataset:
+                         drop_long_samples: bool = True, packed: bool = False, padding_free: bool = False,
+                         split: str = "train", records: Optional[list[Record]] = None) -> VisionDataset:
     """Read, check and process every record, before any weight loads.
 
     Args:
@@ -327,6 +329,7 @@ def build_vision_dataset(source: str | list[str], processor: Any, *, max_seq_len
         resize_images: Let the processor scale down images over its pixel limit (else they are refused).
         drop_long_samples: Drop samples longer than ``max_seq_len`` with a count (else refuse the first).
         packed: Pack samples into rows of ``max_seq_len`` tokens, each sample a document.
+        padding_free: Unpacked, each batch's samples the documents of one row (``collate_vision_batch``).
         split: Split of a folder or Hub dataset.
         records: ``source``'s records when they are read already (``load_records(source, split=split)``).
 
@@ -341,7 +344,7 @@ def build_vision_dataset(source: str | list[str], processor: Any, *, max_seq_len
         split=split, unit="record", sample="sample", counted="image tokens included", cut="the answer",
         records=records)
     if not packed:
-        return VisionDataset(samples, report=report)
+        return VisionDataset(samples, report=report, padding_free=padding_free)
     pad_id = processor.tokenizer.pad_token_id
     rows = pack_vision_samples(samples, max_seq_len=max_seq_len, pad_id=pad_id)
     packing = PackingReport(samples=len(samples), rows=len(rows), tokens=sum(len(s["tokens"]) for s in samples),
@@ -404,13 +407,21 @@ def pack_vision_samples(samples: Iterable[dict[str, Any]], *, max_seq_len: int, 
 
 
 def collate_vision_batch(samples: list[dict[str, Any]], *, pad_id: int, pad_to_multiple_of: int = 1,
-                         max_length: Optional[int] = None) -> dict[str, torch.Tensor]:
+                         max_length: Optional[int] = None, padding_free: bool = False) -> dict[str, torch.Tensor]:
     """``collate.collate_batch`` for the tokens, plus the processor's outputs.
+
+    With ``padding_free``, unpacked samples are the documents of one row, one after the other
+    (``pack_vision_samples``): the model computes nothing for padding but the tail that rounds the row up to
+    ``pad_to_multiple_of``, and the loss sums the same targets (attention and positions restart at each document).
 
     Returns:
         What ``collate_batch`` returns, plus each per-token key as ``LongTensor[b, s]`` (padded with 0) and each
         image tensor concatenated along dim 0 over the batch in sample order (a text-only batch has none).
     """
+    if padding_free and not any("document_ids" in sample for sample in samples):
+        length = sum(len(sample["tokens"]) for sample in samples)
+        length = -(-length // pad_to_multiple_of) * pad_to_multiple_of
+        samples = pack_vision_samples(samples, max_seq_len=length, pad_id=pad_id)  # one row
     batch = collate_batch(samples, pad_id=pad_id, pad_to_multiple_of=pad_to_multiple_of, max_length=max_length)
     length = batch["tokens"].shape[1]
     keys = dict.fromkeys(key for sample in samples for key in sample if key not in batch)
@@ -434,6 +445,7 @@ def vision_dataset(
     processor: Optional[str] = None,
     max_seq_len: Optional[int] = None,
     packed: bool = False,
+    padding_free: bool = False,
     resize_images: bool = False,
     drop_long_samples: bool = True,
     split: str = "train",
@@ -448,16 +460,19 @@ def vision_dataset(
             (a Hugging Face checkpoint holds it).
         max_seq_len: longest sample, image tokens included (defaults to ``tokenizer.max_seq_len``).
         packed: pack samples into rows of ``max_seq_len`` tokens, each a document.
+        padding_free: each batch's samples the documents of one row, no padding between them: the same loss, no
+            work spent on padding (docs/vision.md). For a model that attends per document (Qwen2.5-VL, Qwen3-VL);
+            Gemma 3's image attention takes a mask over the whole row instead.
         resize_images: let the processor scale down an image over its pixel limit (else it is refused).
         drop_long_samples: drop a sample longer than ``max_seq_len`` with a count (else refuse it).
         split: split of a folder or Hub dataset.
 
     Raises:
-        UserError: as ``build_vision_dataset``, or ``max_seq_len`` unset.
+        UserError: as ``build_vision_dataset``, ``max_seq_len`` unset, or both ``packed`` and ``padding_free``.
     """
     return prepare_vision_dataset(tokenizer, source=source, processor=processor, max_seq_len=max_seq_len,
-                                  packed=packed, resize_images=resize_images, drop_long_samples=drop_long_samples,
-                                  split=split).build()
+                                  packed=packed, padding_free=padding_free, resize_images=resize_images,
+                                  drop_long_samples=drop_long_samples, split=split).build()
 
 
 @dataclass(frozen=True)
@@ -474,21 +489,25 @@ class PreparedVisionDataset:
 
 def prepare_vision_dataset(tokenizer: Tokenizer, *, source: Sources = EMBEDDED_VLM_TRAIN_PATH,
                            processor: Optional[str] = None, max_seq_len: Optional[int] = None, packed: bool = False,
-                           resize_images: bool = False, drop_long_samples: bool = True,
+                           padding_free: bool = False, resize_images: bool = False, drop_long_samples: bool = True,
                            split: str = "train") -> PreparedVisionDataset:
     """``vision_dataset`` up to its records (the same arguments).
 
     Raises:
-        UserError: ``max_seq_len`` unset, no processor, or a source that cannot be read.
+        UserError: ``max_seq_len`` unset, no processor, a source that cannot be read, or both ``packed`` and
+            ``padding_free``.
     """
+    if packed and padding_free:
+        raise UserError("vision_dataset: packed=true and padding_free=true: packed rows hold documents already, "
+                        "with padding only at their ends; set one of them")
     max_seq_len, loaded = processor_and_length(
         tokenizer, processor, max_seq_len, "vision_dataset: set max_seq_len (an image-text sample is never truncated)")
     records = load_records(source, split=split)
 
     def build() -> VisionDataset:
         return with_source(build_vision_dataset(source, loaded, max_seq_len=max_seq_len, resize_images=resize_images,
-                                                drop_long_samples=drop_long_samples, packed=packed, split=split,
-                                                records=records), source, split)
+                                                drop_long_samples=drop_long_samples, packed=packed,
+                                                padding_free=padding_free, split=split, records=records), source, split)
 
     return PreparedVisionDataset(source if isinstance(source, str) else ", ".join(source), records, functools.partial(
         process_vision_record, processor=loaded, base_dir=images_folder(source), resize_images=resize_images), build)

@@ -4,7 +4,9 @@
 
 ``loss_chunks: null`` (the default) chooses from the vocabulary: ``DEFAULT_LOSS_CHUNKS`` chunks when it has at
 least ``CHUNKED_LOSS_MIN_VOCAB`` tokens (the logits then outweigh everything else a step keeps), else the whole
-logits (see docs/memory.md, "Fitting a bigger model", for the measurements behind this).
+logits (see docs/memory.md, "Fitting a bigger model", for the measurements behind this). A model whose forward asks
+the chunked head for the target positions (``models.llama.TargetHead``: Qwen2.5-VL) computes its last block at those
+positions only.
 
 The whole-logits objective (``training/objective.py``) projects every position to the vocabulary
 (``[b, s, vocab]``). ``ChunkedCrossEntropy``, passed to the model as its output head, gives the same sum:
@@ -271,25 +273,36 @@ class ChunkedCrossEntropy:
     n_targets: Optional[int] = None
     compiled: bool = False
 
-    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
-        """The summed float32 cross-entropy (a 0-d tensor).
-
-        Args:
-            hidden: ``[b, s, dim]``, the final norm's output (a replicated DTensor under tensor parallelism).
-            weight: ``[vocab, dim]``, the output projection (tied to the embedding or not); under tensor
-                parallelism a DTensor split along the vocabulary, and the loss is computed on the shards.
-            softcap: C, where the model soft-caps its logits (``C * tanh(logits / C)``).
-        """
+    def target_rows(self) -> Optional[torch.Tensor]:
+        """The target positions ``[n]``, in order, as indices into the ``b * s`` flattened labels; None when the
+        host counted none (``models.llama.TargetHead``: the model may then compute its last block at these rows)."""
+        if self.n_targets == 0:
+            return None
         labels = self.labels.flatten()  # [b * s]
         ignored = labels == IGNORE_INDEX
         n_targets = self.n_targets if self.n_targets is not None else int(ignored.numel() - ignored.sum())
         # The target positions first, in order (a stable sort of a 0/1 key), then the first n_targets of them: a
         # gather of a size known on the host, where a boolean mask's size would have to be read from the device.
-        order = torch.argsort(ignored.to(torch.uint8), stable=True)[:n_targets]  # [n]
-        targets = labels.index_select(0, order)  # [n]
+        return torch.argsort(ignored.to(torch.uint8), stable=True)[:n_targets]  # [n]
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor, softcap: Optional[float] = None) -> torch.Tensor:
+        """The summed float32 cross-entropy (a 0-d tensor).
+
+        Args:
+            hidden: ``[b, s, dim]``, the final norm's output (a replicated DTensor under tensor parallelism), or
+                ``[n, dim]``, its rows at ``target_rows()`` already.
+            weight: ``[vocab, dim]``, the output projection (tied to the embedding or not); under tensor
+                parallelism a DTensor split along the vocabulary, and the loss is computed on the shards.
+            softcap: C, where the model soft-caps its logits (``C * tanh(logits / C)``).
+        """
+        order = self.target_rows()
+        if order is None:
+            order = torch.zeros(0, dtype=torch.long, device=self.labels.device)
+        targets = self.labels.flatten().index_select(0, order)  # [n]
         if isinstance(weight, DTensor):
             return _vocab_parallel_loss(hidden, weight, targets, order, self.n_chunks, softcap)
-        hidden = hidden.flatten(0, 1).index_select(0, order)  # [n, dim]: ignored positions never reach the projection
+        if hidden.ndim == 3:  # [n, dim]: ignored positions never reach the projection
+            hidden = hidden.flatten(0, 1).index_select(0, order)
         return _ChunkedLinearCrossEntropy.apply(hidden, weight, targets, self.n_chunks, softcap, self.compiled)
 
 

@@ -300,7 +300,7 @@ def _explicit_attention(
     return out.view(b, n_heads, length, hd)
 
 
-def _document_index(runs: DocumentRuns, b: int, s: int) -> torch.Tensor:
+def document_index(runs: DocumentRuns, b: int, s: int) -> torch.Tensor:
     """``[b, s]`` int32: the index of each token's document in ``runs`` (found on the device, no sync)."""
     tokens = torch.arange(b * s, dtype=torch.int32, device=runs.cu_seqlens.device)
     return (torch.searchsorted(runs.cu_seqlens, tokens, right=True) - 1).view(b, s)
@@ -311,7 +311,7 @@ def _document_index(runs: DocumentRuns, b: int, s: int) -> torch.Tensor:
 def _flex_block_mask(runs: Optional[DocumentRuns], window: Optional[int], b: int, s: int, device: torch.device):
     """The block mask of causal attention (within ``window``, within each document of ``runs``), built once per
     forward and shared by its layers (``runs`` is one object per forward; an unpacked shape is reused)."""
-    document = None if runs is None else _document_index(runs, b, s)
+    document = None if runs is None else document_index(runs, b, s)
 
     def mask_mod(batch, head, q_index, kv_index):
         allowed = q_index >= kv_index

@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol, Union
+from typing import Any, Callable, Optional, Protocol, Union, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchtune_ac.models.attention import DocumentRuns, causal_attention, document_runs, document_starts
+from torchtune_ac.models.attention import (DocumentRuns, causal_attention, document_index, document_runs,
+                                          document_starts)
 from torchtune_ac.models.moe import GroupedExperts, MoE, MoEArgs
 
 
@@ -387,6 +388,42 @@ class Attention(nn.Module):
         )  # [b, s, n_heads, hd]
         return self.o_proj(out.reshape(b, s, -1))  # [b, s, n_heads * hd] in
 
+    def attends_plainly(self) -> bool:
+        """Whether its attention is plain causal attention (no window, cap, sinks, dropout or KV cache): what
+        ``forward_rows`` computes."""
+        return (self.window is None and self.softcap is None and self.sinks is None and self.kv_cache is None
+                and not (self.training and self.dropout))
+
+    def forward_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns],
+                     rows: torch.Tensor) -> torch.Tensor:
+        """``forward``'s output at ``rows`` only (``[n]`` indices into the ``b * s`` flattened tokens, ascending):
+        queries, attention and the output projection for those rows, keys and values for every token. Plain
+        attention only (``attends_plainly``).
+
+        Returns:
+            ``[n, dim]``.
+        """
+        b, s, _ = x.shape
+        n = rows.numel()
+        q = self.q_proj(x.flatten(0, 1).index_select(0, rows)).view(n, -1, self.head_dim)  # [n, n_heads, hd]
+        k = self.k_proj(x).view(b * s, -1, self.head_dim)  # [b * s, n_kv, hd]
+        v = self.v_proj(x).view(b * s, -1, self.head_dim).transpose(0, 1).unsqueeze(0)  # [1, n_kv, b * s, hd]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+
+        def table(t: torch.Tensor) -> torch.Tensor:  # [b, 1, s, rd] -> [1, 1, b * s, rd]
+            return t.expand(b, -1, -1, -1).reshape(1, 1, b * s, -1)
+
+        q = apply_rope(q.transpose(0, 1).unsqueeze(0), table(cos)[:, :, rows], table(sin)[:, :, rows])  # [1, H, n, hd]
+        k = apply_rope(k.transpose(0, 1).unsqueeze(0), table(cos), table(sin))  # [1, n_kv, b * s, hd]
+        # A row sees the tokens of its own sequence (document, or batch row) up to itself: one call over all keys.
+        tokens = torch.arange(b * s, device=x.device)
+        sequence = tokens // s if runs is None else document_index(runs, b, s).flatten()
+        allowed = (tokens <= rows.unsqueeze(1)) & (sequence == sequence[rows].unsqueeze(1))  # [n, b * s]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed, enable_gqa=k.shape[1] != q.shape[1],
+                                             scale=self.scale)  # [1, n_heads, n, hd]
+        return self.o_proj(out.squeeze(0).transpose(0, 1).reshape(n, -1))
+
 
 class MLP(nn.Module):
     """Gated feed-forward: ``down(act(gate(x)) * up(x))`` (SwiGLU with silu, GeGLU with gelu)."""
@@ -433,8 +470,21 @@ class TransformerBlock(nn.Module):
         self.resid_dropout = nn.Dropout(args.resid_dropout)
 
     def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns] = None
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, runs: Optional[DocumentRuns] = None,
+        rows: Optional[torch.Tensor] = None,
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """``[b, s, dim]`` -> ``[b, s, dim]``; with ``rows`` (``[n]`` ascending indices into the ``b * s``
+        flattened tokens) the output at those rows only, ``[n, dim]``: where nothing after this block reads the
+        others (the last block, before a loss over the targets), their queries, attention output and MLP are never
+        computed. A block that is not plain (``Attention.attends_plainly``, dropout, a mixture of experts) computes
+        every row and returns those."""
+        if rows is not None:
+            plain = (self.attn.attends_plainly() and not isinstance(self.mlp, MoE)
+                     and not (self.training and self.resid_dropout.p))
+            if not plain:
+                return self.forward(x, cos, sin, runs).flatten(0, 1).index_select(0, rows)
+            h = x.flatten(0, 1).index_select(0, rows) + self.attn.forward_rows(self.attn_norm(x), cos, sin, runs, rows)
+            return h + self.mlp(self.mlp_norm(h))
         h = x + self.resid_dropout(self.attn(self.attn_norm(x), cos, sin, runs))
         if isinstance(self.mlp, MoE):  # its output, and its router's logits and counts, handed on to the decoder
             out, logits, counts = self.mlp(self.mlp_norm(h))
@@ -458,6 +508,16 @@ def positions_from_document_ids(document_ids: torch.Tensor) -> torch.Tensor:
     idx = torch.arange(s, device=document_ids.device).expand(b, s)
     start_idx = torch.where(document_starts(document_ids), idx, torch.zeros_like(idx))
     return idx - torch.cummax(start_idx, dim=1).values
+
+
+@runtime_checkable
+class TargetHead(Protocol):
+    """An output head that reads the final hidden states at its targets only: ``target_rows()`` names them (``[n]``
+    ascending indices into the ``b * s`` flattened tokens, or None to be given every row), and the head is then
+    called with the hidden states of those rows, ``[n, dim]`` (``memory/chunked_loss.py``'s ``ChunkedCrossEntropy``).
+    A model may then compute its last block at those rows only (``TransformerBlock.forward``'s ``rows``)."""
+
+    def target_rows(self) -> Optional[torch.Tensor]: ...
 
 
 class BlockClass(Protocol):

@@ -113,7 +113,8 @@ def build_data(cfg: RunConfig, tokenizer: Any, ctx: DistributedContext, *,
     # Each tensor-parallel group reads one share of the global batch, the same on each of its ranks.
     loader = build_dataloader(dataset, batch_size=cfg.data_batch_size, rank=ctx.data_parallel_rank,
                               world_size=ctx.data_parallel_size,
-                              shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id, collate=batching.collate,
+                              shuffle=cfg.shuffle, seed=cfg.seed, pad_id=tokenizer.pad_id,
+                              collate=batching.collate_of(dataset),
                               **batch_padding(cfg, ctx.parallelism), pin_memory=ctx.device.type == "cuda",
                               announce=ctx.is_rank_zero)
     files = dataset.source_files
@@ -149,7 +150,7 @@ class ValidationData:
         """This rank's batches of one pass (every sample once over all ranks; see ``evaluation_batches``)."""
         return evaluation_batches(self.dataset, batch_size=self.batch_size, pad_id=self.pad_id,
                                   rank=self.ctx.data_parallel_rank, world_size=self.ctx.data_parallel_size,
-                                  collate=self.batching.collate,
+                                  collate=self.batching.collate_of(self.dataset),
                                   blank=self.batching.blank, **self.padding)
 
     def due(self, step: int, *, epoch_done: bool) -> bool:

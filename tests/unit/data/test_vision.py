@@ -173,3 +173,10 @@ def test_generator_reproduces_the_committed_files(tmp_path):
     assert committed == sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     for name in committed:
         assert (tmp_path / name).read_bytes() == (Path(EMBEDDED_VLM_DIR) / name).read_bytes(), name
+
+
+def test_packed_and_padding_free_together_are_refused():
+    from torchtune_ac.data.vision import vision_dataset
+
+    with pytest.raises(UserError, match=r"^vision_dataset: packed=true and padding_free=true: .*set one of them$"):
+        vision_dataset(None, packed=True, padding_free=True, max_seq_len=64)

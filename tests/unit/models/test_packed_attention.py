@@ -757,3 +757,33 @@ def test_on_a_gpu_flash_varlen_and_the_per_document_fallback_agree(monkeypatch, 
         per_document = causal_attention(q, k, v, dropout_p=0.0, runs=runs)
     assert counter.count == 0
     assert_close(per_document.float(), flash.float(), terms=attention_terms(64, s), dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_a_block_at_some_rows_is_the_whole_block_at_those_rows(packed, qk_norm):
+    # ``rows``: the block's output at those rows of the flattened batch only (the last block before a loss over the
+    # targets), each row attending to its own document (or batch row) up to itself; as the whole block's, within
+    # rounding (one masked call over all keys against one causal call per document), its gradients too.
+    torch.manual_seed(0)
+    args = dataclasses.replace(build().args, qk_norm=qk_norm)
+    block = llama.TransformerBlock(args)
+    for parameter in block.parameters():
+        torch.nn.init.normal_(parameter, std=0.2)
+    x = torch.randn(2, 24, args.dim)
+    cos, sin = Llama(args).rope_cos_sin(torch.arange(24).expand(2, 24), x.dtype)
+    runs = document_runs(PACKED_IDS) if packed else None
+    rows = torch.tensor([0, 3, 4, 5, 13, 14, 20, 23, 24, 30, 35, 36, 47])
+    weights = torch.randn(len(rows), args.dim)
+
+    def run(select):
+        block.zero_grad()
+        out = select()
+        (out * weights).sum().backward()
+        return out.detach(), {name: p.grad.clone() for name, p in block.named_parameters()}
+
+    out, grads = run(lambda: block(x, cos, sin, runs, rows=rows))
+    expected, expected_grads = run(lambda: block(x, cos, sin, runs).flatten(0, 1).index_select(0, rows))
+    terms = llama_terms(dataclasses.replace(args, n_layers=1), 24, len(rows))
+    assert_close(out, expected, terms=terms, what="block output")
+    assert_all_close(grads, expected_grads, terms=terms, what="gradient")

@@ -196,3 +196,70 @@ def test_the_towers_segmented_attention_is_the_dense_masks(monkeypatch):
     assert_close(out, expected, terms=terms, what="tower output")
     for name, grad in expected_grads.items():
         assert_close(grads[name], grad, terms=terms, what=name)
+
+
+@pytest.mark.numerics
+def test_a_padding_free_batch_has_the_padded_batchs_loss_and_gradients():
+    # The embedded task's samples as one row of documents (``padding_free``) against one padded row each: the same
+    # targets, positions restarting per document, attention within each, so the same loss and weight gradients.
+    from torchtune_ac.data.embedded import EMBEDDED_VLM_PROCESSOR_DIR, EMBEDDED_VLM_TRAIN_PATH
+    from torchtune_ac.data.vision import build_vision_dataset, collate_vision_batch, load_vision_processor
+    from torchtune_ac.training.objective import CrossEntropy
+
+    processor = load_vision_processor(EMBEDDED_VLM_PROCESSOR_DIR)
+    samples = list(build_vision_dataset(EMBEDDED_VLM_TRAIN_PATH, processor, max_seq_len=64))[:4]
+    pad = processor.tokenizer.pad_token_id
+    padded = collate_vision_batch(samples, pad_id=pad)
+    free = collate_vision_batch(samples, pad_id=pad, padding_free=True, pad_to_multiple_of=8)
+    lengths = [len(sample["tokens"]) for sample in samples]
+    tail = -sum(lengths) % 8
+    assert free["tokens"].shape == (1, sum(lengths) + tail)
+    assert free["document_lengths"].tolist() == lengths + ([tail] if tail else [])
+    assert int(free["target_count"]) == int(padded["target_count"]) > 0
+    torch.manual_seed(0)
+    model = qwen2_5_vl.build(qwen2_5_vl.QWEN2_5_VL_TINY)
+    model.init_weights()
+
+    def run(batch):
+        model.zero_grad()
+        loss = CrossEntropy()(model, batch)
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    loss, grads = run(free)
+    expected, expected_grads = run(padded)
+    terms = 2 * _terms(model, padded["tokens"].shape[1]) + sum(lengths)
+    assert_close(loss, expected, terms=terms, what="loss")
+    for name, grad in expected_grads.items():
+        assert_close(grads[name], grad, terms=terms, what=name)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_the_loss_at_the_targets_only_is_the_whole_logits_loss(padding_free):
+    # The chunked loss's head reads the targets' rows only, and the last block computes those rows only
+    # (``TargetHead``); the loss and every gradient are the whole logits' within rounding.
+    from torchtune_ac.data.embedded import EMBEDDED_VLM_PROCESSOR_DIR, EMBEDDED_VLM_TRAIN_PATH
+    from torchtune_ac.data.vision import build_vision_dataset, collate_vision_batch, load_vision_processor
+    from torchtune_ac.memory.chunked_loss import loss_objective
+    from torchtune_ac.training.objective import CrossEntropy
+
+    processor = load_vision_processor(EMBEDDED_VLM_PROCESSOR_DIR)
+    samples = list(build_vision_dataset(EMBEDDED_VLM_TRAIN_PATH, processor, max_seq_len=64))[:4]
+    batch = collate_vision_batch(samples, pad_id=processor.tokenizer.pad_token_id, padding_free=padding_free)
+    torch.manual_seed(0)
+    model = qwen2_5_vl.build(qwen2_5_vl.QWEN2_5_VL_TINY)
+    model.init_weights(std=0.2)  # attention far from uniform: a row that saw the wrong keys would show
+
+    def run(objective):
+        model.zero_grad()
+        loss = objective(model, batch)
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    loss, grads = run(loss_objective(2))
+    expected, expected_grads = run(CrossEntropy())
+    terms = 2 * _terms(model, batch["tokens"].shape[1]) + int(batch["target_count"])
+    assert_close(loss, expected, terms=terms, what="loss")
+    for name, grad in expected_grads.items():
+        assert_close(grads[name], grad, terms=terms, what=name)

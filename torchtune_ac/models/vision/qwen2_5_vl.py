@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtune_ac.models.attention import document_runs, document_starts
-from torchtune_ac.models.llama import (ACTIVATIONS, Llama, LlamaArgs, RMSNorm, TransformerBlock,
+from torchtune_ac.models.llama import (ACTIVATIONS, Llama, LlamaArgs, RMSNorm, TargetHead, TransformerBlock,
                                       positions_from_document_ids, rotate_half)
 
 _VISION_NORM_EPS = 1e-6  # transformers' Qwen2.5-VL tower and merger norms
@@ -461,9 +461,12 @@ class Qwen2_5_VL(Llama):
             positions = positions.unsqueeze(0).expand(3, -1, -1)
         runs = document_runs(document_ids, document_lengths) if document_ids is not None else None
         cos, sin = self.mrope_cos_sin(positions, h.dtype)
-        for layer in self.layers:
-            h = layer(h, cos, sin, runs)
-        return self.output(self.norm(h), head)
+        # A head that reads the targets only: the last block computes those rows (``TransformerBlock.forward``).
+        rows = head.target_rows() if isinstance(head, TargetHead) else None
+        for index, layer in enumerate(self.layers):
+            last = index == len(self.layers) - 1
+            h = layer(h, cos, sin, runs, rows=rows) if last and rows is not None else layer(h, cos, sin, runs)
+        return self.output(self.norm(h), head)  # [b, s, vocab], or the head's result
 
     def mrope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables ``[b, 1, s, head_dim]`` of ``positions[3, b, s]``: the first ``mrope_section[0]``
