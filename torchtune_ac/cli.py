@@ -454,7 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Continue a prompt with a checkpoint's model (transformers' own generation; "
                               "greedy by default) and print only the generated text on stdout.")
     generate.add_argument("--checkpoint", required=True,
-                          help="a Hugging Face checkpoint folder, or a run's output_dir (its latest checkpoint)")
+                          help="a Hugging Face checkpoint folder, or a run's output_dir (its latest checkpoint); a LoRA "
+                               "run's checkpoint: its merged/ model (adapter.save_merged)")
     generate.add_argument("--prompt", required=True, help="the text to continue (with --chat: the user's message)")
     layout = generate.add_mutually_exclusive_group()
     layout.add_argument("--chat", action="store_true",

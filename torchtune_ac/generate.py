@@ -3,7 +3,9 @@
     tune generate --checkpoint outputs/tiny_full --alpaca --prompt "What is 33 + 65?"
     tune generate --checkpoint outputs/run/step_0000080 --chat --prompt "Hello"
 
-``--checkpoint`` is a Hugging Face checkpoint folder, or a run's ``output_dir`` (its ``latest`` checkpoint).
+``--checkpoint`` is a Hugging Face checkpoint folder, or a run's ``output_dir`` (its ``latest`` checkpoint); a LoRA
+run's checkpoint stands for its ``merged/`` model (saved with ``adapter.save_merged``; one of adapters alone is
+refused).
 The model is ``AutoModelForCausalLM`` and the tokenizer ``AutoTokenizer``, both read from that folder, and
 the text comes from ``model.generate``: greedy unless ``--temperature`` is above 0, at most ``--max-new-tokens``
 new tokens, stopping at the end-of-text ids of the checkpoint's config. Only the generated text is printed, on
@@ -19,13 +21,11 @@ from __future__ import annotations
 
 import contextlib
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from torchtune_ac.checkpoint import MANIFEST_FILE, resolve_hf_checkpoint
-from torchtune_ac.checkpoint.peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE
+from torchtune_ac.checkpoint import MANIFEST_FILE, MERGED_DIR, resolve_hf_checkpoint
 from torchtune_ac.data import format_alpaca_prompt
 from torchtune_ac.errors import UnavailableError, UserError
 
@@ -95,8 +95,7 @@ def generate_text(request: GenerateRequest) -> Generated:
 def _generate(request: GenerateRequest, checkpoint: Path, device: Any, torch: Any, transformers: Any) -> str:
     tokenizer = _load(transformers.AutoTokenizer, checkpoint, "tokenizer")
     input_ids = _encode(tokenizer, request, checkpoint)
-    with _without_adapters(checkpoint) as model_dir:
-        model = _load(transformers.AutoModelForCausalLM, model_dir, "model", dtype="auto").to(device).eval()
+    model = _load(transformers.AutoModelForCausalLM, checkpoint, "model", dtype="auto").to(device).eval()
     context = getattr(model.config, "max_position_embeddings", None)
     if context is not None and len(input_ids) + request.max_new_tokens > context:
         raise UserError(f"--max-new-tokens {request.max_new_tokens}: with the prompt's {len(input_ids)} tokens it "
@@ -116,21 +115,6 @@ def _generate(request: GenerateRequest, checkpoint: Path, device: Any, torch: An
     new_ids = output[0, len(input_ids):].tolist()
     text = tokenizer.decode(new_ids, skip_special_tokens=True)
     return Generated(text, _why_empty(new_ids, text, config, tokenizer))
-
-
-@contextlib.contextmanager
-def _without_adapters(checkpoint: Path) -> Iterator[Path]:
-    """``checkpoint``, or, where a LoRA run saved its merged model beside its PEFT adapters (``adapter.save_merged``),
-    a temporary folder of links to its files without the adapters': with peft installed, transformers would load the
-    merged model and apply the adapters to it a second time."""
-    if not (checkpoint / ADAPTER_CONFIG_FILE).is_file():
-        yield checkpoint
-        return
-    with tempfile.TemporaryDirectory(prefix="tune_generate_") as folder:
-        for path in checkpoint.iterdir():
-            if path.name not in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
-                (Path(folder) / path.name).symlink_to(path.resolve())
-        yield Path(folder)
 
 
 def _why_empty(new_ids: list[int], text: str, config: Any, tokenizer: Any) -> Optional[str]:
@@ -169,8 +153,10 @@ def _encode(tokenizer: Any, request: GenerateRequest, checkpoint: Path) -> list[
     if request.chat:
         if not tokenizer.chat_template:
             # A run's checkpoint ends with its manifest; anything else came from elsewhere, often a base model.
-            origin = ("the run that wrote it had no chat template" if (checkpoint / MANIFEST_FILE).is_file()
-                      else "base models usually ship without one")
+            # (A LoRA run's merged model is in its checkpoint's merged/ folder.)
+            by_run = (checkpoint / MANIFEST_FILE).is_file() or (
+                checkpoint.name == MERGED_DIR and (checkpoint.parent / MANIFEST_FILE).is_file())
+            origin = "the run that wrote it had no chat template" if by_run else "base models usually ship without one"
             raise UserError(f"--chat: the tokenizer in {checkpoint} has no chat template ({origin}); generate "
                             "without --chat, or fine-tune on chat data with tokenizer.chat_template set")
         messages = [{"role": "user", "content": request.prompt}]

@@ -86,23 +86,35 @@ def test_generate_equals_transformers_greedy_on_the_embedded_checkpoint(capsys, 
     assert (code, out) == (0, expected + "\n"), err
 
 
-def test_a_merged_model_beside_its_adapters_is_generated_from_alone(capsys, tmp_path, embedded_checkpoint):
-    """A LoRA run's checkpoint with ``adapter.save_merged`` holds the merged model and its PEFT adapters; with peft
-    installed, transformers would apply the adapters to the merged model again. Here the "merged" model is the base
-    and the adapters are not zero: generate must give the base's text, which transformers on the folder does not."""
+def test_a_lora_checkpoint_is_generated_from_its_merged_model_alone(capsys, tmp_path, embedded_checkpoint):
+    """A LoRA run's checkpoint with ``adapter.save_merged`` holds its PEFT adapters and, in ``merged/``, the merged
+    model. Here the "merged" model is the base and the adapters are not zero: generate must give the base's text
+    (transformers, with peft installed, applies adapters it finds beside a model's config.json)."""
     peft = pytest.importorskip("peft")
-    folder = tmp_path / "merged_and_adapters"
-    shutil.copytree(embedded_checkpoint, folder)
+    folder = tmp_path / "step_0000004"
     lora = peft.LoraConfig(r=8, lora_alpha=64, target_modules=["q_proj", "v_proj", "down_proj"],
                            init_lora_weights=False)  # B random, not zero: the adapters change the logits
     torch.manual_seed(0)
     peft.get_peft_model(AutoModelForCausalLM.from_pretrained(embedded_checkpoint), lora).save_pretrained(folder)
     tokenizer = AutoTokenizer.from_pretrained(embedded_checkpoint)
     expected = transformers_greedy(embedded_checkpoint, bos_and(tokenizer, PROMPT))
-    assert transformers_greedy(folder, bos_and(tokenizer, PROMPT)) != expected  # transformers adds the adapters
-    code, out, err = tune_generate(capsys, "--checkpoint", str(folder), "--prompt", PROMPT,
-                                   "--max-new-tokens", str(NEW_TOKENS))
-    assert (code, out) == (0, expected + "\n"), err
+    with_adapters = tmp_path / "with_adapters"
+    shutil.copytree(folder, with_adapters)
+    shutil.copytree(embedded_checkpoint, with_adapters, dirs_exist_ok=True)
+    assert transformers_greedy(with_adapters, bos_and(tokenizer, PROMPT)) != expected  # transformers adds them
+    # Adapters alone: refused, naming the layout that works.
+    capsys.readouterr()  # transformers' loading bars above
+    code, out, err = tune_generate(capsys, "--checkpoint", str(folder), "--prompt", PROMPT)
+    assert (code, out) == (2, "")
+    assert err == (f"tune: error: checkpoint {folder}: the adapters of a LoRA run alone (adapter_config.json, no "
+                   "merged/config.json); load them onto their base with peft's PeftModel.from_pretrained, or train "
+                   "with adapter.save_merged=true, whose checkpoints also hold the merged model in merged/\n")
+    shutil.copytree(embedded_checkpoint, folder / "merged")
+    (tmp_path / LATEST_POINTER).symlink_to(folder.name)
+    for checkpoint in (folder, tmp_path):  # the checkpoint, and an output_dir whose latest names it
+        code, out, err = tune_generate(capsys, "--checkpoint", str(checkpoint), "--prompt", PROMPT,
+                                       "--max-new-tokens", str(NEW_TOKENS))
+        assert (code, out) == (0, expected + "\n"), err
 
 
 def test_generate_prints_only_the_generated_text(embedded_checkpoint):
@@ -154,8 +166,8 @@ def test_chat_without_a_template_says_a_run_wrote_it_so(capsys, tmp_path, run_di
     [
         (["--checkpoint", "{tmp}/nowhere", "--prompt", "hi"], "checkpoint {tmp}/nowhere: no such directory"),
         (["--checkpoint", "{tmp}", "--prompt", "hi"],
-         "checkpoint {tmp}: neither a Hugging Face checkpoint (no config.json) nor a run's output_dir with a "
-         "checkpoint (no latest, no complete step_* folder)"),
+         "checkpoint {tmp}: neither a Hugging Face checkpoint (no config.json, no merged/config.json) nor a run's "
+         "output_dir with a checkpoint (no latest, no complete step_* folder)"),
         (["--checkpoint", "{embedded}", "--prompt", " "], "--prompt: empty"),
         (["--checkpoint", "{embedded}", "--prompt", "hi", "--max-new-tokens", "0"],
          "--max-new-tokens: must be >= 1, got 0"),

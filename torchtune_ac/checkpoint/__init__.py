@@ -35,6 +35,7 @@ from torchtune_ac.checkpoint.output_lock import (
 )
 from torchtune_ac.checkpoint.recipe_state import (
     LATEST_POINTER,
+    MERGED_DIR,
     RECIPE_STATE_DIR,
     RESUMABLE_KEPT,
     TRAINER_STATE_FILE,
@@ -58,6 +59,7 @@ __all__ = [
     "INDEX_FILE",
     "LATEST_POINTER",
     "LockHolder",
+    "MERGED_DIR",
     "MANIFEST_FILE",
     "OUTPUT_LOCK_FILE",
     "RECIPE_STATE_DIR",

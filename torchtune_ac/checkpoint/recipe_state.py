@@ -5,6 +5,10 @@ Layout of ``output_dir``::
     step_0000040/                  one directory per save (end of each epoch, every save_every_n_steps, a stop)
         config.json, model*.safetensors[, model.safetensors.index.json], tokenizer files
                                    the model in Hugging Face format: AutoModelForCausalLM.from_pretrained(here)
+                                   (a run with adapters: adapter_config.json, adapter_model.safetensors, its PEFT
+                                   folder, and the tokenizer files instead)
+        merged/                    a run with adapters and adapter.save_merged: the merged model (base + adapters)
+                                   in Hugging Face format, with the tokenizer files, loaded alone from here
         recipe_state/              in the checkpoints a resume may use (see "Keeping checkpoints" below)
             .metadata, *.distcp    model + optimizer, torch.distributed.checkpoint (sharded when FSDP; loads into
                                    another number of processes)
@@ -78,7 +82,7 @@ from torchtune_ac.checkpoint.files import (
     write_pointer,
 )
 from torchtune_ac.checkpoint.hf import CONFIG_FILE, HFModelFiles, copy_tokenizer_files, write_hf_files
-from torchtune_ac.checkpoint.peft import AdapterFiles, write_adapter_files
+from torchtune_ac.checkpoint.peft import ADAPTER_CONFIG_FILE, AdapterFiles, write_adapter_files
 from torchtune_ac.checkpoint.manifest import (
     MANIFEST_FILE,
     check_against_manifest,
@@ -93,6 +97,9 @@ RECIPE_STATE_DIR = "recipe_state"
 TRAINER_STATE_FILE = "trainer_state.json"
 # output_dir/latest: the newest checkpoint that matched its manifest once written (a link, or a file naming it).
 LATEST_POINTER = "latest"
+# A run with adapters saves its merged model here, apart from its PEFT folder: transformers, with peft installed,
+# would apply adapters it finds beside a model's config.json to that model (here, a second time).
+MERGED_DIR = "merged"
 # Newest checkpoints that keep their recipe state when keep_last_n_checkpoints is null: one to resume from, and
 # one to fall back on if it is damaged.
 RESUMABLE_KEPT = 2
@@ -202,29 +209,52 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 def resolve_hf_checkpoint(path: str | Path) -> Path:
     """The Hugging Face checkpoint ``path`` names: ``path`` itself when it holds a config.json, else, for a run's
     ``output_dir``, the checkpoint its ``latest`` pointer names (for an ``output_dir`` written before pointers
-    existed, its newest checkpoint that matches its manifest).
+    existed, its newest checkpoint that matches its manifest). A checkpoint of a run with adapters names its
+    ``merged/`` model (``adapter.save_merged``).
 
     Raises:
         UserError: ``path`` does not exist, or is neither a checkpoint nor an ``output_dir`` holding one (naming
             what it lacks).
     """
     root = Path(path).expanduser()
-    if (root / CONFIG_FILE).is_file():
-        return root
+    model = _hf_model_in(root)
+    if model is not None:
+        return model
     if not root.is_dir():
         raise UserError(f"checkpoint {root}: no such directory")
+    if (root / ADAPTER_CONFIG_FILE).is_file():
+        raise UserError(_adapters_only(root))
     name = read_pointer(root / LATEST_POINTER)
     if name is not None:
         target = root / name
-        if not _CHECKPOINT_RE.match(name) or not (target / CONFIG_FILE).is_file():
+        model = _hf_model_in(target) if _CHECKPOINT_RE.match(name) else None
+        if model is None:
+            if _CHECKPOINT_RE.match(name) and (target / ADAPTER_CONFIG_FILE).is_file():
+                raise UserError(_adapters_only(target))
             raise UserError(f"checkpoint {root}: {root / LATEST_POINTER} names {name}, which is not a checkpoint "
                             "here; name a step_* folder instead")
-        return target
+        return model
     for checkpoint in reversed(list_checkpoints(root)):
-        if (checkpoint / CONFIG_FILE).is_file() and check_against_manifest(checkpoint, hashes=False) is None:
-            return checkpoint
-    raise UserError(f"checkpoint {root}: neither a Hugging Face checkpoint (no {CONFIG_FILE}) nor a run's output_dir "
-                    f"with a checkpoint (no {LATEST_POINTER}, no complete step_* folder)")
+        model = _hf_model_in(checkpoint)
+        if model is not None and check_against_manifest(checkpoint, hashes=False) is None:
+            return model
+    raise UserError(f"checkpoint {root}: neither a Hugging Face checkpoint (no {CONFIG_FILE}, no "
+                    f"{MERGED_DIR}/{CONFIG_FILE}) nor a run's output_dir with a checkpoint (no {LATEST_POINTER}, "
+                    "no complete step_* folder)")
+
+
+def _hf_model_in(checkpoint: Path) -> Optional[Path]:
+    """The Hugging Face model folder of ``checkpoint``: itself, or its merged model's folder (None: neither)."""
+    for folder in (checkpoint, checkpoint / MERGED_DIR):
+        if (folder / CONFIG_FILE).is_file():
+            return folder
+    return None
+
+
+def _adapters_only(checkpoint: Path) -> str:
+    return (f"checkpoint {checkpoint}: the adapters of a LoRA run alone ({ADAPTER_CONFIG_FILE}, no "
+            f"{MERGED_DIR}/{CONFIG_FILE}); load them onto their base with peft's PeftModel.from_pretrained, or train "
+            f"with adapter.save_merged=true, whose checkpoints also hold the merged model in {MERGED_DIR}/")
 
 
 def choose_resume_checkpoint(output_dir: str | Path, *, hashes: bool,
@@ -278,8 +308,9 @@ def _newest_without_recipe_state(output_dir: Path, newest: Path, candidates: lis
     older = [c for c in candidates if c != newest]
     start = older[0].name if older else "step 0"
     ways = [f"to resume from {start}, move {newest.name} out of {output_dir}"]
-    if (newest / CONFIG_FILE).is_file():
-        ways.append(f"to train on from its weights, start a new run with checkpoint_dir={newest} and another "
+    model = _hf_model_in(newest)
+    if model is not None:
+        ways.append(f"to train on from its weights, start a new run with checkpoint_dir={model} and another "
                     "output_dir")
     return UserError(
         f"resume_from_checkpoint=true: {newest} has no recipe state to continue from ({RECIPE_STATE_DIR}/ "
@@ -305,6 +336,7 @@ def save_checkpoint(
     optimizers: Sequence[torch.optim.Optimizer],
     state: RecipeState,
     adapter_files: Optional[AdapterFiles] = None,
+    merged_files: Optional[HFModelFiles] = None,
     keep_last_n: Optional[int] = None,
     tokenizer_dir: Optional[str | Path] = None,
     chat_template: Optional[str] = None,
@@ -325,6 +357,8 @@ def save_checkpoint(
             run with adapters that saves them alone (the tokenizer's files are still copied).
         state: where the run stands and what a resume checks (``trainer_state.json``).
         adapter_files: a run's adapters, written as a PEFT adapter folder (``checkpoint/peft.py``); None: none.
+        merged_files: with ``adapter_files``, the merged model's Hugging Face files, written with the tokenizer's
+            into the subfolder ``merged/`` (``MERGED_DIR``); None: none.
         keep_last_n: keep this many newest checkpoints whole and delete the others; None keeps every
             checkpoint's Hugging Face files and the recipe state of the newest ``RESUMABLE_KEPT``.
         tokenizer_dir: the tokenizer files to copy into the checkpoint.
@@ -358,6 +392,10 @@ def save_checkpoint(
         if adapter_files is not None:
             run_on_every_rank(lambda: write_adapter_files(adapter_files, tmp, processes=processes), where=tmp,
                               processes=processes)
+        if merged_files is not None:
+            run_on_every_rank(lambda: _write_merged(merged_files, tmp / MERGED_DIR, tokenizer_dir=tokenizer_dir,
+                                                    chat_template=chat_template, processes=processes),
+                              where=tmp, processes=processes)
         run_on_every_rank(
             lambda: _save_recipe_state(tmp / RECIPE_STATE_DIR, model=model, optimizers=optimizers,
                                        state=state, processes=processes),
@@ -381,6 +419,12 @@ def save_checkpoint(
     run_on_every_rank(lambda: _prune(root, final, keep_last_n) if leads(processes) else None, where=root,
                       processes=processes)
     return final
+
+
+def _write_merged(files: HFModelFiles, folder: Path, *, tokenizer_dir: Optional[str | Path],
+                  chat_template: Optional[str], processes: Optional[DistributedContext]) -> None:
+    folder.mkdir(exist_ok=True)  # every rank: on the shared file system, the same folder
+    write_hf_files(files, folder, tokenizer_dir=tokenizer_dir, chat_template=chat_template, processes=processes)
 
 
 def _prune(root: Path, final: Path, keep_last_n: Optional[int]) -> None:

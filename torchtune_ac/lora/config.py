@@ -62,9 +62,9 @@ class AdapterConfig:
         "for this base (the same module names and shapes) and this kind and rank. null: A drawn Kaiming-uniform and "
         "B zero, as PEFT does, so step 0 is the base exactly.", non_empty=True)
     save_merged: bool = config_key(
-        False, doc="Each checkpoint also holds the merged model (base + adapters) in Hugging Face's layout, which "
-        "tune generate loads alone (transformers' AutoModelForCausalLM with peft installed applies the adapters "
-        "beside it again: see docs/lora.md); the adapters are always saved, in PEFT's format.")
+        False, doc="Each checkpoint also holds the merged model (base + adapters) in Hugging Face's layout, with the "
+        "tokenizer's files, in its subfolder merged/, which AutoModelForCausalLM.from_pretrained and tune generate "
+        "load alone; the adapters are always saved, in PEFT's format, in the checkpoint folder itself.")
 
     def __post_init__(self) -> None:
         if not self.targets and not self.output:

@@ -1,5 +1,6 @@
 """What a checkpoint of a run with adapters holds: the adapters as a PEFT folder, and with ``save_merged`` the
-merged model in Hugging Face's layout (``checkpoint/``'s writers write both)."""
+merged model in Hugging Face's layout, in the checkpoint's subfolder ``merged/`` (``checkpoint/``'s writers write
+both)."""
 
 from __future__ import annotations
 

@@ -216,16 +216,18 @@ class TrainingLoop:
         the hyper-parameters and the data's identity)."""
         run, model, tokenizer, adapter = self.run, self.training.model, self.tokenizer, self.plan.adapter
         token_ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id}
-        # With adapters: they alone, as a PEFT folder, and the merged model when asked (``torchtune_ac/lora/``).
-        hf_files = (hf_model_files(model, base_config=self.base_config, **token_ids) if adapter is None
-                    else merged_model_files(model, base_config=self.base_config, **token_ids) if adapter.save_merged
-                    else None)
+        # With adapters: they alone, as a PEFT folder, and the merged model in merged/ when asked
+        # (``torchtune_ac/lora/``).
+        hf_files = hf_model_files(model, base_config=self.base_config, **token_ids) if adapter is None else None
+        merged_files = (merged_model_files(model, base_config=self.base_config, **token_ids)
+                        if adapter is not None and adapter.save_merged else None)
         path = save_checkpoint(
             run.cfg.output_dir,
             model=model,
             hf_files=hf_files,
             adapter_files=(None if adapter is None
                            else adapter_files(model, adapter, base_model=self.plan.checkpoint_dir)),
+            merged_files=merged_files,
             optimizers=self.training.stepper.optimizers_to_checkpoint(),
             state=RecipeState(run.progress, self.plan.resume_shape(), dict(self.plan.hyperparameters),
                                self.data.identity),
