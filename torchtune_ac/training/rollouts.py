@@ -61,6 +61,9 @@ class GenerationConfig:
         "memory for the loss pass; the weights are handed over again at the next rollout).")
 
     def __post_init__(self) -> None:
+        if self.compile and self.backend is GenerationBackend.VLLM:
+            raise UserError("generation.compile=true applies to the native backend; vLLM compiles its own decoding: "
+                            "set generation.compile=false with generation.backend=vllm")
         check_generation_backend(self.backend.value)
 
 

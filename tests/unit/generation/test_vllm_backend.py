@@ -278,3 +278,13 @@ def test_with_adapters_the_engine_is_handed_the_merged_weights(fake_vllm) -> Non
     q = handed["model.layers.0.self_attn.q_proj.weight"]
     assert not torch.equal(q, base_q) and torch.equal(handed["model.layers.0.self_attn.k_proj.weight"],
                                                       model.layers[0].attn.k_proj.weight.detach())
+
+
+def test_compiled_decoding_with_the_vllm_backend_is_refused_not_ignored() -> None:
+    """generation.compile is the native backend's: with vllm it would be silently ignored, so it is refused."""
+    from torchtune_ac.training.rollouts import GenerationBackend as Backend, GenerationConfig
+
+    with pytest.raises(UserError, match="generation.compile=true applies to the native backend"):
+        GenerationConfig(compile=True, backend=Backend.VLLM)
+    assert GenerationConfig(compile=True).compile
+
