@@ -215,6 +215,7 @@ class AdaptedOutput(AdaptedLinear):
     ``lm_head`` adapter is (transformers applies the cap after the layer)."""
 
     softcap: Optional[float]
+    takes_head = False  # the loss is then the whole logits' (``ChunkedCrossEntropyObjective`` in one chunk)
 
     def forward(self, x: torch.Tensor, head=None) -> torch.Tensor:
         if head is not None:

@@ -3,10 +3,10 @@
     loss_chunks: null | N              # N > 1: project and score the targets N chunks at a time
 
 ``loss_chunks: null`` (the default) chooses from the vocabulary: ``DEFAULT_LOSS_CHUNKS`` chunks when it has at
-least ``CHUNKED_LOSS_MIN_VOCAB`` tokens (the logits then outweigh everything else a step keeps), else the whole
-logits (see docs/memory.md, "Fitting a bigger model", for the measurements behind this). A model whose forward asks
-the chunked head for the target positions (``models.llama.TargetHead``: Qwen2.5-VL) computes its last block at those
-positions only.
+least ``CHUNKED_LOSS_MIN_VOCAB`` tokens (the logits then outweigh everything else a step keeps), else 1: the targets'
+logits at once (see docs/memory.md, "Fitting a bigger model", for the measurements behind this). Either way only
+the labelled positions are projected, and a model whose forward asks the head for them (``models.llama.TargetHead``:
+Qwen2.5-VL) computes its last block at those positions only.
 
 The whole-logits objective (``training/objective.py``) projects every position to the vocabulary
 (``[b, s, vocab]``). ``ChunkedCrossEntropy``, passed to the model as its output head, gives the same sum:
@@ -54,8 +54,8 @@ from torchtune_ac.errors import UserError
 from torchtune_ac.memory.feature import Alternative, Feature, ResolveInputs
 from torchtune_ac.training.objective import (
     IGNORE_INDEX,
-    CrossEntropy,
     count_target_tokens,
+    cross_entropy_sum,
     host_target_count,
     run_model,
 )
@@ -322,14 +322,18 @@ class ChunkedCrossEntropyObjective:
         return count_target_tokens(batch["labels"])
 
     def __call__(self, model: nn.Module, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        if self.n_chunks == 1 and not runs_target_head(model):
+            # A forward or an output projection that takes no head (an adapter on it, ``adapter.output``): the
+            # whole logits.
+            return cross_entropy_sum(run_model(model, batch), batch["labels"])
         head = ChunkedCrossEntropy(batch["labels"], self.n_chunks, host_target_count(batch), self.compiled)
         return run_model(model, batch, head=head)
 
 
-def loss_objective(n_chunks: int, compiled: bool = False) -> "ChunkedCrossEntropyObjective | CrossEntropy":
-    """The objective of a ``loss_chunks`` setting: the chunked loss for ``n_chunks`` > 1 (its chunks compiled when
-    the run compiles, ``compiled``), else the whole logits."""
-    return ChunkedCrossEntropyObjective(n_chunks, compiled) if n_chunks > 1 else CrossEntropy()
+def loss_objective(n_chunks: int, compiled: bool = False) -> ChunkedCrossEntropyObjective:
+    """The objective of a ``loss_chunks`` setting: the loss through ``ChunkedCrossEntropy``, at the targets only, in
+    ``n_chunks`` chunks (1: all at once), compiled when the run compiles (``compiled``) and there are chunks."""
+    return ChunkedCrossEntropyObjective(n_chunks, compiled and n_chunks > 1)
 
 
 # ----------------------------------------------------------------------------------------------------- the feature
@@ -338,6 +342,13 @@ def loss_objective(n_chunks: int, compiled: bool = False) -> "ChunkedCrossEntrop
 def takes_output_head(model: nn.Module) -> bool:
     """Whether the model's forward accepts ``head=`` (the chunked loss runs through it)."""
     return "head" in inspect.signature(model.forward).parameters
+
+
+def runs_target_head(model: nn.Module) -> bool:
+    """Whether a loss head reaches ``model``'s output projection: its forward takes ``head=`` and its output
+    projection passes it on (``OutputProjection.takes_head``; an adapter on it, ``adapter.output``, does not)."""
+    output = getattr(model, "output", None)
+    return takes_output_head(model) and bool(getattr(output, "takes_head", False))
 
 
 def _resolve(inputs: ResolveInputs) -> int:
@@ -358,7 +369,7 @@ def _describe(setting: int, vocab_size: Optional[int]) -> str:
     if setting > 1:
         return (f"{setting} chunks{vocab}: targets only, each chunk's gradients computed as it goes (nothing "
                 "recomputed in backward), never the whole logits")
-    return f"whole logits{vocab}"
+    return f"targets only{vocab}, at once: never the logits of unlabelled positions"
 
 
 def _alternatives(setting: int) -> list[Alternative]:

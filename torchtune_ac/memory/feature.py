@@ -37,8 +37,9 @@ class MemoryConfig:
         "gradient at once: the whole model's gradients never exist together. Needs clip_grad_norm: null.",
         torchtune="same")
     loss_chunks: Optional[int] = config_key(
-        None, doc="Compute the loss's output projection and cross-entropy this many chunks of targets at a time, "
-        "never the whole logits; null: 8 for a vocabulary of 32,000 tokens or more, else 1 (the whole logits).",
+        None, doc="Compute the loss's output projection and cross-entropy at the targets only (the labelled "
+        "positions), this many chunks of them at a time, never the whole logits; null: 8 for a vocabulary of 32,000 "
+        "tokens or more, else 1 (all targets at once).",
         minimum=1)
     enable_activation_offloading: bool = config_key(
         False, doc="Keep what checkpointed blocks save for backward in pinned host memory, copied back a block ahead "

@@ -476,12 +476,10 @@ class TransformerBlock(nn.Module):
         """``[b, s, dim]`` -> ``[b, s, dim]``; with ``rows`` (``[n]`` ascending indices into the ``b * s``
         flattened tokens) the output at those rows only, ``[n, dim]``: where nothing after this block reads the
         others (the last block, before a loss over the targets), their queries, attention output and MLP are never
-        computed. A block that is not plain (``Attention.attends_plainly``, dropout, a mixture of experts) computes
-        every row and returns those."""
+        computed. A block that is not plain (``computes_rows``) computes every row and returns those (a mixture of
+        experts is never given ``rows``: ``last_block_rows``)."""
         if rows is not None:
-            plain = (self.attn.attends_plainly() and not isinstance(self.mlp, MoE)
-                     and not (self.training and self.resid_dropout.p))
-            if not plain:
+            if not self.computes_rows():
                 return self.forward(x, cos, sin, runs).flatten(0, 1).index_select(0, rows)
             h = x.flatten(0, 1).index_select(0, rows) + self.attn.forward_rows(self.attn_norm(x), cos, sin, runs, rows)
             return h + self.mlp(self.mlp_norm(h))
@@ -490,6 +488,28 @@ class TransformerBlock(nn.Module):
             out, logits, counts = self.mlp(self.mlp_norm(h))
             return h + self.resid_dropout(out), logits, counts
         return h + self.resid_dropout(self.mlp(self.mlp_norm(h)))
+
+
+    # Set by ``parallel/tensor_parallel.py``: the block's input and output are split along the sequence.
+    tensor_parallel = False
+
+    def computes_rows(self) -> bool:
+        """Whether ``forward(rows=)`` computes those rows only: plain attention (``Attention.attends_plainly``), a
+        dense MLP, no residual dropout in training, no tensor parallelism."""
+        return (self.attn.attends_plainly() and not isinstance(self.mlp, MoE)
+                and not (self.training and self.resid_dropout.p) and not self.tensor_parallel)
+
+
+def last_block_rows(head: Any, layer: nn.Module) -> Optional[torch.Tensor]:
+    """The rows the last block ``layer`` need compute, for a head that reads the targets only (``TargetHead``): its
+    ``target_rows()`` where the block computes those rows alone (``TransformerBlock.computes_rows``), else None
+    (every row: the head then selects them). A compiled block is given every row: the targets' count changes from
+    batch to batch, and each count would be a graph of its own."""
+    if not isinstance(head, TargetHead) or not isinstance(layer, TransformerBlock) or not layer.computes_rows():
+        return None
+    if getattr(layer, "_compiled_call_impl", None) is not None:
+        return None
+    return head.target_rows()
 
 
 def build_mlp(args: LlamaArgs, layer: int) -> nn.Module:
@@ -536,6 +556,9 @@ class OutputProjection(nn.Linear):
     The head is applied inside this module's forward so that whatever wraps the module's calls (FSDP2 gathering
     the weight of a group holding the final norm and this layer) sees the layer run on either path.
     """
+
+    # Whether ``forward`` takes a loss head (an adapter's output projection does not: ``lora/mechanism.py``).
+    takes_head = True
 
     def __init__(self, in_features: int, out_features: int, softcap: Optional[float] = None) -> None:
         super().__init__(in_features, out_features, bias=False)
@@ -675,9 +698,12 @@ class Llama(nn.Module):
         full = self.rope_cos_sin(positions, h.dtype)
         # Sliding-window layers may have a RoPE of their own (Gemma 3's local layers).
         sliding = full if self.args.sliding_rope_theta is None else self.rope_cos_sin(positions, h.dtype, sliding=True)
+        # A head that reads the targets only: the last block computes those rows alone where it can.
+        rows = last_block_rows(head, self.layers[-1]) if len(self.layers) else None
         for index, layer in enumerate(self.layers):
             cos, sin = sliding if self.args.window_of(index) is not None else full
-            h = layer(h, cos, sin, runs)
+            last = index == len(self.layers) - 1
+            h = layer(h, cos, sin, runs, rows=rows) if last and rows is not None else layer(h, cos, sin, runs)
             if isinstance(h, tuple):  # a mixture-of-experts block: its output, and what its router did
                 h, logits, counts = h
                 layer.mlp.record_router_output(logits, counts)

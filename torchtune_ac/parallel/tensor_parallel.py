@@ -156,6 +156,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     for block in transformer_blocks(model):
         parallelize_module(block, tp_mesh, {path: parallel_style(split, block.get_submodule(path))
                                             for path, split in plan.block.items()})
+        block.tensor_parallel = True  # its input split along the sequence: no target rows (``last_block_rows``)
     parallelize_module(model, tp_mesh, {path: parallel_style(split, model.get_submodule(path))
                                         for path, split in plan.root.items()})
     # Each style registered its module's own new parameter: put the ties back (the output's weight is the

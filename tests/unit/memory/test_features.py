@@ -22,7 +22,7 @@ from torchtune_ac.models.llama import Llama
 from torchtune_ac.parallel.fsdp import FSDPConfig
 from torchtune_ac.activation_checkpointing.config import ACConfig
 from torchtune_ac.activation_checkpointing.mechanism import ACMode
-from torchtune_ac.training.step import CROSS_ENTROPY, OptimizerStepper
+from torchtune_ac.training.step import OptimizerStepper
 
 ARGS = LlamaArgs(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, intermediate_dim=64, max_seq_len=32)
 
@@ -49,8 +49,8 @@ def test_each_step_feature_has_one_typed_setting_whose_default_is_its_off_settin
 
 
 @pytest.mark.parametrize("in_bwd, chunks, stepper_type, objective", [
-    (False, 1, OptimizerStepper, CROSS_ENTROPY),
-    (True, 1, InBackwardStepper, CROSS_ENTROPY),
+    (False, 1, OptimizerStepper, ChunkedCrossEntropyObjective(1)),
+    (True, 1, InBackwardStepper, ChunkedCrossEntropyObjective(1)),
     (False, 3, OptimizerStepper, ChunkedCrossEntropyObjective(3)),
 ])
 def test_the_plan_builds_the_stepper_and_objective_its_features_declare(in_bwd, chunks, stepper_type, objective):
@@ -61,7 +61,7 @@ def test_the_plan_builds_the_stepper_and_objective_its_features_declare(in_bwd, 
                                                        "loss", "activation offloading", "CPU offload"]
     assert isinstance(plan.build_stepper(lambda p: torch.optim.SGD(p, lr=0.1), model), stepper_type)
     assert plan.objective() == objective
-    # In a run that compiles, the chunked loss compiles its chunks too; the whole logits have nothing to compile.
+    # In a run that compiles, the chunked loss compiles its chunks too; all targets at once stay eager.
     assert plan.objective(compiled=True) == (ChunkedCrossEntropyObjective(chunks, compiled=True) if chunks > 1
                                              else objective)
     assert plan.resume_record() == ({"optimizer_in_bwd": True} if in_bwd else {})

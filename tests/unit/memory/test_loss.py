@@ -273,3 +273,22 @@ def test_a_run_compiles_its_chunked_loss_when_it_compiles_its_blocks(compile_blo
                         compile=compile_blocks)
     training = build_training(model, plan, ctx=DistributedContext(0, 1, 0, torch.device("cpu")))
     assert training.objective == ChunkedCrossEntropyObjective(4, compiled=compile_blocks)
+
+
+def test_loss_chunks_1_is_the_whole_logits_loss_where_the_output_takes_no_head():
+    # loss_chunks 1 projects the targets only through the output's head; an adapter on the output projection
+    # (adapter.output) computes the logits itself and takes no head: the loss is then the whole logits', op for op.
+    from torchtune_ac.lora.config import AdapterConfig
+    from torchtune_ac.lora.mechanism import apply_adapters
+    from torchtune_ac.memory.chunked_loss import loss_objective
+    from torchtune_ac.training.objective import CrossEntropy
+
+    torch.manual_seed(0)
+    model = Llama(dataclasses.replace(TINY, tie_embeddings=False))
+    model.init_weights()
+    apply_adapters(model, AdapterConfig(targets=["q_proj"], output=True))
+    batch = {"tokens": torch.randint(0, TINY.vocab_size, (2, 8)),
+             "labels": labels_with_ignored(2, 8, TINY.vocab_size, seed=1)}
+    assert not model.output.takes_head
+    # the same ops in the same order (whole logits, then the cross-entropy): bit for bit
+    assert torch.equal(loss_objective(1)(model, batch), CrossEntropy()(model, batch))

@@ -237,7 +237,7 @@ def test_a_padding_free_batch_has_the_padded_batchs_loss_and_gradients():
 @pytest.mark.numerics
 @pytest.mark.parametrize("padding_free", [False, True])
 def test_the_loss_at_the_targets_only_is_the_whole_logits_loss(padding_free):
-    # The chunked loss's head reads the targets' rows only, and the last block computes those rows only
+    # ``loss_chunks: 1``: the head reads the targets' rows only, and the last block computes those rows only
     # (``TargetHead``); the loss and every gradient are the whole logits' within rounding.
     from torchtune_ac.data.embedded import EMBEDDED_VLM_PROCESSOR_DIR, EMBEDDED_VLM_TRAIN_PATH
     from torchtune_ac.data.vision import build_vision_dataset, collate_vision_batch, load_vision_processor
@@ -257,7 +257,7 @@ def test_the_loss_at_the_targets_only_is_the_whole_logits_loss(padding_free):
         loss.backward()
         return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
 
-    loss, grads = run(loss_objective(2))
+    loss, grads = run(loss_objective(1))
     expected, expected_grads = run(CrossEntropy())
     terms = 2 * _terms(model, batch["tokens"].shape[1]) + int(batch["target_count"])
     assert_close(loss, expected, terms=terms, what="loss")

@@ -175,7 +175,8 @@ def tensor_parallel_share(plan: ACPlan, shallow: _Simulation, workload: Workload
     Sequence parallelism splits a block's input, its norms and residuals along the sequence, but the attention and
     the MLP each gather their normed input whole (``[b, s, dim]``): a block without AC keeps both for backward (a
     checkpointed one keeps only its split input), and the block running or recomputing holds them. The whole
-    logits (``loss_chunks: 1``) are gathered on every rank; the chunked loss computes on vocabulary shards.
+    logits (a preference step's at ``loss_chunks: 1``, or an output projection that takes no head) are gathered on
+    every rank; the loss through the head (any ``loss_chunks``) computes on vocabulary shards.
     """
     tp = workload.parallelism.tensor
     whole = 1 - 1 / tp
@@ -183,8 +184,7 @@ def tensor_parallel_share(plan: ACPlan, shallow: _Simulation, workload: Workload
     share = {"activations": 0.0, "transient": gathered_inputs}
     if phase != "optimizer step":
         share["activations"] = gathered_inputs * (plan.n_layers - len(plan.checkpointed_blocks))
-    if workload.settings.loss_chunks == 1:
-        share["transient"] += shallow.logits * whole
+    share["transient"] += shallow.logits * whole  # 0 where the loss runs through the head (``_Simulation.logits``)
     return share
 
 

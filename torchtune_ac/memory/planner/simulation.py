@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import flop_registry
 
 from torchtune_ac.memory import cpu_offload, optimizer_state
-from torchtune_ac.memory.chunked_loss import loss_objective
+from torchtune_ac.memory.chunked_loss import loss_objective, runs_target_head
 from torchtune_ac.memory.optimizer_in_backward import build_optimizer
 from torchtune_ac.models.attention import varlen_kv_copy_bytes
 from torchtune_ac.models.families import family_of, shard_groups, transformer_blocks
@@ -310,7 +310,10 @@ class _Simulation:
     root_shapes: tuple[tuple[int, ...], ...]
     block_shapes: tuple[tuple[int, ...], ...]  # each trained parameter of one repeating block
     block_input: int  # bytes of a repeating block's input, one micro-batch's hidden state
-    logits: int  # bytes of one micro-batch's whole logits in float32 ([rows, seq_len, vocab])
+    # Bytes of one micro-batch's whole logits in float32 ([rows, seq_len, vocab]) where the step computes them (a
+    # preference step at loss_chunks 1, an output projection that takes no head); 0 where the loss runs through the
+    # head (the targets' logits only, ``chunked_loss.ChunkedCrossEntropy``).
+    logits: int
     varlen_kv_copy: int = 0  # bytes of one block's K/V copies for varlen_attn, one micro-batch (Workload.varlen)
     # The most a step in backward held at once, unsharded (experts' temporaries scaled so that shard divides them).
     optimizer_temporaries_in_backward: float = 0
@@ -409,7 +412,7 @@ def _simulate(
             root_shapes=_shapes([p for p in params if id(p) not in in_repeating and p.requires_grad]),
             block_shapes=block_shapes,
             block_input=tracker.block_input,
-            logits=workload.rows * workload.seq_len * vocab * 4,
+            logits=workload.rows * workload.seq_len * vocab * 4 if _whole_logits(model, workload) else 0,
             varlen_kv_copy=_varlen_kv_copy(blocks[0], workload) if workload.varlen else 0,
             optimizer_temporaries_in_backward=tracker.optimizer_temporaries_in_backward,
             expert_parameters=_nbytes(experts),
@@ -463,6 +466,16 @@ def _image_inputs(model: nn.Module, workload: Workload) -> dict[str, Any]:
         raise ValueError(f"{type(model).__name__} takes no images (Workload.images)")
     return family.images.batch(family.args_of(model), workload.rows, workload.seq_len, images.per_sample,
                                images.height, images.width)
+
+
+def _whole_logits(model: nn.Module, workload: Workload) -> bool:
+    """Whether the step's loss computes the whole logits (``_Simulation.logits``): a preference step in one chunk,
+    or a token loss whose model takes no head (``chunked_loss.runs_target_head``); a GRPO step's never does."""
+    if workload.rollouts is not None:
+        return False
+    if workload.preference is not None:
+        return workload.settings.loss_chunks == 1
+    return workload.settings.loss_chunks == 1 and not runs_target_head(model)
 
 
 def _objective(build_model: Callable[[], nn.Module], workload: Workload, n_blocks: Optional[int],

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from torchtune_ac.models.attention import document_runs, document_starts
-from torchtune_ac.models.llama import (ACTIVATIONS, Llama, LlamaArgs, RMSNorm, TargetHead, TransformerBlock,
+from torchtune_ac.models.llama import (ACTIVATIONS, Llama, LlamaArgs, RMSNorm, TransformerBlock, last_block_rows,
                                       positions_from_document_ids, rotate_half)
 
 _VISION_NORM_EPS = 1e-6  # transformers' Qwen2.5-VL tower and merger norms
@@ -462,7 +462,7 @@ class Qwen2_5_VL(Llama):
         runs = document_runs(document_ids, document_lengths) if document_ids is not None else None
         cos, sin = self.mrope_cos_sin(positions, h.dtype)
         # A head that reads the targets only: the last block computes those rows (``TransformerBlock.forward``).
-        rows = head.target_rows() if isinstance(head, TargetHead) else None
+        rows = last_block_rows(head, self.layers[-1])
         for index, layer in enumerate(self.layers):
             last = index == len(self.layers) - 1
             h = layer(h, cos, sin, runs, rows=rows) if last and rows is not None else layer(h, cos, sin, runs)

@@ -29,8 +29,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
 from torchtune_ac.models.attention import document_runs
-from torchtune_ac.models.llama import (ACTIVATIONS, Llama, LlamaArgs, TransformerBlock, positions_from_document_ids,
-                                      rotate_half)
+from torchtune_ac.models.llama import (ACTIVATIONS, Llama, LlamaArgs, TransformerBlock, last_block_rows,
+                                      positions_from_document_ids, rotate_half)
 from torchtune_ac.models.vision.qwen2_5_vl import blank_image, mrope_positions, vision_patch_positions
 
 _VISION_NORM_EPS = 1e-6  # transformers' Qwen3-VL tower and merger norms
@@ -336,8 +336,12 @@ class Qwen3_VL(Llama):
             positions = positions.unsqueeze(0).expand(3, -1, -1)
         runs = document_runs(document_ids, document_lengths) if document_ids is not None else None
         cos, sin = self.mrope_cos_sin(positions, h.dtype)
+        # A head that reads the targets only: the last block computes those rows alone where it can (and where no
+        # deepstack features are added after it).
+        rows = last_block_rows(head, self.layers[-1]) if len(self.layers) > len(deepstack) else None
         for index, layer in enumerate(self.layers):
-            h = layer(h, cos, sin, runs)
+            last = index == len(self.layers) - 1
+            h = layer(h, cos, sin, runs, rows=rows) if last and rows is not None else layer(h, cos, sin, runs)
             if index < len(deepstack):  # h + 0 outside the image tokens: those stay exact
                 h = h + torch.zeros_like(h).masked_scatter(is_image.unsqueeze(-1), deepstack[index].to(h.dtype))
         return self.output(self.norm(h), head)
