@@ -500,16 +500,21 @@ class TransformerBlock(nn.Module):
                 and not (self.training and self.resid_dropout.p) and not self.tensor_parallel)
 
 
-def last_block_rows(head: Any, layer: nn.Module) -> Optional[torch.Tensor]:
+def last_block_rows(head: Any, layer: nn.Module, seq_len: int) -> Optional[torch.Tensor]:
     """The rows the last block ``layer`` need compute, for a head that reads the targets only (``TargetHead``): its
-    ``target_rows()`` where the block computes those rows alone (``TransformerBlock.computes_rows``), else None
-    (every row: the head then selects them). A compiled block is given every row: the targets' count changes from
-    batch to batch, and each count would be a graph of its own."""
+    ``target_rows()`` where the block computes those rows alone (``TransformerBlock.computes_rows``) and they are
+    at most ``seq_len`` (the row length), else None (every row: the head then selects them).
+
+    ``Attention.forward_rows`` scores each of the n rows against every one of the ``b * s`` tokens (one masked
+    call): at most as many scores as the whole block's ``b * s * s`` while n <= s. Beyond that (a batch of several
+    rows with most positions targets, the memory planner's worst case) the whole block runs. A compiled block is
+    given every row: the targets' count changes from batch to batch, and each count would be a graph of its own."""
     if not isinstance(head, TargetHead) or not isinstance(layer, TransformerBlock) or not layer.computes_rows():
         return None
     if getattr(layer, "_compiled_call_impl", None) is not None:
         return None
-    return head.target_rows()
+    rows = head.target_rows()
+    return rows if rows is not None and rows.numel() <= seq_len else None
 
 
 def build_mlp(args: LlamaArgs, layer: int) -> nn.Module:
@@ -699,7 +704,7 @@ class Llama(nn.Module):
         # Sliding-window layers may have a RoPE of their own (Gemma 3's local layers).
         sliding = full if self.args.sliding_rope_theta is None else self.rope_cos_sin(positions, h.dtype, sliding=True)
         # A head that reads the targets only: the last block computes those rows alone where it can.
-        rows = last_block_rows(head, self.layers[-1]) if len(self.layers) else None
+        rows = last_block_rows(head, self.layers[-1], s) if len(self.layers) else None
         for index, layer in enumerate(self.layers):
             cos, sin = sliding if self.args.window_of(index) is not None else full
             last = index == len(self.layers) - 1

@@ -292,3 +292,40 @@ def test_loss_chunks_1_is_the_whole_logits_loss_where_the_output_takes_no_head()
     assert not model.output.takes_head
     # the same ops in the same order (whole logits, then the cross-entropy): bit for bit
     assert torch.equal(loss_objective(1)(model, batch), CrossEntropy()(model, batch))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("ac", [{}, {"ac_mode": "full"}], ids=["none", "full"])
+def test_loss_chunks_1_computes_the_last_block_at_the_targets_only_with_the_whole_logits_loss(monkeypatch, packed,
+                                                                                               ac):
+    # loss_chunks 1: the head projects the targets only, and the text decoder's last block computes their rows
+    # alone (``llama.last_block_rows``; grouped keys and values, packed documents, AC); the loss and every gradient
+    # are the whole logits' within rounding.
+    from torchtune_ac.memory.chunked_loss import loss_objective
+    from torchtune_ac.models import llama
+    from torchtune_ac.training.objective import CrossEntropy
+
+    torch.manual_seed(0)
+    reference = Llama(TINY)
+    reference.init_weights(std=0.2)  # attention far from uniform: a row that saw the wrong keys would show
+    tokens = torch.randint(0, TINY.vocab_size, (2, 24))
+    batch = {"tokens": tokens, "labels": labels_with_ignored(2, 24, TINY.vocab_size, seed=3, ignored=0.7)}
+    if packed:
+        batch["document_ids"] = torch.tensor([[0] * 5 + [1] * 9 + [2] * 10, [0] * 11 + [1] * 13])
+    calls = []
+    forward_rows = llama.Attention.forward_rows
+    monkeypatch.setattr(llama.Attention, "forward_rows", lambda *a, **k: calls.append(1) or forward_rows(*a, **k))
+    results = []
+    for objective in (loss_objective(1), CrossEntropy()):
+        model = Llama(TINY)
+        model.load_state_dict(reference.state_dict())
+        setup_activation_checkpointing(model, **ac)
+        loss = objective(model, batch)
+        loss.backward()
+        results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
+    assert calls  # the last block ran at the target rows
+    (rows, rows_grads), (whole, whole_grads) = results
+    n = int((batch["labels"] != IGNORE_INDEX).sum())
+    assert_close(rows, whole, terms=llama_terms(TINY, 24, n, backward=False), what="loss")
+    assert_all_close(rows_grads, whole_grads, terms=llama_terms(TINY, 24, n), what="gradient")

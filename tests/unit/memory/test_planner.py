@@ -34,7 +34,7 @@ from torchtune_ac.memory.planner import (
 from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
 from torchtune_ac.activation_checkpointing.config import ACConfig, ACConfigError
 from torchtune_ac.activation_checkpointing.mechanism import ACMode
-from torchtune_ac.training.objective import cross_entropy_sum
+from torchtune_ac.memory.chunked_loss import loss_objective
 from torchtune_ac.runtime.parallelism import Parallelism
 
 REPO = Path(__file__).resolve().parents[3]
@@ -67,8 +67,9 @@ def test_saved_activations_equal_what_a_real_forward_keeps(small_estimates):
         model = SMALL.instantiate()
         plan = estimate.plan
         setup_activation_checkpointing(model, ac_mode=plan.mode.value, ac_option=plan.option)
-        measured = measure_saved_activation_bytes(lambda t: cross_entropy_sum(model(t), labels), tokens,
-                                                  exclude=list(model.parameters()))
+        # The run's loss at loss_chunks 1 (the targets' logits through the head, their gradients kept from forward).
+        measured = measure_saved_activation_bytes(lambda t: loss_objective(1)(model, {"tokens": t, "labels": labels}),
+                                                  tokens, exclude=list(model.parameters()))
         assert estimate.saved_activations == pytest.approx(measured, rel=0.01), describe_setting(plan)
 
 
@@ -101,8 +102,9 @@ def test_compiled_blocks_are_simulated_saving_what_inductor_saves(name):
             setup_activation_checkpointing(model, ac_mode=estimate.plan.mode.value, ac_option=estimate.plan.option)
             for block in model.layers:
                 block.compile()
-            measured = measure_saved_activation_bytes(lambda t: cross_entropy_sum(model(t), labels), tokens,
-                                                      exclude=list(model.parameters()), compiled=True)
+            measured = measure_saved_activation_bytes(
+                lambda t: loss_objective(1)(model, {"tokens": t, "labels": labels}), tokens,
+                exclude=list(model.parameters()), compiled=True)
             # A compiled checkpointed block also saves the generator's state, to replay dropout (5,056 bytes on a
             # CPU, 16 on CUDA; eager, it is kept outside autograd's saved tensors): not counted.
             measured -= len(estimate.plan.checkpointed_blocks) * torch.get_rng_state().numel()
@@ -185,8 +187,8 @@ def test_compiled_blocks_alike_in_parameters_but_not_in_what_they_compute_are_tr
         model = _MixingModel(by)
         for block in model.layers:
             block.compile()
-        measured = measure_saved_activation_bytes(lambda t: cross_entropy_sum(model(t), labels), tokens,
-                                                  exclude=list(model.parameters()), compiled=True)
+        measured = measure_saved_activation_bytes(lambda t: loss_objective(1)(model, {"tokens": t, "labels": labels}),
+                                                  tokens, exclude=list(model.parameters()), compiled=True)
     finally:
         torch._dynamo.reset()
     assert estimate.saved_activations == pytest.approx(measured, rel=0.01)

@@ -25,7 +25,7 @@ from torchtune_ac.memory.planner.simulation import _simulate
 from torchtune_ac.models.families.qwen2_5_vl import QWEN2_5_VL_TINY, build, freeze_
 from torchtune_ac.models.vision.qwen2_5_vl import mrope_positions, planned_image_inputs, resized_image
 from torchtune_ac.run.plan import planned_image_load
-from torchtune_ac.training.objective import cross_entropy_sum
+from torchtune_ac.memory.chunked_loss import loss_objective
 
 REPO = Path(__file__).resolve().parents[3]
 ARGS = QWEN2_5_VL_TINY
@@ -72,7 +72,8 @@ def test_saved_activations_with_images_equal_what_a_real_forward_keeps(estimates
     # The run's forward: positions from the tokens and grids (the simulation is handed them); the pixels are the
     # batch's, which the planner counts apart.
     measured = measure_saved_activation_bytes(
-        lambda p: cross_entropy_sum(model(inputs["tokens"], pixel_values=p, image_grid_thw=grids), labels),
+        lambda p: loss_objective(1)(model, {"tokens": inputs["tokens"], "labels": labels, "pixel_values": p,
+                                            "image_grid_thw": grids}),
         pixels, exclude=[*model.parameters(), pixels])
     assert estimates[name].saved_activations == pytest.approx(measured, rel=0.01)
 

@@ -20,7 +20,7 @@ from torchtune_ac.config.meta_model import build_meta_model
 from torchtune_ac.memory.planner import ImageLoad, Workload, candidate_plans, estimate_memory
 from torchtune_ac.models.families import family_of
 from torchtune_ac.run.plan import planned_image_load
-from torchtune_ac.training.objective import cross_entropy_sum
+from torchtune_ac.memory.chunked_loss import loss_objective
 
 REPO = Path(__file__).resolve().parents[3]
 # family module -> (its tiny model's arguments constant, overrides of the tower's, of the model's). Gemma 3's tiny
@@ -67,7 +67,7 @@ def test_saved_activations_with_images_equal_what_a_real_forward_keeps(family):
     images = {"image_grid_thw": torch.tensor(inputs["image_grid_thw"])} if "image_grid_thw" in inputs else {}
     pixels = torch.randn_like(inputs["pixel_values"])
     measured = measure_saved_activation_bytes(
-        lambda p: cross_entropy_sum(model(inputs["tokens"], pixel_values=p, **images), labels),
+        lambda p: loss_objective(1)(model, {"tokens": inputs["tokens"], "labels": labels, "pixel_values": p, **images}),
         pixels, exclude=[*model.parameters(), pixels])
     assert estimate.saved_activations == pytest.approx(measured, rel=0.01)
     text_only = estimate_memory(lambda: build(args), adamw, Workload(batch_size=2, seq_len=64), [none])[0]

@@ -462,7 +462,7 @@ class Qwen2_5_VL(Llama):
         runs = document_runs(document_ids, document_lengths) if document_ids is not None else None
         cos, sin = self.mrope_cos_sin(positions, h.dtype)
         # A head that reads the targets only: the last block computes those rows (``TransformerBlock.forward``).
-        rows = last_block_rows(head, self.layers[-1])
+        rows = last_block_rows(head, self.layers[-1], tokens.shape[1])
         for index, layer in enumerate(self.layers):
             last = index == len(self.layers) - 1
             h = layer(h, cos, sin, runs, rows=rows) if last and rows is not None else layer(h, cos, sin, runs)

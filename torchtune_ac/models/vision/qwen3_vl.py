@@ -338,7 +338,7 @@ class Qwen3_VL(Llama):
         cos, sin = self.mrope_cos_sin(positions, h.dtype)
         # A head that reads the targets only: the last block computes those rows alone where it can (and where no
         # deepstack features are added after it).
-        rows = last_block_rows(head, self.layers[-1]) if len(self.layers) > len(deepstack) else None
+        rows = last_block_rows(head, self.layers[-1], tokens.shape[1]) if len(self.layers) > len(deepstack) else None
         for index, layer in enumerate(self.layers):
             last = index == len(self.layers) - 1
             h = layer(h, cos, sin, runs, rows=rows) if last and rows is not None else layer(h, cos, sin, runs)
