@@ -120,7 +120,8 @@ def test_validate_prints_the_resolved_plan(capsys):
     "config, overrides, lines",
     [
         ("tiny/full", [], ["activation checkpointing  full: all 8 blocks", "optimizer step            after backward",
-                           "loss                      whole logits (vocabulary 512)"]),
+                           "loss                      targets only (vocabulary 512), at once: never the logits of "
+                           "unlabelled positions"]),
         ("tiny/full", ["optimizer_in_bwd=true", "clip_grad_norm=null", "loss_chunks=4"],
          ["optimizer step            in backward: each parameter stepped as its gradient is ready",
           "loss                      4 chunks (vocabulary 512): targets only, each chunk's gradients computed "
@@ -131,7 +132,7 @@ def test_validate_prints_the_resolved_plan(capsys):
          ["optimizer state           8-bit (torchao.optim.AdamW8bit: 2 states in 8 bits with an fp32 scale per 256 "
           "elements; tensors under 4,096 elements in fp32): 2.11 bytes per parameter, 0.26x fp32 AdamW's 8; its first "
           "step compiles (tens of seconds on a CPU)"]),
-        ("mistral/7B_full", ["loss_chunks=1"], ["loss                      whole logits (vocabulary 32,768)"]),
+        ("mistral/7B_full", ["loss_chunks=1"], ["loss                      targets only (vocabulary 32,768), at once"]),
     ],
 )
 def test_validate_shows_the_memory_switches_with_the_ac_plan(config, overrides, lines, capsys):

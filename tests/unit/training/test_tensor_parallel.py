@@ -234,7 +234,7 @@ def _check_split(model: nn.Module, args: LlamaArgs, mesh) -> None:
 
 
 TWO_RANK_CASES = (
-    # Llama: whole logits (gathered along the vocabulary), no AC; then the chunked loss on vocabulary shards, full
+    # Llama: the targets' logits in one chunk on vocabulary shards, no AC; then 3 chunks of them, full
     # AC, packed, activation offloading, the step in backward.
     Case("llama"),
     Case("llama", packed=True, loss_chunks=3, ac_mode="full", offload=True, in_backward=True),
