@@ -182,3 +182,42 @@ def test_the_position_resampling_weights_stay_float32_under_a_bf16_default():
     finally:
         torch.set_default_dtype(previous)
     assert weights.dtype == torch.float32 and torch.allclose(weights.sum(1), torch.ones(5))
+
+
+@pytest.mark.numerics
+def test_the_loss_at_the_targets_only_is_the_whole_logits_loss(tiny, monkeypatch):
+    # loss_chunks 1: the head reads the targets' rows only and the last block (after the DeepStack layers) computes
+    # those rows alone, in packed documents with images; the loss and every gradient are the whole logits' within
+    # rounding.
+    from torchtune_ac.memory.chunked_loss import loss_objective
+    from torchtune_ac.models import llama
+    from torchtune_ac.training.objective import IGNORE_INDEX, CrossEntropy
+
+    _, _, model = tiny
+    first, pixels_a, grid_a = _batch([[(2, (4, 4))]], 10, seed=1)
+    second, pixels_b, grid_b = _batch([[(3, (2, 4))]], 8, seed=2)
+    tokens = torch.cat([first, second], dim=1)
+    labels = torch.roll(tokens, -1, dims=1)
+    labels[:, torch.rand(18, generator=torch.Generator().manual_seed(3)) < 0.6] = IGNORE_INDEX
+    batch = {"tokens": tokens, "labels": labels, "document_ids": torch.tensor([[0] * 10 + [1] * 8]),
+             "pixel_values": torch.cat([pixels_a, pixels_b]), "image_grid_thw": torch.cat([grid_a, grid_b])}
+    calls = []
+    forward_rows = llama.Attention.forward_rows
+    monkeypatch.setattr(llama.Attention, "forward_rows", lambda *a, **k: calls.append(1) or forward_rows(*a, **k))
+
+    def run(objective):
+        model.zero_grad(set_to_none=True)
+        loss = objective(model, batch)
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return loss.detach(), grads
+
+    loss, grads = run(loss_objective(1))
+    assert calls  # the last block ran at the target rows
+    expected, expected_grads = run(CrossEntropy())
+    terms = 2 * _terms(model, 10) + int((labels != IGNORE_INDEX).sum())
+    assert_close(loss, expected, terms=terms, what="loss")
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in expected_grads.items():
+        assert_close(grads[name], grad, terms=terms, what=name)
