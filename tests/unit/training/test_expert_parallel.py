@@ -174,8 +174,9 @@ def check_against_one_process(rank: int, world_size: int,
 
 
 TWO_RANK_CASES = (
-    # Qwen3-MoE: no AC, the targets' logits in one chunk; per-op AC on packed rows with the chunked loss; full AC with the step in
-    # backward; compiled blocks under per-op AC (the exchange inside their graphs); 8-bit optimizer state.
+    # Qwen3-MoE: no AC, the targets' logits in one chunk; per-op AC on packed rows with the chunked loss; full AC
+    # with the step in backward; compiled blocks under per-op AC (the exchange inside their graphs); 8-bit optimizer
+    # state.
     Case("qwen3_moe"),
     Case("qwen3_moe", packed=True, loss_chunks=2, ac_mode="selective", ac_option="op"),
     Case("qwen3_moe", ac_mode="full", in_backward=True),
