@@ -18,7 +18,6 @@ from finetune_runs import (
     run_tune_in_process,
 )
 from numerics import assert_close, llama_terms
-from PIL import Image
 from tokenizers import AddedToken, Tokenizer
 from transformers import Gemma3ForConditionalGeneration, PreTrainedTokenizerFast
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
