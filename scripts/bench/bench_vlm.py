@@ -47,7 +47,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
-from _benchlib import pyplot, save_figure, write_report  # noqa: E402
+from _benchlib import pyplot, save_figure, summarize_sides, write_report  # noqa: E402
 
 SIDES = ("ours", "trl")
 LR = 1e-4
@@ -196,11 +196,6 @@ def worker(side: str, settings: dict) -> None:
     print(json.dumps({"side": side, **result}))
 
 
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    return ordered[len(ordered) // 2]
-
-
 def summarize(runs: list[dict], warmup: int) -> dict:
     """Each side's median step (after ``warmup``) and memory over its runs.
 
@@ -211,20 +206,7 @@ def summarize(runs: list[dict], warmup: int) -> dict:
     tokens = {tuple(r["step_tokens"]) for r in runs}
     if len(tokens) != 1:
         raise RuntimeError(f"the runs' steps held different tokens (not the same batches): {sorted(tokens)}")
-    summary = {}
-    for side in SIDES:
-        mine = [r for r in runs if r["side"] == side]
-        timed = [s for r in mine for s in r["step_seconds"][warmup:]]
-        if not timed:
-            raise RuntimeError(f"{side}: no step left after {warmup} warm-up step(s): more --steps")
-        summary[side] = {
-            "step_s": median(timed),
-            "resident_before_gib": median([r["resident_before_gib"] for r in mine]),
-            "peak_gib": median([r["peak_gib"] for r in mine]),
-            "step_added_gib": median([r["peak_gib"] - r["resident_before_gib"] for r in mine]),
-            "parameters": mine[0]["parameters"],
-        }
-    return summary
+    return summarize_sides(runs, SIDES, warmup, keep=("parameters",))
 
 
 def format_table(report: dict) -> str:

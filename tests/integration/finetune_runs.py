@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -135,6 +136,25 @@ def final_checkpoint(output_dir: str | Path) -> Path:
 
 def load_weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return load_file(checkpoint / "model.safetensors")
+
+
+def resume_from_the_checkpoint_before_last(reference_dir: Path, resumed_dir: Path,
+                                           argv: Sequence[str]) -> None:
+    """Copy a finished run into ``resumed_dir`` without its last checkpoint and the metrics logged after the one
+    before, run ``argv`` there with ``resume_from_checkpoint=true``, and check it ends as the reference did, bit for
+    bit: every step's loss and the final weights (the same process count and batches, every RNG restored)."""
+    *_, earlier, last = list_checkpoints(reference_dir)
+    shutil.copytree(reference_dir, resumed_dir)
+    shutil.rmtree(resumed_dir / last.name)
+    metrics = resumed_dir / METRICS_FILE
+    resumed_at = int(earlier.name.removeprefix("step_"))
+    kept = [line for line in metrics.read_text().splitlines() if json.loads(line)["step"] <= resumed_at]
+    metrics.write_text("".join(line + "\n" for line in kept))
+    check_success(run_tune_in_process([*argv, "resume_from_checkpoint=true"]))
+    assert read_losses(resumed_dir) == read_losses(reference_dir)
+    ours, theirs = load_weights(final_checkpoint(resumed_dir)), load_weights(final_checkpoint(reference_dir))
+    assert ours.keys() == theirs.keys()
+    assert [name for name in theirs if not torch.equal(ours[name], theirs[name])] == []
 
 
 def hash_tree(root: Path) -> dict[str, str]:

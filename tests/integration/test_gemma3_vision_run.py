@@ -1,7 +1,7 @@
 """Gemma 3 with images through the real CLI: ``tiny/vlm`` with ``gemma3_vision_tiny`` and a Gemma 3 processor built
 here from transformers' own classes (the embedded tokenizer plus Gemma 3's turn and image tokens, 56-pixel images,
 4 tokens each), on the embedded coloured-shapes task. Each image is a fixed run of tokens wrapped in its begin and
-end tokens, the loss is on the assistant's text only, the loss falls, and the export loads in transformers with our
+end tokens, the loss is on the assistant's text only, the loss falls, a resume is exact, and the export loads in transformers with our
 logits; a processor whose image size is not the tower's is refused before any weight loads."""
 
 from __future__ import annotations
@@ -11,9 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from finetune_runs import check_success, final_checkpoint, run_tune_in_process
+from finetune_runs import (
+    check_success,
+    final_checkpoint,
+    resume_from_the_checkpoint_before_last,
+    run_tune_in_process,
+)
 from numerics import assert_close, llama_terms
-from PIL import Image
 from tokenizers import AddedToken, Tokenizer
 from transformers import Gemma3ForConditionalGeneration, PreTrainedTokenizerFast
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
@@ -68,7 +72,7 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _argv(output_dir: Path, checkpoint: Path, *overrides: str) -> list[str]:
     return ["run", "full_finetune", "--config", "tiny/vlm", "model._component_=torchtune_ac.models.gemma3_vision_tiny",
             f"checkpoint_dir={checkpoint}", "max_seq_len=64", "batch_size=8", "epochs=1",
-            f"max_steps_per_epoch={STEPS}", f"output_dir={output_dir}", *overrides]
+            f"max_steps_per_epoch={STEPS}", "save_every_n_steps=3", f"output_dir={output_dir}", *overrides]
 
 
 def test_each_image_is_a_fixed_run_of_tokens_and_the_loss_is_on_the_answer_only(checkpoint):
@@ -97,6 +101,11 @@ def tiny_run(checkpoint, tmp_path_factory) -> Path:
 def test_the_loss_falls(tiny_run):
     losses = [r["loss"] for r in read_metrics(tiny_run)]
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.5, losses
+
+
+def test_a_resume_is_exact(tiny_run, checkpoint, tmp_path):
+    resumed_dir = tmp_path / "resumed"
+    resume_from_the_checkpoint_before_last(tiny_run, resumed_dir, _argv(resumed_dir, checkpoint))
 
 
 @pytest.mark.numerics

@@ -1,6 +1,6 @@
 """A tiny Qwen3-VL fine-tuned through the real CLI on the embedded coloured-shapes task: ``tiny/vlm`` with the model
 swapped for ``qwen3_vl_tiny`` and a Qwen3-VL processor made offline from the embedded one (16-pixel patches, as
-Qwen3-VL's; the embedded processor's are Qwen2.5-VL's 14). The loss falls; the export loads in transformers'
+Qwen3-VL's; the embedded processor's are Qwen2.5-VL's 14). The loss falls; a resume is exact; the export loads in transformers'
 ``Qwen3VLForConditionalGeneration`` with our logits, its processor beside it; the Qwen2.5-VL processor is refused
 before anything is written (by tune validate too)."""
 
@@ -12,7 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from finetune_runs import check_success, final_checkpoint, run_tune_in_process
+from finetune_runs import (
+    check_success,
+    final_checkpoint,
+    read_losses,
+    resume_from_the_checkpoint_before_last,
+    run_tune_in_process,
+)
 from numerics import assert_close, llama_terms
 from transformers import Qwen3VLForConditionalGeneration
 
@@ -50,21 +56,29 @@ def _write_start(folder: Path) -> Path:
     return start
 
 
+def _argv(output_dir: Path, start: Path) -> list[str]:
+    return ["run", "full_finetune", "--config", "tiny/vlm", "model._component_=torchtune_ac.models.qwen3_vl_tiny",
+            f"checkpoint_dir={start}", "max_seq_len=64", "batch_size=8", "epochs=1", f"max_steps_per_epoch={STEPS}",
+            "save_every_n_steps=3", f"output_dir={output_dir}"]
+
+
 @pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[float]]:
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     folder = tmp_path_factory.mktemp("qwen3_vl")
-    output_dir = folder / "run"
-    check_success(run_tune_in_process([
-        "run", "full_finetune", "--config", "tiny/vlm", "model._component_=torchtune_ac.models.qwen3_vl_tiny",
-        f"checkpoint_dir={_write_start(folder)}", "max_seq_len=64", "batch_size=8", "epochs=1",
-        f"max_steps_per_epoch={STEPS}", f"output_dir={output_dir}"]))
-    losses = [json.loads(line)["loss"] for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
-    return output_dir, losses
+    output_dir, start = folder / "run", _write_start(folder)
+    check_success(run_tune_in_process(_argv(output_dir, start)))
+    return output_dir, start
 
 
 def test_the_loss_falls(tiny_run):
-    _, losses = tiny_run
+    losses = read_losses(tiny_run[0])
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.5, losses
+
+
+def test_a_resume_is_exact(tiny_run, tmp_path):
+    output_dir, start = tiny_run
+    resumed_dir = tmp_path / "resumed"
+    resume_from_the_checkpoint_before_last(output_dir, resumed_dir, _argv(resumed_dir, start))
 
 
 @pytest.mark.numerics

@@ -14,7 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from finetune_runs import check_success, final_checkpoint, load_weights, run_tune_in_process, run_tune_subprocess
+from finetune_runs import (
+    check_success,
+    final_checkpoint,
+    load_weights,
+    resume_from_the_checkpoint_before_last,
+    run_tune_in_process,
+    run_tune_subprocess,
+)
 from PIL import Image
 from numerics import assert_close, assert_steps_alike, assert_weights_trained_alike, llama_terms
 from transformers import Qwen2_5_VLForConditionalGeneration
@@ -66,17 +73,8 @@ def test_the_export_loads_in_transformers_with_our_logits(tiny_run):
 
 
 def test_a_resume_is_exact(tiny_run, tmp_path):
-    reference_dir, reference = tiny_run
     resumed_dir = tmp_path / "resumed"
-    shutil.copytree(reference_dir, resumed_dir)
-    shutil.rmtree(resumed_dir / f"step_{STEPS:07d}")
-    metrics = resumed_dir / "metrics.jsonl"
-    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()[:3]))
-    check_success(run_tune_in_process(_argv(resumed_dir, "save_every_n_steps=3", "resume_from_checkpoint=true")))
-    # Bit for bit: the same process count and batches, every RNG restored.
-    assert [r["loss"] for r in read_metrics(resumed_dir)] == [r["loss"] for r in reference]
-    ours, theirs = load_weights(final_checkpoint(resumed_dir)), load_weights(final_checkpoint(reference_dir))
-    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    resume_from_the_checkpoint_before_last(tiny_run[0], resumed_dir, _argv(resumed_dir, "save_every_n_steps=3"))
 
 
 def _mixed_task(path: Path) -> Path:
@@ -117,9 +115,8 @@ def test_a_text_only_model_given_images_is_refused_before_loading(tmp_path):
     result = run_tune_in_process(_argv(tmp_path / "out", "model._component_=torchtune_ac.models.qwen2_5_0_5b",
                                        "~model.freeze_vision_tower", "~model.freeze_projector", "checkpoint_dir=null",
                                        "tokenizer.path=${embedded_vlm_checkpoint:}"))
-    assert result.returncode == 2, result.stderr
-    assert "dataset: its samples hold images, but the model (qwen2) is text-only" in result.stderr
-    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("step_*"))
+    _assert_refused_in_one_line(result, tmp_path / "out",
+                                "dataset: its samples hold images, but the model (qwen2) is text-only")
 
 
 def _assert_refused_in_one_line(result, output_dir: Path, message: str) -> None:

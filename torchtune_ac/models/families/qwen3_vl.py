@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from torchtune_ac.models.families.qwen2_5_vl import PROCESSOR_MAX_PIXELS, Qwen2_5_VLHFAdapter
-from torchtune_ac.models.family import ImageInputs
-from torchtune_ac.models.vision.qwen2_5_vl import planned_image_inputs, resized_image
+from torchtune_ac.models.families import qwen2_5_vl
+from torchtune_ac.models.families.qwen2_5_vl import Qwen2_5_VLHFAdapter
 from torchtune_ac.models.vision.qwen3_vl import Qwen3_VL, Qwen3_VLArgs, VisionArgs
 from torchtune_ac.models.vision_family import VisionParts, vision_family
 
@@ -85,8 +84,7 @@ FAMILY = vision_family(
                 "``freeze_projector``: nor are the merger and the DeepStack mergers."),
     vision_modules=("visual",),
     # Qwen2.5-VL's layout and rounding: the same processor (Qwen2VLImageProcessor), its merge unit 32 pixels.
-    images=ImageInputs(resized=lambda args, height, width: resized_image(args.vision, height, width),
-                       batch=planned_image_inputs, default_max_pixels=PROCESSOR_MAX_PIXELS),
+    images=qwen2_5_vl.FAMILY.images,
 )
 build, freeze_ = FAMILY.build, PARTS.freeze_
 # The builders are names of this module too (``torchtune_ac.models.families.qwen3_vl.qwen3_vl_8b``).

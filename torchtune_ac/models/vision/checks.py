@@ -35,7 +35,8 @@ def check_model_takes_images(model: nn.Module, sample: Mapping[str, Any], what: 
         name = family.name if family is not None else type(model).__name__
         raise UserError(f"{what}: its samples hold images, but the model ({name}) is text-only: use a "
                         "vision-language model (qwen2_5_vl_3b, qwen2_5_vl_7b, qwen3_vl_8b, or from_hf_config over a "
-                        "Qwen2.5-VL or Qwen3-VL checkpoint; gemma3_4b_vision; docs/vision.md)")
+                        "Qwen2.5-VL or Qwen3-VL checkpoint; gemma3_4b_vision, gemma3_12b_vision, gemma3_27b_vision; "
+                        "docs/vision.md)")
     args = family.args_of(model)
     if isinstance(args, Gemma3VisionArgs):
         _check_gemma3_images(args, sample, what)
