@@ -81,6 +81,44 @@ def test_dora_on_the_nf4_base_starts_at_that_base():
         n for n, _ in model.named_parameters() if ".lora_" in n}
 
 
+@pytest.mark.parametrize("kind", [AdapterKind.LORA, AdapterKind.DORA])
+def test_the_merged_export_of_an_nf4_base_is_its_dequantised_weight_plus_the_adapters(kind, tmp_path):
+    """``adapter.save_merged`` with an NF4 base: each adapted weight is written dense, in the base's dtype, as the
+    dequantised NF4 weight with the adapter merged in (``W_nf4 + s B A``; for DoRA each row rescaled to its
+    magnitude), and transformers, loading the folder alone, computes this model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from numerics import assert_close, llama_terms
+    from torchtune_ac.checkpoint.hf import save_hf_files
+    from torchtune_ac.lora.export import merged_model_files
+    from torchtune_ac.lora.mechanism import merge_rows
+    from torchtune_ac.models.families import require_family
+
+    model = build_random_llama(ARGS, seed=1)
+    config = AdapterConfig(kind=kind, targets=["q_proj", "o_proj", "down_proj"], quantize_base=QuantizeBase.NF4)
+    apply_adapters(model, config)
+    load_or_initialize_adapters_(model, config, seed=0)
+    with torch.no_grad():  # B random, not zero: the adapters change the logits
+        for _, linear in adapted_linears(model):
+            linear.lora_b.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+        logits = model(TOKENS)
+        with adapters_off(model):
+            base = model(TOKENS)
+
+    files, family = merged_model_files(model), require_family(model, "the test")
+    for name, linear in adapted_linears(model):
+        merged = files.tensors[family.hf.to_hf_name(f"{name}.weight")]
+        dequantised = linear.weight.get_original_weight()
+        assert type(merged) is torch.Tensor and merged.dtype == linear.weight.dtype == torch.float32, name
+        assert torch.equal(merged, merge_rows(dequantised, linear.lora_b.weight, linear.lora_a.weight,
+                                              linear.lora_magnitude, linear.lora_scale)), name
+    save_hf_files(files, tmp_path / "merged")
+    with torch.no_grad():
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(input_ids=TOKENS).logits
+    assert not torch.equal(logits, base)
+    assert_close(loaded, logits, terms=llama_terms(ARGS, TOKENS.shape[1], 0, backward=False), what="merged logits")
+
+
 # ----------------------------------------------------------------------------------------------- under FSDP2
 
 # MLP projections of 256 x 128 and 128 x 256: two row shards of 16,384 weights each, whole NF4 blocks.
