@@ -130,11 +130,11 @@ QDORA = AdapterConfig(kind=AdapterKind.DORA, targets=["gate_proj", "up_proj", "d
 
 def _qlora_trains_like_one_process(rank: int) -> None:
     import torch.distributed as dist
-    from numerics import assert_steps_alike, assert_weights_trained_alike, llama_terms
+    from numerics import assert_close, assert_steps_alike, assert_weights_trained_alike, llama_terms
     from parallel_testlib import CPU, LENGTH, ROWS, STEPS, Case, train
 
     from torchtune_ac.lora.sharded_nf4 import is_sharded_nf4
-    from torchtune_ac.lora.mechanism import whole
+    from torchtune_ac.lora.mechanism import merge_rows, merged_weight, whole
     from torchtune_ac.models.families.llama import FAMILY
     from torchtune_ac.run.assemble import AssemblyPlan, build_training
     from torchtune_ac.runtime.distributed import DistributedContext
@@ -158,10 +158,15 @@ def _qlora_trains_like_one_process(rank: int) -> None:
         adapters = {n: whole(p.detach()).clone() for n, p in assembled.model.named_parameters() if p.requires_grad}
         return result, adapters
 
+    def one_process():
+        assembled = assemble(alone, Parallelism(1))
+        bases = {name: linear.dense_weight().clone() for name, linear in adapted_linears(assembled.model)}
+        return trained(assembled, alone, 0, 1), bases
+
     alone = DistributedContext(0, 1, 0, CPU)
-    handed = [trained(assemble(alone, Parallelism(1)), alone, 0, 1) if rank == 0 else None]
+    handed = [one_process() if rank == 0 else None]
     dist.broadcast_object_list(handed, src=0)
-    (losses, norms), adapters = handed[0]
+    ((losses, norms), adapters), bases = handed[0]
     ctx = DistributedContext(rank, 2, 0, CPU)
     split = assemble(ctx, Parallelism(2))
     weights = [linear.weight for _, linear in adapted_linears(split.model)]
@@ -171,6 +176,13 @@ def _qlora_trains_like_one_process(rank: int) -> None:
     assert_steps_alike(split_losses, losses, terms=terms, what="QDoRA on 2 processes: loss")
     assert_steps_alike(split_norms, norms, terms=terms, what="QDoRA on 2 processes: gradient norm")
     assert_weights_trained_alike(split_adapters, adapters, lrs=[1e-2] * STEPS, terms=terms)
+    # save_merged: each rank merges its own NF4 rows, dequantised, which are the rows of the one process's base.
+    for name, linear in adapted_linears(split.model):
+        merged = merged_weight(linear)
+        assert merged.placements == linear.weight.placements, name
+        expected = merge_rows(bases[name], whole(linear.lora_b.weight), whole(linear.lora_a.weight),
+                              whole(linear.lora_magnitude), linear.lora_scale)
+        assert_close(merged.full_tensor(), expected, terms=QDORA.rank + SHARDABLE.dim, what=name)
 
 
 @pytest.mark.distributed
