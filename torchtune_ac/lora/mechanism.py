@@ -64,8 +64,7 @@ class AdaptedLinear(nn.Linear):
 
     def dense_weight(self) -> torch.Tensor:
         """The base weight in dense form (an NF4 weight dequantised)."""
-        weight = self.weight
-        return weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
+        return dense(self.weight)
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:  # noqa: D401 - nn.Module's
         if self.adapters_enabled and self.lora_magnitude is None and _fusable(self, x):
@@ -352,12 +351,16 @@ def initialize_adapters_(model: nn.Module, *, seed: int) -> None:
         if linear.lora_magnitude is not None and hasattr(linear.weight, "device_mesh") and hasattr(
                 linear.weight.to_local(), "get_original_weight"):
             # An NF4 base sharded by rows (``sharded_nf4``): each rank's rows of the magnitude, those of its shard.
-            rows = linear.weight.to_local().get_original_weight()
+            rows = dense(linear.weight.to_local())
             linear.lora_magnitude.to_local().copy_(torch.linalg.norm(rows.float(), dim=1))
         elif linear.lora_magnitude is not None:
-            weight = whole(linear.weight)
-            weight = weight.get_original_weight() if hasattr(weight, "get_original_weight") else weight
+            weight = dense(whole(linear.weight))
             copy_whole_(linear.lora_magnitude, torch.linalg.norm(weight.float(), dim=1))
+
+
+def dense(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a plain tensor: an NF4 weight (or this rank's NF4 rows) dequantised, any other as it is."""
+    return tensor.get_original_weight() if hasattr(tensor, "get_original_weight") else tensor
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
@@ -459,6 +462,7 @@ def merged_weight(linear: AdaptedLinear) -> torch.Tensor:
     for other in (linear.lora_b.weight, magnitude):
         if other is not None and other.placements != weight.placements:
             raise ValueError(f"the adapter's rows are split as {other.placements}, the base's as {weight.placements}")
-    rows = merge_rows(weight.to_local(), linear.lora_b.weight.to_local(), whole(linear.lora_a.weight),
+    # An NF4 base's rows are dequantised here: NF4Tensor has no arithmetic (``.float()`` of a float32 one is itself).
+    rows = merge_rows(dense(weight.to_local()), linear.lora_b.weight.to_local(), whole(linear.lora_a.weight),
                       None if magnitude is None else magnitude.to_local(), linear.lora_scale)
     return DTensor.from_local(rows, weight.device_mesh, weight.placements, shape=weight.shape, stride=weight.stride())

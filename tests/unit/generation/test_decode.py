@@ -1,7 +1,9 @@
 """Generation with the KV cache: greedy decoding equals a decode that runs the whole sequence each step without a
 cache, and transformers' ``generate`` on the same checkpoint (left-padded batch, attention mask); top-k 1 sampling
-is greedy; a seeded sampler repeats itself and draws from the softmax; the compiled step decodes as the eager one."""
+is greedy; a seeded sampler repeats itself and draws from the softmax; the compiled step decodes as the eager one,
+with LoRA adapters too."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -9,6 +11,8 @@ import torch
 from models_testlib import TINY, build_random_hf_llama
 
 from torchtune_ac.generation import SamplingConfig, decode, generate
+from torchtune_ac.lora.config import AdapterConfig
+from torchtune_ac.lora.mechanism import adapted_linears, apply_adapters, initialize_adapters_
 from torchtune_ac.models import load_hf
 
 ARGS = dataclasses.replace(TINY, vocab_size=512)
@@ -90,18 +94,30 @@ def test_the_sampler_draws_from_the_softmax_of_the_kept_logits(config, kept):
     torch.testing.assert_close(frequencies, expected, atol=0.005, rtol=0)
 
 
+
 @pytest.mark.slow
-def test_compiled_decoding_is_greedy_as_eager_and_reuses_its_code_across_prompt_widths(models):
-    """Two prompt batches of different widths whose caches round up to the same multiple (7 + 12 and 5 + 12 slots:
-    32 each) run one compiled step: the second would fail on a recompile."""
+def test_compiled_decoding_is_greedy_as_eager_with_adapters_and_reuses_its_code_across_prompt_widths(models):
+    """GRPO's LoRA policy with generation.compile: adapters (B not zero) on every linear of the blocks (q/k/v in
+    one group) decode in the compiled step as eagerly, and not as the base. Two prompt batches of different widths
+    whose caches round up to the same multiple (7 + 12 and 5 + 12 slots: 32 each) run one compiled step: the second
+    would fail on a recompile. (One compile, a minute on a cold cache: the plain model's compiled decoding is
+    checked through the recipe in tests/integration/test_grpo_runs.py.)"""
     ours, _ = models
+    adapted = copy.deepcopy(ours)
+    apply_adapters(adapted, AdapterConfig(rank=4, alpha=16, targets=["q_proj", "k_proj", "v_proj", "o_proj",
+                                                                      "gate_proj", "up_proj", "down_proj"]))
+    initialize_adapters_(adapted, seed=0)
+    with torch.no_grad():
+        for _, linear in adapted_linears(adapted):
+            linear.lora_b.weight.normal_(0, 0.2, generator=torch.Generator().manual_seed(1))
     torch._dynamo.reset()
     config = SamplingConfig(max_new_tokens=12, temperature=0)
     narrower = [p[:5] for p in PROMPTS]
     multiple = decode.COMPILED_CACHE_MULTIPLE
     assert -(-(7 + 12) // multiple) == -(-(5 + 12) // multiple)
-    compiled = generate(ours, PROMPTS, config, eos_ids=[EOS], pad_id=0, compile_decode=True)
+    compiled = generate(adapted, PROMPTS, config, eos_ids=[EOS], pad_id=0, compile_decode=True)
     with torch.compiler.set_stance("fail_on_recompile"):
-        compiled_narrower = generate(ours, narrower, config, eos_ids=[EOS], pad_id=0, compile_decode=True)
-    assert compiled == generate(ours, PROMPTS, config, eos_ids=[EOS], pad_id=0)
-    assert compiled_narrower == generate(ours, narrower, config, eos_ids=[EOS], pad_id=0)
+        compiled_narrower = generate(adapted, narrower, config, eos_ids=[EOS], pad_id=0, compile_decode=True)
+    assert compiled == generate(adapted, PROMPTS, config, eos_ids=[EOS], pad_id=0)
+    assert compiled_narrower == generate(adapted, narrower, config, eos_ids=[EOS], pad_id=0)
+    assert compiled != generate(ours, PROMPTS, config, eos_ids=[EOS], pad_id=0)

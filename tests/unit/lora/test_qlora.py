@@ -81,6 +81,44 @@ def test_dora_on_the_nf4_base_starts_at_that_base():
         n for n, _ in model.named_parameters() if ".lora_" in n}
 
 
+@pytest.mark.parametrize("kind", [AdapterKind.LORA, AdapterKind.DORA])
+def test_the_merged_export_of_an_nf4_base_is_its_dequantised_weight_plus_the_adapters(kind, tmp_path):
+    """``adapter.save_merged`` with an NF4 base: each adapted weight is written dense, in the base's dtype, as the
+    dequantised NF4 weight with the adapter merged in (``W_nf4 + s B A``; for DoRA each row rescaled to its
+    magnitude), and transformers, loading the folder alone, computes this model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    from numerics import assert_close, llama_terms
+    from torchtune_ac.checkpoint.hf import save_hf_files
+    from torchtune_ac.lora.export import merged_model_files
+    from torchtune_ac.lora.mechanism import merge_rows
+    from torchtune_ac.models.families import require_family
+
+    model = build_random_llama(ARGS, seed=1)
+    config = AdapterConfig(kind=kind, targets=["q_proj", "o_proj", "down_proj"], quantize_base=QuantizeBase.NF4)
+    apply_adapters(model, config)
+    load_or_initialize_adapters_(model, config, seed=0)
+    with torch.no_grad():  # B random, not zero: the adapters change the logits
+        for _, linear in adapted_linears(model):
+            linear.lora_b.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(2))
+        logits = model(TOKENS)
+        with adapters_off(model):
+            base = model(TOKENS)
+
+    files, family = merged_model_files(model), require_family(model, "the test")
+    for name, linear in adapted_linears(model):
+        merged = files.tensors[family.hf.to_hf_name(f"{name}.weight")]
+        dequantised = linear.weight.get_original_weight()
+        assert type(merged) is torch.Tensor and merged.dtype == linear.weight.dtype == torch.float32, name
+        assert torch.equal(merged, merge_rows(dequantised, linear.lora_b.weight, linear.lora_a.weight,
+                                              linear.lora_magnitude, linear.lora_scale)), name
+    save_hf_files(files, tmp_path / "merged")
+    with torch.no_grad():
+        loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(input_ids=TOKENS).logits
+    assert not torch.equal(logits, base)
+    assert_close(loaded, logits, terms=llama_terms(ARGS, TOKENS.shape[1], 0, backward=False), what="merged logits")
+
+
 # ----------------------------------------------------------------------------------------------- under FSDP2
 
 # MLP projections of 256 x 128 and 128 x 256: two row shards of 16,384 weights each, whole NF4 blocks.
@@ -92,11 +130,11 @@ QDORA = AdapterConfig(kind=AdapterKind.DORA, targets=["gate_proj", "up_proj", "d
 
 def _qlora_trains_like_one_process(rank: int) -> None:
     import torch.distributed as dist
-    from numerics import assert_steps_alike, assert_weights_trained_alike, llama_terms
+    from numerics import assert_close, assert_steps_alike, assert_weights_trained_alike, llama_terms
     from parallel_testlib import CPU, LENGTH, ROWS, STEPS, Case, train
 
     from torchtune_ac.lora.sharded_nf4 import is_sharded_nf4
-    from torchtune_ac.lora.mechanism import whole
+    from torchtune_ac.lora.mechanism import merge_rows, merged_weight, whole
     from torchtune_ac.models.families.llama import FAMILY
     from torchtune_ac.run.assemble import AssemblyPlan, build_training
     from torchtune_ac.runtime.distributed import DistributedContext
@@ -120,10 +158,15 @@ def _qlora_trains_like_one_process(rank: int) -> None:
         adapters = {n: whole(p.detach()).clone() for n, p in assembled.model.named_parameters() if p.requires_grad}
         return result, adapters
 
+    def one_process():
+        assembled = assemble(alone, Parallelism(1))
+        bases = {name: linear.dense_weight().clone() for name, linear in adapted_linears(assembled.model)}
+        return trained(assembled, alone, 0, 1), bases
+
     alone = DistributedContext(0, 1, 0, CPU)
-    handed = [trained(assemble(alone, Parallelism(1)), alone, 0, 1) if rank == 0 else None]
+    handed = [one_process() if rank == 0 else None]
     dist.broadcast_object_list(handed, src=0)
-    (losses, norms), adapters = handed[0]
+    ((losses, norms), adapters), bases = handed[0]
     ctx = DistributedContext(rank, 2, 0, CPU)
     split = assemble(ctx, Parallelism(2))
     weights = [linear.weight for _, linear in adapted_linears(split.model)]
@@ -133,6 +176,13 @@ def _qlora_trains_like_one_process(rank: int) -> None:
     assert_steps_alike(split_losses, losses, terms=terms, what="QDoRA on 2 processes: loss")
     assert_steps_alike(split_norms, norms, terms=terms, what="QDoRA on 2 processes: gradient norm")
     assert_weights_trained_alike(split_adapters, adapters, lrs=[1e-2] * STEPS, terms=terms)
+    # save_merged: each rank merges its own NF4 rows, dequantised, which are the rows of the one process's base.
+    for name, linear in adapted_linears(split.model):
+        merged = merged_weight(linear)
+        assert merged.placements == linear.weight.placements, name
+        expected = merge_rows(bases[name], whole(linear.lora_b.weight), whole(linear.lora_a.weight),
+                              whole(linear.lora_magnitude), linear.lora_scale)
+        assert_close(merged.full_tensor(), expected, terms=QDORA.rank + SHARDABLE.dim, what=name)
 
 
 @pytest.mark.distributed

@@ -14,14 +14,15 @@ import torch
 from gloo_testlib import run_on_gloo_ranks
 from models_testlib import TINY
 from numerics import assert_close, assert_weights_trained_alike, llama_terms
-from parallel_testlib import CPU, build_model
+from parallel_testlib import CPU, build_model, compiled_by_aot_eager
 import parallel_testlib
 
+from torchtune_ac.generation import SamplingConfig, generate
 from torchtune_ac.models.families.llama import FAMILY as LLAMA
 from torchtune_ac.runtime.distributed import DistributedContext
 from torchtune_ac.runtime.parallelism import Parallelism
 from torchtune_ac.training.grpo import GRPOConfig, GRPOLossType, GRPOObjective, completion_logps, group_advantages
-from torchtune_ac.training.rollouts import pack_completion_rows, rollout_batch
+from torchtune_ac.training.rollouts import gathered_for_decoding, pack_completion_rows, rollout_batch
 from torchtune_ac.training.step import train_step
 
 ARGS = TINY
@@ -79,6 +80,13 @@ def train_rollout(assembled, ctx: DistributedContext, rows: range, config: GRPOC
     return results, weights
 
 
+def decode_greedily(model: torch.nn.Module, *, compile_decode: bool = False) -> list[list[int]]:
+    """The prompts' greedy completions, as the rollout decodes them (the groups of a sharded model gathered)."""
+    with gathered_for_decoding(model), compiled_by_aot_eager():
+        return generate(model, PROMPTS, SamplingConfig(MAX_NEW, temperature=0), eos_ids=[2], pad_id=0,
+                        compile_decode=compile_decode).tokens
+
+
 LOSS_TYPES = (GRPOLossType.DAPO, GRPOLossType.GRPO)  # one normalised over every rank's tokens, one per completion
 
 
@@ -87,9 +95,16 @@ def train_on_two_ranks(rank: int, out: str) -> None:
     parallelism = Parallelism(world)
     mesh, ctx = parallelism.build_mesh("cpu"), DistributedContext(rank, world, 0, CPU, parallelism)
     half = len(COMPLETIONS) // world
-    runs = {loss_type: train_rollout(build_model(Case(), ctx, parallelism, mesh), ctx,
-                                     range(rank * half, (rank + 1) * half), grpo_config(loss_type))
+    models = {loss_type: build_model(Case(), ctx, parallelism, mesh) for loss_type in LOSS_TYPES}
+    # The rollout's decoding of the sharded policy (its groups gathered for it), compiled and eager: the same
+    # completions. Compiled by aot_eager: Dynamo traces FSDP2's hooks here in seconds; inductor's kernels would take
+    # 80 s a rank on a cold cache (measured), and their numbers are checked in one process (test_decode.py).
+    decoded = [decode_greedily(models[LOSS_TYPES[0]].model, compile_decode=compiled) for compiled in (False, True)]
+    assert decoded[1] == decoded[0], f"rank {rank}: compiled decoding {decoded[1]}, eager {decoded[0]}"
+    runs = {loss_type: train_rollout(models[loss_type], ctx, range(rank * half, (rank + 1) * half),
+                                     grpo_config(loss_type))
             for loss_type in LOSS_TYPES}
+    runs["decoded"] = decoded[0]
     if rank == 0:
         torch.save(runs, out)
 
@@ -100,6 +115,7 @@ def test_fsdp2_on_two_processes_trains_given_rollouts_as_one_process(tmp_path):
     out = tmp_path / "two.pt"
     run_on_gloo_ranks(train_on_two_ranks, str(out), store_dir=tmp_path)
     two = torch.load(out, weights_only=False)
+    assert two["decoded"] == decode_greedily(build_model(Case(), ALONE).model)
     width = max(len(PROMPTS[i // 2]) + len(c) for i, c in enumerate(COMPLETIONS))
     terms = llama_terms(ARGS, width, len(COMPLETIONS) * width)
     for loss_type in LOSS_TYPES:
