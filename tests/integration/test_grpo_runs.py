@@ -66,7 +66,7 @@ def test_compiled_decoding_draws_the_straight_runs_first_rollout(straight_run: P
     output_dir = tmp_path / "compiled"
     check_success(run_tune_in_process(grpo_argv(output_dir, "epochs=1", "max_steps_per_epoch=1",
                                                 "generation.compile=true")))
-    assert "cpu" in decode._COMPILED_DECODE_STEPS
+    assert decode._COMPILED_DECODE_STEP is not None
     fields = ("reward", "rewards/format_match/mean", "completions/mean_length", "completions/max_length")
     compiled, eager = read_metrics(output_dir)[0], read_metrics(straight_run)[0]
     assert [compiled[f] for f in fields] == [eager[f] for f in fields]

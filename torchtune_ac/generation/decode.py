@@ -86,21 +86,18 @@ def _decode_step(model: nn.Module, tokens: torch.Tensor, positions: torch.Tensor
     return model(tokens, positions=positions)[:, -1]  # an adapted output layer takes no head
 
 
-_COMPILED_DECODE_STEPS: dict[str, object] = {}
+_COMPILED_DECODE_STEP = None
 # A compiled step's cache holds a multiple of this many slots, so that prompt batches of different widths within one
 # multiple give it the same shapes and reuse its compiled code (the extra slots are later slots: never seen).
 COMPILED_CACHE_MULTIPLE = 16
 
 
-def _compiled_decode_step(device: torch.device):
-    """``_decode_step`` compiled once per process and device type with static shapes (every step of a generation
-    has the same). On a CPU its code is called through inductor's C++ wrapper (``cpp_wrapper``): a step's dozens of
-    kernel and matmul calls are made from C++ instead of from a generated Python function, which cost ~0.5 ms of
-    the ~7 ms step of ``scripts/bench/bench_grpo.py``'s model; the compilation takes longer (a first step's cost)."""
-    if device.type not in _COMPILED_DECODE_STEPS:
-        options = {"cpp_wrapper": True} if device.type == "cpu" else None
-        _COMPILED_DECODE_STEPS[device.type] = torch.compile(_decode_step, dynamic=False, options=options)
-    return _COMPILED_DECODE_STEPS[device.type]
+def _compiled_decode_step():
+    """``_decode_step`` compiled once per process with static shapes (every step of a generation has the same)."""
+    global _COMPILED_DECODE_STEP
+    if _COMPILED_DECODE_STEP is None:
+        _COMPILED_DECODE_STEP = torch.compile(_decode_step, dynamic=False)
+    return _COMPILED_DECODE_STEP
 
 
 @torch.no_grad()
@@ -145,7 +142,7 @@ def generate(model: nn.Module, prompts: Sequence[Sequence[int]], config: Samplin
     eos = eos_ids[0] if len(eos_ids) == 1 else torch.tensor(list(eos_ids), dtype=torch.long, device=device)
     windows = [m.window for m in model.modules() if isinstance(m, Attention)]
     state = DecodeState(valid, windows, next(model.parameters()).dtype, filled_from=width)
-    step_fn = _compiled_decode_step(device) if compile_decode else _decode_step
+    step_fn = _compiled_decode_step() if compile_decode else _decode_step
     out = torch.full((b, config.max_new_tokens), pad_id, dtype=torch.long, device=device)
     done = torch.zeros(b, dtype=torch.bool, device=device)
     steps = 0
