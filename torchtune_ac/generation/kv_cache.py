@@ -126,7 +126,11 @@ class KVCache:
             self.v[:, :, slot:slot + 1] = v
         window = self.attention.window
         softcap, sinks = self.attention.softcap, self.attention.sinks
-        if softcap is None and sinks is None:
+        if softcap is None and sinks is None and q.shape[2] == 1 and torch.compiler.is_compiling():
+            bias = self.state.biases.get(window)
+            mask = bias if bias is not None and bias.dtype == q.dtype else self.state.masks[window]
+            out = _one_query_attention(q, self.k, self.v, mask, scale=scale)
+        elif softcap is None and sinks is None:
             bias = self.state.biases.get(window)
             mask = bias if bias is not None and bias.dtype == q.dtype else self.state.masks[window]
             out = F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, scale=scale,
@@ -135,6 +139,25 @@ class KVCache:
             out = _explicit_scores_attention(q, self.k, self.v, self.state.masks[window], scale=scale,
                                              softcap=softcap, sinks=sinks)
         return out.transpose(1, 2)
+
+
+def _one_query_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,
+                         scale: Optional[float]) -> torch.Tensor:
+    """A decode step's attention (one query per row), ``[b, n_heads, 1, hd]``, as two batched matmuls around a
+    softmax: inside a compiled step the scale, the mask ``[b, 1, 1, total]`` (additive or boolean) and the softmax
+    fuse into one kernel, where the CPU's flash SDPA kernel costs several times the arithmetic for one query.
+    Grouped K/V are read in place, never copied."""
+    b, n_heads, _, hd = q.shape
+    n_kv, total = k.shape[1], k.shape[2]
+    group = n_heads // n_kv  # query head h reads K/V head h // group
+    scores = torch.matmul(q.reshape(b, n_kv, group, hd), k.transpose(-1, -2))  # [b, n_kv, group, total]
+    scores = scores * (hd**-0.5 if scale is None else scale)
+    if mask.dtype == torch.bool:
+        scores = scores.masked_fill(~mask.view(b, 1, 1, total), float("-inf"))
+    else:
+        scores = scores + mask.view(b, 1, 1, total)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # as SDPA's kernels: a float32 softmax
+    return torch.matmul(probs, v).view(b, n_heads, 1, hd)  # [b, n_kv, group, hd] -> [b, n_heads, 1, hd]
 
 
 def _explicit_scores_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, *,

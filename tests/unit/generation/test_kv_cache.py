@@ -1,11 +1,13 @@
 """The decode state's masks: stepping one slot at a time (``point_at``, three columns written in place) gives the
 masks ``point`` builds from scratch, for full and sliding windows over left-padded rows; the additive masks are 0
-where the boolean ones are True and -inf elsewhere."""
+where the boolean ones are True and -inf elsewhere; a decode step's one-query attention equals SDPA."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from torchtune_ac.generation.kv_cache import DecodeState
+from tests.numerics import assert_close
+from torchtune_ac.generation.kv_cache import DecodeState, _one_query_attention
 
 WIDTH, NEW = 4, 7
 VALID = torch.tensor([[False, False, True, True] + [True] * NEW,
@@ -36,3 +38,21 @@ def test_a_state_without_a_dtype_keeps_no_additive_masks():
     state.point_at(WIDTH)
     state.point_at(WIDTH + 1)
     assert state.biases == {} and state.masks[None].shape == (3, 1, 1, WIDTH + NEW)
+
+
+@pytest.mark.parametrize("additive", [False, True])
+def test_one_query_attention_equals_sdpa_over_grouped_heads(additive):
+    """A compiled decode step's attention (two bmms around a softmax) computes what SDPA computes for one query."""
+    torch.manual_seed(0)
+    b, n_heads, n_kv, total, hd = 3, 4, 2, 11, 8
+    q = torch.randn(b, n_heads, 1, hd)
+    k, v = torch.randn(b, n_kv, total, hd), torch.randn(b, n_kv, total, hd)
+    state = DecodeState(VALID, [None], torch.float32, filled_from=WIDTH)
+    state.point(torch.tensor([WIDTH + 2]))
+    mask = state.biases[None] if additive else state.masks[None]
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert_close(_one_query_attention(q, k, v, mask, scale=None), expected, terms=total + hd,
+                 what="one-query attention")
+    # A softmax over the wrong slots moves every row by far more than rounding.
+    wrong = _one_query_attention(q, k, v, torch.ones_like(state.masks[None]), scale=None)
+    assert (wrong - expected).abs().max() > 1e-3
