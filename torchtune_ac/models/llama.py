@@ -489,7 +489,6 @@ class TransformerBlock(nn.Module):
             return h + self.resid_dropout(out), logits, counts
         return h + self.resid_dropout(self.mlp(self.mlp_norm(h)))
 
-
     # Set by ``parallel/tensor_parallel.py``: the block's input and output are split along the sequence.
     tensor_parallel = False
 
