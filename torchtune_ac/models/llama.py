@@ -495,7 +495,8 @@ class TransformerBlock(nn.Module):
     def computes_rows(self) -> bool:
         """Whether ``forward(rows=)`` computes those rows only: plain attention (``Attention.attends_plainly``), a
         dense MLP, no residual dropout in training, no tensor parallelism."""
-        return (self.attn.attends_plainly() and not isinstance(self.mlp, MoE)
+        return (type(self).forward is TransformerBlock.forward  # a subclass's own forward takes no rows
+                and self.attn.attends_plainly() and not isinstance(self.mlp, MoE)
                 and not (self.training and self.resid_dropout.p) and not self.tensor_parallel)
 
 
@@ -702,12 +703,12 @@ class Llama(nn.Module):
         full = self.rope_cos_sin(positions, h.dtype)
         # Sliding-window layers may have a RoPE of their own (Gemma 3's local layers).
         sliding = full if self.args.sliding_rope_theta is None else self.rope_cos_sin(positions, h.dtype, sliding=True)
-        # A head that reads the targets only: the last block computes those rows alone where it can.
-        rows = last_block_rows(head, self.layers[-1], s) if len(self.layers) else None
+        # The text decoders compute every row of their last block: ``last_block_rows``'s one masked attention call
+        # (scores of the targets against every token) is left to the vision-language decoders, whose labelled rows
+        # are a small share of an image-heavy batch.
         for index, layer in enumerate(self.layers):
             cos, sin = sliding if self.args.window_of(index) is not None else full
-            last = index == len(self.layers) - 1
-            h = layer(h, cos, sin, runs, rows=rows) if last and rows is not None else layer(h, cos, sin, runs)
+            h = layer(h, cos, sin, runs)
             if isinstance(h, tuple):  # a mixture-of-experts block: its output, and what its router did
                 h, logits, counts = h
                 layer.mlp.record_router_output(logits, counts)

@@ -297,13 +297,11 @@ def test_loss_chunks_1_is_the_whole_logits_loss_where_the_output_takes_no_head()
 @pytest.mark.numerics
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("ac", [{}, {"ac_mode": "full"}], ids=["none", "full"])
-def test_loss_chunks_1_computes_the_last_block_at_the_targets_only_with_the_whole_logits_loss(monkeypatch, packed,
-                                                                                               ac):
-    # loss_chunks 1: the head projects the targets only, and the text decoder's last block computes their rows
-    # alone (``llama.last_block_rows``; grouped keys and values, packed documents, AC); the loss and every gradient
-    # are the whole logits' within rounding.
+def test_loss_chunks_1_projects_the_targets_only_with_the_whole_logits_loss(packed, ac):
+    # loss_chunks 1: the head projects the targets only (the text decoder computes every row of its last block:
+    # the vision-language decoders' target rows are tested in their families' tests); grouped keys and values,
+    # packed documents, AC; the loss and every gradient are the whole logits' within rounding.
     from torchtune_ac.memory.chunked_loss import loss_objective
-    from torchtune_ac.models import llama
     from torchtune_ac.training.objective import CrossEntropy
 
     torch.manual_seed(0)
@@ -313,9 +311,6 @@ def test_loss_chunks_1_computes_the_last_block_at_the_targets_only_with_the_whol
     batch = {"tokens": tokens, "labels": labels_with_ignored(2, 24, TINY.vocab_size, seed=3, ignored=0.7)}
     if packed:
         batch["document_ids"] = torch.tensor([[0] * 5 + [1] * 9 + [2] * 10, [0] * 11 + [1] * 13])
-    calls = []
-    forward_rows = llama.Attention.forward_rows
-    monkeypatch.setattr(llama.Attention, "forward_rows", lambda *a, **k: calls.append(1) or forward_rows(*a, **k))
     results = []
     for objective in (loss_objective(1), CrossEntropy()):
         model = Llama(TINY)
@@ -324,7 +319,6 @@ def test_loss_chunks_1_computes_the_last_block_at_the_targets_only_with_the_whol
         loss = objective(model, batch)
         loss.backward()
         results.append((loss.detach(), {name: p.grad for name, p in model.named_parameters()}))
-    assert calls  # the last block ran at the target rows
     (rows, rows_grads), (whole, whole_grads) = results
     n = int((batch["labels"] != IGNORE_INDEX).sum())
     assert_close(rows, whole, terms=llama_terms(TINY, 24, n, backward=False), what="loss")
