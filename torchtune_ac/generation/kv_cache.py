@@ -126,15 +126,14 @@ class KVCache:
             self.v[:, :, slot:slot + 1] = v
         window = self.attention.window
         softcap, sinks = self.attention.softcap, self.attention.sinks
-        if softcap is None and sinks is None and q.shape[2] == 1 and torch.compiler.is_compiling():
+        if softcap is None and sinks is None:
             bias = self.state.biases.get(window)
             mask = bias if bias is not None and bias.dtype == q.dtype else self.state.masks[window]
-            out = _one_query_attention(q, self.k, self.v, mask, scale=scale)
-        elif softcap is None and sinks is None:
-            bias = self.state.biases.get(window)
-            mask = bias if bias is not None and bias.dtype == q.dtype else self.state.masks[window]
-            out = F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, scale=scale,
-                                                 enable_gqa=q.shape[1] != self.k.shape[1])
+            if q.shape[2] == 1 and torch.compiler.is_compiling():  # a compiled decode step's one query
+                out = _one_query_attention(q, self.k, self.v, mask, scale=scale)
+            else:
+                out = F.scaled_dot_product_attention(q, self.k, self.v, attn_mask=mask, scale=scale,
+                                                     enable_gqa=q.shape[1] != self.k.shape[1])
         else:
             out = _explicit_scores_attention(q, self.k, self.v, self.state.masks[window], scale=scale,
                                              softcap=softcap, sinks=sinks)
