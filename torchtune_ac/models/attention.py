@@ -255,10 +255,15 @@ def _causal_sdpa(
     if window is None or length <= window:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True, enable_gqa=gqa,
                                               scale=scale)
-    position = torch.arange(length, device=q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_causal_mask(length, window, q.device),
+                                          dropout_p=dropout_p, enable_gqa=gqa, scale=scale)
+
+
+def _causal_mask(length: int, window: Optional[int], device: torch.device) -> torch.Tensor:
+    """``[L, L]`` booleans, True where a query may attend a key: at or before it, and within ``window`` tokens."""
+    position = torch.arange(length, device=device)
     behind = position.unsqueeze(1) - position.unsqueeze(0)  # [L, L]: query index - key index
-    band = (behind >= 0) & (behind < window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=band, dropout_p=dropout_p, enable_gqa=gqa, scale=scale)
+    return behind >= 0 if window is None else (behind >= 0) & (behind < window)
 
 
 def _explicit_attention(
@@ -285,10 +290,7 @@ def _explicit_attention(
     scores = scores.view(b, n_kv, group, length, length)
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
-    position = torch.arange(length, device=q.device)
-    behind = position.unsqueeze(1) - position.unsqueeze(0)  # [L, L]: query index - key index
-    allowed = behind >= 0 if window is None else (behind >= 0) & (behind < window)
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill(~_causal_mask(length, window, q.device), float("-inf"))
     if sinks is None:
         probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     else:
