@@ -408,6 +408,33 @@ def mrope_positions(tokens: torch.Tensor, grid_thw: Optional[torch.Tensor], imag
     return positions.to(tokens.device)
 
 
+def decode_at_mrope_positions(model: Llama, h: torch.Tensor, tokens: torch.Tensor, positions: Optional[torch.Tensor],
+                              document_ids: Optional[torch.Tensor], document_lengths: Optional[torch.Tensor],
+                              head: Any, after_layer: Optional[Callable[[int, torch.Tensor], torch.Tensor]] = None,
+                              changed_layers: int = 0) -> torch.Tensor:
+    """The decoder half of a Qwen VL forward (Qwen2.5-VL's, Qwen3-VL's): ``model``'s blocks over the embedded
+    ``h [b, s, dim]`` (image features in place) at multimodal ``positions`` (``[3, b, s]``; ``[b, s]`` text ones
+    on all three axes; None: the text's own, each document's from 0, read nothing back to the host), then the norm
+    and the output (or ``head``'s result). ``after_layer(k, h)`` is the hidden state after block ``k`` for the first
+    ``changed_layers`` blocks (Qwen3-VL's DeepStack features). A head that reads the targets only has the last block
+    compute those rows alone where it can (``last_block_rows``) and where nothing changes its output after it."""
+    if positions is None:
+        b, s = tokens.shape
+        positions = (positions_from_document_ids(document_ids) if document_ids is not None
+                     else torch.arange(s, device=tokens.device).expand(b, s))
+    if positions.ndim == 2:
+        positions = positions.unsqueeze(0).expand(3, -1, -1)
+    runs = document_runs(document_ids, document_lengths) if document_ids is not None else None
+    cos, sin = model.mrope_cos_sin(positions, h.dtype)
+    rows = last_block_rows(head, model.layers[-1], tokens.shape[1]) if len(model.layers) > changed_layers else None
+    for index, layer in enumerate(model.layers):
+        last = index == len(model.layers) - 1
+        h = layer(h, cos, sin, runs, rows=rows) if last and rows is not None else layer(h, cos, sin, runs)
+        if index < changed_layers:
+            h = after_layer(index, h)
+    return model.output(model.norm(h), head)  # [b, s, vocab], or the head's result
+
+
 class Qwen2_5_VL(Llama):
     """The decoder (``Llama`` with Qwen2's flags) and ``visual``, the vision tower with its merger.
 
@@ -453,20 +480,7 @@ class Qwen2_5_VL(Llama):
         else:
             features = self.visual(pixel_values, image_grid_thw).to(h.dtype)  # [n_image_tokens, dim]
             h = h.masked_scatter((tokens == args.image_token_id).unsqueeze(-1), features)
-        if positions is None:  # text only: the three positions are the text's, read nothing back to the host
-            b, s = tokens.shape
-            positions = (positions_from_document_ids(document_ids) if document_ids is not None
-                         else torch.arange(s, device=tokens.device).expand(b, s)).unsqueeze(0).expand(3, -1, -1)
-        elif positions.ndim == 2:
-            positions = positions.unsqueeze(0).expand(3, -1, -1)
-        runs = document_runs(document_ids, document_lengths) if document_ids is not None else None
-        cos, sin = self.mrope_cos_sin(positions, h.dtype)
-        # A head that reads the targets only: the last block computes those rows (``TransformerBlock.forward``).
-        rows = last_block_rows(head, self.layers[-1], tokens.shape[1])
-        for index, layer in enumerate(self.layers):
-            last = index == len(self.layers) - 1
-            h = layer(h, cos, sin, runs, rows=rows) if last and rows is not None else layer(h, cos, sin, runs)
-        return self.output(self.norm(h), head)  # [b, s, vocab], or the head's result
+        return decode_at_mrope_positions(self, h, tokens, positions, document_ids, document_lengths, head)
 
     def mrope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables ``[b, 1, s, head_dim]`` of ``positions[3, b, s]``: the first ``mrope_section[0]``

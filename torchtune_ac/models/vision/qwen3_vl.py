@@ -28,10 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import is_fake
 
-from torchtune_ac.models.attention import document_runs
-from torchtune_ac.models.llama import (ACTIVATIONS, Llama, LlamaArgs, TransformerBlock, last_block_rows,
-                                      positions_from_document_ids, rotate_half)
-from torchtune_ac.models.vision.qwen2_5_vl import blank_image, mrope_positions, vision_patch_positions
+from torchtune_ac.models.llama import ACTIVATIONS, Llama, LlamaArgs, TransformerBlock, rotate_half
+from torchtune_ac.models.vision.qwen2_5_vl import (blank_image, decode_at_mrope_positions, mrope_positions,
+                                                  vision_patch_positions)
 
 _VISION_NORM_EPS = 1e-6  # transformers' Qwen3-VL tower and merger norms
 
@@ -328,23 +327,12 @@ class Qwen3_VL(Llama):
         if positions is None and image_grid_thw is not None:
             positions = mrope_positions(tokens, image_grid_thw, args.image_token_id, args.vision.spatial_merge_size,
                                         document_ids)
-        elif positions is None:  # text only: the three positions are the text's, read nothing back to the host
-            b, s = tokens.shape
-            positions = (positions_from_document_ids(document_ids) if document_ids is not None
-                         else torch.arange(s, device=tokens.device).expand(b, s)).unsqueeze(0).expand(3, -1, -1)
-        elif positions.ndim == 2:
-            positions = positions.unsqueeze(0).expand(3, -1, -1)
-        runs = document_runs(document_ids, document_lengths) if document_ids is not None else None
-        cos, sin = self.mrope_cos_sin(positions, h.dtype)
-        # A head that reads the targets only: the last block computes those rows alone where it can (and where no
-        # deepstack features are added after it).
-        rows = last_block_rows(head, self.layers[-1], tokens.shape[1]) if len(self.layers) > len(deepstack) else None
-        for index, layer in enumerate(self.layers):
-            last = index == len(self.layers) - 1
-            h = layer(h, cos, sin, runs, rows=rows) if last and rows is not None else layer(h, cos, sin, runs)
-            if index < len(deepstack):  # h + 0 outside the image tokens: those stay exact
-                h = h + torch.zeros_like(h).masked_scatter(is_image.unsqueeze(-1), deepstack[index].to(h.dtype))
-        return self.output(self.norm(h), head)
+
+        def add_deepstack(index: int, h: torch.Tensor) -> torch.Tensor:  # h + 0 outside the image tokens: exact
+            return h + torch.zeros_like(h).masked_scatter(is_image.unsqueeze(-1), deepstack[index].to(h.dtype))
+
+        return decode_at_mrope_positions(self, h, tokens, positions, document_ids, document_lengths, head,
+                                         add_deepstack, changed_layers=len(deepstack))
 
     def mrope_cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin tables ``[b, 1, s, head_dim]`` of ``positions[3, b, s]``, the pairs interleaved."""
