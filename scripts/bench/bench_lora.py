@@ -4,6 +4,7 @@ by side.
     python scripts/bench/bench_lora.py                 # 4 sides x --repeats, a table, bench_results/lora.{json,png}
     python scripts/bench/bench_lora.py --sides lora qlora   # QLoRA's step against plain LoRA's alone
     python scripts/bench/bench_lora.py --short         # a few steps of a small batch: checks that it runs
+    python scripts/bench/bench_lora.py --compile --sides lora peft   # compiled: our blocks, TRL's torch_compile
     python scripts/bench/bench_lora.py --model llama_medium --ac full --batch-size 1 --seq-len 256
                                                        # where LoRA is used: the weights' state outweighs activations
 
@@ -121,6 +122,9 @@ def run_ours(settings: dict, side: str) -> dict:
         initialize_adapters_(model, seed=0)
         base_bytes = frozen_base_bytes(model)
     setup_activation_checkpointing(model, ac_mode=settings["ac"])
+    if settings.get("compile"):  # as ``compile: true`` does (run/assemble.py): each block, after AC
+        for block in model.layers:
+            block.compile()
     model.train()
     stepper = build_optimizer(lambda params: torch.optim.AdamW(params, lr=LR), model, in_backward=False)
     objective = loss_objective(1)
@@ -173,7 +177,7 @@ def run_peft(settings: dict) -> dict:
         lr_scheduler_type="constant", max_grad_norm=0.0, max_steps=settings["steps"], train_sampling_strategy="sequential",
         logging_steps=10**9, save_strategy="no", eval_strategy="no", report_to=[], use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=settings["ac"] == "full", gradient_checkpointing_kwargs={"use_reentrant": False},
-        dataloader_num_workers=0, seed=0, packing=False,
+        dataloader_num_workers=0, seed=0, packing=False, torch_compile=bool(settings.get("compile")),
         dataset_kwargs={"skip_prepare_dataset": True})
     tokenizer = PreTrainedTokenizerFast.from_pretrained(ensure_embedded_checkpoint())
     trainer = trl.SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(records),
@@ -256,6 +260,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--model", choices=MODELS, default="llama_small")
     parser.add_argument("--ac", choices=("none", "full"), default="none", help="activation checkpointing, every side")
+    parser.add_argument("--compile", action="store_true",
+                        help="our sides compile each block (compile: true), TRL compiles its model (torch_compile)")
     parser.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="which sides to run")
     parser.add_argument("--out", default=str(REPO / "bench_results" / "lora"), help="PREFIX for PREFIX.json, .png")
     parser.add_argument("--side", choices=SIDES, help=argparse.SUPPRESS)  # a worker process
@@ -269,7 +275,7 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     settings = {"model": args.model, "ac": args.ac, "batch_size": args.batch_size, "seq_len": args.seq_len, "steps": args.steps, "threads": args.threads,
-                "output_dir": str(out.parent / "lora_trl_output")}
+                "compile": args.compile, "output_dir": str(out.parent / "lora_trl_output")}
     sides = [side for side in SIDES if side in args.sides]
     runs = [run_side(Path(__file__), side, settings, args.threads) for _ in range(args.repeats) for side in sides]
     summary = summarize(runs, sides, args.warmup_steps)
