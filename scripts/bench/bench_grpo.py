@@ -78,9 +78,12 @@ def run_ours(s: dict) -> dict:
 
     from torchtune_ac.generation import SamplingConfig, generate
     from torchtune_ac.models import load_hf
+    from torchtune_ac.runtime.process_memory import keep_freed_memory
     from torchtune_ac.training.grpo import GRPOConfig, GRPOObjective, ScaleRewards, group_advantages
     from torchtune_ac.training.rollouts import rollout_batch
 
+    # glibc as a CPU run's open_run sets it (run/session.py): a step's freed blocks kept for the next step
+    keep_freed_memory()
     tokenizer = PreTrainedTokenizerFast.from_pretrained(s["checkpoint"])
     model = load_hf(s["checkpoint"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)

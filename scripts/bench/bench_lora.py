@@ -109,8 +109,11 @@ def run_ours(settings: dict, side: str) -> dict:
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
     from torchtune_ac.activation_checkpointing import setup_activation_checkpointing
     from torchtune_ac.models.llama import Llama
+    from torchtune_ac.runtime.process_memory import keep_freed_memory
     from torchtune_ac.training.step import accumulate_gradients
 
+    # glibc as a CPU run's open_run sets it (run/session.py): a step's freed blocks kept for the next step
+    keep_freed_memory()
     torch.manual_seed(0)
     model = Llama(model_args(settings["model"]))
     base_bytes = {}

@@ -99,8 +99,11 @@ def run_ours(settings: dict) -> dict:
     from torchtune_ac.memory.chunked_loss import loss_objective
     from torchtune_ac.memory.optimizer_in_backward import build_optimizer
     from torchtune_ac.models.families.qwen2_5_vl import build
+    from torchtune_ac.runtime.process_memory import keep_freed_memory
     from torchtune_ac.training.step import accumulate_gradients
 
+    # glibc as a CPU run's open_run sets it (run/session.py): a step's freed blocks kept for the next step
+    keep_freed_memory()
     processor = load_vision_processor(EMBEDDED_VLM_PROCESSOR_DIR)
     # padding_free: as the family's shipped configs set it (configs/qwen2_5_vl, tiny/vlm)
     dataset = build_vision_dataset(EMBEDDED_VLM_TRAIN_PATH, processor, max_seq_len=settings["max_seq_len"],

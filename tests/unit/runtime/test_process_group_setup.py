@@ -132,6 +132,7 @@ def test_the_run_sets_tf32_on_cuda_only(monkeypatch, tf32_flags, device, overrid
 
     monkeypatch.setattr(session, "init_distributed", init_distributed)
     monkeypatch.setattr(session, "follow_live_tensors", lambda: None)
+    monkeypatch.setattr(session, "keep_freed_memory", lambda: None)
     monkeypatch.setattr(session, "hold_output_dir", lambda *a, **k: (_ for _ in ()).throw(Stop()))
     with pytest.raises(Stop), session.open_run(cfg):
         pass
@@ -139,23 +140,24 @@ def test_the_run_sets_tf32_on_cuda_only(monkeypatch, tf32_flags, device, overrid
     assert joined == {"device": "auto", "timeout_s": 1800}
 
 
-@pytest.mark.parametrize("device, overrides, follows", [
-    (torch.device("cpu"), {}, False),  # the default: glibc left alone, the faster step
-    (torch.device("cpu"), {"ac_mode": "full"}, False),
-    (torch.device("cpu"), {"ac_mode": "auto", "ac_memory_budget_gib": 2.0, "max_seq_len": 64}, True),  # a budget
-    (torch.device("cuda", 0), {"ac_mode": "auto", "max_seq_len": 64}, False),  # the host's allocator is no budget's
+@pytest.mark.parametrize("device, overrides, expected", [
+    (torch.device("cpu"), {}, ["kept"]),  # the default: freed blocks kept for the next step, the faster step
+    (torch.device("cpu"), {"ac_mode": "full"}, ["kept"]),
+    (torch.device("cpu"), {"ac_mode": "auto", "ac_memory_budget_gib": 2.0, "max_seq_len": 64}, ["followed"]),
+    (torch.device("cuda", 0), {"ac_mode": "auto", "max_seq_len": 64}, []),  # the host's allocator left alone
 ])
 def test_the_cpu_allocator_follows_live_tensors_only_where_a_budget_must_hold(monkeypatch, device, overrides,
-                                                                              follows):
+                                                                              expected):
     calls = []
     monkeypatch.setattr(session, "init_distributed", lambda device_name, *, timeout_s: DistributedContext(
         rank=0, world_size=1, local_rank=0, device=device))
     monkeypatch.setattr(session, "set_tf32", lambda device, *, allow_tf32: None)
     monkeypatch.setattr(session, "follow_live_tensors", lambda: calls.append("followed"))
+    monkeypatch.setattr(session, "keep_freed_memory", lambda: calls.append("kept"))
     monkeypatch.setattr(session, "hold_output_dir", lambda *a, **k: (_ for _ in ()).throw(Stop()))
     with pytest.raises(Stop), session.open_run(config(**overrides)):
         pass
-    assert calls == (["followed"] if follows else [])
+    assert calls == expected
 
 
 def test_a_bad_timeout_names_the_key():

@@ -1,9 +1,11 @@
-"""The process's own memory: what it holds before the model (measured), and glibc set to give freed tensors back,
-so that a CPU run's resident memory follows its live tensors as the planner counts them."""
+"""The process's own memory: what it holds before the model (measured), and glibc set either to give freed tensors
+back, so that a CPU run's resident memory follows its live tensors as the planner counts them, or to keep them for
+the next step."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -41,6 +43,34 @@ def test_freed_tensors_go_back_to_the_system_once_set():
     assert followed["applied"] is True and default["applied"] is False
     assert default["kept"] > 250  # 150 MiB alive and 150 MiB of holes
     assert followed["kept"] < 200  # the 150 MiB alive (and a little)
+
+
+# A step's worth of 1 MiB tensors freed, as each training step frees what it allocated: under glibc's defaults the
+# free top of the heap goes back to the system (and the next step faults it in again); keep_freed_memory keeps it.
+# Read as the resident set rather than page faults, which transparent huge pages would count otherwise.
+REFREED = textwrap.dedent("""
+    import json, sys, psutil, torch
+    from torchtune_ac.runtime.process_memory import keep_freed_memory
+    applied = keep_freed_memory() if sys.argv[1] == "keep" else False
+    tensors = [torch.ones(2**18) for _ in range(200)]  # 200 MiB, written: resident
+    held = psutil.Process().memory_info().rss
+    del tensors
+    print(json.dumps({"applied": applied, "given_back": (held - psutil.Process().memory_info().rss) / 2**20}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_freed_memory_is_kept_for_the_next_step_and_a_users_malloc_settings_are_left_alone():
+    def run(mode, **env):
+        out = subprocess.run([sys.executable, "-c", REFREED, mode], capture_output=True, text=True, check=True,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | env)
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    default, kept = run("default"), run("keep")
+    assert default["applied"] is False and kept["applied"] is True
+    assert default["given_back"] > 150  # the 200 MiB, unmapped or trimmed
+    assert kept["given_back"] < 20  # kept for reuse
+    assert run("keep", MALLOC_TRIM_THRESHOLD_="131072")["applied"] is False
 
 
 def test_the_fixed_cost_on_a_cpu_is_the_resident_set():
