@@ -2,7 +2,7 @@
 ``training/grpo.py``, backward and AdamW) against TRL 1.16's ``GRPOTrainer`` (transformers' ``generate``), each side
 in a fresh process of its own.
 
-    .venv/bin/python scripts/bench/bench_grpo.py            # 8 prompts x 4 completions of 64 tokens, 3 timed steps
+    .venv/bin/python scripts/bench/bench_grpo.py            # 8 prompts x 4 completions of 64 tokens, 3 timed steps a run
     .venv/bin/python scripts/bench/bench_grpo.py --quick    # 4 x 4 of 16 tokens, 1 timed step (about a minute)
 
 Same work on both sides: one random Llama (``--dim``, ``--layers``, the embedded tokenizer's 512 tokens), saved
@@ -10,9 +10,12 @@ with ``save_hf`` and loaded by both; the same prompt texts tokenized by the same
 completions per prompt of exactly ``max_new_tokens`` tokens (no end-of-sequence: ours stops on no token, TRL is
 given ``min_new_tokens``), temperature 1, no top-k/top-p; ``beta: 0``, ``loss_type: dapo``, one iteration; one
 reward (a constant function of the text's length); fp32; ``torch.optim.AdamW``; the same number of threads. The
-first step is a warm-up and not timed.
+first step is a warm-up and not timed. Ours sets glibc's allocator as a CPU run does (``keep_freed_memory``,
+``runtime/process_memory.py``); TRL's is glibc's default, as a TRL user's is.
 
-Timed apart: the generation (ours: ``generate``; TRL: its ``_generate``), and the rest of the step (ours: rewards,
+The sides run in turns, A B B A (``--repeats`` rounds, 2 by default; ``--quick`` one), each run in a fresh process,
+and each side's timed steps are pooled over its runs, so that the machine's drift falls on both. Timed apart: the
+generation (ours: ``generate``; TRL: its ``_generate``), and the rest of the step (ours: rewards,
 advantages, the loss pass's forward and backward and the optimizer step; TRL: the step's time minus its
 ``_generate``). ``--compile``: ours decodes with the compiled one-token step (``generation.compile``); its
 compilation falls in the warm-up step, whose generation time is reported apart. ``--cpu-time``: each worker's CPU
@@ -35,6 +38,7 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 TOKENIZER_DIR = REPO / "torchtune_ac" / "data" / "embedded"
+SIDES = ("ours", "trl")
 PROMPTS = ["What is 3 + 4?", "Add 12 and 30.", "Name a prime number.", "What is 9 times 9?",
            "Count to five.", "What is 100 - 1?", "Spell seven.", "Is 17 prime?"]
 
@@ -175,7 +179,9 @@ def main() -> int:
                         "step, is reported apart")
     parser.add_argument("--cpu-time", action="store_true",
                         help="time each worker's CPU seconds (time.process_time) instead of the wall clock")
-    parser.add_argument("--worker", choices=("ours", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="A/B/B/A rounds: each side runs twice a round, in a fresh process each time")
+    parser.add_argument("--worker", choices=SIDES, help=argparse.SUPPRESS)
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -185,19 +191,31 @@ def main() -> int:
     shape = dict(prompts=4, num_generations=4, max_new_tokens=16, steps=1) if args.quick else \
         dict(prompts=8, num_generations=4, max_new_tokens=64, steps=3)
     load = os.getloadavg()[0]
+    if args.quick:
+        args.repeats = 1
     results: dict = {"settings": {**shape, "dim": args.dim, "layers": args.layers, "threads": args.threads,
-                                  "compile": args.compile, "cpu_time": args.cpu_time}, "load_1min_before": load}
+                                  "compile": args.compile, "cpu_time": args.cpu_time, "repeats": args.repeats}, "load_1min_before": load}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "model"
         write_checkpoint(checkpoint, args.dim, args.layers)
-        for side in ("ours", "trl"):
-            settings = {**results["settings"], "checkpoint": str(checkpoint), "output_dir": str(Path(tmp) / side)}
+        runs = []
+        for number, side in enumerate([*SIDES, *reversed(SIDES)] * args.repeats):
+            settings = {**results["settings"], "checkpoint": str(checkpoint),
+                        "output_dir": str(Path(tmp) / f"{side}{number}")}
             done = subprocess.run([sys.executable, __file__, "--worker", side, "--settings", json.dumps(settings)],
                                   capture_output=True, text=True, cwd=REPO)
             if done.returncode:
                 sys.stderr.write(done.stderr[-3000:])
                 return 1
-            results[side] = json.loads(done.stdout.strip().splitlines()[-1])
+            runs.append({"side": side, **json.loads(done.stdout.strip().splitlines()[-1])})
+            print(f"{side:>4}: generation {', '.join(f'{t:.3f}' for t in runs[-1]['generation_s'])} s, the rest "
+                  f"{', '.join(f'{t:.3f}' for t in runs[-1]['rest_s'])} s", flush=True)
+    results["runs"] = runs
+    for side in SIDES:  # each side's steps pooled over its runs
+        mine = [run for run in runs if run["side"] == side]
+        results[side] = {key: [t for run in mine for t in run[key]] for key in ("generation_s", "rest_s")}
+        if side == "ours":
+            results[side]["first_generation_s"] = [run["first_generation_s"] for run in mine]
     results["load_1min_after"] = os.getloadavg()[0]
     med = {side: {k: statistics.median(results[side][k]) for k in ("generation_s", "rest_s")}
            for side in ("ours", "trl")}
@@ -214,8 +232,8 @@ def main() -> int:
         print(f"  {key:<13} ours {med['ours'][key]:.3f}  TRL {med['trl'][key]:.3f}  "
               f"TRL/ours {results['trl_over_ours'][key]:.2f}x")
     if args.compile:
-        first = results["ours"]["first_generation_s"]
-        print(f"  ours' first generation (compiling the decode step) {first:.1f} s wall clock")
+        first = statistics.median(results["ours"]["first_generation_s"])
+        print(f"  ours' first generation (compiling the decode step) {first:.1f} s wall clock (median of its runs)")
     print(f"wrote {out.relative_to(REPO)}")
     return 0
 
