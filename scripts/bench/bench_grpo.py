@@ -2,7 +2,7 @@
 ``training/grpo.py``, backward and AdamW) against TRL 1.16's ``GRPOTrainer`` (transformers' ``generate``), each side
 in a fresh process of its own.
 
-    .venv/bin/python scripts/bench/bench_grpo.py            # 8 prompts x 4 completions of 64 tokens, 3 timed steps a run
+    .venv/bin/python scripts/bench/bench_grpo.py            # 8 prompts x 4 completions of 64 tokens, 3 steps a run
     .venv/bin/python scripts/bench/bench_grpo.py --quick    # 4 x 4 of 16 tokens, 1 timed step (about a minute)
 
 Same work on both sides: one random Llama (``--dim``, ``--layers``, the embedded tokenizer's 512 tokens), saved
@@ -194,7 +194,8 @@ def main() -> int:
     if args.quick:
         args.repeats = 1
     results: dict = {"settings": {**shape, "dim": args.dim, "layers": args.layers, "threads": args.threads,
-                                  "compile": args.compile, "cpu_time": args.cpu_time, "repeats": args.repeats}, "load_1min_before": load}
+                                  "compile": args.compile, "cpu_time": args.cpu_time, "repeats": args.repeats},
+                     "load_1min_before": load}
     with tempfile.TemporaryDirectory() as tmp:
         checkpoint = Path(tmp) / "model"
         write_checkpoint(checkpoint, args.dim, args.layers)
@@ -218,7 +219,7 @@ def main() -> int:
             results[side]["first_generation_s"] = [run["first_generation_s"] for run in mine]
     results["load_1min_after"] = os.getloadavg()[0]
     med = {side: {k: statistics.median(results[side][k]) for k in ("generation_s", "rest_s")}
-           for side in ("ours", "trl")}
+           for side in SIDES}
     for side in med:
         med[side]["step_s"] = med[side]["generation_s"] + med[side]["rest_s"]
     results["median"] = med

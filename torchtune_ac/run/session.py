@@ -94,9 +94,9 @@ def open_run(cfg: RunConfig) -> Iterator[Run]:
     On CUDA, float32 matmuls run in TF32 unless ``allow_tf32`` is false. On a CPU with ``ac_mode: auto``, whose
     budget must hold, the allocator gives freed tensors back to the system (``follow_live_tensors``: resident memory
     follows live tensors, as the planner's estimate does); other CPU runs keep what a step frees for the next
-    (``keep_freed_memory``), as it is faster. From then on SIGTERM and Ctrl-C stop the run after the current step; ``output_dir`` is created and
-    locked, this run's alone; and every rank is checked to have the same config and to see the same
-    ``output_dir`` before anything is written there.
+    (``keep_freed_memory``), as it is faster. From then on SIGTERM and Ctrl-C stop the run after the current step;
+    ``output_dir`` is created and locked, this run's alone; and every rank is checked to have the same config and
+    to see the same ``output_dir`` before anything is written there.
 
     Raises:
         UserError: the device cannot be had, output_dir is locked or cannot be created, the ranks' configs differ,
